@@ -1,0 +1,79 @@
+"""tfmp's error types and the one message template every check uses.
+
+Template (STYLE.md, rule 4): what was received, what was expected, how to fix it::
+
+    Invalid `policy` argument. Expected one of 'auto', 'mixed_float16',
+    'mixed_bfloat16', 'float32'. Received: policy='fp16' (of type str).
+    Did you mean 'mixed_float16'?
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Iterable, Optional
+
+
+class NonFiniteError(FloatingPointError):
+    """A tensor in training became NaN or Inf and tfmp stopped the run.
+
+    Attributes:
+        layer: String or None. Path of the first layer found non-finite
+            (e.g. ``"model/dense_1"``), None when the value is not tied to a layer
+            (e.g. a non-finite loss seen by the optimizer).
+        phase: String or None. ``"forward"`` (layer outputs), ``"backward"``
+            (gradients after unscaling), ``"loss"`` or ``"gradients"`` (seen by the
+            loss-scale optimizer).
+        step: Int or None. Zero-based training step at which it was seen.
+        kind: String or None. ``"nan"``, ``"inf"`` or ``"nan+inf"``.
+        details: Dict. Extra facts for programs (scale, value ranges, trace).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        layer: Optional[str] = None,
+        phase: Optional[str] = None,
+        step: Optional[int] = None,
+        kind: Optional[str] = None,
+        details: Optional[dict] = None,
+    ) -> None:
+        super().__init__(message)
+        self.layer = layer
+        self.phase = phase
+        self.step = step
+        self.kind = kind
+        self.details = dict(details or {})
+
+
+def invalid_argument(
+    name: str,
+    received: Any,
+    expected: str,
+    fix: str = "",
+    choices: Iterable[str] = (),
+) -> ValueError:
+    """Builds a ValueError in the project's template.
+
+    Args:
+        name: String. The argument's name, e.g. ``"policy"``.
+        received: Any. The value the caller passed.
+        expected: String. What would have been accepted, as a phrase.
+        fix: String. How to fix it; when empty and ``received`` is a string close
+            to one of ``choices``, a "Did you mean ...?" suggestion is used.
+        choices: Iterable of strings. Valid spellings, used for the suggestion.
+
+    Returns:
+        ValueError, to be raised by the caller.
+    """
+    if not fix and isinstance(received, str):
+        close = difflib.get_close_matches(received, list(choices), n=1, cutoff=0.5)
+        if close:
+            fix = f"Did you mean {close[0]!r}?"
+    message = (
+        f"Invalid `{name}` argument. Expected {expected}. "
+        f"Received: {name}={received!r} (of type {type(received).__name__})."
+    )
+    if fix:
+        message += f" {fix}"
+    return ValueError(message)

@@ -1,9 +1,38 @@
-"""tfmp: safe, fast and visible mixed-precision training for TensorFlow/Keras."""
+"""tfmp: safe, fast and visible mixed-precision training for TensorFlow/Keras.
 
+    import tfmp
+    tfmp.enable()        # policy chosen for this hardware
+    model = build_model()
+    model.compile("adam", loss=...)   # float32 forcing + loss-scale optimizer
+    model.fit(ds, callbacks=[tfmp.LossScaleMonitor("logs/run1")])
+"""
+
+from tfmp._enable import disable
+from tfmp._enable import enable
+from tfmp._enable import policy_scope
 from tfmp._errors import NonFiniteError
+from tfmp._float32 import force_float32
+from tfmp._hardware import DeviceFacts
+from tfmp._hardware import GpuFacts
+from tfmp._loss_scale import LossScaleOptimizer
+from tfmp._monitor import LossScaleMonitor
+from tfmp._policy import PerformanceWarning
+from tfmp._policy import PolicyDecision
+from tfmp._policy import recommend_policy
 from tfmp._version import __version__
 
 __all__ = [
+    "DeviceFacts",
+    "GpuFacts",
+    "LossScaleMonitor",
+    "LossScaleOptimizer",
     "NonFiniteError",
+    "PerformanceWarning",
+    "PolicyDecision",
     "__version__",
+    "disable",
+    "enable",
+    "force_float32",
+    "policy_scope",
+    "recommend_policy",
 ]

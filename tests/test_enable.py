@@ -1,0 +1,168 @@
+"""tfmp.enable / disable / policy_scope: global policy, compile hook, restoration."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmp
+from tfmp import DeviceFacts, GpuFacts
+
+V100 = DeviceFacts(gpus=(GpuFacts("Tesla V100", (7, 0)),))
+A100 = DeviceFacts(gpus=(GpuFacts("NVIDIA A100", (8, 0)),))
+ORIGINAL_COMPILE = keras.Model.compile
+
+
+@pytest.fixture(autouse=True)
+def always_disable():
+    yield
+    tfmp.disable()
+    assert keras.Model.compile is ORIGINAL_COMPILE
+
+
+def mlp(with_sensitive_layers=False):
+    inputs = keras.Input((784,))
+    x = keras.layers.Dense(512, activation="relu")(inputs)
+    if with_sensitive_layers:
+        x = keras.layers.LayerNormalization()(x)
+        x = keras.layers.Softmax()(x)
+    return keras.Model(inputs, keras.layers.Dense(10)(x))
+
+
+def test_enable_sets_policy_and_disable_restores():
+    keras.config.set_dtype_policy("float32")
+    decision = tfmp.enable("mixed_bfloat16", device_facts=A100)
+    assert decision.policy == "mixed_bfloat16"
+    assert keras.config.dtype_policy().name == "mixed_bfloat16"
+    tfmp.disable()
+    assert keras.config.dtype_policy().name == "float32"
+
+
+def test_enable_auto_uses_device_facts():
+    assert tfmp.enable(device_facts=V100).policy == "mixed_float16"
+    assert keras.config.dtype_policy().name == "mixed_float16"
+
+
+def test_enable_twice_is_idempotent_and_disable_restores_first_policy():
+    keras.config.set_dtype_policy("float32")
+    first = tfmp.enable("mixed_bfloat16", device_facts=A100)
+    hooked = keras.Model.compile
+    assert tfmp.enable("mixed_bfloat16", device_facts=A100) == first
+    assert keras.Model.compile is hooked  # not wrapped twice
+    tfmp.enable("mixed_float16", device_facts=V100)
+    assert keras.config.dtype_policy().name == "mixed_float16"
+    tfmp.disable()
+    assert keras.config.dtype_policy().name == "float32"
+    assert keras.Model.compile is ORIGINAL_COMPILE
+
+
+def test_disable_without_enable_does_nothing():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    tfmp.disable()
+    tfmp.disable()
+    assert keras.config.dtype_policy().name == "mixed_bfloat16"
+
+
+def test_policy_scope_restores_on_exception():
+    keras.config.set_dtype_policy("float32")
+    with pytest.raises(RuntimeError, match="boom"):
+        with tfmp.policy_scope("mixed_bfloat16", device_facts=A100) as decision:
+            assert decision.policy == "mixed_bfloat16"
+            assert keras.config.dtype_policy().name == "mixed_bfloat16"
+            raise RuntimeError("boom")
+    assert keras.config.dtype_policy().name == "float32"
+    assert keras.Model.compile is ORIGINAL_COMPILE
+    assert not tfmp._enable.is_enabled()
+
+
+def test_policy_scope_inside_enable_restores_outer_state():
+    tfmp.enable("mixed_bfloat16", device_facts=A100, keep_float32=("*head*",))
+    with tfmp.policy_scope("mixed_float16", device_facts=V100):
+        assert keras.config.dtype_policy().name == "mixed_float16"
+    assert keras.config.dtype_policy().name == "mixed_bfloat16"
+    assert tfmp._enable.current_decision().policy == "mixed_bfloat16"
+    assert tfmp._enable._state.keep_float32 == ("*head*",)
+
+
+def test_policy_scope_with_bad_policy_restores():
+    keras.config.set_dtype_policy("float32")
+    with pytest.raises(ValueError, match="Did you mean 'mixed_float16'"):
+        with tfmp.policy_scope("fp16"):
+            pass
+    assert keras.config.dtype_policy().name == "float32"
+    assert keras.Model.compile is ORIGINAL_COMPILE
+
+
+def test_bad_policy_leaves_state_untouched():
+    keras.config.set_dtype_policy("float32")
+    with pytest.raises(ValueError):
+        tfmp.enable("float16")
+    assert keras.config.dtype_policy().name == "float32"
+    assert keras.Model.compile is ORIGINAL_COMPILE
+
+
+def test_bad_tf32_option():
+    with pytest.raises(ValueError, match=r"Invalid `tf32` argument.*Received: tf32='yes'"):
+        tfmp.enable("float32", tf32="yes")
+
+
+def test_tf32_switch_is_restored():
+    before = tf.config.experimental.tensor_float_32_execution_enabled()
+    tfmp.enable("float32", tf32=not before)
+    assert tf.config.experimental.tensor_float_32_execution_enabled() is (not before)
+    tfmp.disable()
+    assert tf.config.experimental.tensor_float_32_execution_enabled() is before
+
+
+def test_explicit_slow_policy_warns(recwarn):
+    cpu = DeviceFacts(cpu_name="AMD EPYC", cpu_flags=frozenset({"avx512_bf16"}))
+    warnings.simplefilter("always")
+    tfmp.enable("mixed_float16", device_facts=cpu)
+    perf = [w for w in recwarn if issubclass(w.category, tfmp.PerformanceWarning)]
+    assert len(perf) == 1
+    assert "mixed_bfloat16" in str(perf[0].message)
+
+
+def test_compile_hook_mixed_float16():
+    """The foundation issue's acceptance case."""
+    tfmp.enable("mixed_float16", device_facts=V100)
+    model = mlp(with_sensitive_layers=True)
+    model.compile(optimizer="adam", loss=keras.losses.MeanSquaredError())
+    assert all(out.dtype == "float32" for out in model.outputs)
+    assert isinstance(model.optimizer, tfmp.LossScaleOptimizer)
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert isinstance(model.optimizer.inner_optimizer, keras.optimizers.Adam)
+    for layer in model.layers:
+        if isinstance(layer, (keras.layers.Softmax, keras.layers.LayerNormalization)):
+            assert layer.compute_dtype == "float32", layer.name
+    assert model.layers[1].compute_dtype == "float16"  # the hidden Dense stays fast
+    x = np.random.default_rng(0).random((32, 784), dtype="float32")
+    y = np.zeros((32, 10), dtype="float32")
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    assert model.predict(x[:4], verbose=0).dtype == np.float32
+    assert int(model.optimizer.overflow_count.numpy()) >= 0
+    assert "overflow_count" in [v.path.split("/")[-1] for v in model.optimizer.variables]
+
+
+def test_compile_hook_keyword_optimizer_and_bf16():
+    tfmp.enable("mixed_bfloat16", device_facts=A100)
+    model = mlp()
+    model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.1))
+    assert isinstance(model.optimizer, tfmp.LossScaleOptimizer)
+    assert isinstance(model.optimizer.inner_optimizer, keras.optimizers.SGD)
+    assert model.outputs[0].dtype == "float32"
+    x = np.ones((8, 784), "float32")
+    model.fit(x, np.zeros((8, 10), "float32"), epochs=1, verbose=0)
+    assert float(model.optimizer.dynamic_scale.numpy()) == 1.0  # no scaling for bf16
+
+
+def test_after_disable_compile_is_plain_keras():
+    tfmp.enable("mixed_float16", device_facts=V100)
+    tfmp.disable()
+    keras.config.set_dtype_policy("mixed_float16")
+    model = mlp()
+    model.compile(optimizer="adam", loss="mse")
+    assert type(model.optimizer) is keras.optimizers.LossScaleOptimizer
+    assert model.outputs[0].dtype == "float16"

@@ -1,0 +1,204 @@
+"""`tfmp.enable()`, `tfmp.disable()` and `tfmp.policy_scope()`: global state and the compile hook.
+
+While enabled, `keras.Model.compile` is wrapped so that every model compiled gets
+float32 forcing (`tfmp.force_float32`) and a `tfmp.LossScaleOptimizer` without
+further calls. `disable()` restores the previous global policy, the original
+`compile` and the TF32 setting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from typing import Any, Iterator, Optional, Sequence, Union
+
+import keras
+import tensorflow as tf
+
+from tfmp._errors import invalid_argument
+from tfmp._float32 import force_float32
+from tfmp._hardware import DeviceFacts
+from tfmp._loss_scale import wrap_optimizer
+from tfmp._policy import PolicyDecision, resolve_policy
+
+_MISSING = object()
+
+
+@dataclasses.dataclass
+class _Enabled:
+    """What `enable()` changed, so that `disable()` can put it back."""
+
+    decision: PolicyDecision
+    previous_policy: keras.DTypePolicy
+    previous_compile: Any  # Model.__dict__["compile"] before patching, or _MISSING
+    previous_tf32: Optional[bool]
+    keep_float32: Sequence[Any]
+    exclude_float32: Sequence[Any]
+    loss_scale_options: dict
+
+
+_state: Optional[_Enabled] = None
+
+
+def is_enabled() -> bool:
+    """Bool. True between `tfmp.enable()` and `tfmp.disable()`."""
+    return _state is not None
+
+
+def current_decision() -> Optional[PolicyDecision]:
+    """The `PolicyDecision` in force, or None when tfmp is not enabled."""
+    return _state.decision if _state else None
+
+
+def enable(
+    policy: Union[str, keras.DTypePolicy] = "auto",
+    *,
+    keep_float32: Sequence[Any] = (),
+    exclude_float32: Sequence[Any] = (),
+    loss_scale_options: Optional[dict] = None,
+    allow_pure_16bit: bool = False,
+    tf32: Optional[bool] = None,
+    device_facts: Optional[DeviceFacts] = None,
+) -> PolicyDecision:
+    """Sets the Keras global dtype policy and hooks `Model.compile`.
+
+    Call it before building the model: layers take the global policy when they are
+    created. Calling it again replaces the policy and options; the policy restored
+    by `disable()` stays the one in force before the first call.
+
+    Args:
+        policy: String or `keras.DTypePolicy`. ``"auto"`` (default) picks by
+            hardware (see `tfmp.recommend_policy`); or ``"mixed_float16"``,
+            ``"mixed_bfloat16"``, ``"float32"``.
+        keep_float32: Sequence of layer classes or layer-path glob patterns to keep
+            in float32 besides tfmp's defaults (outputs, softmax, normalization).
+        exclude_float32: Sequence of layer classes or patterns tfmp must not force.
+        loss_scale_options: Dict or None. Keyword arguments for
+            `tfmp.LossScaleOptimizer` (e.g. ``{"initial_scale": 2.0**15}``).
+        allow_pure_16bit: Bool. Accept ``"float16"``/``"bfloat16"`` policies, which
+            keep no float32 master weights. Default False.
+        tf32: Bool or None. Switch TF32 matmuls on GPUs of compute capability
+            >= 8.0 on or off; None leaves TensorFlow's setting (on by default).
+        device_facts: `tfmp.DeviceFacts` or None. Device facts to decide "auto"
+            for; None reads this machine's.
+
+    Returns:
+        `PolicyDecision`: `.policy` (Keras policy name) and `.reason`.
+
+    Raises:
+        ValueError: an unknown or unsafe policy, or a bad option (the message says
+            what was received and how to fix it).
+
+    Warns:
+        tfmp.PerformanceWarning: an explicit policy slower than float32 here.
+    """
+    global _state
+    if tf32 not in (None, True, False):
+        raise invalid_argument("tf32", tf32, "None, True or False")
+    decision = resolve_policy(
+        policy, allow_pure_16bit=allow_pure_16bit, device_facts=device_facts
+    )
+    if _state is None:
+        _state = _Enabled(
+            decision=decision,
+            previous_policy=keras.config.dtype_policy(),
+            previous_compile=keras.Model.__dict__.get("compile", _MISSING),
+            previous_tf32=None,
+            keep_float32=(),
+            exclude_float32=(),
+            loss_scale_options={},
+        )
+        keras.Model.compile = _compile_with_tfmp(keras.Model.compile)
+    _state.decision = decision
+    _state.keep_float32 = tuple(keep_float32)
+    _state.exclude_float32 = tuple(exclude_float32)
+    _state.loss_scale_options = dict(loss_scale_options or {})
+    if tf32 is not None:
+        if _state.previous_tf32 is None:
+            _state.previous_tf32 = tf.config.experimental.tensor_float_32_execution_enabled()
+        tf.config.experimental.enable_tensor_float_32_execution(tf32)
+    keras.config.set_dtype_policy(decision.policy)
+    return decision
+
+
+def disable() -> None:
+    """Restores the policy in force before `enable()` and removes the compile hook.
+
+    Models already compiled keep their forced layers and optimizer. Does nothing
+    when tfmp is not enabled.
+    """
+    global _state
+    if _state is None:
+        return
+    state, _state = _state, None
+    _set_model_compile(state.previous_compile)
+    if state.previous_tf32 is not None:
+        tf.config.experimental.enable_tensor_float_32_execution(state.previous_tf32)
+    keras.config.set_dtype_policy(state.previous_policy)
+
+
+@contextlib.contextmanager
+def policy_scope(
+    policy: Union[str, keras.DTypePolicy] = "auto", **options: Any
+) -> Iterator[PolicyDecision]:
+    """Context-manager form of `enable()`; restores the previous state on exit.
+
+    Args:
+        policy: As for `enable()`.
+        **options: Keyword options of `enable()`.
+
+    Yields:
+        `PolicyDecision` in force inside the block.
+
+    The previous global policy (and any enclosing `enable()` with its options) is
+    back on exit, also when the block raises.
+    """
+    global _state
+    saved_state = dataclasses.replace(_state) if _state is not None else None
+    saved_compile = keras.Model.__dict__.get("compile", _MISSING)
+    saved_policy = keras.config.dtype_policy()
+    saved_tf32 = tf.config.experimental.tensor_float_32_execution_enabled()
+    try:
+        yield enable(policy, **options)
+    finally:
+        _state = saved_state
+        _set_model_compile(saved_compile)
+        tf.config.experimental.enable_tensor_float_32_execution(saved_tf32)
+        keras.config.set_dtype_policy(saved_policy)
+
+
+def _set_model_compile(entry: Any) -> None:
+    """Puts back `Model.__dict__["compile"]` as it was (absent when _MISSING)."""
+    if entry is _MISSING:
+        if "compile" in keras.Model.__dict__:
+            del keras.Model.compile
+    else:
+        keras.Model.compile = entry
+
+
+def _compile_with_tfmp(original_compile):
+    """Wraps `Model.compile`: force float32 where needed, wrap the optimizer."""
+
+    @functools.wraps(original_compile)
+    def compile(self, *args, **kwargs):
+        if _state is not None:
+            args = list(args)
+            if args:
+                optimizer = args.pop(0)
+            else:
+                optimizer = kwargs.pop("optimizer", "rmsprop")
+            force_float32(
+                self, keep=_state.keep_float32, exclude=_state.exclude_float32
+            )
+            if optimizer is not None:
+                optimizer = wrap_optimizer(
+                    optimizer,
+                    self.dtype_policy.compute_dtype,
+                    **_state.loss_scale_options,
+                )
+            return original_compile(self, optimizer, *args, **kwargs)
+        return original_compile(self, *args, **kwargs)
+
+    compile._tfmp_original = original_compile
+    return compile

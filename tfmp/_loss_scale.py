@@ -163,7 +163,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     @property
     def loss_scale(self) -> float:
         """Float. The current loss scale (the initial one before `build`)."""
-        return float(ops.convert_to_numpy(self.dynamic_scale)) if self.built else float(self.initial_scale)
+        return float(self.dynamic_scale.numpy()) if self.built else float(self.initial_scale)
 
     def scale_loss(self, loss: Any) -> Any:
         """Multiplies `loss` by the scale, recording whether the loss is finite.
@@ -263,10 +263,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """
         if not self.built:
             return
-        consecutive = int(ops.convert_to_numpy(self.consecutive_overflows))
+        consecutive = int(self.consecutive_overflows.numpy())
         if consecutive < min(self.max_consecutive_overflows, MIN_SCALE_PATIENCE):
             return
-        at_floor = int(ops.convert_to_numpy(self.min_scale_overflows))
+        at_floor = int(self.min_scale_overflows.numpy())
         if consecutive < self.max_consecutive_overflows and at_floor < MIN_SCALE_PATIENCE:
             return
         error = _stuck_error(self, consecutive, at_floor)
@@ -294,9 +294,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
 def _stuck_error(optimizer: LossScaleOptimizer, consecutive: int, at_floor: int) -> NonFiniteError:
     """Builds the diagnosis: a non-finite loss versus gradient overflow."""
-    step = int(ops.convert_to_numpy(optimizer.last_overflow_step))
+    step = int(optimizer.last_overflow_step.numpy())
     scale = optimizer.loss_scale
-    status = int(ops.convert_to_numpy(optimizer.last_loss_status))
+    status = int(optimizer.last_loss_status.numpy())
     kind = {1: "nan", 2: "inf", 3: "nan+inf"}.get(status)
     rule = (
         f"{consecutive} non-finite steps in a row (max_consecutive_overflows={optimizer.max_consecutive_overflows})"
@@ -321,7 +321,7 @@ def _stuck_error(optimizer: LossScaleOptimizer, consecutive: int, at_floor: int)
     )
     details = {
         "scale": scale,
-        "overflow_count": int(ops.convert_to_numpy(optimizer.overflow_count)),
+        "overflow_count": int(optimizer.overflow_count.numpy()),
         "consecutive_overflows": consecutive,
         "min_scale_overflows": at_floor,
     }

@@ -16,6 +16,7 @@ PUBLIC_API = {
     "force_float32",
     "policy_scope",
     "recommend_policy",
+    "scaled_gradients",
 }
 
 

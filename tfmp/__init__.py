@@ -7,6 +7,7 @@
     model.fit(ds, callbacks=[tfmp.LossScaleMonitor("logs/run1")])
 """
 
+from tfmp._custom_loop import scaled_gradients
 from tfmp._enable import disable
 from tfmp._enable import enable
 from tfmp._enable import policy_scope
@@ -35,4 +36,5 @@ __all__ = [
     "force_float32",
     "policy_scope",
     "recommend_policy",
+    "scaled_gradients",
 ]

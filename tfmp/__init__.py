@@ -1,5 +1,6 @@
 """tfmp: safe, fast and visible mixed-precision training for TensorFlow/Keras."""
 
+from tfmp._audit import audit
 from tfmp._errors import NonFiniteError
 from tfmp._float32 import force_float32
 from tfmp._registry import float32_layers
@@ -9,6 +10,7 @@ from tfmp._version import __version__
 
 __all__ = [
     "NonFiniteError",
+    "audit",
     "float32_layers",
     "force_float32",
     "register_float32",

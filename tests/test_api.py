@@ -11,12 +11,16 @@ PUBLIC_API = {
     "PerformanceWarning",
     "PolicyDecision",
     "__version__",
+    "audit",
     "disable",
     "enable",
+    "float32_layers",
     "force_float32",
     "policy_scope",
     "recommend_policy",
+    "register_float32",
     "scaled_gradients",
+    "unregister_float32",
 }
 
 

@@ -7,6 +7,7 @@
     model.fit(ds, callbacks=[tfmp.LossScaleMonitor("logs/run1")])
 """
 
+from tfmp._audit import audit
 from tfmp._custom_loop import scaled_gradients
 from tfmp._enable import disable
 from tfmp._enable import enable
@@ -20,6 +21,9 @@ from tfmp._monitor import LossScaleMonitor
 from tfmp._policy import PerformanceWarning
 from tfmp._policy import PolicyDecision
 from tfmp._policy import recommend_policy
+from tfmp._registry import float32_layers
+from tfmp._registry import register_float32
+from tfmp._registry import unregister_float32
 from tfmp._version import __version__
 
 __all__ = [
@@ -31,10 +35,14 @@ __all__ = [
     "PerformanceWarning",
     "PolicyDecision",
     "__version__",
+    "audit",
     "disable",
     "enable",
+    "float32_layers",
     "force_float32",
     "policy_scope",
     "recommend_policy",
+    "register_float32",
     "scaled_gradients",
+    "unregister_float32",
 ]

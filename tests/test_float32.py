@@ -1,0 +1,276 @@
+"""Tests for tfmp.force_float32 and the float32 registry (tfmp/_float32.py, _registry.py)."""
+
+import keras
+import numpy as np
+import pytest
+
+import tfmp
+from tfmp import _registry
+
+MIXED = ["mixed_float16", "mixed_bfloat16"]
+LOW = ("float16", "bfloat16")
+
+
+@pytest.fixture(autouse=True)
+def clean_registry():
+    """Each test starts and ends with an empty user registry."""
+    saved = (list(_registry._keep), list(_registry._exclude))
+    _registry._keep.clear()
+    _registry._exclude.clear()
+    yield
+    _registry._keep[:], _registry._exclude[:] = saved
+
+
+def sensitive_layers():
+    """One instance of every built-in sensitive layer that keeps the shape (None, 8)."""
+    layers = [
+        keras.layers.BatchNormalization(),
+        keras.layers.LayerNormalization(),
+        keras.layers.GroupNormalization(groups=2),
+        keras.layers.UnitNormalization(),
+        keras.layers.Softmax(),
+    ]
+    if hasattr(keras.layers, "RMSNormalization"):
+        layers.append(keras.layers.RMSNormalization())
+    return layers
+
+
+def assert_forced(model, sensitive, x):
+    """Outputs float32 (symbolic when there is a graph, and at run time)."""
+    for layer in sensitive:
+        assert layer.compute_dtype == "float32", layer.name
+    for tensor in getattr(model, "outputs", None) or []:
+        assert tensor.dtype == "float32"
+    for y in keras.tree.flatten(model(x)):
+        assert keras.backend.standardize_dtype(y.dtype) == "float32"
+
+
+@pytest.mark.parametrize("policy", MIXED)
+def test_foundation_common_case(policy):
+    keras.config.set_dtype_policy(policy)
+    inputs = keras.Input((784,))
+    hidden = keras.layers.Dense(512, activation="relu")
+    model = keras.Model(inputs, keras.layers.Dense(10)(hidden(inputs)))
+    assert model.outputs[0].dtype in LOW
+    assert tfmp.force_float32(model) is model
+    assert hidden.compute_dtype in LOW
+    assert_forced(model, [model.layers[-1]], np.ones((2, 784), "float32"))
+
+
+@pytest.mark.parametrize("policy", MIXED)
+@pytest.mark.parametrize("build_first", [True, False])
+def test_sequential(policy, build_first):
+    keras.config.set_dtype_policy(policy)
+    sensitive = sensitive_layers()
+    model = keras.Sequential([keras.layers.Dense(8)] + sensitive + [keras.layers.Dense(3)])
+    if build_first:
+        model.build((None, 4))
+    tfmp.force_float32(model)
+    model.build((None, 4))
+    assert model.layers[0].compute_dtype in LOW
+    assert_forced(model, sensitive + [model.layers[-1]], np.ones((2, 4), "float32"))
+
+
+@pytest.mark.parametrize("policy", MIXED)
+def test_functional_multi_output_and_raw_ops(policy):
+    keras.config.set_dtype_policy(policy)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8)(inputs)
+    norm = keras.layers.LayerNormalization()
+    a, b = keras.layers.Dense(3, name="a"), keras.layers.Dense(3, name="b")
+    head = keras.layers.Dense(2, name="head")
+    summed = keras.ops.softmax(a(norm(hidden)) + b(hidden)) * 2.0  # raw ops last
+    model = keras.Model(inputs, {"summed": summed, "head": head(hidden)})
+    nodes_before = [len(layer._inbound_nodes) for layer in model.layers]
+    tfmp.force_float32(model)
+    assert [len(layer._inbound_nodes) for layer in model.layers] == nodes_before
+    assert model.layers[1].compute_dtype in LOW
+    assert_forced(model, [norm, a, b, head], np.ones((2, 4), "float32"))
+
+
+class Tower(keras.Model):
+    """Subclassed model, built lazily; output computed with raw ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(8)
+        self.norm = keras.layers.LayerNormalization()
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x):
+        return keras.ops.tanh(self.out(self.norm(self.dense(x)))) * 2.0
+
+
+@pytest.mark.parametrize("policy", MIXED)
+def test_subclassed_lazy_model(policy):
+    keras.config.set_dtype_policy(policy)
+    model = Tower()
+    tfmp.force_float32(model)
+    assert_forced(model, [model.norm], np.ones((2, 4), "float32"))
+    assert model.dense.compute_dtype in LOW
+    model.compile("sgd", "mse")
+    model.fit(np.ones((4, 4)), np.ones((4, 3)), epochs=1, verbose=0)
+
+
+@pytest.mark.parametrize("policy", MIXED)
+def test_nested_models(policy):
+    keras.config.set_dtype_policy(policy)
+    inner_in = keras.Input((4,))
+    inner_norm = keras.layers.BatchNormalization()
+    inner = keras.Model(inner_in, keras.layers.Dense(4)(inner_norm(inner_in)), name="inner")
+    tower = Tower()
+    inputs = keras.Input((4,))
+    outputs = [inner(inputs), keras.layers.Dense(2)(inner(inputs)), tower(inputs)]
+    model = keras.Model(inputs, outputs)
+    tfmp.force_float32(model)
+    assert_forced(model, [inner_norm, inner.layers[-1], tower.norm], np.ones((2, 4), "float32"))
+
+
+@pytest.mark.parametrize("policy", MIXED)
+def test_embedding_mixes_with_dense(policy):
+    keras.config.set_dtype_policy(policy)
+    tokens, features = keras.Input((5,), dtype="int32"), keras.Input((3,))
+    embedded = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(20, 8)(tokens))
+    dense = keras.layers.Dense(8)(features)
+    norm = keras.layers.LayerNormalization()(dense)  # float32 after forcing
+    mixed = keras.layers.Concatenate()([embedded, norm]) + keras.ops.concatenate([embedded, norm], axis=-1)
+    model = keras.Model([tokens, features], keras.layers.Dense(1)(mixed))
+    tfmp.force_float32(model)
+    model.compile("sgd", "mse")
+    x = [np.ones((4, 5), "int32"), np.ones((4, 3), "float32")]
+    model.fit(x, np.ones((4, 1)), epochs=1, verbose=0)
+    assert_forced(model, [], x)
+
+
+@pytest.mark.parametrize(
+    "activation, position, forced",
+    [("softmax", "output", True), ("log_softmax", "output", True), ("sigmoid", "output", True),
+     ("softmax", "hidden", True), ("sigmoid", "hidden", False)],
+)
+def test_fused_activations(activation, position, forced):
+    keras.config.set_dtype_policy("mixed_float16")
+    inputs = keras.Input((4,))
+    layer = keras.layers.Dense(8, activation=activation)
+    x = layer(inputs)
+    if position == "hidden":
+        x = keras.layers.Dense(2)(x)
+    tfmp.force_float32(keras.Model(inputs, x))
+    assert (layer.compute_dtype == "float32") is forced
+
+
+def test_group_normalization_large_inputs():
+    # Keras 3.15's GroupNormalization already upcasts internally (autocast=False);
+    # forcing must keep that working and make the layer's own policy float32.
+    keras.config.set_dtype_policy("mixed_float16")
+    inputs = keras.Input((16, 16, 64))
+    norm = keras.layers.GroupNormalization(groups=8, epsilon=1e-12)
+    model = keras.Model(inputs, keras.layers.Conv2D(8, 1)(norm(inputs)))
+    tfmp.force_float32(model)
+    values = np.random.default_rng(0).uniform(60_000, 70_000, (2, 16, 16, 64)).astype("float32")
+    outputs = keras.ops.convert_to_numpy(model(values))
+    assert norm.compute_dtype == "float32" and outputs.dtype == np.float32
+    assert np.isfinite(outputs).all()
+
+
+def masked_attention_probabilities(mha, mask):
+    x = np.random.default_rng(1).normal(size=(2, 6, 8)).astype("float32") * 30.0
+    _, scores = mha(x, x, attention_mask=mask, return_attention_scores=True)
+    return keras.ops.convert_to_numpy(keras.ops.cast(scores, "float32"))
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_masked_multi_head_attention(lazy):
+    keras.config.set_dtype_policy("mixed_float16")
+    mha = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
+
+    class Block(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.mha, self.out = mha, keras.layers.Dense(4)
+
+        def call(self, x):
+            return self.out(self.mha(x, x))
+
+    model = Block()
+    if not lazy:
+        model(np.ones((1, 6, 8), "float32"))
+    tfmp.force_float32(model)
+    mask = np.tril(np.ones((6, 6), bool))[None].repeat(2, axis=0)
+    probs = masked_attention_probabilities(mha, mask)
+    assert mha.compute_dtype == "float16" and mha._softmax.compute_dtype == "float32"
+    assert np.isfinite(probs).all()
+    np.testing.assert_allclose(probs.sum(axis=-1), 1.0, atol=1e-3)
+    assert (probs[np.broadcast_to(~mask[:, None], probs.shape)] < 1e-3).all()
+
+
+def test_idempotent_and_touches_nothing_else():
+    keras.config.set_dtype_policy("mixed_float16")
+    model = Tower()
+    tfmp.force_float32(model)
+    model(np.ones((1, 4)))
+    policies = [layer.dtype_policy for layer in model.layers]
+    call = model.call
+    tfmp.force_float32(model)
+    assert [layer.dtype_policy for layer in model.layers] == policies
+    assert model.call is call
+    assert [layer.compute_dtype for layer in model.layers] == ["float16", "float32", "float16"]
+
+
+def test_float32_policy_is_left_alone():
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Softmax()(keras.layers.Dense(3)(inputs)))
+    policies = [layer.dtype_policy for layer in model.layers]
+    tfmp.force_float32(model)
+    assert [layer.dtype_policy for layer in model.layers] == policies
+
+
+def test_keep_and_exclude_arguments():
+    keras.config.set_dtype_policy("mixed_float16")
+    model = keras.Sequential([
+        keras.Input((4,)), keras.layers.Dense(8, name="proj"), keras.layers.Dense(8, name="mid"),
+        keras.layers.LayerNormalization(name="norm"), keras.layers.Dense(2, name="logits"),
+    ])
+    tfmp.force_float32(model, keep="pro*", exclude=[keras.layers.LayerNormalization, "logits"])
+    dtypes = {layer.name: layer.compute_dtype for layer in model.layers}
+    assert dtypes == {"proj": "float32", "mid": "float16", "norm": "float16", "logits": "float16"}
+    assert model.outputs[0].dtype == "float16"
+
+
+def test_forcing_a_block_forces_its_sublayers():
+    keras.config.set_dtype_policy("mixed_float16")
+    model = Tower()
+    model(np.ones((1, 4)))
+    outer = keras.Sequential([keras.Input((4,)), model, keras.layers.Dense(2)])
+    tfmp.force_float32(outer, keep=[Tower])
+    assert all(layer.compute_dtype == "float32" for layer in model.layers)
+
+
+def test_registry_api_and_context_manager():
+    keras.config.set_dtype_policy("mixed_float16")
+    with tfmp.register_float32(keras.layers.Dense, "*mid"):
+        assert tfmp.float32_layers().keep == (keras.layers.Dense, "*mid")
+        tfmp.register_float32(keras.layers.Softmax, exclude=True)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4), keras.layers.Softmax()])
+        tfmp.force_float32(model)
+        assert [layer.compute_dtype for layer in model.layers] == ["float32", "float16"]
+    assert tfmp.float32_layers().keep == ()
+    assert keras.layers.Softmax in tfmp.float32_layers().builtin
+    tfmp.unregister_float32(keras.layers.Softmax)
+    assert tfmp.float32_layers().exclude == ()
+    with pytest.raises(RuntimeError), tfmp.register_float32("x"):
+        raise RuntimeError("boom")
+    assert tfmp.float32_layers().keep == ()
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: tfmp.register_float32(keras.layers.Dense(2)), "Invalid `targets` argument"),
+        (lambda: tfmp.unregister_float32("logitz"), "Received: targets='logitz'"),
+        (lambda: tfmp.force_float32(keras.layers.Dense(2)), "Invalid `model` argument"),
+        (lambda: tfmp.force_float32(Tower(), keep=[3]), "Invalid `keep` argument"),
+    ],
+)
+def test_errors_follow_the_template(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()

@@ -1,0 +1,296 @@
+"""`tfmp.audit(model)`: a per-layer dtype report with warnings.
+
+One row per layer: path, class, compute dtype, variable dtype (of the layer's own
+weights when it has any, else its policy's), whether tfmp forced it to float32 and
+why, own parameter count, and warning kinds. ``print(report)`` gives an aligned
+table; ``report.rows`` and ``report.warnings`` are data.
+
+Warning kinds (``AuditWarning.kind``):
+
+* ``sensitive_16bit``: a softmax/normalization layer (``tfmp._registry`` rules)
+  computes in float16/bfloat16.
+* ``output_16bit``: a layer producing a model output computes in 16 bits, or (with
+  ``batch=``) a model output is 16-bit at run time.
+* ``variables_16bit``: 16-bit variables, so no float32 master weights; small
+  updates vanish when added to them.
+* ``policy_mismatch``: a layer's policy differs from the global one and tfmp did
+  not set it (typically the model was built before ``tfmp.enable()``).
+* ``tensor_core_dims``: on a Tensor Core GPU (compute capability >= 7.0), a 16-bit
+  Dense/Conv dimension or the batch size is not a multiple of 8. Source: NVIDIA,
+  "Train With Mixed Precision", section "Optimizing for Tensor Cores"
+  (docs.nvidia.com/deeplearning/performance/mixed-precision-training): for FP16,
+  matrix dimensions and channel counts should be multiples of 8.
+* ``float32_heavy``: more than half of the parameters sit in float32-forced
+  layers, so mixed precision buys little.
+* ``dtype_mismatch``: (with ``batch=``) the forward pass failed on mixed dtypes;
+  the message names the layer and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, List, Optional, Sequence, Tuple
+
+import keras
+import tensorflow as tf
+
+from tfmp import _float32
+from tfmp import _registry
+from tfmp._errors import invalid_argument
+
+FLOAT32_HEAVY_FRACTION = 0.5
+_LOW = _float32.LOW_PRECISION
+_FIX = (
+    "cast constants and other tensors to `self.compute_dtype` inside `call()` "
+    "(e.g. `keras.ops.cast(c, self.compute_dtype)`)"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditWarning:
+    """One finding. ``kind`` is one of the module's warning kinds; ``path`` the layer."""
+
+    kind: str
+    path: str
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditRow:
+    """One layer. ``forced`` is tfmp's reason (``"output"``, ``"softmax"``...) or ``""``."""
+
+    path: str
+    class_name: str
+    compute_dtype: str
+    variable_dtype: str
+    forced: str
+    params: int
+    warnings: Tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientRow:
+    """A trainable variable's dtype and its gradient's dtype (None: no gradient)."""
+
+    path: str
+    variable_dtype: str
+    gradient_dtype: Optional[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditReport:
+    """Result of :func:`audit`; ``str(report)`` is an aligned table.
+
+    Attributes:
+        policy: String. Name of the Keras global dtype policy.
+        rows: Tuple of :class:`AuditRow`, parents before children.
+        warnings: Tuple of :class:`AuditWarning`.
+        float32_fraction: Float in [0, 1]. Share of parameters in forced layers.
+        gradients: Tuple of :class:`GradientRow`, empty unless ``batch`` was given.
+    """
+
+    policy: str
+    rows: Tuple[AuditRow, ...]
+    warnings: Tuple[AuditWarning, ...]
+    float32_fraction: float
+    gradients: Tuple[GradientRow, ...] = ()
+
+    @property
+    def kinds(self) -> frozenset:
+        """Set of warning kinds present."""
+        return frozenset(w.kind for w in self.warnings)
+
+    def __str__(self) -> str:
+        header = ("layer", "class", "compute", "variables", "float32", "params", "warnings")
+        body = [
+            (r.path, r.class_name, r.compute_dtype, r.variable_dtype, r.forced or "-",
+             f"{r.params:,}", ",".join(r.warnings) or "-")
+            for r in self.rows
+        ]
+        lines = [f"tfmp audit (global policy: {self.policy})"] + _table(header, body)
+        lines.append(f"Parameters in float32-forced layers: {self.float32_fraction:.1%}")
+        if self.gradients:
+            lines += ["", "Gradient check (one batch):"] + _table(
+                ("variable", "variable dtype", "gradient dtype"),
+                [(g.path, g.variable_dtype, g.gradient_dtype or "None") for g in self.gradients],
+            )
+        lines += [""] + [f"WARNING [{w.kind}] {w.message}" for w in self.warnings]
+        return "\n".join(lines).rstrip()
+
+
+def _table(header: Sequence[str], body: Sequence[Sequence[str]]) -> List[str]:
+    widths = [max(len(str(c)) for c in column) for column in zip(header, *body)]
+    rule = "  ".join("-" * w for w in widths)
+
+    def fmt(row: Sequence[str]) -> str:
+        return "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
+
+    return [fmt(header), rule] + [fmt(row) for row in body]
+
+
+def _own_weights(layer: keras.layers.Layer) -> list:
+    children = layer._flatten_layers(include_self=False, recursive=True)
+    inner = {id(w) for child in children for w in child.weights}
+    return [w for w in layer.weights if id(w) not in inner]
+
+
+def _dims(layer: keras.layers.Layer) -> List[Tuple[str, Optional[int]]]:
+    """Tensor Core relevant sizes of a Dense or Conv layer (others: none)."""
+    kernel = getattr(layer, "kernel", None) if layer.built else None
+    shape = tuple(kernel.shape) if kernel is not None else ()
+    if isinstance(layer, keras.layers.Dense):
+        return [("units", layer.units), ("input size", shape[0] if shape else None)]
+    if hasattr(layer, "filters") and hasattr(layer, "kernel_size"):
+        return [("filters", layer.filters), ("input channels", shape[-2] if shape else None)]
+    return []
+
+
+def _has_tensor_cores() -> bool:
+    for gpu in tf.config.list_physical_devices("GPU"):
+        capability = tf.config.experimental.get_device_details(gpu).get("compute_capability")
+        if capability and tuple(capability) >= (7, 0):
+            return True
+    return False
+
+
+def _layer_warnings(path, layer, reason, producers, policy, tensor_cores):
+    """Yields ``(kind, message)`` pairs for one layer."""
+    compute = layer.compute_dtype
+    if compute in _LOW and _registry.builtin_reason(layer):
+        yield "sensitive_16bit", (
+            f"'{path}' ({type(layer).__name__}) computes in {compute}; "
+            "call tfmp.force_float32(model) or keep it float32 explicitly."
+        )
+    if compute in _LOW and id(layer) in producers:
+        yield "output_16bit", (
+            f"'{path}' produces a model output in {compute}; outputs (and the loss) "
+            "should be float32. Call tfmp.force_float32(model)."
+        )
+    low_vars = sorted({w.dtype for w in _own_weights(layer) if w.dtype in _LOW})
+    if low_vars:
+        yield "variables_16bit", (
+            f"'{path}' stores its weights in {low_vars[0]}: no float32 master weights, "
+            "so small updates are lost. Use a 'mixed_*' policy instead of a pure 16-bit one."
+        )
+    if not reason and keras.backend.is_float_dtype(compute) and layer.dtype_policy.name != policy:
+        yield "policy_mismatch", (
+            f"'{path}' uses policy '{layer.dtype_policy.name}' but the global policy is "
+            f"'{policy}'; if the model was built before tfmp.enable(), rebuild it."
+        )
+    if tensor_cores and compute in _LOW:
+        for name, size in _dims(layer):
+            if size is not None and size % 8:
+                yield "tensor_core_dims", (
+                    f"'{path}' has {name} {size}, not a multiple of 8; Tensor Cores "
+                    "need multiples of 8 in 16 bits (NVIDIA mixed-precision guide)."
+                )
+
+
+def _dtype_error_layers(error: Exception, rows: Sequence[AuditRow]) -> List[str]:
+    """Paths of the layers named in a Keras "when calling X.call()" error."""
+    classes = set(re.findall(r"calling (\w+)\.call\(\)", str(error)))
+    return [r.path for r in rows if r.class_name in classes]
+
+
+def _is_dtype_error(error: Exception) -> bool:
+    text = str(error)
+    return any(s in text for s in ("expected to be a", "dtype", "must have the same type"))
+
+
+def _gradient_check(model, batch, rows):
+    """Runs one forward/backward pass; returns (gradient rows, output dtypes, warnings)."""
+    x = batch[0] if isinstance(batch, tuple) else batch
+    try:
+        with tf.GradientTape() as tape:
+            outputs = keras.tree.flatten(model(x, training=True))
+            loss = sum(keras.ops.mean(keras.ops.square(keras.ops.cast(o, "float32")))
+                       for o in outputs)
+    except (tf.errors.InvalidArgumentError, TypeError, ValueError) as error:
+        if not _is_dtype_error(error):
+            raise
+        paths = _dtype_error_layers(error, rows) or ["<unknown layer>"]
+        message = (f"forward pass failed on mixed dtypes in {', '.join(paths)}: "
+                   f"{str(error).splitlines()[0]} Fix: {_FIX}.")
+        return (), (), [AuditWarning("dtype_mismatch", paths[0], message)]
+    variables = model.trainable_variables
+    grads = tape.gradient(loss, variables)
+    gradients = tuple(
+        GradientRow(v.path, v.dtype, None if g is None else keras.backend.standardize_dtype(g.dtype))
+        for v, g in zip(variables, grads)
+    )
+    out_dtypes = tuple(keras.backend.standardize_dtype(o.dtype) for o in outputs)
+    return gradients, out_dtypes, []
+
+
+def audit(
+    model: keras.Model,
+    *,
+    batch: Any = None,
+    batch_size: Optional[int] = None,
+    tensor_cores: Optional[bool] = None,
+) -> AuditReport:
+    """Reports every layer's dtypes and what may go wrong in mixed precision.
+
+    Args:
+        model: ``keras.Model``, built or not (unbuilt layers show 0 params).
+        batch: Optional input batch ``x`` or tuple ``(x, y, ...)``. When given,
+            one forward/backward pass lists each trainable variable's dtype and
+            its gradient's dtype, checks runtime output dtypes and turns mixed
+            dtype failures into a ``dtype_mismatch`` warning. No weights change.
+        batch_size: Optional int checked against Tensor Core alignment; defaults
+            to the batch's leading size.
+        tensor_cores: Optional bool. Whether to apply the multiple-of-8 checks;
+            None detects a GPU with compute capability >= 7.0.
+
+    Returns:
+        :class:`AuditReport`.
+
+    Raises:
+        ValueError: (project template) ``model`` is not a ``keras.Model``.
+        Exceptions of the forward pass other than dtype mismatches propagate.
+
+    Example:
+        >>> import keras, tfmp
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        >>> [row.path for row in tfmp.audit(model).rows]
+        ['dense']
+    """
+    if not isinstance(model, keras.Model):
+        raise invalid_argument("model", model, "a keras.Model")
+    policy = keras.config.dtype_policy().name
+    tensor_cores = _has_tensor_cores() if tensor_cores is None else tensor_cores
+    producers = {id(layer) for layer in _float32.output_producers(model)[0]}
+    rows, found, total, forced_params = [], [], 0, 0
+    for path, layer, _ in _float32.iter_layers(model):
+        reason = _float32.forced_reason(layer) or ""
+        weights = _own_weights(layer)
+        params = sum(int(w.numpy().size) for w in weights)
+        total += params
+        forced_params += params if reason else 0
+        kinds = []
+        for kind, message in _layer_warnings(path, layer, reason, producers, policy, tensor_cores):
+            kinds.append(kind)
+            found.append(AuditWarning(kind, path, message))
+        dtype = weights[0].dtype if weights else layer.variable_dtype
+        rows.append(AuditRow(path, type(layer).__name__, layer.compute_dtype, dtype,
+                             reason, params, tuple(dict.fromkeys(kinds))))
+    gradients = ()
+    if batch is not None:
+        gradients, out_dtypes, errors = _gradient_check(model, batch, rows)
+        found += errors
+        for i, dtype in enumerate(out_dtypes):
+            if dtype in _LOW:
+                found.append(AuditWarning("output_16bit", f"<output {i}>",
+                                          f"model output {i} is {dtype} at run time."))
+        if batch_size is None:
+            batch_size = int(keras.tree.flatten(batch)[0].shape[0])
+    if tensor_cores and batch_size and batch_size % 8 and "float16" in policy:
+        found.append(AuditWarning("tensor_core_dims", "<batch>",
+                                  f"batch size {batch_size} is not a multiple of 8."))
+    fraction = forced_params / total if total else 0.0
+    if fraction > FLOAT32_HEAVY_FRACTION and policy.startswith("mixed"):
+        found.append(AuditWarning("float32_heavy", "<model>", (
+            f"{fraction:.0%} of parameters are in float32-forced layers; mixed "
+            "precision will speed up little. Consider exclude= for large layers.")))
+    return AuditReport(policy, tuple(rows), tuple(found), fraction, gradients)

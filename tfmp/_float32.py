@@ -1,0 +1,342 @@
+"""`tfmp.force_float32`: keep precision-sensitive layers and model outputs in float32.
+
+Under a mixed policy every layer computes in 16 bits unless told otherwise. This
+module sets a float32 ``DTypePolicy`` on the layers chosen by ``tfmp._registry``
+(softmax, normalization, fused softmax, user targets) and on the layers producing
+the model's outputs, then makes the model's symbolic graph agree with the new
+dtypes. Keras then does the rest: ``Layer.__call__`` casts float inputs to the
+layer's compute dtype, so a float32 layer upcasts its 16-bit inputs and the next
+16-bit layer casts back down.
+
+How each model kind is handled:
+
+* Functional (and built Sequential, via its inner Functional graph): output
+  tensors are walked back through raw ops (``keras.ops.*``) to the layers that
+  produce them; nested models are entered recursively. After forcing, the symbolic
+  specs are recomputed node by node (see :func:`_refresh_graph`).
+* Unbuilt Sequential: its last layer produces the output; the graph built later
+  picks up the new policies by itself.
+* Subclassed models have no graph to walk: their ``call`` is wrapped once so that
+  16-bit float outputs are cast to float32 (this also covers outputs computed with
+  raw tensor ops after the last layer).
+* Layers not built yet (lazy subclassed models, MultiHeadAttention, whose
+  ``_softmax`` sublayer only exists after ``build``) get a one-shot hook that
+  applies the same rules to the sublayers their ``build`` creates.
+
+Forcing a layer forces its sublayers too (a float32 block with float16 children
+would cast straight back down). MultiHeadAttention's fused path,
+``ops.dot_product_attention``, already runs its softmax in float32 on the
+TensorFlow backend; its explicit path (dropout, or ``return_attention_scores``)
+uses the ``Softmax`` sublayer, which the built-in rule forces.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+import weakref
+from typing import Dict, List, Optional, Set, Tuple
+
+import keras
+
+from tfmp import _registry
+from tfmp._errors import invalid_argument
+
+_FORCED: "weakref.WeakKeyDictionary[keras.layers.Layer, str]" = weakref.WeakKeyDictionary()
+_MARK = "_tfmp_float32"
+LOW_PRECISION = ("float16", "bfloat16")
+
+LayerEntry = Tuple[str, keras.layers.Layer, Optional[keras.layers.Layer]]
+
+
+def forced_reason(layer: keras.layers.Layer) -> Optional[str]:
+    """Why tfmp set ``layer`` to float32 (``"output"``, ``"softmax"``...), or None."""
+    return _FORCED.get(layer)
+
+
+def iter_layers(root: keras.layers.Layer, prefix: str = "") -> List[LayerEntry]:
+    """Lists every layer under ``root`` once, parents before children.
+
+    Args:
+        root: Keras layer or model; not listed itself.
+        prefix: String. Path of ``root``; ``""`` for the model being forced.
+
+    Returns:
+        List of ``(path, layer, parent)``; paths join layer names with ``/``
+        relative to the model (``"encoder/dense"``). InputLayers are skipped.
+    """
+    entries: List[LayerEntry] = []
+    seen: Set[int] = set()
+
+    def visit(parent: keras.layers.Layer, path: str) -> None:
+        for child in parent._flatten_layers(include_self=False, recursive=False):
+            if id(child) in seen or isinstance(child, keras.layers.InputLayer):
+                continue
+            seen.add(id(child))
+            child_path = f"{path}/{child.name}" if path else child.name
+            entries.append((child_path, child, parent))
+            visit(child, child_path)
+
+    visit(root, prefix)
+    return entries
+
+
+def _graph(model: keras.layers.Layer):
+    """The Functional graph behind ``model``, or None (subclassed, unbuilt)."""
+    if isinstance(model, keras.Sequential):
+        return getattr(model, "_functional", None)
+    if hasattr(model, "_nodes_by_depth"):
+        return model
+    return None
+
+
+def output_producers(model: keras.Model) -> Tuple[List[keras.layers.Layer], List[keras.Model]]:
+    """Finds the layers computing ``model``'s outputs.
+
+    Returns:
+        ``(layers, subclassed)``: layers whose outputs are model outputs (after
+        walking back through raw ops and into nested models), and models with no
+        graph to walk, whose outputs must be cast instead.
+    """
+    graph = _graph(model)
+    if graph is None:
+        if isinstance(model, keras.Sequential) and model.layers:
+            last = model.layers[-1]
+            if isinstance(last, keras.Model):
+                return output_producers(last)
+            return [last], []
+        return [], [model]
+    layers: List[keras.layers.Layer] = []
+    subclassed: List[keras.Model] = []
+    stack, seen = list(graph.outputs), set()
+    while stack:
+        tensor = stack.pop()
+        history = getattr(tensor, "_keras_history", None)
+        if history is None or id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        op = history.operation
+        if op is None or isinstance(op, keras.layers.InputLayer):
+            continue
+        if isinstance(op, keras.Model):
+            inner_layers, inner_subclassed = output_producers(op)
+            layers += inner_layers
+            subclassed += inner_subclassed
+        elif isinstance(op, keras.layers.Layer):
+            layers.append(op)
+        else:  # A raw op such as keras.ops.add: look at what feeds it.
+            stack.extend(op._inbound_nodes[history.node_index].input_tensors)
+    return layers, subclassed
+
+
+def _set_float32(layer: keras.layers.Layer, reason: str) -> bool:
+    """Sets a float32 policy on a 16-bit float layer; True when it changed."""
+    policy = layer.dtype_policy
+    if layer.compute_dtype not in LOW_PRECISION or policy.quantization_mode:
+        return False
+    layer.dtype_policy = "float32"
+    _FORCED[layer] = reason
+    return True
+
+
+def _apply_rules(entries, outputs: Set[int], keep, exclude, inherited: Dict[int, str]) -> Set[int]:
+    """Forces every entry some rule selects; returns ids of changed layers.
+
+    Args:
+        entries: List of ``(path, layer, parent)`` from :func:`iter_layers`.
+        outputs: Set of ids of output-producing layers.
+        keep: Tuple of call-level keep targets.
+        exclude: Tuple of call-level exclude targets (they win over everything).
+        inherited: Dict, layer id -> path of the forced layer it sits in; updated
+            so that sublayers of a forced layer are forced too.
+    """
+    changed: Set[int] = set()
+    for path, layer, parent in entries:
+        if _registry.is_excluded(layer, path, exclude):
+            continue
+        reason = _registry.decide(
+            layer, path, is_output=id(layer) in outputs, keep=keep, exclude=exclude
+        )
+        if reason is not None:
+            inherited[id(layer)] = path
+        elif id(parent) in inherited:
+            inherited[id(layer)] = inherited[id(parent)]
+            reason = f"inside {inherited[id(parent)]}"
+        if reason is not None and _set_float32(layer, reason):
+            changed.add(id(layer))
+    for path, layer, _ in entries:
+        if not layer.built:
+            _defer(layer, path, keep, exclude, inherited.get(id(layer)))
+    return changed
+
+
+def _defer(layer, path: str, keep, exclude, forced_as: Optional[str]) -> None:
+    """Re-applies the rules to the sublayers ``layer.build()`` will create."""
+    original = layer.build
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def build(*args, **kwargs):
+        original(*args, **kwargs)
+        inherited = {id(layer): forced_as} if forced_as else {}
+        _apply_rules(iter_layers(layer, path), set(), keep, exclude, inherited)
+
+    setattr(build, _MARK, True)
+    layer.build = build
+
+
+def _cast_outputs(model: keras.Model) -> bool:
+    """Wraps a subclassed model's ``call`` to cast 16-bit float outputs to float32."""
+    original = model.call
+    if getattr(original, _MARK, False):
+        return False
+
+    def to_float32(x):
+        dtype = getattr(x, "dtype", None)
+        if dtype is not None and keras.backend.standardize_dtype(dtype) in LOW_PRECISION:
+            return keras.ops.cast(x, "float32")
+        return x
+
+    @functools.wraps(original)
+    def call(*args, **kwargs):
+        return keras.tree.map_structure(to_float32, original(*args, **kwargs))
+
+    setattr(call, _MARK, True)
+    model.call = call
+    _FORCED.setdefault(model, "outputs cast")
+    return True
+
+
+def _spec_inputs(op, node):
+    """The node's recorded arguments, float ones cast as ``Layer.__call__`` would."""
+    args, kwargs = node.arguments.args, node.arguments.kwargs
+    if not (isinstance(op, keras.layers.Layer) and op._convert_input_args and op.autocast):
+        return args, kwargs
+    target = keras.backend.standardize_dtype(op.input_dtype)
+
+    def cast(x):
+        if (
+            isinstance(x, keras.KerasTensor)
+            and keras.backend.is_float_dtype(x.dtype)
+            and x.dtype != target
+        ):
+            return keras.KerasTensor(x.shape, dtype=target, sparse=x.sparse)
+        return x
+
+    return keras.tree.map_structure(cast, args), keras.tree.map_structure(cast, kwargs)
+
+
+def _casts_inputs(op) -> bool:
+    """True when ``op`` autocasts float inputs, so their dtype cannot change its output."""
+    return (
+        isinstance(op, keras.layers.Layer)
+        and op._convert_input_args
+        and op.autocast
+        and keras.backend.is_float_dtype(op.compute_dtype)
+    )
+
+
+def _refresh_graph(graph, changed_ops: Set[int]) -> bool:
+    """Recomputes the dtypes of a Functional graph's symbolic tensors in place.
+
+    ``KerasTensor.dtype`` has no setter, and a graph's tensors cannot be swapped
+    for new ones: every downstream node refers to them by identity. So, walking
+    the nodes from inputs to outputs, each node whose operation changed (or whose
+    inputs changed and that does not autocast them) gets its output spec
+    recomputed by Keras's own ``compute_output_spec`` on its recorded arguments,
+    and the new dtype is written into the tensor's ``_dtype`` slot, the same slot
+    Keras's ``Function.compute_output_shape`` writes. No node is created or removed.
+
+    Args:
+        graph: A Functional model (or a Sequential's inner Functional).
+        changed_ops: Set of ids of operations whose dtype behaviour changed.
+
+    Returns:
+        True when a dtype of one of the graph's outputs changed.
+    """
+    changed_tensors: Set[int] = set()
+    for depth in sorted(graph._nodes_by_depth, reverse=True):
+        for node in graph._nodes_by_depth[depth]:
+            op = node.operation
+            if node.is_input or op is None:
+                continue
+            inputs_changed = any(id(t) in changed_tensors for t in node.input_tensors)
+            if id(op) not in changed_ops and not (inputs_changed and not _casts_inputs(op)):
+                continue
+            args, kwargs = _spec_inputs(op, node)
+            try:
+                spec = op.compute_output_spec(*args, **kwargs)
+            except Exception as error:  # Keras may raise anything from tracing `call`.
+                warnings.warn(
+                    f"tfmp could not recompute the symbolic output dtype of layer "
+                    f"'{op.name}' ({type(op).__name__}): {error}. Its runtime "
+                    "outputs follow its new policy regardless.",
+                    stacklevel=3,
+                )
+                continue
+            for tensor, new in zip(node.outputs, keras.tree.flatten(spec)):
+                new_dtype = keras.backend.standardize_dtype(new.dtype)
+                if new_dtype != tensor.dtype:
+                    tensor._dtype = new_dtype
+                    changed_tensors.add(id(tensor))
+    return any(id(t) in changed_tensors for t in graph.outputs)
+
+
+def force_float32(model: keras.Model, *, keep=(), exclude=()) -> keras.Model:
+    """Keeps precision-sensitive layers and the model's outputs in float32.
+
+    Sets a float32 ``DTypePolicy`` (float32 compute and variables) on: layers
+    producing model outputs; Softmax and normalization layers; layers with a
+    fused softmax/log_softmax activation; registered and ``keep`` targets; and all
+    sublayers of those. Only layers computing in float16/bfloat16 are touched;
+    nothing else changes. Idempotent. Works before or after build and for
+    Sequential, Functional, subclassed, nested and multi-output models.
+
+    Args:
+        model: ``keras.Model``. Changed in place.
+        keep: Layer class, glob pattern over layer paths (``"head/*"``), or an
+            iterable of those. Extra layers to keep in float32.
+        exclude: Same forms. Layers never forced, whatever rule selects them.
+
+    Returns:
+        The same ``model`` (so calls can be chained). ``tfmp.audit(model)`` shows
+        which layers were forced and why.
+
+    Raises:
+        ValueError: (project template) ``model`` is not a ``keras.Model``, or a
+            ``keep``/``exclude`` element is not a Layer class or pattern.
+
+    Example:
+        >>> import keras, tfmp
+        >>> keras.config.set_dtype_policy("mixed_float16")
+        >>> inputs = keras.Input((784,))
+        >>> x = keras.layers.Dense(512, activation="relu")(inputs)
+        >>> model = tfmp.force_float32(keras.Model(inputs, keras.layers.Dense(10)(x)))
+        >>> model.outputs[0].dtype, model.layers[1].compute_dtype
+        ('float32', 'float16')
+        >>> keras.config.set_dtype_policy("float32")
+    """
+    if not isinstance(model, keras.Model):
+        raise invalid_argument(
+            "model",
+            model,
+            "a keras.Model (Sequential, Functional or subclassed)",
+            fix="Wrap a single layer in keras.Sequential([layer]) first.",
+        )
+    keep = _registry.targets_from("keep", keep)
+    exclude = _registry.targets_from("exclude", exclude)
+    entries = iter_layers(model)
+    producers, subclassed = output_producers(model)
+    changed = _apply_rules(entries, {id(x) for x in producers}, keep, exclude, {})
+    if not model.built and not _graph(model):
+        _defer(model, "", keep, exclude, None)
+    for sub in subclassed:
+        if _cast_outputs(sub):
+            changed.add(id(sub))
+    models = [layer for _, layer, _ in reversed(entries) if isinstance(layer, keras.Model)]
+    for sub in models + [model]:
+        graph = _graph(sub)
+        if graph is not None and _refresh_graph(graph, changed):
+            changed.add(id(sub))
+    return model

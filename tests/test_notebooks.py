@@ -1,5 +1,6 @@
 """Every notebook in notebooks/ runs top to bottom; a cell error fails the suite."""
 
+import os
 import pathlib
 
 import nbformat
@@ -7,7 +8,8 @@ import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 TIMEOUT_PER_CELL_S = 300
 
 
@@ -22,6 +24,13 @@ def run_notebook(path, workdir):
     )
     client.execute()
     return notebook
+
+
+@pytest.fixture(autouse=True)
+def kernel_imports_this_checkout(monkeypatch):
+    """Kernels start in a temporary folder; let them import tfmp from this checkout."""
+    paths = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
 
 
 def test_notebooks_exist():

@@ -19,7 +19,9 @@ KERNEL = np.array([[0.5, -0.25], [0.125, 1.0], [-0.5, 0.75]], "float32")
 
 
 def _dense(policy):
-    layer = keras.layers.Dense(2, dtype=policy, kernel_initializer=keras.initializers.Constant(KERNEL))
+    layer = keras.layers.Dense(
+        2, dtype=policy, kernel_initializer=keras.initializers.Constant(KERNEL)
+    )
     layer.build((None, 3))
     return layer
 
@@ -33,7 +35,9 @@ def _reference_kernel():
     with tf.GradientTape() as tape:
         loss = _loss(layer)
     optimizer = keras.optimizers.SGD(0.25)
-    optimizer.apply(tape.gradient(loss, layer.trainable_variables), layer.trainable_variables)
+    optimizer.apply(
+        tape.gradient(loss, layer.trainable_variables), layer.trainable_variables
+    )
     return layer.kernel.numpy()
 
 
@@ -47,7 +51,9 @@ def _scaled_gradients_step(layer, optimizer):
 def _tf_keras_2_step(layer, optimizer):
     with tf.GradientTape() as tape:
         scaled_loss = optimizer.get_scaled_loss(_loss(layer))
-    grads = optimizer.get_unscaled_gradients(tape.gradient(scaled_loss, layer.trainable_variables))
+    grads = optimizer.get_unscaled_gradients(
+        tape.gradient(scaled_loss, layer.trainable_variables)
+    )
     optimizer.apply_gradients(zip(grads, layer.trainable_variables))
 
 
@@ -60,11 +66,18 @@ def _tf_keras_2_step(layer, optimizer):
 def test_custom_loop_update_equals_float32_reference(policy, step, compiled):
     layer = _dense(policy)
     # 2**10 keeps the float16 backward pass below 65504; 2**15 would overflow here.
-    optimizer = tfmp.LossScaleOptimizer(keras.optimizers.SGD(0.25), initial_scale=2.0**10)
+    optimizer = tfmp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.25), initial_scale=2.0**10
+    )
     optimizer.build(layer.trainable_variables)
     (tf.function(step) if compiled else step)(layer, optimizer)
-    np.testing.assert_allclose(layer.kernel.numpy(), _reference_kernel(), rtol=TOLERANCE[policy])
-    assert int(optimizer.overflow_count.numpy()) == 0 and int(optimizer.total_steps.numpy()) == 1
+    np.testing.assert_allclose(
+        layer.kernel.numpy(), _reference_kernel(), rtol=TOLERANCE[policy]
+    )
+    assert (
+        int(optimizer.overflow_count.numpy()) == 0
+        and int(optimizer.total_steps.numpy()) == 1
+    )
 
 
 def test_scaled_gradients_are_scaled_and_record_a_nan_loss():
@@ -102,13 +115,17 @@ def test_accumulation_moves_every_second_step_and_skips_an_inf_micro_step():
     assert int(inner._iterations.numpy()) == 4
 
 
-@pytest.mark.parametrize("clip", [{"clipnorm": 1.0}, {"global_clipnorm": 1.0}, {"clipvalue": 0.5}])
+@pytest.mark.parametrize(
+    "clip", [{"clipnorm": 1.0}, {"global_clipnorm": 1.0}, {"clipvalue": 0.5}]
+)
 def test_clipping_acts_on_unscaled_gradients(clip):
     grad = tf.constant([3.0, 4.0])
     reference = keras.Variable([0.0, 0.0])
     keras.optimizers.SGD(1.0, **clip).apply([grad], [reference])
     variable = keras.Variable([0.0, 0.0])
-    optimizer = tfmp.LossScaleOptimizer(keras.optimizers.SGD(1.0, **clip), initial_scale=2.0**15)
+    optimizer = tfmp.LossScaleOptimizer(
+        keras.optimizers.SGD(1.0, **clip), initial_scale=2.0**15
+    )
     optimizer.apply([grad * 2.0**15], [variable])
     np.testing.assert_allclose(variable.numpy(), reference.numpy(), rtol=1e-6)
     assert np.abs(variable.numpy()).max() < 1.0  # clipped, not the raw [-3, -4]
@@ -118,7 +135,9 @@ def test_clipping_acts_on_unscaled_gradients(clip):
 
 
 def _fit_kernel(optimizer):
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, kernel_initializer="ones")])
+    model = keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(2, kernel_initializer="ones")]
+    )
     model.compile(optimizer, "mse")
     model.fit(X, Y, batch_size=1, shuffle=False, verbose=0)
     return model.get_weights()[0]
@@ -135,7 +154,14 @@ def test_inner_loss_scale_factor_update_equals_float32_reference():
 # Item 9: checkpoints ---------------------------------------------------------------------
 
 
-STATE = ("dynamic_scale", "step_counter", "overflow_count", "consecutive_overflows", "last_overflow_step", "total_steps")
+STATE = (
+    "dynamic_scale",
+    "step_counter",
+    "overflow_count",
+    "consecutive_overflows",
+    "last_overflow_step",
+    "total_steps",
+)
 
 
 def _state(optimizer):
@@ -145,13 +171,28 @@ def _state(optimizer):
 def test_model_checkpoint_keras_file_restores_class_scale_and_counters(tmp_path):
     keras.config.set_dtype_policy("mixed_float16")
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-    model.compile(tfmp.LossScaleOptimizer(keras.optimizers.SGD(0.1), 2.0**10, 3, hysteresis=1), "mse")
+    model.compile(
+        tfmp.LossScaleOptimizer(keras.optimizers.SGD(0.1), 2.0**10, 3, hysteresis=1),
+        "mse",
+    )
     x = np.ones((8, 2), "float32")
     x[2, 0] = np.nan  # second batch of 2
     path = str(tmp_path / "model.keras")
     checkpoint = keras.callbacks.ModelCheckpoint(path)
-    model.fit(x, np.zeros((8, 1)), batch_size=2, shuffle=False, verbose=0, callbacks=[checkpoint])
-    expected = {"dynamic_scale": 512.0, "step_counter": 2, "overflow_count": 1, "consecutive_overflows": 0}
+    model.fit(
+        x,
+        np.zeros((8, 1)),
+        batch_size=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[checkpoint],
+    )
+    expected = {
+        "dynamic_scale": 512.0,
+        "step_counter": 2,
+        "overflow_count": 1,
+        "consecutive_overflows": 0,
+    }
     expected.update(last_overflow_step=1, total_steps=4)
     assert _state(model.optimizer) == expected
     loaded = keras.models.load_model(path)
@@ -163,15 +204,22 @@ def test_model_checkpoint_keras_file_restores_class_scale_and_counters(tmp_path)
 def _apply_run(model, optimizer, unscaled_grads):
     scales = []
     for value in unscaled_grads:
-        grads = [tf.fill(v.shape, value * optimizer.loss_scale) for v in model.trainable_variables]
+        grads = [
+            tf.fill(v.shape, value * optimizer.loss_scale)
+            for v in model.trainable_variables
+        ]
         optimizer.apply(grads, model.trainable_variables)
         scales.append(optimizer.loss_scale)
     return scales
 
 
 def _fresh():
-    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, kernel_initializer="ones")])
-    optimizer = tfmp.LossScaleOptimizer(keras.optimizers.SGD(0.125), initial_scale=64.0, dynamic_growth_steps=2)
+    model = keras.Sequential(
+        [keras.Input((2,)), keras.layers.Dense(1, kernel_initializer="ones")]
+    )
+    optimizer = tfmp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.125), initial_scale=64.0, dynamic_growth_steps=2
+    )
     optimizer.build(model.trainable_variables)
     return model, optimizer
 
@@ -181,10 +229,20 @@ def test_tf_train_checkpoint_resume_continues_the_same_scale_sequence(tmp_path):
     first, second = [1.0, inf, 1.0, 1.0, inf], [inf, 1.0, 1.0, 1.0, 1.0]
     model, optimizer = _fresh()
     _apply_run(model, optimizer, first)
-    path = tf.train.Checkpoint(model=model, optimizer=optimizer).save(str(tmp_path / "ckpt"))
+    path = tf.train.Checkpoint(model=model, optimizer=optimizer).save(
+        str(tmp_path / "ckpt")
+    )
     uninterrupted = _apply_run(model, optimizer, second)
     resumed_model, resumed = _fresh()
-    tf.train.Checkpoint(model=resumed_model, optimizer=resumed).restore(path).assert_consumed()
-    assert _apply_run(resumed_model, resumed, second) == uninterrupted == [16.0, 16.0, 32.0, 32.0, 64.0]
+    tf.train.Checkpoint(model=resumed_model, optimizer=resumed).restore(
+        path
+    ).assert_consumed()
+    assert (
+        _apply_run(resumed_model, resumed, second)
+        == uninterrupted
+        == [16.0, 16.0, 32.0, 32.0, 64.0]
+    )
     assert _state(resumed) == _state(optimizer)
-    np.testing.assert_array_equal(resumed_model.get_weights()[0], model.get_weights()[0])
+    np.testing.assert_array_equal(
+        resumed_model.get_weights()[0], model.get_weights()[0]
+    )

@@ -1,8 +1,8 @@
 """tfmp: safe, fast and visible mixed-precision training for TensorFlow/Keras."""
 
-from tfmp._custom_loop import scaled_gradients
 from tfmp._errors import NonFiniteError
 from tfmp._loss_scale import LossScaleOptimizer
+from tfmp._loss_scale_loops import scaled_gradients
 from tfmp._version import __version__
 
 __all__ = [

@@ -197,12 +197,14 @@ def _nan_model():
     return model
 
 
-@pytest.mark.parametrize("run_eagerly", [False, True])
-def test_nan_loss_stops_fit_within_max_consecutive_overflows(run_eagerly):
+@pytest.mark.parametrize(
+    "compile_args",
+    [{}, {"run_eagerly": True}, {"jit_compile": True}, {"steps_per_execution": 2}],
+    ids=["graph", "eager", "xla", "steps_per_execution"],
+)
+def test_nan_loss_stops_fit_within_max_consecutive_overflows(compile_args):
     model = _nan_model()
-    model.compile(
-        _optimizer(max_consecutive_overflows=4), "mse", run_eagerly=run_eagerly
-    )
+    model.compile(_optimizer(max_consecutive_overflows=4), "mse", **compile_args)
     with pytest.raises(tfmp.NonFiniteError, match="loss itself is non-finite") as info:
         model.fit(np.ones((40, 2)), np.ones((40, 1)), batch_size=2, verbose=0)
     error = info.value
@@ -369,6 +371,11 @@ def test_wrap_optimizer_rejects_unknown_option_and_dtype():
         _loss_scale.wrap_optimizer("sgd", "float16", hysterisis=2)
     with pytest.raises(ValueError, match="Invalid `compute_dtype` argument"):
         _loss_scale.wrap_optimizer("sgd", "fp16")
+
+
+def test_public_names():
+    assert issubclass(tfmp.LossScaleOptimizer, keras.optimizers.LossScaleOptimizer)
+    assert {"LossScaleOptimizer", "scaled_gradients"} <= set(tfmp.__all__)
 
 
 def test_docstring_examples_run():

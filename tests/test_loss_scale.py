@@ -5,6 +5,7 @@ Scales are powers of two so every value is exact. Keras's own loss-scale scenari
 the end of the file and must hold for the subclass.
 """
 
+import doctest
 import math
 import warnings
 
@@ -15,6 +16,7 @@ import tensorflow as tf
 
 import tfmp
 from tfmp import _loss_scale
+from tfmp import _loss_scale_loops as _loops
 
 INF = float("inf")
 FINITE = [1.0, 6.0, 7.0, 2.0]
@@ -66,12 +68,19 @@ def test_min_scale_is_a_floor():
 
 def test_max_scale_caps_growth():
     optimizer = _optimizer(initial_scale=4.0, dynamic_growth_steps=1, max_scale=24.0)
-    assert _run(optimizer, [[1.0]] * 4, keras.Variable([0.0])) == [8.0, 16.0, 24.0, 24.0]
+    assert _run(optimizer, [[1.0]] * 4, keras.Variable([0.0])) == [
+        8.0,
+        16.0,
+        24.0,
+        24.0,
+    ]
 
 
 def test_scale_never_inf_at_float32_limit():
     top = float(np.finfo(np.float32).max)
-    optimizer = _optimizer(initial_scale=2.0**127, dynamic_growth_steps=1, max_scale=top)
+    optimizer = _optimizer(
+        initial_scale=2.0**127, dynamic_growth_steps=1, max_scale=top
+    )
     scales = _run(optimizer, [[1.0]] * 3, keras.Variable([0.0]))
     assert scales == [top] * 3 and math.isfinite(top)
 
@@ -85,9 +94,17 @@ def test_growth_counter_restarts_after_overflow():
 
 def test_hysteresis_backs_off_after_n_consecutive_overflows():
     optimizer = _optimizer(initial_scale=64.0, hysteresis=2)
-    assert _run(optimizer, [[INF], [INF], [INF]], keras.Variable([0.0])) == [64.0, 32.0, 16.0]
+    assert _run(optimizer, [[INF], [INF], [INF]], keras.Variable([0.0])) == [
+        64.0,
+        32.0,
+        16.0,
+    ]
     optimizer = _optimizer(initial_scale=64.0, hysteresis=2)
-    assert _run(optimizer, [[INF], [1.0], [INF]], keras.Variable([0.0])) == [64.0, 64.0, 64.0]
+    assert _run(optimizer, [[INF], [1.0], [INF]], keras.Variable([0.0])) == [
+        64.0,
+        64.0,
+        64.0,
+    ]
 
 
 def test_infs_at_steps_3_and_7_of_10_skip_exactly_those_steps():
@@ -111,7 +128,12 @@ def test_variables_exist_with_documented_dtypes():
     optimizer = _optimizer()
     assert optimizer.loss_scale == 2.0**15  # before build
     optimizer.build([keras.Variable([0.0])])
-    for name in ("overflow_count", "consecutive_overflows", "last_overflow_step", "total_steps"):
+    for name in (
+        "overflow_count",
+        "consecutive_overflows",
+        "last_overflow_step",
+        "total_steps",
+    ):
         variable = getattr(optimizer, name)
         assert variable.dtype == "int64" and variable.shape == ()
         assert any(variable is v for v in optimizer.variables)
@@ -134,15 +156,29 @@ def test_without_loss_scaling_scale_is_one_and_bad_steps_are_skipped():
 
 def test_bfloat16_fit_survives_one_bad_batch():
     keras.config.set_dtype_policy("mixed_bfloat16")
-    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, kernel_initializer="ones")])
+    model = keras.Sequential(
+        [keras.Input((2,)), keras.layers.Dense(1, kernel_initializer="ones")]
+    )
     model.compile(_loss_scale.wrap_optimizer("sgd", "bfloat16"), "mse")
     x = np.ones((8, 2), "float32")
     x[4, 0] = np.nan  # third batch of 2
-    model.fit(x, np.zeros((8, 1)), batch_size=2, shuffle=False, verbose=0)
+    seen = []  # item 11: callbacks read the counters after every step
+    read = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: seen.append(
+            _counter(model.optimizer, "overflow_count")
+        )
+    )
+    model.fit(
+        x, np.zeros((8, 1)), batch_size=2, shuffle=False, verbose=0, callbacks=[read]
+    )
+    assert seen == [0, 0, 1, 1]
     optimizer = model.optimizer
     assert isinstance(optimizer, tfmp.LossScaleOptimizer) and not optimizer.loss_scaling
     assert np.isfinite(model.get_weights()[0]).all()
-    assert (_counter(optimizer, "overflow_count"), _counter(optimizer, "total_steps")) == (1, 4)
+    assert (
+        _counter(optimizer, "overflow_count"),
+        _counter(optimizer, "total_steps"),
+    ) == (1, 4)
     assert optimizer.loss_scale == 1.0
 
 
@@ -152,15 +188,23 @@ def test_bfloat16_fit_survives_one_bad_batch():
 def _nan_model():
     keras.config.set_dtype_policy("mixed_float16")
     model = keras.Sequential(
-        [keras.Input((2,)), keras.layers.Dense(1), keras.layers.Lambda(lambda t: t * float("nan"))]
+        [
+            keras.Input((2,)),
+            keras.layers.Dense(1),
+            keras.layers.Lambda(lambda t: t * float("nan")),
+        ]
     )
     return model
 
 
-@pytest.mark.parametrize("run_eagerly", [False, True])
-def test_nan_loss_stops_fit_within_max_consecutive_overflows(run_eagerly):
+@pytest.mark.parametrize(
+    "compile_args",
+    [{}, {"run_eagerly": True}, {"jit_compile": True}, {"steps_per_execution": 2}],
+    ids=["graph", "eager", "xla", "steps_per_execution"],
+)
+def test_nan_loss_stops_fit_within_max_consecutive_overflows(compile_args):
     model = _nan_model()
-    model.compile(_optimizer(max_consecutive_overflows=4), "mse", run_eagerly=run_eagerly)
+    model.compile(_optimizer(max_consecutive_overflows=4), "mse", **compile_args)
     with pytest.raises(tfmp.NonFiniteError, match="loss itself is non-finite") as info:
         model.fit(np.ones((40, 2)), np.ones((40, 1)), batch_size=2, verbose=0)
     error = info.value
@@ -168,7 +212,11 @@ def test_nan_loss_stops_fit_within_max_consecutive_overflows(run_eagerly):
     assert (error.phase, error.step, error.kind) == ("loss", 3, "nan")
     assert _counter(model.optimizer, "total_steps") == 4
     message = str(error)
-    assert "step 3" in message and "scale 2048" in message and "tfmp.check_numerics" in message
+    assert (
+        "step 3" in message
+        and "scale 2048" in message
+        and "tfmp.check_numerics" in message
+    )
     assert "cannot help" in message
 
 
@@ -180,7 +228,11 @@ def test_defaults_stop_a_nan_run(loss_scaling):
         model.fit(np.ones((80, 2)), np.ones((80, 1)), batch_size=2, verbose=0)
     # With scaling: 2**15 halves to min_scale 1 in 15 steps, then MIN_SCALE_PATIENCE
     # more; without: DEFAULT_MAX_CONSECUTIVE_OVERFLOWS steps at the fixed scale 1.
-    expected = 15 + _loss_scale.MIN_SCALE_PATIENCE if loss_scaling else _loss_scale.DEFAULT_MAX_CONSECUTIVE_OVERFLOWS
+    expected = (
+        15 + _loops.MIN_SCALE_PATIENCE
+        if loss_scaling
+        else _loops.DEFAULT_MAX_CONSECUTIVE_OVERFLOWS
+    )
     assert _counter(model.optimizer, "total_steps") == expected
     assert model.optimizer.loss_scale == 1.0
 
@@ -192,14 +244,18 @@ def _exploding_gradient(x):
 
 def test_gradient_overflow_at_min_scale_stops_fit():
     model = keras.Sequential(
-        [keras.Input((2,)), keras.layers.Dense(1), keras.layers.Lambda(_exploding_gradient)]
+        [
+            keras.Input((2,)),
+            keras.layers.Dense(1),
+            keras.layers.Lambda(_exploding_gradient),
+        ]
     )
     model.compile(_optimizer(initial_scale=4.0), "mse")
     with pytest.raises(tfmp.NonFiniteError, match="gradients overflow") as info:
         model.fit(np.ones((40, 2)), np.ones((40, 1)), batch_size=2, verbose=0)
     assert info.value.phase == "gradients" and info.value.kind is None
     # 4 -> 2 -> 1, then MIN_SCALE_PATIENCE overflows at min_scale 1.
-    assert _counter(model.optimizer, "total_steps") == 2 + _loss_scale.MIN_SCALE_PATIENCE
+    assert _counter(model.optimizer, "total_steps") == 2 + _loops.MIN_SCALE_PATIENCE
     assert "min_scale=1" in str(info.value)
 
 
@@ -231,7 +287,9 @@ def test_warn_keeps_training_and_warns_once_per_stuck_run():
     ],
 )
 def test_bad_arguments_raise_template_error(kwargs, name):
-    with pytest.raises(ValueError, match=rf"Invalid `{name}` argument\. Expected .* Received: {name}="):
+    with pytest.raises(
+        ValueError, match=rf"Invalid `{name}` argument\. Expected .* Received: {name}="
+    ):
         _optimizer(**kwargs)
 
 
@@ -244,32 +302,44 @@ def test_on_stuck_typo_suggests_fix():
 
 
 def test_config_round_trips_every_argument():
-    new_args = dict(
-        initial_scale=64.0,
-        dynamic_growth_steps=7,
-        min_scale=2.0,
-        max_scale=2.0**10,
-        hysteresis=3,
-        max_consecutive_overflows=9,
-        on_stuck="warn",
-        loss_scaling=False,
-    )
+    new_args = {
+        "initial_scale": 64.0,
+        "dynamic_growth_steps": 7,
+        "min_scale": 2.0,
+        "max_scale": 2.0**10,
+        "hysteresis": 3,
+        "max_consecutive_overflows": 9,
+        "on_stuck": "warn",
+        "loss_scaling": False,
+    }
     optimizer = _optimizer(name="ls", **new_args)
     config = optimizer.get_config()
     assert {k: config[k] for k in new_args} == new_args
-    restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(optimizer))
+    restored = keras.saving.deserialize_keras_object(
+        keras.saving.serialize_keras_object(optimizer)
+    )
     assert type(restored) is tfmp.LossScaleOptimizer
     assert restored.get_config() == config
-    assert keras.saving.get_registered_name(tfmp.LossScaleOptimizer) == "tfmp>LossScaleOptimizer"
+    assert (
+        keras.saving.get_registered_name(tfmp.LossScaleOptimizer)
+        == "tfmp>LossScaleOptimizer"
+    )
 
 
 # wrap_optimizer ------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
-    "identifier", ["adam", {"class_name": "Adam", "config": {"learning_rate": 0.01}}, keras.optimizers.Adam]
+    "identifier",
+    [
+        "adam",
+        {"class_name": "Adam", "config": {"learning_rate": 0.01}},
+        keras.optimizers.Adam,
+    ],
 )
-@pytest.mark.parametrize("dtype, scaling", [("float16", True), ("bfloat16", False), ("float32", False)])
+@pytest.mark.parametrize(
+    "dtype, scaling", [("float16", True), ("bfloat16", False), ("float32", False)]
+)
 def test_wrap_optimizer_identifiers_and_dtypes(identifier, dtype, scaling):
     identifier = identifier() if isinstance(identifier, type) else identifier
     wrapped = _loss_scale.wrap_optimizer(identifier, dtype)
@@ -282,17 +352,35 @@ def test_wrap_optimizer_keeps_tfmp_and_rewraps_keras():
     mine = _optimizer()
     assert _loss_scale.wrap_optimizer(mine, "float16") is mine
     inner = keras.optimizers.SGD()
-    keras_lso = keras.optimizers.LossScaleOptimizer(inner, initial_scale=128.0, dynamic_growth_steps=5)
+    keras_lso = keras.optimizers.LossScaleOptimizer(
+        inner, initial_scale=128.0, dynamic_growth_steps=5
+    )
     wrapped = _loss_scale.wrap_optimizer(keras_lso, "float16", hysteresis=2)
     assert wrapped.inner_optimizer is inner
-    assert (wrapped.initial_scale, wrapped.dynamic_growth_steps, wrapped.hysteresis) == (128.0, 5, 2)
+    assert (
+        wrapped.initial_scale,
+        wrapped.dynamic_growth_steps,
+        wrapped.hysteresis,
+    ) == (128.0, 5, 2)
 
 
 def test_wrap_optimizer_rejects_unknown_option_and_dtype():
-    with pytest.raises(ValueError, match="Received: options='hysterisis'.*Did you mean 'hysteresis'"):
+    with pytest.raises(
+        ValueError, match="Received: options='hysterisis'.*Did you mean 'hysteresis'"
+    ):
         _loss_scale.wrap_optimizer("sgd", "float16", hysterisis=2)
     with pytest.raises(ValueError, match="Invalid `compute_dtype` argument"):
         _loss_scale.wrap_optimizer("sgd", "fp16")
+
+
+def test_public_names():
+    assert issubclass(tfmp.LossScaleOptimizer, keras.optimizers.LossScaleOptimizer)
+    assert {"LossScaleOptimizer", "scaled_gradients"} <= set(tfmp.__all__)
+
+
+def test_docstring_examples_run():
+    result = doctest.testmod(_loss_scale, extraglobs={"keras": keras})
+    assert result.attempted > 0 and result.failed == 0
 
 
 # Keras's own scenarios (keras/src/optimizers/loss_scale_optimizer_test.py) --------------
@@ -308,7 +396,9 @@ def test_keras_apply_with_no_vars():
 
 @pytest.mark.parametrize("inner_factor", [None, 100.0])
 def test_keras_finite_step(inner_factor):
-    optimizer = tfmp.LossScaleOptimizer(keras.optimizers.SGD(0.5, loss_scale_factor=inner_factor))
+    optimizer = tfmp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.5, loss_scale_factor=inner_factor)
+    )
     variables = [keras.Variable([1.0, 2.0, 3.0, 4.0])]
     optimizer.apply([tf.constant(FINITE) * optimizer.initial_scale], variables)
     np.testing.assert_allclose(variables[0].numpy(), [0.5, -1.0, -0.5, 3.0], rtol=1e-4)
@@ -351,7 +441,11 @@ def test_keras_iterations_update():
 def test_keras_serialization():
     optimizer = _optimizer(initial_scale=4.0, dynamic_growth_steps=2, name="test_opt")
     config = optimizer.get_config()
-    assert (config["name"], config["initial_scale"], config["dynamic_growth_steps"]) == ("test_opt", 4.0, 2)
+    assert (
+        config["name"],
+        config["initial_scale"],
+        config["dynamic_growth_steps"],
+    ) == ("test_opt", 4.0, 2)
     assert "inner_optimizer" in config
     tfmp.LossScaleOptimizer.from_config(config)
 
@@ -396,7 +490,15 @@ def test_keras_deserialization_backwards_compatibility():
         "gradient_accumulation_steps": None,
     }
     inner = {"module": "keras.optimizers", "class_name": "SGD", "registered_name": None}
-    inner["config"] = {"name": "SGD", "learning_rate": 0.5, "momentum": 0.0, "nesterov": False, **base}
+    inner["config"] = {
+        "name": "SGD",
+        "learning_rate": 0.5,
+        "momentum": 0.0,
+        "nesterov": False,
+        **base,
+    }
     config = {"name": "loss_scale_optimizer", **base, "inner_optimizer": inner}
     config.update(initial_scale=2.0, dynamic_growth_steps=2)
-    assert isinstance(tfmp.LossScaleOptimizer.from_config(config), tfmp.LossScaleOptimizer)
+    assert isinstance(
+        tfmp.LossScaleOptimizer.from_config(config), tfmp.LossScaleOptimizer
+    )

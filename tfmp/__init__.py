@@ -8,7 +8,6 @@
 """
 
 from tfmp._audit import audit
-from tfmp._custom_loop import scaled_gradients
 from tfmp._enable import disable
 from tfmp._enable import enable
 from tfmp._enable import policy_scope
@@ -17,6 +16,7 @@ from tfmp._float32 import force_float32
 from tfmp._hardware import DeviceFacts
 from tfmp._hardware import GpuFacts
 from tfmp._loss_scale import LossScaleOptimizer
+from tfmp._loss_scale_loops import scaled_gradients
 from tfmp._monitor import LossScaleMonitor
 from tfmp._policy import PerformanceWarning
 from tfmp._policy import PolicyDecision

@@ -13,25 +13,32 @@ initial scale 2**15 and growth interval 2000 are Keras's.
 
 from __future__ import annotations
 
+import inspect
 import math
-import sys
-import warnings
-from typing import Any, Optional, Union
+from typing import Any
 
 import keras
 import tensorflow as tf
 from keras import ops
 
-from tfmp._errors import NonFiniteError, invalid_argument
+# Keras's own LossScaleOptimizer.build uses it too: variables stored as attributes
+# must not be tracked a second time by the optimizer's attribute tracker.
+from keras.src.utils.tracking import no_automatic_dependency_tracking
 
-#: Default of `max_consecutive_overflows`: more than the 24 halvings that take the
-#: scale from `max_scale` 2**24 down to 1, so a healthy start never trips it.
-DEFAULT_MAX_CONSECUTIVE_OVERFLOWS = 32
-#: Consecutive overflows at `min_scale` after which the run counts as stuck: the scale
-#: cannot be lowered any further, so retrying only burns batches.
-MIN_SCALE_PATIENCE = 3
+from tfmp import _loss_scale_loops as _loops
+from tfmp._errors import invalid_argument
+from tfmp._loss_scale_loops import DEFAULT_MAX_CONSECUTIVE_OVERFLOWS
+
 _ON_STUCK = ("raise", "warn")
 _INT = "int64"
+_COUNTERS = (
+    "overflow_count",
+    "consecutive_overflows",
+    "last_overflow_step",
+    "total_steps",
+    "min_scale_overflows",
+    "last_loss_status",
+)
 
 
 def _check_positive(name: str, value: Any, *, integer: bool = False) -> None:
@@ -39,7 +46,11 @@ def _check_positive(name: str, value: Any, *, integer: bool = False) -> None:
     if integer:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise invalid_argument(name, value, "an integer >= 1")
-    elif isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+    elif (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not (math.isfinite(value) and value > 0)
+    ):
         raise invalid_argument(name, value, "a finite number > 0")
 
 
@@ -110,10 +121,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         max_consecutive_overflows: int = DEFAULT_MAX_CONSECUTIVE_OVERFLOWS,
         on_stuck: str = "raise",
         loss_scaling: bool = True,
-        name: Optional[str] = None,
+        name: str | None = None,
         **kwargs: Any,
     ) -> None:
-        for arg, value in (("initial_scale", initial_scale), ("min_scale", min_scale), ("max_scale", max_scale)):
+        for arg, value in (
+            ("initial_scale", initial_scale),
+            ("min_scale", min_scale),
+            ("max_scale", max_scale),
+        ):
             _check_positive(arg, value)
         for arg, value in (
             ("dynamic_growth_steps", dynamic_growth_steps),
@@ -122,24 +137,36 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         ):
             _check_positive(arg, value, integer=True)
         if min_scale > max_scale:
-            raise invalid_argument("min_scale", min_scale, f"a value <= max_scale={max_scale!r}")
+            raise invalid_argument(
+                "min_scale", min_scale, f"a value <= max_scale={max_scale!r}"
+            )
         if loss_scaling and not min_scale <= initial_scale <= max_scale:
             raise invalid_argument(
-                "initial_scale", initial_scale, f"a value in [min_scale, max_scale] = [{min_scale!r}, {max_scale!r}]"
+                "initial_scale",
+                initial_scale,
+                f"a value in [min_scale, max_scale] = [{min_scale!r}, {max_scale!r}]",
             )
         if on_stuck not in _ON_STUCK:
-            raise invalid_argument("on_stuck", on_stuck, "one of 'raise', 'warn'", choices=_ON_STUCK)
+            raise invalid_argument(
+                "on_stuck", on_stuck, "one of 'raise', 'warn'", choices=_ON_STUCK
+            )
         if not isinstance(loss_scaling, bool):
             raise invalid_argument("loss_scaling", loss_scaling, "True or False")
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
             raise invalid_argument(
-                "inner_optimizer", inner_optimizer, "a keras.optimizers.Optimizer instance",
+                "inner_optimizer",
+                inner_optimizer,
+                "a keras.optimizers.Optimizer instance",
                 "Use tfmp's wrap_optimizer() to wrap a string or dict identifier.",
             )
         # Keras's build and scale_loss read `initial_scale`: without loss scaling it
         # is 1.0 while get_config keeps the value the caller gave.
         super().__init__(
-            inner_optimizer, float(initial_scale) if loss_scaling else 1.0, dynamic_growth_steps, name=name, **kwargs
+            inner_optimizer,
+            float(initial_scale) if loss_scaling else 1.0,
+            dynamic_growth_steps,
+            name=name,
+            **kwargs,
         )
         self._config_initial_scale = initial_scale
         self.min_scale = float(min_scale)
@@ -151,19 +178,20 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._grads_already_unscaled = False
         self._warned_run = None
 
-    @keras.src.utils.tracking.no_automatic_dependency_tracking
+    @no_automatic_dependency_tracking
     def build(self, var_list: list) -> None:
         """Creates Keras's variables, then tfmp's counters (see the class docstring)."""
         super().build(var_list)
-        for var_name in ("overflow_count", "consecutive_overflows", "total_steps", "min_scale_overflows"):
-            setattr(self, var_name, self.add_variable((), "zeros", _INT, name=var_name))
-        self.last_overflow_step = self.add_variable((), keras.initializers.Constant(-1), _INT, name="last_overflow_step")
-        self.last_loss_status = self.add_variable((), "zeros", _INT, name="last_loss_status")
+        for name in _COUNTERS:
+            start = keras.initializers.Constant(
+                -1 if name == "last_overflow_step" else 0
+            )
+            setattr(self, name, self.add_variable((), start, _INT, name=name))
 
     @property
     def loss_scale(self) -> float:
         """Float. The current loss scale (the initial one before `build`)."""
-        return float(self.dynamic_scale.numpy()) if self.built else float(self.initial_scale)
+        return float(self.dynamic_scale.numpy() if self.built else self.initial_scale)
 
     def scale_loss(self, loss: Any) -> Any:
         """Multiplies `loss` by the scale, recording whether the loss is finite.
@@ -195,9 +223,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             List of tensors (float32 where given float32), gradients of the true loss.
         """
         self._grads_already_unscaled = True
-        return [None if g is None else ops.divide(g, ops.cast(self.dynamic_scale, g.dtype)) for g in grads]
+        scale = self.dynamic_scale if self.built else self.initial_scale
+        return [
+            None if g is None else ops.divide(g, ops.cast(scale, g.dtype))
+            for g in grads
+        ]
 
-    def apply(self, grads: list, trainable_variables: Optional[list] = None) -> None:
+    def apply(self, grads: list, trainable_variables: list | None = None) -> None:
         """Skips or applies one step (Keras semantics), then checks for a stuck run."""
         try:
             super().apply(grads, trainable_variables)
@@ -206,19 +238,26 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if tf.executing_eagerly():
             self.raise_if_stuck()
         else:
-            _install_fit_check(self)
+            _loops.install_fit_check(self)
 
-    def _unscale(self, grads: list, trainable_variables: Optional[list]) -> list:
+    def _unscale(self, grads: list, trainable_variables: list | None) -> list:
         if self._grads_already_unscaled:
             return list(grads)
         variables = trainable_variables or self._trainable_variables
         return [
-            g if g is None or self._overwrite_variable_with_gradient(v) else ops.divide(g, self.dynamic_scale)
+            g
+            if g is None or self._overwrite_variable_with_gradient(v)
+            else ops.divide(g, self.dynamic_scale)
             for g, v in zip(grads, variables)
         ]
 
-    def _stateful_handle_finite_grads(self, grads: list, trainable_variables: Optional[list]) -> None:
-        self.inner_optimizer.apply(self._unscale(grads, trainable_variables), trainable_variables=trainable_variables)
+    def _stateful_handle_finite_grads(
+        self, grads: list, trainable_variables: list | None
+    ) -> None:
+        self.inner_optimizer.apply(
+            self._unscale(grads, trainable_variables),
+            trainable_variables=trainable_variables,
+        )
         self.total_steps.assign_add(1)
         self.consecutive_overflows.assign(0)
         self.min_scale_overflows.assign(0)
@@ -228,12 +267,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         def grow():
             self.step_counter.assign(0)
             grown = ops.minimum(ops.multiply(self.dynamic_scale, 2.0), self.max_scale)
-            self.dynamic_scale.assign(ops.where(ops.isfinite(grown), grown, self.dynamic_scale))
+            self.dynamic_scale.assign(
+                ops.where(ops.isfinite(grown), grown, self.dynamic_scale)
+            )
 
         def count():
             self.step_counter.assign_add(1)
 
-        ops.cond(ops.equal(self.step_counter, self.dynamic_growth_steps - 1), grow, count)
+        ops.cond(
+            ops.equal(self.step_counter, self.dynamic_growth_steps - 1), grow, count
+        )
 
     def _stateful_handle_non_finite_grads(self) -> None:
         self.overflow_count.assign_add(1)
@@ -244,7 +287,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if not self.loss_scaling:
             return
         at_floor = ops.less_equal(self.dynamic_scale, self.min_scale)
-        self.min_scale_overflows.assign(ops.where(at_floor, self.min_scale_overflows + 1, 0))
+        self.min_scale_overflows.assign(
+            ops.where(at_floor, self.min_scale_overflows + 1, 0)
+        )
         backoff = ops.greater_equal(self.consecutive_overflows, self.hysteresis)
         halved = ops.maximum(ops.multiply(self.dynamic_scale, 0.5), self.min_scale)
         self.dynamic_scale.assign(ops.where(backoff, halved, self.dynamic_scale))
@@ -258,24 +303,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         Raises:
             tfmp.NonFiniteError: With `on_stuck="raise"`, when `consecutive_overflows`
                 reached `max_consecutive_overflows` or `min_scale_overflows` reached
-                `MIN_SCALE_PATIENCE`. `phase` is `"loss"` when the last loss was
-                non-finite, `"gradients"` otherwise.
+                `MIN_SCALE_PATIENCE` (3). `phase` is `"loss"` when the last loss was
+                non-finite (lowering the scale cannot help), `"gradients"` otherwise;
+                `step` is the last skipped step, `details["scale"]` the scale.
         """
-        if not self.built:
-            return
-        consecutive = int(self.consecutive_overflows.numpy())
-        if consecutive < min(self.max_consecutive_overflows, MIN_SCALE_PATIENCE):
-            return
-        at_floor = int(self.min_scale_overflows.numpy())
-        if consecutive < self.max_consecutive_overflows and at_floor < MIN_SCALE_PATIENCE:
-            return
-        error = _stuck_error(self, consecutive, at_floor)
-        if self.on_stuck == "raise":
-            raise error
-        run = error.step - consecutive + 1
-        if self._warned_run != run:
-            self._warned_run = run
-            warnings.warn(str(error), RuntimeWarning, stacklevel=2)
+        if self.built:
+            _loops.check(self)
 
     def get_config(self) -> dict:
         """Keras's config plus every tfmp argument (round-trips through `from_config`)."""
@@ -292,92 +325,15 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return config
 
 
-def _stuck_error(optimizer: LossScaleOptimizer, consecutive: int, at_floor: int) -> NonFiniteError:
-    """Builds the diagnosis: a non-finite loss versus gradient overflow."""
-    step = int(optimizer.last_overflow_step.numpy())
-    scale = optimizer.loss_scale
-    status = int(optimizer.last_loss_status.numpy())
-    kind = {1: "nan", 2: "inf", 3: "nan+inf"}.get(status)
-    rule = (
-        f"{consecutive} non-finite steps in a row (max_consecutive_overflows={optimizer.max_consecutive_overflows})"
-        if consecutive >= optimizer.max_consecutive_overflows
-        else f"{at_floor} non-finite steps in a row at min_scale={optimizer.min_scale:g}"
-    )
-    if kind:
-        phase = "loss"
-        cause = (
-            f"The loss itself is non-finite ({kind}): it comes from the forward pass, the data or the "
-            "learning rate, and lowering the loss scale cannot help."
-        )
-    else:
-        phase = "gradients"
-        cause = (
-            "The loss is finite but the gradients overflow (float16 holds at most 65504) even at this scale: "
-            "look for exploding activations or gradients, or lower the learning rate."
-        )
-    message = (
-        f"Training is stuck: {rule}; last skipped step {step}, loss scale {scale:g}. {cause} "
-        "Run tfmp.check_numerics(model) to find the first layer that produces it."
-    )
-    details = {
-        "scale": scale,
-        "overflow_count": int(optimizer.overflow_count.numpy()),
-        "consecutive_overflows": consecutive,
-        "min_scale_overflows": at_floor,
-    }
-    return NonFiniteError(message, phase=phase, step=step, kind=kind, details=details)
-
-
-def _install_fit_check(optimizer: LossScaleOptimizer) -> None:
-    """Makes `model.fit` call `optimizer.raise_if_stuck()` after every step.
-
-    Why a check between steps: `fit` runs the step in a `tf.function`, XLA-compiled by
-    default on GPUs, where `tf.debugging.Assert` is dropped and `tf.py_function` does
-    not compile; an error raised in the graph would also reach the caller as a
-    `tf.errors.OpError`, not a `NonFiniteError`. The optimizer is not told which model
-    trains it, so while the step is traced we find the model whose `optimizer` is
-    this one among the calling frames (Keras's `train_step` runs with `self` = the
-    model) and wrap its `train_function`, which `fit` and `train_on_batch` call once
-    per step. The check reads one scalar, and `fit` already waits for each step.
-    Custom loops in a `tf.function` call `raise_if_stuck()` themselves.
-    """
-    frame = sys._getframe(1)
-    while frame is not None:
-        model = frame.f_locals.get("self")
-        if isinstance(model, keras.Model) and getattr(model, "optimizer", None) is optimizer:
-            break
-        frame = frame.f_back
-    else:
-        return
-    train_function = getattr(model, "train_function", None)
-    if train_function is None or getattr(train_function, "_tfmp_stuck_check", False):
-        return
-
-    def checked_train_function(*args: Any, **kwargs: Any) -> Any:
-        logs = train_function(*args, **kwargs)
-        optimizer.raise_if_stuck()
-        return logs
-
-    checked_train_function._tfmp_stuck_check = True
-    model.train_function = checked_train_function
-
-
-_WRAP_OPTIONS = (
-    "initial_scale",
-    "dynamic_growth_steps",
-    "min_scale",
-    "max_scale",
-    "hysteresis",
-    "max_consecutive_overflows",
-    "on_stuck",
-    "loss_scaling",
-    "name",
-)
+# Keyword arguments of LossScaleOptimizer that wrap_optimizer passes on.
+_WRAP_OPTIONS = tuple(inspect.signature(LossScaleOptimizer).parameters)[1:-1]
 _COMPUTE_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 def wrap_optimizer(
-    optimizer: Union[str, dict, keras.optimizers.Optimizer], compute_dtype: str, **options: Any
+    optimizer: str | dict | keras.optimizers.Optimizer,
+    compute_dtype: str,
+    **options: Any,
 ) -> LossScaleOptimizer:
     """Wraps an optimizer in `tfmp.LossScaleOptimizer` for a compute dtype.
 
@@ -402,9 +358,19 @@ def wrap_optimizer(
     """
     for key in options:
         if key not in _WRAP_OPTIONS:
-            raise invalid_argument("options", key, f"one of {', '.join(_WRAP_OPTIONS)}", choices=_WRAP_OPTIONS)
+            raise invalid_argument(
+                "options",
+                key,
+                f"one of {', '.join(_WRAP_OPTIONS)}",
+                choices=_WRAP_OPTIONS,
+            )
     if compute_dtype not in _COMPUTE_DTYPES:
-        raise invalid_argument("compute_dtype", compute_dtype, "one of " + ", ".join(_COMPUTE_DTYPES), choices=_COMPUTE_DTYPES)
+        raise invalid_argument(
+            "compute_dtype",
+            compute_dtype,
+            "one of " + ", ".join(_COMPUTE_DTYPES),
+            choices=_COMPUTE_DTYPES,
+        )
     if isinstance(optimizer, LossScaleOptimizer):
         return optimizer
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):

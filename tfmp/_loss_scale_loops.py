@@ -1,0 +1,178 @@
+"""Where `tfmp.LossScaleOptimizer` meets training loops.
+
+`model.fit`: stuck detection. A run is stuck when it keeps skipping steps: lowering
+the loss scale has not made the gradients finite, or cannot (the scale is at
+`min_scale`, or the loss itself is NaN). The counters live in optimizer variables;
+`check` reads them between steps and `install_fit_check` makes `fit` call it.
+
+Custom loops: `scaled_gradients` (Keras 3 dropped tf.keras 2's `get_scaled_loss`).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from tfmp._errors import NonFiniteError
+
+#: Default of `max_consecutive_overflows`: more than the 24 halvings that take the
+#: scale from `max_scale` 2**24 down to 1, so a healthy start never trips it.
+DEFAULT_MAX_CONSECUTIVE_OVERFLOWS = 32
+#: Consecutive overflows at `min_scale` after which the run counts as stuck: the
+#: scale cannot be lowered any further, so retrying only burns batches.
+MIN_SCALE_PATIENCE = 3
+_LOSS_KIND = {1: "nan", 2: "inf", 3: "nan+inf"}  # bits of `last_loss_status`
+
+
+def check(optimizer: Any) -> None:
+    """Raises or warns, per `optimizer.on_stuck`, when the run is stuck.
+
+    Reads one scalar variable on a healthy step (two while overflowing).
+
+    Args:
+        optimizer: `tfmp.LossScaleOptimizer`, built.
+
+    Raises:
+        NonFiniteError: With `on_stuck="raise"`, when `consecutive_overflows`
+            reached `max_consecutive_overflows` or `min_scale_overflows` reached
+            `MIN_SCALE_PATIENCE`.
+    """
+    limit = optimizer.max_consecutive_overflows
+    consecutive = int(optimizer.consecutive_overflows.numpy())
+    if consecutive < min(limit, MIN_SCALE_PATIENCE):
+        return
+    at_floor = int(optimizer.min_scale_overflows.numpy())
+    if consecutive < limit and at_floor < MIN_SCALE_PATIENCE:
+        return
+    error = _diagnose(optimizer, consecutive, at_floor)
+    if optimizer.on_stuck == "raise":
+        raise error
+    first_skipped = error.step - consecutive + 1  # identifies this run of overflows
+    if optimizer._warned_run != first_skipped:
+        optimizer._warned_run = first_skipped
+        warnings.warn(str(error), RuntimeWarning, stacklevel=3)
+
+
+def _diagnose(optimizer: Any, consecutive: int, at_floor: int) -> NonFiniteError:
+    """Builds the error: a non-finite loss versus gradient overflow."""
+    step = int(optimizer.last_overflow_step.numpy())
+    scale = optimizer.loss_scale
+    kind = _LOSS_KIND.get(int(optimizer.last_loss_status.numpy()))
+    if consecutive >= optimizer.max_consecutive_overflows:
+        rule = (
+            f"{consecutive} non-finite steps in a row "
+            f"(max_consecutive_overflows={optimizer.max_consecutive_overflows})"
+        )
+    else:
+        rule = (
+            f"{at_floor} non-finite steps in a row at min_scale={optimizer.min_scale:g}"
+        )
+    if kind:
+        phase = "loss"
+        cause = (
+            f"The loss itself is non-finite ({kind}): it comes from the forward pass, "
+            "the data or the learning rate, and lowering the loss scale cannot help."
+        )
+    else:
+        phase = "gradients"
+        cause = (
+            "The loss is finite but the gradients overflow (float16 holds at most "
+            "65504) even at this scale: look for exploding activations or gradients, "
+            "or lower the learning rate."
+        )
+    message = (
+        f"Training is stuck: {rule}; last skipped step {step}, loss scale {scale:g}. "
+        f"{cause} Run tfmp.check_numerics(model) to find the first layer that "
+        "produces it."
+    )
+    details = {
+        "scale": scale,
+        "overflow_count": int(optimizer.overflow_count.numpy()),
+        "consecutive_overflows": consecutive,
+        "min_scale_overflows": at_floor,
+    }
+    return NonFiniteError(message, phase=phase, step=step, kind=kind, details=details)
+
+
+def install_fit_check(optimizer: Any) -> None:
+    """Makes `model.fit` call `optimizer.raise_if_stuck()` after every step.
+
+    Called while the train step is traced. Why a check between steps: `fit` runs the
+    step in a `tf.function`, XLA-compiled by default on GPUs, where
+    `tf.debugging.Assert` is dropped and `tf.py_function` does not compile; an error
+    raised inside the graph would also reach the caller as a `tf.errors.OpError`,
+    not as `NonFiniteError`. The optimizer is not told which model trains it, so
+    among the calling frames we find the model whose `optimizer` is this one
+    (Keras's `train_step` runs with `self` = the model) and wrap its
+    `train_function`, which `fit` and `train_on_batch` call once per step (once per
+    `steps_per_execution` block). `fit` already waits for each step's result, so
+    reading one scalar adds no stall. A custom loop in a `tf.function` has no such
+    model and calls `optimizer.raise_if_stuck()` itself.
+
+    Args:
+        optimizer: `tfmp.LossScaleOptimizer`.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        model = frame.f_locals.get("self")
+        if (
+            isinstance(model, keras.Model)
+            and getattr(model, "optimizer", None) is optimizer
+        ):
+            break
+        frame = frame.f_back
+    else:
+        return
+    train_function = getattr(model, "train_function", None)
+    if train_function is None or getattr(train_function, "_tfmp_stuck_check", False):
+        return
+
+    def checked_train_function(*args: Any, **kwargs: Any) -> Any:
+        logs = train_function(*args, **kwargs)
+        optimizer.raise_if_stuck()
+        return logs
+
+    checked_train_function._tfmp_stuck_check = True
+    model.train_function = checked_train_function
+
+
+def scaled_gradients(
+    tape: tf.GradientTape,
+    loss: Any,
+    variables: Sequence[Any],
+    optimizer: keras.optimizers.Optimizer,
+) -> list:
+    """Gradients of `optimizer.scale_loss(loss)`, for `optimizer.apply` in a custom loop.
+
+    Keras 3's `apply` unscales the gradients itself, so pass these on unchanged::
+
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tfmp.scaled_gradients(tape, loss, model.trainable_variables, opt)
+        opt.apply(grads, model.trainable_variables)
+
+    When the step runs in a `tf.function`, call `opt.raise_if_stuck()` after it
+    (eager `apply` and `model.fit` do so already). Works for any Keras optimizer: a `LossScaleOptimizer` multiplies by its current
+    scale (and records whether the loss is finite), a plain one by its
+    `loss_scale_factor`, if any. Code moved from tf.keras 2 may instead keep
+    `get_scaled_loss` and `get_unscaled_gradients` followed by `apply_gradients`.
+
+    Args:
+        tape: `tf.GradientTape` that recorded `loss` and has not yet computed
+            gradients (unless persistent); the scaling is recorded on it too.
+        loss: Scalar float tensor. The unscaled loss (float32 under mixed policies).
+        variables: Sequence of `keras.Variable`, e.g. `model.trainable_variables`.
+        optimizer: `keras.optimizers.Optimizer`. The optimizer that will apply them.
+
+    Returns:
+        List with one tensor per variable (None if unconnected), still multiplied
+        by the loss scale.
+    """
+    with tape:
+        scaled_loss = optimizer.scale_loss(loss)
+    return tape.gradient(scaled_loss, list(variables))

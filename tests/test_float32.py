@@ -274,3 +274,33 @@ def test_registry_api_and_context_manager():
 def test_errors_follow_the_template(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+class Fragile(keras.layers.Layer):
+    """Output layer whose symbolic spec cannot be recomputed once in float32."""
+
+    def call(self, x):
+        return x * 2.0
+
+    def compute_output_spec(self, x):
+        if self.compute_dtype == "float32":
+            raise NotImplementedError("no spec")
+        return keras.KerasTensor(x.shape, dtype=self.compute_dtype)
+
+
+def test_unrefreshable_spec_warns_but_runtime_is_float32():
+    keras.config.set_dtype_policy("mixed_float16")
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, Fragile(name="fragile")(keras.layers.Dense(4)(inputs)))
+    with pytest.warns(UserWarning, match="'fragile'"):
+        tfmp.force_float32(model)
+    assert model(np.ones((1, 4))).dtype == "float32"
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from tfmp import _audit, _float32
+
+    for module in (_float32, _registry, _audit):
+        assert doctest.testmod(module).failed == 0, module.__name__

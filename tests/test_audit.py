@@ -28,7 +28,8 @@ def test_table_marks_forced_layers(policy):
     text = str(report)
     print(text)
     header, rule = text.splitlines()[1:3]
-    assert header.split() == ["layer", "class", "compute", "variables", "float32", "params", "warnings"]
+    columns = ["layer", "class", "compute", "variables", "float32", "params", "warnings"]
+    assert header.split() == columns
     assert len(header) <= len(rule)
     rows = {row.path: row for row in report.rows}
     assert rows["hidden"].forced == "" and rows["hidden"].compute_dtype == policy[6:]
@@ -75,7 +76,8 @@ def test_policy_mismatch_when_built_before_enable():
     model = digits_model()  # built under float32
     keras.config.set_dtype_policy("mixed_float16")
     report = tfmp.audit(model, tensor_cores=False)
-    assert {w.path for w in report.warnings if w.kind == "policy_mismatch"} == {"hidden", "norm", "probs"}
+    mismatched = {w.path for w in report.warnings if w.kind == "policy_mismatch"}
+    assert mismatched == {"hidden", "norm", "probs"}
     assert "rebuild" in report.warnings[0].message
 
 
@@ -84,10 +86,12 @@ def test_tensor_core_dims_and_batch_size():
     inputs = keras.Input((12, 12, 3))
     x = keras.layers.Conv2D(12, 3)(inputs)
     x = keras.layers.Flatten()(x)
-    model = tfmp.force_float32(keras.Model(inputs, keras.layers.Dense(10)(keras.layers.Dense(30)(x))))
+    outputs = keras.layers.Dense(10)(keras.layers.Dense(30)(x))
+    model = tfmp.force_float32(keras.Model(inputs, outputs))
     report = tfmp.audit(model, tensor_cores=True, batch_size=12)
     messages = [w.message for w in report.warnings if w.kind == "tensor_core_dims"]
-    assert any("filters 12" in m for m in messages) and any("input channels 3" in m for m in messages)
+    assert any("filters 12" in m for m in messages)
+    assert any("input channels 3" in m for m in messages)
     assert any("units 30" in m for m in messages) and any("batch size 12" in m for m in messages)
     assert not any("units 10" in m for m in messages)  # float32 output layer: no Tensor Cores
     assert "tensor_core_dims" not in kinds(tfmp.audit(model, tensor_cores=False, batch_size=12))
@@ -136,7 +140,8 @@ def test_gradient_check_lists_variable_and_gradient_dtypes():
     before = [w.numpy().copy() for w in model.weights]
     report = tfmp.audit(model, batch=np.ones((8, 64), "float32"), tensor_cores=False)
     assert [g.path for g in report.gradients] == [v.path for v in model.trainable_variables]
-    assert {(g.variable_dtype, g.gradient_dtype) for g in report.gradients} == {("float32", "float32")}
+    dtypes = {(g.variable_dtype, g.gradient_dtype) for g in report.gradients}
+    assert dtypes == {("float32", "float32")}
     assert "Gradient check" in str(report)
     for old, new in zip(before, model.weights):
         np.testing.assert_array_equal(old, new.numpy())

@@ -133,7 +133,8 @@ def test_embedding_mixes_with_dense(policy):
     embedded = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(20, 8)(tokens))
     dense = keras.layers.Dense(8)(features)
     norm = keras.layers.LayerNormalization()(dense)  # float32 after forcing
-    mixed = keras.layers.Concatenate()([embedded, norm]) + keras.ops.concatenate([embedded, norm], axis=-1)
+    joined = keras.ops.concatenate([embedded, norm], axis=-1)  # raw op: float16 + float32
+    mixed = keras.layers.Concatenate()([embedded, norm]) + joined
     model = keras.Model([tokens, features], keras.layers.Dense(1)(mixed))
     tfmp.force_float32(model)
     model.compile("sgd", "mse")

@@ -216,7 +216,7 @@ def _gradient_check(model, batch, rows):
     variables = model.trainable_variables
     grads = tape.gradient(loss, variables)
     gradients = tuple(
-        GradientRow(v.path, v.dtype, None if g is None else keras.backend.standardize_dtype(g.dtype))
+        GradientRow(v.path, v.dtype, g if g is None else keras.backend.standardize_dtype(g.dtype))
         for v, g in zip(variables, grads)
     )
     out_dtypes = tuple(keras.backend.standardize_dtype(o.dtype) for o in outputs)

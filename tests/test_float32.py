@@ -305,3 +305,25 @@ def test_docstring_examples_run():
 
     for module in (_float32, _registry, _audit):
         assert doctest.testmod(module).failed == 0, module.__name__
+
+
+class Attention(keras.Model):
+    """Subclassed model around an unbuilt MultiHeadAttention."""
+
+    def __init__(self):
+        super().__init__()
+        self.mha = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
+
+    def call(self, x):
+        return self.mha(x, x)
+
+
+@pytest.mark.parametrize("exclude_later, softmax_dtype", [(False, "float32"), (True, "float16")])
+def test_deferred_forcing_uses_the_latest_options(exclude_later, softmax_dtype):
+    keras.config.set_dtype_policy("mixed_float16")
+    model = Attention()
+    tfmp.force_float32(model)
+    if exclude_later:
+        tfmp.force_float32(model, exclude="*softmax")
+    model(np.ones((1, 3, 8), "float32"))
+    assert model.mha._softmax.compute_dtype == softmax_dtype

@@ -133,7 +133,8 @@ def test_embedding_mixes_with_dense(policy):
     embedded = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(20, 8)(tokens))
     dense = keras.layers.Dense(8)(features)
     norm = keras.layers.LayerNormalization()(dense)  # float32 after forcing
-    mixed = keras.layers.Concatenate()([embedded, norm]) + keras.ops.concatenate([embedded, norm], axis=-1)
+    joined = keras.ops.concatenate([embedded, norm], axis=-1)  # raw op: float16 + float32
+    mixed = keras.layers.Concatenate()([embedded, norm]) + joined
     model = keras.Model([tokens, features], keras.layers.Dense(1)(mixed))
     tfmp.force_float32(model)
     model.compile("sgd", "mse")
@@ -274,3 +275,55 @@ def test_registry_api_and_context_manager():
 def test_errors_follow_the_template(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+class Fragile(keras.layers.Layer):
+    """Output layer whose symbolic spec cannot be recomputed once in float32."""
+
+    def call(self, x):
+        return x * 2.0
+
+    def compute_output_spec(self, x):
+        if self.compute_dtype == "float32":
+            raise NotImplementedError("no spec")
+        return keras.KerasTensor(x.shape, dtype=self.compute_dtype)
+
+
+def test_unrefreshable_spec_warns_but_runtime_is_float32():
+    keras.config.set_dtype_policy("mixed_float16")
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, Fragile(name="fragile")(keras.layers.Dense(4)(inputs)))
+    with pytest.warns(UserWarning, match="'fragile'"):
+        tfmp.force_float32(model)
+    assert model(np.ones((1, 4))).dtype == "float32"
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from tfmp import _audit, _float32
+
+    for module in (_float32, _registry, _audit):
+        assert doctest.testmod(module).failed == 0, module.__name__
+
+
+class Attention(keras.Model):
+    """Subclassed model around an unbuilt MultiHeadAttention."""
+
+    def __init__(self):
+        super().__init__()
+        self.mha = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
+
+    def call(self, x):
+        return self.mha(x, x)
+
+
+@pytest.mark.parametrize("exclude_later, softmax_dtype", [(False, "float32"), (True, "float16")])
+def test_deferred_forcing_uses_the_latest_options(exclude_later, softmax_dtype):
+    keras.config.set_dtype_policy("mixed_float16")
+    model = Attention()
+    tfmp.force_float32(model)
+    if exclude_later:
+        tfmp.force_float32(model, exclude="*softmax")
+    model(np.ones((1, 3, 8), "float32"))
+    assert model.mha._softmax.compute_dtype == softmax_dtype

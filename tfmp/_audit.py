@@ -216,7 +216,7 @@ def _gradient_check(model, batch, rows):
     variables = model.trainable_variables
     grads = tape.gradient(loss, variables)
     gradients = tuple(
-        GradientRow(v.path, v.dtype, None if g is None else keras.backend.standardize_dtype(g.dtype))
+        GradientRow(v.path, v.dtype, g if g is None else keras.backend.standardize_dtype(g.dtype))
         for v, g in zip(variables, grads)
     )
     out_dtypes = tuple(keras.backend.standardize_dtype(o.dtype) for o in outputs)
@@ -252,9 +252,9 @@ def audit(
 
     Example:
         >>> import keras, tfmp
-        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-        >>> [row.path for row in tfmp.audit(model).rows]
-        ['dense']
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, name="logits")])
+        >>> [(row.path, row.compute_dtype) for row in tfmp.audit(model).rows]
+        [('logits', 'float32')]
     """
     if not isinstance(model, keras.Model):
         raise invalid_argument("model", model, "a keras.Model")
@@ -285,7 +285,8 @@ def audit(
                                           f"model output {i} is {dtype} at run time."))
         if batch_size is None:
             batch_size = int(keras.tree.flatten(batch)[0].shape[0])
-    if tensor_cores and batch_size and batch_size % 8 and "float16" in policy:
+    global_compute = keras.config.dtype_policy().compute_dtype
+    if tensor_cores and batch_size and batch_size % 8 and global_compute in _LOW:
         found.append(AuditWarning("tensor_core_dims", "<batch>",
                                   f"batch size {batch_size} is not a multiple of 8."))
     fraction = forced_params / total if total else 0.0

@@ -171,18 +171,25 @@ def _apply_rules(entries, outputs: Set[int], keep, exclude, inherited: Dict[int,
 
 
 def _defer(layer, path: str, keep, exclude, forced_as: Optional[str]) -> None:
-    """Re-applies the rules to the sublayers ``layer.build()`` will create."""
-    original = layer.build
-    if getattr(original, _MARK, False):
+    """Re-applies the rules to the sublayers ``layer.build()`` will create.
+
+    Wraps the instance's ``build`` once (Keras itself wraps it the same way in
+    ``Layer.__new__``); a later call only updates the options the wrapper uses.
+    """
+    options = (path, keep, exclude, forced_as)
+    if getattr(layer.build, _MARK, None) is not None:
+        setattr(layer.build, _MARK, options)
         return
+    original = layer.build
 
     @functools.wraps(original)
     def build(*args, **kwargs):
         original(*args, **kwargs)
+        path, keep, exclude, forced_as = getattr(build, _MARK)
         inherited = {id(layer): forced_as} if forced_as else {}
         _apply_rules(iter_layers(layer, path), set(), keep, exclude, inherited)
 
-    setattr(build, _MARK, True)
+    setattr(build, _MARK, options)
     layer.build = build
 
 

@@ -1,0 +1,152 @@
+"""Tests for tfmp.audit (tfmp/_audit.py): the table, the rows, every warning kind."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmp
+
+
+def digits_model(units=64):
+    """The digits example's shape of model: 8x8 images flattened, 10 classes."""
+    inputs = keras.Input((64,))
+    x = keras.layers.Dense(units, activation="relu", name="hidden")(inputs)
+    x = keras.layers.LayerNormalization(name="norm")(x)
+    return keras.Model(inputs, keras.layers.Dense(10, activation="softmax", name="probs")(x))
+
+
+def kinds(report, path=None):
+    return {w.kind for w in report.warnings if path is None or w.path == path}
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_table_marks_forced_layers(policy):
+    keras.config.set_dtype_policy(policy)
+    model = tfmp.force_float32(digits_model())
+    report = tfmp.audit(model, tensor_cores=False)
+    text = str(report)
+    print(text)
+    header, rule = text.splitlines()[1:3]
+    columns = ["layer", "class", "compute", "variables", "float32", "params", "warnings"]
+    assert header.split() == columns
+    assert len(header) <= len(rule)
+    rows = {row.path: row for row in report.rows}
+    assert rows["hidden"].forced == "" and rows["hidden"].compute_dtype == policy[6:]
+    assert rows["norm"].forced == "normalization" and rows["probs"].forced == "output"
+    assert "normalization" in text and "output" in text
+    assert sum(row.params for row in report.rows) == model.count_params()
+    assert report.warnings == () and report.policy == policy
+    assert report.float32_fraction == pytest.approx((128 + 650) / model.count_params())
+
+
+def test_sensitive_and_output_16bit():
+    keras.config.set_dtype_policy("mixed_float16")
+    report = tfmp.audit(digits_model(), tensor_cores=False)
+    assert kinds(report, "norm") == {"sensitive_16bit"}
+    assert kinds(report, "probs") == {"sensitive_16bit", "output_16bit"}
+    assert report.rows[-1].warnings == ("sensitive_16bit", "output_16bit")
+
+
+def test_output_16bit_at_run_time_for_subclassed_models():
+    keras.config.set_dtype_policy("mixed_float16")
+
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(4)
+
+        def call(self, x):
+            return self.dense(x)
+
+    model = Net()
+    assert "output_16bit" in kinds(tfmp.audit(model, batch=np.ones((8, 4)), tensor_cores=False))
+    tfmp.force_float32(model)
+    assert kinds(tfmp.audit(model, batch=np.ones((8, 4)), tensor_cores=False)) == set()
+
+
+def test_variables_16bit():
+    keras.config.set_dtype_policy("float16")
+    report = tfmp.audit(digits_model(), tensor_cores=False)
+    assert "variables_16bit" in kinds(report, "hidden")
+    assert report.rows[0].variable_dtype == "float16"
+
+
+def test_policy_mismatch_when_built_before_enable():
+    model = digits_model()  # built under float32
+    keras.config.set_dtype_policy("mixed_float16")
+    report = tfmp.audit(model, tensor_cores=False)
+    mismatched = {w.path for w in report.warnings if w.kind == "policy_mismatch"}
+    assert mismatched == {"hidden", "norm", "probs"}
+    assert "rebuild" in report.warnings[0].message
+
+
+def test_tensor_core_dims_and_batch_size():
+    keras.config.set_dtype_policy("mixed_float16")
+    inputs = keras.Input((12, 12, 3))
+    x = keras.layers.Conv2D(12, 3)(inputs)
+    x = keras.layers.Flatten()(x)
+    outputs = keras.layers.Dense(10)(keras.layers.Dense(30)(x))
+    model = tfmp.force_float32(keras.Model(inputs, outputs))
+    report = tfmp.audit(model, tensor_cores=True, batch_size=12)
+    messages = [w.message for w in report.warnings if w.kind == "tensor_core_dims"]
+    assert any("filters 12" in m for m in messages)
+    assert any("input channels 3" in m for m in messages)
+    assert any("units 30" in m for m in messages) and any("batch size 12" in m for m in messages)
+    assert not any("units 10" in m for m in messages)  # float32 output layer: no Tensor Cores
+    assert "tensor_core_dims" not in kinds(tfmp.audit(model, tensor_cores=False, batch_size=12))
+
+
+def test_aligned_model_has_no_dim_warnings():
+    keras.config.set_dtype_policy("mixed_float16")
+    model = tfmp.force_float32(digits_model())
+    assert kinds(tfmp.audit(model, tensor_cores=True, batch_size=32)) == set()
+
+
+def test_float32_heavy():
+    keras.config.set_dtype_policy("mixed_float16")
+    inputs = keras.Input((64,))
+    model = keras.Model(inputs, keras.layers.Dense(64)(keras.layers.Dense(4)(inputs)))
+    report = tfmp.audit(tfmp.force_float32(model), tensor_cores=False)
+    assert kinds(report) == {"float32_heavy"} and report.float32_fraction > 0.5
+
+
+class AddConstant(keras.layers.Layer):
+    """A custom layer with the classic bug: a float32 constant added to a 16-bit input."""
+
+    def call(self, x):
+        return tf.add(x, tf.constant(1.0))
+
+
+def test_dtype_mismatch_names_layer_and_fix():
+    keras.config.set_dtype_policy("mixed_float16")
+
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense, self.bump = keras.layers.Dense(8), AddConstant(name="bump")
+
+        def call(self, x):
+            return self.bump(self.dense(x))
+
+    report = tfmp.audit(Net(), batch=(np.ones((8, 4)), np.ones((8, 8))), tensor_cores=False)
+    (warning,) = [w for w in report.warnings if w.kind == "dtype_mismatch"]
+    assert warning.path == "bump" and "self.compute_dtype" in warning.message
+
+
+def test_gradient_check_lists_variable_and_gradient_dtypes():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    model = tfmp.force_float32(digits_model())
+    before = [w.numpy().copy() for w in model.weights]
+    report = tfmp.audit(model, batch=np.ones((8, 64), "float32"), tensor_cores=False)
+    assert [g.path for g in report.gradients] == [v.path for v in model.trainable_variables]
+    dtypes = {(g.variable_dtype, g.gradient_dtype) for g in report.gradients}
+    assert dtypes == {("float32", "float32")}
+    assert "Gradient check" in str(report)
+    for old, new in zip(before, model.weights):
+        np.testing.assert_array_equal(old, new.numpy())
+
+
+def test_invalid_model():
+    with pytest.raises(ValueError, match="Invalid `model` argument"):
+        tfmp.audit(keras.layers.Dense(3))

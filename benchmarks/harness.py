@@ -1,0 +1,202 @@
+"""Building, warming up and timing one workload under each configuration.
+
+Configurations (`CONFIGS`):
+
+* ``float32``: the Keras global policy set to ``"float32"``, plain `compile`.
+* ``keras_mixed``: plain Keras with the recommended mixed policy, as the Keras
+  mixed-precision guide does it: ``keras.config.set_dtype_policy(policy)`` and
+  a plain `compile` (Keras wraps the optimizer itself only for float16).
+* ``tfmp``: ``tfmp.enable("auto")`` before building, `compile` under tfmp (float32
+  forcing, `tfmp.LossScaleOptimizer`), and `fit` with
+  ``tfmp.LossScaleMonitor(update_freq=100)``.
+
+Each configuration builds its own model; the global policy is restored and
+`tfmp.disable()` called right after its `compile`, so the next one starts clean.
+Models stay alive so that timed runs of the configurations can alternate (the
+same share of any background load falls on each).
+
+What is timed: `model.fit` on the cached dataset, from the end of the first step
+of each call to the end of its last step (wall clock, `time.perf_counter`), so
+tracing, iterator start-up and epoch-end work are excluded. Warm-up steps (the
+first of which traces the train function) run before any timed call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Callable, List, Optional
+
+import keras
+import tensorflow as tf
+
+import tfmp
+from benchmarks.memory import PeakDeviceMemory, model_memory
+from benchmarks.workloads import Workload
+
+CONFIGS = ("float32", "keras_mixed", "tfmp")
+MONITOR_UPDATE_FREQ = 100
+
+
+class StepClock(keras.callbacks.Callback):
+    """Records `time.perf_counter()` at the end of every training step.
+
+    Attributes:
+        times: List of floats, seconds, one per step of the last `fit` call.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.times: List[float] = []
+
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        self.times = []
+
+    def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+        self.times.append(time.perf_counter())
+
+    def seconds_per_step(self) -> float:
+        """Float. Mean seconds per step after the first of the last call."""
+        if len(self.times) < 2:
+            raise RuntimeError("StepClock needs at least two steps of one fit call.")
+        return (self.times[-1] - self.times[0]) / (len(self.times) - 1)
+
+
+@dataclasses.dataclass
+class ConfiguredRun:
+    """A compiled model of one workload under one configuration, warmed up.
+
+    Attributes:
+        config: String. One of `CONFIGS`.
+        policy: String. The model's dtype policy name as built.
+        model: Compiled `keras.Model`.
+        dataset: `tf.data.Dataset` it trains on.
+        callbacks: List of Keras callbacks of this configuration, plus the clock.
+        clock: `StepClock` among `callbacks`.
+        memory: Dict of byte counts (see `benchmarks.memory`).
+    """
+
+    config: str
+    policy: str
+    model: keras.Model
+    dataset: tf.data.Dataset
+    callbacks: list
+    clock: StepClock
+    memory: dict
+
+    def train(self, steps: int) -> float:
+        """Trains `steps` + 1 steps and returns the seconds per step after the first.
+
+        Args:
+            steps: Int >= 1. Steps that are timed.
+
+        Returns:
+            Float. Mean wall-clock seconds per timed step.
+        """
+        self.model.fit(
+            self.dataset, epochs=1, steps_per_epoch=steps + 1, verbose=0, shuffle=False,
+            callbacks=self.callbacks,
+        )
+        return self.clock.seconds_per_step()
+
+
+def _build_and_compile(workload: Workload, config: str, policy: str) -> keras.Model:
+    """Builds and compiles under `config`, then restores the global state."""
+    previous = keras.config.dtype_policy()
+    try:
+        if config == "tfmp":
+            tfmp.enable("auto")
+        else:
+            keras.config.set_dtype_policy("float32" if config == "float32" else policy)
+        model = workload.build()
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-3),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    finally:
+        tfmp.disable()
+        keras.config.set_dtype_policy(previous)
+    return model
+
+
+def prepare(
+    workload: Workload, config: str, policy: str, log_dir: str, warmup_steps: int
+) -> ConfiguredRun:
+    """Builds, compiles and warms up `workload` under `config`.
+
+    Args:
+        workload: `Workload`.
+        config: String. One of `CONFIGS`.
+        policy: String. The recommended mixed policy (used by ``keras_mixed``).
+        log_dir: String. Root folder for the tfmp monitor's event files.
+        warmup_steps: Int >= 2. Untimed steps; the first traces the train step.
+
+    Returns:
+        `ConfiguredRun`, with its clock holding the warm-up steps' times.
+
+    Raises:
+        ValueError: `config` is not one of `CONFIGS`.
+    """
+    if config not in CONFIGS:
+        raise ValueError(f"Unknown config {config!r}; expected one of {CONFIGS}.")
+    peak = PeakDeviceMemory()
+    model = _build_and_compile(workload, config, policy)
+    clock = StepClock()
+    callbacks: list = []
+    if config == "tfmp":
+        monitor_dir = os.path.join(log_dir, workload.name)
+        callbacks.append(tfmp.LossScaleMonitor(monitor_dir, update_freq=MONITOR_UPDATE_FREQ))
+    callbacks.append(clock)
+    run = ConfiguredRun(
+        config, model.dtype_policy.name, model, workload.dataset(), callbacks, clock, {}
+    )
+    run.train(warmup_steps - 1)
+    run.memory = model_memory(model, workload.batch_size)
+    run.memory["peak_device_bytes"] = peak.read()
+    return run
+
+
+def calibrate_steps(
+    seconds_per_step: float, target_seconds: float, min_steps: int, max_steps: int
+) -> int:
+    """Steps per timed call so that one call lasts about `target_seconds`.
+
+    Args:
+        seconds_per_step: Float > 0. Measured step time of the slowest config.
+        target_seconds: Float. Wanted duration of one timed call.
+        min_steps: Int. Lower bound.
+        max_steps: Int. Upper bound.
+
+    Returns:
+        Int in [min_steps, max_steps].
+    """
+    wanted = int(round(target_seconds / max(seconds_per_step, 1e-9)))
+    return max(min_steps, min(max_steps, wanted))
+
+
+def matmul_gflops(dtype: str, size: int, iterations: int) -> Callable[[], float]:
+    """A timer of ``tf.matmul`` on two `size` x `size` matrices of `dtype`.
+
+    Args:
+        dtype: String. ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        size: Int. Matrix side; one product costs 2 * size**3 FLOPs.
+        iterations: Int. Products per timed call.
+
+    Returns:
+        Callable taking no arguments that runs `iterations` products (after one
+        untimed warm-up product on its first call) and returns GFLOP/s.
+    """
+    a = tf.cast(tf.random.stateless_normal((size, size), seed=(1, 2)), dtype)
+    b = tf.cast(tf.random.stateless_normal((size, size), seed=(3, 4)), dtype)
+    float(tf.matmul(a, b)[0, 0])  # warm-up: oneDNN primitive creation
+
+    def timed() -> float:
+        start = time.perf_counter()
+        for _ in range(iterations):
+            product = tf.matmul(a, b)
+        float(product[0, 0])  # the result is ready before the clock stops
+        seconds = time.perf_counter() - start
+        return 2.0 * size**3 * iterations / seconds / 1e9
+
+    return timed

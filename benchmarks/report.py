@@ -1,0 +1,171 @@
+"""From raw timings to medians, ratios, target verdicts and Markdown tables.
+
+Ratios (all from medians over the repeats):
+
+* ``keras_mixed_vs_float32``: samples/s of plain Keras mixed / float32 (speed-up).
+* ``tfmp_vs_float32``: samples/s of tfmp / float32 (speed-up of ``enable("auto")``).
+* ``tfmp_vs_keras_step_time``: step time of tfmp / plain Keras mixed (overhead;
+  1.0 means none), i.e. samples/s of plain Keras / samples/s of tfmp.
+
+Each ratio also has a ``paired`` form: the median over repeats of the ratio
+within one repeat. Configurations alternate inside a repeat, so the paired form
+cancels load that drifts between repeats; when the two disagree, the machine was
+busy.
+
+Targets (issue 9): tfmp overhead <= 1.02 on every model; ``tfmp_vs_float32`` >=
+1.5 on the MLP and >= 1.8 on the CNN where "auto" picks mixed_bfloat16 on a CPU
+(the reference machine's case; "n/a" elsewhere); ``tfmp_vs_float32`` >= 1.0 on
+every model ("auto" never picks a policy slower than float32).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Dict, List, Optional
+
+# (model, ratio, comparison, limit, what it checks)
+TARGETS = (
+    (None, "tfmp_vs_keras_step_time", "<=", 1.02, "tfmp overhead vs plain Keras"),
+    ("mlp", "tfmp_vs_float32", ">=", 1.5, "auto speed-up on a bf16 CPU"),
+    ("cnn", "tfmp_vs_float32", ">=", 1.8, "auto speed-up on a bf16 CPU"),
+    (None, "tfmp_vs_float32", ">=", 1.0, "auto not slower than float32"),
+)
+_BF16_CPU_ONLY = "auto speed-up on a bf16 CPU"
+MIB = 2.0**20
+
+
+def summarize_config(samples_per_s: List[float]) -> dict:
+    """Median and spread of one configuration's repeats.
+
+    Args:
+        samples_per_s: List of floats > 0, one per repeat.
+
+    Returns:
+        Dict: ``samples_per_s`` (the list), ``median_samples_per_s``,
+        ``min_samples_per_s``, ``max_samples_per_s``.
+    """
+    return {
+        "samples_per_s": list(samples_per_s),
+        "median_samples_per_s": statistics.median(samples_per_s),
+        "min_samples_per_s": min(samples_per_s),
+        "max_samples_per_s": max(samples_per_s),
+    }
+
+
+def ratios(configs: Dict[str, dict]) -> Dict[str, dict]:
+    """The three ratios of one model, from medians and paired per repeat.
+
+    Args:
+        configs: Dict config name -> dict with ``samples_per_s`` (list, one per
+            repeat, same length for every config) and ``median_samples_per_s``.
+
+    Returns:
+        Dict ratio name -> ``{"value": float, "paired": float}``.
+    """
+
+    def speed(numerator: str, denominator: str) -> dict:
+        num, den = configs[numerator], configs[denominator]
+        paired = [a / b for a, b in zip(num["samples_per_s"], den["samples_per_s"])]
+        return {
+            "value": num["median_samples_per_s"] / den["median_samples_per_s"],
+            "paired": statistics.median(paired),
+        }
+
+    return {
+        "keras_mixed_vs_float32": speed("keras_mixed", "float32"),
+        "tfmp_vs_float32": speed("tfmp", "float32"),
+        "tfmp_vs_keras_step_time": speed("keras_mixed", "tfmp"),
+    }
+
+
+def verdicts(models: Dict[str, dict], bf16_cpu: bool) -> List[dict]:
+    """Checks each target of `TARGETS` against the measured ratios.
+
+    Args:
+        models: Dict model name -> dict with ``ratios`` as from `ratios`.
+        bf16_cpu: Bool. "auto" picked mixed_bfloat16 on a CPU, where the
+            speed-up targets apply.
+
+    Returns:
+        List of dicts: ``model``, ``ratio``, ``op``, ``limit``, ``what``,
+        ``value`` (float), ``met`` (bool, or None when the target does not apply).
+    """
+    out = []
+    for model_filter, ratio, op, limit, what in TARGETS:
+        for name, model in models.items():
+            if model_filter not in (None, name):
+                continue
+            value = model["ratios"][ratio]["value"]
+            met: Optional[bool] = value <= limit if op == "<=" else value >= limit
+            if what == _BF16_CPU_ONLY and not bf16_cpu:
+                met = None
+            out.append(dict(model=name, ratio=ratio, op=op, limit=limit, what=what,
+                            value=value, met=met))
+    return out
+
+
+def _row(cells) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _table(header, rows) -> List[str]:
+    return [_row(header), _row(["---"] * len(header))] + [_row(r) for r in rows]
+
+
+def markdown(results: dict) -> str:
+    """Markdown tables of a suite's results (speed, ratios, memory, targets).
+
+    Args:
+        results: Dict as written by ``benchmarks/run.py --json``.
+
+    Returns:
+        String of Markdown.
+    """
+    lines = []
+    mm = results["matmul"]
+    lines.append(
+        f"tf.matmul {mm['size']}^3: {mm['dtype']} {mm['ratio']['value']:.2f}x float32 "
+        f"(paired {mm['ratio']['paired']:.2f}x; "
+        f"{mm['configs']['float32']['median_gflops']:.0f} vs "
+        f"{mm['configs'][mm['dtype']]['median_gflops']:.0f} GFLOP/s): the hardware ceiling."
+    )
+    lines.append("")
+    rows = []
+    for name, model in results["models"].items():
+        c, r = model["configs"], model["ratios"]
+        rows.append([
+            name,
+            *(f"{c[k]['median_samples_per_s']:,.0f}" for k in ("float32", "keras_mixed", "tfmp")),
+            *(f"{r[k]['value']:.2f}x ({r[k]['paired']:.2f}x)"
+              for k in ("keras_mixed_vs_float32", "tfmp_vs_float32", "tfmp_vs_keras_step_time")),
+        ])
+    lines += _table(
+        ["model", "float32 samples/s", "Keras mixed samples/s", "tfmp samples/s",
+         "Keras mixed / float32", "tfmp / float32", "tfmp / Keras step time"],
+        rows,
+    )
+    lines.append("")
+    rows = []
+    for name, model in results["models"].items():
+        for config, c in model["configs"].items():
+            m = c["memory"]
+            peak = m["peak_device_bytes"]
+            rows.append([
+                name, config, c["policy"],
+                f"{m['parameter_bytes'] / MIB:.2f}", f"{m['optimizer_bytes'] / MIB:.2f}",
+                f"{m['activation_bytes'] / MIB:.2f}",
+                "n/a on CPU" if peak is None else f"{peak / MIB:.1f}",
+            ])
+    lines += _table(
+        ["model", "config", "policy", "parameters MiB", "optimizer MiB",
+         "activations MiB", "peak device MiB"],
+        rows,
+    )
+    lines.append("")
+    rows = []
+    for t in results["targets"]:
+        verdict = "n/a" if t["met"] is None else ("met" if t["met"] else "NOT met")
+        rows.append([t["model"], t["what"], f"{t['ratio']} {t['op']} {t['limit']}",
+                     f"{t['value']:.3f}", verdict])
+    lines += _table(["model", "target", "rule", "measured", "verdict"], rows)
+    return "\n".join(lines)

@@ -1,0 +1,212 @@
+"""Benchmark suite: float32, plain Keras mixed precision and tfmp, side by side.
+
+For each workload (MLP, CNN, Transformer encoder; see `benchmarks.workloads`) the
+three configurations of `benchmarks.harness` are built and warmed up, then timed
+alternately over several repeats in this one process; medians of samples/s and
+their ratios are printed with the issue-9 targets, next to the hardware ceiling
+(``tf.matmul`` in float32 vs the recommended 16-bit dtype), and the memory of
+each configuration.
+
+    python benchmarks/run.py                       # full suite, a few minutes
+    python benchmarks/run.py --json results.json   # also write every number
+    python benchmarks/run.py --quick               # tiny sizes: checks it runs
+
+Close other work first: the ratios are only as good as the machine is quiet
+(the load average is recorded in the results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's tfmp
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tfmp  # noqa: E402
+from benchmarks import harness, report  # noqa: E402
+from benchmarks.workloads import workloads  # noqa: E402
+from tfmp._hardware import detect_device_facts  # noqa: E402
+
+# (repeats, warm-up steps, seconds per timed call, min steps, max steps,
+#  matmul size, matmul products per timed call)
+FULL = dict(repeats=5, warmup=5, seconds=3.0, min_steps=10, max_steps=2000,
+            matmul_size=2048, matmul_iterations=8)
+QUICK = dict(repeats=2, warmup=2, seconds=0.0, min_steps=2, max_steps=2,
+             matmul_size=64, matmul_iterations=2)
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def machine() -> dict:
+    """Facts about where the suite ran: CPU, cores, versions, date, load."""
+    facts = detect_device_facts()
+    return {
+        "cpu": facts.cpu_name,
+        "cpu_bf16_flags": list(facts.cpu_bf16_flags),
+        "cores": os.cpu_count(),
+        "gpus": [f"{g.name} (cc {g.cc_string})" for g in facts.gpus],
+        "python": platform.python_version(),
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+        "tfmp": tfmp.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "load_average_start": list(os.getloadavg()),
+    }
+
+
+def bench_matmul(dtype: str, sizes: dict) -> dict:
+    """``tf.matmul`` GFLOP/s in float32 and `dtype`, alternated over the repeats."""
+    dtypes = ["float32"] + ([dtype] if dtype != "float32" else [])
+    timers = {
+        d: harness.matmul_gflops(d, sizes["matmul_size"], sizes["matmul_iterations"])
+        for d in dtypes
+    }
+    gflops = {d: [] for d in dtypes}
+    for repeat in range(sizes["repeats"]):
+        for d in dtypes[repeat % len(dtypes):] + dtypes[: repeat % len(dtypes)]:
+            gflops[d].append(timers[d]())
+    configs = {
+        d: {"gflops": g, "median_gflops": report.summarize_config(g)["median_samples_per_s"]}
+        for d, g in gflops.items()
+    }
+    paired = [a / b for a, b in zip(gflops[dtype], gflops["float32"])]
+    return {
+        "size": sizes["matmul_size"],
+        "dtype": dtype,
+        "configs": configs,
+        "ratio": {
+            "value": configs[dtype]["median_gflops"] / configs["float32"]["median_gflops"],
+            "paired": statistics.median(paired),
+        },
+    }
+
+
+def bench_workload(workload, policy: str, sizes: dict, log_dir: str) -> dict:
+    """Prepares the configurations of one workload and times them alternately."""
+    configs = harness.CONFIGS
+    runs = {}
+    for config in configs:
+        _log(f"  {workload.name}: building and warming up {config}")
+        runs[config] = harness.prepare(workload, config, policy, log_dir, sizes["warmup"])
+    slowest = max(run.clock.seconds_per_step() for run in runs.values())
+    steps = harness.calibrate_steps(
+        slowest, sizes["seconds"], sizes["min_steps"], sizes["max_steps"]
+    )
+    samples = {config: [] for config in configs}
+    for repeat in range(sizes["repeats"]):
+        order = configs[repeat % len(configs):] + configs[: repeat % len(configs)]
+        for config in order:
+            seconds = runs[config].train(steps)
+            samples[config].append(workload.batch_size / seconds)
+        _log(f"  {workload.name}: repeat {repeat + 1}/{sizes['repeats']} "
+             + ", ".join(f"{c} {samples[c][-1]:,.0f}/s" for c in configs))
+    out = {
+        "description": workload.description,
+        "batch_size": workload.batch_size,
+        "steps_per_repeat": steps,
+        "configs": {},
+    }
+    for config in configs:
+        out["configs"][config] = {
+            "policy": runs[config].policy,
+            **report.summarize_config(samples[config]),
+            "memory": runs[config].memory,
+        }
+    out["ratios"] = report.ratios(out["configs"])
+    return out
+
+
+def run_suite(
+    quick: bool = False, repeats: Optional[int] = None,
+    models: Optional[Sequence[str]] = None, log_dir: Optional[str] = None,
+) -> dict:
+    """Runs the suite and returns every number (the ``--json`` content).
+
+    Args:
+        quick: Bool. Tiny sizes, two repeats: checks the suite runs.
+        repeats: Int or None. Overrides the number of repeats.
+        models: Sequence of workload names or None (all).
+        log_dir: String or None. Folder for the tfmp monitor's events (a
+            temporary folder, removed afterwards, when None).
+
+    Returns:
+        Dict with ``machine``, ``suite``, ``decision``, ``matmul``, ``models``
+        and ``targets``.
+    """
+    sizes = dict(QUICK if quick else FULL)
+    if repeats is not None:
+        sizes["repeats"] = repeats
+    start = time.perf_counter()
+    decision = tfmp.recommend_policy()
+    chosen = workloads(quick)
+    names = list(models) if models else list(chosen)
+    results = {"machine": machine(), "suite": {"quick": quick, **sizes}}
+    results["decision"] = {"policy": decision.policy, "reason": decision.reason,
+                           "device": decision.device}
+    _log(f"tfmp auto: {decision.policy} on {decision.device}")
+    _log("matmul")
+    results["matmul"] = bench_matmul(decision.compute_dtype, sizes)
+    with tempfile.TemporaryDirectory() as tmp:
+        results["models"] = {}
+        for name in names:
+            results["models"][name] = bench_workload(
+                chosen[name], decision.policy, sizes, log_dir or tmp
+            )
+            gc.collect()
+    bf16_cpu = decision.compute_dtype == "bfloat16" and not detect_device_facts().gpus
+    results["targets"] = report.verdicts(results["models"], bf16_cpu)
+    results["machine"]["load_average_end"] = list(os.getloadavg())
+    results["suite"]["duration_s"] = time.perf_counter() - start
+    return results
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    """Command line: runs the suite, prints Markdown tables, optionally writes JSON.
+
+    Args:
+        argv: Sequence of strings or None (``sys.argv[1:]``).
+
+    Returns:
+        Dict of results (as written with ``--json``).
+    """
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", metavar="PATH", help="write all results to PATH")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (tests)")
+    parser.add_argument("--repeats", type=int, help="timed repeats per config")
+    parser.add_argument("--models", nargs="+", choices=list(workloads(True)),
+                        help="run only these workloads")
+    parser.add_argument("--log-dir", help="keep the tfmp monitor's events here")
+    args = parser.parse_args(argv)
+    if args.repeats is not None and args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    results = run_suite(args.quick, args.repeats, args.models, args.log_dir)
+    m = results["machine"]
+    print(f"{m['cpu']}, {m['cores']} cores; TensorFlow {m['tensorflow']}, Keras "
+          f"{m['keras']}; {m['date']}; load average {m['load_average_start'][0]:.2f} "
+          f"-> {m['load_average_end'][0]:.2f}; {results['suite']['duration_s']:.0f} s")
+    print(f"auto: {results['decision']['policy']}\n")
+    print(report.markdown(results))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""The models the suite trains and their in-memory input pipelines.
+
+Three workloads, each with a full size (the one the targets of issue 9 refer to)
+and a tiny "quick" size that only checks the suite still runs:
+
+| name        | full size                                                         |
+|-------------|-------------------------------------------------------------------|
+| mlp         | Dense 1024-2048-2048-2048-10, batch 256, Adam                     |
+| cnn         | 4 Conv2D 64-64-128-128 + BatchNormalization, 32x32x3, batch 128   |
+| transformer | 2 encoder blocks, d_model 128, 4 heads, FFN 512, 128 tokens, batch 64 |
+
+Inputs are synthetic (fixed seed): the suite measures speed, not accuracy, and
+needs no download. A few distinct batches are cached in memory and repeated, so
+the input pipeline costs next to nothing and every configuration sees the same
+data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, Tuple
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+# Distinct batches held in memory; the dataset repeats them.
+DISTINCT_BATCHES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One model to benchmark.
+
+    Attributes:
+        name: String. Short name used in tables and JSON (``"mlp"``...).
+        description: String. What the model is, for the report.
+        batch_size: Int. Samples per training step.
+        build: Callable returning an unbuilt-optimizer, uncompiled `keras.Model`
+            under the global dtype policy in force when it is called.
+        inputs: Callable ``(batch_size, rng) -> (x, y)`` of NumPy arrays holding
+            `DISTINCT_BATCHES` batches.
+    """
+
+    name: str
+    description: str
+    batch_size: int
+    build: Callable[[], keras.Model]
+    inputs: Callable[[int, np.random.Generator], Tuple[np.ndarray, np.ndarray]]
+
+    def dataset(self, seed: int = 0) -> tf.data.Dataset:
+        """Cached, repeated, prefetched batches of synthetic data.
+
+        Args:
+            seed: Int. Seed of the NumPy generator.
+
+        Returns:
+            `tf.data.Dataset` of ``(x, y)`` batches of `batch_size`, infinite.
+        """
+        x, y = self.inputs(self.batch_size, np.random.default_rng(seed))
+        return (
+            tf.data.Dataset.from_tensor_slices((x, y))
+            .batch(self.batch_size, drop_remainder=True)
+            .cache()
+            .repeat()
+            .prefetch(tf.data.AUTOTUNE)
+        )
+
+
+def _classes(rng: np.random.Generator, n: int, classes: int) -> np.ndarray:
+    return rng.integers(0, classes, size=(n,), dtype=np.int32)
+
+
+def mlp(features: int, hidden: int, depth: int, classes: int, batch_size: int) -> Workload:
+    """A multi-layer perceptron on dense float features.
+
+    Args:
+        features: Int. Input width.
+        hidden: Int. Width of each hidden Dense layer (ReLU).
+        depth: Int. Number of hidden layers.
+        classes: Int. Output logits.
+        batch_size: Int. Samples per step.
+
+    Returns:
+        `Workload` named ``"mlp"``.
+    """
+
+    def build() -> keras.Model:
+        x = inputs = keras.Input((features,))
+        for _ in range(depth):
+            x = keras.layers.Dense(hidden, activation="relu")(x)
+        return keras.Model(inputs, keras.layers.Dense(classes)(x), name="mlp")
+
+    def inputs(batch: int, rng: np.random.Generator):
+        n = batch * DISTINCT_BATCHES
+        return rng.standard_normal((n, features), dtype=np.float32), _classes(rng, n, classes)
+
+    widths = "-".join([str(features)] + [str(hidden)] * depth + [str(classes)])
+    return Workload("mlp", f"MLP {widths}, batch {batch_size}", batch_size, build, inputs)
+
+
+def cnn(size: int, filters: Tuple[int, ...], classes: int, batch_size: int) -> Workload:
+    """A small VGG-style CNN: Conv2D + BatchNormalization + ReLU blocks.
+
+    Args:
+        size: Int. Height and width of the RGB input images.
+        filters: Tuple of ints. Filters of each 3x3 Conv2D; a 2x2 max-pool
+            follows every second one.
+        classes: Int. Output logits.
+        batch_size: Int. Samples per step.
+
+    Returns:
+        `Workload` named ``"cnn"``.
+    """
+
+    def build() -> keras.Model:
+        x = inputs = keras.Input((size, size, 3))
+        for i, width in enumerate(filters):
+            x = keras.layers.Conv2D(width, 3, padding="same", use_bias=False)(x)
+            x = keras.layers.BatchNormalization()(x)
+            x = keras.layers.ReLU()(x)
+            if i % 2 == 1:
+                x = keras.layers.MaxPooling2D()(x)
+        x = keras.layers.GlobalAveragePooling2D()(x)
+        return keras.Model(inputs, keras.layers.Dense(classes)(x), name="cnn")
+
+    def inputs(batch: int, rng: np.random.Generator):
+        n = batch * DISTINCT_BATCHES
+        images = rng.uniform(0.0, 1.0, (n, size, size, 3)).astype(np.float32)
+        return images, _classes(rng, n, classes)
+
+    widths = "-".join(map(str, filters))
+    return Workload(
+        "cnn",
+        f"CNN conv {widths} + BatchNorm, {size}x{size}x3, batch {batch_size}",
+        batch_size,
+        build,
+        inputs,
+    )
+
+
+class PositionEmbedding(keras.layers.Layer):
+    """Adds a learned embedding of each position to a (batch, seq, width) input."""
+
+    def build(self, input_shape: Tuple[int, ...]) -> None:
+        self.positions = self.add_weight(
+            shape=tuple(input_shape[1:]), initializer="random_normal", name="positions"
+        )
+
+    def call(self, x):
+        return x + self.positions
+
+
+def transformer(
+    seq_len: int, vocab: int, d_model: int, heads: int, ffn: int, blocks: int,
+    classes: int, batch_size: int,
+) -> Workload:
+    """A small Transformer encoder classifier (post-norm blocks, learned positions).
+
+    Args:
+        seq_len: Int. Tokens per sequence.
+        vocab: Int. Vocabulary size.
+        d_model: Int. Embedding width.
+        heads: Int. Attention heads (key dim ``d_model // heads``).
+        ffn: Int. Width of the feed-forward hidden layer (GELU).
+        blocks: Int. Encoder blocks.
+        classes: Int. Output logits (mean-pooled sequence).
+        batch_size: Int. Samples per step.
+
+    Returns:
+        `Workload` named ``"transformer"``.
+    """
+
+    def build() -> keras.Model:
+        tokens = keras.Input((seq_len,), dtype="int32")
+        x = PositionEmbedding()(keras.layers.Embedding(vocab, d_model)(tokens))
+        for _ in range(blocks):
+            attention = keras.layers.MultiHeadAttention(heads, d_model // heads)(x, x)
+            x = keras.layers.LayerNormalization()(x + attention)
+            hidden = keras.layers.Dense(ffn, activation="gelu")(x)
+            x = keras.layers.LayerNormalization()(x + keras.layers.Dense(d_model)(hidden))
+        x = keras.layers.GlobalAveragePooling1D()(x)
+        return keras.Model(tokens, keras.layers.Dense(classes)(x), name="transformer")
+
+    def inputs(batch: int, rng: np.random.Generator):
+        n = batch * DISTINCT_BATCHES
+        ids = rng.integers(0, vocab, size=(n, seq_len), dtype=np.int32)
+        return ids, _classes(rng, n, classes)
+
+    return Workload(
+        "transformer",
+        f"Transformer encoder {blocks}x(d {d_model}, {heads} heads, FFN {ffn}), "
+        f"{seq_len} tokens, batch {batch_size}",
+        batch_size,
+        build,
+        inputs,
+    )
+
+
+def workloads(quick: bool = False) -> Dict[str, Workload]:
+    """The suite's workloads by name, at full or quick size.
+
+    Args:
+        quick: Bool. Tiny sizes that train in milliseconds (for tests).
+
+    Returns:
+        Dict mapping ``"mlp"``, ``"cnn"``, ``"transformer"`` to `Workload`.
+    """
+    if quick:
+        chosen = (
+            mlp(32, 32, 3, 10, batch_size=16),
+            cnn(8, (4, 4, 8, 8), 10, batch_size=8),
+            transformer(8, 50, 16, 2, 32, 1, 2, batch_size=8),
+        )
+    else:
+        chosen = (
+            mlp(1024, 2048, 3, 10, batch_size=256),
+            cnn(32, (64, 64, 128, 128), 10, batch_size=128),
+            transformer(128, 2000, 128, 4, 512, 2, 2, batch_size=64),
+        )
+    return {w.name: w for w in chosen}

@@ -1,0 +1,168 @@
+"""The benchmark suite runs (quick mode) and its numbers hang together; no timing asserts."""
+
+import json
+import math
+import pathlib
+import statistics
+import sys
+
+import keras
+import pytest
+
+import tfmp
+from tfmp._enable import is_enabled
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import harness, memory, report, run  # noqa: E402
+
+MODELS = {"mlp", "cnn", "transformer"}
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """One quick run of the whole suite through its command line, shared by the tests."""
+    folder = tmp_path_factory.mktemp("bench")
+    json_path = folder / "results.json"
+    policy_before = keras.config.dtype_policy().name
+    results = run.main(["--quick", "--json", str(json_path), "--log-dir", str(folder / "logs")])
+    policy_after = keras.config.dtype_policy().name
+    written = json.loads(json_path.read_text(encoding="utf-8"))
+    return dict(results=results, written=written, folder=folder,
+                policy_before=policy_before, policy_after=policy_after)
+
+
+def test_quick_run_leaves_no_global_state(quick):
+    assert quick["policy_after"] == quick["policy_before"]
+    assert not is_enabled()
+    assert "compile" not in keras.Model.__dict__
+
+
+def test_json_holds_every_model_and_config(quick, capsys):
+    results = quick["written"]
+    assert results == json.loads(json.dumps(quick["results"]))
+    assert set(results["models"]) == MODELS
+    decision = tfmp.recommend_policy()
+    assert results["decision"]["policy"] == decision.policy
+    for name, model in results["models"].items():
+        assert set(model["configs"]) == set(harness.CONFIGS), name
+        policies = {c: model["configs"][c]["policy"] for c in harness.CONFIGS}
+        assert policies == {"float32": "float32", "keras_mixed": decision.policy,
+                            "tfmp": decision.policy}
+        assert model["steps_per_repeat"] >= 1
+
+
+def test_samples_per_second_are_positive_and_medians_match(quick):
+    repeats = quick["written"]["suite"]["repeats"]
+    for model in quick["written"]["models"].values():
+        for config in model["configs"].values():
+            samples = config["samples_per_s"]
+            assert len(samples) == repeats
+            assert all(math.isfinite(s) and s > 0 for s in samples)
+            assert config["median_samples_per_s"] == statistics.median(samples)
+            assert config["min_samples_per_s"] <= config["median_samples_per_s"]
+            assert config["median_samples_per_s"] <= config["max_samples_per_s"]
+
+
+def test_ratios_are_computed_from_the_medians(quick):
+    for model in quick["written"]["models"].values():
+        med = {k: c["median_samples_per_s"] for k, c in model["configs"].items()}
+        sps = {k: c["samples_per_s"] for k, c in model["configs"].items()}
+        r = model["ratios"]
+        assert r["keras_mixed_vs_float32"]["value"] == pytest.approx(
+            med["keras_mixed"] / med["float32"])
+        assert r["tfmp_vs_float32"]["value"] == pytest.approx(med["tfmp"] / med["float32"])
+        assert r["tfmp_vs_keras_step_time"]["value"] == pytest.approx(
+            med["keras_mixed"] / med["tfmp"])
+        paired = statistics.median(a / b for a, b in zip(sps["tfmp"], sps["float32"]))
+        assert r["tfmp_vs_float32"]["paired"] == pytest.approx(paired)
+
+
+def test_matmul_ceiling_is_measured_in_float32_and_the_recommended_dtype(quick):
+    mm = quick["written"]["matmul"]
+    assert mm["dtype"] == tfmp.recommend_policy().compute_dtype
+    assert set(mm["configs"]) == {"float32", mm["dtype"]}
+    for config in mm["configs"].values():
+        assert all(g > 0 for g in config["gflops"])
+    expected = (mm["configs"][mm["dtype"]]["median_gflops"]
+                / mm["configs"]["float32"]["median_gflops"])
+    assert mm["ratio"]["value"] == pytest.approx(expected)
+
+
+def test_memory_counts_follow_the_policies(quick):
+    mixed = tfmp.recommend_policy().compute_dtype != "float32"
+    for name, model in quick["written"]["models"].items():
+        mem = {k: c["memory"] for k, c in model["configs"].items()}
+        # Mixed policies keep float32 master weights: same parameter bytes.
+        assert len({m["parameter_bytes"] for m in mem.values()}) == 1, name
+        assert all(m["activation_bytes"] > 0 for m in mem.values())
+        # tfmp's LossScaleOptimizer adds its scale and counters to Adam's slots.
+        assert mem["tfmp"]["optimizer_bytes"] > mem["keras_mixed"]["optimizer_bytes"]
+        if mixed:
+            assert mem["keras_mixed"]["activation_bytes"] < mem["float32"]["activation_bytes"]
+            # Outputs and normalization forced to float32 cost some of the saving.
+            assert (mem["keras_mixed"]["activation_bytes"]
+                    <= mem["tfmp"]["activation_bytes"]
+                    < mem["float32"]["activation_bytes"])
+        if not quick["written"]["machine"]["gpus"]:
+            assert all(m["peak_device_bytes"] is None for m in mem.values())
+
+
+def test_targets_are_judged_from_the_ratios(quick):
+    results = quick["written"]
+    targets = results["targets"]
+    overhead = [t for t in targets if t["ratio"] == "tfmp_vs_keras_step_time"]
+    assert {t["model"] for t in overhead} == MODELS
+    for t in targets:
+        value = results["models"][t["model"]]["ratios"][t["ratio"]]["value"]
+        assert t["value"] == value
+        if t["met"] is not None:
+            assert t["met"] == (value <= t["limit"] if t["op"] == "<=" else value >= t["limit"])
+
+
+def test_tfmp_config_ran_with_the_monitor(quick):
+    for name in MODELS:
+        assert list((quick["folder"] / "logs" / name / "train").glob("events.out.tfevents.*"))
+
+
+def test_printed_report_names_every_model(quick, capsys):
+    text = report.markdown(quick["written"])
+    for name in MODELS:
+        assert f"| {name} |" in text
+    if not quick["written"]["machine"]["gpus"]:
+        assert "n/a on CPU" in text
+
+
+def test_ratios_and_verdicts_on_exact_numbers():
+    configs = {
+        "float32": report.summarize_config([100.0, 200.0, 100.0]),
+        "keras_mixed": report.summarize_config([200.0, 400.0, 200.0]),
+        "tfmp": report.summarize_config([400.0, 200.0, 200.0]),
+    }
+    r = report.ratios(configs)
+    assert r["keras_mixed_vs_float32"] == {"value": 2.0, "paired": 2.0}
+    assert r["tfmp_vs_float32"] == {"value": 2.0, "paired": 2.0}
+    assert r["tfmp_vs_keras_step_time"] == {"value": 1.0, "paired": 1.0}
+    models = {"mlp": {"ratios": r}, "cnn": {"ratios": r}}
+    judged = {(t["model"], t["limit"]): t["met"] for t in report.verdicts(models, True)}
+    assert judged == {("mlp", 1.02): True, ("cnn", 1.02): True, ("mlp", 1.5): True,
+                      ("cnn", 1.8): True, ("mlp", 1.0): True, ("cnn", 1.0): True}
+    not_bf16 = report.verdicts(models, False)
+    assert [t["met"] for t in not_bf16 if t["limit"] in (1.5, 1.8)] == [None, None]
+
+
+def test_calibrated_steps_stay_in_bounds():
+    assert harness.calibrate_steps(0.01, 3.0, 10, 2000) == 300
+    assert harness.calibrate_steps(1.0, 3.0, 10, 2000) == 10
+    assert harness.calibrate_steps(1e-6, 3.0, 10, 2000) == 2000
+
+
+@pytest.mark.parametrize("policy, itemsize", [("float32", 4), ("mixed_bfloat16", 2)])
+def test_activation_and_variable_bytes_from_tensor_sizes(policy, itemsize):
+    keras.config.set_dtype_policy(policy)  # the conftest fixture restores it
+    inputs = keras.Input((8,))
+    model = keras.Model(inputs, keras.layers.Dense(4)(inputs))
+    # One (batch 2, 4) output; kernel 8x4 + bias 4 stay float32 master weights.
+    assert memory.activation_bytes(model, batch_size=2) == 2 * 4 * itemsize
+    assert memory.variables_bytes(model.variables + model.variables) == (32 + 4) * 4

@@ -32,6 +32,7 @@ import keras
 import tensorflow as tf
 
 import tfmp
+from tfmp._errors import invalid_argument
 from benchmarks.memory import PeakDeviceMemory, model_memory
 from benchmarks.workloads import Workload
 
@@ -139,7 +140,7 @@ def prepare(
         ValueError: `config` is not one of `CONFIGS`.
     """
     if config not in CONFIGS:
-        raise ValueError(f"Unknown config {config!r}; expected one of {CONFIGS}.")
+        raise invalid_argument("config", config, f"one of {CONFIGS}", choices=CONFIGS)
     peak = PeakDeviceMemory()
     model = _build_and_compile(workload, config, policy)
     clock = StepClock()

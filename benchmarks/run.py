@@ -38,7 +38,7 @@ import tensorflow as tf  # noqa: E402
 
 import tfmp  # noqa: E402
 from benchmarks import harness, report  # noqa: E402
-from benchmarks.workloads import workloads  # noqa: E402
+from benchmarks.workloads import Workload, workloads  # noqa: E402
 from tfmp._hardware import detect_device_facts  # noqa: E402
 
 # (repeats, warm-up steps, seconds per timed call, min steps, max steps,
@@ -97,7 +97,7 @@ def bench_matmul(dtype: str, sizes: dict) -> dict:
     }
 
 
-def bench_workload(workload, policy: str, sizes: dict, log_dir: str) -> dict:
+def bench_workload(workload: Workload, policy: str, sizes: dict, log_dir: str) -> dict:
     """Prepares the configurations of one workload and times them alternately."""
     configs = harness.CONFIGS
     runs = {}

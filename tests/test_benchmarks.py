@@ -166,3 +166,9 @@ def test_activation_and_variable_bytes_from_tensor_sizes(policy, itemsize):
     # One (batch 2, 4) output; kernel 8x4 + bias 4 stay float32 master weights.
     assert memory.activation_bytes(model, batch_size=2) == 2 * 4 * itemsize
     assert memory.variables_bytes(model.variables + model.variables) == (32 + 4) * 4
+
+
+def test_unknown_config_is_rejected_in_the_project_template():
+    workload = next(iter(run.workloads(quick=True).values()))
+    with pytest.raises(ValueError, match=r"Invalid `config` argument.*Received: config='fp16'"):
+        harness.prepare(workload, "fp16", "mixed_bfloat16", "unused", warmup_steps=2)

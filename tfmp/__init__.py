@@ -1,9 +1,15 @@
 """tfmp: safe, fast and visible mixed-precision training for TensorFlow/Keras."""
 
 from tfmp._errors import NonFiniteError
+from tfmp._memory import MemoryEstimate
+from tfmp._memory import estimate_kv_cache
+from tfmp._memory import estimate_memory
 from tfmp._version import __version__
 
 __all__ = [
+    "MemoryEstimate",
     "NonFiniteError",
     "__version__",
+    "estimate_kv_cache",
+    "estimate_memory",
 ]

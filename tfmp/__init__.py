@@ -2,6 +2,8 @@
 
 from tfmp._compare import compare
 from tfmp._compare_report import CompareReport
+from tfmp._doctor import DoctorReport
+from tfmp._doctor import doctor
 from tfmp._errors import NonFiniteError
 from tfmp._memory import MemoryEstimate
 from tfmp._memory import estimate_kv_cache
@@ -10,10 +12,12 @@ from tfmp._version import __version__
 
 __all__ = [
     "CompareReport",
+    "DoctorReport",
     "MemoryEstimate",
     "NonFiniteError",
     "__version__",
     "compare",
+    "doctor",
     "estimate_kv_cache",
     "estimate_memory",
 ]

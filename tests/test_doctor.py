@@ -4,6 +4,7 @@ import doctest
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -133,3 +134,24 @@ def test_python_dash_m_tfmp_doctor(args):
 def test_docstring_examples_run():
     result = doctest.testmod(_doctor)
     assert result.attempted > 0 and result.failed == 0
+
+
+def _slug(heading):
+    text = "".join(c for c in heading.lower() if c.isalnum() or c in " -")
+    return text.strip().replace(" ", "-")
+
+
+def test_troubleshooting_links_point_to_existing_sections():
+    with open(os.path.join(ROOT, "docs", "troubleshooting.md"), encoding="utf-8") as f:
+        doc = f.read()
+    sections = {_slug(line[3:]) for line in doc.splitlines() if line.startswith("## ")}
+    assert {"nan-or-inf-loss", "gradients-stuck-at-zero", "no-speed-up",
+            "no-memory-saving", "accuracy-drop-versus-float32"} <= sections
+    anchors = set(re.findall(r"\]\(#([\w-]+)\)", doc))
+    package = os.path.join(ROOT, "tfmp")
+    for name in os.listdir(package):
+        if name.endswith(".py"):
+            with open(os.path.join(package, name), encoding="utf-8") as f:
+                anchors |= set(re.findall(
+                    r"(?:troubleshooting\.md|\{TROUBLESHOOTING\})#([\w-]+)", f.read()))
+    assert anchors and anchors <= sections

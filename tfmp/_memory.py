@@ -157,7 +157,9 @@ class MemoryEstimate:
         lines += [f"{n:<12} {format_bytes(a):>{width}} {format_bytes(b):>12}"
                   for n, a, b in rows]
         share = self.saving_bytes / self.float32_total_bytes if self.float32_total_bytes else 0
-        lines.append(f"saving: {format_bytes(self.saving_bytes)} ({share:.1%} of float32)")
+        lines.append(f"saving: {format_bytes(self.saving_bytes)} ({share:.1%} of float32); "
+                     "activations are an estimate, see "
+                     "docs/troubleshooting.md#no-memory-saving")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 

@@ -112,6 +112,7 @@ def test_tf_data_input(digits):
     report = tfmp.compare(build_digits_model, ds, policies=("float32", "mixed_bfloat16"),
                           epochs=1)
     assert report.settings["samples_per_step"] == 64
+    assert report.settings["device"] == recommend_policy().device
     assert report.runs[1].policy == "mixed_bfloat16"
     assert report.runs[0].steps_timed == 3
 
@@ -139,6 +140,11 @@ def test_policy_is_restored_when_a_run_fails(digits):
 def test_bad_policies_use_the_error_template(digits, policies, fragment):
     with pytest.raises(ValueError, match=fragment):
         tfmp.compare(build_digits_model, digits[0], policies=policies)
+
+
+def test_negative_tolerance_is_rejected_before_training(digits):
+    with pytest.raises(ValueError, match="Received: tolerance=-0.1"):
+        tfmp.compare(build_digits_model, digits[0], tolerance=-0.1)
 
 
 def test_bad_data_uses_the_error_template():

@@ -98,6 +98,21 @@ def test_tf32_note_follows_the_switch():
     assert not any("TF32 is on" in n for n in off.data["notes"])
 
 
+def test_xla_autoclustering_on_a_bf16_cpu_is_flagged():
+    bf16_cpu = DeviceFacts(cpu_name="AMD EPYC", cpu_flags=frozenset({"avx512_bf16"}))
+    before = tf.config.optimizer.get_jit()
+    try:
+        tf.config.optimizer.set_jit("autoclustering")
+        on = tfmp.doctor(bf16_cpu, file=None)
+    finally:
+        tf.config.optimizer.set_jit(before or False)
+    off = tfmp.doctor(bf16_cpu, file=None)
+    assert on.data["xla"]["auto_jit"] == "autoclustering"
+    assert any("XLA" in n and "#no-speed-up" in n for n in on.data["notes"])
+    assert off.data["xla"]["auto_jit"] == "off"
+    assert not any("XLA" in n for n in off.data["notes"])
+
+
 def test_json_output_round_trips():
     out = io.StringIO()
     report = tfmp.doctor(T4, as_json=True, file=out)

@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from tfmp._compare_report import CompareReport, RunResult
 from tfmp._errors import invalid_argument
-from tfmp._policy import FLOAT32, resolve_policy
+from tfmp._policy import FLOAT32, recommend_policy, resolve_policy
 
 Data = Union[Tuple[Any, Any], tf.data.Dataset]
 
@@ -147,7 +147,7 @@ def compare(
         train_data: Tuple ``(x, y)`` of arrays (batched with `batch_size`) or a
             batched `tf.data.Dataset` yielding ``(x, y)``.
         val_data: Same forms as `train_data`, or None. Gives ``val_*`` metrics.
-        policies: Sequence of policy names; ``"auto"`` means
+        policies: Sequence of policy names (or `keras.DTypePolicy`); ``"auto"`` means
             `tfmp.recommend_policy().policy`. Must include ``"float32"`` (the
             baseline) and one more.
         epochs: Int > 0. Epochs per run.
@@ -177,11 +177,14 @@ def compare(
     if not callable(build_model):
         raise invalid_argument("build_model", build_model,
                                "a callable returning a compiled keras.Model")
-    if isinstance(policies, str) or len(policies) < 2 or len(set(policies)) != len(policies):
+    distinct = not isinstance(policies, str) and len(set(policies)) == len(policies)
+    if not distinct or len(policies) < 2:
         raise invalid_argument(
             "policies", policies, "a sequence of at least two distinct policy names",
             fix="Pass e.g. policies=('float32', 'auto').")
-    resolved = [(p, resolve_policy(p).policy) for p in policies]
+    if not tolerance >= 0:
+        raise invalid_argument("tolerance", tolerance, "a float >= 0 (percentage points)")
+    resolved = [(getattr(p, "name", p), resolve_policy(p).policy) for p in policies]
     if FLOAT32 not in [policy for _, policy in resolved]:
         raise invalid_argument(
             "policies", policies, "a sequence including 'float32' as the baseline",
@@ -197,5 +200,6 @@ def compare(
         for requested, policy in resolved
     ]
     settings: Dict[str, Any] = dict(epochs=epochs, seed=seed,
-                                    samples_per_step=samples_per_step)
+                                    samples_per_step=samples_per_step,
+                                    device=recommend_policy().device)
     return CompareReport(runs=tuple(runs), tolerance=float(tolerance), settings=settings)

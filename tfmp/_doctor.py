@@ -86,7 +86,8 @@ def _notes(data: Dict[str, Any], facts: DeviceFacts) -> List[str]:
         notes.append("TF32 is on: float32 matmuls on compute capability >= 8.0 keep only "
                      "10 mantissa bits. For full float32 precision call "
                      "tf.config.experimental.enable_tensor_float_32_execution(False).")
-    if data["xla"]["auto_jit"] != "off" and not facts.gpus and rec["compute_dtype"] == "bfloat16":
+    cpu_bf16 = not facts.gpus and rec["compute_dtype"] == "bfloat16"
+    if data["xla"]["auto_jit"] != "off" and cpu_bf16:
         notes.append("XLA auto-clustering is on for a CPU with bfloat16: XLA's CPU matmuls "
                      "do not use the bfloat16 units (measured 0.94x float32 instead of "
                      f"2.0x). See {TROUBLESHOOTING}#no-speed-up")

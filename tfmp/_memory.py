@@ -21,7 +21,8 @@ exact for the built objects; activation bytes are an estimate. Assumptions:
   and the allocator's own overhead are not counted, and TensorFlow may fuse or free
   some of them, so read the number as an order of magnitude, not a peak.
 
-Troubleshooting (mixed policy but no memory saving): docs/troubleshooting.md#no-memory-saving.
+Troubleshooting (mixed policy but no memory saving):
+docs/troubleshooting.md#no-memory-saving.
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ class MemoryEstimate:
                  f"{'':<12} {self.policy:>{width}} {'float32':>12}"]
         lines += [f"{n:<12} {format_bytes(a):>{width}} {format_bytes(b):>12}"
                   for n, a, b in rows]
-        share = self.saving_bytes / self.float32_total_bytes if self.float32_total_bytes else 0
+        share = self.saving_bytes / max(self.float32_total_bytes, 1)
         lines.append(f"saving: {format_bytes(self.saving_bytes)} ({share:.1%} of float32); "
                      "activations are an estimate, see "
                      "docs/troubleshooting.md#no-memory-saving")

@@ -10,12 +10,15 @@ float32 value ("%").
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from tfmp._errors import invalid_argument
 from tfmp._policy import FLOAT32
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 ACCURACY_SECTION = "docs/troubleshooting.md#accuracy-drop-versus-float32"
 _ACCURACY_WORDS = ("acc", "auc", "precision", "recall")
@@ -179,7 +182,7 @@ class CompareReport:
             "verdict": dataclasses.asdict(self.verdict()),
         }
 
-    def plot(self, path: Optional[str] = None):
+    def plot(self, path: Optional[str] = None) -> Figure:
         """Draws each metric's per-epoch curve for every policy.
 
         Args:
@@ -189,7 +192,7 @@ class CompareReport:
             `matplotlib.figure.Figure` with one axes per metric (training solid,
             validation dashed). Made without pyplot, so no backend state changes.
         """
-        from matplotlib.figure import Figure
+        from matplotlib.figure import Figure  # noqa: F811 (lazy: optional dependency)
         from matplotlib.ticker import MaxNLocator
 
         bases = sorted({m.removeprefix("val_") for r in self.runs for m in r.history})

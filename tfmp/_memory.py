@@ -37,7 +37,6 @@ import tensorflow as tf
 from tfmp._errors import invalid_argument
 
 
-
 def format_bytes(n: int) -> str:
     """Human-readable size in binary units: ``1536`` -> ``"1.50 KiB"``."""
     size, unit = float(n), "B"

@@ -170,6 +170,14 @@ def _gpu_decision(cc, cc_string: str, device: str) -> PolicyDecision:
             device,
             tf32=False,
         )
+    if cc is None:
+        return PolicyDecision(
+            FLOAT32,
+            "TensorFlow did not report the GPU's compute capability, so it cannot "
+            "be told whether it has Tensor Cores; float32 is the safe choice.",
+            device,
+            tf32=False,
+        )
     return PolicyDecision(
         FLOAT32,
         f"Compute capability {cc_string} < 7.0 has no Tensor Cores, so mixed "
@@ -197,7 +205,9 @@ def slower_than_float32(policy: str, facts: DeviceFacts) -> Optional[str]:
     cc = facts.min_compute_capability
     needed = (7, 0) if compute == "float16" else (8, 0)
     if facts.gpus:
-        if cc is None or cc >= needed:
+        if cc is None:
+            return f"this GPU's compute capability is unknown, so {compute} support is too"
+        if cc >= needed:
             return None
         return (
             f"{compute} Tensor Cores need compute capability >= {needed[0]}.0, "

@@ -1,0 +1,415 @@
+"""Loss scaling that never fails silently: `tfmp.LossScaleOptimizer`.
+
+Keras's `LossScaleOptimizer` halves the scale on every non-finite step without a
+floor, doubles it without a ceiling and counts nothing. The subclass below keeps all
+of Keras's behaviour and adds scale bounds, hysteresis, overflow counters kept as
+optimizer variables (so checkpoints carry them), a fixed-scale guard for bfloat16 and
+float32 runs, and stuck detection that stops `model.fit` with `tfmp.NonFiniteError`.
+
+Number sources: float16's largest finite value is 65504, so gradients above that
+overflow to inf; the default `max_scale` of 2**24 is NVIDIA apex's cap; the default
+initial scale 2**15 and growth interval 2000 are Keras's.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from typing import Any, Optional, Union
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+from tfmp._errors import NonFiniteError, invalid_argument
+
+#: Default of `max_consecutive_overflows`: more than the 24 halvings that take the
+#: scale from `max_scale` 2**24 down to 1, so a healthy start never trips it.
+DEFAULT_MAX_CONSECUTIVE_OVERFLOWS = 32
+#: Consecutive overflows at `min_scale` after which the run counts as stuck: the scale
+#: cannot be lowered any further, so retrying only burns batches.
+MIN_SCALE_PATIENCE = 3
+_ON_STUCK = ("raise", "warn")
+_INT = "int64"
+
+
+def _check_positive(name: str, value: Any, *, integer: bool = False) -> None:
+    """Raises the template ValueError unless `value` is a finite number > 0."""
+    if integer:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise invalid_argument(name, value, "an integer >= 1")
+    elif isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise invalid_argument(name, value, "a finite number > 0")
+
+
+@keras.saving.register_keras_serializable(package="tfmp")
+class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+    """Keras's `LossScaleOptimizer` with counters, bounds and stuck detection.
+
+    On a step with finite gradients the gradients are divided by the scale and handed
+    to `inner_optimizer`; after `dynamic_growth_steps` finite steps in a row the scale
+    doubles, capped at `max_scale`. On a non-finite step the update is skipped, the
+    counters go up and, once `hysteresis` non-finite steps came in a row, the scale
+    halves, never below `min_scale`. The inner optimizer's `iterations` does not
+    advance on a skipped step, so learning-rate schedules do not either; `total_steps`
+    counts every step.
+
+    Optimizer variables (scalars, created in `build`, saved in checkpoints):
+    `dynamic_scale` (float32, the scale), `step_counter` (finite steps since the last
+    scale change), `overflow_count` (int64, skipped steps in total),
+    `consecutive_overflows` (int64), `last_overflow_step` (int64, value of
+    `total_steps` before the last skipped step, i.e. its zero-based index; -1 if
+    none), `total_steps` (int64, every `apply` call), `min_scale_overflows` (int64,
+    consecutive skipped steps taken at `min_scale`) and `last_loss_status` (int64,
+    bit 1 = NaN, bit 2 = inf in the last loss passed to `scale_loss`).
+
+    Stuck detection: after `max_consecutive_overflows` skipped steps in a row, or
+    `MIN_SCALE_PATIENCE` (3) in a row at `min_scale`, `raise_if_stuck` raises
+    `tfmp.NonFiniteError` (or warns, with `on_stuck="warn"`). It runs after every
+    eager `apply` and after every `model.fit` step.
+
+    Args:
+        inner_optimizer: `keras.optimizers.Optimizer`. The optimizer to wrap; its
+            clipping, weight decay and gradient accumulation see unscaled gradients.
+        initial_scale: Float. The loss scale at step 0; must lie in
+            [`min_scale`, `max_scale`]. Default 2**15 (Keras).
+        dynamic_growth_steps: Int >= 1. Finite steps in a row before the scale doubles.
+        min_scale: Float > 0. The scale never goes below this. Default 1.0.
+        max_scale: Float. The scale never grows above this. Default 2**24 (apex).
+        hysteresis: Int >= 1. Non-finite steps in a row before the first halving
+            (DeepSpeed's option); 1 is Keras's behaviour.
+        max_consecutive_overflows: Int >= 1. Skipped steps in a row that count as
+            stuck. Default `DEFAULT_MAX_CONSECUTIVE_OVERFLOWS` (32).
+        on_stuck: String, `"raise"` (default) or `"warn"` (keep training, warn once
+            per stuck run).
+        loss_scaling: Bool. False fixes the scale at 1.0 (for bfloat16 or float32
+            compute) while non-finite steps are still skipped and counted.
+        name: String or None. The optimizer's name.
+        **kwargs: Keras's backwards-compatibility arguments (`dynamic=True` and the
+            base optimizer's defaults); anything else raises ValueError.
+
+    Raises:
+        ValueError: In the project's template, for an invalid argument.
+
+    Example:
+        >>> opt = LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0**10)
+        >>> opt.loss_scale
+        1024.0
+    """
+
+    def __init__(
+        self,
+        inner_optimizer: keras.optimizers.Optimizer,
+        initial_scale: float = 2.0**15,
+        dynamic_growth_steps: int = 2000,
+        *,
+        min_scale: float = 1.0,
+        max_scale: float = 2.0**24,
+        hysteresis: int = 1,
+        max_consecutive_overflows: int = DEFAULT_MAX_CONSECUTIVE_OVERFLOWS,
+        on_stuck: str = "raise",
+        loss_scaling: bool = True,
+        name: Optional[str] = None,
+        **kwargs: Any,
+    ) -> None:
+        for arg, value in (("initial_scale", initial_scale), ("min_scale", min_scale), ("max_scale", max_scale)):
+            _check_positive(arg, value)
+        for arg, value in (
+            ("dynamic_growth_steps", dynamic_growth_steps),
+            ("hysteresis", hysteresis),
+            ("max_consecutive_overflows", max_consecutive_overflows),
+        ):
+            _check_positive(arg, value, integer=True)
+        if min_scale > max_scale:
+            raise invalid_argument("min_scale", min_scale, f"a value <= max_scale={max_scale!r}")
+        if loss_scaling and not min_scale <= initial_scale <= max_scale:
+            raise invalid_argument(
+                "initial_scale", initial_scale, f"a value in [min_scale, max_scale] = [{min_scale!r}, {max_scale!r}]"
+            )
+        if on_stuck not in _ON_STUCK:
+            raise invalid_argument("on_stuck", on_stuck, "one of 'raise', 'warn'", choices=_ON_STUCK)
+        if not isinstance(loss_scaling, bool):
+            raise invalid_argument("loss_scaling", loss_scaling, "True or False")
+        if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+            raise invalid_argument(
+                "inner_optimizer", inner_optimizer, "a keras.optimizers.Optimizer instance",
+                "Use tfmp's wrap_optimizer() to wrap a string or dict identifier.",
+            )
+        # Keras's build and scale_loss read `initial_scale`: without loss scaling it
+        # is 1.0 while get_config keeps the value the caller gave.
+        super().__init__(
+            inner_optimizer, float(initial_scale) if loss_scaling else 1.0, dynamic_growth_steps, name=name, **kwargs
+        )
+        self._config_initial_scale = initial_scale
+        self.min_scale = float(min_scale)
+        self.max_scale = float(max_scale)
+        self.hysteresis = hysteresis
+        self.max_consecutive_overflows = max_consecutive_overflows
+        self.on_stuck = on_stuck
+        self.loss_scaling = loss_scaling
+        self._grads_already_unscaled = False
+        self._warned_run = None
+
+    @keras.src.utils.tracking.no_automatic_dependency_tracking
+    def build(self, var_list: list) -> None:
+        """Creates Keras's variables, then tfmp's counters (see the class docstring)."""
+        super().build(var_list)
+        for var_name in ("overflow_count", "consecutive_overflows", "total_steps", "min_scale_overflows"):
+            setattr(self, var_name, self.add_variable((), "zeros", _INT, name=var_name))
+        self.last_overflow_step = self.add_variable((), keras.initializers.Constant(-1), _INT, name="last_overflow_step")
+        self.last_loss_status = self.add_variable((), "zeros", _INT, name="last_loss_status")
+
+    @property
+    def loss_scale(self) -> float:
+        """Float. The current loss scale (the initial one before `build`)."""
+        return float(self.dynamic_scale.numpy()) if self.built else float(self.initial_scale)
+
+    def scale_loss(self, loss: Any) -> Any:
+        """Multiplies `loss` by the scale, recording whether the loss is finite.
+
+        Keras's TF trainer calls this on the unscaled loss before the gradients, so
+        stuck detection can tell a non-finite loss from gradient overflow.
+        """
+        if self.built:
+            value = ops.convert_to_tensor(loss)
+            nan = ops.cast(ops.any(ops.isnan(value)), _INT)
+            inf = ops.cast(ops.any(ops.isinf(value)), _INT)
+            self.last_loss_status.assign(nan + 2 * inf)
+        return super().scale_loss(loss)
+
+    def get_scaled_loss(self, loss: Any) -> Any:
+        """Alias of `scale_loss`, under its tf.keras 2 name."""
+        return self.scale_loss(loss)
+
+    def get_unscaled_gradients(self, grads: list) -> list:
+        """Divides `grads` by the scale, as tf.keras 2 did.
+
+        For code moved from tf.keras 2: the next `apply` / `apply_gradients` call then
+        takes its gradients as already unscaled and does not divide them again.
+
+        Args:
+            grads: List of tensors or None. Gradients of the scaled loss.
+
+        Returns:
+            List of tensors (float32 where given float32), gradients of the true loss.
+        """
+        self._grads_already_unscaled = True
+        return [None if g is None else ops.divide(g, ops.cast(self.dynamic_scale, g.dtype)) for g in grads]
+
+    def apply(self, grads: list, trainable_variables: Optional[list] = None) -> None:
+        """Skips or applies one step (Keras semantics), then checks for a stuck run."""
+        try:
+            super().apply(grads, trainable_variables)
+        finally:
+            self._grads_already_unscaled = False
+        if tf.executing_eagerly():
+            self.raise_if_stuck()
+        else:
+            _install_fit_check(self)
+
+    def _unscale(self, grads: list, trainable_variables: Optional[list]) -> list:
+        if self._grads_already_unscaled:
+            return list(grads)
+        variables = trainable_variables or self._trainable_variables
+        return [
+            g if g is None or self._overwrite_variable_with_gradient(v) else ops.divide(g, self.dynamic_scale)
+            for g, v in zip(grads, variables)
+        ]
+
+    def _stateful_handle_finite_grads(self, grads: list, trainable_variables: Optional[list]) -> None:
+        self.inner_optimizer.apply(self._unscale(grads, trainable_variables), trainable_variables=trainable_variables)
+        self.total_steps.assign_add(1)
+        self.consecutive_overflows.assign(0)
+        self.min_scale_overflows.assign(0)
+        if not self.loss_scaling:
+            return
+
+        def grow():
+            self.step_counter.assign(0)
+            grown = ops.minimum(ops.multiply(self.dynamic_scale, 2.0), self.max_scale)
+            self.dynamic_scale.assign(ops.where(ops.isfinite(grown), grown, self.dynamic_scale))
+
+        def count():
+            self.step_counter.assign_add(1)
+
+        ops.cond(ops.equal(self.step_counter, self.dynamic_growth_steps - 1), grow, count)
+
+    def _stateful_handle_non_finite_grads(self) -> None:
+        self.overflow_count.assign_add(1)
+        self.consecutive_overflows.assign_add(1)
+        self.last_overflow_step.assign(self.total_steps)
+        self.total_steps.assign_add(1)
+        self.step_counter.assign(0)
+        if not self.loss_scaling:
+            return
+        at_floor = ops.less_equal(self.dynamic_scale, self.min_scale)
+        self.min_scale_overflows.assign(ops.where(at_floor, self.min_scale_overflows + 1, 0))
+        backoff = ops.greater_equal(self.consecutive_overflows, self.hysteresis)
+        halved = ops.maximum(ops.multiply(self.dynamic_scale, 0.5), self.min_scale)
+        self.dynamic_scale.assign(ops.where(backoff, halved, self.dynamic_scale))
+
+    def raise_if_stuck(self) -> None:
+        """Raises (or warns) when the run keeps skipping steps.
+
+        Called for you after each eager `apply` and after each `model.fit` step; call
+        it between steps of a custom loop running in a `tf.function`.
+
+        Raises:
+            tfmp.NonFiniteError: With `on_stuck="raise"`, when `consecutive_overflows`
+                reached `max_consecutive_overflows` or `min_scale_overflows` reached
+                `MIN_SCALE_PATIENCE`. `phase` is `"loss"` when the last loss was
+                non-finite, `"gradients"` otherwise.
+        """
+        if not self.built:
+            return
+        consecutive = int(self.consecutive_overflows.numpy())
+        if consecutive < min(self.max_consecutive_overflows, MIN_SCALE_PATIENCE):
+            return
+        at_floor = int(self.min_scale_overflows.numpy())
+        if consecutive < self.max_consecutive_overflows and at_floor < MIN_SCALE_PATIENCE:
+            return
+        error = _stuck_error(self, consecutive, at_floor)
+        if self.on_stuck == "raise":
+            raise error
+        run = error.step - consecutive + 1
+        if self._warned_run != run:
+            self._warned_run = run
+            warnings.warn(str(error), RuntimeWarning, stacklevel=2)
+
+    def get_config(self) -> dict:
+        """Keras's config plus every tfmp argument (round-trips through `from_config`)."""
+        config = super().get_config()
+        config.update(
+            initial_scale=self._config_initial_scale,
+            min_scale=self.min_scale,
+            max_scale=self.max_scale,
+            hysteresis=self.hysteresis,
+            max_consecutive_overflows=self.max_consecutive_overflows,
+            on_stuck=self.on_stuck,
+            loss_scaling=self.loss_scaling,
+        )
+        return config
+
+
+def _stuck_error(optimizer: LossScaleOptimizer, consecutive: int, at_floor: int) -> NonFiniteError:
+    """Builds the diagnosis: a non-finite loss versus gradient overflow."""
+    step = int(optimizer.last_overflow_step.numpy())
+    scale = optimizer.loss_scale
+    status = int(optimizer.last_loss_status.numpy())
+    kind = {1: "nan", 2: "inf", 3: "nan+inf"}.get(status)
+    rule = (
+        f"{consecutive} non-finite steps in a row (max_consecutive_overflows={optimizer.max_consecutive_overflows})"
+        if consecutive >= optimizer.max_consecutive_overflows
+        else f"{at_floor} non-finite steps in a row at min_scale={optimizer.min_scale:g}"
+    )
+    if kind:
+        phase = "loss"
+        cause = (
+            f"The loss itself is non-finite ({kind}): it comes from the forward pass, the data or the "
+            "learning rate, and lowering the loss scale cannot help."
+        )
+    else:
+        phase = "gradients"
+        cause = (
+            "The loss is finite but the gradients overflow (float16 holds at most 65504) even at this scale: "
+            "look for exploding activations or gradients, or lower the learning rate."
+        )
+    message = (
+        f"Training is stuck: {rule}; last skipped step {step}, loss scale {scale:g}. {cause} "
+        "Run tfmp.check_numerics(model) to find the first layer that produces it."
+    )
+    details = {
+        "scale": scale,
+        "overflow_count": int(optimizer.overflow_count.numpy()),
+        "consecutive_overflows": consecutive,
+        "min_scale_overflows": at_floor,
+    }
+    return NonFiniteError(message, phase=phase, step=step, kind=kind, details=details)
+
+
+def _install_fit_check(optimizer: LossScaleOptimizer) -> None:
+    """Makes `model.fit` call `optimizer.raise_if_stuck()` after every step.
+
+    Why a check between steps: `fit` runs the step in a `tf.function`, XLA-compiled by
+    default on GPUs, where `tf.debugging.Assert` is dropped and `tf.py_function` does
+    not compile; an error raised in the graph would also reach the caller as a
+    `tf.errors.OpError`, not a `NonFiniteError`. The optimizer is not told which model
+    trains it, so while the step is traced we find the model whose `optimizer` is
+    this one among the calling frames (Keras's `train_step` runs with `self` = the
+    model) and wrap its `train_function`, which `fit` and `train_on_batch` call once
+    per step. The check reads one scalar, and `fit` already waits for each step.
+    Custom loops in a `tf.function` call `raise_if_stuck()` themselves.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        model = frame.f_locals.get("self")
+        if isinstance(model, keras.Model) and getattr(model, "optimizer", None) is optimizer:
+            break
+        frame = frame.f_back
+    else:
+        return
+    train_function = getattr(model, "train_function", None)
+    if train_function is None or getattr(train_function, "_tfmp_stuck_check", False):
+        return
+
+    def checked_train_function(*args: Any, **kwargs: Any) -> Any:
+        logs = train_function(*args, **kwargs)
+        optimizer.raise_if_stuck()
+        return logs
+
+    checked_train_function._tfmp_stuck_check = True
+    model.train_function = checked_train_function
+
+
+_WRAP_OPTIONS = (
+    "initial_scale",
+    "dynamic_growth_steps",
+    "min_scale",
+    "max_scale",
+    "hysteresis",
+    "max_consecutive_overflows",
+    "on_stuck",
+    "loss_scaling",
+    "name",
+)
+_COMPUTE_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def wrap_optimizer(
+    optimizer: Union[str, dict, keras.optimizers.Optimizer], compute_dtype: str, **options: Any
+) -> LossScaleOptimizer:
+    """Wraps an optimizer in `tfmp.LossScaleOptimizer` for a compute dtype.
+
+    Dynamic loss scaling is used when `compute_dtype` is `"float16"`; for other
+    dtypes the scale is fixed at 1.0 (`loss_scaling=False`) and non-finite steps are
+    still skipped and counted. An explicit `loss_scaling` option wins.
+
+    Args:
+        optimizer: `keras.optimizers.Optimizer`, string (e.g. `"adam"`) or config
+            dict. A `tfmp.LossScaleOptimizer` is returned unchanged; a Keras
+            `LossScaleOptimizer` is unwrapped and rewrapped, keeping its
+            `initial_scale` and `dynamic_growth_steps` unless options set them.
+        compute_dtype: String. The layers' compute dtype, one of `"float16"`,
+            `"bfloat16"`, `"float32"`, `"float64"`.
+        **options: Keyword arguments of `tfmp.LossScaleOptimizer`.
+
+    Returns:
+        `tfmp.LossScaleOptimizer`.
+
+    Raises:
+        ValueError: In the project's template, for an unknown option or dtype.
+    """
+    for key in options:
+        if key not in _WRAP_OPTIONS:
+            raise invalid_argument("options", key, f"one of {', '.join(_WRAP_OPTIONS)}", choices=_WRAP_OPTIONS)
+    if compute_dtype not in _COMPUTE_DTYPES:
+        raise invalid_argument("compute_dtype", compute_dtype, "one of " + ", ".join(_COMPUTE_DTYPES), choices=_COMPUTE_DTYPES)
+    if isinstance(optimizer, LossScaleOptimizer):
+        return optimizer
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        options.setdefault("initial_scale", optimizer.initial_scale)
+        options.setdefault("dynamic_growth_steps", optimizer.dynamic_growth_steps)
+        optimizer = optimizer.inner_optimizer
+    options.setdefault("loss_scaling", compute_dtype == "float16")
+    return LossScaleOptimizer(keras.optimizers.get(optimizer), **options)

@@ -78,31 +78,49 @@ def _wiring_only(layer: keras.layers.Layer) -> bool:
     return isinstance(layer, (keras.layers.InputLayer, keras.Sequential)) or type(layer).__name__ == "Functional"
 
 
-def _select_layers(model: keras.Model, layers: LayerSpec) -> list[keras.layers.Layer]:
-    """The layers to hook, validated (see `check_numerics`)."""
-    candidates = [layer for layer in model._flatten_layers(include_self=False) if not _wiring_only(layer)]
+def _layer_paths(model: keras.Model) -> dict[int, tuple[keras.layers.Layer, str]]:
+    """`id(layer)` -> (layer, path from the model, e.g. "net/block/dense"), pre-order.
+
+    Built from the model's own nesting: Keras's `layer.path` depends on the name
+    scope a layer was created in, so a layer made outside its model has no prefix.
+    """
+    paths: dict[int, tuple[keras.layers.Layer, str]] = {}
+
+    def visit(parent: keras.layers.Layer, prefix: str) -> None:
+        for child in parent._flatten_layers(include_self=False, recursive=False):
+            if id(child) not in paths:
+                paths[id(child)] = (child, f"{prefix}/{child.name}")
+                visit(child, f"{prefix}/{child.name}")
+
+    visit(model, model.name)
+    return paths
+
+
+def _select_layers(model: keras.Model, layers: LayerSpec) -> list[tuple[keras.layers.Layer, str]]:
+    """The layers to hook with their paths, validated (see `check_numerics`)."""
+    candidates = [(layer, path) for layer, path in _layer_paths(model).values() if not _wiring_only(layer)]
     if layers is None:
         return candidates
     if callable(layers) and not isinstance(layers, type):
-        return [layer for layer in candidates if layers(layer)]
+        return [(layer, path) for layer, path in candidates if layers(layer)]
     if isinstance(layers, (str, type, keras.layers.Layer)):
         layers = [layers]
-    chosen = []
+    chosen: list[tuple[keras.layers.Layer, str]] = []
     for spec in layers:
         if isinstance(spec, str):
-            found = [layer for layer in candidates if spec in (layer.name, layer.path)]
+            found = [(layer, path) for layer, path in candidates if spec in (layer.name, path)]
         elif isinstance(spec, type):
-            found = [layer for layer in candidates if isinstance(layer, spec)]
+            found = [(layer, path) for layer, path in candidates if isinstance(layer, spec)]
         elif isinstance(spec, keras.layers.Layer):
-            found = [layer for layer in candidates if layer is spec]
+            found = [(layer, path) for layer, path in candidates if layer is spec]
         else:
             raise invalid_argument("layers", spec, "layer names, paths, Layer classes or Layer instances")
         if not found:
-            names = [layer.name for layer in candidates]
+            names = [layer.name for layer, _ in candidates]
             raise invalid_argument(
                 "layers", spec, f"a layer of model '{model.name}' (one of {', '.join(names)})", choices=names
             )
-        chosen.extend(layer for layer in found if all(layer is not c for c in chosen))
+        chosen.extend(item for item in found if all(item[0] is not c for c, _ in chosen))
     return chosen
 
 
@@ -136,7 +154,9 @@ class NumericsHandle:
 
     def __init__(self, model: keras.Model, action: str, phase: str, layers: LayerSpec, trace_length: int) -> None:
         self.model, self.action, self.phase = model, action, phase
-        self.layers = [] if phase == "backward" else _select_layers(model, layers)
+        selected = [] if phase == "backward" else _select_layers(model, layers)
+        self.layers = [layer for layer, _ in selected]
+        self._paths = [path for _, path in selected]
         self.recorder = FailureRecorder(trace_length)
         self.failures: list[NonFiniteError] = []
         self.active = True
@@ -145,8 +165,8 @@ class NumericsHandle:
         self._reported: set = set()
 
     def _install(self) -> None:
-        for layer in self.layers:
-            self._patches.set(layer, "call", self._wrap_call(layer))
+        for layer, path in zip(self.layers, self._paths):
+            self._patches.set(layer, "call", self._wrap_call(layer, path))
         self._patches.set(self.model, "train_step", self._wrap_train_step(self.model.train_step))
         self._patches.set(self.model, "make_train_function", self._wrap_make(self.model.make_train_function))
         object.__setattr__(self.model, _ATTR, self)
@@ -168,7 +188,7 @@ class NumericsHandle:
     def __exit__(self, *exc_info: Any) -> None:
         self.remove()
 
-    def _wrap_call(self, layer: keras.layers.Layer) -> Callable:
+    def _wrap_call(self, layer: keras.layers.Layer, path: str) -> Callable:
         original = layer.call
         params = list(inspect.signature(original).parameters)
         first = params[0] if params else None
@@ -181,7 +201,6 @@ class NumericsHandle:
                 inputs = args[0] if args else kwargs.get(first)
                 row = entry_row(outputs, inputs)
                 if row is not None:
-                    path = layer.path or layer.name
                     trace.entries.append((path, type(layer).__name__, layer.compute_dtype, row))
             return outputs
 
@@ -253,8 +272,7 @@ class NumericsHandle:
     def _owners(self) -> dict:
         """`id(variable)` -> (path, class) of the deepest layer holding it."""
         owners: dict = {}
-        for layer in self.model._flatten_layers(include_self=False):
-            path = layer.path or layer.name
+        for layer, path in _layer_paths(self.model).values():
             for variable in layer.weights:
                 held = owners.get(id(variable))
                 if held is None or len(path) > len(held[0]):

@@ -22,10 +22,12 @@ import tensorflow as tf
 #: Columns of one trace row (float32). VALID is 1 for a row that holds data; NAN and
 #: INF are 1 when the output holds a NaN / an infinity; ABS_MIN and ABS_MAX are the
 #: smallest and largest absolute output value; IN_MIN and IN_MAX the signed range of
-#: the inputs (NaN or +-inf there mean the inputs were already non-finite); HAS_INPUT
-#: is 1 when the layer had numeric inputs.
-COLUMNS = ("valid", "nan", "inf", "abs_min", "abs_max", "in_min", "in_max", "has_input")
-VALID, NAN, INF, ABS_MIN, ABS_MAX, IN_MIN, IN_MAX, HAS_INPUT = range(len(COLUMNS))
+#: the inputs, IN_NAN and IN_INF 1 when they hold a NaN / an infinity; HAS_INPUT is 1
+#: when the layer had numeric inputs. A row is non-finite when its outputs or its
+#: inputs are: the first layer to *see* a bad value is named even when it hides it
+#: (ReLU turns NaN into 0).
+COLUMNS = ("valid", "nan", "inf", "abs_min", "abs_max", "in_min", "in_max", "in_nan", "in_inf", "has_input")
+VALID, NAN, INF, ABS_MIN, ABS_MAX, IN_MIN, IN_MAX, IN_NAN, IN_INF, HAS_INPUT = range(len(COLUMNS))
 #: Entries of the int64 `state` variable.
 KIND, STEP, PHASE, INDEX, BAD_GRADS = range(5)
 #: Phase codes kept in `state[PHASE]`: a layer output or the loss, or a gradient.
@@ -53,6 +55,13 @@ def _combine(reduce: Any, tensors: list[tf.Tensor], combine: Any) -> tf.Tensor:
     return values[0] if len(values) == 1 else combine(tf.stack(values))
 
 
+def _flags(tensors: list[tf.Tensor]) -> tuple[tf.Tensor, tf.Tensor]:
+    """(any NaN, any infinity) over `tensors`, as float32 scalars 0 or 1."""
+    nan = _combine(lambda t: tf.reduce_any(tf.math.is_nan(t)), tensors, tf.reduce_max)
+    inf = _combine(lambda t: tf.reduce_any(tf.math.is_inf(t)), tensors, tf.reduce_max)
+    return nan, inf
+
+
 def entry_row(outputs: Any, inputs: Any = None) -> Optional[tf.Tensor]:
     """Reduces one layer call (or the loss) to a trace row.
 
@@ -69,18 +78,19 @@ def entry_row(outputs: Any, inputs: Any = None) -> Optional[tf.Tensor]:
     if not outs:
         return None
     magnitudes = [tf.abs(t) for t in outs]
-    nan = _combine(lambda t: tf.reduce_any(tf.math.is_nan(t)), outs, tf.reduce_max)
-    inf = _combine(lambda t: tf.reduce_any(tf.math.is_inf(t)), outs, tf.reduce_max)
+    nan, inf = _flags(outs)
     abs_min = _combine(tf.reduce_min, magnitudes, tf.reduce_min)
     abs_max = _combine(tf.reduce_max, magnitudes, tf.reduce_max)
     ins = _tensors(inputs, integers=True)
     if ins:
         in_min = _combine(tf.reduce_min, ins, tf.reduce_min)
         in_max = _combine(tf.reduce_max, ins, tf.reduce_max)
+        floats = [t for t in ins if t.dtype.is_floating]
+        in_nan, in_inf = _flags(floats) if floats else (tf.constant(0.0), tf.constant(0.0))
         has_input = tf.constant(1.0)
     else:
-        in_min = in_max = has_input = tf.constant(0.0)
-    return tf.stack([tf.constant(1.0), nan, inf, abs_min, abs_max, in_min, in_max, has_input])
+        in_min = in_max = in_nan = in_inf = has_input = tf.constant(0.0)
+    return tf.stack([tf.constant(1.0), nan, inf, abs_min, abs_max, in_min, in_max, in_nan, in_inf, has_input])
 
 
 @dataclasses.dataclass
@@ -153,7 +163,7 @@ class FailureRecorder:
         width = len(COLUMNS)
         rows = tf.stack([entry[3] for entry in trace.entries]) if trace.entries else tf.zeros([0, width])
         count = len(trace.entries)
-        fwd_kind = _kind_bits(rows[:, NAN] > 0, rows[:, INF] > 0)
+        fwd_kind = _kind_bits(rows[:, NAN] + rows[:, IN_NAN] > 0, rows[:, INF] + rows[:, IN_INF] > 0)
         fwd_bad = fwd_kind > 0
         any_fwd = tf.reduce_any(fwd_bad)
         first = tf.argmax(tf.cast(fwd_bad, tf.int32), output_type=tf.int64) if count else tf.constant(0, tf.int64)

@@ -7,7 +7,6 @@ largest finite value is 65504 and its smallest subnormal 2**-24 (about 6e-8), IE
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 from tfmp._errors import NonFiniteError
@@ -17,8 +16,10 @@ from tfmp._numerics_record import (
     BAD_GRADS,
     FORWARD,
     HAS_INPUT,
+    IN_INF,
     IN_MAX,
     IN_MIN,
+    IN_NAN,
     INDEX,
     INF,
     KIND,
@@ -56,6 +57,7 @@ def _trace(recorder: FailureRecorder, begin: int, step: int) -> list[dict]:
                 "abs_min": float(row[ABS_MIN]),
                 "abs_max": float(row[ABS_MAX]),
                 "kind": _kind(row[NAN], row[INF]),
+                "input_kind": _kind(row[IN_NAN], row[IN_INF]),
                 "input_range": (float(row[IN_MIN]), float(row[IN_MAX])) if row[HAS_INPUT] else None,
             }
         )
@@ -70,6 +72,7 @@ def format_trace(trace: list[dict]) -> str:
     lines = [f"Trace (|value| range per layer call, oldest first, last {len(trace)}):"]
     for item in trace:
         mark = f"  <- {item['kind']}" if item["kind"] else ""
+        mark += f"  <- {item['input_kind']} in inputs" if item["input_kind"] else ""
         lines.append(
             f"  step {item['step']:>5}  {item['layer']:<{width}}  {item['layer_class']:<14} "
             f"[{item['abs_min']:.4g}, {item['abs_max']:.4g}] {item['dtype']}{mark}"
@@ -85,15 +88,16 @@ def _forward_message(item: dict, kind: str, step: int, trace: list[dict]) -> str
             "was finite: the loss function produced it (e.g. log(0), a division by zero in a custom "
             "loss, or NaN/Inf labels)."
         )
+    where = "in its output" if item["kind"] else "in its inputs (its output stays finite)"
     text = (
-        f"Layer '{item['layer']}' ({item['layer_class']}) produced {kind} in its output at train "
-        f"step {step} (phase 'forward'); it is the first checked layer call to go non-finite."
+        f"Layer '{item['layer']}' ({item['layer_class']}) saw {kind} {where} at train step {step} "
+        "(phase 'forward'); it is the first checked layer call to see a non-finite value."
     )
     span = item["input_range"]
     if span is None:
         return text
     text += f" Its inputs ranged over [{span[0]:.4g}, {span[1]:.4g}]."
-    if not all(math.isfinite(v) for v in span):
+    if item["input_kind"]:
         text += (
             " The inputs were already non-finite: the bad values came in with the data (check it with "
             "tfmp.check_dataset) or from an unchecked operation before this layer."

@@ -77,6 +77,15 @@ def test_hooks_added_after_compile_and_fit_rebuild_the_train_function():
     assert (info.value.layer, info.value.step) == ("net/divide", 2)
 
 
+def test_steps_per_execution_reports_the_first_failing_step():
+    model = _divide_model()
+    model.compile("sgd", "mse", steps_per_execution=3)
+    tfmp.check_numerics(model)
+    with pytest.raises(tfmp.NonFiniteError) as info:
+        _fit(model, *_data(zero_at=4))  # steps 3..5 run in one call; 4 fails, 5 sees NaN weights
+    assert (info.value.layer, info.value.step) == ("net/divide", 4)
+
+
 def test_nan_in_data_names_the_first_layer_that_saw_it():
     model = _mlp()
     model.compile("sgd", "mse")

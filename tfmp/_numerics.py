@@ -13,8 +13,10 @@ the optimizer skips those steps. The hooks here check
   non-finite gradient counts. Finiteness does not change on unscaling, so checking
   before the optimizer divides by the scale gives the same answer.
 
-The results of a step are written into variables (`_numerics_record.py`); the model's
-`train_function` is wrapped to read them after every step and raise, warn or log.
+The results of a step are written into variables (`_numerics_record.py`) and a flag
+rides along in the step's logs; the model's `train_function` is wrapped to look at
+the flag after every step (no extra device read on the healthy path), take it out of
+the logs, and raise, warn or log.
 This works the same in `fit` (graph mode), eagerly (`run_eagerly=True`) and under
 `jit_compile=True`, since the added ops are plain reductions and variable writes.
 """
@@ -39,6 +41,9 @@ _ACTIONS = ("raise", "warn", "log")
 _PHASES = ("forward", "backward", "both")
 _ATTR = "_tfmp_numerics"
 _MAX_FAILURES = 100
+#: Key of the failure flag the hooked train step adds to its logs; the train function
+#: wrapper removes it before Keras (callbacks, history) sees the logs.
+_FLAG = "_tfmp_numerics_failed"
 _local = threading.local()
 logger = logging.getLogger("tfmp")
 
@@ -216,7 +221,9 @@ class NumericsHandle:
                 logs = original(data)
             finally:
                 _local.trace = outer
-            self.recorder.finish(trace)
+            flag = self.recorder.finish(trace)
+            if isinstance(logs, dict):
+                logs = {**logs, _FLAG: flag}
             return logs
 
         return train_step
@@ -237,7 +244,9 @@ class NumericsHandle:
         @functools.wraps(function)
         def checked_train_function(*args: Any, **kwargs: Any) -> Any:
             logs = function(*args, **kwargs)
-            self.check()
+            flag = logs.pop(_FLAG, None) if isinstance(logs, dict) else None
+            if flag is None or int(flag):
+                self.check()
             return logs
 
         return checked_train_function
@@ -287,6 +296,8 @@ class NumericsHandle:
         Raises:
             tfmp.NonFiniteError: With `action="raise"`, on the first recorded failure.
         """
+        if not self.recorder.failed():
+            return
         optimizer = getattr(self.model, "optimizer", None)
         scaling = isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and getattr(optimizer, "loss_scaling", True)
         error = build_error(self.recorder, self._owners(), scaling)

@@ -3,10 +3,10 @@
 Why variables rather than an op that raises: `tf.debugging.check_numerics` stops the
 graph with an `InvalidArgumentError` that names an op, not a layer, and reaches the
 caller as a TensorFlow error rather than `tfmp.NonFiniteError`; `tf.py_function`
-cannot be compiled by XLA. Instead, each hooked tensor is reduced to a row of eight
+cannot be compiled by XLA. Instead, each hooked layer call is reduced to a row of six
 float32 numbers (see `COLUMNS`), and at the end of the step the rows are stacked and
 the first non-finite one, with the rows before it, is written into a few
-`tf.Variable`s. The host reads one int64 vector after the step (see `_numerics.py`).
+`tf.Variable`s; the step also returns the failure flag (see `_numerics.py`).
 Reductions, `tf.where` and variable writes all compile under XLA, and the checks add
 no gradient: every checked tensor goes through `tf.stop_gradient` first.
 """
@@ -19,15 +19,16 @@ from typing import Any, Optional
 import keras
 import tensorflow as tf
 
-#: Columns of one trace row (float32). VALID is 1 for a row that holds data; NAN and
-#: INF are 1 when the output holds a NaN / an infinity; ABS_MIN and ABS_MAX are the
-#: smallest and largest absolute output value; IN_MIN and IN_MAX the signed range of
-#: the inputs, IN_NAN and IN_INF 1 when they hold a NaN / an infinity; HAS_INPUT is 1
-#: when the layer had numeric inputs. A row is non-finite when its outputs or its
-#: inputs are: the first layer to *see* a bad value is named even when it hides it
-#: (ReLU turns NaN into 0).
-COLUMNS = ("valid", "nan", "inf", "abs_min", "abs_max", "in_min", "in_max", "in_nan", "in_inf", "has_input")
-VALID, NAN, INF, ABS_MIN, ABS_MAX, IN_MIN, IN_MAX, IN_NAN, IN_INF, HAS_INPUT = range(len(COLUMNS))
+#: Columns of one trace row (float32). VALID is 1 for a row that holds data; ABS_MIN
+#: and ABS_MAX are the smallest and largest absolute output value; IN_MIN and IN_MAX
+#: the signed range of the inputs; HAS_INPUT is 1 when the layer had numeric inputs.
+#: TensorFlow's min/max reductions propagate NaN (its CPU and GPU kernels use
+#: NaN-propagating reducers, and XLA's min/max do too), so a NaN or an infinity
+#: anywhere in a tensor shows in its range: the row alone says whether the outputs,
+#: or the inputs, were non-finite. A row counts as non-finite when either was: the
+#: first layer to *see* a bad value is named even when it hides it (ReLU maps NaN to 0).
+COLUMNS = ("valid", "abs_min", "abs_max", "in_min", "in_max", "has_input")
+VALID, ABS_MIN, ABS_MAX, IN_MIN, IN_MAX, HAS_INPUT = range(len(COLUMNS))
 #: Entries of the int64 `state` variable.
 KIND, STEP, PHASE, INDEX, BAD_GRADS = range(5)
 #: Phase codes kept in `state[PHASE]`: a layer output or the loss, or a gradient.
@@ -49,25 +50,24 @@ def _tensors(structure: Any, integers: bool) -> list[tf.Tensor]:
     return found
 
 
-def _combine(reduce: Any, tensors: list[tf.Tensor], combine: Any) -> tf.Tensor:
-    """Applies `reduce` to each tensor, casts to float32 and folds with `combine`."""
-    values = [tf.cast(reduce(t), tf.float32) for t in tensors]
-    return values[0] if len(values) == 1 else combine(tf.stack(values))
-
-
-def _flags(tensors: list[tf.Tensor]) -> tuple[tf.Tensor, tf.Tensor]:
-    """(any NaN, any infinity) over `tensors`, as float32 scalars 0 or 1."""
-    nan = _combine(lambda t: tf.reduce_any(tf.math.is_nan(t)), tensors, tf.reduce_max)
-    inf = _combine(lambda t: tf.reduce_any(tf.math.is_inf(t)), tensors, tf.reduce_max)
-    return nan, inf
+def _range(tensors: list[tf.Tensor], magnitude: bool) -> tf.Tensor:
+    """Float32 `[min, max]` over all `tensors` (of their absolute values if `magnitude`)."""
+    pairs = []
+    for tensor in tensors:
+        values = tf.abs(tensor) if magnitude else tensor
+        pairs.append(tf.cast(tf.stack([tf.reduce_min(values), tf.reduce_max(values)]), tf.float32))
+    if len(pairs) == 1:
+        return pairs[0]
+    stacked = tf.stack(pairs)
+    return tf.stack([tf.reduce_min(stacked[:, 0]), tf.reduce_max(stacked[:, 1])])
 
 
 def entry_row(outputs: Any, inputs: Any = None) -> Optional[tf.Tensor]:
-    """Reduces one layer call (or the loss) to a trace row.
+    """Reduces one layer call (or the loss) to a trace row: about eight small ops.
 
     Args:
         outputs: Tensor or nested structure. The layer's outputs; non-float parts
-            are ignored.
+            are ignored, and so are tensors known to be empty.
         inputs: Tensor, nested structure or None. The layer's first argument.
 
     Returns:
@@ -77,20 +77,16 @@ def entry_row(outputs: Any, inputs: Any = None) -> Optional[tf.Tensor]:
     outs = _tensors(outputs, integers=False)
     if not outs:
         return None
-    magnitudes = [tf.abs(t) for t in outs]
-    nan, inf = _flags(outs)
-    abs_min = _combine(tf.reduce_min, magnitudes, tf.reduce_min)
-    abs_max = _combine(tf.reduce_max, magnitudes, tf.reduce_max)
     ins = _tensors(inputs, integers=True)
-    if ins:
-        in_min = _combine(tf.reduce_min, ins, tf.reduce_min)
-        in_max = _combine(tf.reduce_max, ins, tf.reduce_max)
-        floats = [t for t in ins if t.dtype.is_floating]
-        in_nan, in_inf = _flags(floats) if floats else (tf.constant(0.0), tf.constant(0.0))
-        has_input = tf.constant(1.0)
-    else:
-        in_min = in_max = in_nan = in_inf = has_input = tf.constant(0.0)
-    return tf.stack([tf.constant(1.0), nan, inf, abs_min, abs_max, in_min, in_max, in_nan, in_inf, has_input])
+    one = tf.ones([1])
+    in_range = _range(ins, magnitude=False) if ins else tf.zeros([2])
+    return tf.concat([one, _range(outs, magnitude=True), in_range, one if ins else tf.zeros([1])], axis=0)
+
+
+def row_kinds(rows: tf.Tensor, first: int, last: int) -> tf.Tensor:
+    """Kind bits (int64, 1 NaN, 2 inf, 3 both) of columns `first:last` of each row."""
+    values = rows[:, first:last]
+    return _kind_bits(tf.reduce_any(tf.math.is_nan(values), axis=1), tf.reduce_any(tf.math.is_inf(values), axis=1))
 
 
 @dataclasses.dataclass
@@ -134,7 +130,7 @@ class FailureRecorder:
     models are unchanged): `step` (scalar int64, train steps since the hooks went
     in), `state` (int64 `[5]`: kind bits, step, phase code, index, number of
     non-finite gradients; kind 0 means no failure), `window` (float32
-    `[trace_length, 8]`: the rows up to and including the failing one, oldest first,
+    `[trace_length, 6]`: the rows up to and including the failing one, oldest first,
     reaching back into the previous step when the failing layer comes early),
     `tail` (the last `trace_length` rows of the previous step) and `scale` (float32,
     the loss scale at the failing step).
@@ -157,37 +153,61 @@ class FailureRecorder:
         #: Variables given to the optimizer, from the latest trace of the step.
         self.variables: list[Any] = []
 
-    def finish(self, trace: StepTrace) -> None:
-        """Adds the ops that record `trace`'s first failure; call at the end of the step."""
-        self.names = [entry[:3] for entry in trace.entries]
-        width = len(COLUMNS)
-        rows = tf.stack([entry[3] for entry in trace.entries]) if trace.entries else tf.zeros([0, width])
-        count = len(trace.entries)
-        fwd_kind = _kind_bits(rows[:, NAN] + rows[:, IN_NAN] > 0, rows[:, INF] + rows[:, IN_INF] > 0)
-        fwd_bad = fwd_kind > 0
-        any_fwd = tf.reduce_any(fwd_bad)
-        first = tf.argmax(tf.cast(fwd_bad, tf.int32), output_type=tf.int64) if count else tf.constant(0, tf.int64)
-        history = tf.concat([self.tail, rows], axis=0)
+    def finish(self, trace: StepTrace) -> tf.Tensor:
+        """Adds the ops that record `trace`'s first failure; call at the end of the step.
 
-        any_bwd, last, bwd_kind, bad_grads, scale = self._gradients(trace)
-        fwd_pick = tf.gather(fwd_kind, first) if count else tf.constant(0, tf.int64)
-        kind = tf.where(any_fwd, fwd_pick, bwd_kind)
-        begin = tf.where(any_fwd, first + 1, tf.constant(count, tf.int64))
-        window = tf.slice(history, tf.stack([begin, tf.constant(0, tf.int64)]), [self.trace_length, width])
-        state = tf.stack(
-            [kind, self.step.read_value(), tf.where(any_fwd, tf.constant(FORWARD, tf.int64), BACKWARD),
-             tf.where(any_fwd, first, last), bad_grads]
+        A healthy step pays for the detection only (a finiteness test of the stacked
+        rows and of one max |gradient| per variable) and the ring-buffer update; the
+        failure details are computed in a `tf.cond` branch that runs on a failure.
+
+        Returns:
+            Scalar int64 tensor, the recorded kind bits after this step (0: no
+            failure so far). Returned by the step, it lets the host learn the
+            outcome without running a variable read of its own.
+        """
+        self.names = [entry[:3] for entry in trace.entries]
+        count = len(trace.entries)
+        rows = tf.stack([entry[3] for entry in trace.entries]) if count else tf.zeros([0, len(COLUMNS)])
+        history = tf.concat([self.tail, rows], axis=0)
+        bad_rows = tf.logical_not(tf.reduce_all(tf.math.is_finite(rows[:, ABS_MIN : IN_MAX + 1]), axis=1))
+        maxima, counted, scale = self._gradient_maxima(trace)
+        bad_grads = tf.logical_and(tf.logical_not(tf.math.is_finite(maxima)), counted)
+        failing = tf.logical_and(
+            tf.equal(self.state[KIND], 0), tf.logical_or(tf.reduce_any(bad_rows), tf.reduce_any(bad_grads))
         )
-        new = tf.logical_and(tf.equal(self.state[KIND], 0), kind > 0)
-        self.state.assign(tf.where(new, state, self.state))
-        self.window.assign(tf.where(new, window, self.window))
-        self.scale.assign(tf.where(new, scale, self.scale))
+
+        def record() -> None:
+            any_fwd = tf.reduce_any(bad_rows)
+            zero = tf.constant(0, tf.int64)
+            first = tf.argmax(tf.cast(bad_rows, tf.int32), output_type=tf.int64) if count else zero
+            out_kind = row_kinds(rows, ABS_MIN, ABS_MAX + 1)
+            fwd_kinds = tf.where(out_kind > 0, out_kind, row_kinds(rows, IN_MIN, IN_MAX + 1))
+            grad_kinds = _kind_bits(tf.math.is_nan(maxima), tf.math.is_inf(maxima))
+            last = _last_true(bad_grads) if self.variables else zero
+            pick = lambda kinds, index: tf.gather(tf.concat([kinds, [0]], 0), index)  # noqa: E731, empty-safe
+            begin = tf.where(any_fwd, first + 1, count)
+            self.state.assign(
+                tf.stack(
+                    [
+                        tf.where(any_fwd, pick(fwd_kinds, first), pick(grad_kinds, last)),
+                        self.step.read_value(),
+                        tf.where(any_fwd, tf.constant(FORWARD, tf.int64), BACKWARD),
+                        tf.where(any_fwd, first, last),
+                        tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(maxima)), tf.int64)),
+                    ]
+                )
+            )
+            self.window.assign(tf.slice(history, tf.stack([begin, 0]), [self.trace_length, len(COLUMNS)]))
+            self.scale.assign(scale)
+
+        tf.cond(failing, record, lambda: None)
         self.tail.assign(history[count:])
         self.step.assign_add(1)
+        return tf.identity(self.state[KIND])
 
-    def _gradients(self, trace: StepTrace) -> tuple:
-        """(any counted, index of the last counted, its kind, count, loss scale)."""
-        grads, variables, counted, nans, infs = [], [], [], [], []
+    def _gradient_maxima(self, trace: StepTrace) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        """(max |gradient| per variable, float32 `[V]`; whether each counts, bool `[V]`; loss scale)."""
+        maxima, counted, variables = [], [], []
         scale = tf.constant(1.0)
         for step_grads, step_vars, step_scale, counts in trace.gradients:
             scale = step_scale
@@ -196,21 +216,17 @@ class FailureRecorder:
                     continue
                 if isinstance(grad, tf.IndexedSlices):
                     grad = grad.values
-                grad = tf.stop_gradient(grad)
-                nans.append(tf.reduce_any(tf.math.is_nan(grad)))
-                infs.append(tf.reduce_any(tf.math.is_inf(grad)))
+                maxima.append(tf.cast(tf.reduce_max(tf.abs(tf.stop_gradient(grad))), tf.float32))
                 counted.append(counts)
                 variables.append(variable)
-                grads.append(grad)
         self.variables = variables
-        if not grads:
-            zero = tf.constant(0, tf.int64)
-            return tf.constant(False), zero, zero, zero, scale
-        kinds = _kind_bits(tf.stack(nans), tf.stack(infs))
-        bad = tf.logical_and(kinds > 0, tf.stack(counted))
-        last = _last_true(bad)
-        bad_count = tf.reduce_sum(tf.cast(kinds > 0, tf.int64))
-        return tf.reduce_any(bad), last, tf.where(tf.reduce_any(bad), tf.gather(kinds, last), 0), bad_count, scale
+        if not maxima:
+            return tf.zeros([0]), tf.zeros([0], tf.bool), scale
+        return tf.stack(maxima), tf.stack(counted), scale
+
+    def failed(self) -> bool:
+        """Bool. Whether a failure is recorded (one scalar read; the per-step fast path)."""
+        return bool(self.state.numpy()[KIND])
 
     def read_state(self) -> list[int]:
         """The int64 `state` as Python ints (host read, between steps)."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import numpy as np
+
 from tfmp._errors import NonFiniteError
 from tfmp._numerics_record import (
     ABS_MAX,
@@ -16,15 +18,11 @@ from tfmp._numerics_record import (
     BAD_GRADS,
     FORWARD,
     HAS_INPUT,
-    IN_INF,
     IN_MAX,
     IN_MIN,
-    IN_NAN,
     INDEX,
-    INF,
     KIND,
     LOSS_ENTRY,
-    NAN,
     PHASE,
     STEP,
     VALID,
@@ -35,8 +33,10 @@ _KINDS = {1: "nan", 2: "inf", 3: "nan+inf"}
 FLOAT16_MAX = 65504.0
 
 
-def _kind(nan: float, inf: float) -> Optional[str]:
-    return _KINDS.get(int(nan > 0) + 2 * int(inf > 0))
+def _kind(*values: float) -> Optional[str]:
+    """"nan", "inf", "nan+inf" or None for finite `values` (a range: NaN/inf propagate)."""
+    array = np.asarray(values, dtype=np.float64)
+    return _KINDS.get(int(np.isnan(array).any()) + 2 * int(np.isinf(array).any()))
 
 
 def _trace(recorder: FailureRecorder, begin: int, step: int) -> list[dict]:
@@ -56,8 +56,8 @@ def _trace(recorder: FailureRecorder, begin: int, step: int) -> list[dict]:
                 "dtype": dtype,
                 "abs_min": float(row[ABS_MIN]),
                 "abs_max": float(row[ABS_MAX]),
-                "kind": _kind(row[NAN], row[INF]),
-                "input_kind": _kind(row[IN_NAN], row[IN_INF]),
+                "kind": _kind(row[ABS_MIN], row[ABS_MAX]),
+                "input_kind": _kind(row[IN_MIN], row[IN_MAX]) if row[HAS_INPUT] else None,
                 "input_range": (float(row[IN_MIN]), float(row[IN_MAX])) if row[HAS_INPUT] else None,
             }
         )

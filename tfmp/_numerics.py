@@ -28,12 +28,13 @@ import inspect
 import logging
 import threading
 import warnings
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional
 
 import keras
 import tensorflow as tf
 
 from tfmp._errors import NonFiniteError, invalid_argument
+from tfmp._numerics_hooks import LayerSpec, Patches, layer_paths, scale_and_counts, select_layers
 from tfmp._numerics_record import LOSS_ENTRY, FailureRecorder, StepTrace, entry_row
 from tfmp._numerics_report import build_error
 
@@ -47,8 +48,6 @@ _FLAG = "_tfmp_numerics_failed"
 _local = threading.local()
 logger = logging.getLogger("tfmp")
 
-LayerSpec = Union[None, Sequence[Union[str, type, keras.layers.Layer]], Callable[[keras.layers.Layer], bool]]
-
 
 def _active_trace(handle: "NumericsHandle") -> Optional[StepTrace]:
     """The step being recorded for `handle`, if the caller runs in the step's graph."""
@@ -56,89 +55,6 @@ def _active_trace(handle: "NumericsHandle") -> Optional[StepTrace]:
     if trace is None or trace.owner is not handle or tf.compat.v1.get_default_graph() is not trace.graph:
         return None
     return trace
-
-
-class _Patches:
-    """Instance attributes set over methods, undone in reverse order."""
-
-    def __init__(self) -> None:
-        self._saved: list[tuple[Any, str, bool, Any]] = []
-
-    def set(self, obj: Any, name: str, value: Any) -> None:
-        own = vars(obj)
-        self._saved.append((obj, name, name in own, own.get(name)))
-        object.__setattr__(obj, name, value)
-
-    def undo(self) -> None:
-        for obj, name, had, old in reversed(self._saved):
-            if had:
-                object.__setattr__(obj, name, old)
-            elif name in vars(obj):
-                object.__delattr__(obj, name)
-        self._saved.clear()
-
-
-def _wiring_only(layer: keras.layers.Layer) -> bool:
-    """Input layers and Functional/Sequential containers compute nothing themselves."""
-    return isinstance(layer, (keras.layers.InputLayer, keras.Sequential)) or type(layer).__name__ == "Functional"
-
-
-def _layer_paths(model: keras.Model) -> dict[int, tuple[keras.layers.Layer, str]]:
-    """`id(layer)` -> (layer, path from the model, e.g. "net/block/dense"), pre-order.
-
-    Built from the model's own nesting: Keras's `layer.path` depends on the name
-    scope a layer was created in, so a layer made outside its model has no prefix.
-    """
-    paths: dict[int, tuple[keras.layers.Layer, str]] = {}
-
-    def visit(parent: keras.layers.Layer, prefix: str) -> None:
-        for child in parent._flatten_layers(include_self=False, recursive=False):
-            if id(child) not in paths:
-                paths[id(child)] = (child, f"{prefix}/{child.name}")
-                visit(child, f"{prefix}/{child.name}")
-
-    visit(model, model.name)
-    return paths
-
-
-def _select_layers(model: keras.Model, layers: LayerSpec) -> list[tuple[keras.layers.Layer, str]]:
-    """The layers to hook with their paths, validated (see `check_numerics`)."""
-    candidates = [(layer, path) for layer, path in _layer_paths(model).values() if not _wiring_only(layer)]
-    if layers is None:
-        return candidates
-    if callable(layers) and not isinstance(layers, type):
-        return [(layer, path) for layer, path in candidates if layers(layer)]
-    if isinstance(layers, (str, type, keras.layers.Layer)):
-        layers = [layers]
-    chosen: list[tuple[keras.layers.Layer, str]] = []
-    for spec in layers:
-        if isinstance(spec, str):
-            found = [(layer, path) for layer, path in candidates if spec in (layer.name, path)]
-        elif isinstance(spec, type):
-            found = [(layer, path) for layer, path in candidates if isinstance(layer, spec)]
-        elif isinstance(spec, keras.layers.Layer):
-            found = [(layer, path) for layer, path in candidates if layer is spec]
-        else:
-            raise invalid_argument("layers", spec, "layer names, paths, Layer classes or Layer instances")
-        if not found:
-            names = [layer.name for layer, _ in candidates]
-            raise invalid_argument(
-                "layers", spec, f"a layer of model '{model.name}' (one of {', '.join(names)})", choices=names
-            )
-        chosen.extend(item for item in found if all(item[0] is not c for c, _ in chosen))
-    return chosen
-
-
-def _scale_and_counts(optimizer: Any) -> tuple[tf.Tensor, tf.Tensor]:
-    """The loss scale before the update, and whether a non-finite gradient counts now."""
-    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return tf.constant(1.0), tf.constant(True)
-    if optimizer.built:
-        scale = tf.cast(tf.convert_to_tensor(optimizer.dynamic_scale), tf.float32)
-    else:
-        scale = tf.constant(float(optimizer.initial_scale))
-    floor = max(float(getattr(optimizer, "min_scale", 1.0)), 1.0)
-    return scale, scale <= floor
 
 
 class NumericsHandle:
@@ -159,13 +75,13 @@ class NumericsHandle:
 
     def __init__(self, model: keras.Model, action: str, phase: str, layers: LayerSpec, trace_length: int) -> None:
         self.model, self.action, self.phase = model, action, phase
-        selected = [] if phase == "backward" else _select_layers(model, layers)
+        selected = [] if phase == "backward" else select_layers(model, layers)
         self.layers = [layer for layer, _ in selected]
         self._paths = [path for _, path in selected]
         self.recorder = FailureRecorder(trace_length)
         self.failures: list[NonFiniteError] = []
         self.active = True
-        self._patches = _Patches()
+        self._patches = Patches()
         self._hooked_optimizers: list[Any] = []
         self._reported: set = set()
 
@@ -272,7 +188,7 @@ class NumericsHandle:
             if trace is not None and self.phase != "forward":
                 grads = list(grads)
                 variables = list(trainable_variables if trainable_variables is not None else optimizer._trainable_variables)
-                trace.gradients.append((grads, variables, *_scale_and_counts(optimizer)))
+                trace.gradients.append((grads, variables, *scale_and_counts(optimizer)))
             return apply(grads, trainable_variables)
 
         self._patches.set(optimizer, "scale_loss", checked_scale_loss)
@@ -281,7 +197,7 @@ class NumericsHandle:
     def _owners(self) -> dict:
         """`id(variable)` -> (path, class) of the deepest layer holding it."""
         owners: dict = {}
-        for layer, path in _layer_paths(self.model).values():
+        for layer, path in layer_paths(self.model).values():
             for variable in layer.weights:
                 held = owners.get(id(variable))
                 if held is None or len(path) > len(held[0]):

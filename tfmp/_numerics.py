@@ -187,7 +187,9 @@ class NumericsHandle:
             trace = _active_trace(self)
             if trace is not None and self.phase != "forward":
                 grads = list(grads)
-                variables = list(trainable_variables if trainable_variables is not None else optimizer._trainable_variables)
+                if trainable_variables is None:
+                    trainable_variables = optimizer._trainable_variables
+                variables = list(trainable_variables)
                 trace.gradients.append((grads, variables, *scale_and_counts(optimizer)))
             return apply(grads, trainable_variables)
 
@@ -215,7 +217,8 @@ class NumericsHandle:
         if not self.recorder.failed():
             return
         optimizer = getattr(self.model, "optimizer", None)
-        scaling = isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and getattr(optimizer, "loss_scaling", True)
+        scaling = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        scaling = scaling and getattr(optimizer, "loss_scaling", True)
         error = build_error(self.recorder, self._owners(), scaling)
         if error is None:
             return

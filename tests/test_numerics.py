@@ -75,6 +75,11 @@ def test_hooks_added_after_compile_and_fit_rebuild_the_train_function():
     with pytest.raises(tfmp.NonFiniteError) as info:
         _fit(model, x, y)
     assert (info.value.layer, info.value.step) == ("net/divide", 2)
+    with pytest.raises(tfmp.NonFiniteError) as info:  # reported once, then re-armed:
+        _fit(model, x, y)
+    # plain SGD applied step 2's non-finite gradients, so the next step (3) finds d1 bad.
+    assert (info.value.layer, info.value.step) == ("net/d1", 3)
+    assert all(1.0 <= bound < 2.0 for bound in info.value.details["input_range"])  # clean inputs, bad weights
 
 
 def test_steps_per_execution_reports_the_first_failing_step():
@@ -254,3 +259,20 @@ def test_hooks_are_transparent_and_removable():
     tfmp.check_numerics(model)
     assert tfmp.check_numerics(model, enabled=False) is None
     assert "call" not in vars(model.layers[0])
+
+
+def test_benchmark_script_prints_both_ratios(monkeypatch, capsys):
+    """Item 8: the overhead benchmark runs (tiny settings) and prints both ratios per model."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "numerics_overhead.py"
+    spec = importlib.util.spec_from_file_location("numerics_overhead", path)
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    monkeypatch.setattr("sys.argv", ["numerics_overhead.py", "--steps", "2", "--rounds", "1", "--threads", "0"])
+    benchmark.main()
+    lines = capsys.readouterr().out.splitlines()
+    for model in ("digits MLP", "small CNN"):
+        for mode in ("all layers", "loss+gradients"):
+            assert any(line.startswith(model) and mode in line and "ratio" in line for line in lines)

@@ -69,6 +69,8 @@ class NumericsHandle:
         failures: List of `tfmp.NonFiniteError`. Failures met so far (with
             `"warn"`/`"log"`, up to 100; with `"raise"`, the one raised).
         active: Bool. False once `remove()` ran.
+        recorder: `FailureRecorder`. The variables the steps write; `recorder.step`
+            (scalar int64) counts the train steps checked so far.
 
     Use as a context manager to remove the hooks on exit.
     """
@@ -209,7 +211,9 @@ class NumericsHandle:
     def check(self) -> None:
         """Reads the recorded failure after a step and acts on it.
 
-        Called after every train step run by `fit` or `train_on_batch`.
+        Called after every train step run by `fit` or `train_on_batch` whose flag
+        says a failure was recorded. The failure is cleared once reported, so a
+        caller that catches the error and trains on meets the next one afresh.
 
         Raises:
             tfmp.NonFiniteError: With `action="raise"`, on the first recorded failure.
@@ -224,9 +228,9 @@ class NumericsHandle:
             return
         if len(self.failures) < _MAX_FAILURES:
             self.failures.append(error)
+        self.recorder.rearm()  # reported once; a later failure is recorded afresh
         if self.action == "raise":
             raise error
-        self.recorder.rearm()
         key = (error.layer, error.phase, error.kind)
         if key in self._reported:
             return

@@ -15,6 +15,8 @@ PUBLIC_API = {
     "PolicyDecision",
     "__version__",
     "audit",
+    "check_dataset",
+    "check_numerics",
     "compare",
     "disable",
     "doctor",

@@ -10,6 +10,8 @@
 from tfmp._audit import audit
 from tfmp._compare import compare
 from tfmp._compare_report import CompareReport
+from tfmp._custom_loop import scaled_gradients
+from tfmp._dataset_check import check_dataset
 from tfmp._doctor import DoctorReport
 from tfmp._doctor import doctor
 from tfmp._enable import disable
@@ -25,6 +27,7 @@ from tfmp._memory import MemoryEstimate
 from tfmp._memory import estimate_kv_cache
 from tfmp._memory import estimate_memory
 from tfmp._monitor import LossScaleMonitor
+from tfmp._numerics import check_numerics
 from tfmp._policy import PerformanceWarning
 from tfmp._policy import PolicyDecision
 from tfmp._policy import recommend_policy
@@ -46,6 +49,8 @@ __all__ = [
     "PolicyDecision",
     "__version__",
     "audit",
+    "check_dataset",
+    "check_numerics",
     "compare",
     "disable",
     "doctor",

@@ -10,7 +10,6 @@
 from tfmp._audit import audit
 from tfmp._compare import compare
 from tfmp._compare_report import CompareReport
-from tfmp._custom_loop import scaled_gradients
 from tfmp._dataset_check import check_dataset
 from tfmp._doctor import DoctorReport
 from tfmp._doctor import doctor

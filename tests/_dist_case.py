@@ -67,7 +67,7 @@ def mirrored():
 
 
 def data(batches=4, bad=True):
-    """`batches` global batches of BATCH rows; with `bad`, the inf only replica 1 sees."""
+    """`batches` global batches of BATCH rows; with `bad`, replica 1's inf."""
     x, y = arrays(batches * BATCH, BAD_BATCH * BATCH + BAD_ROW if bad else None)
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
 
@@ -168,7 +168,7 @@ def case_custom_loop(tmp):
         ]
         x, y = (
             strategy.experimental_distribute_values_from_function(
-                lambda ctx, i=i: shards[ctx.replica_id_in_sync_group][i]
+                lambda ctx, i=i, shards=shards: shards[ctx.replica_id_in_sync_group][i]
             )
             for i in (0, 1)
         )

@@ -68,7 +68,13 @@ def started(
             log_path = out_dir / f"stderr{index}.log"
             with open(log_path, "wb") as log:
                 process = subprocess.Popen(
-                    [sys.executable, str(TESTS / script), "--out", str(out_path), *args],
+                    [
+                        sys.executable,
+                        str(TESTS / script),
+                        "--out",
+                        str(out_path),
+                        *args,
+                    ],
                     cwd=str(out_dir),
                     env=script_env(env_extra),
                     stdout=subprocess.DEVNULL,
@@ -100,7 +106,7 @@ def results(launched: Sequence[tuple], timeout_s: float) -> list:
             break
         time.sleep(0.2)
     # A process that failed explains more than a peer still waiting for it.
-    for process, out_path, log_path in sorted(launched, key=lambda r: r[0].poll() is None):
+    for process, _, log_path in sorted(launched, key=lambda r: r[0].poll() is None):
         code = process.poll()
         if code != 0:
             tail = log_path.read_text(errors="replace")[-4000:]
@@ -109,8 +115,9 @@ def results(launched: Sequence[tuple], timeout_s: float) -> list:
     return [json.loads(out_path.read_text()) for _, out_path, _ in launched]
 
 
-def run_script(script: str, args: Sequence[str], out_dir: pathlib.Path,
-               timeout_s: float) -> dict:
+def run_script(
+    script: str, args: Sequence[str], out_dir: pathlib.Path, timeout_s: float
+) -> dict:
     """Runs one helper script to completion and returns its JSON result."""
     with started(script, [(list(args), {})], out_dir) as launched:
         return results(launched, timeout_s)[0]

@@ -47,7 +47,7 @@ def per_batch(result, name):
     return [batch["state"][name] for batch in result["batches"]]
 
 
-# MirroredStrategy + model.fit ----------------------------------------------------------
+# MirroredStrategy + model.fit ---------------------------------------------------------
 
 
 def test_the_injected_inf_reaches_replica_1_only(mirrored):
@@ -125,14 +125,14 @@ def test_custom_loop_skips_when_any_replica_overflows(mirrored):
     assert clean["state"]["overflow_count"] == [2, 2]
 
 
-# XLA ------------------------------------------------------------------------------------
+# XLA ----------------------------------------------------------------------------------
 
 
 def test_jit_compile_is_turned_off_with_a_warning_under_enable(mirrored):
     result = case(mirrored, "xla")["enabled"]
     ours = [w for w in result["warnings"] if w[0] == "PerformanceWarning"]
     assert len(ours) == 1, result["warnings"]
-    category, message, filename = ours[0]
+    _, message, filename = ours[0]
     assert message.startswith("XLA (jit_compile=True) cannot compile a training step")
     assert "with jit_compile=False instead" in message
     assert filename == "_dist_case.py"  # points at the user's compile() call
@@ -149,7 +149,7 @@ def test_jit_compile_without_enable_is_refused_before_any_step(mirrored):
     assert result["iterations"] == 0
 
 
-# Checkpoints across strategies ----------------------------------------------------------
+# Checkpoints across strategies --------------------------------------------------------
 
 
 def test_keras_file_saved_under_mirrored_resumes_without_a_strategy(mirrored):
@@ -194,7 +194,7 @@ def test_keras_file_saved_without_a_strategy_resumes_under_mirrored(mirrored):
     assert all(copies[0] == copies[1] for copies in result["into_mirrored_weights"])
 
 
-# MultiWorkerMirroredStrategy: two local processes ---------------------------------------
+# MultiWorkerMirroredStrategy: two local processes -------------------------------------
 
 
 def test_two_workers_agree_and_only_the_chief_writes_events(tmp_path):
@@ -204,7 +204,11 @@ def test_two_workers_agree_and_only_the_chief_writes_events(tmp_path):
     runs = [
         (
             ["--log-dir", str(log_dir)],
-            {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})},
+            {
+                "TF_CONFIG": json.dumps(
+                    {"cluster": cluster, "task": {"type": "worker", "index": i}}
+                )
+            },
         )
         for i in range(2)
     ]
@@ -226,7 +230,7 @@ def test_two_workers_agree_and_only_the_chief_writes_events(tmp_path):
     assert [v for _, v in scalars["batch_overflow_count"]] == [0.0, 1.0, 1.0, 1.0]
 
 
-# Helpers, in this process ---------------------------------------------------------------
+# Helpers, in this process -------------------------------------------------------------
 
 
 class _Extended:
@@ -259,8 +263,12 @@ WITH_CHIEF = {"chief": ["127.0.0.1:3"], **WORKERS}
         ({"evaluator": ["127.0.0.1:4"], **WORKERS}, "evaluator", 0, False),
     ],
 )
-def test_is_chief_follows_the_tf_config_convention(cluster, task_type, task_id, expected):
-    assert _distribute.is_chief(_ClusterStrategy(cluster, task_type, task_id)) is expected
+def test_is_chief_follows_the_tf_config_convention(
+    cluster, task_type, task_id, expected
+):
+    assert (
+        _distribute.is_chief(_ClusterStrategy(cluster, task_type, task_id)) is expected
+    )
 
 
 def test_single_process_strategies_count_as_chief():

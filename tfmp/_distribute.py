@@ -24,7 +24,8 @@ compile.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util

@@ -114,10 +114,3 @@ def results(launched: Sequence[tuple], timeout_s: float) -> list:
             raise AssertionError(f"{process.args[1]} {status}:\n{tail}")
     return [json.loads(out_path.read_text()) for _, out_path, _ in launched]
 
-
-def run_script(
-    script: str, args: Sequence[str], out_dir: pathlib.Path, timeout_s: float
-) -> dict:
-    """Runs one helper script to completion and returns its JSON result."""
-    with started(script, [(list(args), {})], out_dir) as launched:
-        return results(launched, timeout_s)[0]

@@ -2,11 +2,13 @@
 MultiWorkerMirroredStrategy on loopback, XLA refusal, checkpoints across strategies.
 
 The distributed cases run in processes of their own (see tests/_subproc.py): the
-MirroredStrategy cases in one run of tests/_dist_case.py, shared by the tests below
-through a module fixture; the multi-worker test starts two tests/_mw_worker.py.
+MirroredStrategy cases in one run of tests/_dist_case.py and the cluster as two
+tests/_mw_worker.py processes. A module fixture starts all three at once (they
+share the cores while the tests wait) and kills whatever still runs at the end.
 Scales are powers of two, so every comparison of scales and counters is exact.
 """
 
+import contextlib
 import json
 
 import keras
@@ -15,24 +17,53 @@ import pytest
 import tensorflow as tf
 from _subproc import free_ports
 from _subproc import results
-from _subproc import run_script
 from _subproc import started
 from test_monitor import read_scalars
 
 import tfmp
 from tfmp import _distribute
 
-CASE_TIMEOUT_S = 300  # whole _dist_case.py run; ~30 s on 2 idle cores
-WORKERS_TIMEOUT_S = 240  # both workers; ~25 s on 2 idle cores
+# Bounds of each wait. On 2 idle cores the three processes take ~15 s of CPU each
+# (TensorFlow's import included); the bounds leave room for a busy machine.
+CASES_TIMEOUT_S = 300
+WORKERS_TIMEOUT_S = 300
+CASES = ["fit", "keras_lso", "custom_loop", "xla", "checkpoint"]
 SCALES = [1024.0, 512.0, 512.0, 1024.0]  # finite, overflow, finite, finite (growth 2)
 
 
+def worker_runs(log_dir):
+    """(args, env) of both workers: TF_CONFIG with two free loopback ports."""
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in free_ports(2)]}
+    return [
+        (
+            ["--log-dir", str(log_dir)],
+            {
+                "TF_CONFIG": json.dumps(
+                    {"cluster": cluster, "task": {"type": "worker", "index": index}}
+                )
+            },
+        )
+        for index in range(2)
+    ]
+
+
 @pytest.fixture(scope="module")
-def mirrored(tmp_path_factory):
-    """{case: result} of every case of tests/_dist_case.py, from one process."""
-    cases = ["fit", "keras_lso", "custom_loop", "xla", "checkpoint"]
-    out_dir = tmp_path_factory.mktemp("mirrored")
-    return run_script("_dist_case.py", cases, out_dir, CASE_TIMEOUT_S)
+def launched(tmp_path_factory):
+    """The MirroredStrategy cases and the two workers, started together."""
+    cases_dir = tmp_path_factory.mktemp("mirrored")
+    workers_dir = tmp_path_factory.mktemp("workers")
+    with contextlib.ExitStack() as stack:
+        cases = stack.enter_context(started("_dist_case.py", [(CASES, {})], cases_dir))
+        workers = stack.enter_context(
+            started("_mw_worker.py", worker_runs(workers_dir / "logs"), workers_dir)
+        )
+        yield {"cases": cases, "workers": workers, "log_dir": workers_dir / "logs"}
+
+
+@pytest.fixture(scope="module")
+def mirrored(launched):
+    """{case: result} of every case of tests/_dist_case.py."""
+    return results(launched["cases"], CASES_TIMEOUT_S)[0]
 
 
 def case(mirrored, name):
@@ -197,23 +228,9 @@ def test_keras_file_saved_without_a_strategy_resumes_under_mirrored(mirrored):
 # MultiWorkerMirroredStrategy: two local processes -------------------------------------
 
 
-def test_two_workers_agree_and_only_the_chief_writes_events(tmp_path):
-    ports = free_ports(2)
-    cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
-    log_dir = tmp_path / "logs"
-    runs = [
-        (
-            ["--log-dir", str(log_dir)],
-            {
-                "TF_CONFIG": json.dumps(
-                    {"cluster": cluster, "task": {"type": "worker", "index": i}}
-                )
-            },
-        )
-        for i in range(2)
-    ]
-    with started("_mw_worker.py", runs, tmp_path) as launched:
-        chief, other = results(launched, WORKERS_TIMEOUT_S)
+def test_two_workers_agree_and_only_the_chief_writes_events(launched):
+    chief, other = results(launched["workers"], WORKERS_TIMEOUT_S)
+    log_dir = launched["log_dir"]
     assert (chief["is_chief"], other["is_chief"]) == (True, False)
     assert chief["replicas"] == other["replicas"] == 2
     assert chief["optimizer"] == "LossScaleOptimizer"

@@ -163,6 +163,7 @@ def check_not_xla_replicated() -> None:
     replicas = 1 if context is None else context.num_replicas_in_sync
     if replicas == 1 or tf.executing_eagerly():
         return
+    # The test MirroredStrategy itself uses to choose its merge-call path.
     if not control_flow_util.GraphOrParentsInXlaContext(
         tf.compat.v1.get_default_graph()
     ):

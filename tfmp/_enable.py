@@ -16,6 +16,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import keras
 import tensorflow as tf
 
+from tfmp._distribute import turn_off_xla_if_replicated
 from tfmp._errors import invalid_argument
 from tfmp._float32 import force_float32
 from tfmp._hardware import DeviceFacts
@@ -191,7 +192,11 @@ def _set_model_compile(entry: Any) -> None:
 
 
 def _compile_with_tfmp(original_compile):
-    """Wraps `Model.compile`: force float32 where needed, wrap the optimizer."""
+    """Wraps `Model.compile`: force float32 where needed, wrap the optimizer.
+
+    Under a multi-replica `tf.distribute` strategy an explicit ``jit_compile=True``
+    is turned off with a warning (see `tfmp._distribute`).
+    """
 
     @functools.wraps(original_compile)
     def compile(self, *args, **kwargs):
@@ -211,6 +216,7 @@ def _compile_with_tfmp(original_compile):
                     **_state.loss_scale_options,
                 )
             result = original_compile(self, optimizer, *args, **kwargs)
+            turn_off_xla_if_replicated(self)
             if _state.debug:
                 options = {} if _state.debug is True else _state.debug
                 check_numerics(self, **options)

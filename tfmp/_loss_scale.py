@@ -25,6 +25,7 @@ from keras import ops
 # must not be tracked a second time by the optimizer's attribute tracker.
 from keras.src.utils.tracking import no_automatic_dependency_tracking
 
+from tfmp import _distribute
 from tfmp import _loss_scale_loops as _loops
 from tfmp._errors import invalid_argument
 from tfmp._loss_scale_loops import DEFAULT_MAX_CONSECUTIVE_OVERFLOWS
@@ -73,7 +74,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     `total_steps` before the last skipped step, i.e. its zero-based index; -1 if
     none), `total_steps` (int64, every `apply` call), `min_scale_overflows` (int64,
     consecutive skipped steps taken at `min_scale`) and `last_loss_status` (int64,
-    bit 1 = NaN, bit 2 = inf in the last loss passed to `scale_loss`).
+    bit 1 = NaN, bit 2 = inf in the last loss passed to `scale_loss`, on any replica).
 
     Stuck detection: after `max_consecutive_overflows` skipped steps in a row, or
     `MIN_SCALE_PATIENCE` (3) in a row at `min_scale`, `raise_if_stuck` raises
@@ -201,10 +202,22 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """
         if self.built:
             value = ops.convert_to_tensor(loss)
-            nan = ops.cast(ops.any(ops.isnan(value)), _INT)
-            inf = ops.cast(ops.any(ops.isinf(value)), _INT)
-            self.last_loss_status.assign(nan + 2 * inf)
+            nan, inf = _distribute.any_replica(
+                [ops.any(ops.isnan(value)), ops.any(ops.isinf(value))]
+            )
+            self.last_loss_status.assign(
+                ops.cast(nan, _INT) + 2 * ops.cast(inf, _INT)
+            )
         return super().scale_loss(loss)
+
+    def check_finite(self, grads: list) -> Any:
+        """Scalar bool tensor: True when the gradients are finite on every replica.
+
+        Keras checks only this replica's gradients and, under `MirroredStrategy`,
+        keeps replica 0's answer; here the answer is combined over all replicas in
+        sync (see `tfmp._distribute`), so all of them skip the same steps.
+        """
+        return _distribute.all_replicas_finite(super().check_finite(grads))
 
     def get_scaled_loss(self, loss: Any) -> Any:
         """Alias of `scale_loss`, under its tf.keras 2 name."""
@@ -230,7 +243,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         ]
 
     def apply(self, grads: list, trainable_variables: list | None = None) -> None:
-        """Skips or applies one step (Keras semantics), then checks for a stuck run."""
+        """Skips or applies one step (Keras semantics), then checks for a stuck run.
+
+        Raises:
+            ValueError: when traced in an XLA-compiled step replicated over several
+                replicas of a `tf.distribute` strategy (see `tfmp._distribute`).
+        """
+        _distribute.check_not_xla_replicated()
         try:
             super().apply(grads, trainable_variables)
         finally:

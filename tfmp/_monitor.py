@@ -18,6 +18,7 @@ from typing import Optional, Union
 import keras
 import tensorflow as tf
 
+from tfmp._distribute import is_chief
 from tfmp._errors import invalid_argument
 
 
@@ -54,6 +55,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
         update_freq: ``"epoch"`` (default), ``"batch"``, or a positive int N:
             write per-batch scalars every N batches. Epoch scalars are always
             written.
+
+    Under a multi-worker `tf.distribute` strategy only the chief writes
+    (`tfmp._distribute.is_chief`); the other workers log nothing.
 
     Raises:
         ValueError: `update_freq` is not "epoch", "batch" or a positive int.
@@ -92,6 +96,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
         return self._writer
 
     def _write(self, prefix: str, step: int) -> None:
+        if not is_chief(self.model.distribute_strategy):  # one writer per cluster
+            return
         state = read_loss_scale_state(self.model.optimizer)
         with self._get_writer().as_default(step=step):
             for tag, value in state.items():
@@ -111,7 +117,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
         self._write("epoch_", epoch)
-        self._get_writer().flush()
+        if self._writer is not None:
+            self._writer.flush()
 
     def on_train_end(self, logs: Optional[dict] = None) -> None:
         self.close()

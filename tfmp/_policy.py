@@ -49,7 +49,11 @@ _ALIASES = {
 
 
 class PerformanceWarning(UserWarning):
-    """An explicit policy will run slower than float32 on this machine."""
+    """A setting will run slower than it could on this machine.
+
+    Raised as a warning for an explicit policy slower than float32 here, and when
+    tfmp turns off XLA that cannot run with several replicas.
+    """
 
 
 @dataclasses.dataclass(frozen=True)

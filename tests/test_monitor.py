@@ -26,8 +26,15 @@ pytestmark = pytest.mark.filterwarnings("ignore::tfmp.PerformanceWarning")
 
 INITIAL = 2.0**10
 LEVELS = ("batch_", "epoch_")
-WINDOW_TAGS = ("loss_scale", "overflow_count", "skipped_steps", "overflow_rate",
-               "consecutive_overflows", "lr", "samples_per_second")
+WINDOW_TAGS = (
+    "loss_scale",
+    "overflow_count",
+    "skipped_steps",
+    "overflow_rate",
+    "consecutive_overflows",
+    "lr",
+    "samples_per_second",
+)
 
 
 def read_run(log_dir):
@@ -64,7 +71,9 @@ def values(run, tag):
 
 
 def tiny_model():
-    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+    return keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)]
+    )
 
 
 def data(n=32):
@@ -97,7 +106,7 @@ def poisoned_data(batches, poisoned, batch_size=2):
     x = np.full((batches * batch_size, 5), 0.5, dtype="float32")
     x[:, 4] = 1.0
     for step in poisoned:
-        x[(step - 1) * batch_size:step * batch_size, 4] = np.inf
+        x[(step - 1) * batch_size : step * batch_size, 4] = np.inf
     return x, np.zeros((len(x), 1), dtype="float32")
 
 
@@ -115,18 +124,29 @@ def reference(poisoned, total, initial=INITIAL):
 
 def compile_fp16(model, spe=1):
     schedule = keras.optimizers.schedules.PiecewiseConstantDecay([4], [0.0625, 0.03125])
-    model.compile(optimizer=keras.optimizers.SGD(schedule), loss="mse", steps_per_execution=spe)
+    model.compile(
+        optimizer=keras.optimizers.SGD(schedule), loss="mse", steps_per_execution=spe
+    )
 
 
-@pytest.mark.parametrize("policy, scale", [("mixed_float16", 2.0**10), ("mixed_bfloat16", 1.0), ("float32", 1.0)])
+@pytest.mark.parametrize(
+    "policy, scale",
+    [("mixed_float16", 2.0**10), ("mixed_bfloat16", 1.0), ("float32", 1.0)],
+)
 def test_per_batch_scalars(tmp_path, policy, scale):
     options = {"initial_scale": scale} if policy == "mixed_float16" else {}
     with tfmp.policy_scope(policy, loss_scale_options=options):
         model = tiny_model()
         model.compile(optimizer="sgd", loss="mse")
         x, y = data()
-        model.fit(x, y, batch_size=8, epochs=2, verbose=0,
-                  callbacks=[tfmp.LossScaleMonitor(tmp_path, update_freq="batch")])
+        model.fit(
+            x,
+            y,
+            batch_size=8,
+            epochs=2,
+            verbose=0,
+            callbacks=[tfmp.LossScaleMonitor(tmp_path, update_freq="batch")],
+        )
     run = read_run(tmp_path)
     assert steps(run, "batch_loss_scale") == list(range(1, 9))
     assert set(values(run, "batch_loss_scale")) == {scale}
@@ -136,12 +156,21 @@ def test_per_batch_scalars(tmp_path, policy, scale):
 
 
 def test_overflow_shows_in_scalars(tmp_path):
-    with tfmp.policy_scope("mixed_float16", loss_scale_options={"initial_scale": 2.0**40, "max_scale": 2.0**40}):
+    with tfmp.policy_scope(
+        "mixed_float16",
+        loss_scale_options={"initial_scale": 2.0**40, "max_scale": 2.0**40},
+    ):
         model = tiny_model()
         model.compile(optimizer="sgd", loss="mse")
         x, y = data(16)
-        model.fit(x, y, batch_size=8, epochs=1, verbose=0,
-                  callbacks=[tfmp.LossScaleMonitor(tmp_path, update_freq="batch")])
+        model.fit(
+            x,
+            y,
+            batch_size=8,
+            epochs=1,
+            verbose=0,
+            callbacks=[tfmp.LossScaleMonitor(tmp_path, update_freq="batch")],
+        )
     run = read_run(tmp_path)
     # 2**40 overflows float16 gradients: the first two steps are skipped and halve the scale.
     assert run["batch_overflow_count"] == [(1, 1.0), (2, 2.0)]
@@ -156,8 +185,14 @@ def test_update_freq_every_n_and_steps_per_execution(tmp_path):
     model = tiny_model()
     model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
     x, y = data()
-    model.fit(x, y, batch_size=4, epochs=1, verbose=0,
-              callbacks=[tfmp.LossScaleMonitor(tmp_path, update_freq=4)])
+    model.fit(
+        x,
+        y,
+        batch_size=4,
+        epochs=1,
+        verbose=0,
+        callbacks=[tfmp.LossScaleMonitor(tmp_path, update_freq=4)],
+    )
     run = read_run(tmp_path)
     assert steps(run, "batch_loss_scale") == [4, 8]
     assert steps(run, "batch_skipped_steps") == [4, 8]
@@ -165,25 +200,41 @@ def test_update_freq_every_n_and_steps_per_execution(tmp_path):
 
 @pytest.mark.parametrize("bad", ["step", 0, -3, 1.5, True])
 def test_bad_update_freq(bad):
-    with pytest.raises(ValueError, match=r"Invalid `update_freq` argument.*'epoch', 'batch' or a positive int"):
+    with pytest.raises(
+        ValueError,
+        match=r"Invalid `update_freq` argument.*'epoch', 'batch' or a positive int",
+    ):
         tfmp.LossScaleMonitor("logs", update_freq=bad)
 
 
 @pytest.mark.parametrize("bad", [0, "batch", 2.0])
 def test_bad_grad_stats_freq(bad):
-    with pytest.raises(ValueError, match=r"Invalid `grad_stats_freq` argument.*None \(off\) or a positive int"):
+    with pytest.raises(
+        ValueError,
+        match=r"Invalid `grad_stats_freq` argument.*None \(off\) or a positive int",
+    ):
         tfmp.LossScaleMonitor("logs", grad_stats_freq=bad)
 
 
 @pytest.mark.parametrize("spe", [1, 4])
 def test_exact_values_at_exact_steps(tmp_path, spe):
     poisoned = {3, 6, 7, 8}
-    with tfmp.policy_scope("mixed_float16", loss_scale_options={"initial_scale": INITIAL}):
+    with tfmp.policy_scope(
+        "mixed_float16", loss_scale_options={"initial_scale": INITIAL}
+    ):
         model = bomb_model()
         compile_fp16(model, spe)
         x, y = poisoned_data(12, poisoned)
-        model.fit(x, y, batch_size=2, epochs=3, steps_per_epoch=4, shuffle=False, verbose=0,
-                  callbacks=[tfmp.LossScaleMonitor(tmp_path, update_freq="batch")])
+        model.fit(
+            x,
+            y,
+            batch_size=2,
+            epochs=3,
+            steps_per_epoch=4,
+            shuffle=False,
+            verbose=0,
+            callbacks=[tfmp.LossScaleMonitor(tmp_path, update_freq="batch")],
+        )
     assert int(model.optimizer.total_steps.numpy()) == 12
     run = read_run(tmp_path)
     truth = reference(poisoned, 12)
@@ -212,7 +263,12 @@ def test_exact_values_at_exact_steps(tmp_path, spe):
     ]
     assert all(v > 0 for v in values(run, "batch_samples_per_second"))
     expected_tags = {level + tag for level in LEVELS for tag in WINDOW_TAGS}
-    expected_tags |= {"overflow_scale", "overflow_events", "monitor_notes", "custom_scalars__config__"}
+    expected_tags |= {
+        "overflow_scale",
+        "overflow_events",
+        "monitor_notes",
+        "custom_scalars__config__",
+    }
     assert set(run) == expected_tags
     # CPU: TensorFlow reports no device memory, said once.
     assert len(run["monitor_notes"]) == 1
@@ -221,11 +277,15 @@ def test_exact_values_at_exact_steps(tmp_path, spe):
 
 def failing_batches(x, y, fail_at, batch_size=2):
     """A dataset whose input pipeline raises when asked for 0-based batch `fail_at`."""
+
     def generate():
         for i in range(len(x) // batch_size):
             if i == fail_at:
                 raise RuntimeError(f"input pipeline broke at batch {i}")
-            yield x[i * batch_size:(i + 1) * batch_size], y[i * batch_size:(i + 1) * batch_size]
+            yield (
+                x[i * batch_size : (i + 1) * batch_size],
+                y[i * batch_size : (i + 1) * batch_size],
+            )
 
     spec = (tf.TensorSpec((None, 5), tf.float32), tf.TensorSpec((None, 1), tf.float32))
     return tf.data.Dataset.from_generator(generate, output_signature=spec)
@@ -241,18 +301,25 @@ class RaiseAtBatch(keras.callbacks.Callback):
             raise RuntimeError(f"callback failed at batch {batch}")
 
 
-@pytest.mark.parametrize("where, spe", [("pipeline", 1), ("pipeline", 4), ("callback", 1)])
+@pytest.mark.parametrize(
+    "where, spe", [("pipeline", 1), ("pipeline", 4), ("callback", 1)]
+)
 def test_crash_keeps_every_event_up_to_the_failing_batch(tmp_path, where, spe):
     # Batch 6 (1-based) fails; batch 5 overflowed. With spe=4 batch 5 runs in the
     # execution that fails, after the last regular logging point (step 4).
     x, y = poisoned_data(8, {2, 5})
     callbacks = [tfmp.LossScaleMonitor(tmp_path, update_freq="batch")]
     if where == "callback":
-        data_set, error = tf.data.Dataset.from_tensor_slices((x, y)).batch(2), RuntimeError
+        data_set, error = (
+            tf.data.Dataset.from_tensor_slices((x, y)).batch(2),
+            RuntimeError,
+        )
         callbacks.append(RaiseAtBatch(4))  # after the monitor logged 0-based batch 4
     else:
         data_set, error = failing_batches(x, y, fail_at=5), tf.errors.OpError
-    with tfmp.policy_scope("mixed_float16", loss_scale_options={"initial_scale": INITIAL}):
+    with tfmp.policy_scope(
+        "mixed_float16", loss_scale_options={"initial_scale": INITIAL}
+    ):
         model = bomb_model()
         compile_fp16(model, spe)
         with pytest.raises(error):
@@ -271,13 +338,21 @@ def test_crash_keeps_every_event_up_to_the_failing_batch(tmp_path, where, spe):
 
 def test_stuck_error_from_the_optimizer_is_logged_before_it_propagates(tmp_path):
     x, y = poisoned_data(10, {3, 4, 5, 6})
-    with tfmp.policy_scope("mixed_float16", loss_scale_options={
-            "initial_scale": INITIAL, "max_consecutive_overflows": 3}):
+    with tfmp.policy_scope(
+        "mixed_float16",
+        loss_scale_options={"initial_scale": INITIAL, "max_consecutive_overflows": 3},
+    ):
         model = bomb_model()
         compile_fp16(model)
         with pytest.raises(tfmp.NonFiniteError):
-            model.fit(x, y, batch_size=2, shuffle=False, verbose=0,
-                      callbacks=[tfmp.LossScaleMonitor(tmp_path, update_freq=100)])
+            model.fit(
+                x,
+                y,
+                batch_size=2,
+                shuffle=False,
+                verbose=0,
+                callbacks=[tfmp.LossScaleMonitor(tmp_path, update_freq=100)],
+            )
     run = read_run(tmp_path)
     assert steps(run, "overflow_scale") == [3, 4, 5]
     assert run["batch_overflow_count"] == [(5, 3.0)]
@@ -288,9 +363,17 @@ def test_next_to_keras_tensorboard_and_layout(tmp_path):
     model = tiny_model()
     model.compile(optimizer="sgd", loss="mse")
     x, y = data(16)
-    model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[
-        keras.callbacks.TensorBoard(tmp_path, update_freq="batch"),
-        tfmp.LossScaleMonitor(tmp_path, update_freq="batch")])
+    model.fit(
+        x,
+        y,
+        batch_size=4,
+        epochs=2,
+        verbose=0,
+        callbacks=[
+            keras.callbacks.TensorBoard(tmp_path, update_freq="batch"),
+            tfmp.LossScaleMonitor(tmp_path, update_freq="batch"),
+        ],
+    )
     assert len(glob.glob(f"{tmp_path}/train/events.out.tfevents.*")) == 2
     run = read_run(tmp_path)
     assert steps(run, "batch_loss") == list(range(1, 9))  # Keras's, intact
@@ -302,7 +385,9 @@ def test_next_to_keras_tensorboard_and_layout(tmp_path):
     first = layout.category[0]
     assert first.title == "loss scaling (batch)"
     assert [chart.multiline.tag[0] for chart in first.chart] == [
-        "^batch_loss_scale$", "^batch_overflow_count$"]
+        "^batch_loss_scale$",
+        "^batch_overflow_count$",
+    ]
     assert layout.category[1].title == "loss scaling (epoch)"
     for category in layout.category[:2]:
         for chart in category.chart:
@@ -313,14 +398,29 @@ def test_next_to_keras_tensorboard_and_layout(tmp_path):
 def test_gradient_statistics_exact(tmp_path):
     # d(loss)/d(kernel) = y_true: after scaling by 2**10 one element is below
     # 2**-24, one above 65504, one is zero, one is normal.
-    model = keras.Sequential([keras.Input((1,)),
-                              keras.layers.Dense(4, use_bias=False, kernel_initializer="zeros")])
-    optimizer = tfmp.LossScaleOptimizer(keras.optimizers.SGD(0.0), initial_scale=INITIAL)
-    model.compile(optimizer=optimizer,
-                  loss=lambda y_true, y_pred: tf.reduce_sum(y_true * y_pred, axis=-1))
+    model = keras.Sequential(
+        [
+            keras.Input((1,)),
+            keras.layers.Dense(4, use_bias=False, kernel_initializer="zeros"),
+        ]
+    )
+    optimizer = tfmp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.0), initial_scale=INITIAL
+    )
+    model.compile(
+        optimizer=optimizer,
+        loss=lambda y_true, y_pred: tf.reduce_sum(y_true * y_pred, axis=-1),
+    )
     target = np.array([[2.0**-40, 1.0, 2.0**7, 0.0]] * 4, dtype="float32")
-    model.fit(np.ones((4, 1), "float32"), target, batch_size=1, verbose=0,
-              callbacks=[tfmp.LossScaleMonitor(tmp_path, update_freq="batch", grad_stats_freq=2)])
+    model.fit(
+        np.ones((4, 1), "float32"),
+        target,
+        batch_size=1,
+        verbose=0,
+        callbacks=[
+            tfmp.LossScaleMonitor(tmp_path, update_freq="batch", grad_stats_freq=2)
+        ],
+    )
     run = read_run(tmp_path)
     assert run["grad_underflow_fraction"] == [(2, 0.25), (4, 0.25)]
     assert run["grad_overflow_fraction"] == [(2, 0.25), (4, 0.25)]
@@ -335,10 +435,18 @@ def test_throughput_and_gpu_memory(tmp_path, monkeypatch):
     model.compile(optimizer="sgd", loss="mse")
     x, y = data(32)
     monitor = tfmp.LossScaleMonitor(tmp_path, update_freq=2)
-    model.fit(x, y, batch_size=4, epochs=2, validation_data=(x[:8], y[:8]), verbose=0,
-              callbacks=[monitor])
-    monkeypatch.setattr(_monitor_runtime, "device_memory",
-                        lambda: {"GPU:0": (3 * 2**20, 5 * 2**20)})
+    model.fit(
+        x,
+        y,
+        batch_size=4,
+        epochs=2,
+        validation_data=(x[:8], y[:8]),
+        verbose=0,
+        callbacks=[monitor],
+    )
+    monkeypatch.setattr(
+        _monitor_runtime, "device_memory", lambda: {"GPU:0": (3 * 2**20, 5 * 2**20)}
+    )
     model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[monitor])
     run = read_run(tmp_path)
     assert steps(run, "batch_samples_per_second") == list(range(2, 25, 2))
@@ -350,8 +458,13 @@ def test_throughput_and_gpu_memory(tmp_path, monkeypatch):
 
 
 def test_device_memory_reads_each_gpu(monkeypatch):
-    devices = [tf.config.LogicalDevice("/device:GPU:0", "GPU"), tf.config.LogicalDevice("/device:GPU:1", "GPU")]
-    monkeypatch.setattr(tf.config, "list_logical_devices", lambda kind: devices if kind == "GPU" else [])
+    devices = [
+        tf.config.LogicalDevice("/device:GPU:0", "GPU"),
+        tf.config.LogicalDevice("/device:GPU:1", "GPU"),
+    ]
+    monkeypatch.setattr(
+        tf.config, "list_logical_devices", lambda kind: devices if kind == "GPU" else []
+    )
     info = {"GPU:0": {"current": 10, "peak": 20}, "GPU:1": {"current": 1, "peak": 2}}
     monkeypatch.setattr(tf.config.experimental, "get_memory_info", info.__getitem__)
     assert _monitor_runtime.device_memory() == {"GPU:0": (10, 20), "GPU:1": (1, 2)}
@@ -362,17 +475,25 @@ class FakeStrategy:
         self.cluster_resolver = resolver
 
 
-@pytest.mark.parametrize("cluster, task_type, task_id, chief", [
-    (None, None, None, True),
-    ({"worker": ["a:1", "b:1"]}, "worker", 0, True),
-    ({"worker": ["a:1", "b:1"]}, "worker", 1, False),
-    ({"chief": ["c:1"], "worker": ["a:1"]}, "worker", 0, False),
-    ({"chief": ["c:1"], "worker": ["a:1"]}, "chief", 0, True),
-    ({"worker": ["a:1"], "evaluator": ["e:1"]}, "evaluator", 0, True),
-])
+@pytest.mark.parametrize(
+    "cluster, task_type, task_id, chief",
+    [
+        (None, None, None, True),
+        ({"worker": ["a:1", "b:1"]}, "worker", 0, True),
+        ({"worker": ["a:1", "b:1"]}, "worker", 1, False),
+        ({"chief": ["c:1"], "worker": ["a:1"]}, "worker", 0, False),
+        ({"chief": ["c:1"], "worker": ["a:1"]}, "chief", 0, True),
+        ({"worker": ["a:1"], "evaluator": ["e:1"]}, "evaluator", 0, True),
+    ],
+)
 def test_is_chief(cluster, task_type, task_id, chief):
-    resolver = None if cluster is None else tf.distribute.cluster_resolver.SimpleClusterResolver(
-        tf.train.ClusterSpec(cluster), task_type=task_type, task_id=task_id)
+    resolver = (
+        None
+        if cluster is None
+        else tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(cluster), task_type=task_type, task_id=task_id
+        )
+    )
     assert _monitor_runtime.is_chief(FakeStrategy(resolver)) is chief
 
 
@@ -380,20 +501,38 @@ def test_is_chief(cluster, task_type, task_id, chief):
 def test_only_the_chief_writes_under_a_strategy(tmp_path, task_id):
     strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
     # What MultiWorkerMirroredStrategy holds on worker `task_id` of two.
-    strategy.extended._cluster_resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-        tf.train.ClusterSpec({"worker": ["a:1", "b:1"]}), task_type="worker", task_id=task_id)
-    with tfmp.policy_scope("mixed_float16", loss_scale_options={"initial_scale": INITIAL}):
+    strategy.extended._cluster_resolver = (
+        tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec({"worker": ["a:1", "b:1"]}),
+            task_type="worker",
+            task_id=task_id,
+        )
+    )
+    with tfmp.policy_scope(
+        "mixed_float16", loss_scale_options={"initial_scale": INITIAL}
+    ):
         with strategy.scope():
             model = tiny_model()
             model.compile(optimizer="sgd", loss="mse")
         x, y = data(16)
-        model.fit(x, y, batch_size=4, epochs=1, verbose=0,
-                  callbacks=[tfmp.LossScaleMonitor(tmp_path, update_freq="batch")])
+        model.fit(
+            x,
+            y,
+            batch_size=4,
+            epochs=1,
+            verbose=0,
+            callbacks=[
+                tfmp.LossScaleMonitor(tmp_path, update_freq="batch", grad_stats_freq=2)
+            ],
+        )
     files = glob.glob(f"{tmp_path}/train/events.out.tfevents.*")
     if task_id:
         assert files == []
+        assert "apply" not in vars(model.optimizer)  # statistics not even computed
     else:
-        assert read_run(tmp_path)["batch_loss_scale"] == [(s, INITIAL) for s in range(1, 5)]
+        run = read_run(tmp_path)
+        assert run["batch_loss_scale"] == [(s, INITIAL) for s in range(1, 5)]
+        assert steps(run, "grad_norm") == [2, 4]  # replica-local statistics work
 
 
 def test_docstring_examples():

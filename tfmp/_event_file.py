@@ -75,7 +75,9 @@ class EventFile:
             self.path = os.path.join(self.directory, name)
             self._writer = tf.io.TFRecordWriter(self.path)
             self._tags_seen = set()
-            version = event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2")
+            version = event_pb2.Event(
+                wall_time=time.time(), file_version="brain.Event:2"
+            )
             self._writer.write(version.SerializeToString())
         return self._writer
 

@@ -30,16 +30,24 @@ import tensorflow as tf
 
 FLOAT16_SMALLEST_SUBNORMAL = 2.0**-24
 FLOAT16_MAX = 65504.0
-NAMES = ("grad_norm", "grad_underflow_fraction", "grad_overflow_fraction", "grad_zero_fraction")
+NAMES = (
+    "grad_norm",
+    "grad_underflow_fraction",
+    "grad_overflow_fraction",
+    "grad_zero_fraction",
+)
 
 
 def _variable(strategy: Any, value: Any, dtype: tf.DType) -> tf.Variable:
+    """A replica-local variable: each replica writes its own copy, without the
+    cross-replica synchronization an assignment inside `tf.cond` cannot do; reads
+    outside replicas give the first replica's copy."""
     with strategy.scope():
         return tf.Variable(
             value,
             dtype=dtype,
             trainable=False,
-            synchronization=tf.VariableSynchronization.ON_WRITE,
+            synchronization=tf.VariableSynchronization.ON_READ,
             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
         )
 
@@ -74,7 +82,9 @@ class GradientStats:
         strategy: `tf.distribute.Strategy` the model trains under.
     """
 
-    def __init__(self, optimizer: keras.optimizers.Optimizer, every: int, strategy: Any) -> None:
+    def __init__(
+        self, optimizer: keras.optimizers.Optimizer, every: int, strategy: Any
+    ) -> None:
         self.optimizer = optimizer
         self.every = every
         self._counter = _variable(strategy, 0, tf.int64)

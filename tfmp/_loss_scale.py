@@ -196,7 +196,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             )
             setattr(self, name, self.add_variable((), start, _INT, name=name))
         self.overflow_history_steps = self.add_variable(
-            (OVERFLOW_HISTORY,), keras.initializers.Constant(-1), _INT,
+            (OVERFLOW_HISTORY,),
+            keras.initializers.Constant(-1),
+            _INT,
             name="overflow_history_steps",
         )
         self.overflow_history_scales = self.add_variable(

@@ -56,20 +56,29 @@ DESCRIPTIONS = {
     "overflow_events": "One line per skipped step: the scale before and after.",
 }
 for _prefix in ("batch_", "epoch_"):
-    DESCRIPTIONS.update({
-        _prefix + "loss_scale": "Loss scale (1.0 without loss scaling).",
-        _prefix + "overflow_count": "Skipped (non-finite) steps since training began.",
-        _prefix + "overflow_rate": "Skipped steps / steps, over the logging window.",
-        _prefix + "skipped_steps": "Skipped steps in the logging window.",
-        _prefix + "consecutive_overflows": "Skipped steps in a row.",
-    })
+    DESCRIPTIONS.update(
+        {
+            _prefix + "loss_scale": "Loss scale (1.0 without loss scaling).",
+            _prefix
+            + "overflow_count": "Skipped (non-finite) steps since training began.",
+            _prefix
+            + "overflow_rate": "Skipped steps / steps, over the logging window.",
+            _prefix + "skipped_steps": "Skipped steps in the logging window.",
+            _prefix + "consecutive_overflows": "Skipped steps in a row.",
+        }
+    )
 
 
 class _Window:
     """Counters at the start of a logging window."""
 
     def __init__(self, step: int, overflows: int, samples: int, clock: float) -> None:
-        self.step, self.overflows, self.samples, self.clock = step, overflows, samples, clock
+        self.step, self.overflows, self.samples, self.clock = (
+            step,
+            overflows,
+            samples,
+            clock,
+        )
 
 
 def _is_positive_int(value) -> bool:
@@ -123,12 +132,16 @@ class LossScaleMonitor(keras.callbacks.Callback):
             update_freq = 1
         if update_freq != "epoch" and not _is_positive_int(update_freq):
             raise invalid_argument(
-                "update_freq", update_freq, "'epoch', 'batch' or a positive int",
+                "update_freq",
+                update_freq,
+                "'epoch', 'batch' or a positive int",
                 choices=("epoch", "batch"),
             )
         if grad_stats_freq is not None and not _is_positive_int(grad_stats_freq):
             raise invalid_argument(
-                "grad_stats_freq", grad_stats_freq, "None (off) or a positive int",
+                "grad_stats_freq",
+                grad_stats_freq,
+                "None (off) or a positive int",
                 "Pass e.g. grad_stats_freq=100 for statistics every 100 steps.",
             )
         self.update_freq = update_freq
@@ -265,11 +278,15 @@ class LossScaleMonitor(keras.callbacks.Callback):
     def _write_events(self, state) -> None:
         """Writes skipped steps and gradient statistics not yet written."""
         if not self._layout_written:
-            prefixes = ("epoch_",) if self.update_freq == "epoch" else ("batch_", "epoch_")
+            prefixes = (
+                ("epoch_",) if self.update_freq == "epoch" else ("batch_", "epoch_")
+            )
             layout = build_layout(prefixes, self._grad_stats is not None)
             self._events.write(0, values=[layout_value(layout)])
             self._layout_written = True
-        if state.overflow_count < self._itemized:  # counters restored to an earlier state
+        if (
+            state.overflow_count < self._itemized
+        ):  # counters restored to an earlier state
             self._itemized = state.overflow_count
         events, lost = read_overflow_events(
             self.model.optimizer, self._itemized, state.overflow_count

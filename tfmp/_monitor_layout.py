@@ -54,7 +54,9 @@ def build_layout(prefixes: Sequence[str], grad_stats: bool) -> layout_pb2.Layout
             _chart(f"loss scale ({level})", [f"{prefix}loss_scale"]),
             _chart(f"overflow count ({level})", [f"{prefix}overflow_count"]),
         ]
-        categories.append(layout_pb2.Category(title=f"loss scaling ({level})", chart=pair))
+        categories.append(
+            layout_pb2.Category(title=f"loss scaling ({level})", chart=pair)
+        )
         details += [
             _chart(f"overflow rate ({level})", [f"{prefix}overflow_rate"]),
             _chart(
@@ -66,7 +68,9 @@ def build_layout(prefixes: Sequence[str], grad_stats: bool) -> layout_pb2.Layout
         speed.append(
             _chart(f"samples per second ({level})", [f"{prefix}samples_per_second"])
         )
-    details.append(_chart("overflow events (scale that overflowed)", ["overflow_scale"]))
+    details.append(
+        _chart("overflow events (scale that overflowed)", ["overflow_scale"])
+    )
     categories += [
         layout_pb2.Category(title="loss scaling: details", chart=details),
         layout_pb2.Category(title="throughput", chart=speed, closed=True),

@@ -175,7 +175,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._epoch_window = self._batch_window
         self._train_clock: Optional[float] = None
         self._has_gpu = bool(runtime.device_memory())
-        if self.grad_stats_freq and self._grad_stats is None:
+        stale = self._grad_stats and self._grad_stats.optimizer is not model.optimizer
+        if self.grad_stats_freq and (self._grad_stats is None or stale):
             self._grad_stats = GradientStats(
                 model.optimizer, self.grad_stats_freq, model.distribute_strategy
             )
@@ -284,10 +285,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
             layout = build_layout(prefixes, self._grad_stats is not None)
             self._events.write(0, values=[layout_value(layout)])
             self._layout_written = True
-        if (
-            state.overflow_count < self._itemized
-        ):  # counters restored to an earlier state
-            self._itemized = state.overflow_count
+        # Lower only if the counters were restored to an earlier state.
+        self._itemized = min(self._itemized, state.overflow_count)
         events, lost = read_overflow_events(
             self.model.optimizer, self._itemized, state.overflow_count
         )

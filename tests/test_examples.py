@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import tensorflow_datasets as tfds
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from _events import read_run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -21,13 +21,11 @@ def test_main_job_trains_digits_with_auto_policy(tmp_path, capsys):
     assert accuracy >= 0.9
     assert "tfmp policy:" in out
     assert f"tensorboard --logdir {tmp_path}" in out
-    tags = set()
-    for path in glob.glob(f"{tmp_path}/train/events.out.tfevents.*"):
-        acc = EventAccumulator(path)
-        acc.Reload()
-        tags |= set(acc.Tags()["tensors"])
+    run = read_run(tmp_path)
     assert {"batch_loss_scale", "batch_overflow_count", "epoch_loss_scale",
-            "epoch_overflow_count"} <= tags
+            "epoch_overflow_count"} <= set(run)
+    assert {v for _, v in run["batch_loss_scale"]} == {1.0}  # bfloat16: no scaling
+    assert {v for _, v in run["batch_overflow_count"]} == {0.0}
 
 
 @pytest.mark.parametrize("dataset", ["mnist", "cifar10"])

@@ -12,6 +12,8 @@ PUBLIC_API = {
     "PolicyDecision",
     "__version__",
     "audit",
+    "check_dataset",
+    "check_numerics",
     "disable",
     "enable",
     "float32_layers",

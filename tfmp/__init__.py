@@ -8,6 +8,7 @@
 """
 
 from tfmp._audit import audit
+from tfmp._dataset_check import check_dataset
 from tfmp._enable import disable
 from tfmp._enable import enable
 from tfmp._enable import policy_scope
@@ -18,6 +19,7 @@ from tfmp._hardware import GpuFacts
 from tfmp._loss_scale import LossScaleOptimizer
 from tfmp._loss_scale_loops import scaled_gradients
 from tfmp._monitor import LossScaleMonitor
+from tfmp._numerics import check_numerics
 from tfmp._policy import PerformanceWarning
 from tfmp._policy import PolicyDecision
 from tfmp._policy import recommend_policy
@@ -36,6 +38,8 @@ __all__ = [
     "PolicyDecision",
     "__version__",
     "audit",
+    "check_dataset",
+    "check_numerics",
     "disable",
     "enable",
     "float32_layers",

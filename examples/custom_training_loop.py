@@ -17,7 +17,7 @@ clipped before unscaling is clipped `scale` times too hard, and scaled gradients
 summed across micro-batches mix scales when the scale changes in between.
 
     python examples/custom_training_loop.py                 # digits, policy "auto"
-    python examples/custom_training_loop.py --policy mixed_float16 --accumulation-steps 4
+    python examples/custom_training_loop.py --policy mixed_float16 --clipnorm 0.5
     tensorboard --logdir logs/custom_loop
 
 notebooks/04_custom_training_loop.ipynb runs this loop and checks it against
@@ -66,10 +66,16 @@ def make_optimizer(
         `tfmp.LossScaleOptimizer` wrapping `keras.optimizers.SGD`.
     """
     inner = keras.optimizers.SGD(
-        learning_rate, momentum=0.9, global_clipnorm=clipnorm,
-        gradient_accumulation_steps=accumulation_steps if accumulation_steps > 1 else None)
+        learning_rate,
+        momentum=0.9,
+        global_clipnorm=clipnorm,
+        gradient_accumulation_steps=accumulation_steps
+        if accumulation_steps > 1
+        else None,
+    )
     loss_scale_options.setdefault(
-        "loss_scaling", keras.config.dtype_policy().compute_dtype == "float16")
+        "loss_scaling", keras.config.dtype_policy().compute_dtype == "float16"
+    )
     return tfmp.LossScaleOptimizer(inner, **loss_scale_options)
 
 
@@ -113,9 +119,10 @@ def train(
     steps: Optional[int] = None,
     callbacks: Sequence[keras.callbacks.Callback] = (),
 ) -> List[float]:
-    """Runs the custom loop; callbacks (e.g. `tfmp.LossScaleMonitor`) are called as in fit.
+    """Runs the custom loop, calling callbacks as fit does.
 
-    Callbacks read `model.optimizer`, so compile the model with `optimizer` first.
+    Callbacks such as `tfmp.LossScaleMonitor` read `model.optimizer`: compile the model
+    with `optimizer` first.
 
     Args:
         model: `keras.Model`, compiled with `optimizer`.
@@ -148,7 +155,9 @@ def train(
             epoch_losses.append(loss)
             callback_list.on_train_batch_end(step, {"loss": loss})
         losses += epoch_losses
-        callback_list.on_epoch_end(epoch, {"loss": sum(epoch_losses) / len(epoch_losses)})
+        callback_list.on_epoch_end(
+            epoch, {"loss": sum(epoch_losses) / len(epoch_losses)}
+        )
     callback_list.on_train_end()
     return losses
 
@@ -162,15 +171,28 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         epilog="Example: %(prog)s --policy mixed_float16 --accumulation-steps 4",
     )
     example_utils.add_training_args(
-        parser, epochs=10, batch_size=32, log_dir=os.path.join("logs", "custom_loop"))
-    parser.add_argument("--learning-rate", type=float, default=0.05,
-                        help="SGD learning rate, momentum 0.9 (default 0.05)")
-    parser.add_argument("--clipnorm", type=float, default=1.0,
-                        help="clip the global norm of the unscaled gradients to this "
-                        "(default 1.0; 0 disables clipping)")
-    parser.add_argument("--accumulation-steps", type=int, default=2,
-                        help="average the gradients of this many batches before each "
-                        "update (default 2; 1 updates every batch)")
+        parser, epochs=10, batch_size=32, log_dir=os.path.join("logs", "custom_loop")
+    )
+    parser.add_argument(
+        "--learning-rate",
+        type=float,
+        default=0.05,
+        help="SGD learning rate, momentum 0.9 (default 0.05)",
+    )
+    parser.add_argument(
+        "--clipnorm",
+        type=float,
+        default=1.0,
+        help="clip the global norm of the unscaled gradients to this "
+        "(default 1.0; 0 disables clipping)",
+    )
+    parser.add_argument(
+        "--accumulation-steps",
+        type=int,
+        default=2,
+        help="average the gradients of this many batches before each "
+        "update (default 2; 1 updates every batch)",
+    )
     return parser.parse_args(argv)
 
 
@@ -181,19 +203,32 @@ def main(argv: Optional[Sequence[str]] = None) -> float:
     decision = tfmp.enable(args.policy)
     try:
         print(decision)
-        train_ds, test_ds = train_digits.make_datasets("digits", args.batch_size, args.seed)
+        train_ds, test_ds = train_digits.make_datasets(
+            "digits", args.batch_size, args.seed
+        )
         model = train_digits.build_model(train_ds.element_spec[0].shape[1:])
-        optimizer = make_optimizer(args.learning_rate, clipnorm=args.clipnorm or None,
-                                   accumulation_steps=args.accumulation_steps)
+        optimizer = make_optimizer(
+            args.learning_rate,
+            clipnorm=args.clipnorm or None,
+            accumulation_steps=args.accumulation_steps,
+        )
         loss_fn = keras.losses.SparseCategoricalCrossentropy()
         # compile() does not train: it applies tfmp's float32 forcing, attaches the
         # optimizer (callbacks read model.optimizer) and prepares evaluate().
         model.compile(optimizer=optimizer, loss=loss_fn, metrics=["accuracy"])
         monitor = tfmp.LossScaleMonitor(args.log_dir, update_freq="batch")
-        losses = train(model, optimizer, loss_fn, train_ds, epochs=args.epochs,
-                       steps=args.steps, callbacks=[monitor])
+        losses = train(
+            model,
+            optimizer,
+            loss_fn,
+            train_ds,
+            epochs=args.epochs,
+            steps=args.steps,
+            callbacks=[monitor],
+        )
         _, accuracy = model.evaluate(test_ds, verbose=0)
-        state = f"loss scale {optimizer.loss_scale:g}, {int(optimizer.overflow_count.numpy())} skipped steps"
+        skipped = int(optimizer.overflow_count.numpy())
+        state = f"loss scale {optimizer.loss_scale:g}, {skipped} skipped steps"
     finally:
         tfmp.disable()
     print(f"{len(losses)} steps, last loss {losses[-1]:.4f}, {state}")

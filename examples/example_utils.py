@@ -42,22 +42,43 @@ def add_training_args(
         log_dir: String. Default TensorBoard folder of ``--log-dir``.
     """
     parser.add_argument(
-        "--policy", default="auto",
+        "--policy",
+        default="auto",
         help="auto (default: the fastest safe policy for this hardware), "
-        "mixed_bfloat16, mixed_float16 or float32")
-    parser.add_argument("--epochs", type=int, default=epochs,
-                        help=f"passes over the training data (default {epochs})")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="batches per epoch (default: the whole training set); "
-                        "small values make a quick smoke run")
-    parser.add_argument("--batch-size", type=int, default=batch_size,
-                        help=f"examples per batch (default {batch_size}); multiples "
-                        "of 8 suit Tensor Cores")
-    parser.add_argument("--log-dir", default=log_dir,
-                        help=f"TensorBoard log folder for the loss scale and overflow "
-                        f"count (default {log_dir})")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed of weights, shuffling and splits (default 0)")
+        "mixed_bfloat16, mixed_float16 or float32",
+    )
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        default=epochs,
+        help=f"passes over the training data (default {epochs})",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="batches per epoch (default: the whole training set); "
+        "small values make a quick smoke run",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=batch_size,
+        help=f"examples per batch (default {batch_size}); multiples "
+        "of 8 suit Tensor Cores",
+    )
+    parser.add_argument(
+        "--log-dir",
+        default=log_dir,
+        help=f"TensorBoard log folder for the loss scale and overflow "
+        f"count (default {log_dir})",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of weights, shuffling and splits (default 0)",
+    )
 
 
 def train_and_evaluate(
@@ -91,12 +112,20 @@ def train_and_evaluate(
         print(decision)
         train, test = make_datasets()
         model = build_model(train.element_spec[0].shape[1:])
-        model.compile(optimizer=keras.optimizers.Adam(learning_rate), loss=loss,
-                      metrics=["accuracy"])
+        model.compile(
+            optimizer=keras.optimizers.Adam(learning_rate),
+            loss=loss,
+            metrics=["accuracy"],
+        )
         monitor = tfmp.LossScaleMonitor(args.log_dir, update_freq="batch")
         # shuffle=False: the tf.data pipelines reshuffle every epoch themselves.
-        model.fit(train, epochs=args.epochs, steps_per_epoch=args.steps,
-                  shuffle=False, callbacks=[monitor])
+        model.fit(
+            train,
+            epochs=args.epochs,
+            steps_per_epoch=args.steps,
+            shuffle=False,
+            callbacks=[monitor],
+        )
         _, accuracy = model.evaluate(test, verbose=0)
     finally:
         tfmp.disable()
@@ -127,7 +156,8 @@ def read_scalars(
     steps, values = [], []
     for path in sorted(tf.io.gfile.glob(os.path.join(folder, "events.out.tfevents.*"))):
         accumulator = event_accumulator.EventAccumulator(
-            path, size_guidance={event_accumulator.TENSORS: 0})
+            path, size_guidance={event_accumulator.TENSORS: 0}
+        )
         accumulator.Reload()
         if tag in accumulator.Tags()["tensors"]:
             for event in accumulator.Tensors(tag):

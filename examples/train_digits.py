@@ -133,7 +133,9 @@ def main(argv: Optional[Sequence[str]] = None) -> float:
     """Runs the job; returns the test accuracy (float in [0, 1])."""
     args = parse_args(argv)
     return example_utils.train_and_evaluate(
-        args, lambda: make_datasets(args.dataset, args.batch_size, args.seed), build_model
+        args,
+        lambda: make_datasets(args.dataset, args.batch_size, args.seed),
+        build_model,
     )
 
 

@@ -3,9 +3,9 @@
 Data comes through tensorflow-datasets, which downloads it on first use (needs a
 network once; later runs read the local copy in ~/tensorflow_datasets).
 
-    python examples/train_image_classifier.py                       # cifar10, policy "auto"
+    python examples/train_image_classifier.py            # cifar10, policy "auto"
     python examples/train_image_classifier.py --dataset mnist --epochs 2
-    python examples/train_image_classifier.py --policy float32 --steps 50   # A/B baseline
+    python examples/train_image_classifier.py --policy float32   # A/B baseline
     tensorboard --logdir logs/image_classifier
 """
 
@@ -63,12 +63,18 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "TensorBoard. The data set is downloaded on first use.",
         epilog="Example: %(prog)s --dataset mnist --epochs 2 --policy auto",
     )
-    parser.add_argument("--dataset", choices=DATASETS, default="cifar10",
-                        help="cifar10 (default; 32x32 colour, 10 classes) or mnist "
-                        "(28x28 grey digits)")
+    parser.add_argument(
+        "--dataset",
+        choices=DATASETS,
+        default="cifar10",
+        help="cifar10 (default; 32x32 colour, 10 classes) or mnist (28x28 grey digits)",
+    )
     example_utils.add_training_args(
-        parser, epochs=10, batch_size=128,
-        log_dir=os.path.join("logs", "image_classifier"))
+        parser,
+        epochs=10,
+        batch_size=128,
+        log_dir=os.path.join("logs", "image_classifier"),
+    )
     return parser.parse_args(argv)
 
 

@@ -56,7 +56,8 @@ def load_imdb(
 
     train, test = tfds.load("imdb_reviews", split=["train", "test"], as_supervised=True)
     vectorizer = keras.layers.TextVectorization(
-        max_tokens=max_tokens, output_sequence_length=sequence_length)
+        max_tokens=max_tokens, output_sequence_length=sequence_length
+    )
     vectorizer.adapt(train.map(lambda text, label: text).batch(1024))
 
     def vectorize(text, label):
@@ -77,14 +78,19 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         width: Int. Embedding width (the model width).
     """
 
-    def __init__(self, sequence_length: int, vocabulary_size: int, width: int,
-                 **kwargs) -> None:
+    def __init__(
+        self, sequence_length: int, vocabulary_size: int, width: int, **kwargs
+    ) -> None:
         super().__init__(**kwargs)
         self.sequence_length = sequence_length
         self.vocabulary_size = vocabulary_size
         self.width = width
-        self.tokens = keras.layers.Embedding(vocabulary_size, width, dtype=self.dtype_policy)
-        self.positions = keras.layers.Embedding(sequence_length, width, dtype=self.dtype_policy)
+        self.tokens = keras.layers.Embedding(
+            vocabulary_size, width, dtype=self.dtype_policy
+        )
+        self.positions = keras.layers.Embedding(
+            sequence_length, width, dtype=self.dtype_policy
+        )
 
     def call(self, ids):
         positions = ops.arange(ops.shape(ids)[-1])
@@ -94,8 +100,11 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
 
     def get_config(self) -> dict:
         config = super().get_config()
-        config.update(sequence_length=self.sequence_length,
-                      vocabulary_size=self.vocabulary_size, width=self.width)
+        config.update(
+            sequence_length=self.sequence_length,
+            vocabulary_size=self.vocabulary_size,
+            width=self.width,
+        )
         return config
 
 
@@ -126,7 +135,9 @@ def build_transformer(
     (sequence_length,) = tuple(input_shape)
     ids = keras.Input(shape=(sequence_length,), dtype="int64")
     x = TokenAndPositionEmbedding(sequence_length, vocabulary_size, width)(ids)
-    attention = keras.layers.MultiHeadAttention(heads, width // heads, dropout=0.1)(x, x)
+    attention = keras.layers.MultiHeadAttention(heads, width // heads, dropout=0.1)(
+        x, x
+    )
     x = keras.layers.LayerNormalization(epsilon=1e-6)(x + attention)
     hidden = keras.layers.Dense(feed_forward, activation="relu")(x)
     hidden = keras.layers.Dense(width)(hidden)
@@ -146,13 +157,23 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         epilog="Example: %(prog)s --epochs 1 --steps 100 --policy auto",
     )
     example_utils.add_training_args(
-        parser, epochs=2, batch_size=64, log_dir=os.path.join("logs", "text_transformer"))
-    parser.add_argument("--max-tokens", type=int, default=20_000,
-                        help="vocabulary size learnt from the training reviews "
-                        "(default 20000)")
-    parser.add_argument("--sequence-length", type=int, default=200,
-                        help="tokens kept per review; shorter ones are padded "
-                        "(default 200)")
+        parser,
+        epochs=2,
+        batch_size=64,
+        log_dir=os.path.join("logs", "text_transformer"),
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=20_000,
+        help="vocabulary size learnt from the training reviews (default 20000)",
+    )
+    parser.add_argument(
+        "--sequence-length",
+        type=int,
+        default=200,
+        help="tokens kept per review; shorter ones are padded (default 200)",
+    )
     return parser.parse_args(argv)
 
 
@@ -161,7 +182,9 @@ def main(argv: Optional[Sequence[str]] = None) -> float:
     args = parse_args(argv)
     return example_utils.train_and_evaluate(
         args,
-        lambda: load_imdb(args.batch_size, args.max_tokens, args.sequence_length, args.seed),
+        lambda: load_imdb(
+            args.batch_size, args.max_tokens, args.sequence_length, args.seed
+        ),
         lambda shape: build_transformer(shape, vocabulary_size=args.max_tokens),
         learning_rate=3e-4,
     )

@@ -128,7 +128,8 @@ def test_text_transformer_mixed_float16_keeps_attention_softmax_in_float32():
         model = train_text_transformer.build_transformer((16,), vocabulary_size=64)
         model.compile("adam", "sparse_categorical_crossentropy")
         probabilities = model(np.ones((2, 16), "int64"), training=False)
-    attention = next(l for l in model.layers if isinstance(l, keras.layers.MultiHeadAttention))
+    attention = next(layer for layer in model.layers
+                     if isinstance(layer, keras.layers.MultiHeadAttention))
     assert attention.compute_dtype == "float16"
     assert attention._softmax.compute_dtype == "float32"
     assert probabilities.dtype == "float32"
@@ -174,7 +175,8 @@ def test_custom_loop_equals_fit_with_clipping_and_accumulation(policy):
     assert states[0] == states[1]
     if policy == "mixed_float16":
         assert states[0][1] > 0  # 2**20 overflowed float16 at first: steps were skipped
-    for loop_weight, fit_weight in zip(*weights):
+    assert len(weights[0]) == len(weights[1])
+    for loop_weight, fit_weight in zip(*weights):  # noqa: B905 (lengths checked; Python 3.9)
         np.testing.assert_array_equal(loop_weight, fit_weight)
 
 

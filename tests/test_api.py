@@ -3,10 +3,13 @@
 import tfmp
 
 PUBLIC_API = {
+    "CompareReport",
     "DeviceFacts",
+    "DoctorReport",
     "GpuFacts",
     "LossScaleMonitor",
     "LossScaleOptimizer",
+    "MemoryEstimate",
     "NonFiniteError",
     "PerformanceWarning",
     "PolicyDecision",
@@ -14,8 +17,12 @@ PUBLIC_API = {
     "audit",
     "check_dataset",
     "check_numerics",
+    "compare",
     "disable",
+    "doctor",
     "enable",
+    "estimate_kv_cache",
+    "estimate_memory",
     "float32_layers",
     "force_float32",
     "policy_scope",

@@ -166,3 +166,23 @@ def test_after_disable_compile_is_plain_keras():
     model.compile(optimizer="adam", loss="mse")
     assert type(model.optimizer) is keras.optimizers.LossScaleOptimizer
     assert model.outputs[0].dtype == "float16"
+
+
+def test_debug_option_instruments_compiled_models():
+    tfmp.enable("mixed_bfloat16", device_facts=A100, debug=True)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8)(inputs)
+    blown = keras.layers.Lambda(lambda t: t / 0.0, name="divide_by_zero")(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(1)(blown))
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.ones((8, 4), "float32")
+    with pytest.raises(tfmp.NonFiniteError) as info:
+        model.fit(x, np.zeros((8, 1), "float32"), epochs=1, verbose=0)
+    assert info.value.phase == "forward"
+    assert "divide_by_zero" in info.value.layer
+    assert info.value.step == 0
+
+
+def test_bad_debug_option():
+    with pytest.raises(ValueError, match=r"Invalid `debug` argument.*Received: debug='on'"):
+        tfmp.enable("float32", debug="on")

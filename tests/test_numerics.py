@@ -181,6 +181,17 @@ def test_float16_gradient_counts_only_once_the_scale_is_at_its_floor():
     assert "floor" in str(info.value)
 
 
+def test_empty_outputs_are_not_mistaken_for_inf():
+    inputs = keras.Input((4,))
+    empty = keras.layers.Lambda(lambda t: t[:, :0], name="empty")(inputs)  # min/max of nothing: +-inf
+    outputs = keras.layers.Concatenate()([keras.layers.Dense(2)(inputs), empty])
+    model = keras.Model(inputs, outputs)
+    model.compile("sgd", "mse")
+    handle = tfmp.check_numerics(model)
+    _fit(model, *_data(steps=2))
+    assert handle.failures == []
+
+
 def test_non_finite_loss_with_finite_layers_is_phase_loss():
     model = _mlp()
     model.compile("sgd", loss=lambda y_true, y_pred: tf.reduce_mean(tf.math.log(y_pred * 0.0)))

@@ -38,6 +38,7 @@ import tensorflow as tf
 from tfmp import _float32
 from tfmp import _registry
 from tfmp._errors import invalid_argument
+from tfmp._hardware import detect_device_facts
 
 FLOAT32_HEAVY_FRACTION = 0.5
 _LOW = _float32.LOW_PRECISION
@@ -147,11 +148,9 @@ def _dims(layer: keras.layers.Layer) -> List[Tuple[str, Optional[int]]]:
 
 
 def _has_tensor_cores() -> bool:
-    for gpu in tf.config.list_physical_devices("GPU"):
-        capability = tf.config.experimental.get_device_details(gpu).get("compute_capability")
-        if capability and tuple(capability) >= (7, 0):
-            return True
-    return False
+    """Tensor Cores arrived with compute capability 7.0 (NVIDIA, Volta)."""
+    capability = detect_device_facts().min_compute_capability
+    return capability is not None and capability >= (7, 0)
 
 
 def _layer_warnings(path, layer, reason, producers, policy, tensor_cores):

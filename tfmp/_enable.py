@@ -1,9 +1,9 @@
 """`tfmp.enable()`, `tfmp.disable()` and `tfmp.policy_scope()`: global state and the compile hook.
 
 While enabled, `keras.Model.compile` is wrapped so that every model compiled gets
-float32 forcing (`tfmp.force_float32`) and a `tfmp.LossScaleOptimizer` without
-further calls. `disable()` restores the previous global policy, the original
-`compile` and the TF32 setting.
+float32 forcing (`tfmp.force_float32`), a `tfmp.LossScaleOptimizer` and, with
+``debug=True``, `tfmp.check_numerics` hooks without further calls. `disable()`
+restores the previous global policy, the original `compile` and the TF32 setting.
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import keras
 import tensorflow as tf
 
+from tfmp._distribute import turn_off_xla_if_replicated
 from tfmp._errors import invalid_argument
 from tfmp._float32 import force_float32
 from tfmp._hardware import DeviceFacts
 from tfmp._loss_scale import wrap_optimizer
+from tfmp._numerics import check_numerics
 from tfmp._policy import PolicyDecision, resolve_policy
 
 _MISSING = object()
@@ -36,6 +38,7 @@ class _Enabled:
     keep_float32: Sequence[Any]
     exclude_float32: Sequence[Any]
     loss_scale_options: dict
+    debug: Union[bool, dict] = False
 
 
 _state: Optional[_Enabled] = None
@@ -59,6 +62,7 @@ def enable(
     loss_scale_options: Optional[dict] = None,
     allow_pure_16bit: bool = False,
     tf32: Optional[bool] = None,
+    debug: Union[bool, dict] = False,
     device_facts: Optional[DeviceFacts] = None,
 ) -> PolicyDecision:
     """Sets the Keras global dtype policy and hooks `Model.compile`.
@@ -80,6 +84,10 @@ def enable(
             keep no float32 master weights. Default False.
         tf32: Bool or None. Switch TF32 matmuls on GPUs of compute capability
             >= 8.0 on or off; None leaves TensorFlow's setting (on by default).
+        debug: Bool or dict. True instruments every model compiled while enabled
+            with `tfmp.check_numerics` (first non-finite layer raises
+            `tfmp.NonFiniteError`); a dict gives its keyword options, e.g.
+            ``{"action": "warn", "phase": "forward"}``. Default False.
         device_facts: `tfmp.DeviceFacts` or None. Device facts to decide "auto"
             for; None reads this machine's.
 
@@ -96,6 +104,11 @@ def enable(
     global _state
     if tf32 not in (None, True, False):
         raise invalid_argument("tf32", tf32, "None, True or False")
+    if not isinstance(debug, (bool, dict)):
+        raise invalid_argument(
+            "debug", debug, "a bool or a dict of tfmp.check_numerics options",
+            fix="Pass debug=True, or e.g. debug={'action': 'warn'}.",
+        )
     decision = resolve_policy(
         policy, allow_pure_16bit=allow_pure_16bit, device_facts=device_facts
     )
@@ -114,6 +127,7 @@ def enable(
     _state.keep_float32 = tuple(keep_float32)
     _state.exclude_float32 = tuple(exclude_float32)
     _state.loss_scale_options = dict(loss_scale_options or {})
+    _state.debug = debug
     if tf32 is not None:
         if _state.previous_tf32 is None:
             _state.previous_tf32 = tf.config.experimental.tensor_float_32_execution_enabled()
@@ -178,7 +192,11 @@ def _set_model_compile(entry: Any) -> None:
 
 
 def _compile_with_tfmp(original_compile):
-    """Wraps `Model.compile`: force float32 where needed, wrap the optimizer."""
+    """Wraps `Model.compile`: force float32 where needed, wrap the optimizer.
+
+    Under a multi-replica `tf.distribute` strategy an explicit ``jit_compile=True``
+    is turned off with a warning (see `tfmp._distribute`).
+    """
 
     @functools.wraps(original_compile)
     def compile(self, *args, **kwargs):
@@ -197,7 +215,12 @@ def _compile_with_tfmp(original_compile):
                     self.dtype_policy.compute_dtype,
                     **_state.loss_scale_options,
                 )
-            return original_compile(self, optimizer, *args, **kwargs)
+            result = original_compile(self, optimizer, *args, **kwargs)
+            turn_off_xla_if_replicated(self)
+            if _state.debug:
+                options = {} if _state.debug is True else _state.debug
+                check_numerics(self, **options)
+            return result
         return original_compile(self, *args, **kwargs)
 
     compile._tfmp_original = original_compile

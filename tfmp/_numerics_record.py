@@ -45,6 +45,8 @@ def _tensors(structure: Any, integers: bool) -> list[tf.Tensor]:
         if not isinstance(value, (tf.Tensor, tf.Variable)):
             continue
         dtype = value.dtype
+        if 0 in (value.shape.as_list() if value.shape.rank is not None else ()):
+            continue  # statically empty: a min/max over it would be +-inf
         if dtype.is_floating or (integers and dtype.is_integer):
             found.append(tf.stop_gradient(value))
     return found

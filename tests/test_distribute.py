@@ -15,10 +15,10 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _events import read_run
 from _subproc import free_ports
 from _subproc import results
 from _subproc import started
-from test_monitor import read_scalars
 
 import tfmp
 from tfmp import _distribute
@@ -242,7 +242,7 @@ def test_two_workers_agree_and_only_the_chief_writes_events(launched):
     assert all(np.isfinite(w).all() for w in chief["weights"])
     events = sorted(p.name for p in (log_dir / "train").iterdir())
     assert len(events) == 1 and f".{chief['pid']}." in events[0], events
-    scalars = read_scalars(log_dir)
+    scalars = read_run(log_dir)
     assert [v for _, v in scalars["batch_loss_scale"]] == SCALES
     assert [v for _, v in scalars["batch_overflow_count"]] == [0.0, 1.0, 1.0, 1.0]
 

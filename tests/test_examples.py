@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from _events import read_run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -23,24 +23,17 @@ import train_image_classifier  # noqa: E402
 import train_text_transformer  # noqa: E402
 
 
-def event_tags(log_dir):
-    """Tensor tags written under `<log_dir>/train`."""
-    tags = set()
-    for path in glob.glob(f"{log_dir}/train/events.out.tfevents.*"):
-        acc = EventAccumulator(path)
-        acc.Reload()
-        tags |= set(acc.Tags()["tensors"])
-    return tags
-
-
 def test_main_job_trains_digits_with_auto_policy(tmp_path, capsys):
     accuracy = train_digits.main(["--log-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert accuracy >= 0.9
     assert "tfmp policy:" in out
     assert f"tensorboard --logdir {tmp_path}" in out
+    run = read_run(tmp_path)
     assert {"batch_loss_scale", "batch_overflow_count", "epoch_loss_scale",
-            "epoch_overflow_count"} <= event_tags(tmp_path)
+            "epoch_overflow_count"} <= set(run)
+    assert {v for _, v in run["batch_loss_scale"]} == {1.0}  # bfloat16: no scaling
+    assert {v for _, v in run["batch_overflow_count"]} == {0.0}
 
 
 @pytest.mark.parametrize("dataset", ["mnist", "cifar10"])
@@ -100,7 +93,7 @@ def test_image_classifier_with_mock_data(tmp_path, capsys, dataset):
              "--log-dir", str(tmp_path)])
     assert 0.0 <= accuracy <= 1.0
     assert "Test accuracy (" in capsys.readouterr().out
-    assert {"batch_loss_scale", "epoch_overflow_count"} <= event_tags(tmp_path)
+    assert {"batch_loss_scale", "epoch_overflow_count"} <= set(read_run(tmp_path))
 
 
 def test_cnn_forces_only_the_sensitive_layers_to_float32():
@@ -119,7 +112,7 @@ def test_text_transformer_with_mock_imdb(tmp_path):
             ["--epochs", "1", "--steps", "2", "--batch-size", "8", "--max-tokens", "64",
              "--sequence-length", "16", "--log-dir", str(tmp_path)])
     assert 0.0 <= accuracy <= 1.0
-    assert {"batch_loss_scale", "batch_overflow_count"} <= event_tags(tmp_path)
+    assert {"batch_loss_scale", "batch_overflow_count"} <= set(read_run(tmp_path))
 
 
 @SKIP_FP16_WARNING

@@ -170,6 +170,11 @@ def samples_this_epoch(model: Any) -> Optional[int]:
     Args:
         model: `keras.Model` being trained.
 
+    Under a `tf.distribute` strategy the variable is sync-on-read: reading it whole
+    all-reduces it across workers, a collective that only the writing chief would
+    join. So this worker's replicas are summed and scaled to the whole cluster,
+    exact for `MirroredStrategy` and for equal shards per worker.
+
     Returns:
         Int, or None when the model has no loss tracker. A custom `train_step`
         that does not update the tracker leaves it at 0.
@@ -178,4 +183,8 @@ def samples_this_epoch(model: Any) -> Optional[int]:
     count = getattr(tracker, "count", None)
     if count is None:
         return None
-    return int(_numpy(count))
+    local_parts = getattr(getattr(count, "value", count), "values", None)
+    if local_parts is None:
+        return int(_numpy(count))
+    local = sum(int(part.numpy()) for part in local_parts)
+    return local * model.distribute_strategy.num_replicas_in_sync // len(local_parts)

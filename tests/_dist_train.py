@@ -10,20 +10,13 @@ import numpy as np
 import tensorflow as tf
 
 import tfmp
+from tfmp._loss_scale import STATE_VARIABLES
 
 #: Options of every tfmp.LossScaleOptimizer in the scripts: with growth every 2 finite
 #: steps, a run finite-overflow-finite-finite gives scales 1024, 512, 512, 1024.
 LSO_OPTIONS = {"initial_scale": 2.0**10, "dynamic_growth_steps": 2}
 LEARNING_RATE = 0.01
-STATE = (
-    "dynamic_scale",
-    "step_counter",
-    "overflow_count",
-    "consecutive_overflows",
-    "last_overflow_step",
-    "total_steps",
-    "last_loss_status",
-)
+STATE = STATE_VARIABLES
 
 
 def build_model():

@@ -40,6 +40,8 @@ _COUNTERS = (
     "min_scale_overflows",
     "last_loss_status",
 )
+#: Names of the scalar state variables: Keras's two, then tfmp's counters.
+STATE_VARIABLES = ("dynamic_scale", "step_counter") + _COUNTERS
 #: Length of the overflow history ring buffers (`overflow_history_steps`,
 #: `overflow_history_scales`): how many skipped steps a reader polling between
 #: steps (tfmp.LossScaleMonitor) can itemize; older ones are only counted.

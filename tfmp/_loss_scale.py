@@ -372,7 +372,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
 
 # Keyword arguments of LossScaleOptimizer that wrap_optimizer passes on.
-_WRAP_OPTIONS = tuple(inspect.signature(LossScaleOptimizer).parameters)[1:-1]
+#: Keyword options of `wrap_optimizer` (those of `LossScaleOptimizer`).
+WRAP_OPTIONS = tuple(inspect.signature(LossScaleOptimizer).parameters)[1:-1]
 _COMPUTE_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
@@ -403,12 +404,12 @@ def wrap_optimizer(
         ValueError: In the project's template, for an unknown option or dtype.
     """
     for key in options:
-        if key not in _WRAP_OPTIONS:
+        if key not in WRAP_OPTIONS:
             raise invalid_argument(
                 "options",
                 key,
-                f"one of {', '.join(_WRAP_OPTIONS)}",
-                choices=_WRAP_OPTIONS,
+                f"one of {', '.join(WRAP_OPTIONS)}",
+                choices=WRAP_OPTIONS,
             )
     if compute_dtype not in _COMPUTE_DTYPES:
         raise invalid_argument(

@@ -25,6 +25,18 @@ import tensorflow as tf  # noqa: E402
 from tensorboard.backend.event_processing import event_accumulator  # noqa: E402
 
 import tfmp  # noqa: E402
+from tfmp._policy import POLICY_CHOICES  # noqa: E402
+
+
+def positive_int(text: str) -> int:
+    """Argparse type: an int >= 1, else a usage error naming what was received."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, received {text!r}")
+    return value
 
 
 def add_training_args(
@@ -44,25 +56,26 @@ def add_training_args(
     parser.add_argument(
         "--policy",
         default="auto",
+        choices=POLICY_CHOICES,
         help="auto (default: the fastest safe policy for this hardware), "
         "mixed_bfloat16, mixed_float16 or float32",
     )
     parser.add_argument(
         "--epochs",
-        type=int,
+        type=positive_int,
         default=epochs,
         help=f"passes over the training data (default {epochs})",
     )
     parser.add_argument(
         "--steps",
-        type=int,
+        type=positive_int,
         default=None,
         help="batches per epoch (default: the whole training set); "
         "small values make a quick smoke run",
     )
     parser.add_argument(
         "--batch-size",
-        type=int,
+        type=positive_int,
         default=batch_size,
         help=f"examples per batch (default {batch_size}); multiples "
         "of 8 suit Tensor Cores",

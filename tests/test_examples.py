@@ -183,3 +183,18 @@ def test_read_scalars_and_overflow_steps(tmp_path):
     assert list(steps) == [1, 2, 3, 4, 5] and list(counts) == [0, 1, 1, 3, 3]
     assert list(example_utils.overflow_steps(steps, counts)) == [2, 4]
     assert example_utils.read_scalars(str(tmp_path), "missing")[0].size == 0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--policy", "fp16"], "invalid choice: 'fp16'"),
+        (["--epochs", "0"], "expected a whole number >= 1, received '0'"),
+        (["--batch-size", "x"], "expected a whole number >= 1, received 'x'"),
+    ],
+)
+def test_bad_options_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        train_digits.parse_args(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err

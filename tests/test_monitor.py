@@ -154,17 +154,20 @@ def test_update_freq_every_n_and_steps_per_execution(tmp_path):
     model = tiny_model()
     model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
     x, y = data()
-    model.fit(
-        x,
-        y,
-        batch_size=4,
-        epochs=1,
-        verbose=0,
-        callbacks=[tfmp.LossScaleMonitor(tmp_path, update_freq=4)],
-    )
+    with pytest.warns(UserWarning, match=r"\(SGD\) keeps no overflow counts"):
+        model.fit(
+            x,
+            y,
+            batch_size=4,
+            epochs=1,
+            verbose=0,
+            callbacks=[tfmp.LossScaleMonitor(tmp_path, update_freq=4)],
+        )
     run = read_run(tmp_path)
     assert steps(run, "batch_loss_scale") == [4, 8]
-    assert steps(run, "batch_skipped_steps") == [4, 8]
+    # A plain optimizer counts nothing, so no overflow scalars are made up.
+    assert not {"batch_overflow_count", "batch_skipped_steps", "epoch_overflow_count"} & set(run)
+    assert "keeps no overflow counts" in run["monitor_notes"][0][1]
 
 
 @pytest.mark.parametrize("bad", ["step", 0, -3, 1.5, True])
@@ -330,7 +333,7 @@ def test_stuck_error_from_the_optimizer_is_logged_before_it_propagates(tmp_path)
 
 def test_next_to_keras_tensorboard_and_layout(tmp_path):
     model = tiny_model()
-    model.compile(optimizer="sgd", loss="mse")
+    model.compile(optimizer=tfmp.LossScaleOptimizer(keras.optimizers.SGD(), loss_scaling=False), loss="mse")
     x, y = data(16)
     model.fit(
         x,
@@ -401,7 +404,7 @@ def test_gradient_statistics_exact(tmp_path):
 
 def test_throughput_and_gpu_memory(tmp_path, monkeypatch):
     model = tiny_model()
-    model.compile(optimizer="sgd", loss="mse")
+    model.compile(optimizer=tfmp.LossScaleOptimizer(keras.optimizers.SGD(), loss_scaling=False), loss="mse")
     x, y = data(32)
     monitor = tfmp.LossScaleMonitor(tmp_path, update_freq=2)
     model.fit(
@@ -476,3 +479,9 @@ def test_only_the_chief_writes_under_a_strategy(tmp_path, task_id, monkeypatch):
 def test_docstring_examples():
     for module in (_monitor, _monitor_state):
         assert doctest.testmod(module).failed == 0, module.__name__
+
+
+@pytest.mark.parametrize("bad", [None, "", 3])
+def test_bad_log_dir(bad):
+    with pytest.raises(ValueError, match=r"Invalid `log_dir` argument.*non-empty folder path"):
+        tfmp.LossScaleMonitor(bad)

@@ -169,7 +169,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 "inner_optimizer",
                 inner_optimizer,
                 "a keras.optimizers.Optimizer instance",
-                "Use tfmp's wrap_optimizer() to wrap a string or dict identifier.",
+                "Pass an optimizer instance, e.g. "
+                "tfmp.LossScaleOptimizer(keras.optimizers.get('adam')).",
             )
         # Keras's build and scale_loss read `initial_scale`: without loss scaling it
         # is 1.0 while get_config keeps the value the caller gave.

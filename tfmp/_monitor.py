@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from typing import Optional, Union
 
 import keras
@@ -44,12 +45,14 @@ from tfmp._loss_scale import OVERFLOW_HISTORY
 from tfmp._monitor_layout import build_layout
 from tfmp._monitor_layout import layout_summary
 from tfmp._monitor_state import describe
-from tfmp._monitor_state import read_loss_scale_state  # noqa: F401 (kept importable)
+from tfmp._monitor_state import is_tfmp_optimizer
 from tfmp._monitor_state import read_overflow_events
 from tfmp._monitor_state import read_state
 from tfmp._monitor_state import samples_this_epoch
 
 _LOG = logging.getLogger(__name__)
+#: Window scalars that only an optimizer counting overflows can give.
+_OVERFLOW_TAGS = ("overflow_count", "skipped_steps", "overflow_rate", "consecutive_overflows")
 _MIB = 2.0**20
 DESCRIPTIONS = {
     "overflow_scale": "Loss scale of a step skipped for non-finite gradients, "
@@ -93,8 +96,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
     `total_steps`, `overflow_count`, the overflow history), so nothing between
     two reads is lost, whatever `steps_per_execution`; each skipped step is
     itemized at its own step (the last 64 between two logging points).
-    Cheap: variables are read only at logging points; events are written without
-    TensorFlow ops. Crash-safe: each logging point is flushed to disk as written,
+    Cheap: variables are read only at logging points. Crash-safe: each logging point is flushed to disk as written,
     and when the train function raises (a failing step or input pipeline,
     `tfmp.NonFiniteError`, Ctrl-C) the monitor writes the state at that moment
     before the error propagates. Under a distribution strategy only the chief
@@ -114,7 +116,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
             start and at the end of `fit`.
 
     Raises:
-        ValueError: `update_freq` or `grad_stats_freq` is not one of the above.
+        ValueError: `log_dir` is not a path, or `update_freq` or `grad_stats_freq`
+            is not one of the above.
 
     Example:
         >>> monitor = LossScaleMonitor("logs/run1", update_freq=100)
@@ -129,6 +132,11 @@ class LossScaleMonitor(keras.callbacks.Callback):
         grad_stats_freq: Optional[int] = None,
     ) -> None:
         super().__init__()
+        if not isinstance(log_dir, (str, os.PathLike)) or not os.fspath(log_dir):
+            raise invalid_argument(
+                "log_dir", log_dir, "a non-empty folder path (str or path-like)",
+                fix="Pass e.g. LossScaleMonitor('logs/run1').",
+            )
         if update_freq == "batch":
             update_freq = 1
         if update_freq != "epoch" and not _is_positive_int(update_freq):
@@ -176,6 +184,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._epoch_window = self._batch_window
         self._train_clock: Optional[float] = None
         self._has_gpu = bool(runtime.device_memory())
+        self._counts_overflows = is_tfmp_optimizer(model.optimizer)
+        if not self._counts_overflows:
+            self._warn_no_counters(state.step)
         stale = self._grad_stats and self._grad_stats.optimizer is not model.optimizer
         if self.grad_stats_freq and (self._grad_stats is None or stale):
             self._grad_stats = GradientStats(
@@ -250,6 +261,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
             "overflow_rate": skipped / steps if steps > 0 else 0.0,
             "consecutive_overflows": state.consecutive_overflows,
         }
+        if not self._counts_overflows:  # nothing to report: write no made-up zeros
+            for tag in _OVERFLOW_TAGS:
+                del scalars[tag]
         if state.learning_rate is not None:
             scalars["lr"] = state.learning_rate
         samples = self._samples - window.samples
@@ -309,6 +323,17 @@ class LossScaleMonitor(keras.callbacks.Callback):
         if stats is not None and stats[0] > self._last_grad_step:
             self._last_grad_step = stats[0]
             self._events.write(stats[0], stats[1])
+
+    def _warn_no_counters(self, step: int) -> None:
+        """Says, in the log and as a warning, that the optimizer counts no overflows."""
+        text = (
+            f"the optimizer ({type(self.model.optimizer).__name__}) keeps no overflow "
+            "counts, so only loss_scale (1.0 without loss scaling) and lr are "
+            "written. Call tfmp.enable() before compile, or wrap the optimizer in "
+            "tfmp.LossScaleOptimizer, to count skipped steps."
+        )
+        warnings.warn(f"LossScaleMonitor: {text}", UserWarning, stacklevel=3)
+        self._note(step, text)
 
     def _note(self, step: int, text: str) -> None:
         """Writes a ``monitor_notes`` line; notes use the step axis of batches."""

@@ -15,6 +15,8 @@ from typing import Any, List, Optional
 
 import keras
 
+from tfmp._loss_scale import LossScaleOptimizer
+
 
 @dataclasses.dataclass(frozen=True)
 class LossScaleState:
@@ -62,8 +64,9 @@ def _numpy(value: Any) -> Any:
     return value.numpy() if hasattr(value, "numpy") else value
 
 
-def _is_tfmp(optimizer: Any) -> bool:
-    return getattr(optimizer, "total_steps", None) is not None
+def is_tfmp_optimizer(optimizer: Any) -> bool:
+    """Bool. Whether `optimizer` keeps tfmp's overflow counters (built or not)."""
+    return isinstance(optimizer, LossScaleOptimizer)
 
 
 def read_state(optimizer: Any) -> LossScaleState:
@@ -82,7 +85,7 @@ def read_state(optimizer: Any) -> LossScaleState:
         scale = float(optimizer.dynamic_scale.numpy())
     elif is_lso:
         scale = float(optimizer.initial_scale)
-    if _is_tfmp(optimizer):
+    if is_tfmp_optimizer(optimizer) and optimizer.built:
         step = int(optimizer.total_steps.numpy())
         overflows = int(optimizer.overflow_count.numpy())
         consecutive = int(optimizer.consecutive_overflows.numpy())
@@ -91,21 +94,6 @@ def read_state(optimizer: Any) -> LossScaleState:
     rate = getattr(optimizer, "learning_rate", None)
     lr = None if rate is None else float(_numpy(rate))
     return LossScaleState(step, scale, overflows, consecutive, lr)
-
-
-def read_loss_scale_state(optimizer: Any) -> dict:
-    """Reads loss-scaling state from an optimizer as Python numbers.
-
-    Args:
-        optimizer: A Keras optimizer; a `keras.optimizers.LossScaleOptimizer` (or
-            `tfmp.LossScaleOptimizer`) gives its scale and counters.
-
-    Returns:
-        Dict with ``loss_scale`` (float) and ``overflow_count`` (int). An optimizer
-        without loss scaling, or one not built yet, gives its starting values.
-    """
-    state = read_state(optimizer)
-    return {"loss_scale": state.loss_scale, "overflow_count": state.overflow_count}
 
 
 def read_overflow_events(

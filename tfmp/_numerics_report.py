@@ -104,8 +104,9 @@ def _forward_message(item: dict, kind: str, step: int, trace: list[dict]) -> str
         )
     elif item["dtype"] == "float16" and "inf" in kind:
         text += (
-            f" float16 holds at most {FLOAT16_MAX:g}: compute this layer in float32 "
-            "(tfmp.force_float32) or keep its inputs smaller."
+            f" float16 holds at most {FLOAT16_MAX:g}: if this layer computes large values "
+            "(exponentials, squares, long sums), compute it in float32 (tfmp.force_float32) "
+            "or keep its inputs smaller; if it divides or takes a logarithm, look for a zero there."
         )
     return text
 

@@ -21,7 +21,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-import tfmp  # noqa: E402
+import example_utils  # noqa: E402  (examples/, next to this file)
 
 DATASETS = ("digits", "mnist", "cifar10")
 NUM_CLASSES = 10
@@ -124,43 +124,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--dataset", choices=DATASETS, default="digits",
                         help="digits (bundled, default) or a tensorflow-datasets "
                         "name (needs a network the first time)")
-    parser.add_argument("--policy", default="auto",
-                        help="auto (default: chosen for this hardware), "
-                        "mixed_bfloat16, mixed_float16 or float32")
-    parser.add_argument("--epochs", type=int, default=15, help="epochs (default 15)")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="batches per epoch (default: the whole training set)")
-    parser.add_argument("--batch-size", type=int, default=64, help="default 64")
-    parser.add_argument("--log-dir", default=os.path.join("logs", "digits"),
-                        help="TensorBoard log folder (default logs/digits)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    example_utils.add_training_args(parser, epochs=15, batch_size=64,
+                                    log_dir=os.path.join("logs", "digits"))
     return parser.parse_args(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> float:
     """Runs the job; returns the test accuracy (float in [0, 1])."""
     args = parse_args(argv)
-    keras.utils.set_random_seed(args.seed)
-    decision = tfmp.enable(args.policy)
-    try:
-        print(decision)
-        train, test = make_datasets(args.dataset, args.batch_size, args.seed)
-        model = build_model(train.element_spec[0].shape[1:])
-        model.compile(
-            optimizer=keras.optimizers.Adam(1e-3),
-            loss="sparse_categorical_crossentropy",
-            metrics=["accuracy"],
-        )
-        monitor = tfmp.LossScaleMonitor(args.log_dir, update_freq="batch")
-        # shuffle=False: the tf.data pipeline already reshuffles every epoch.
-        model.fit(train, epochs=args.epochs, steps_per_epoch=args.steps,
-                  shuffle=False, callbacks=[monitor])
-        _, accuracy = model.evaluate(test, verbose=0)
-    finally:
-        tfmp.disable()
-    print(f"Test accuracy ({decision.policy}): {accuracy:.4f}")
-    print(f"TensorBoard logs: tensorboard --logdir {args.log_dir}")
-    return accuracy
+    return example_utils.train_and_evaluate(
+        args,
+        lambda: make_datasets(args.dataset, args.batch_size, args.seed),
+        build_model,
+    )
 
 
 if __name__ == "__main__":

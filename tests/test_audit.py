@@ -74,11 +74,20 @@ def test_variables_16bit():
 
 def test_policy_mismatch_when_built_before_enable():
     model = digits_model()  # built under float32
-    keras.config.set_dtype_policy("mixed_float16")
-    report = tfmp.audit(model, tensor_cores=False)
+    with tfmp.policy_scope("mixed_bfloat16"):
+        report = tfmp.audit(model, tensor_cores=False)
     mismatched = {w.path for w in report.warnings if w.kind == "policy_mismatch"}
     assert mismatched == {"hidden", "norm", "probs"}
     assert "rebuild" in report.warnings[0].message
+
+
+def test_no_policy_mismatch_after_disable():
+    with tfmp.policy_scope("mixed_bfloat16"):
+        model = digits_model()
+        model.compile(optimizer="sgd", loss="mse")
+    # The global policy is float32 again; the model is consistent with itself.
+    report = tfmp.audit(model, tensor_cores=False)
+    assert "policy_mismatch" not in {w.kind for w in report.warnings}
 
 
 def test_tensor_core_dims_and_batch_size():

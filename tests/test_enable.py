@@ -166,3 +166,63 @@ def test_after_disable_compile_is_plain_keras():
     model.compile(optimizer="adam", loss="mse")
     assert type(model.optimizer) is keras.optimizers.LossScaleOptimizer
     assert model.outputs[0].dtype == "float16"
+
+
+def test_debug_option_instruments_compiled_models():
+    tfmp.enable("mixed_bfloat16", device_facts=A100, debug=True)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8)(inputs)
+    blown = keras.layers.Lambda(lambda t: t / 0.0, name="divide_by_zero")(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(1)(blown))
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.ones((8, 4), "float32")
+    with pytest.raises(tfmp.NonFiniteError) as info:
+        model.fit(x, np.zeros((8, 1), "float32"), epochs=1, verbose=0)
+    assert info.value.phase == "forward"
+    assert "divide_by_zero" in info.value.layer
+    assert info.value.step == 0
+
+
+def test_bad_debug_option():
+    with pytest.raises(ValueError, match=r"Invalid `debug` argument.*Received: debug='on'"):
+        tfmp.enable("float32", debug="on")
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"loss_scale_options": 5}, r"Invalid `loss_scale_options` argument.*Received: loss_scale_options=5"),
+        ({"loss_scale_options": {"initial_scael": 2.0}}, r"did you mean 'initial_scale'"),
+        ({"loss_scale_options": {"min_scale": -1.0}}, r"Invalid `min_scale` argument"),
+        ({"debug": {"acton": "warn"}}, r"Invalid `debug` argument.*did you mean 'action'"),
+        ({"keep_float32": [3]}, r"Invalid `keep_float32` argument.*Received: keep_float32=3"),
+        ({"exclude_float32": [keras.layers.Dense(2)]}, r"Invalid `exclude_float32` argument"),
+    ],
+)
+def test_bad_options_leave_everything_untouched(options, message):
+    keras.config.set_dtype_policy("float32")
+    with pytest.raises(ValueError, match=message):
+        tfmp.enable("mixed_bfloat16", device_facts=A100, **options)
+    assert not tfmp._enable.is_enabled()
+    assert keras.config.dtype_policy().name == "float32"
+    assert keras.Model.compile is ORIGINAL_COMPILE
+
+
+def test_single_keep_pattern_is_not_split_into_letters():
+    tfmp.enable("mixed_bfloat16", device_facts=A100, keep_float32="hidden",
+                exclude_float32=keras.layers.Softmax)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, name="hidden")(inputs)
+    outputs = keras.layers.Dense(2)(keras.layers.Softmax()(hidden))
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer="sgd", loss="mse")
+    assert model.get_layer("hidden").compute_dtype == "float32"
+    assert model.layers[2].compute_dtype == "bfloat16"  # the excluded Softmax
+
+
+def test_compiling_a_model_built_before_enable_warns():
+    keras.config.set_dtype_policy("float32")
+    model = mlp()
+    tfmp.enable("mixed_bfloat16", device_facts=A100)
+    with pytest.warns(tfmp.PerformanceWarning, match="built under the policy 'float32'.*after tfmp.enable"):
+        model.compile(optimizer="sgd", loss="mse")

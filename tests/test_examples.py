@@ -1,18 +1,26 @@
-"""The main job: a real digits run, its TensorBoard logs, and the tensorflow-datasets path."""
+"""The example scripts: real digits runs, the tensorflow-datasets paths on mock data, --help."""
 
 import glob
 import pathlib
 import subprocess
 import sys
 
+import keras
+import numpy as np
 import pytest
+import tensorflow as tf
 import tensorflow_datasets as tfds
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from _events import read_run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
+import custom_training_loop  # noqa: E402
+import example_utils  # noqa: E402
+import tfmp  # noqa: E402
 import train_digits  # noqa: E402
+import train_image_classifier  # noqa: E402
+import train_text_transformer  # noqa: E402
 
 
 def test_main_job_trains_digits_with_auto_policy(tmp_path, capsys):
@@ -21,13 +29,11 @@ def test_main_job_trains_digits_with_auto_policy(tmp_path, capsys):
     assert accuracy >= 0.9
     assert "tfmp policy:" in out
     assert f"tensorboard --logdir {tmp_path}" in out
-    tags = set()
-    for path in glob.glob(f"{tmp_path}/train/events.out.tfevents.*"):
-        acc = EventAccumulator(path)
-        acc.Reload()
-        tags |= set(acc.Tags()["tensors"])
+    run = read_run(tmp_path)
     assert {"batch_loss_scale", "batch_overflow_count", "epoch_loss_scale",
-            "epoch_overflow_count"} <= tags
+            "epoch_overflow_count"} <= set(run)
+    assert {v for _, v in run["batch_loss_scale"]} == {1.0}  # bfloat16: no scaling
+    assert {v for _, v in run["batch_overflow_count"]} == {0.0}
 
 
 @pytest.mark.parametrize("dataset", ["mnist", "cifar10"])
@@ -46,8 +52,149 @@ def test_unknown_dataset_message():
         train_digits.make_datasets("svhn", 32)
 
 
-def test_help_explains_options():
-    result = subprocess.run([sys.executable, str(ROOT / "examples" / "train_digits.py"), "--help"],
-                            capture_output=True, text=True, check=True)
-    for option in ("--dataset", "--policy", "--epochs", "--steps", "--log-dir"):
-        assert option in result.stdout
+# The other example scripts and the shared helpers ------------------------------------
+
+SCRIPTS = {
+    train_digits: ("--dataset", "--policy", "--epochs", "--steps", "--log-dir"),
+    train_image_classifier: ("--dataset", "cifar10", "mnist", "--policy", "--epochs",
+                             "--steps", "--batch-size", "--log-dir", "--seed"),
+    train_text_transformer: ("imdb_reviews", "--policy", "--epochs", "--steps",
+                             "--max-tokens", "--sequence-length", "--log-dir"),
+    custom_training_loop: ("--policy", "--epochs", "--steps", "--learning-rate",
+                           "--clipnorm", "--accumulation-steps", "--log-dir"),
+}
+SKIP_FP16_WARNING = pytest.mark.filterwarnings("ignore::tfmp.PerformanceWarning")
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda module: module.__name__)
+def test_every_script_help_explains_its_options(script, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        script.parse_args(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for word in SCRIPTS[script]:
+        assert word in out
+    assert "default" in out
+
+
+def test_a_script_runs_from_the_command_line():
+    """As users run them: `python examples/<script>.py`, helpers found next to it."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "custom_training_loop.py"), "--help"],
+        capture_output=True, text=True, check=True)
+    assert result.stdout.startswith("usage: custom_training_loop.py")
+
+
+@pytest.mark.parametrize("dataset", ["mnist", "cifar10"])
+def test_image_classifier_with_mock_data(tmp_path, capsys, dataset):
+    with tfds.testing.mock_data(num_examples=32):
+        accuracy = train_image_classifier.main(
+            ["--dataset", dataset, "--epochs", "1", "--steps", "2", "--batch-size", "8",
+             "--log-dir", str(tmp_path)])
+    assert 0.0 <= accuracy <= 1.0
+    assert "Test accuracy (" in capsys.readouterr().out
+    assert {"batch_loss_scale", "epoch_overflow_count"} <= set(read_run(tmp_path))
+
+
+def test_cnn_forces_only_the_sensitive_layers_to_float32():
+    with tfmp.policy_scope("mixed_bfloat16"):
+        model = train_image_classifier.build_cnn((32, 32, 3))
+        model.compile("adam", "sparse_categorical_crossentropy")
+    dtypes = {layer.__class__.__name__: layer.compute_dtype for layer in model.layers}
+    assert dtypes["Conv2D"] == "bfloat16"
+    assert dtypes["BatchNormalization"] == dtypes["Softmax"] == "float32"
+    assert model.outputs[0].dtype == "float32"
+
+
+def test_text_transformer_with_mock_imdb(tmp_path):
+    with tfds.testing.mock_data(num_examples=32):
+        accuracy = train_text_transformer.main(
+            ["--epochs", "1", "--steps", "2", "--batch-size", "8", "--max-tokens", "64",
+             "--sequence-length", "16", "--log-dir", str(tmp_path)])
+    assert 0.0 <= accuracy <= 1.0
+    assert {"batch_loss_scale", "batch_overflow_count"} <= set(read_run(tmp_path))
+
+
+@SKIP_FP16_WARNING
+def test_text_transformer_mixed_float16_keeps_attention_softmax_in_float32():
+    with tfmp.policy_scope("mixed_float16"):
+        model = train_text_transformer.build_transformer((16,), vocabulary_size=64)
+        model.compile("adam", "sparse_categorical_crossentropy")
+        probabilities = model(np.ones((2, 16), "int64"), training=False)
+    attention = next(layer for layer in model.layers
+                     if isinstance(layer, keras.layers.MultiHeadAttention))
+    assert attention.compute_dtype == "float16"
+    assert attention._softmax.compute_dtype == "float32"
+    assert probabilities.dtype == "float32"
+    np.testing.assert_allclose(np.sum(probabilities, axis=-1), 1.0, rtol=1e-5)
+
+
+@SKIP_FP16_WARNING
+def test_custom_training_loop_script(tmp_path, capsys):
+    accuracy = custom_training_loop.main(
+        ["--policy", "mixed_float16", "--epochs", "1", "--steps", "6",
+         "--accumulation-steps", "2", "--log-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert 0.0 <= accuracy <= 1.0
+    assert "6 steps" in out and "loss scale" in out
+    steps, scales = example_utils.read_scalars(str(tmp_path), "batch_loss_scale")
+    assert list(steps) == [1, 2, 3, 4, 5, 6]
+    assert scales[0] == 2.0**15  # mixed_float16: Keras's initial scale, dynamic scaling on
+
+
+@SKIP_FP16_WARNING
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_custom_loop_equals_fit_with_clipping_and_accumulation(policy):
+    """Same weights, batches and optimizer: the loop and model.fit end identical."""
+    (x, y), _ = train_digits.load_digits_arrays()
+    data = tf.data.Dataset.from_tensor_slices((x[:192], y[:192])).batch(32)
+    weights, states = [], []
+    with tfmp.policy_scope(policy):
+        for use_fit in (False, True):
+            keras.utils.set_random_seed(0)
+            model = train_digits.build_model((8, 8, 1))
+            optimizer = custom_training_loop.make_optimizer(
+                0.05, clipnorm=1.0, accumulation_steps=2, initial_scale=2.0**20,
+                dynamic_growth_steps=2)
+            loss_fn = keras.losses.SparseCategoricalCrossentropy()
+            model.compile(optimizer=optimizer, loss=loss_fn)
+            if use_fit:
+                model.fit(data, epochs=2, verbose=0, shuffle=False)
+            else:
+                custom_training_loop.train(model, optimizer, loss_fn, data, epochs=2)
+            weights.append(model.get_weights())
+            states.append((optimizer.loss_scale, int(optimizer.overflow_count.numpy()),
+                           int(optimizer.inner_optimizer.iterations.numpy())))
+    assert states[0] == states[1]
+    if policy == "mixed_float16":
+        assert states[0][1] > 0  # 2**20 overflowed float16 at first: steps were skipped
+    assert len(weights[0]) == len(weights[1])
+    for loop_weight, fit_weight in zip(*weights):  # noqa: B905 (lengths checked; Python 3.9)
+        np.testing.assert_array_equal(loop_weight, fit_weight)
+
+
+def test_read_scalars_and_overflow_steps(tmp_path):
+    writer = tf.summary.create_file_writer(str(tmp_path / "train"))
+    with writer.as_default():
+        for step, count in enumerate([0, 1, 1, 3, 3], start=1):
+            tf.summary.scalar("batch_overflow_count", count, step=step)
+    writer.close()
+    steps, counts = example_utils.read_scalars(str(tmp_path), "batch_overflow_count")
+    assert list(steps) == [1, 2, 3, 4, 5] and list(counts) == [0, 1, 1, 3, 3]
+    assert list(example_utils.overflow_steps(steps, counts)) == [2, 4]
+    assert example_utils.read_scalars(str(tmp_path), "missing")[0].size == 0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--policy", "fp16"], "invalid choice: 'fp16'"),
+        (["--epochs", "0"], "expected a whole number >= 1, received '0'"),
+        (["--batch-size", "x"], "expected a whole number >= 1, received 'x'"),
+    ],
+)
+def test_bad_options_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        train_digits.parse_args(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err

@@ -31,8 +31,10 @@ def test_gpu_details_are_read_from_tensorflow(monkeypatch):
         tfmp.GpuFacts("Mystery GPU", None),
     )
     facts = tfmp.DeviceFacts(gpus=gpus)
-    assert facts.min_compute_capability == (7, 5)
+    assert facts.weakest_gpu.name == "Mystery GPU"  # unknown counts as weakest
     assert facts.weakest_gpu.cc_string == "unknown"
+    assert facts.min_compute_capability is None
+    assert tfmp.DeviceFacts(gpus=gpus[:1]).min_compute_capability == (7, 5)
 
 
 def test_detection_is_cached():

@@ -154,14 +154,7 @@ def test_inner_loss_scale_factor_update_equals_float32_reference():
 # Item 9: checkpoints ---------------------------------------------------------------------
 
 
-STATE = (
-    "dynamic_scale",
-    "step_counter",
-    "overflow_count",
-    "consecutive_overflows",
-    "last_overflow_step",
-    "total_steps",
-)
+STATE = _loss_scale.STATE_VARIABLES
 
 
 def _state(optimizer):
@@ -193,7 +186,8 @@ def test_model_checkpoint_keras_file_restores_class_scale_and_counters(tmp_path)
         "overflow_count": 1,
         "consecutive_overflows": 0,
     }
-    expected.update(last_overflow_step=1, total_steps=4)
+    expected.update(last_overflow_step=1, total_steps=4, min_scale_overflows=0)
+    expected.update(last_loss_status=0)  # the last loss was finite
     assert _state(model.optimizer) == expected
     loaded = keras.models.load_model(path)
     assert type(loaded.optimizer) is tfmp.LossScaleOptimizer

@@ -1,35 +1,48 @@
-"""LossScaleMonitor: scalars read back with TensorBoard's own event reader."""
+"""LossScaleMonitor: events read back with TensorBoard's own EventAccumulator.
 
+Overflows are injected at known steps by data: `GradientBomb` is the identity in
+the forward pass and multiplies its incoming gradient by the input's last column,
+which is 1 on clean batches and inf on poisoned ones, so exactly those steps get
+non-finite gradients (with a finite loss) and are skipped.
+"""
+
+import doctest
 import glob
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from _events import read_run
+from _events import steps
+from _events import values
 
 import tfmp
+from tfmp import _distribute
+from tfmp import _monitor
+from tfmp import _monitor_runtime
+from tfmp import _monitor_state
 
+# float16 has no arithmetic on this CPU; the tests use it for its overflows.
+pytestmark = pytest.mark.filterwarnings("ignore::tfmp.PerformanceWarning")
 
-def read_scalars(log_dir):
-    """Returns {tag: [(step, value), ...]} from the event files in log_dir/train."""
-    files = glob.glob(f"{log_dir}/train/events.out.tfevents.*")
-    assert files, f"no event files in {log_dir}/train"
-    result = {}
-    for path in files:
-        acc = EventAccumulator(path, size_guidance={"tensors": 0, "scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags()["tensors"]:
-            events = acc.Tensors(tag)
-            result.setdefault(tag, []).extend(
-                (e.step, float(tf.make_ndarray(e.tensor_proto))) for e in events
-            )
-    return result
+INITIAL = 2.0**10
+LEVELS = ("batch_", "epoch_")
+WINDOW_TAGS = (
+    "loss_scale",
+    "overflow_count",
+    "skipped_steps",
+    "overflow_rate",
+    "consecutive_overflows",
+    "lr",
+    "samples_per_second",
+)
 
 
 def tiny_model():
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
-    return model
+    return keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)]
+    )
 
 
 def data(n=32):
@@ -37,46 +50,438 @@ def data(n=32):
     return rng.random((n, 4), dtype="float32"), rng.random((n, 1), dtype="float32")
 
 
-@pytest.mark.parametrize("policy, scale", [("mixed_float16", 2.0**10), ("mixed_bfloat16", 1.0), ("float32", 1.0)])
+class GradientBomb(keras.layers.Layer):
+    """Identity on `h`; multiplies the gradient reaching `h` by `factor`."""
+
+    def call(self, inputs):
+        h, factor = inputs
+
+        @tf.custom_gradient
+        def identity(value):
+            return tf.identity(value), lambda upstream: upstream * factor
+
+        return identity(h)
+
+
+def bomb_model():
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(4)(inputs[:, :4])
+    hidden = GradientBomb()([hidden, inputs[:, 4:]])
+    return keras.Model(inputs, keras.layers.Dense(1)(hidden))
+
+
+def poisoned_data(batches, poisoned, batch_size=2):
+    """Features whose last column is inf on the 1-based batches in `poisoned`."""
+    x = np.full((batches * batch_size, 5), 0.5, dtype="float32")
+    x[:, 4] = 1.0
+    for step in poisoned:
+        x[(step - 1) * batch_size : step * batch_size, 4] = np.inf
+    return x, np.zeros((len(x), 1), dtype="float32")
+
+
+def reference(poisoned, total, initial=INITIAL):
+    """What hysteresis-1 dynamic loss scaling does, step by step (1-based)."""
+    scale, count, consecutive, rows = initial, 0, 0, {}
+    for step in range(1, total + 1):
+        if step in poisoned:
+            scale, count, consecutive = scale / 2, count + 1, consecutive + 1
+        else:
+            consecutive = 0
+        rows[step] = (scale, count, consecutive)
+    return rows
+
+
+def compile_fp16(model, spe=1):
+    schedule = keras.optimizers.schedules.PiecewiseConstantDecay([4], [0.0625, 0.03125])
+    model.compile(
+        optimizer=keras.optimizers.SGD(schedule), loss="mse", steps_per_execution=spe
+    )
+
+
+@pytest.mark.parametrize(
+    "policy, scale",
+    [("mixed_float16", 2.0**10), ("mixed_bfloat16", 1.0), ("float32", 1.0)],
+)
 def test_per_batch_scalars(tmp_path, policy, scale):
     options = {"initial_scale": scale} if policy == "mixed_float16" else {}
     with tfmp.policy_scope(policy, loss_scale_options=options):
         model = tiny_model()
         model.compile(optimizer="sgd", loss="mse")
         x, y = data()
-        model.fit(x, y, batch_size=8, epochs=2, verbose=0,
-                  callbacks=[tfmp.LossScaleMonitor(tmp_path, update_freq="batch")])
-    scalars = read_scalars(tmp_path)
-    assert [s for s, _ in scalars["batch_loss_scale"]] == list(range(1, 9))
-    assert {v for _, v in scalars["batch_loss_scale"]} == {scale}
-    assert {v for _, v in scalars["batch_overflow_count"]} == {0.0}
-    assert [s for s, _ in scalars["epoch_loss_scale"]] == [0, 1]
+        model.fit(
+            x,
+            y,
+            batch_size=8,
+            epochs=2,
+            verbose=0,
+            callbacks=[tfmp.LossScaleMonitor(tmp_path, update_freq="batch")],
+        )
+    run = read_run(tmp_path)
+    assert steps(run, "batch_loss_scale") == list(range(1, 9))
+    assert set(values(run, "batch_loss_scale")) == {scale}
+    assert set(values(run, "batch_overflow_count")) == {0.0}
+    assert steps(run, "epoch_loss_scale") == [0, 1]
+    assert "overflow_scale" not in run
 
 
 def test_overflow_shows_in_scalars(tmp_path):
-    with tfmp.policy_scope("mixed_float16", loss_scale_options={"initial_scale": 2.0**40, "max_scale": 2.0**40}):
+    with tfmp.policy_scope(
+        "mixed_float16",
+        loss_scale_options={"initial_scale": 2.0**40, "max_scale": 2.0**40},
+    ):
         model = tiny_model()
         model.compile(optimizer="sgd", loss="mse")
         x, y = data(16)
-        model.fit(x, y, batch_size=8, epochs=1, verbose=0,
-                  callbacks=[tfmp.LossScaleMonitor(tmp_path, update_freq="batch")])
-    scalars = read_scalars(tmp_path)
+        model.fit(
+            x,
+            y,
+            batch_size=8,
+            epochs=1,
+            verbose=0,
+            callbacks=[tfmp.LossScaleMonitor(tmp_path, update_freq="batch")],
+        )
+    run = read_run(tmp_path)
     # 2**40 overflows float16 gradients: the first two steps are skipped and halve the scale.
-    assert scalars["batch_overflow_count"] == [(1, 1.0), (2, 2.0)]
-    assert scalars["batch_loss_scale"] == [(1, 2.0**39), (2, 2.0**38)]
+    assert run["batch_overflow_count"] == [(1, 1.0), (2, 2.0)]
+    assert run["batch_loss_scale"] == [(1, 2.0**39), (2, 2.0**38)]
+    assert run["overflow_events"] == [
+        (1, "step 1: non-finite gradients, scale 1099511627776 -> 549755813888"),
+        (2, "step 2: non-finite gradients, scale 549755813888 -> 274877906944"),
+    ]
 
 
 def test_update_freq_every_n_and_steps_per_execution(tmp_path):
     model = tiny_model()
     model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
     x, y = data()
-    model.fit(x, y, batch_size=4, epochs=1, verbose=0,
-              callbacks=[tfmp.LossScaleMonitor(tmp_path, update_freq=4)])
-    scalars = read_scalars(tmp_path)
-    assert [s for s, _ in scalars["batch_loss_scale"]] == [4, 8]
+    with pytest.warns(UserWarning, match=r"\(SGD\) keeps no overflow counts"):
+        model.fit(
+            x,
+            y,
+            batch_size=4,
+            epochs=1,
+            verbose=0,
+            callbacks=[tfmp.LossScaleMonitor(tmp_path, update_freq=4)],
+        )
+    run = read_run(tmp_path)
+    assert steps(run, "batch_loss_scale") == [4, 8]
+    # A plain optimizer counts nothing, so no overflow scalars are made up.
+    assert not {"batch_overflow_count", "batch_skipped_steps", "epoch_overflow_count"} & set(run)
+    assert "keeps no overflow counts" in run["monitor_notes"][0][1]
 
 
 @pytest.mark.parametrize("bad", ["step", 0, -3, 1.5, True])
 def test_bad_update_freq(bad):
-    with pytest.raises(ValueError, match=r"Invalid `update_freq` argument.*'epoch', 'batch' or a positive int"):
+    with pytest.raises(
+        ValueError,
+        match=r"Invalid `update_freq` argument.*'epoch', 'batch' or a positive int",
+    ):
         tfmp.LossScaleMonitor("logs", update_freq=bad)
+
+
+@pytest.mark.parametrize("bad", [0, "batch", 2.0])
+def test_bad_grad_stats_freq(bad):
+    with pytest.raises(
+        ValueError,
+        match=r"Invalid `grad_stats_freq` argument.*None \(off\) or a positive int",
+    ):
+        tfmp.LossScaleMonitor("logs", grad_stats_freq=bad)
+
+
+@pytest.mark.parametrize("spe", [1, 4])
+def test_exact_values_at_exact_steps(tmp_path, spe):
+    poisoned = {3, 6, 7, 8}
+    with tfmp.policy_scope(
+        "mixed_float16", loss_scale_options={"initial_scale": INITIAL}
+    ):
+        model = bomb_model()
+        compile_fp16(model, spe)
+        x, y = poisoned_data(12, poisoned)
+        model.fit(
+            x,
+            y,
+            batch_size=2,
+            epochs=3,
+            steps_per_epoch=4,
+            shuffle=False,
+            verbose=0,
+            callbacks=[tfmp.LossScaleMonitor(tmp_path, update_freq="batch")],
+        )
+    assert int(model.optimizer.total_steps.numpy()) == 12
+    run = read_run(tmp_path)
+    truth = reference(poisoned, 12)
+    logged = list(range(spe, 13, spe))
+    assert steps(run, "batch_loss_scale") == logged
+    assert values(run, "batch_loss_scale") == [truth[s][0] for s in logged]
+    assert values(run, "batch_overflow_count") == [truth[s][1] for s in logged]
+    assert values(run, "batch_consecutive_overflows") == [truth[s][2] for s in logged]
+    skipped = [len([p for p in poisoned if s - spe < p <= s]) for s in logged]
+    assert values(run, "batch_skipped_steps") == skipped
+    assert values(run, "batch_overflow_rate") == [k / spe for k in skipped]
+    # The schedule follows applied steps: it switches after the 4th finite step.
+    finite = [s - truth[s][1] for s in logged]
+    assert values(run, "batch_lr") == [0.0625 if f <= 4 else 0.03125 for f in finite]
+    assert run["epoch_loss_scale"] == [(0, 512.0), (1, 64.0), (2, 64.0)]
+    assert run["epoch_overflow_count"] == [(0, 1.0), (1, 4.0), (2, 4.0)]
+    assert run["epoch_skipped_steps"] == [(0, 1.0), (1, 3.0), (2, 0.0)]
+    assert run["epoch_overflow_rate"] == [(0, 0.25), (1, 0.75), (2, 0.0)]
+    # Each overflow at its own step, also when one execution holds several.
+    assert run["overflow_scale"] == [(3, 1024.0), (6, 512.0), (7, 256.0), (8, 128.0)]
+    assert values(run, "overflow_events") == [
+        "step 3: non-finite gradients, scale 1024 -> 512",
+        "step 6: non-finite gradients, scale 512 -> 256",
+        "step 7: non-finite gradients, scale 256 -> 128",
+        "step 8: non-finite gradients, scale 128 -> 64",
+    ]
+    assert all(v > 0 for v in values(run, "batch_samples_per_second"))
+    expected_tags = {level + tag for level in LEVELS for tag in WINDOW_TAGS}
+    expected_tags |= {
+        "overflow_scale",
+        "overflow_events",
+        "monitor_notes",
+        "custom_scalars__config__",
+    }
+    assert set(run) == expected_tags
+    # CPU: TensorFlow reports no device memory, said once.
+    assert len(run["monitor_notes"]) == 1
+    assert "device memory is not available" in run["monitor_notes"][0][1]
+
+
+def failing_batches(x, y, fail_at, batch_size=2):
+    """A dataset whose input pipeline raises when asked for 0-based batch `fail_at`."""
+
+    def generate():
+        for i in range(len(x) // batch_size):
+            if i == fail_at:
+                raise RuntimeError(f"input pipeline broke at batch {i}")
+            yield (
+                x[i * batch_size : (i + 1) * batch_size],
+                y[i * batch_size : (i + 1) * batch_size],
+            )
+
+    spec = (tf.TensorSpec((None, 5), tf.float32), tf.TensorSpec((None, 1), tf.float32))
+    return tf.data.Dataset.from_generator(generate, output_signature=spec)
+
+
+class RaiseAtBatch(keras.callbacks.Callback):
+    def __init__(self, batch):
+        super().__init__()
+        self.batch = batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.batch:
+            raise RuntimeError(f"callback failed at batch {batch}")
+
+
+@pytest.mark.parametrize(
+    "where, spe", [("pipeline", 1), ("pipeline", 4), ("callback", 1)]
+)
+def test_crash_keeps_every_event_up_to_the_failing_batch(tmp_path, where, spe):
+    # Batch 6 (1-based) fails; batch 5 overflowed. With spe=4 batch 5 runs in the
+    # execution that fails, after the last regular logging point (step 4).
+    x, y = poisoned_data(8, {2, 5})
+    callbacks = [tfmp.LossScaleMonitor(tmp_path, update_freq="batch")]
+    if where == "callback":
+        data_set, error = (
+            tf.data.Dataset.from_tensor_slices((x, y)).batch(2),
+            RuntimeError,
+        )
+        callbacks.append(RaiseAtBatch(4))  # after the monitor logged 0-based batch 4
+    else:
+        data_set, error = failing_batches(x, y, fail_at=5), tf.errors.OpError
+    with tfmp.policy_scope(
+        "mixed_float16", loss_scale_options={"initial_scale": INITIAL}
+    ):
+        model = bomb_model()
+        compile_fp16(model, spe)
+        with pytest.raises(error):
+            model.fit(data_set, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
+    run = read_run(tmp_path)
+    last = [s for s in range(spe, 6, spe)] + ([5] if spe > 1 else [])
+    assert steps(run, "batch_loss_scale") == last
+    assert run["batch_overflow_count"][-1] == (5, 2.0)
+    assert run["overflow_events"] == [
+        (2, "step 2: non-finite gradients, scale 1024 -> 512"),
+        (5, "step 5: non-finite gradients, scale 512 -> 256"),
+    ]
+    notes = [text for _, text in run["monitor_notes"]]
+    assert any("training stopped by" in n for n in notes) == (where == "pipeline")
+
+
+def test_stuck_error_from_the_optimizer_is_logged_before_it_propagates(tmp_path):
+    x, y = poisoned_data(10, {3, 4, 5, 6})
+    with tfmp.policy_scope(
+        "mixed_float16",
+        loss_scale_options={"initial_scale": INITIAL, "max_consecutive_overflows": 3},
+    ):
+        model = bomb_model()
+        compile_fp16(model)
+        with pytest.raises(tfmp.NonFiniteError):
+            model.fit(
+                x,
+                y,
+                batch_size=2,
+                shuffle=False,
+                verbose=0,
+                callbacks=[tfmp.LossScaleMonitor(tmp_path, update_freq=100)],
+            )
+    run = read_run(tmp_path)
+    assert steps(run, "overflow_scale") == [3, 4, 5]
+    assert run["batch_overflow_count"] == [(5, 3.0)]
+    assert "step 5: training stopped by NonFiniteError" in run["monitor_notes"][-1][1]
+
+
+def test_next_to_keras_tensorboard_and_layout(tmp_path):
+    model = tiny_model()
+    model.compile(optimizer=tfmp.LossScaleOptimizer(keras.optimizers.SGD(), loss_scaling=False), loss="mse")
+    x, y = data(16)
+    model.fit(
+        x,
+        y,
+        batch_size=4,
+        epochs=2,
+        verbose=0,
+        callbacks=[
+            keras.callbacks.TensorBoard(tmp_path, update_freq="batch"),
+            tfmp.LossScaleMonitor(tmp_path, update_freq="batch"),
+        ],
+    )
+    assert len(glob.glob(f"{tmp_path}/train/events.out.tfevents.*")) == 2
+    run = read_run(tmp_path)
+    assert steps(run, "batch_loss") == list(range(1, 9))  # Keras's, intact
+    assert steps(run, "epoch_loss") == [0, 1]
+    assert steps(run, "epoch_learning_rate") == [0, 1]
+    assert steps(run, "batch_loss_scale") == list(range(1, 9))  # ours
+    assert run["epoch_overflow_count"] == [(0, 0.0), (1, 0.0)]
+    [(_, layout)] = run["custom_scalars__config__"]
+    first = layout.category[0]
+    assert first.title == "loss scaling (batch)"
+    assert [chart.multiline.tag[0] for chart in first.chart] == [
+        "^batch_loss_scale$",
+        "^batch_overflow_count$",
+    ]
+    assert layout.category[1].title == "loss scaling (epoch)"
+    for category in layout.category[:2]:
+        for chart in category.chart:
+            for regex in chart.multiline.tag:
+                assert regex[1:-1] in run, regex
+
+
+def test_gradient_statistics_exact(tmp_path):
+    # d(loss)/d(kernel) = y_true: after scaling by 2**10 one element is below
+    # 2**-24, one above 65504, one is zero, one is normal.
+    model = keras.Sequential(
+        [
+            keras.Input((1,)),
+            keras.layers.Dense(4, use_bias=False, kernel_initializer="zeros"),
+        ]
+    )
+    optimizer = tfmp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.0), initial_scale=INITIAL
+    )
+    model.compile(
+        optimizer=optimizer,
+        loss=lambda y_true, y_pred: tf.reduce_sum(y_true * y_pred, axis=-1),
+    )
+    target = np.array([[2.0**-40, 1.0, 2.0**7, 0.0]] * 4, dtype="float32")
+    model.fit(
+        np.ones((4, 1), "float32"),
+        target,
+        batch_size=1,
+        verbose=0,
+        callbacks=[
+            tfmp.LossScaleMonitor(tmp_path, update_freq="batch", grad_stats_freq=2)
+        ],
+    )
+    run = read_run(tmp_path)
+    assert run["grad_underflow_fraction"] == [(2, 0.25), (4, 0.25)]
+    assert run["grad_overflow_fraction"] == [(2, 0.25), (4, 0.25)]
+    assert run["grad_zero_fraction"] == [(2, 0.25), (4, 0.25)]
+    assert values(run, "grad_norm") == pytest.approx([16385**0.5] * 2, rel=1e-6)
+    assert "apply" not in vars(optimizer)  # the optimizer's own apply is back
+    assert model.train_function is None  # retraced without statistics next time
+
+
+def test_throughput_and_gpu_memory(tmp_path, monkeypatch):
+    model = tiny_model()
+    model.compile(optimizer=tfmp.LossScaleOptimizer(keras.optimizers.SGD(), loss_scaling=False), loss="mse")
+    x, y = data(32)
+    monitor = tfmp.LossScaleMonitor(tmp_path, update_freq=2)
+    model.fit(
+        x,
+        y,
+        batch_size=4,
+        epochs=2,
+        validation_data=(x[:8], y[:8]),
+        verbose=0,
+        callbacks=[monitor],
+    )
+    monkeypatch.setattr(
+        _monitor_runtime, "device_memory", lambda: {"GPU:0": (3 * 2**20, 5 * 2**20)}
+    )
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[monitor])
+    run = read_run(tmp_path)
+    assert steps(run, "batch_samples_per_second") == list(range(2, 25, 2))
+    assert steps(run, "epoch_samples_per_second") == [0, 1, 0]
+    assert all(v > 0 for v in values(run, "batch_samples_per_second"))
+    assert len(run["monitor_notes"]) == 1  # first fit only: no GPU there
+    assert run["batch_gpu0_memory_mib"] == [(s, 3.0) for s in range(18, 25, 2)]
+    assert run["epoch_gpu0_memory_peak_mib"] == [(0, 5.0)]
+
+
+def test_device_memory_reads_each_gpu(monkeypatch):
+    devices = [
+        tf.config.LogicalDevice("/device:GPU:0", "GPU"),
+        tf.config.LogicalDevice("/device:GPU:1", "GPU"),
+    ]
+    monkeypatch.setattr(
+        tf.config, "list_logical_devices", lambda kind: devices if kind == "GPU" else []
+    )
+    info = {"GPU:0": {"current": 10, "peak": 20}, "GPU:1": {"current": 1, "peak": 2}}
+    monkeypatch.setattr(tf.config.experimental, "get_memory_info", info.__getitem__)
+    assert _monitor_runtime.device_memory() == {"GPU:0": (10, 20), "GPU:1": (1, 2)}
+
+
+@pytest.mark.parametrize("task_id", [0, 1])
+def test_only_the_chief_writes_under_a_strategy(tmp_path, task_id, monkeypatch):
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    # Worker `task_id` of two; the chief rule itself is tested in test_distribute.py.
+    monkeypatch.setattr(
+        _distribute, "is_chief", lambda s=None: s is strategy and task_id == 0
+    )
+    with tfmp.policy_scope(
+        "mixed_float16", loss_scale_options={"initial_scale": INITIAL}
+    ):
+        with strategy.scope():
+            model = tiny_model()
+            model.compile(optimizer="sgd", loss="mse")
+        x, y = data(16)
+        model.fit(
+            x,
+            y,
+            batch_size=4,
+            epochs=1,
+            verbose=0,
+            callbacks=[
+                tfmp.LossScaleMonitor(tmp_path, update_freq="batch", grad_stats_freq=2)
+            ],
+        )
+    files = glob.glob(f"{tmp_path}/train/events.out.tfevents.*")
+    if task_id:
+        assert files == []
+        assert "apply" not in vars(model.optimizer)  # statistics not even computed
+    else:
+        run = read_run(tmp_path)
+        assert run["batch_loss_scale"] == [(s, INITIAL) for s in range(1, 5)]
+        assert steps(run, "grad_norm") == [2, 4]  # replica-local statistics work
+
+
+def test_docstring_examples():
+    for module in (_monitor, _monitor_state):
+        assert doctest.testmod(module).failed == 0, module.__name__
+
+
+@pytest.mark.parametrize("bad", [None, "", 3])
+def test_bad_log_dir(bad):
+    with pytest.raises(ValueError, match=r"Invalid `log_dir` argument.*non-empty folder path"):
+        tfmp.LossScaleMonitor(bad)

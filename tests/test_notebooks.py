@@ -28,9 +28,10 @@ def run_notebook(path, workdir):
 
 @pytest.fixture(autouse=True)
 def kernel_imports_this_checkout(monkeypatch):
-    """Kernels start in a temporary folder; let them import tfmp from this checkout."""
+    """Kernels start in a temporary folder: let them import tfmp and examples/ from here."""
     paths = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
+    monkeypatch.setenv("TFMP_EXAMPLES", str(ROOT / "examples"))
 
 
 def test_notebooks_exist():

@@ -127,3 +127,13 @@ def test_slow_explicit_policy_warns_once(policy, facts, slow):
         assert "slower than float32" in message
         assert tfmp.recommend_policy(facts).policy in message
         assert "slower than float32" in decision.reason
+
+
+def test_gpu_with_unknown_compute_capability_gets_float32():
+    facts = DeviceFacts(gpus=A100.gpus + (GpuFacts("Mystery GPU", None),))
+    decision = tfmp.recommend_policy(facts)
+    assert decision.policy == "float32"
+    assert "did not report" in decision.reason
+    assert "Mystery GPU" in decision.device
+    with pytest.warns(tfmp.PerformanceWarning, match="compute capability is unknown"):
+        resolve_policy("mixed_bfloat16", device_facts=facts)

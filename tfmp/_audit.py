@@ -13,8 +13,9 @@ Warning kinds (``AuditWarning.kind``):
   ``batch=``) a model output is 16-bit at run time.
 * ``variables_16bit``: 16-bit variables, so no float32 master weights; small
   updates vanish when added to them.
-* ``policy_mismatch``: a layer's policy differs from the global one and tfmp did
-  not set it (typically the model was built before ``tfmp.enable()``).
+* ``policy_mismatch``: a layer's policy differs from tfmp's (while enabled; else
+  from the model's own) and tfmp did not set it (typically the model was built
+  before ``tfmp.enable()``).
 * ``tensor_core_dims``: on a Tensor Core GPU (compute capability >= 7.0), a 16-bit
   Dense/Conv dimension or the batch size is not a multiple of 8. Source: NVIDIA,
   "Train With Mixed Precision", section "Optimizing for Tensor Cores"
@@ -38,6 +39,7 @@ import tensorflow as tf
 from tfmp import _float32
 from tfmp import _registry
 from tfmp._errors import invalid_argument
+from tfmp._hardware import detect_device_facts
 
 FLOAT32_HEAVY_FRACTION = 0.5
 _LOW = _float32.LOW_PRECISION
@@ -147,11 +149,17 @@ def _dims(layer: keras.layers.Layer) -> List[Tuple[str, Optional[int]]]:
 
 
 def _has_tensor_cores() -> bool:
-    for gpu in tf.config.list_physical_devices("GPU"):
-        capability = tf.config.experimental.get_device_details(gpu).get("compute_capability")
-        if capability and tuple(capability) >= (7, 0):
-            return True
-    return False
+    """Tensor Cores arrived with compute capability 7.0 (NVIDIA, Volta)."""
+    capability = detect_device_facts().min_compute_capability
+    return capability is not None and capability >= (7, 0)
+
+
+def _expected_policy(model: keras.Model) -> str:
+    """The policy the model's layers should have: tfmp's while enabled, else the model's."""
+    from tfmp._enable import current_decision  # tfmp._enable imports this package
+
+    decision = current_decision()
+    return decision.policy if decision is not None else model.dtype_policy.name
 
 
 def _layer_warnings(path, layer, reason, producers, policy, tensor_cores):
@@ -175,8 +183,9 @@ def _layer_warnings(path, layer, reason, producers, policy, tensor_cores):
         )
     if not reason and keras.backend.is_float_dtype(compute) and layer.dtype_policy.name != policy:
         yield "policy_mismatch", (
-            f"'{path}' uses policy '{layer.dtype_policy.name}' but the global policy is "
-            f"'{policy}'; if the model was built before tfmp.enable(), rebuild it."
+            f"'{path}' uses policy '{layer.dtype_policy.name}' but '{policy}' is expected "
+            "(tfmp's policy while enabled, else the model's); if the model was built "
+            "before tfmp.enable(), rebuild it."
         )
     if tensor_cores and compute in _LOW:
         for name, size in _dims(layer):
@@ -258,7 +267,7 @@ def audit(
     """
     if not isinstance(model, keras.Model):
         raise invalid_argument("model", model, "a keras.Model")
-    policy = keras.config.dtype_policy().name
+    policy = _expected_policy(model)
     tensor_cores = _has_tensor_cores() if tensor_cores is None else tensor_cores
     producers = {id(layer) for layer in _float32.output_producers(model)[0]}
     rows, found, total, forced_params = [], [], 0, 0

@@ -298,7 +298,10 @@ def force_float32(model: keras.Model, *, keep=(), exclude=()) -> keras.Model:
     fused softmax/log_softmax activation; registered and ``keep`` targets; and all
     sublayers of those. Only layers computing in float16/bfloat16 are touched;
     nothing else changes. Idempotent. Works before or after build and for
-    Sequential, Functional, subclassed, nested and multi-output models.
+    Sequential, Functional, nested and multi-output models. A subclassed model has
+    no graph that tells which layers produce its outputs: its sensitive layers are
+    forced and its ``call`` casts 16-bit outputs to float32, but its last layer
+    keeps its 16-bit policy.
 
     Args:
         model: ``keras.Model``. Changed in place.

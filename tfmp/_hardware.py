@@ -70,21 +70,22 @@ class DeviceFacts:
         return tuple(flag for flag in CPU_BF16_FLAGS if flag in self.cpu_flags)
 
     @property
-    def min_compute_capability(self) -> Optional[Tuple[int, int]]:
-        """Tuple ``(major, minor)`` of the weakest GPU, or None without GPUs.
+    def weakest_gpu(self) -> Optional[GpuFacts]:
+        """`GpuFacts` of the GPU with the lowest compute capability, or None.
 
         With mixed GPUs the weakest one sets the pace of synchronous training,
-        so the policy is chosen for it.
+        so the policy is chosen for it. A GPU whose compute capability is unknown
+        counts as the weakest: nothing can be assumed of it.
         """
-        known = [g.compute_capability for g in self.gpus if g.compute_capability]
-        return min(known) if known else None
-
-    @property
-    def weakest_gpu(self) -> Optional[GpuFacts]:
-        """`GpuFacts` of the GPU with the lowest compute capability, or None."""
         if not self.gpus:
             return None
-        return min(self.gpus, key=lambda g: g.compute_capability or (0, 0))
+        return min(self.gpus, key=lambda g: g.compute_capability or (-1, -1))
+
+    @property
+    def min_compute_capability(self) -> Optional[Tuple[int, int]]:
+        """Tuple ``(major, minor)`` of `weakest_gpu`; None without GPUs or when unknown."""
+        gpu = self.weakest_gpu
+        return gpu.compute_capability if gpu is not None else None
 
 
 def _read_cpu_info() -> Tuple[str, frozenset]:

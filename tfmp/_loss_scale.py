@@ -25,6 +25,7 @@ from keras import ops
 # must not be tracked a second time by the optimizer's attribute tracker.
 from keras.src.utils.tracking import no_automatic_dependency_tracking
 
+from tfmp import _distribute
 from tfmp import _loss_scale_loops as _loops
 from tfmp._errors import invalid_argument
 from tfmp._loss_scale_loops import DEFAULT_MAX_CONSECUTIVE_OVERFLOWS
@@ -39,6 +40,12 @@ _COUNTERS = (
     "min_scale_overflows",
     "last_loss_status",
 )
+#: Names of the scalar state variables: Keras's two, then tfmp's counters.
+STATE_VARIABLES = ("dynamic_scale", "step_counter") + _COUNTERS
+#: Length of the overflow history ring buffers (`overflow_history_steps`,
+#: `overflow_history_scales`): how many skipped steps a reader polling between
+#: steps (tfmp.LossScaleMonitor) can itemize; older ones are only counted.
+OVERFLOW_HISTORY = 64
 
 
 def _check_positive(name: str, value: Any, *, integer: bool = False) -> None:
@@ -73,7 +80,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     `total_steps` before the last skipped step, i.e. its zero-based index; -1 if
     none), `total_steps` (int64, every `apply` call), `min_scale_overflows` (int64,
     consecutive skipped steps taken at `min_scale`) and `last_loss_status` (int64,
-    bit 1 = NaN, bit 2 = inf in the last loss passed to `scale_loss`).
+    bit 1 = NaN, bit 2 = inf in the last loss passed to `scale_loss`, on any
+    replica). Overflow
+    history, ring buffers indexed by `overflow_count % OVERFLOW_HISTORY` (64): the
+    k-th skipped step's zero-based index in `overflow_history_steps` (int64, -1 if
+    none) and its scale before and after the step in `overflow_history_scales`
+    (float32, shape (64, 2)).
 
     Stuck detection: after `max_consecutive_overflows` skipped steps in a row, or
     `MIN_SCALE_PATIENCE` (3) in a row at `min_scale`, `raise_if_stuck` raises
@@ -157,7 +169,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 "inner_optimizer",
                 inner_optimizer,
                 "a keras.optimizers.Optimizer instance",
-                "Use tfmp's wrap_optimizer() to wrap a string or dict identifier.",
+                "Pass an optimizer instance, e.g. "
+                "tfmp.LossScaleOptimizer(keras.optimizers.get('adam')).",
             )
         # Keras's build and scale_loss read `initial_scale`: without loss scaling it
         # is 1.0 while get_config keeps the value the caller gave.
@@ -187,6 +200,15 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 -1 if name == "last_overflow_step" else 0
             )
             setattr(self, name, self.add_variable((), start, _INT, name=name))
+        self.overflow_history_steps = self.add_variable(
+            (OVERFLOW_HISTORY,),
+            keras.initializers.Constant(-1),
+            _INT,
+            name="overflow_history_steps",
+        )
+        self.overflow_history_scales = self.add_variable(
+            (OVERFLOW_HISTORY, 2), "zeros", "float32", name="overflow_history_scales"
+        )
 
     @property
     def loss_scale(self) -> float:
@@ -201,10 +223,22 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """
         if self.built:
             value = ops.convert_to_tensor(loss)
-            nan = ops.cast(ops.any(ops.isnan(value)), _INT)
-            inf = ops.cast(ops.any(ops.isinf(value)), _INT)
-            self.last_loss_status.assign(nan + 2 * inf)
+            nan, inf = _distribute.any_replica(
+                [ops.any(ops.isnan(value)), ops.any(ops.isinf(value))]
+            )
+            self.last_loss_status.assign(
+                ops.cast(nan, _INT) + 2 * ops.cast(inf, _INT)
+            )
         return super().scale_loss(loss)
+
+    def check_finite(self, grads: list) -> Any:
+        """Scalar bool tensor: True when the gradients are finite on every replica.
+
+        Keras checks only this replica's gradients and, under `MirroredStrategy`,
+        keeps replica 0's answer; here the answer is combined over all replicas in
+        sync (see `tfmp._distribute`), so all of them skip the same steps.
+        """
+        return _distribute.all_replicas_finite(super().check_finite(grads))
 
     def get_scaled_loss(self, loss: Any) -> Any:
         """Alias of `scale_loss`, under its tf.keras 2 name."""
@@ -230,7 +264,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         ]
 
     def apply(self, grads: list, trainable_variables: list | None = None) -> None:
-        """Skips or applies one step (Keras semantics), then checks for a stuck run."""
+        """Skips or applies one step (Keras semantics), then checks for a stuck run.
+
+        Raises:
+            ValueError: when traced in an XLA-compiled step replicated over several
+                replicas of a `tf.distribute` strategy (see `tfmp._distribute`).
+        """
+        _distribute.check_not_xla_replicated()
         try:
             super().apply(grads, trainable_variables)
         finally:
@@ -279,20 +319,27 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
 
     def _stateful_handle_non_finite_grads(self) -> None:
+        slot = ops.reshape(ops.mod(self.overflow_count, OVERFLOW_HISTORY), (1, 1))
+        before = tf.identity(self.dynamic_scale)  # read now, before the update
         self.overflow_count.assign_add(1)
         self.consecutive_overflows.assign_add(1)
         self.last_overflow_step.assign(self.total_steps)
         self.total_steps.assign_add(1)
         self.step_counter.assign(0)
-        if not self.loss_scaling:
-            return
-        at_floor = ops.less_equal(self.dynamic_scale, self.min_scale)
-        self.min_scale_overflows.assign(
-            ops.where(at_floor, self.min_scale_overflows + 1, 0)
-        )
-        backoff = ops.greater_equal(self.consecutive_overflows, self.hysteresis)
-        halved = ops.maximum(ops.multiply(self.dynamic_scale, 0.5), self.min_scale)
-        self.dynamic_scale.assign(ops.where(backoff, halved, self.dynamic_scale))
+        if self.loss_scaling:
+            at_floor = ops.less_equal(self.dynamic_scale, self.min_scale)
+            self.min_scale_overflows.assign(
+                ops.where(at_floor, self.min_scale_overflows + 1, 0)
+            )
+            backoff = ops.greater_equal(self.consecutive_overflows, self.hysteresis)
+            halved = ops.maximum(ops.multiply(self.dynamic_scale, 0.5), self.min_scale)
+            self.dynamic_scale.assign(ops.where(backoff, halved, self.dynamic_scale))
+        after = tf.identity(self.dynamic_scale)
+        for history, value in (
+            (self.overflow_history_steps, tf.identity(self.last_overflow_step)),
+            (self.overflow_history_scales, tf.stack([before, after])),
+        ):
+            history.assign(ops.scatter_update(history, slot, value[None]))
 
     def raise_if_stuck(self) -> None:
         """Raises (or warns) when the run keeps skipping steps.
@@ -326,7 +373,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
 
 # Keyword arguments of LossScaleOptimizer that wrap_optimizer passes on.
-_WRAP_OPTIONS = tuple(inspect.signature(LossScaleOptimizer).parameters)[1:-1]
+#: Keyword options of `wrap_optimizer` (those of `LossScaleOptimizer`).
+WRAP_OPTIONS = tuple(inspect.signature(LossScaleOptimizer).parameters)[1:-1]
 _COMPUTE_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
@@ -357,12 +405,12 @@ def wrap_optimizer(
         ValueError: In the project's template, for an unknown option or dtype.
     """
     for key in options:
-        if key not in _WRAP_OPTIONS:
+        if key not in WRAP_OPTIONS:
             raise invalid_argument(
                 "options",
                 key,
-                f"one of {', '.join(_WRAP_OPTIONS)}",
-                choices=_WRAP_OPTIONS,
+                f"one of {', '.join(WRAP_OPTIONS)}",
+                choices=WRAP_OPTIONS,
             )
     if compute_dtype not in _COMPUTE_DTYPES:
         raise invalid_argument(

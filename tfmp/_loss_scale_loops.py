@@ -99,6 +99,7 @@ def _diagnose(optimizer: Any, consecutive: int, at_floor: int) -> NonFiniteError
     return NonFiniteError(message, phase=phase, step=step, kind=kind, details=details)
 
 
+@tf.autograph.experimental.do_not_convert  # plain Python run while tracing
 def install_fit_check(optimizer: Any) -> None:
     """Makes `model.fit` call `optimizer.raise_if_stuck()` after every step.
 

@@ -1,123 +1,372 @@
-"""`tfmp.LossScaleMonitor`: a Keras callback logging loss scaling to TensorBoard.
+"""`tfmp.LossScaleMonitor`: exact, cheap, crash-safe TensorBoard view of loss scaling.
 
-Scalars (written with `tf.summary` into ``<log_dir>/train``, the folder
-`keras.callbacks.TensorBoard` uses for training events):
+Event files go to ``<log_dir>/train``, the run `keras.callbacks.TensorBoard` uses
+for training, in a file of their own (see `tfmp._event_file`). Tags:
 
-- ``loss_scale`` (``batch_loss_scale`` per batch, ``epoch_loss_scale`` per
-  epoch): the optimizer's current loss scale; 1.0 when the optimizer does no
-  loss scaling (mixed_bfloat16, float32).
-- ``overflow_count`` (same prefixes): cumulative count of skipped steps whose
-  gradients were non-finite; 0 for optimizers that do not count them.
+Per logging window, as ``batch_<name>`` (step = batches trained, skipped ones
+included, see `LossScaleState.step`) and ``epoch_<name>`` (step = epoch index):
+
+- ``loss_scale``: the loss scale after the window; 1.0 without loss scaling.
+- ``overflow_count``: cumulative skipped (non-finite) steps.
+- ``skipped_steps``: skipped steps in the window; ``overflow_rate``: that over
+  the steps in the window.
+- ``consecutive_overflows``: skipped steps in a row at the window's end.
+- ``lr``: the learning rate of the next step (named so as not to collide with
+  the ``epoch_learning_rate`` of `keras.callbacks.TensorBoard`).
+- ``samples_per_second``: samples trained over wall time in the window (epochs:
+  training batches only); ``gpu<i>_memory_mib`` / ``gpu<i>_memory_peak_mib``:
+  device memory in use and its peak, MiB, per GPU.
+
+Per event, at the step it happened: ``overflow_scale`` (scalar: the scale that
+overflowed) and ``overflow_events`` (text, "step 117: non-finite gradients, scale
+32768 -> 16384"); with `grad_stats_freq`, ``grad_norm``,
+``grad_underflow_fraction``, ``grad_overflow_fraction`` and ``grad_zero_fraction``
+(see `tfmp._grad_stats`); ``monitor_notes`` (text: no device memory on CPU,
+overflows too old to itemize, training stopped by an exception). Plus the
+custom-scalars layout (`tfmp._monitor_layout`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import time
+import warnings
 from typing import Optional, Union
 
 import keras
-import tensorflow as tf
 
+from tfmp import _distribute
+from tfmp import _monitor_runtime as runtime
 from tfmp._errors import invalid_argument
+from tfmp._event_file import EventFile
+from tfmp._grad_stats import GradientStats
+from tfmp._loss_scale import OVERFLOW_HISTORY
+from tfmp._monitor_layout import build_layout
+from tfmp._monitor_layout import layout_summary
+from tfmp._monitor_state import describe
+from tfmp._monitor_state import is_tfmp_optimizer
+from tfmp._monitor_state import read_overflow_events
+from tfmp._monitor_state import read_state
+from tfmp._monitor_state import samples_this_epoch
+
+_LOG = logging.getLogger(__name__)
+#: Window scalars that only an optimizer counting overflows can give.
+_OVERFLOW_TAGS = ("overflow_count", "skipped_steps", "overflow_rate", "consecutive_overflows")
+_MIB = 2.0**20
+DESCRIPTIONS = {
+    "overflow_scale": "Loss scale of a step skipped for non-finite gradients, "
+    "at that step (one point per skipped step).",
+    "overflow_events": "One line per skipped step: the scale before and after.",
+}
+for _prefix in ("batch_", "epoch_"):
+    DESCRIPTIONS.update(
+        {
+            _prefix + "loss_scale": "Loss scale (1.0 without loss scaling).",
+            _prefix
+            + "overflow_count": "Skipped (non-finite) steps since training began.",
+            _prefix
+            + "overflow_rate": "Skipped steps / steps, over the logging window.",
+            _prefix + "skipped_steps": "Skipped steps in the logging window.",
+            _prefix + "consecutive_overflows": "Skipped steps in a row.",
+        }
+    )
 
 
-def read_loss_scale_state(optimizer) -> dict:
-    """Reads loss-scaling state from an optimizer as Python numbers.
+class _Window:
+    """Counters at the start of a logging window."""
 
-    Args:
-        optimizer: A Keras optimizer; a `keras.optimizers.LossScaleOptimizer` (or
-            `tfmp.LossScaleOptimizer`) gives its scale and counters.
+    def __init__(self, step: int, overflows: int, samples: int, clock: float) -> None:
+        self.step, self.overflows, self.samples, self.clock = (
+            step,
+            overflows,
+            samples,
+            clock,
+        )
 
-    Returns:
-        Dict with ``loss_scale`` (float) and ``overflow_count`` (int). An optimizer
-        without loss scaling, or one not built yet, gives its starting values.
-    """
-    scale = 1.0
-    overflows = 0
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        if optimizer.built:
-            scale = float(optimizer.dynamic_scale.numpy())
-        else:
-            scale = float(optimizer.initial_scale)
-        counter = getattr(optimizer, "overflow_count", None)
-        if counter is not None and optimizer.built:
-            overflows = int(counter.numpy())
-    return {"loss_scale": scale, "overflow_count": overflows}
+
+def _is_positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 class LossScaleMonitor(keras.callbacks.Callback):
-    """Logs the loss scale and overflow count to TensorBoard event files.
+    """Logs loss scaling, overflow events and throughput to TensorBoard.
+
+    Exact: counts come from the optimizer's variables (`tfmp.LossScaleOptimizer`:
+    `total_steps`, `overflow_count`, the overflow history), so nothing between
+    two reads is lost, whatever `steps_per_execution`; each skipped step is
+    itemized at its own step (the last 64 between two logging points).
+    Cheap: variables are read only at logging points. Crash-safe: each logging point is flushed to disk as written,
+    and when the train function raises (a failing step or input pipeline,
+    `tfmp.NonFiniteError`, Ctrl-C) the monitor writes the state at that moment
+    before the error propagates. Under a distribution strategy only the chief
+    writes. The file is opened at the first write and closed at the end of
+    training (a later `fit` opens a new one).
 
     Args:
         log_dir: String or path-like. Root folder of the run; events go to
             ``<log_dir>/train`` (shareable with `keras.callbacks.TensorBoard`).
         update_freq: ``"epoch"`` (default), ``"batch"``, or a positive int N:
-            write per-batch scalars every N batches. Epoch scalars are always
-            written.
+            write ``batch_`` scalars every N batches. With `steps_per_execution`
+            k > 1 they are written at the end of the execution that reaches a
+            multiple of N. Epoch scalars are always written.
+        grad_stats_freq: Positive int or None (default, off): compute gradient
+            statistics every N steps (`tfmp._grad_stats`); each logging point
+            writes the latest. Enabling it retraces the train function at the
+            start and at the end of `fit`.
 
     Raises:
-        ValueError: `update_freq` is not "epoch", "batch" or a positive int.
+        ValueError: `log_dir` is not a path, or `update_freq` or `grad_stats_freq`
+            is not one of the above.
 
     Example:
-        >>> monitor = LossScaleMonitor("logs/run1", update_freq="batch")
+        >>> monitor = LossScaleMonitor("logs/run1", update_freq=100)
         >>> # model.fit(ds, epochs=3, callbacks=[monitor])
     """
 
     def __init__(
-        self, log_dir: Union[str, os.PathLike], update_freq: Union[str, int] = "epoch"
+        self,
+        log_dir: Union[str, os.PathLike],
+        update_freq: Union[str, int] = "epoch",
+        *,
+        grad_stats_freq: Optional[int] = None,
     ) -> None:
         super().__init__()
+        if not isinstance(log_dir, (str, os.PathLike)) or not os.fspath(log_dir):
+            raise invalid_argument(
+                "log_dir", log_dir, "a non-empty folder path (str or path-like)",
+                fix="Pass e.g. LossScaleMonitor('logs/run1').",
+            )
         if update_freq == "batch":
             update_freq = 1
-        valid_int = isinstance(update_freq, int) and not isinstance(update_freq, bool)
-        if update_freq != "epoch" and not (valid_int and update_freq > 0):
+        if update_freq != "epoch" and not _is_positive_int(update_freq):
             raise invalid_argument(
-                "update_freq", update_freq, "'epoch', 'batch' or a positive int",
+                "update_freq",
+                update_freq,
+                "'epoch', 'batch' or a positive int",
                 choices=("epoch", "batch"),
             )
-        self.log_dir = os.fspath(log_dir)
+        if grad_stats_freq is not None and not _is_positive_int(grad_stats_freq):
+            raise invalid_argument(
+                "grad_stats_freq",
+                grad_stats_freq,
+                "None (off) or a positive int",
+                "Pass e.g. grad_stats_freq=100 for statistics every 100 steps.",
+            )
         self.update_freq = update_freq
-        self._writer: Optional[tf.summary.SummaryWriter] = None
-        self._step = 0  # batches trained so far, over all epochs
-        self._epoch_start_step = 0
+        self.grad_stats_freq = grad_stats_freq
+        self.log_dir = os.fspath(log_dir)
+        self._events = EventFile(self.train_log_dir, DESCRIPTIONS)
+        self._active = False
+        self._layout_written = False
+        self._memory_noted = False
+        self._grad_stats: Optional[GradientStats] = None
 
     @property
     def train_log_dir(self) -> str:
         """String. Folder the event files are written to."""
         return os.path.join(self.log_dir, "train")
 
-    def _get_writer(self) -> tf.summary.SummaryWriter:
-        if self._writer is None:
-            self._writer = tf.summary.create_file_writer(self.train_log_dir)
-        return self._writer
+    # -- Keras callback hooks -------------------------------------------------
 
-    def _write(self, prefix: str, step: int) -> None:
-        state = read_loss_scale_state(self.model.optimizer)
-        with self._get_writer().as_default(step=step):
-            for tag, value in state.items():
-                tf.summary.scalar(prefix + tag, value)
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        model = self.model
+        self._active = _distribute.is_chief(model.distribute_strategy)
+        if not self._active:
+            return
+        state = read_state(model.optimizer)
+        now = time.perf_counter()
+        self._step = state.step  # batches trained, estimated between reads
+        self._itemized = state.overflow_count
+        self._last_grad_step = -1
+        self._samples, self._epoch_samples_read = 0, 0
+        self._batch_window = _Window(state.step, state.overflow_count, 0, now)
+        self._epoch_window = self._batch_window
+        self._train_clock: Optional[float] = None
+        self._has_gpu = bool(runtime.device_memory())
+        self._counts_overflows = is_tfmp_optimizer(model.optimizer)
+        if not self._counts_overflows:
+            self._warn_no_counters(state.step)
+        stale = self._grad_stats and self._grad_stats.optimizer is not model.optimizer
+        if self.grad_stats_freq and (self._grad_stats is None or stale):
+            self._grad_stats = GradientStats(
+                model.optimizer, self.grad_stats_freq, model.distribute_strategy
+            )
+        if self._grad_stats is not None:
+            self._grad_stats.install(state.step)
+            model.make_train_function(force=True)
+        runtime.watch_train_function(model, self)
 
     def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
-        self._epoch_start_step = self._step
+        if not self._active:
+            return
+        self._epoch_base = self._step
+        self._epoch_samples_read = 0  # fit reset the metrics, loss tracker included
+        self._train_clock = None
+        window = self._epoch_window
+        self._epoch_window = _Window(
+            window.step, window.overflows, self._samples, time.perf_counter()
+        )
 
     def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
-        # With steps_per_execution > 1 Keras calls this once per execution, with
+        if not self._active:
+            return
+        # With steps_per_execution > 1, Keras calls this once per execution, with
         # `batch` the index of its last step.
-        previous, self._step = self._step, self._epoch_start_step + batch + 1
-        if self.update_freq != "epoch" and (
-            self._step // self.update_freq > previous // self.update_freq
-        ):
-            self._write("batch_", self._step)
+        previous, self._step = self._step, self._epoch_base + batch + 1
+        if not runtime.is_guarded(self.model):
+            runtime.watch_train_function(self.model, self)
+        freq = self.update_freq
+        if freq != "epoch" and self._step // freq > previous // freq:
+            self._log("batch_")
+
+    def on_test_begin(self, logs: Optional[dict] = None) -> None:
+        # Validation inside fit: evaluate() resets the loss tracker next.
+        if self._active and self._train_clock is None:
+            self._count_samples()
+            self._train_clock = time.perf_counter()
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
-        self._write("epoch_", epoch)
-        self._get_writer().flush()
+        if self._active:
+            self._log("epoch_", epoch)
 
     def on_train_end(self, logs: Optional[dict] = None) -> None:
+        self._finish()
+
+    # -- writing --------------------------------------------------------------
+
+    def _count_samples(self) -> None:
+        seen = samples_this_epoch(self.model)
+        if seen is not None and seen >= self._epoch_samples_read:
+            self._samples += seen - self._epoch_samples_read
+            self._epoch_samples_read = seen
+
+    def _log(self, prefix: str, epoch: Optional[int] = None) -> None:
+        """Reads the state once and writes events and window scalars at one step."""
+        state = read_state(self.model.optimizer)
+        self._step = state.step
+        if epoch is not None and self._train_clock is not None:
+            clock = self._train_clock  # validation ran: samples counted before it
+        else:
+            self._count_samples()
+            clock = time.perf_counter()
+        self._write_events(state)
+        window = self._batch_window if epoch is None else self._epoch_window
+        steps = state.step - window.step
+        skipped = state.overflow_count - window.overflows
+        scalars = {
+            "loss_scale": state.loss_scale,
+            "overflow_count": state.overflow_count,
+            "skipped_steps": skipped,
+            "overflow_rate": skipped / steps if steps > 0 else 0.0,
+            "consecutive_overflows": state.consecutive_overflows,
+        }
+        if not self._counts_overflows:  # nothing to report: write no made-up zeros
+            for tag in _OVERFLOW_TAGS:
+                del scalars[tag]
+        if state.learning_rate is not None:
+            scalars["lr"] = state.learning_rate
+        samples = self._samples - window.samples
+        if samples > 0 and clock > window.clock:
+            scalars["samples_per_second"] = samples / (clock - window.clock)
+        memory = sorted(runtime.device_memory().items()) if self._has_gpu else []
+        for index, (_, (current, peak)) in enumerate(memory):
+            scalars[f"gpu{index}_memory_mib"] = current / _MIB
+            scalars[f"gpu{index}_memory_peak_mib"] = peak / _MIB
+        if not self._has_gpu and not self._memory_noted:
+            self._note(
+                state.step,
+                "device memory is not available here: TensorFlow reports it for "
+                "GPUs only (tf.config.experimental.get_memory_info), so there are "
+                "no gpu*_memory_mib scalars.",
+            )
+            self._memory_noted = True
+        self._events.write(
+            state.step if epoch is None else epoch,
+            {prefix + tag: value for tag, value in scalars.items()},
+        )
+        new_window = _Window(state.step, state.overflow_count, self._samples, clock)
+        if epoch is None:
+            self._batch_window = new_window
+        else:
+            self._epoch_window = new_window
+
+    def _write_events(self, state) -> None:
+        """Writes skipped steps and gradient statistics not yet written."""
+        if not self._layout_written:
+            prefixes = (
+                ("epoch_",) if self.update_freq == "epoch" else ("batch_", "epoch_")
+            )
+            layout = build_layout(prefixes, self._grad_stats is not None)
+            self._events.write(0, summaries=[layout_summary(layout)])
+            self._layout_written = True
+        # Lower only if the counters were restored to an earlier state.
+        self._itemized = min(self._itemized, state.overflow_count)
+        events, lost = read_overflow_events(
+            self.model.optimizer, self._itemized, state.overflow_count
+        )
+        self._itemized = state.overflow_count
+        if lost:
+            self._note(
+                state.step,
+                f"{lost} earlier skipped steps since the last logging point are "
+                f"counted but not itemized (the overflow history holds "
+                f"{OVERFLOW_HISTORY}); log more often to see each.",
+            )
+        for event in events:
+            self._events.write(
+                event.step,
+                {"overflow_scale": event.scale_before},
+                {"overflow_events": describe(event)},
+            )
+        stats = self._grad_stats.read() if self._grad_stats is not None else None
+        if stats is not None and stats[0] > self._last_grad_step:
+            self._last_grad_step = stats[0]
+            self._events.write(stats[0], stats[1])
+
+    def _warn_no_counters(self, step: int) -> None:
+        """Says, in the log and as a warning, that the optimizer counts no overflows."""
+        text = (
+            f"the optimizer ({type(self.model.optimizer).__name__}) keeps no overflow "
+            "counts, so only loss_scale (1.0 without loss scaling) and lr are "
+            "written. Call tfmp.enable() before compile, or wrap the optimizer in "
+            "tfmp.LossScaleOptimizer, to count skipped steps."
+        )
+        warnings.warn(f"LossScaleMonitor: {text}", UserWarning, stacklevel=3)
+        self._note(step, text)
+
+    def _note(self, step: int, text: str) -> None:
+        """Writes a ``monitor_notes`` line; notes use the step axis of batches."""
+        self._events.write(step, texts={"monitor_notes": f"step {step}: {text}"})
+
+    def _on_crash(self, error: BaseException) -> None:
+        """Called by the crash guard: writes what training did up to `error`."""
+        if not self._active:
+            return
+        try:
+            state = read_state(self.model.optimizer)
+            if self.update_freq != "epoch" and state.step > self._batch_window.step:
+                self._log("batch_")
+            else:
+                self._write_events(state)
+            self._note(
+                state.step,
+                f"training stopped by {type(error).__name__}: {str(error)[:500]}",
+            )
+        except Exception as failure:  # the training error matters more; keep it
+            _LOG.warning("tfmp.LossScaleMonitor could not log the crash: %r", failure)
+        finally:
+            self._finish()
+
+    def _finish(self) -> None:
+        if self._active:
+            self._active = False
+            runtime.unwatch(self.model, self)
+            if self._grad_stats is not None:
+                self._grad_stats.uninstall()
+                self.model.train_function = None  # retraced without the statistics
         self.close()
 
     def close(self) -> None:
-        """Flushes and closes the event writer; a later write opens a new file."""
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        """Flushes and closes the event file; a later write opens a new file."""
+        self._events.close()

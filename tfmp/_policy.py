@@ -49,7 +49,11 @@ _ALIASES = {
 
 
 class PerformanceWarning(UserWarning):
-    """An explicit policy will run slower than float32 on this machine."""
+    """A setting will run slower than it could on this machine.
+
+    Raised as a warning for an explicit policy slower than float32 here, and when
+    tfmp turns off XLA that cannot run with several replicas.
+    """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +174,14 @@ def _gpu_decision(cc, cc_string: str, device: str) -> PolicyDecision:
             device,
             tf32=False,
         )
+    if cc is None:
+        return PolicyDecision(
+            FLOAT32,
+            "TensorFlow did not report the GPU's compute capability, so it cannot "
+            "be told whether it has Tensor Cores; float32 is the safe choice.",
+            device,
+            tf32=False,
+        )
     return PolicyDecision(
         FLOAT32,
         f"Compute capability {cc_string} < 7.0 has no Tensor Cores, so mixed "
@@ -197,7 +209,9 @@ def slower_than_float32(policy: str, facts: DeviceFacts) -> Optional[str]:
     cc = facts.min_compute_capability
     needed = (7, 0) if compute == "float16" else (8, 0)
     if facts.gpus:
-        if cc is None or cc >= needed:
+        if cc is None:
+            return f"this GPU's compute capability is unknown, so {compute} support is too"
+        if cc >= needed:
             return None
         return (
             f"{compute} Tensor Cores need compute capability >= {needed[0]}.0, "

@@ -1,0 +1,195 @@
+"""Helpers shared by the example scripts and the notebooks.
+
+Every script in this folder takes the same training options (`add_training_args`)
+and runs the same job around its own data and model (`train_and_evaluate`): enable
+tfmp, build and compile the model, fit it with `tfmp.LossScaleMonitor`, evaluate,
+and restore the previous policy. The notebooks read the monitor's TensorBoard event
+files back with `read_scalars` and `overflow_steps`.
+
+The notebooks import this module from ``../examples``; the test suite, which runs
+them in a temporary folder, points the environment variable ``TFMP_EXAMPLES`` at
+this folder instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Callable, Optional, Sequence, Tuple
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from tensorboard.backend.event_processing import event_accumulator  # noqa: E402
+
+import tfmp  # noqa: E402
+from tfmp._policy import POLICY_CHOICES  # noqa: E402
+
+
+def positive_int(text: str) -> int:
+    """Argparse type: an int >= 1, else a usage error naming what was received."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, received {text!r}")
+    return value
+
+
+def add_training_args(
+    parser: argparse.ArgumentParser, *, epochs: int, batch_size: int, log_dir: str
+) -> None:
+    """Adds the options every example shares to `parser`.
+
+    Options: ``--policy``, ``--epochs``, ``--steps``, ``--batch-size``,
+    ``--log-dir`` and ``--seed``.
+
+    Args:
+        parser: `argparse.ArgumentParser` to extend.
+        epochs: Int. Default of ``--epochs``.
+        batch_size: Int. Default of ``--batch-size`` (examples per batch).
+        log_dir: String. Default TensorBoard folder of ``--log-dir``.
+    """
+    parser.add_argument(
+        "--policy",
+        default="auto",
+        choices=POLICY_CHOICES,
+        help="auto (default: the fastest safe policy for this hardware), "
+        "mixed_bfloat16, mixed_float16 or float32",
+    )
+    parser.add_argument(
+        "--epochs",
+        type=positive_int,
+        default=epochs,
+        help=f"passes over the training data (default {epochs})",
+    )
+    parser.add_argument(
+        "--steps",
+        type=positive_int,
+        default=None,
+        help="batches per epoch (default: the whole training set); "
+        "small values make a quick smoke run",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=batch_size,
+        help=f"examples per batch (default {batch_size}); multiples "
+        "of 8 suit Tensor Cores",
+    )
+    parser.add_argument(
+        "--log-dir",
+        default=log_dir,
+        help=f"TensorBoard log folder for the loss scale and overflow "
+        f"count (default {log_dir})",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of weights, shuffling and splits (default 0)",
+    )
+
+
+def train_and_evaluate(
+    args: argparse.Namespace,
+    make_datasets: Callable[[], Tuple[tf.data.Dataset, tf.data.Dataset]],
+    build_model: Callable[[Sequence[int]], keras.Model],
+    *,
+    learning_rate: float = 1e-3,
+    loss: str = "sparse_categorical_crossentropy",
+) -> float:
+    """Trains and evaluates one model under tfmp; returns its test accuracy.
+
+    The policy is enabled before the model is built (layers take the global policy
+    when they are created) and disabled afterwards, also when training raises.
+
+    Args:
+        args: Namespace with the options of `add_training_args`.
+        make_datasets: Callable returning batched ``(train, test)`` datasets of
+            ``(features, label)``; called after `tfmp.enable()`.
+        build_model: Callable taking the feature shape without the batch axis and
+            returning an uncompiled `keras.Model`.
+        learning_rate: Float. Adam's learning rate.
+        loss: String. A Keras loss name.
+
+    Returns:
+        Float in [0, 1]: the test accuracy.
+    """
+    keras.utils.set_random_seed(args.seed)
+    decision = tfmp.enable(args.policy)
+    try:
+        print(decision)
+        train, test = make_datasets()
+        model = build_model(train.element_spec[0].shape[1:])
+        model.compile(
+            optimizer=keras.optimizers.Adam(learning_rate),
+            loss=loss,
+            metrics=["accuracy"],
+        )
+        monitor = tfmp.LossScaleMonitor(args.log_dir, update_freq="batch")
+        # shuffle=False: the tf.data pipelines reshuffle every epoch themselves.
+        model.fit(
+            train,
+            epochs=args.epochs,
+            steps_per_epoch=args.steps,
+            shuffle=False,
+            callbacks=[monitor],
+        )
+        _, accuracy = model.evaluate(test, verbose=0)
+    finally:
+        tfmp.disable()
+    print(f"Test accuracy ({decision.policy}): {accuracy:.4f}")
+    print(f"TensorBoard logs: tensorboard --logdir {args.log_dir}")
+    return float(accuracy)
+
+
+def read_scalars(
+    log_dir: str, tag: str, subdir: Optional[str] = "train"
+) -> Tuple[np.ndarray, np.ndarray]:
+    """Reads one scalar series back from TensorBoard event files.
+
+    `tf.summary.scalar` (which `tfmp.LossScaleMonitor` uses) stores scalars as
+    tensors, so they are read with TensorBoard's own `EventAccumulator`.
+
+    Args:
+        log_dir: String. The run's root folder (the monitor's `log_dir`).
+        tag: String. E.g. ``"batch_loss_scale"`` or ``"epoch_overflow_count"``.
+        subdir: String or None. Folder below `log_dir` holding the event files.
+
+    Returns:
+        ``(steps, values)``: int64 and float64 arrays of equal length, in the order
+        written (files sorted by name, i.e. by creation time). Empty when the tag
+        is absent.
+    """
+    folder = os.path.join(log_dir, subdir) if subdir else log_dir
+    steps, values = [], []
+    for path in sorted(tf.io.gfile.glob(os.path.join(folder, "events.out.tfevents.*"))):
+        accumulator = event_accumulator.EventAccumulator(
+            path, size_guidance={event_accumulator.TENSORS: 0}
+        )
+        accumulator.Reload()
+        if tag in accumulator.Tags()["tensors"]:
+            for event in accumulator.Tensors(tag):
+                steps.append(event.step)
+                values.append(float(tf.make_ndarray(event.tensor_proto)))
+    return np.asarray(steps, dtype=np.int64), np.asarray(values, dtype=np.float64)
+
+
+def overflow_steps(steps: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Steps at which a cumulative overflow count went up: the skipped steps.
+
+    Args:
+        steps: Int array. Logged steps, e.g. from `read_scalars`.
+        counts: Number array. The cumulative ``overflow_count`` at those steps.
+
+    Returns:
+        Int64 array of the steps whose count exceeds the previous one (the first
+        step counts when its count is above zero).
+    """
+    counts = np.asarray(counts)
+    rises = np.diff(np.concatenate([[0], counts])) > 0
+    return np.asarray(steps, dtype=np.int64)[rises]

@@ -1,0 +1,116 @@
+"""Runs helper scripts of the test suite in Python processes of their own.
+
+Some set-ups must happen before TensorFlow initializes its devices (two logical CPU
+devices for `MirroredStrategy`, `TF_CONFIG` for `MultiWorkerMirroredStrategy`), which
+the pytest process did long ago. Such cases live in scripts under tests/ that write
+their findings as JSON to the file named by ``--out``; the helpers here start them
+with this interpreter and this checkout on `PYTHONPATH`, bound each wait by a
+timeout and always kill what they started, also when a test fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+from typing import Iterator, Optional, Sequence
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests"
+
+
+def script_env(extra: Optional[dict] = None) -> dict:
+    """Environment for a helper script: this checkout first on PYTHONPATH, TF quiet."""
+    env = dict(os.environ)
+    paths = [str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env.update(extra or {})
+    return env
+
+
+def free_ports(count: int) -> list:
+    """`count` distinct TCP ports on 127.0.0.1 that were free a moment ago."""
+    with contextlib.ExitStack() as stack:
+        sockets = [
+            stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            for _ in range(count)
+        ]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+
+
+@contextlib.contextmanager
+def started(
+    script: str, runs: Sequence[tuple], out_dir: pathlib.Path
+) -> Iterator[list]:
+    """Starts `script` once per run; on exit kills every process still running.
+
+    Args:
+        script: File name under tests/, e.g. ``"_mw_worker.py"``.
+        runs: Sequence of ``(args, env_extra)``: command-line arguments (list of
+            str) and extra environment variables (dict) of each process.
+        out_dir: Folder for each process's JSON result and stderr log.
+
+    Yields:
+        List of ``(process, out_path, log_path)``.
+    """
+    launched = []
+    try:
+        for index, (args, env_extra) in enumerate(runs):
+            out_path = out_dir / f"result{index}.json"
+            log_path = out_dir / f"stderr{index}.log"
+            with open(log_path, "wb") as log:
+                process = subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(TESTS / script),
+                        "--out",
+                        str(out_path),
+                        *args,
+                    ],
+                    cwd=str(out_dir),
+                    env=script_env(env_extra),
+                    stdout=subprocess.DEVNULL,
+                    stderr=log,
+                )
+            launched.append((process, out_path, log_path))
+        yield launched
+    finally:
+        for process, _, _ in launched:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+
+
+def results(launched: Sequence[tuple], timeout_s: float) -> list:
+    """Waits for every process (`timeout_s` in all) and returns their JSON results.
+
+    Stops waiting as soon as one process fails: its peers (e.g. the other worker of
+    a cluster) may otherwise wait for it until the timeout.
+
+    Raises:
+        AssertionError: a process timed out or failed; the message holds the tail of
+            its stderr.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        codes = [process.poll() for process, _, _ in launched]
+        if any(code not in (None, 0) for code in codes) or None not in codes:
+            break
+        time.sleep(0.2)
+    # A process that failed explains more than a peer still waiting for it.
+    for process, _, log_path in sorted(launched, key=lambda r: r[0].poll() is None):
+        code = process.poll()
+        if code != 0:
+            tail = log_path.read_text(errors="replace")[-4000:]
+            status = "timed out" if code is None else f"exited with {code}"
+            raise AssertionError(f"{process.args[1]} {status}:\n{tail}")
+    return [json.loads(out_path.read_text()) for _, out_path, _ in launched]
+

@@ -1,0 +1,170 @@
+"""Tests for tfmp doctor: the report, the JSON output and the command line."""
+
+import doctest
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+
+import keras
+import pytest
+import tensorflow as tf
+
+import tfmp
+from tfmp import _doctor, cli
+from tfmp._hardware import DeviceFacts, GpuFacts
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+T4 = DeviceFacts(gpus=(GpuFacts("Tesla T4", (7, 5)),), cpu_name="Intel Xeon")
+A100 = DeviceFacts(gpus=(GpuFacts("NVIDIA A100-SXM4-40GB", (8, 0)),), cpu_name="AMD EPYC")
+P100 = DeviceFacts(gpus=(GpuFacts("Tesla P100-PCIE-16GB", (6, 0)),))
+PLAIN_CPU = DeviceFacts(cpu_name="Intel Core i7-8700", cpu_flags=frozenset({"avx2"}))
+
+
+def _gpu(report):
+    return next(d for d in report.data["devices"] if d["type"] == "GPU")
+
+
+@pytest.mark.parametrize(
+    "facts, cc, policy, fp16, bf16, tf32",
+    [
+        (T4, "7.5", "mixed_float16", True, False, False),
+        (A100, "8.0", "mixed_bfloat16", True, True, True),
+        (P100, "6.0", "float32", False, False, False),
+    ],
+    ids=["T4", "A100", "P100"],
+)
+def test_injected_gpu_reports_compute_capability_and_recommendation(
+        facts, cc, policy, fp16, bf16, tf32):
+    out = io.StringIO()
+    report = tfmp.doctor(facts, file=out)
+    gpu = _gpu(report)
+    assert (gpu["compute_capability"], gpu["float16"], gpu["bfloat16"], gpu["tf32"]) == (
+        cc, fp16, bf16, tf32)
+    rec = report.data["recommendation"]
+    assert rec["policy"] == policy and cc in rec["reason"]
+    assert rec["loss_scaling"] == (policy == "mixed_float16")
+    assert report.data["facts"] == "injected"
+    text = out.getvalue()
+    assert f"compute capability {cc}" in text
+    assert f"recommendation: {policy}" in text
+    assert "No GPU visible" not in text
+
+
+def test_this_cpu_machine_says_there_is_no_gpu():
+    report = tfmp.doctor(file=None)
+    d = report.data
+    assert d["facts"] == "detected"
+    assert [dev["type"] for dev in d["devices"]] == ["CPU"]
+    assert d["versions"]["tensorflow"] == tf.__version__
+    assert d["versions"]["keras"] == keras.__version__
+    assert d["build"]["cuda_build"] == bool(tf.sysconfig.get_build_info()["is_cuda_build"])
+    assert any(n.startswith("No GPU visible") for n in d["notes"])
+    assert "  no GPU" in str(report).splitlines()
+
+
+def test_cpu_bf16_flags_and_global_policy_are_reported():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    report = tfmp.doctor(PLAIN_CPU, file=None)
+    cpu = report.data["devices"][0]
+    assert cpu["bf16_flags"] == [] and cpu["bfloat16"] is False and cpu["float16"] is False
+    assert report.data["global_policy"] == "mixed_bfloat16"
+    assert report.data["recommendation"]["policy"] == "float32"
+    assert any("#no-speed-up" in n for n in report.data["notes"])
+
+
+def test_unknown_compute_capability_is_not_guessed():
+    facts = DeviceFacts(gpus=(GpuFacts("Mystery GPU", None),))
+    report = tfmp.doctor(facts, file=None)
+    gpu = _gpu(report)
+    assert gpu["compute_capability"] == "unknown"
+    assert gpu["float16"] is gpu["bfloat16"] is gpu["tf32"] is None
+    assert "float16: unknown" in str(report)
+
+
+def test_tf32_note_follows_the_switch():
+    was_on = tf.config.experimental.tensor_float_32_execution_enabled()
+    try:
+        tf.config.experimental.enable_tensor_float_32_execution(True)
+        on = tfmp.doctor(A100, file=None)
+        tf.config.experimental.enable_tensor_float_32_execution(False)
+        off = tfmp.doctor(A100, file=None)
+    finally:
+        tf.config.experimental.enable_tensor_float_32_execution(was_on)
+    assert on.data["tf32_enabled"] and not off.data["tf32_enabled"]
+    assert any("TF32 is on" in n for n in on.data["notes"])
+    assert not any("TF32 is on" in n for n in off.data["notes"])
+
+
+def test_xla_autoclustering_on_a_bf16_cpu_is_flagged():
+    bf16_cpu = DeviceFacts(cpu_name="AMD EPYC", cpu_flags=frozenset({"avx512_bf16"}))
+    before = tf.config.optimizer.get_jit()
+    try:
+        tf.config.optimizer.set_jit("autoclustering")
+        on = tfmp.doctor(bf16_cpu, file=None)
+    finally:
+        tf.config.optimizer.set_jit(before or False)
+    off = tfmp.doctor(bf16_cpu, file=None)
+    assert on.data["xla"]["auto_jit"] == "autoclustering"
+    assert any("XLA" in n and "#no-speed-up" in n for n in on.data["notes"])
+    assert off.data["xla"]["auto_jit"] == "off"
+    assert not any("XLA" in n for n in off.data["notes"])
+
+
+def test_json_output_round_trips():
+    out = io.StringIO()
+    report = tfmp.doctor(T4, as_json=True, file=out)
+    assert json.loads(out.getvalue()) == report.to_dict()
+
+
+def test_cli_entry_function(capsys):
+    assert cli.main(["doctor", "--json"], device_facts=A100) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert _gpu_from(data)["compute_capability"] == "8.0"
+    assert cli.main(["doctor"]) == 0
+    assert capsys.readouterr().out.startswith("tfmp doctor")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([])
+    assert exit_info.value.code == 2
+
+
+def _gpu_from(data):
+    return next(d for d in data["devices"] if d["type"] == "GPU")
+
+
+def test_python_dash_m_tfmp_doctor_json():
+    """One subprocess (importing TensorFlow takes seconds); text mode is tested above."""
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3")
+    done = subprocess.run([sys.executable, "-m", "tfmp", "doctor", "--json"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120, check=True)
+    data = json.loads(done.stdout)
+    assert data["facts"] == "detected"
+    assert data["recommendation"]["policy"] in ("float32", "mixed_bfloat16")
+
+
+def test_docstring_examples_run():
+    result = doctest.testmod(_doctor)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def _slug(heading):
+    text = "".join(c for c in heading.lower() if c.isalnum() or c in " -")
+    return text.strip().replace(" ", "-")
+
+
+def test_troubleshooting_links_point_to_existing_sections():
+    with open(os.path.join(ROOT, "docs", "troubleshooting.md"), encoding="utf-8") as f:
+        doc = f.read()
+    sections = {_slug(line[3:]) for line in doc.splitlines() if line.startswith("## ")}
+    assert {"nan-or-inf-loss", "gradients-stuck-at-zero", "no-speed-up",
+            "no-memory-saving", "accuracy-drop-versus-float32"} <= sections
+    anchors = set(re.findall(r"\]\(#([\w-]+)\)", doc))
+    package = os.path.join(ROOT, "tfmp")
+    for name in os.listdir(package):
+        if name.endswith(".py"):
+            with open(os.path.join(package, name), encoding="utf-8") as f:
+                anchors |= set(re.findall(
+                    r"(?:troubleshooting\.md|\{TROUBLESHOOTING\})#([\w-]+)", f.read()))
+    assert anchors and anchors <= sections

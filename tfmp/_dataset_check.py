@@ -1,0 +1,226 @@
+"""`tfmp.check_dataset`: find NaN, Inf and values the compute dtype cannot hold, before training.
+
+Dirty data is one of the commonest causes of a NaN loss, and it looks the same as a
+numerical failure of the model. This preflight scans batches on the host with NumPy
+and says which batch, which feature and how many values are wrong.
+
+Number sources (IEEE 754 binary16, and `ml_dtypes.finfo` for the others): float16
+holds at most 65504 and its smallest subnormal is 2**-24 (about 5.96e-8; nonzero
+values smaller than that are lost); bfloat16 holds at most about 3.39e38 and its
+smallest subnormal is 2**-133 (about 9.2e-41).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Iterable, Iterator, Optional, Union
+
+import keras
+import ml_dtypes
+import numpy as np
+import tensorflow as tf
+
+from tfmp._errors import invalid_argument
+
+_COMPONENTS = ("x", "y", "sample_weight")
+_PROBLEMS = {
+    "nan": "NaN",
+    "inf": "Inf",
+    "overflow": "above the dtype's largest finite value",
+    "underflow": "nonzero but below the dtype's smallest subnormal",
+}
+_POLICIES = ("float16", "bfloat16", "float32", "float64", "mixed_float16", "mixed_bfloat16")
+_SHOWN = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetIssue:
+    """One kind of bad value in one feature of one batch.
+
+    Attributes:
+        batch: Int. Zero-based index of the batch in iteration order.
+        component: String. `"x"`, `"y"` or `"sample_weight"`, with the key path for
+            nested inputs (e.g. `"x/age"`).
+        feature: Int or None. Index along the component's last axis (a column of
+            tabular data, a channel of images); None for a component of rank <= 1.
+        problem: String. `"nan"`, `"inf"`, `"overflow"` or `"underflow"`.
+        count: Int. How many values of this feature in this batch have the problem.
+    """
+
+    batch: int
+    component: str
+    feature: Optional[int]
+    problem: str
+    count: int
+
+    def __str__(self) -> str:
+        where = self.component if self.feature is None else f"{self.component} feature {self.feature}"
+        return f"batch {self.batch}, {where}: {self.count} value(s) {_PROBLEMS[self.problem]}"
+
+
+@dataclasses.dataclass
+class DatasetReport:
+    """What `check_dataset` found.
+
+    Attributes:
+        compute_dtype: String. The dtype the range checks used, e.g. `"float16"`.
+        max_value: Float. Its largest finite value (65504 for float16).
+        smallest_subnormal: Float. Its smallest positive value (2**-24 for float16).
+        batches_checked: Int. Batches scanned.
+        issues: List of `DatasetIssue`, in batch order.
+    """
+
+    compute_dtype: str
+    max_value: float
+    smallest_subnormal: float
+    batches_checked: int = 0
+    issues: list = dataclasses.field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Bool. True when no issue was found."""
+        return not self.issues
+
+    def __str__(self) -> str:
+        head = (
+            f"check_dataset: {len(self.issues)} issue(s) in {self.batches_checked} batch(es) checked "
+            f"(compute dtype {self.compute_dtype}: finite up to {self.max_value:.6g}, smallest subnormal "
+            f"{self.smallest_subnormal:.3g})."
+        )
+        lines = [head] + [f"  {issue}" for issue in self.issues[:_SHOWN]]
+        if len(self.issues) > _SHOWN:
+            lines.append(f"  ... and {len(self.issues) - _SHOWN} more (see report.issues).")
+        return "\n".join(lines)
+
+
+def _compute_dtype(policy: Union[None, str, keras.DTypePolicy]) -> str:
+    """The compute dtype of `policy` (the global Keras policy when None)."""
+    if policy is None:
+        return keras.config.dtype_policy().compute_dtype
+    if isinstance(policy, keras.DTypePolicy):
+        return policy.compute_dtype
+    if isinstance(policy, str) and policy in _POLICIES:
+        return keras.DTypePolicy(policy).compute_dtype
+    raise invalid_argument(
+        "policy", policy, "None, a keras.DTypePolicy or one of " + ", ".join(map(repr, _POLICIES)), choices=_POLICIES
+    )
+
+
+def _batches(data: Any, max_batches: Optional[int], batch_size: int) -> Iterator[Any]:
+    """Yields batches (nested NumPy-convertible structures) of any supported input."""
+    if isinstance(data, tf.data.Dataset):
+        if max_batches is None and data.cardinality() == tf.data.INFINITE_CARDINALITY:
+            raise invalid_argument("max_batches", max_batches, "an integer >= 1 for an infinite (repeated) dataset")
+        return iter(data.take(-1 if max_batches is None else max_batches).as_numpy_iterator())
+    if isinstance(data, keras.utils.PyDataset):
+        count = data.num_batches
+        if count is None and max_batches is None:
+            raise invalid_argument("max_batches", max_batches, "an integer >= 1 for a PyDataset without a length")
+        count = max_batches if count is None else min(count, max_batches or count)
+        return (data[index] for index in range(count))
+    leaves = keras.tree.flatten(data) if isinstance(data, (dict, tuple, np.ndarray, tf.Tensor)) else []
+    if leaves and all(isinstance(leaf, (np.ndarray, tf.Tensor)) for leaf in leaves):
+        size = len(leaves[0])
+        starts = range(0, size, batch_size)
+        return (keras.tree.map_structure(lambda a, s=s: a[s : s + batch_size], data) for s in starts)
+    if isinstance(data, Iterable):
+        return iter(data)
+    raise invalid_argument(
+        "dataset", data, "a tf.data.Dataset, keras.utils.PyDataset, arrays (x or (x, y)) or an iterable of batches"
+    )
+
+
+def _components(batch: Any) -> list[tuple[str, np.ndarray]]:
+    """Named float arrays of one batch, split as Keras's `fit` splits (x, y, sample_weight)."""
+    if isinstance(batch, (tuple, list)) and 1 <= len(batch) <= 3:
+        parts = zip(_COMPONENTS, batch)
+    else:
+        parts = [("x", batch)]
+    named = []
+    for component, value in parts:
+        if value is None:
+            continue
+        for path, leaf in keras.tree.flatten_with_path(value):
+            array = np.asarray(leaf)
+            if np.issubdtype(array.dtype, np.floating) or array.dtype == ml_dtypes.bfloat16:
+                named.append(("/".join([component, *map(str, path)]), array))
+    return named
+
+
+def _scan(array: np.ndarray, limits: Optional[tuple[float, float]]) -> dict[str, np.ndarray]:
+    """Per-feature counts of each problem in one array (`limits` None skips the range checks)."""
+    values = array.astype(np.float64).reshape(-1, array.shape[-1]) if array.ndim >= 2 else array.reshape(-1, 1)
+    counts = {"nan": np.isnan(values).sum(0), "inf": np.isinf(values).sum(0)}
+    if limits is not None:
+        magnitude = np.abs(values)
+        finite = np.isfinite(values)
+        counts["overflow"] = (finite & (magnitude > limits[0])).sum(0)
+        counts["underflow"] = ((magnitude > 0) & (magnitude < limits[1])).sum(0)
+    return counts
+
+
+def check_dataset(
+    dataset: Any,
+    policy: Union[None, str, keras.DTypePolicy] = None,
+    max_batches: Optional[int] = None,
+    *,
+    batch_size: int = 32,
+) -> DatasetReport:
+    """Scans a data set for NaN, Inf and values the policy's compute dtype cannot hold.
+
+    Every float component is checked for NaN and Inf. The inputs (`x`, which layers
+    cast to the compute dtype) are also checked against its range: above its largest
+    finite value they become Inf (float16: 65504), nonzero below its smallest
+    subnormal they become 0 (float16: 2**-24, about 6e-8). Labels and sample weights
+    reach the loss in float32 under Keras's mixed policies, so only NaN/Inf counts
+    there. Integer components (token ids, class labels) are skipped.
+
+    Args:
+        dataset: `tf.data.Dataset` of batches (an unbatched one is scanned one
+            element per "batch"), `keras.utils.PyDataset`, a NumPy array / tensor /
+            dict of them / tuple `(x, y[, sample_weight])` (split into batches of
+            `batch_size`, as `fit` does), or any iterable of batches.
+        policy: None (the global Keras policy), a `keras.DTypePolicy`, or one of
+            `"mixed_float16"`, `"mixed_bfloat16"`, `"float16"`, `"bfloat16"`,
+            `"float32"`, `"float64"`.
+        max_batches: Int >= 1 or None. Batches to scan; None scans all (required
+            for an infinite dataset).
+        batch_size: Int >= 1. Batch size for in-memory arrays. Default 32.
+
+    Returns:
+        `DatasetReport`; `report.ok` is True when nothing was found and `str(report)`
+        lists the issues by batch, component and feature.
+
+    Raises:
+        ValueError: In the project's template, for an invalid argument.
+
+    Example:
+        >>> x = np.ones((64, 3), "float32"); x[40, 2] = np.nan
+        >>> report = check_dataset(x, policy="mixed_float16", batch_size=32)
+        >>> report.issues
+        [DatasetIssue(batch=1, component='x', feature=2, problem='nan', count=1)]
+    """
+    for name, value in (("max_batches", max_batches), ("batch_size", batch_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise invalid_argument(name, value, "an integer >= 1" + (" or None" if name == "max_batches" else ""))
+    dtype = _compute_dtype(policy)
+    info = ml_dtypes.finfo(dtype)
+    report = DatasetReport(dtype, float(info.max), float(info.smallest_subnormal))
+    limits = (report.max_value, report.smallest_subnormal)
+    for index, batch in enumerate(itertools.islice(_batches(dataset, max_batches, batch_size), max_batches)):
+        report.batches_checked += 1
+        for component, array in _components(batch):
+            counts = _scan(array, limits if component.startswith("x") else None)
+            for problem, per_feature in counts.items():
+                for feature in np.flatnonzero(per_feature):
+                    report.issues.append(
+                        DatasetIssue(
+                            index,
+                            component,
+                            int(feature) if array.ndim >= 2 else None,
+                            problem,
+                            int(per_feature[feature]),
+                        )
+                    )
+    return report

@@ -1,0 +1,175 @@
+"""tfmp under `tf.distribute`: one loss scale and one verdict for all replicas.
+
+Under `tf.distribute.MirroredStrategy` and `MultiWorkerMirroredStrategy` every
+replica keeps its own copy of each optimizer variable (created with
+``aggregation="none"``) and updates it from its own replica context. The copies stay
+equal only while every replica takes the same branch with the same values. Keras
+3.15's `LossScaleOptimizer` breaks that: it checks each replica's *local* gradients
+for inf/NaN, before the all-reduce, and the merge-call path then keeps replica 0's
+answer. An overflow confined to another replica's shard is not seen, the all-reduced
+gradients carry the inf into every weight, and nothing is counted (measured on two
+logical CPU devices, TF 2.21; see tests/test_distribute.py). The helpers below
+combine such per-replica facts over all replicas in sync, so that every replica
+skips the same steps, holds the same scale and counts each skipped step once.
+
+XLA: Keras compiles the whole ``strategy.run`` step when ``jit_compile=True``.
+Under a multi-replica strategy this fails: with merge calls (CPUs, mixed devices)
+XLA cannot reach the other devices' variables, and on GPUs Keras's loss-scale
+optimizer crashes with a `merge_call` RuntimeError (keras-team/keras issue 21366).
+tfmp therefore turns XLA off for such models, with a warning, when it compiles them
+(`tfmp.enable`), and refuses, with a message saying so, an XLA step it did not
+compile.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import tensorflow as tf
+from tensorflow.python.ops import control_flow_util
+
+from tfmp._policy import PerformanceWarning
+
+
+def replicas_in_sync(strategy: Optional[tf.distribute.Strategy] = None) -> int:
+    """Int >= 1. Replicas that train in lockstep under `strategy`.
+
+    Args:
+        strategy: `tf.distribute.Strategy` or None for the current one (the default
+            strategy, with 1 replica, outside any ``scope()``).
+    """
+    strategy = strategy if strategy is not None else tf.distribute.get_strategy()
+    return int(strategy.num_replicas_in_sync)
+
+
+def is_chief(strategy: Optional[tf.distribute.Strategy] = None) -> bool:
+    """Whether this process is the one that writes summaries and checkpoints.
+
+    True without a strategy, under single-process strategies (`MirroredStrategy`,
+    `OneDeviceStrategy`) and on the chief of a multi-worker cluster: the task of
+    type ``"chief"``, or ``"worker"`` 0 when the cluster has no chief (the
+    `TF_CONFIG` convention of TensorFlow's multi-worker guide). It asks the strategy
+    first (`StrategyExtended.should_save_summary`, which `MultiWorkerMirroredStrategy`
+    answers this way), then its cluster resolver.
+
+    Args:
+        strategy: `tf.distribute.Strategy` or None for the current one.
+
+    Returns:
+        Bool.
+
+    Example:
+        >>> is_chief()
+        True
+    """
+    strategy = strategy if strategy is not None else tf.distribute.get_strategy()
+    try:
+        return bool(strategy.extended.should_save_summary)
+    except NotImplementedError:  # strategies that leave the property abstract
+        pass
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None or not resolver.cluster_spec().as_dict():
+        return True
+    task_type, task_id = resolver.task_type, resolver.task_id
+    if task_type in (None, "chief"):
+        return True
+    has_chief = "chief" in resolver.cluster_spec().jobs
+    return task_type == "worker" and task_id == 0 and not has_chief
+
+
+def any_replica(flags: Sequence[Any]) -> list:
+    """OR-s boolean flags over all replicas in sync, with one all-reduce.
+
+    Call it in a replica context (inside ``strategy.run`` or Keras's train step);
+    every replica then gets the same answers. With one replica, or in a cross-replica
+    context, the flags come back unchanged.
+
+    Args:
+        flags: Sequence of scalar bool tensors, this replica's facts.
+
+    Returns:
+        List of scalar bool tensors: True where any replica's flag was True.
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return list(flags)
+    # A float32 sum: every cross-device implementation (rings, NCCL) reduces it.
+    counts = context.all_reduce(
+        tf.distribute.ReduceOp.SUM, [tf.cast(flag, tf.float32) for flag in flags]
+    )
+    return [tf.greater(count, 0.0) for count in counts]
+
+
+def all_replicas_finite(finite: Any) -> Any:
+    """Scalar bool tensor: True when `finite` is True on every replica in sync."""
+    (non_finite,) = any_replica([tf.logical_not(finite)])
+    return tf.logical_not(non_finite)
+
+
+def _xla_refusal(replicas: int) -> str:
+    return (
+        f"XLA (jit_compile=True) cannot compile a training step replicated over "
+        f"{replicas} replicas of a tf.distribute strategy: Keras XLA-compiles the "
+        "whole strategy.run step, which either cannot reach the other devices' "
+        "variables or fails in merge_call (keras-team/keras issue 21366)."
+    )
+
+
+def turn_off_xla_if_replicated(model: Any) -> bool:
+    """Switches `model.jit_compile` off when the model trains on several replicas.
+
+    Called by the compile hook of `tfmp.enable()` after Keras's `compile`, before
+    any train function exists. Keras's ``jit_compile="auto"`` already resolves to
+    False under a strategy, so this only overrides an explicit True.
+
+    Args:
+        model: `keras.Model`, compiled.
+
+    Returns:
+        Bool. True when XLA was turned off.
+
+    Warns:
+        tfmp.PerformanceWarning: when XLA was turned off, saying why and how to keep
+            XLA (train on one replica).
+    """
+    replicas = replicas_in_sync(model.distribute_strategy)
+    if replicas == 1 or not model.jit_compile:
+        return False
+    warnings.warn(
+        _xla_refusal(replicas)
+        + f" tfmp compiled model {model.name!r} with jit_compile=False instead; "
+        "the step runs as a tf.function graph. To keep XLA, train on a single "
+        "replica.",
+        PerformanceWarning,
+        stacklevel=3,
+    )
+    model.jit_compile = False
+    return True
+
+
+def check_not_xla_replicated() -> None:
+    """Refuses an XLA-compiled step under a multi-replica strategy.
+
+    Called by `tfmp.LossScaleOptimizer.apply` while a step is being traced, so the
+    refusal comes before any step runs and instead of TensorFlow's tracebacks.
+
+    Raises:
+        ValueError: when the step being traced is XLA-compiled and runs in a
+            replica context of a strategy with more than one replica.
+    """
+    context = tf.distribute.get_replica_context()
+    replicas = 1 if context is None else context.num_replicas_in_sync
+    if replicas == 1 or tf.executing_eagerly():
+        return
+    # The test MirroredStrategy itself uses to choose its merge-call path.
+    if not control_flow_util.GraphOrParentsInXlaContext(
+        tf.compat.v1.get_default_graph()
+    ):
+        return
+    raise ValueError(
+        _xla_refusal(replicas) + " Compile the model with jit_compile=False, or "
+        "call tfmp.enable() before compile(): it turns XLA off for such models "
+        "with a warning."
+    )

@@ -1,0 +1,178 @@
+"""What `tfmp.LossScaleMonitor` reads: loss-scaling state, overflow history, samples.
+
+Everything comes from variables that training updates in the graph, so a read
+between two executions of the train function sees every step in between, however
+many steps one execution runs (`steps_per_execution`). A read costs one
+device-to-host copy per variable (a few tens of microseconds on a CPU); the
+monitor reads only at its logging points, never per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, List, Optional
+
+import keras
+
+from tfmp._loss_scale import LossScaleOptimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaleState:
+    """Loss-scaling state of an optimizer at one moment, as Python numbers.
+
+    Attributes:
+        step: Int. Steps trained so far, skipped ones included: `total_steps` of a
+            `tfmp.LossScaleOptimizer`, `iterations` of any other optimizer (a
+            Keras `LossScaleOptimizer` does not count its skipped steps there).
+        loss_scale: Float. The current loss scale; 1.0 without loss scaling.
+        overflow_count: Int. Skipped (non-finite) steps so far; 0 for optimizers
+            that do not count them.
+        consecutive_overflows: Int. Skipped steps in a row up to now.
+        learning_rate: Float or None. The learning rate the next step uses
+            (schedules evaluated at the inner optimizer's `iterations`, which do
+            not advance on skipped steps); None if the optimizer has none.
+    """
+
+    step: int
+    loss_scale: float
+    overflow_count: int
+    consecutive_overflows: int
+    learning_rate: Optional[float]
+
+
+@dataclasses.dataclass(frozen=True)
+class OverflowEvent:
+    """One skipped step, from the optimizer's overflow history.
+
+    Attributes:
+        step: Int. One-based number of the skipped step (= `total_steps` after
+            it), the monitor's step axis; `last_overflow_step` + 1.
+        scale_before: Float. The loss scale the step ran with.
+        scale_after: Float. The loss scale after it (halved, or kept by
+            `hysteresis`, `min_scale` or fixed-scale runs).
+    """
+
+    step: int
+    scale_before: float
+    scale_after: float
+
+
+def _numpy(value: Any) -> Any:
+    """Value of a variable, tensor or Python number, without a copy warning."""
+    return value.numpy() if hasattr(value, "numpy") else value
+
+
+def is_tfmp_optimizer(optimizer: Any) -> bool:
+    """Bool. Whether `optimizer` keeps tfmp's overflow counters (built or not)."""
+    return isinstance(optimizer, LossScaleOptimizer)
+
+
+def read_state(optimizer: Any) -> LossScaleState:
+    """Reads the loss-scaling state of `optimizer` (built or not).
+
+    Args:
+        optimizer: A Keras optimizer; `tfmp.LossScaleOptimizer` gives every field,
+            a Keras `LossScaleOptimizer` its scale, other optimizers 1.0.
+
+    Returns:
+        `LossScaleState`. An optimizer not built yet gives its starting values.
+    """
+    scale, overflows, consecutive = 1.0, 0, 0
+    is_lso = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+    if is_lso and optimizer.built:
+        scale = float(optimizer.dynamic_scale.numpy())
+    elif is_lso:
+        scale = float(optimizer.initial_scale)
+    if is_tfmp_optimizer(optimizer) and optimizer.built:
+        step = int(optimizer.total_steps.numpy())
+        overflows = int(optimizer.overflow_count.numpy())
+        consecutive = int(optimizer.consecutive_overflows.numpy())
+    else:
+        step = int(optimizer.iterations.numpy())
+    rate = getattr(optimizer, "learning_rate", None)
+    lr = None if rate is None else float(_numpy(rate))
+    return LossScaleState(step, scale, overflows, consecutive, lr)
+
+
+def read_overflow_events(
+    optimizer: Any, first: int, stop: int
+) -> tuple[List[OverflowEvent], int]:
+    """Reads skipped steps number `first` to `stop - 1` from the overflow history.
+
+    The k-th skipped step (zero-based, counted by `overflow_count`) sits in slot
+    ``k % OVERFLOW_HISTORY`` of the optimizer's ring buffers, so only the last
+    `OVERFLOW_HISTORY` (64) skipped steps can be itemized.
+
+    Args:
+        optimizer: `tfmp.LossScaleOptimizer`, built; other optimizers give nothing.
+        first: Int >= 0. Count of skipped steps already itemized.
+        stop: Int. Current `overflow_count`.
+
+    Returns:
+        Tuple (events in step order, number of skipped steps too old to itemize).
+    """
+    history = getattr(optimizer, "overflow_history_steps", None)
+    if history is None or stop <= first:
+        return [], 0
+    steps = history.numpy()
+    scales = optimizer.overflow_history_scales.numpy()
+    size = len(steps)
+    start = max(first, stop - size)
+    events = []
+    for k in range(start, stop):
+        before, after = (float(v) for v in scales[k % size])
+        events.append(OverflowEvent(int(steps[k % size]) + 1, before, after))
+    return events, start - first
+
+
+def format_scale(value: float) -> str:
+    """Formats a loss scale exactly: powers of two >= 1 as integers (``32768``)."""
+    if math.isfinite(value) and value.is_integer():
+        return str(int(value))
+    return repr(value)
+
+
+def describe(event: OverflowEvent) -> str:
+    """The overflow's text summary.
+
+    Example:
+        >>> describe(OverflowEvent(117, 32768.0, 16384.0))
+        'step 117: non-finite gradients, scale 32768 -> 16384'
+    """
+    return (
+        f"step {event.step}: non-finite gradients, scale "
+        f"{format_scale(event.scale_before)} -> {format_scale(event.scale_after)}"
+    )
+
+
+def samples_this_epoch(model: Any) -> Optional[int]:
+    """Samples trained on in the current epoch, from Keras's loss tracker.
+
+    Keras's `train_step` updates `model._loss_tracker` (a `keras.metrics.Mean`)
+    with the batch size as sample weight, so its `count` variable is the number of
+    samples seen since `fit` last reset the metrics (each epoch start, and each
+    `evaluate`), summed over replicas under a distribution strategy.
+
+    Args:
+        model: `keras.Model` being trained.
+
+    Under a `tf.distribute` strategy the variable is sync-on-read: reading it whole
+    all-reduces it across workers, a collective that only the writing chief would
+    join. So this worker's replicas are summed and scaled to the whole cluster,
+    exact for `MirroredStrategy` and for equal shards per worker.
+
+    Returns:
+        Int, or None when the model has no loss tracker. A custom `train_step`
+        that does not update the tracker leaves it at 0.
+    """
+    tracker = getattr(model, "_loss_tracker", None)
+    count = getattr(tracker, "count", None)
+    if count is None:
+        return None
+    local_parts = getattr(getattr(count, "value", count), "values", None)
+    if local_parts is None:
+        return int(_numpy(count))
+    local = sum(int(part.numpy()) for part in local_parts)
+    return local * model.distribute_strategy.num_replicas_in_sync // len(local_parts)

@@ -1,0 +1,303 @@
+"""`tfmp.check_numerics`: name the first layer that goes NaN or Inf, and live with loss scaling.
+
+`tf.debugging.enable_check_numerics()` aborts healthy float16 runs: while a dynamic
+loss scale backs off from a large start, the scaled gradients overflow on purpose and
+the optimizer skips those steps. The hooks here check
+
+* forward: every selected layer's output (each layer's `call` is wrapped), then the
+  loss (the optimizer's `scale_loss` is wrapped);
+* backward: the gradients handed to the optimizer (its `apply` is wrapped). Under a
+  dynamic loss scale a non-finite gradient only counts once the scale is at its
+  floor (`max(min_scale, 1)`), since above it the optimizer skips the step and halves
+  the scale. Under a fixed scale (bfloat16, float32, no `LossScaleOptimizer`) every
+  non-finite gradient counts. Finiteness does not change on unscaling, so checking
+  before the optimizer divides by the scale gives the same answer.
+
+The results of a step are written into variables (`_numerics_record.py`) and a flag
+rides along in the step's logs; the model's `train_function` is wrapped to look at
+the flag after every step (no extra device read on the healthy path), take it out of
+the logs, and raise, warn or log.
+This works the same in `fit` (graph mode), eagerly (`run_eagerly=True`) and under
+`jit_compile=True`, since the added ops are plain reductions and variable writes.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import threading
+import warnings
+from typing import Any, Callable, Optional
+
+import keras
+import tensorflow as tf
+
+from tfmp._errors import NonFiniteError, invalid_argument
+from tfmp._numerics_hooks import LayerSpec, Patches, layer_paths, scale_and_counts, select_layers
+from tfmp._numerics_record import LOSS_ENTRY, FailureRecorder, StepTrace, entry_row
+from tfmp._numerics_report import build_error
+
+_ACTIONS = ("raise", "warn", "log")
+_PHASES = ("forward", "backward", "both")
+_ATTR = "_tfmp_numerics"
+_MAX_FAILURES = 100
+#: Key of the failure flag the hooked train step adds to its logs; the train function
+#: wrapper removes it before Keras (callbacks, history) sees the logs.
+_FLAG = "_tfmp_numerics_failed"
+_local = threading.local()
+logger = logging.getLogger("tfmp")
+
+
+def _active_trace(handle: "NumericsHandle") -> Optional[StepTrace]:
+    """The step being recorded for `handle`, if the caller runs in the step's graph."""
+    trace = getattr(_local, "trace", None)
+    if trace is None or trace.owner is not handle or tf.compat.v1.get_default_graph() is not trace.graph:
+        return None
+    return trace
+
+
+class NumericsHandle:
+    """The hooks installed by `tfmp.check_numerics` on one model.
+
+    Attributes:
+        model: `keras.Model`. The instrumented model.
+        action: String. `"raise"`, `"warn"` or `"log"`.
+        phase: String. `"forward"`, `"backward"` or `"both"`.
+        layers: List of `keras.layers.Layer`. The hooked layers (empty for
+            `phase="backward"`).
+        failures: List of `tfmp.NonFiniteError`. Failures met so far (with
+            `"warn"`/`"log"`, up to 100; with `"raise"`, the one raised).
+        active: Bool. False once `remove()` ran.
+        recorder: `FailureRecorder`. The variables the steps write; `recorder.step`
+            (scalar int64) counts the train steps checked so far.
+
+    Use as a context manager to remove the hooks on exit.
+    """
+
+    def __init__(self, model: keras.Model, action: str, phase: str, layers: LayerSpec, trace_length: int) -> None:
+        self.model, self.action, self.phase = model, action, phase
+        selected = [] if phase == "backward" else select_layers(model, layers)
+        self.layers = [layer for layer, _ in selected]
+        self._paths = [path for _, path in selected]
+        self.recorder = FailureRecorder(trace_length)
+        self.failures: list[NonFiniteError] = []
+        self.active = True
+        self._patches = Patches()
+        self._hooked_optimizers: list[Any] = []
+        self._reported: set = set()
+
+    def _install(self) -> None:
+        for layer, path in zip(self.layers, self._paths):
+            self._patches.set(layer, "call", self._wrap_call(layer, path))
+        self._patches.set(self.model, "train_step", self._wrap_train_step(self.model.train_step))
+        self._patches.set(self.model, "make_train_function", self._wrap_make(self.model.make_train_function))
+        object.__setattr__(self.model, _ATTR, self)
+        self.model.train_function = None  # rebuilt with the hooks by the next fit
+
+    def remove(self) -> None:
+        """Removes every hook; the next `fit` rebuilds a train function without them."""
+        if not self.active:
+            return
+        self.active = False
+        self._patches.undo()
+        if vars(self.model).get(_ATTR) is self:
+            object.__delattr__(self.model, _ATTR)
+        self.model.train_function = None
+
+    def __enter__(self) -> "NumericsHandle":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.remove()
+
+    def _wrap_call(self, layer: keras.layers.Layer, path: str) -> Callable:
+        original = layer.call
+        params = list(inspect.signature(original).parameters)
+        first = params[0] if params else None
+
+        @functools.wraps(original)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            outputs = original(*args, **kwargs)
+            trace = _active_trace(self)
+            if trace is not None:
+                inputs = args[0] if args else kwargs.get(first)
+                row = entry_row(outputs, inputs)
+                if row is not None:
+                    trace.entries.append((path, type(layer).__name__, layer.compute_dtype, row))
+            return outputs
+
+        return call
+
+    def _wrap_train_step(self, original: Callable) -> Callable:
+        @functools.wraps(original)
+        def train_step(data: Any) -> Any:
+            self._hook_optimizer()
+            trace = StepTrace(graph=tf.compat.v1.get_default_graph(), owner=self)
+            outer, _local.trace = getattr(_local, "trace", None), trace
+            try:
+                logs = original(data)
+            finally:
+                _local.trace = outer
+            flag = self.recorder.finish(trace)
+            if isinstance(logs, dict):
+                logs = {**logs, _FLAG: flag}
+            return logs
+
+        return train_step
+
+    def _wrap_make(self, original: Callable) -> Callable:
+        @functools.wraps(original)
+        def make_train_function(force: bool = False) -> Any:
+            before = self.model.train_function
+            result = original(force)
+            built = self.model.train_function
+            if built is not None and built is not before:
+                self.model.train_function = self._checked(built)
+            return None if result is None else self.model.train_function
+
+        return make_train_function
+
+    def _checked(self, function: Callable) -> Callable:
+        @functools.wraps(function)
+        def checked_train_function(*args: Any, **kwargs: Any) -> Any:
+            logs = function(*args, **kwargs)
+            flag = logs.pop(_FLAG, None) if isinstance(logs, dict) else None
+            if flag is None or int(flag):
+                self.check()
+            return logs
+
+        return checked_train_function
+
+    def _hook_optimizer(self) -> None:
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is None or any(optimizer is seen for seen in self._hooked_optimizers):
+            return
+        self._hooked_optimizers.append(optimizer)
+        scale_loss, apply = optimizer.scale_loss, optimizer.apply
+
+        @functools.wraps(scale_loss)
+        def checked_scale_loss(loss: Any) -> Any:
+            trace = _active_trace(self)
+            row = entry_row(loss) if trace is not None else None
+            if row is not None:
+                trace.entries.append((LOSS_ENTRY, "loss", tf.as_dtype(loss.dtype).name, row))
+            return scale_loss(loss)
+
+        @functools.wraps(apply)
+        def checked_apply(grads: Any, trainable_variables: Any = None) -> Any:
+            trace = _active_trace(self)
+            if trace is not None and self.phase != "forward":
+                grads = list(grads)
+                if trainable_variables is None:
+                    trainable_variables = optimizer._trainable_variables
+                variables = list(trainable_variables)
+                trace.gradients.append((grads, variables, *scale_and_counts(optimizer)))
+            return apply(grads, trainable_variables)
+
+        self._patches.set(optimizer, "scale_loss", checked_scale_loss)
+        self._patches.set(optimizer, "apply", checked_apply)
+
+    def _owners(self) -> dict:
+        """`id(variable)` -> (path, class) of the deepest layer holding it."""
+        owners: dict = {}
+        for layer, path in layer_paths(self.model).values():
+            for variable in layer.weights:
+                held = owners.get(id(variable))
+                if held is None or len(path) > len(held[0]):
+                    owners[id(variable)] = (path, type(layer).__name__)
+        return owners
+
+    def check(self) -> None:
+        """Reads the recorded failure after a step and acts on it.
+
+        Called after every train step run by `fit` or `train_on_batch` whose flag
+        says a failure was recorded. The failure is cleared once reported, so a
+        caller that catches the error and trains on meets the next one afresh.
+
+        Raises:
+            tfmp.NonFiniteError: With `action="raise"`, on the first recorded failure.
+        """
+        if not self.recorder.failed():
+            return
+        optimizer = getattr(self.model, "optimizer", None)
+        scaling = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        scaling = scaling and getattr(optimizer, "loss_scaling", True)
+        error = build_error(self.recorder, self._owners(), scaling)
+        if error is None:
+            return
+        if len(self.failures) < _MAX_FAILURES:
+            self.failures.append(error)
+        self.recorder.rearm()  # reported once; a later failure is recorded afresh
+        if self.action == "raise":
+            raise error
+        key = (error.layer, error.phase, error.kind)
+        if key in self._reported:
+            return
+        self._reported.add(key)
+        if self.action == "warn":
+            warnings.warn(str(error), RuntimeWarning, stacklevel=2)
+        else:
+            logger.warning("%s", error)
+
+
+def check_numerics(
+    model: keras.Model,
+    *,
+    action: str = "raise",
+    phase: str = "both",
+    layers: LayerSpec = None,
+    trace_length: int = 8,
+    enabled: bool = True,
+) -> Optional[NumericsHandle]:
+    """Instruments `model` so training stops at the first non-finite value, naming its layer.
+
+    Works before or after `compile`: the train function is rebuilt by the next `fit`
+    (or `train_on_batch`). Calling it again replaces the previous hooks. Values,
+    losses and weights are unchanged by the hooks.
+
+    Args:
+        model: `keras.Model`. The model to instrument.
+        action: String. `"raise"` (default) raises `tfmp.NonFiniteError` after the
+            step; `"warn"` issues a RuntimeWarning and `"log"` logs to the `"tfmp"`
+            logger, once per (layer, phase, kind), and training goes on.
+        phase: String. `"forward"` checks layer outputs and the loss, `"backward"` the
+            loss and the gradients only (cheapest), `"both"` (default) all of them.
+        layers: Which layers to check in the forward phase: None (every layer that
+            computes something), a sequence of layer names, paths, Layer classes or
+            Layer instances, or a callable `layer -> bool`.
+        trace_length: Int >= 1. Layer calls before the failure whose |value| range is
+            attached to the error (`error.details["trace"]`). Default 8.
+        enabled: Bool. False removes hooks installed earlier and returns None.
+
+    Returns:
+        `NumericsHandle` (call `.remove()` or use it as a context manager), or None
+        when `enabled` is False.
+
+    Raises:
+        ValueError: In the project's template, for an invalid argument.
+
+    Example:
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        >>> model.compile("sgd", "mse")
+        >>> handle = check_numerics(model)
+        >>> handle.remove()
+    """
+    if not isinstance(model, keras.Model):
+        raise invalid_argument("model", model, "a keras.Model instance")
+    if action not in _ACTIONS:
+        raise invalid_argument("action", action, "one of 'raise', 'warn', 'log'", choices=_ACTIONS)
+    if phase not in _PHASES:
+        raise invalid_argument("phase", phase, "one of 'forward', 'backward', 'both'", choices=_PHASES)
+    if isinstance(trace_length, bool) or not isinstance(trace_length, int) or trace_length < 1:
+        raise invalid_argument("trace_length", trace_length, "an integer >= 1")
+    if not isinstance(enabled, bool):
+        raise invalid_argument("enabled", enabled, "True or False")
+    previous = vars(model).get(_ATTR)
+    if previous is not None:
+        previous.remove()
+    if not enabled:
+        return None
+    handle = NumericsHandle(model, action, phase, layers, trace_length)
+    handle._install()
+    return handle

@@ -1,0 +1,116 @@
+"""Hooks of `tfmp.check_numerics`: which layers, their paths, patching, the loss-scale rule.
+
+Hooks are instance attributes set over methods (`layer.call`, `model.train_step`,
+`optimizer.apply`, ...): Keras looks these methods up on the instance, so the class
+and every other instance stay untouched, and removing the attribute restores the
+method exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence, Union
+
+import keras
+import tensorflow as tf
+
+from tfmp._errors import invalid_argument
+
+LayerSpec = Union[None, Sequence[Union[str, type, keras.layers.Layer]], Callable[[keras.layers.Layer], bool]]
+
+
+class Patches:
+    """Instance attributes set over methods, undone in reverse order."""
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[Any, str, bool, Any]] = []
+
+    def set(self, obj: Any, name: str, value: Any) -> None:
+        own = vars(obj)
+        self._saved.append((obj, name, name in own, own.get(name)))
+        object.__setattr__(obj, name, value)
+
+    def undo(self) -> None:
+        for obj, name, had, old in reversed(self._saved):
+            if had:
+                object.__setattr__(obj, name, old)
+            elif name in vars(obj):
+                object.__delattr__(obj, name)
+        self._saved.clear()
+
+
+def _wiring_only(layer: keras.layers.Layer) -> bool:
+    """Input layers and Functional/Sequential containers compute nothing themselves."""
+    return isinstance(layer, (keras.layers.InputLayer, keras.Sequential)) or type(layer).__name__ == "Functional"
+
+
+def layer_paths(model: keras.Model) -> dict[int, tuple[keras.layers.Layer, str]]:
+    """`id(layer)` -> (layer, path from the model, e.g. "net/block/dense"), pre-order.
+
+    Built from the model's own nesting: Keras's `layer.path` depends on the name
+    scope a layer was created in, so a layer made outside its model has no prefix.
+    """
+    paths: dict[int, tuple[keras.layers.Layer, str]] = {}
+
+    def visit(parent: keras.layers.Layer, prefix: str) -> None:
+        for child in parent._flatten_layers(include_self=False, recursive=False):
+            if id(child) not in paths:
+                paths[id(child)] = (child, f"{prefix}/{child.name}")
+                visit(child, f"{prefix}/{child.name}")
+
+    visit(model, model.name)
+    return paths
+
+
+def select_layers(model: keras.Model, layers: LayerSpec) -> list[tuple[keras.layers.Layer, str]]:
+    """The layers to hook with their paths, validated (see `check_numerics`)."""
+    candidates = [(layer, path) for layer, path in layer_paths(model).values() if not _wiring_only(layer)]
+    if layers is None:
+        return candidates
+    if callable(layers) and not isinstance(layers, type):
+        return [(layer, path) for layer, path in candidates if layers(layer)]
+    if isinstance(layers, (str, type, keras.layers.Layer)):
+        layers = [layers]
+    chosen: list[tuple[keras.layers.Layer, str]] = []
+    for spec in layers:
+        if isinstance(spec, str):
+            found = [(layer, path) for layer, path in candidates if spec in (layer.name, path)]
+        elif isinstance(spec, type):
+            found = [(layer, path) for layer, path in candidates if isinstance(layer, spec)]
+        elif isinstance(spec, keras.layers.Layer):
+            found = [(layer, path) for layer, path in candidates if layer is spec]
+        else:
+            raise invalid_argument("layers", spec, "layer names, paths, Layer classes or Layer instances")
+        if not found:
+            names = [layer.name for layer, _ in candidates]
+            raise invalid_argument(
+                "layers", spec, f"a layer of model '{model.name}' (one of {', '.join(names)})", choices=names
+            )
+        chosen.extend(item for item in found if all(item[0] is not c for c, _ in chosen))
+    return chosen
+
+
+def scale_and_counts(optimizer: Any) -> tuple[tf.Tensor, tf.Tensor]:
+    """The loss scale before the update, and whether a non-finite gradient counts now.
+
+    The coexistence rule with loss scaling: under a dynamic scale a non-finite
+    gradient is an overflow the optimizer answers by skipping the step and halving
+    the scale, until the scale reaches its floor, `max(min_scale, 1)` (Keras's own
+    `LossScaleOptimizer` has no `min_scale`: 1). At the floor, scaling no longer
+    magnifies anything and a non-finite gradient is real. Without a
+    `LossScaleOptimizer`, or with a fixed scale of 1 (bfloat16, float32), every
+    non-finite gradient counts.
+
+    Args:
+        optimizer: The model's optimizer (any Keras optimizer).
+
+    Returns:
+        (scale, counts): scalar float32 tensor read before the update, scalar bool.
+    """
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return tf.constant(1.0), tf.constant(True)
+    if optimizer.built:
+        scale = tf.cast(tf.convert_to_tensor(optimizer.dynamic_scale), tf.float32)
+    else:
+        scale = tf.constant(float(optimizer.initial_scale))
+    floor = max(float(getattr(optimizer, "min_scale", 1.0)), 1.0)
+    return scale, scale <= floor

@@ -1,0 +1,239 @@
+"""In-graph bookkeeping for `tfmp.check_numerics`: what a train step saw, and its first failure.
+
+Why variables rather than an op that raises: `tf.debugging.check_numerics` stops the
+graph with an `InvalidArgumentError` that names an op, not a layer, and reaches the
+caller as a TensorFlow error rather than `tfmp.NonFiniteError`; `tf.py_function`
+cannot be compiled by XLA. Instead, each hooked layer call is reduced to a row of six
+float32 numbers (see `COLUMNS`), and at the end of the step the rows are stacked and
+the first non-finite one, with the rows before it, is written into a few
+`tf.Variable`s; the step also returns the failure flag (see `_numerics.py`).
+Reductions, `tf.where` and variable writes all compile under XLA, and the checks add
+no gradient: every checked tensor goes through `tf.stop_gradient` first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import keras
+import tensorflow as tf
+
+#: Columns of one trace row (float32). VALID is 1 for a row that holds data; ABS_MIN
+#: and ABS_MAX are the smallest and largest absolute output value; IN_MIN and IN_MAX
+#: the signed range of the inputs; HAS_INPUT is 1 when the layer had numeric inputs.
+#: TensorFlow's min/max reductions propagate NaN (its CPU and GPU kernels use
+#: NaN-propagating reducers, and XLA's min/max do too), so a NaN or an infinity
+#: anywhere in a tensor shows in its range: the row alone says whether the outputs,
+#: or the inputs, were non-finite. A row counts as non-finite when either was: the
+#: first layer to *see* a bad value is named even when it hides it (ReLU maps NaN to 0).
+COLUMNS = ("valid", "abs_min", "abs_max", "in_min", "in_max", "has_input")
+VALID, ABS_MIN, ABS_MAX, IN_MIN, IN_MAX, HAS_INPUT = range(len(COLUMNS))
+#: Entries of the int64 `state` variable.
+KIND, STEP, PHASE, INDEX, BAD_GRADS = range(5)
+#: Phase codes kept in `state[PHASE]`: a layer output or the loss, or a gradient.
+FORWARD, BACKWARD = 1, 2
+LOSS_ENTRY = "loss"
+
+
+def _tensors(structure: Any, integers: bool) -> list[tf.Tensor]:
+    """Dense float tensors in `structure` (integer ones too when `integers`)."""
+    found = []
+    for value in tf.nest.flatten(structure, expand_composites=False):
+        if isinstance(value, keras.Variable):
+            value = value.value
+        if not isinstance(value, (tf.Tensor, tf.Variable)):
+            continue
+        dtype = value.dtype
+        if 0 in (value.shape.as_list() if value.shape.rank is not None else ()):
+            continue  # statically empty: a min/max over it would be +-inf
+        if dtype.is_floating or (integers and dtype.is_integer):
+            found.append(tf.stop_gradient(value))
+    return found
+
+
+def _range(tensors: list[tf.Tensor], magnitude: bool) -> tf.Tensor:
+    """Float32 `[min, max]` over all `tensors` (of their absolute values if `magnitude`)."""
+    pairs = []
+    for tensor in tensors:
+        values = tf.abs(tensor) if magnitude else tensor
+        pairs.append(tf.cast(tf.stack([tf.reduce_min(values), tf.reduce_max(values)]), tf.float32))
+    if len(pairs) == 1:
+        return pairs[0]
+    stacked = tf.stack(pairs)
+    return tf.stack([tf.reduce_min(stacked[:, 0]), tf.reduce_max(stacked[:, 1])])
+
+
+def entry_row(outputs: Any, inputs: Any = None) -> Optional[tf.Tensor]:
+    """Reduces one layer call (or the loss) to a trace row: about eight small ops.
+
+    Args:
+        outputs: Tensor or nested structure. The layer's outputs; non-float parts
+            are ignored, and so are tensors known to be empty.
+        inputs: Tensor, nested structure or None. The layer's first argument.
+
+    Returns:
+        Float32 tensor of shape `[len(COLUMNS)]`, or None when `outputs` holds no
+        float tensor (nothing to check).
+    """
+    outs = _tensors(outputs, integers=False)
+    if not outs:
+        return None
+    ins = _tensors(inputs, integers=True)
+    one = tf.ones([1])
+    in_range = _range(ins, magnitude=False) if ins else tf.zeros([2])
+    return tf.concat([one, _range(outs, magnitude=True), in_range, one if ins else tf.zeros([1])], axis=0)
+
+
+def row_kinds(rows: tf.Tensor, first: int, last: int) -> tf.Tensor:
+    """Kind bits (int64, 1 NaN, 2 inf, 3 both) of columns `first:last` of each row."""
+    values = rows[:, first:last]
+    return _kind_bits(tf.reduce_any(tf.math.is_nan(values), axis=1), tf.reduce_any(tf.math.is_inf(values), axis=1))
+
+
+@dataclasses.dataclass
+class StepTrace:
+    """What one train step saw, collected in Python while the step runs or traces.
+
+    Attributes:
+        graph: The graph the step builds in (the global graph when eager); layer
+            calls made in any other graph (a `tf.while_loop` body, Keras's symbolic
+            shape inference) are not recorded, their tensors could not leave it.
+        owner: The `NumericsHandle` recording the step; hooks of other handles
+            ignore it.
+        entries: List of `(path, class name, compute dtype, row)`, in call order.
+        gradients: List of `(grads, variables, scale, counts)`: gradients given to the
+            optimizer, the loss scale read before the update (scalar float32) and a
+            scalar bool, True when a non-finite gradient is a real failure rather than
+            an overflow the loss scale will back off from.
+    """
+
+    graph: Any
+    owner: Any = None
+    entries: list = dataclasses.field(default_factory=list)
+    gradients: list = dataclasses.field(default_factory=list)
+
+
+def _last_true(flags: tf.Tensor) -> tf.Tensor:
+    """Index (int64) of the last True in a 1-D bool tensor (0 when none)."""
+    count = tf.shape(flags, out_type=tf.int64)[0]
+    return count - 1 - tf.argmax(tf.cast(tf.reverse(flags, [0]), tf.int32), output_type=tf.int64)
+
+
+def _kind_bits(nan: tf.Tensor, inf: tf.Tensor) -> tf.Tensor:
+    """1 for NaN, 2 for inf, 3 for both (int64)."""
+    return tf.cast(nan, tf.int64) + 2 * tf.cast(inf, tf.int64)
+
+
+class FailureRecorder:
+    """Variables holding the first failure and the rows evaluated before it.
+
+    Variables (created eagerly, not tracked by the model, so checkpoints and saved
+    models are unchanged): `step` (scalar int64, train steps since the hooks went
+    in), `state` (int64 `[5]`: kind bits, step, phase code, index, number of
+    non-finite gradients; kind 0 means no failure), `window` (float32
+    `[trace_length, 6]`: the rows up to and including the failing one, oldest first,
+    reaching back into the previous step when the failing layer comes early),
+    `tail` (the last `trace_length` rows of the previous step) and `scale` (float32,
+    the loss scale at the failing step).
+
+    Args:
+        trace_length: Int >= 1. Rows kept before a failure.
+    """
+
+    def __init__(self, trace_length: int) -> None:
+        self.trace_length = trace_length
+        width = len(COLUMNS)
+        with tf.init_scope():
+            self.step = tf.Variable(tf.constant(0, tf.int64), trainable=False, name="tfmp_numerics_step")
+            self.state = tf.Variable(tf.zeros([5], tf.int64), trainable=False, name="tfmp_numerics_state")
+            self.window = tf.Variable(tf.zeros([trace_length, width]), trainable=False, name="tfmp_numerics_window")
+            self.tail = tf.Variable(tf.zeros([trace_length, width]), trainable=False, name="tfmp_numerics_tail")
+            self.scale = tf.Variable(1.0, trainable=False, name="tfmp_numerics_scale")
+        #: `(path, class name, compute dtype)` of each row, from the latest trace.
+        self.names: list[tuple[str, str, str]] = []
+        #: Variables given to the optimizer, from the latest trace of the step.
+        self.variables: list[Any] = []
+
+    def finish(self, trace: StepTrace) -> tf.Tensor:
+        """Adds the ops that record `trace`'s first failure; call at the end of the step.
+
+        A healthy step pays for the detection only (a finiteness test of the stacked
+        rows and of one max |gradient| per variable) and the ring-buffer update; the
+        failure details are computed in a `tf.cond` branch that runs on a failure.
+
+        Returns:
+            Scalar int64 tensor, the recorded kind bits after this step (0: no
+            failure so far). Returned by the step, it lets the host learn the
+            outcome without running a variable read of its own.
+        """
+        self.names = [entry[:3] for entry in trace.entries]
+        count = len(trace.entries)
+        rows = tf.stack([entry[3] for entry in trace.entries]) if count else tf.zeros([0, len(COLUMNS)])
+        history = tf.concat([self.tail, rows], axis=0)
+        bad_rows = tf.logical_not(tf.reduce_all(tf.math.is_finite(rows[:, ABS_MIN : IN_MAX + 1]), axis=1))
+        maxima, counted, scale = self._gradient_maxima(trace)
+        bad_grads = tf.logical_and(tf.logical_not(tf.math.is_finite(maxima)), counted)
+        failing = tf.logical_and(
+            tf.equal(self.state[KIND], 0), tf.logical_or(tf.reduce_any(bad_rows), tf.reduce_any(bad_grads))
+        )
+
+        def record() -> None:
+            any_fwd = tf.reduce_any(bad_rows)
+            zero = tf.constant(0, tf.int64)
+            first = tf.argmax(tf.cast(bad_rows, tf.int32), output_type=tf.int64) if count else zero
+            out_kind = row_kinds(rows, ABS_MIN, ABS_MAX + 1)
+            fwd_kinds = tf.where(out_kind > 0, out_kind, row_kinds(rows, IN_MIN, IN_MAX + 1))
+            grad_kinds = _kind_bits(tf.math.is_nan(maxima), tf.math.is_inf(maxima))
+            last = _last_true(bad_grads) if self.variables else zero
+            pick = lambda kinds, index: tf.gather(tf.concat([kinds, [0]], 0), index)  # noqa: E731, empty-safe
+            begin = tf.where(any_fwd, first + 1, count)
+            self.state.assign(
+                tf.stack(
+                    [
+                        tf.where(any_fwd, pick(fwd_kinds, first), pick(grad_kinds, last)),
+                        self.step.read_value(),
+                        tf.where(any_fwd, tf.constant(FORWARD, tf.int64), BACKWARD),
+                        tf.where(any_fwd, first, last),
+                        tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(maxima)), tf.int64)),
+                    ]
+                )
+            )
+            self.window.assign(tf.slice(history, tf.stack([begin, 0]), [self.trace_length, len(COLUMNS)]))
+            self.scale.assign(scale)
+
+        tf.cond(failing, record, lambda: None)
+        self.tail.assign(history[count:])
+        self.step.assign_add(1)
+        return tf.identity(self.state[KIND])
+
+    def _gradient_maxima(self, trace: StepTrace) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        """(max |gradient| per variable, float32 `[V]`; whether each counts, bool `[V]`; loss scale)."""
+        maxima, counted, variables = [], [], []
+        scale = tf.constant(1.0)
+        for step_grads, step_vars, step_scale, counts in trace.gradients:
+            scale = step_scale
+            for grad, variable in zip(step_grads, step_vars):
+                if grad is None:
+                    continue
+                if isinstance(grad, tf.IndexedSlices):
+                    grad = grad.values
+                maxima.append(tf.cast(tf.reduce_max(tf.abs(tf.stop_gradient(grad))), tf.float32))
+                counted.append(counts)
+                variables.append(variable)
+        self.variables = variables
+        if not maxima:
+            return tf.zeros([0]), tf.zeros([0], tf.bool), scale
+        return tf.stack(maxima), tf.stack(counted), scale
+
+    def failed(self) -> bool:
+        """Bool. Whether a failure is recorded (one scalar read; the per-step fast path)."""
+        return bool(self.state.numpy()[KIND])
+
+    def read_state(self) -> list[int]:
+        """The int64 `state` as Python ints (host read, between steps)."""
+        return [int(v) for v in self.state.numpy()]
+
+    def rearm(self) -> None:
+        """Clears the recorded failure so the next one is recorded (warn/log actions)."""
+        self.state.assign(tf.zeros([5], tf.int64))

@@ -1,18 +1,17 @@
-"""Memory per configuration: tensor-size counts, and peak device memory where TF has it.
+"""Memory per configuration: tfmp's tensor-size estimate, and peak device memory where TF has it.
 
-Byte counts come from the built objects (``tfmp.estimate_memory`` lives on another
-branch; this is the suite's own small count, independent of it):
+Byte counts come from `tfmp.estimate_memory` on the built, compiled and warmed-up
+model, with ``policy=None`` so that every layer output is counted at the dtype it
+really has (float32 where tfmp forced a layer, 16 bits elsewhere under a mixed
+policy):
 
 * ``parameter_bytes``: every model variable at its own dtype (float32 master
-  weights under mixed policies, so the same as under float32).
+  weights under mixed policies, so the same as under float32); exact.
+* ``gradient_bytes``: one gradient per trainable variable; exact.
 * ``optimizer_bytes``: every optimizer variable (Adam's two slots per weight,
-  its scalars, and `tfmp.LossScaleOptimizer`'s scale and counters).
-* ``activation_bytes``: one output tensor per layer or op of the functional graph,
-  at the dtype it really has (16-bit under a mixed policy, float32 where a layer
-  computes in float32), for one batch. Tensors inside a layer's `call` (e.g.
-  attention scores inside `MultiHeadAttention`), gradients and workspaces are not
-  counted: read it as the activations backpropagation keeps between layers, a
-  lower bound of the true footprint.
+  its scalars, and `tfmp.LossScaleOptimizer`'s scale and counters); exact.
+* ``activation_bytes``: one output per layer for one batch; an estimate, a lower
+  bound of what backpropagation keeps (see `tfmp.estimate_memory`).
 * ``peak_device_bytes``: growth of TensorFlow's peak allocation on the first GPU
   while the configuration was built and warmed up
   (``tf.config.experimental.get_memory_info``); None on a machine without GPU,
@@ -21,60 +20,29 @@ branch; this is the suite's own small count, independent of it):
 
 from __future__ import annotations
 
-import math
-from typing import Iterable, Optional
+from typing import Optional
 
 import keras
 import tensorflow as tf
 
+import tfmp
 
-def _bytes(shape: Iterable[Optional[int]], dtype: str) -> int:
-    size = math.prod(int(d) for d in shape)
-    return size * tf.as_dtype(keras.backend.standardize_dtype(dtype)).size
-
-
-def variables_bytes(variables: Iterable) -> int:
-    """Int. Bytes of `variables` at their dtypes, each variable counted once."""
-    unique = {id(v): v for v in variables}
-    return sum(_bytes(v.shape, v.dtype) for v in unique.values())
-
-
-def activation_bytes(model: keras.Model, batch_size: int) -> int:
-    """Bytes of the outputs of every layer and op of a functional `model`.
-
-    Args:
-        model: Functional `keras.Model` (its operations have symbolic outputs).
-        batch_size: Int. Samples per batch; replaces the batch dimension.
-
-    Returns:
-        Int, bytes at each output's own dtype. Input layers are not counted.
-    """
-    total = 0
-    for operation in model.operations:
-        if isinstance(operation, keras.layers.InputLayer):
-            continue
-        for tensor in keras.tree.flatten(operation.output):
-            shape = [batch_size] + list(tensor.shape[1:])
-            total += _bytes(shape, tensor.dtype)
-    return total
+FIELDS = ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "activation_bytes")
 
 
 def model_memory(model: keras.Model, batch_size: int) -> dict:
-    """Byte counts of a built, compiled model (see the module docstring).
+    """Byte counts of a built, compiled model, from `tfmp.estimate_memory`.
 
     Args:
-        model: Functional `keras.Model` whose optimizer is built (after a step).
+        model: Built functional `keras.Model`, compiled, its optimizer built
+            (after a training step).
         batch_size: Int. Samples per batch for the activations.
 
     Returns:
-        Dict with ints ``parameter_bytes``, ``optimizer_bytes``,
-        ``activation_bytes``.
+        Dict with the ints of `FIELDS`.
     """
-    return {
-        "parameter_bytes": variables_bytes(model.variables),
-        "optimizer_bytes": variables_bytes(model.optimizer.variables),
-        "activation_bytes": activation_bytes(model, batch_size),
-    }
+    estimate = tfmp.estimate_memory(model, batch_size=batch_size)
+    return {field: getattr(estimate, field) for field in FIELDS}
 
 
 class PeakDeviceMemory:

@@ -152,12 +152,13 @@ def markdown(results: dict) -> str:
             peak = m["peak_device_bytes"]
             rows.append([
                 name, config, c["policy"],
-                f"{m['parameter_bytes'] / MIB:.2f}", f"{m['optimizer_bytes'] / MIB:.2f}",
+                f"{m['parameter_bytes'] / MIB:.2f}", f"{m['gradient_bytes'] / MIB:.2f}",
+                f"{m['optimizer_bytes'] / MIB:.2f}",
                 f"{m['activation_bytes'] / MIB:.2f}",
                 "n/a on CPU" if peak is None else f"{peak / MIB:.1f}",
             ])
     lines += _table(
-        ["model", "config", "policy", "parameters MiB", "optimizer MiB",
+        ["model", "config", "policy", "parameters MiB", "gradients MiB", "optimizer MiB",
          "activations MiB", "peak device MiB"],
         rows,
     )

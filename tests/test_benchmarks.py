@@ -96,6 +96,7 @@ def test_memory_counts_follow_the_policies(quick):
         mem = {k: c["memory"] for k, c in model["configs"].items()}
         # Mixed policies keep float32 master weights: same parameter bytes.
         assert len({m["parameter_bytes"] for m in mem.values()}) == 1, name
+        assert len({m["gradient_bytes"] for m in mem.values()}) == 1, name
         assert all(m["activation_bytes"] > 0 for m in mem.values())
         # tfmp's LossScaleOptimizer adds its scale and counters to Adam's slots.
         assert mem["tfmp"]["optimizer_bytes"] > mem["keras_mixed"]["optimizer_bytes"]
@@ -158,14 +159,16 @@ def test_calibrated_steps_stay_in_bounds():
     assert harness.calibrate_steps(1e-6, 3.0, 10, 2000) == 2000
 
 
-@pytest.mark.parametrize("policy, itemsize", [("float32", 4), ("mixed_bfloat16", 2)])
-def test_activation_and_variable_bytes_from_tensor_sizes(policy, itemsize):
-    keras.config.set_dtype_policy(policy)  # the conftest fixture restores it
+def test_memory_fields_come_from_estimate_memory():
+    keras.config.set_dtype_policy("mixed_bfloat16")  # the conftest fixture restores it
     inputs = keras.Input((8,))
     model = keras.Model(inputs, keras.layers.Dense(4)(inputs))
-    # One (batch 2, 4) output; kernel 8x4 + bias 4 stay float32 master weights.
-    assert memory.activation_bytes(model, batch_size=2) == 2 * 4 * itemsize
-    assert memory.variables_bytes(model.variables + model.variables) == (32 + 4) * 4
+    model.compile("sgd", "mse")
+    counted = memory.model_memory(model, batch_size=2)
+    # One (2, 4) bfloat16 output; kernel 8x4 + bias 4 as float32 master weights.
+    assert counted["activation_bytes"] == 2 * 4 * 2
+    assert counted["parameter_bytes"] == counted["gradient_bytes"] == (32 + 4) * 4
+    assert set(counted) == set(memory.FIELDS)
 
 
 def test_unknown_config_is_rejected_in_the_project_template():

@@ -26,10 +26,12 @@ from __future__ import annotations
 from typing import Any, Dict, Optional, Tuple
 
 import keras
+import numpy as np
 import tensorflow as tf
 
-FLOAT16_SMALLEST_SUBNORMAL = 2.0**-24
-FLOAT16_MAX = 65504.0
+#: IEEE 754 binary16 limits, from NumPy: 2**-24 and 65504.
+FLOAT16_SMALLEST_SUBNORMAL = float(np.finfo(np.float16).smallest_subnormal)
+FLOAT16_MAX = float(np.finfo(np.float16).max)
 NAMES = (
     "grad_norm",
     "grad_underflow_fraction",

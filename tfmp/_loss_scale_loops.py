@@ -26,7 +26,9 @@ DEFAULT_MAX_CONSECUTIVE_OVERFLOWS = 32
 #: Consecutive overflows at `min_scale` after which the run counts as stuck: the
 #: scale cannot be lowered any further, so retrying only burns batches.
 MIN_SCALE_PATIENCE = 3
-_LOSS_KIND = {1: "nan", 2: "inf", 3: "nan+inf"}  # bits of `last_loss_status`
+#: Names of non-finite kinds by bits (1 = NaN, 2 = inf), as `last_loss_status` and
+#: the numerics recorder store them.
+NON_FINITE_KINDS = {1: "nan", 2: "inf", 3: "nan+inf"}
 
 
 def check(optimizer: Any) -> None:
@@ -62,7 +64,7 @@ def _diagnose(optimizer: Any, consecutive: int, at_floor: int) -> NonFiniteError
     """Builds the error: a non-finite loss versus gradient overflow."""
     step = int(optimizer.last_overflow_step.numpy())
     scale = optimizer.loss_scale
-    kind = _LOSS_KIND.get(int(optimizer.last_loss_status.numpy()))
+    kind = NON_FINITE_KINDS.get(int(optimizer.last_loss_status.numpy()))
     if consecutive >= optimizer.max_consecutive_overflows:
         rule = (
             f"{consecutive} non-finite steps in a row "

@@ -12,6 +12,8 @@ from typing import Any, Optional
 import numpy as np
 
 from tfmp._errors import NonFiniteError
+from tfmp._grad_stats import FLOAT16_MAX
+from tfmp._loss_scale_loops import NON_FINITE_KINDS
 from tfmp._numerics_record import (
     ABS_MAX,
     ABS_MIN,
@@ -29,14 +31,12 @@ from tfmp._numerics_record import (
     FailureRecorder,
 )
 
-_KINDS = {1: "nan", 2: "inf", 3: "nan+inf"}
-FLOAT16_MAX = 65504.0
 
 
 def _kind(*values: float) -> Optional[str]:
     """"nan", "inf", "nan+inf" or None for finite `values` (a range: NaN/inf propagate)."""
     array = np.asarray(values, dtype=np.float64)
-    return _KINDS.get(int(np.isnan(array).any()) + 2 * int(np.isinf(array).any()))
+    return NON_FINITE_KINDS.get(int(np.isnan(array).any()) + 2 * int(np.isinf(array).any()))
 
 
 def _trace(recorder: FailureRecorder, begin: int, step: int) -> list[dict]:
@@ -124,7 +124,7 @@ def build_error(recorder: FailureRecorder, owners: dict, loss_scaling: bool) -> 
         `tfmp.NonFiniteError` or None.
     """
     state = recorder.read_state()
-    kind = _KINDS.get(state[KIND])
+    kind = NON_FINITE_KINDS.get(state[KIND])
     if kind is None:
         return None
     step, index = state[STEP], state[INDEX]

@@ -32,7 +32,7 @@ import keras
 import tensorflow as tf
 
 import tfmp
-from tfmp._errors import invalid_argument
+from tfmp._src.errors import invalid_argument
 from benchmarks.memory import PeakDeviceMemory, model_memory
 from benchmarks.workloads import Workload
 

@@ -39,7 +39,7 @@ import tensorflow as tf  # noqa: E402
 import tfmp  # noqa: E402
 from benchmarks import harness, report  # noqa: E402
 from benchmarks.workloads import Workload, workloads  # noqa: E402
-from tfmp._hardware import detect_device_facts  # noqa: E402
+from tfmp._src.policy.hardware import detect_device_facts  # noqa: E402
 
 # (repeats, warm-up steps, seconds per timed call, min steps, max steps,
 #  matmul size, matmul products per timed call)

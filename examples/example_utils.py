@@ -25,7 +25,7 @@ import tensorflow as tf  # noqa: E402
 from tensorboard.backend.event_processing import event_accumulator  # noqa: E402
 
 import tfmp  # noqa: E402
-from tfmp._policy import POLICY_CHOICES  # noqa: E402
+from tfmp._src.policy.policy import POLICY_CHOICES  # noqa: E402
 
 
 def positive_int(text: str) -> int:

@@ -54,6 +54,7 @@ from _dist_train import state  # noqa: E402
 from _dist_train import weights  # noqa: E402
 
 import tfmp  # noqa: E402
+from tfmp._src.keras_hooks import train_function  # noqa: E402
 
 
 @functools.cache
@@ -133,7 +134,7 @@ def case_fit(tmp):
         "finite_per_replica": finite_per_replica,
         "initial_weights": initial,
         "batches": record.batches,
-        "stuck_check": getattr(model.train_function, "_tfmp_stuck_check", False),
+        "stuck_check": train_function.has_check(model, "stuck"),
     }
 
 

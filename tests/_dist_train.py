@@ -10,7 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfmp
-from tfmp._loss_scale import STATE_VARIABLES
+from tfmp._src.loss_scale.optimizer import STATE_VARIABLES
 
 #: Options of every tfmp.LossScaleOptimizer in the scripts: with growth every 2 finite
 #: steps, a run finite-overflow-finite-finite gives scales 1024, 512, 512, 1024.

@@ -34,7 +34,7 @@ from _dist_train import build_model  # noqa: E402
 from _dist_train import custom_step  # noqa: E402
 
 import tfmp  # noqa: E402
-from tfmp._distribute import is_chief  # noqa: E402
+from tfmp._src.distribute import is_chief  # noqa: E402
 
 PER_WORKER_BATCH, STEPS = 4, 4
 BAD_WORKER, BAD_STEP = 1, 1

@@ -10,7 +10,7 @@ import keras
 import pytest
 
 import tfmp
-from tfmp._enable import is_enabled
+from tfmp._src.policy.enable import is_enabled
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))

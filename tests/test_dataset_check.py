@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tfmp
-from tfmp._dataset_check import DatasetIssue
+from tfmp._src.numerics.dataset import DatasetIssue
 
 FLOAT16_MAX = 65504.0  # IEEE 754 binary16
 FLOAT16_TINY = 2.0**-24  # its smallest subnormal, about 5.96e-8
@@ -38,7 +38,7 @@ def test_nan_planted_in_one_batch_is_named_by_check_dataset_and_by_fit():
     tfmp.check_numerics(model)
     with pytest.raises(tfmp.NonFiniteError) as info:
         model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
-    assert (info.value.layer, info.value.step, info.value.kind) == ("m/first", 3, "nan")
+    assert (info.value.layer, info.value.step, info.value.kind) == ("first", 3, "nan")
 
 
 def test_float16_range_overflow_and_underflow_and_inf():

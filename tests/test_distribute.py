@@ -21,7 +21,7 @@ from _subproc import results
 from _subproc import started
 
 import tfmp
-from tfmp import _distribute
+from tfmp._src import distribute as _distribute
 
 # Bounds of each wait. On 2 idle cores the three processes take ~15 s of CPU each
 # (TensorFlow's import included); the bounds leave room for a busy machine.
@@ -95,7 +95,7 @@ def test_the_injected_inf_reaches_replica_1_only(mirrored):
 def test_fit_in_scope_trains_with_tfmp_optimizer(mirrored):
     result = case(mirrored, "fit")
     assert (result["optimizer_module"], result["optimizer"]) == (
-        "tfmp._loss_scale",
+        "tfmp._src.loss_scale.optimizer",
         "LossScaleOptimizer",
     )
     final = result["batches"][-1]

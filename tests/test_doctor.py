@@ -13,8 +13,9 @@ import pytest
 import tensorflow as tf
 
 import tfmp
-from tfmp import _doctor, cli
-from tfmp._hardware import DeviceFacts, GpuFacts
+from tfmp import cli
+from tfmp._src.advisors import doctor as _doctor
+from tfmp._src.policy.hardware import DeviceFacts, GpuFacts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T4 = DeviceFacts(gpus=(GpuFacts("Tesla T4", (7, 5)),), cpu_name="Intel Xeon")

@@ -74,7 +74,7 @@ def test_policy_scope_restores_on_exception():
             raise RuntimeError("boom")
     assert keras.config.dtype_policy().name == "float32"
     assert keras.Model.compile is ORIGINAL_COMPILE
-    assert not tfmp._enable.is_enabled()
+    assert not tfmp._src.policy.enable.is_enabled()
 
 
 def test_policy_scope_inside_enable_restores_outer_state():
@@ -82,8 +82,8 @@ def test_policy_scope_inside_enable_restores_outer_state():
     with tfmp.policy_scope("mixed_float16", device_facts=V100):
         assert keras.config.dtype_policy().name == "mixed_float16"
     assert keras.config.dtype_policy().name == "mixed_bfloat16"
-    assert tfmp._enable.current_decision().policy == "mixed_bfloat16"
-    assert tfmp._enable._state.keep_float32 == ("*head*",)
+    assert tfmp._src.policy.enable.current_decision().policy == "mixed_bfloat16"
+    assert tfmp._src.policy.enable._current().keep_float32 == ("*head*",)
 
 
 def test_policy_scope_with_bad_policy_restores():
@@ -192,9 +192,9 @@ def test_bad_debug_option():
     "options, message",
     [
         ({"loss_scale_options": 5}, r"Invalid `loss_scale_options` argument.*Received: loss_scale_options=5"),
-        ({"loss_scale_options": {"initial_scael": 2.0}}, r"did you mean 'initial_scale'"),
+        ({"loss_scale_options": {"initial_scael": 2.0}}, r"Did you mean 'initial_scale'"),
         ({"loss_scale_options": {"min_scale": -1.0}}, r"Invalid `min_scale` argument"),
-        ({"debug": {"acton": "warn"}}, r"Invalid `debug` argument.*did you mean 'action'"),
+        ({"debug": {"acton": "warn"}}, r"Invalid `debug` argument.*Did you mean 'action'"),
         ({"keep_float32": [3]}, r"Invalid `keep_float32` argument.*Received: keep_float32=3"),
         ({"exclude_float32": [keras.layers.Dense(2)]}, r"Invalid `exclude_float32` argument"),
     ],
@@ -203,7 +203,7 @@ def test_bad_options_leave_everything_untouched(options, message):
     keras.config.set_dtype_policy("float32")
     with pytest.raises(ValueError, match=message):
         tfmp.enable("mixed_bfloat16", device_facts=A100, **options)
-    assert not tfmp._enable.is_enabled()
+    assert not tfmp._src.policy.enable.is_enabled()
     assert keras.config.dtype_policy().name == "float32"
     assert keras.Model.compile is ORIGINAL_COMPILE
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import tfmp
-from tfmp import _registry
+from tfmp._src.float32 import registry as _registry
 
 MIXED = ["mixed_float16", "mixed_bfloat16"]
 LOW = ("float16", "bfloat16")
@@ -301,7 +301,8 @@ def test_unrefreshable_spec_warns_but_runtime_is_float32():
 def test_docstring_examples_run():
     import doctest
 
-    from tfmp import _audit, _float32
+    from tfmp._src.float32 import audit as _audit
+    from tfmp._src.float32 import force as _float32
 
     for module in (_float32, _registry, _audit):
         assert doctest.testmod(module).failed == 0, module.__name__

@@ -4,7 +4,7 @@ import pytest
 import tensorflow as tf
 
 import tfmp
-from tfmp import _hardware
+from tfmp._src.policy import hardware as _hardware
 
 
 class _FakeDevice:

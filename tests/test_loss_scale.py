@@ -15,8 +15,8 @@ import pytest
 import tensorflow as tf
 
 import tfmp
-from tfmp import _loss_scale
-from tfmp import _loss_scale_loops as _loops
+from tfmp._src.loss_scale import optimizer as _loss_scale
+from tfmp._src.loss_scale import loops as _loops
 
 INF = float("inf")
 FINITE = [1.0, 6.0, 7.0, 2.0]

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tfmp
-from tfmp import _loss_scale
+from tfmp._src.loss_scale import optimizer as _loss_scale
 
 TOLERANCE = {"float32": 1e-6, "mixed_float16": 1e-3}
 X = np.array([[1.0, 2.0, 0.5], [0.25, -1.0, 2.0]], "float32")

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tfmp
-from tfmp import _memory
+from tfmp._src.advisors import memory as _memory
 
 
 def _model():

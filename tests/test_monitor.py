@@ -8,8 +8,10 @@ non-finite gradients (with a finite loss) and are skipped.
 
 import doctest
 import glob
+import warnings
 
 import keras
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -18,10 +20,11 @@ from _events import steps
 from _events import values
 
 import tfmp
-from tfmp import _distribute
-from tfmp import _monitor
-from tfmp import _monitor_runtime
-from tfmp import _monitor_state
+from tfmp._src import distribute as _distribute
+from tfmp._src.monitor import callback as _monitor
+from tfmp._src.monitor import runtime as _monitor_runtime
+from tfmp._src.monitor.grad_stats import GradientStats
+from tfmp._src.monitor import state as _monitor_state
 
 # float16 has no arithmetic on this CPU; the tests use it for its overflows.
 pytestmark = pytest.mark.filterwarnings("ignore::tfmp.PerformanceWarning")
@@ -119,7 +122,10 @@ def test_per_batch_scalars(tmp_path, policy, scale):
     run = read_run(tmp_path)
     assert steps(run, "batch_loss_scale") == list(range(1, 9))
     assert set(values(run, "batch_loss_scale")) == {scale}
-    assert set(values(run, "batch_overflow_count")) == {0.0}
+    if policy == "float32":  # tfmp leaves a float32 model's optimizer alone
+        assert "batch_overflow_count" not in run
+    else:
+        assert set(values(run, "batch_overflow_count")) == {0.0}
     assert steps(run, "epoch_loss_scale") == [0, 1]
     assert "overflow_scale" not in run
 
@@ -151,6 +157,7 @@ def test_overflow_shows_in_scalars(tmp_path):
 
 
 def test_update_freq_every_n_and_steps_per_execution(tmp_path):
+    keras.config.set_dtype_policy("mixed_bfloat16")  # 16 bits without tfmp's optimizer: warns
     model = tiny_model()
     model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
     x, y = data()
@@ -168,6 +175,17 @@ def test_update_freq_every_n_and_steps_per_execution(tmp_path):
     # A plain optimizer counts nothing, so no overflow scalars are made up.
     assert not {"batch_overflow_count", "batch_skipped_steps", "epoch_overflow_count"} & set(run)
     assert "keeps no overflow counts" in run["monitor_notes"][0][1]
+
+
+def test_float32_model_with_its_own_optimizer_gets_a_note_not_a_warning(tmp_path):
+    model = tiny_model()
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = data()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model.fit(x, y, batch_size=8, verbose=0, callbacks=[tfmp.LossScaleMonitor(tmp_path)])
+    note = read_run(tmp_path)["monitor_notes"][0][1]
+    assert "leaves a float32 model's optimizer alone" in note
 
 
 @pytest.mark.parametrize("bad", ["step", 0, -3, 1.5, True])
@@ -398,8 +416,15 @@ def test_gradient_statistics_exact(tmp_path):
     assert run["grad_overflow_fraction"] == [(2, 0.25), (4, 0.25)]
     assert run["grad_zero_fraction"] == [(2, 0.25), (4, 0.25)]
     assert values(run, "grad_norm") == pytest.approx([16385**0.5] * 2, rel=1e-6)
+    # The hook stays traced in, paused: a second fit reuses the train function.
+    traced = model.train_function
+    stats = GradientStats.of(optimizer, 2, model.distribute_strategy)
+    assert not bool(stats._on.numpy())
+    model.fit(np.ones((4, 1), "float32"), target, batch_size=1, verbose=0)
+    assert model.train_function is traced
+    assert stats.read()[0] == 4  # paused: nothing computed in the plain fit
+    stats.remove()
     assert "apply" not in vars(optimizer)  # the optimizer's own apply is back
-    assert model.train_function is None  # retraced without statistics next time
 
 
 def test_throughput_and_gpu_memory(tmp_path, monkeypatch):

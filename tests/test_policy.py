@@ -7,7 +7,7 @@ import pytest
 
 import tfmp
 from tfmp import DeviceFacts, GpuFacts
-from tfmp._policy import resolve_policy
+from tfmp._src.policy.policy import resolve_policy
 
 P100 = DeviceFacts(gpus=(GpuFacts("Tesla P100-PCIE-16GB", (6, 0)),))
 V100 = DeviceFacts(gpus=(GpuFacts("Tesla V100-SXM2-16GB", (7, 0)),))

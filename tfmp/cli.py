@@ -13,8 +13,8 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from tfmp._doctor import doctor
-from tfmp._hardware import DeviceFacts
+from tfmp._src.advisors.doctor import doctor
+from tfmp._src.policy.hardware import DeviceFacts
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -1,6 +1,6 @@
 """Is loss scaling doing its job? Gradient statistics, every N steps, in the graph.
 
-`GradientStats` wraps the optimizer's `apply` (the call that receives the
+`GradientStats` hooks the optimizer's `apply` (the call that receives the
 gradients of the scaled loss in `fit`) with a `tf.cond` that, every `every` steps,
 reduces the gradients to four numbers kept in variables:
 
@@ -23,15 +23,16 @@ gradients. On other steps the cost is one counter increment and a `tf.cond`.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+import functools
+import weakref
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import keras
-import numpy as np
 import tensorflow as tf
 
-#: IEEE 754 binary16 limits, from NumPy: 2**-24 and 65504.
-FLOAT16_SMALLEST_SUBNORMAL = float(np.finfo(np.float16).smallest_subnormal)
-FLOAT16_MAX = float(np.finfo(np.float16).max)
+from tfmp._src.constants import FLOAT16_MAX, FLOAT16_SMALLEST_SUBNORMAL
+from tfmp._src.keras_hooks import patches
+
 NAMES = (
     "grad_norm",
     "grad_underflow_fraction",
@@ -76,6 +77,11 @@ def _statistics(grads: list, scale: tf.Tensor) -> tf.Tensor:
 class GradientStats:
     """Computes gradient statistics every `every` steps of `optimizer.apply`.
 
+    One instance per optimizer (`GradientStats.of`): its hook on `apply` (through
+    `keras_hooks.patches`) is installed once and traced into the train function;
+    `pause` and `resume` switch it with a variable, so later `fit` calls reuse the
+    traced step. `remove` takes the hook off (the next trace runs without it).
+
     Args:
         optimizer: The model's optimizer. For a `keras.optimizers.
             LossScaleOptimizer` (tfmp's included) the gradients it receives are
@@ -84,15 +90,37 @@ class GradientStats:
         strategy: `tf.distribute.Strategy` the model trains under.
     """
 
+    _instances: "weakref.WeakKeyDictionary[Any, GradientStats]" = weakref.WeakKeyDictionary()
+
     def __init__(
         self, optimizer: keras.optimizers.Optimizer, every: int, strategy: Any
     ) -> None:
-        self.optimizer = optimizer
-        self.every = every
+        self._optimizer = weakref.ref(optimizer)  # the registry is keyed by it
         self._counter = _variable(strategy, 0, tf.int64)
         self._step = _variable(strategy, -1, tf.int64)
+        self._every = _variable(strategy, every, tf.int64)
+        self._on = _variable(strategy, False, tf.bool)
         self._values = _variable(strategy, [0.0] * len(NAMES), tf.float32)
-        self._original_apply = None
+        self._hook: Optional[patches.Hook] = None
+
+    @classmethod
+    def of(cls, optimizer: keras.optimizers.Optimizer, every: int, strategy: Any) -> "GradientStats":
+        """The statistics of `optimizer` (created at the first call), computed every `every` steps."""
+        stats = cls._instances.get(optimizer)
+        if stats is None:
+            stats = cls._instances[optimizer] = cls(optimizer, every, strategy)
+        stats._every.assign(every)
+        return stats
+
+    @property
+    def optimizer(self) -> Any:
+        """The optimizer whose gradients are measured."""
+        return self._optimizer()
+
+    @property
+    def every(self) -> int:
+        """Int. Steps between two computations."""
+        return int(self._every.numpy())
 
     def _scale(self) -> tf.Tensor:
         scale = getattr(self.optimizer, "dynamic_scale", None)
@@ -108,31 +136,44 @@ class GradientStats:
             self._step.assign(step)
             return tf.constant(True)
 
-        tf.cond(tf.equal(step % self.every, 0), compute, lambda: tf.constant(False))
+        due = tf.logical_and(self._on, tf.equal(step % self._every, 0))
+        tf.cond(due, compute, lambda: tf.constant(False))
 
-    def install(self, start_step: int) -> None:
-        """Wraps `optimizer.apply`; the next step is number `start_step + 1`.
+    def resume(self, start_step: int) -> bool:
+        """Switches the statistics on; the next step is number `start_step + 1`.
 
-        The train function must be traced again to see the wrapper (the monitor
-        calls `model.make_train_function(force=True)`).
+        Returns:
+            Bool. True when the hook was installed now, so the train function must
+            be traced again to contain it (the monitor calls
+            `model.make_train_function(force=True)`).
         """
-        if self._original_apply is not None:
-            return
         self._counter.assign(start_step)
         self._step.assign(-1)
-        self._original_apply = original = self.optimizer.apply
+        self._on.assign(True)
+        if self._hook is not None:
+            return False
 
-        def apply(grads: list, trainable_variables: Optional[list] = None) -> Any:
-            self._record(grads)
-            return original(grads, trainable_variables)
+        def wrap(apply: Callable) -> Callable:
+            @functools.wraps(apply)
+            def apply_with_statistics(grads: list, trainable_variables: Optional[list] = None) -> Any:
+                self._record(grads)
+                return apply(grads, trainable_variables)
 
-        self.optimizer.apply = apply
+            return apply_with_statistics
 
-    def uninstall(self) -> None:
-        """Puts the optimizer's own `apply` back."""
-        if self._original_apply is not None:
-            del self.optimizer.apply
-            self._original_apply = None
+        self._hook = patches.install(self.optimizer, "apply", wrap, owner="grad_stats")
+        return True
+
+    def pause(self) -> None:
+        """Stops computing (one variable write); the traced step keeps the hook."""
+        self._on.assign(False)
+
+    def remove(self) -> None:
+        """Takes the hook off `apply`; other hooks on it stay."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._on.assign(False)
 
     def read(self) -> Optional[Tuple[int, Dict[str, float]]]:
         """(step, {name: value}) of the latest computation, or None if none yet."""

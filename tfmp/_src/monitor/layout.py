@@ -6,7 +6,7 @@ charts from a `Layout` proto found in the run's event files under the tag
 cumulative overflow count side by side, one category per logging level (batch,
 epoch), so a halving of the scale lines up with the overflow that caused it; the
 others hold the finer loss-scaling signals and, when enabled, the gradient statistics.
-Each chart matches its tag exactly (the tags are listed in `tfmp._monitor`).
+Each chart matches its tag exactly (the tags are listed in `tfmp._src.monitor.callback`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Hooks of `tfmp.check_numerics`: which layers, their paths, patching, the loss-scale rule.
+"""Which layers `tfmp.check_numerics` hooks, their paths, and the loss-scale rule.
 
-Hooks are instance attributes set over methods (`layer.call`, `model.train_step`,
-`optimizer.apply`, ...): Keras looks these methods up on the instance, so the class
-and every other instance stay untouched, and removing the attribute restores the
-method exactly.
+The hooks themselves go through `tfmp._src.keras_hooks.patches`.
 """
 
 from __future__ import annotations
@@ -13,57 +10,20 @@ from typing import Any, Callable, Sequence, Union
 import keras
 import tensorflow as tf
 
-from tfmp._errors import invalid_argument
+from tfmp._src.errors import invalid_argument
+from tfmp._src.layer_tree import is_wiring, walk
 
 LayerSpec = Union[None, Sequence[Union[str, type, keras.layers.Layer]], Callable[[keras.layers.Layer], bool]]
 
 
-class Patches:
-    """Instance attributes set over methods, undone in reverse order."""
-
-    def __init__(self) -> None:
-        self._saved: list[tuple[Any, str, bool, Any]] = []
-
-    def set(self, obj: Any, name: str, value: Any) -> None:
-        own = vars(obj)
-        self._saved.append((obj, name, name in own, own.get(name)))
-        object.__setattr__(obj, name, value)
-
-    def undo(self) -> None:
-        for obj, name, had, old in reversed(self._saved):
-            if had:
-                object.__setattr__(obj, name, old)
-            elif name in vars(obj):
-                object.__delattr__(obj, name)
-        self._saved.clear()
-
-
-def _wiring_only(layer: keras.layers.Layer) -> bool:
-    """Input layers and Functional/Sequential containers compute nothing themselves."""
-    return isinstance(layer, (keras.layers.InputLayer, keras.Sequential)) or type(layer).__name__ == "Functional"
-
-
-def layer_paths(model: keras.Model) -> dict[int, tuple[keras.layers.Layer, str]]:
-    """`id(layer)` -> (layer, path from the model, e.g. "net/block/dense"), pre-order.
-
-    Built from the model's own nesting: Keras's `layer.path` depends on the name
-    scope a layer was created in, so a layer made outside its model has no prefix.
-    """
-    paths: dict[int, tuple[keras.layers.Layer, str]] = {}
-
-    def visit(parent: keras.layers.Layer, prefix: str) -> None:
-        for child in parent._flatten_layers(include_self=False, recursive=False):
-            if id(child) not in paths:
-                paths[id(child)] = (child, f"{prefix}/{child.name}")
-                visit(child, f"{prefix}/{child.name}")
-
-    visit(model, model.name)
-    return paths
+def layer_paths(model: keras.Model) -> list[tuple[keras.layers.Layer, str]]:
+    """(layer, path) of every layer of `model`, pre-order, paths as `layer_tree` makes them."""
+    return [(entry.layer, entry.path) for entry in walk(model)]
 
 
 def select_layers(model: keras.Model, layers: LayerSpec) -> list[tuple[keras.layers.Layer, str]]:
     """The layers to hook with their paths, validated (see `check_numerics`)."""
-    candidates = [(layer, path) for layer, path in layer_paths(model).values() if not _wiring_only(layer)]
+    candidates = [(layer, path) for layer, path in layer_paths(model) if not is_wiring(layer)]
     if layers is None:
         return candidates
     if callable(layers) and not isinstance(layers, type):

@@ -28,9 +28,9 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 import tensorflow as tf
-from tensorflow.python.ops import control_flow_util
 
-from tfmp._policy import PerformanceWarning
+from tfmp._src.keras_hooks.keras_private import in_xla_context
+from tfmp._src.policy.policy import PerformanceWarning
 
 
 def replicas_in_sync(strategy: Optional[tf.distribute.Strategy] = None) -> int:
@@ -164,9 +164,7 @@ def check_not_xla_replicated() -> None:
     if replicas == 1 or tf.executing_eagerly():
         return
     # The test MirroredStrategy itself uses to choose its merge-call path.
-    if not control_flow_util.GraphOrParentsInXlaContext(
-        tf.compat.v1.get_default_graph()
-    ):
+    if not in_xla_context():
         return
     raise ValueError(
         _xla_refusal(replicas) + " Compile the model with jit_compile=False, or "

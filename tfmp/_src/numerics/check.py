@@ -33,10 +33,12 @@ from typing import Any, Callable, Optional
 import keras
 import tensorflow as tf
 
-from tfmp._errors import NonFiniteError, invalid_argument
-from tfmp._numerics_hooks import LayerSpec, Patches, layer_paths, scale_and_counts, select_layers
-from tfmp._numerics_record import LOSS_ENTRY, FailureRecorder, StepTrace, entry_row
-from tfmp._numerics_report import build_error
+from tfmp._src.errors import NonFiniteError, invalid_argument
+from tfmp._src.keras_hooks import patches, train_function
+from tfmp._src.keras_hooks.keras_private import optimizer_variables
+from tfmp._src.numerics.layers import LayerSpec, layer_paths, scale_and_counts, select_layers
+from tfmp._src.numerics.record import LOSS_ENTRY, FailureRecorder, StepTrace, entry_row
+from tfmp._src.numerics.report import build_error
 
 _ACTIONS = ("raise", "warn", "log")
 _PHASES = ("forward", "backward", "both")
@@ -83,24 +85,30 @@ class NumericsHandle:
         self.recorder = FailureRecorder(trace_length)
         self.failures: list[NonFiniteError] = []
         self.active = True
-        self._patches = Patches()
+        self._hooks: list[patches.Hook] = []
         self._hooked_optimizers: list[Any] = []
         self._reported: set = set()
 
+    def _hook(self, target: Any, name: str, wrap: Callable[[Callable], Callable]) -> None:
+        self._hooks.append(patches.install(target, name, wrap, owner="numerics"))
+
     def _install(self) -> None:
         for layer, path in zip(self.layers, self._paths):
-            self._patches.set(layer, "call", self._wrap_call(layer, path))
-        self._patches.set(self.model, "train_step", self._wrap_train_step(self.model.train_step))
-        self._patches.set(self.model, "make_train_function", self._wrap_make(self.model.make_train_function))
+            self._hook(layer, "call", functools.partial(self._wrap_call, layer, path))
+        self._hook(self.model, "train_step", self._wrap_train_step)
         object.__setattr__(self.model, _ATTR, self)
         self.model.train_function = None  # rebuilt with the hooks by the next fit
+        train_function.add_check(self.model, "numerics", self._check_logs)
 
     def remove(self) -> None:
         """Removes every hook; the next `fit` rebuilds a train function without them."""
         if not self.active:
             return
         self.active = False
-        self._patches.undo()
+        for hook in reversed(self._hooks):
+            hook.remove()
+        self._hooks.clear()
+        train_function.remove_check(self.model, "numerics")
         if vars(self.model).get(_ATTR) is self:
             object.__delattr__(self.model, _ATTR)
         self.model.train_function = None
@@ -111,8 +119,7 @@ class NumericsHandle:
     def __exit__(self, *exc_info: Any) -> None:
         self.remove()
 
-    def _wrap_call(self, layer: keras.layers.Layer, path: str) -> Callable:
-        original = layer.call
+    def _wrap_call(self, layer: keras.layers.Layer, path: str, original: Callable) -> Callable:
         params = list(inspect.signature(original).parameters)
         first = params[0] if params else None
 
@@ -146,62 +153,51 @@ class NumericsHandle:
 
         return train_step
 
-    def _wrap_make(self, original: Callable) -> Callable:
-        @functools.wraps(original)
-        def make_train_function(force: bool = False) -> Any:
-            before = self.model.train_function
-            result = original(force)
-            built = self.model.train_function
-            if built is not None and built is not before:
-                self.model.train_function = self._checked(built)
-            return None if result is None else self.model.train_function
-
-        return make_train_function
-
-    def _checked(self, function: Callable) -> Callable:
-        @functools.wraps(function)
-        def checked_train_function(*args: Any, **kwargs: Any) -> Any:
-            logs = function(*args, **kwargs)
-            flag = logs.pop(_FLAG, None) if isinstance(logs, dict) else None
-            if flag is None or int(flag):
-                self.check()
-            return logs
-
-        return checked_train_function
+    def _check_logs(self, logs: Any) -> Any:
+        """After a step: takes the flag out of the logs and reports a recorded failure."""
+        flag = logs.pop(_FLAG, None) if isinstance(logs, dict) else None
+        if flag is None or int(flag):
+            self.check()
+        return logs
 
     def _hook_optimizer(self) -> None:
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is None or any(optimizer is seen for seen in self._hooked_optimizers):
             return
         self._hooked_optimizers.append(optimizer)
-        scale_loss, apply = optimizer.scale_loss, optimizer.apply
 
-        @functools.wraps(scale_loss)
-        def checked_scale_loss(loss: Any) -> Any:
-            trace = _active_trace(self)
-            row = entry_row(loss) if trace is not None else None
-            if row is not None:
-                trace.entries.append((LOSS_ENTRY, "loss", tf.as_dtype(loss.dtype).name, row))
-            return scale_loss(loss)
+        def wrap_scale_loss(scale_loss: Callable) -> Callable:
+            @functools.wraps(scale_loss)
+            def checked_scale_loss(loss: Any) -> Any:
+                trace = _active_trace(self)
+                row = entry_row(loss) if trace is not None else None
+                if row is not None:
+                    trace.entries.append((LOSS_ENTRY, "loss", tf.as_dtype(loss.dtype).name, row))
+                return scale_loss(loss)
 
-        @functools.wraps(apply)
-        def checked_apply(grads: Any, trainable_variables: Any = None) -> Any:
-            trace = _active_trace(self)
-            if trace is not None and self.phase != "forward":
-                grads = list(grads)
-                if trainable_variables is None:
-                    trainable_variables = optimizer._trainable_variables
-                variables = list(trainable_variables)
-                trace.gradients.append((grads, variables, *scale_and_counts(optimizer)))
-            return apply(grads, trainable_variables)
+            return checked_scale_loss
 
-        self._patches.set(optimizer, "scale_loss", checked_scale_loss)
-        self._patches.set(optimizer, "apply", checked_apply)
+        def wrap_apply(apply: Callable) -> Callable:
+            @functools.wraps(apply)
+            def checked_apply(grads: Any, trainable_variables: Any = None) -> Any:
+                trace = _active_trace(self)
+                if trace is not None and self.phase != "forward":
+                    grads = list(grads)
+                    if trainable_variables is None:
+                        trainable_variables = optimizer_variables(optimizer)
+                    variables = list(trainable_variables)
+                    trace.gradients.append((grads, variables, *scale_and_counts(optimizer)))
+                return apply(grads, trainable_variables)
+
+            return checked_apply
+
+        self._hook(optimizer, "scale_loss", wrap_scale_loss)
+        self._hook(optimizer, "apply", wrap_apply)
 
     def _owners(self) -> dict:
         """`id(variable)` -> (path, class) of the deepest layer holding it."""
         owners: dict = {}
-        for layer, path in layer_paths(self.model).values():
+        for layer, path in layer_paths(self.model):
             for variable in layer.weights:
                 held = owners.get(id(variable))
                 if held is None or len(path) > len(held[0]):

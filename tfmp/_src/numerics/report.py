@@ -11,10 +11,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from tfmp._errors import NonFiniteError
-from tfmp._grad_stats import FLOAT16_MAX
-from tfmp._loss_scale_loops import NON_FINITE_KINDS
-from tfmp._numerics_record import (
+from tfmp._src.errors import NonFiniteError
+from tfmp._src.constants import FLOAT16_MAX, NON_FINITE_KINDS
+from tfmp._src.numerics.record import (
     ABS_MAX,
     ABS_MIN,
     BAD_GRADS,

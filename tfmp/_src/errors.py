@@ -67,9 +67,7 @@ def invalid_argument(
         ValueError, to be raised by the caller.
     """
     if not fix and isinstance(received, str):
-        close = difflib.get_close_matches(received, list(choices), n=1, cutoff=0.5)
-        if close:
-            fix = f"Did you mean {close[0]!r}?"
+        fix = did_you_mean(received, choices)
     message = (
         f"Invalid `{name}` argument. Expected {expected}. "
         f"Received: {name}={received!r} (of type {type(received).__name__})."
@@ -77,3 +75,29 @@ def invalid_argument(
     if fix:
         message += f" {fix}"
     return ValueError(message)
+
+
+def did_you_mean(received: Any, choices: Iterable[str], cutoff: float = 0.5) -> str:
+    """The project's one suggestion: ``"Did you mean 'x'?"``, or ``""`` when nothing is close.
+
+    Args:
+        received: The value given; compared as a string.
+        choices: Iterable of strings. Valid spellings.
+        cutoff: Float in [0, 1]. `difflib` similarity a choice needs.
+    """
+    close = difflib.get_close_matches(str(received), list(choices), n=1, cutoff=cutoff)
+    return f"Did you mean {close[0]!r}?" if close else ""
+
+
+def unknown_key(name: str, received: dict, key: Any, choices: Iterable[str]) -> ValueError:
+    """The template ValueError for a dict argument holding a key it does not accept.
+
+    Args:
+        name: String. The argument's name, e.g. ``"loss_scale_options"``.
+        received: Dict. The value the caller passed.
+        key: The key that is not accepted.
+        choices: Iterable of strings. The accepted keys.
+    """
+    choices = list(choices)
+    fix = f"Unknown key {key!r}. {did_you_mean(key, choices, cutoff=0.6)}".rstrip()
+    return invalid_argument(name, received, "keys among " + ", ".join(choices), fix=fix)

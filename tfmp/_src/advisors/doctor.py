@@ -8,7 +8,7 @@ on, XLA, the CPU's bfloat16 flags, the current global policy, and the policy "au
 would pick with its reason. Device facts can be injected (`DeviceFacts`), so the
 report can be produced for a GPU this machine does not have.
 
-Per-device support follows the same rules as "auto" (`tfmp._policy`): float16
+Per-device support follows the same rules as "auto" (`tfmp._src.policy.policy`): float16
 Tensor Cores from compute capability 7.0, bfloat16 Tensor Cores and TF32 from 8.0;
 on a CPU, bfloat16 with AVX512_BF16 or AMX-BF16 and float16 never.
 """
@@ -24,8 +24,8 @@ from typing import Any, Dict, List, Optional, TextIO
 import keras
 import tensorflow as tf
 
-from tfmp._hardware import DeviceFacts, GpuFacts, detect_device_facts
-from tfmp._policy import recommend_policy, slower_than_float32
+from tfmp._src.policy.hardware import DeviceFacts, GpuFacts, detect_device_facts
+from tfmp._src.policy.policy import recommend_policy, slower_than_float32
 from tfmp._version import __version__
 
 TROUBLESHOOTING = "docs/troubleshooting.md"
@@ -227,7 +227,7 @@ def doctor(
         `DoctorReport`; ``report.to_dict()`` for programs.
 
     Example:
-        >>> from tfmp._hardware import DeviceFacts, GpuFacts
+        >>> from tfmp._src.policy.hardware import DeviceFacts, GpuFacts
         >>> t4 = DeviceFacts(gpus=(GpuFacts("Tesla T4", (7, 5)),))
         >>> doctor(t4, file=None).data["recommendation"]["policy"]
         'mixed_float16'

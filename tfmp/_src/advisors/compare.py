@@ -21,10 +21,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp._compare_report import CompareReport, RunResult
-from tfmp._enable import policy_scope
-from tfmp._errors import invalid_argument
-from tfmp._policy import FLOAT32, recommend_policy, resolve_policy
+from tfmp._src.advisors.compare_report import CompareReport, RunResult
+from tfmp._src.policy.enable import policy_scope
+from tfmp._src.errors import invalid_argument
+from tfmp._src.policy.policy import FLOAT32, recommend_policy, resolve_policy
 
 Data = Union[Tuple[Any, Any], tf.data.Dataset]
 
@@ -170,7 +170,15 @@ def compare(
     if not tolerance >= 0:
         raise invalid_argument("tolerance", tolerance, "a float >= 0 (percentage points)")
     resolved = [(getattr(p, "name", p), resolve_policy(p).policy) for p in policies]
-    if FLOAT32 not in [policy for _, policy in resolved]:
+    names = [policy for _, policy in resolved]
+    if len(set(names)) < len(names):
+        raise invalid_argument(
+            "policies", policies, "policies that differ on this machine",
+            fix="They resolve to " + ", ".join(f"{label!r} -> {policy!r}" for label, policy in resolved)
+            + ", so the runs would be the same. 'auto' picks 'float32' where 16-bit compute "
+            "is slower; to measure a mixed policy anyway, name it, e.g. "
+            "policies=('float32', 'mixed_bfloat16').")
+    if FLOAT32 not in names:
         raise invalid_argument(
             "policies", policies, "a sequence including 'float32' as the baseline",
             fix=f"Pass e.g. policies=('float32', {policies[0]!r}).")

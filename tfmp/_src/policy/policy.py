@@ -25,8 +25,8 @@ from typing import Optional, Union
 
 import keras
 
-from tfmp._errors import invalid_argument
-from tfmp._hardware import DeviceFacts, detect_device_facts
+from tfmp._src.errors import invalid_argument
+from tfmp._src.policy.hardware import DeviceFacts, detect_device_facts
 
 MIXED_FLOAT16 = "mixed_float16"
 MIXED_BFLOAT16 = "mixed_bfloat16"

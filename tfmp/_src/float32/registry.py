@@ -9,7 +9,7 @@ Built-in rules (why: 16 bits cannot hold the numbers these layers produce):
   their mean/variance sums overflow or lose precision in 16 bits.
 * Layers with a fused ``softmax``/``log_softmax`` activation (e.g.
   ``Dense(10, activation="softmax")``), anywhere in the model.
-* Layers that produce a model output (handled in ``tfmp._float32``), which also
+* Layers that produce a model output (handled in ``tfmp._src.float32.force``), which also
   covers a fused ``sigmoid`` in output position. Keras's own mixed-precision guide
   asks for float32 outputs for the same reason.
 
@@ -31,7 +31,7 @@ from typing import Iterable, List, Optional, Tuple, Type, Union
 
 import keras
 
-from tfmp._errors import invalid_argument
+from tfmp._src.errors import invalid_argument
 
 Target = Union[Type[keras.layers.Layer], str]
 

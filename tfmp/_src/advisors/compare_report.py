@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from tfmp._errors import invalid_argument
-from tfmp._policy import FLOAT32
+from tfmp._src.errors import invalid_argument
+from tfmp._src.policy.policy import FLOAT32
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -34,7 +34,7 @@ from typing import Any, Iterable, List, Optional, Tuple, Union
 import keras
 import tensorflow as tf
 
-from tfmp._errors import invalid_argument
+from tfmp._src.errors import invalid_argument
 
 
 def format_bytes(n: int) -> str:

@@ -15,20 +15,23 @@ from __future__ import annotations
 
 import inspect
 import math
+import weakref
 from typing import Any
 
 import keras
 import tensorflow as tf
 from keras import ops
 
-# Keras's own LossScaleOptimizer.build uses it too: variables stored as attributes
-# must not be tracked a second time by the optimizer's attribute tracker.
-from keras.src.utils.tracking import no_automatic_dependency_tracking
-
-from tfmp import _distribute
-from tfmp import _loss_scale_loops as _loops
-from tfmp._errors import invalid_argument
-from tfmp._loss_scale_loops import DEFAULT_MAX_CONSECUTIVE_OVERFLOWS
+from tfmp._src import distribute as _distribute
+from tfmp._src.loss_scale import loops as _loops
+from tfmp._src.errors import invalid_argument
+from tfmp._src.keras_hooks.keras_private import (
+    LossScaleOptimizerBase,
+    no_automatic_dependency_tracking,
+    optimizer_variables,
+    overwrites_with_gradient,
+)
+from tfmp._src.loss_scale.loops import DEFAULT_MAX_CONSECUTIVE_OVERFLOWS
 
 _ON_STUCK = ("raise", "warn")
 _INT = "int64"
@@ -42,6 +45,19 @@ _COUNTERS = (
 )
 #: Names of the scalar state variables: Keras's two, then tfmp's counters.
 STATE_VARIABLES = ("dynamic_scale", "step_counter") + _COUNTERS
+#: Settings of Keras's base optimizer that live on the inner optimizer: reading or
+#: writing them on the wrapper reaches the inner one (Keras's own wrapper forwards
+#: only `learning_rate`). `loss_scale_factor` is not among them: the wrapper scales.
+FORWARDED_SETTINGS = (
+    "weight_decay",
+    "clipnorm",
+    "clipvalue",
+    "global_clipnorm",
+    "use_ema",
+    "ema_momentum",
+    "ema_overwrite_frequency",
+    "gradient_accumulation_steps",
+)
 #: Length of the overflow history ring buffers (`overflow_history_steps`,
 #: `overflow_history_scales`): how many skipped steps a reader polling between
 #: steps (tfmp.LossScaleMonitor) can itemize; older ones are only counted.
@@ -61,8 +77,34 @@ def _check_positive(name: str, value: Any, *, integer: bool = False) -> None:
         raise invalid_argument(name, value, "a finite number > 0")
 
 
+def _forwarded(name: str) -> property:
+    """A property reading and writing `name` on the inner optimizer.
+
+    Before the inner optimizer exists (Keras's base `__init__`) and while the
+    wrapper builds its own variables (Keras's base `build` reads `use_ema` and
+    `gradient_accumulation_steps` to create EMA and accumulator variables, which
+    belong to the inner optimizer only), the wrapper's own value is used.
+    """
+
+    def read(self: Any) -> Any:
+        inner = vars(self).get("inner_optimizer")
+        if inner is None or vars(self).get("_tfmp_building"):
+            return vars(self).get("_tfmp_own_settings", {}).get(name)
+        return getattr(inner, name)
+
+    def write(self: Any, value: Any) -> None:
+        inner = vars(self).get("inner_optimizer")
+        if inner is None:
+            own = vars(self).setdefault("_tfmp_own_settings", {})
+            own[name] = value
+        else:
+            setattr(inner, name, value)
+
+    return property(read, write, doc=f"The inner optimizer's `{name}` (read and written there).")
+
+
 @keras.saving.register_keras_serializable(package="tfmp")
-class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+class LossScaleOptimizer(LossScaleOptimizerBase):
     """Keras's `LossScaleOptimizer` with counters, bounds and stuck detection.
 
     On a step with finite gradients the gradients are divided by the scale and handed
@@ -111,6 +153,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         name: String or None. The optimizer's name.
         **kwargs: Keras's backwards-compatibility arguments (`dynamic=True` and the
             base optimizer's defaults); anything else raises ValueError.
+
+    Transparent: the inner optimizer's settings (`learning_rate`, `weight_decay`,
+    `clipnorm`, `clipvalue`, `global_clipnorm`, `use_ema`, `ema_momentum`,
+    `ema_overwrite_frequency`, `gradient_accumulation_steps`, and any public
+    attribute of the inner optimizer's class such as Adam's `beta_1`) are read and
+    written through the wrapper, and `exclude_from_weight_decay` reaches it too.
+    Setting `loss_scale_factor` on the wrapper raises: the wrapper does the scaling.
 
     Raises:
         ValueError: In the project's template, for an invalid argument.
@@ -188,13 +237,52 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.max_consecutive_overflows = max_consecutive_overflows
         self.on_stuck = on_stuck
         self.loss_scaling = loss_scaling
-        self._grads_already_unscaled = False
         self._warned_run = None
+        # Gradients returned by get_unscaled_gradients, by id: apply does not
+        # divide these again (tf.keras 2 code unscales before apply_gradients).
+        self._unscaled = weakref.WeakValueDictionary()
+        _loops.track(self)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called when normal lookup fails: public settings of the inner
+        # optimizer's class (e.g. Adam's beta_1) read through the wrapper.
+        inner = vars(self).get("inner_optimizer")
+        if inner is None or name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        inner = vars(self).get("inner_optimizer")
+        if name == "loss_scale_factor" and inner is not None and value is not None:
+            raise invalid_argument(
+                "loss_scale_factor", value, "None on a tfmp.LossScaleOptimizer (it scales the loss itself)",
+                fix="Set `initial_scale` (and min_scale/max_scale) instead, or use the inner optimizer "
+                "without the wrapper for a fixed loss_scale_factor.",
+            )
+        if (
+            inner is not None
+            and not name.startswith("_")
+            and name not in vars(self)
+            and not hasattr(type(self), name)
+            and hasattr(type(inner), name) is False
+            and name in vars(inner)
+        ):
+            setattr(inner, name, value)  # e.g. Adam's beta_1, an attribute of the inner optimizer
+            return
+        super().__setattr__(name, value)
+
+    def exclude_from_weight_decay(self, var_list: Any = None, var_names: Any = None) -> None:
+        """Excludes variables from the inner optimizer's weight decay (Keras's method)."""
+        self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
 
     @no_automatic_dependency_tracking
     def build(self, var_list: list) -> None:
         """Creates Keras's variables, then tfmp's counters (see the class docstring)."""
-        super().build(var_list)
+        object.__setattr__(self, "_tfmp_building", True)
+        try:
+            super().build(var_list)
+        finally:
+            object.__setattr__(self, "_tfmp_building", False)
         for name in _COUNTERS:
             start = keras.initializers.Constant(
                 -1 if name == "last_overflow_step" else 0
@@ -236,7 +324,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
         Keras checks only this replica's gradients and, under `MirroredStrategy`,
         keeps replica 0's answer; here the answer is combined over all replicas in
-        sync (see `tfmp._distribute`), so all of them skip the same steps.
+        sync (see `tfmp._src.distribute`), so all of them skip the same steps.
         """
         return _distribute.all_replicas_finite(super().check_finite(grads))
 
@@ -247,8 +335,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def get_unscaled_gradients(self, grads: list) -> list:
         """Divides `grads` by the scale, as tf.keras 2 did.
 
-        For code moved from tf.keras 2: the next `apply` / `apply_gradients` call then
-        takes its gradients as already unscaled and does not divide them again.
+        For code moved from tf.keras 2. A pure function: nothing about the
+        optimizer changes. `apply` / `apply_gradients` recognise the tensors it
+        returns and do not divide those again; any other gradient is unscaled
+        there exactly once.
 
         Args:
             grads: List of tensors or None. Gradients of the scaled loss.
@@ -256,44 +346,35 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         Returns:
             List of tensors (float32 where given float32), gradients of the true loss.
         """
-        self._grads_already_unscaled = True
         scale = self.dynamic_scale if self.built else self.initial_scale
-        return [
-            None if g is None else ops.divide(g, ops.cast(scale, g.dtype))
-            for g in grads
-        ]
+        unscaled = [None if g is None else ops.divide(g, ops.cast(scale, g.dtype)) for g in grads]
+        for g in unscaled:
+            if g is not None:
+                self._unscaled[id(g)] = g
+        return unscaled
 
     def apply(self, grads: list, trainable_variables: list | None = None) -> None:
         """Skips or applies one step (Keras semantics), then checks for a stuck run.
 
         Raises:
             ValueError: when traced in an XLA-compiled step replicated over several
-                replicas of a `tf.distribute` strategy (see `tfmp._distribute`).
+                replicas of a `tf.distribute` strategy (see `tfmp._src.distribute`).
         """
         _distribute.check_not_xla_replicated()
-        try:
-            super().apply(grads, trainable_variables)
-        finally:
-            self._grads_already_unscaled = False
+        super().apply(grads, trainable_variables)
         if tf.executing_eagerly():
             self.raise_if_stuck()
-        else:
-            _loops.install_fit_check(self)
 
     def _unscale(self, grads: list, trainable_variables: list | None) -> list:
-        if self._grads_already_unscaled:
-            return list(grads)
-        variables = trainable_variables or self._trainable_variables
+        variables = trainable_variables or optimizer_variables(self)
         return [
             g
-            if g is None or self._overwrite_variable_with_gradient(v)
+            if g is None or overwrites_with_gradient(self, v) or self._unscaled.get(id(g)) is g
             else ops.divide(g, self.dynamic_scale)
             for g, v in zip(grads, variables)
         ]
 
-    def _stateful_handle_finite_grads(
-        self, grads: list, trainable_variables: list | None
-    ) -> None:
+    def _finite_step(self, grads: list, trainable_variables: list | None) -> None:
         self.inner_optimizer.apply(
             self._unscale(grads, trainable_variables),
             trainable_variables=trainable_variables,
@@ -318,7 +399,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             ops.equal(self.step_counter, self.dynamic_growth_steps - 1), grow, count
         )
 
-    def _stateful_handle_non_finite_grads(self) -> None:
+    def _non_finite_step(self) -> None:
         slot = ops.reshape(ops.mod(self.overflow_count, OVERFLOW_HISTORY), (1, 1))
         before = tf.identity(self.dynamic_scale)  # read now, before the update
         self.overflow_count.assign_add(1)
@@ -371,6 +452,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
         return config
 
+
+for _setting in FORWARDED_SETTINGS:
+    setattr(LossScaleOptimizer, _setting, _forwarded(_setting))
+del _setting
 
 # Keyword arguments of LossScaleOptimizer that wrap_optimizer passes on.
 #: Keyword options of `wrap_optimizer` (those of `LossScaleOptimizer`).

@@ -7,7 +7,7 @@ table; ``report.rows`` and ``report.warnings`` are data.
 
 Warning kinds (``AuditWarning.kind``):
 
-* ``sensitive_16bit``: a softmax/normalization layer (``tfmp._registry`` rules)
+* ``sensitive_16bit``: a softmax/normalization layer (``tfmp._src.float32.registry`` rules)
   computes in float16/bfloat16.
 * ``output_16bit``: a layer producing a model output computes in 16 bits, or (with
   ``batch=``) a model output is 16-bit at run time.
@@ -36,13 +36,15 @@ from typing import Any, List, Optional, Sequence, Tuple
 import keras
 import tensorflow as tf
 
-from tfmp import _float32
-from tfmp import _registry
-from tfmp._errors import invalid_argument
-from tfmp._hardware import detect_device_facts
+from tfmp._src.float32 import force as _float32
+from tfmp._src.float32 import registry as _registry
+from tfmp._src.constants import LOW_PRECISION
+from tfmp._src.errors import invalid_argument
+from tfmp._src.layer_tree import own_weights, walk
+from tfmp._src.policy.hardware import detect_device_facts
 
 FLOAT32_HEAVY_FRACTION = 0.5
-_LOW = _float32.LOW_PRECISION
+_LOW = LOW_PRECISION
 _FIX = (
     "cast constants and other tensors to `self.compute_dtype` inside `call()` "
     "(e.g. `keras.ops.cast(c, self.compute_dtype)`)"
@@ -131,12 +133,6 @@ def _table(header: Sequence[str], body: Sequence[Sequence[str]]) -> List[str]:
     return [fmt(header), rule] + [fmt(row) for row in body]
 
 
-def _own_weights(layer: keras.layers.Layer) -> list:
-    children = layer._flatten_layers(include_self=False, recursive=True)
-    inner = {id(w) for child in children for w in child.weights}
-    return [w for w in layer.weights if id(w) not in inner]
-
-
 def _dims(layer: keras.layers.Layer) -> List[Tuple[str, Optional[int]]]:
     """Tensor Core relevant sizes of a Dense or Conv layer (others: none)."""
     kernel = getattr(layer, "kernel", None) if layer.built else None
@@ -156,7 +152,7 @@ def _has_tensor_cores() -> bool:
 
 def _expected_policy(model: keras.Model) -> str:
     """The policy the model's layers should have: tfmp's while enabled, else the model's."""
-    from tfmp._enable import current_decision  # tfmp._enable imports this package
+    from tfmp._src.policy.enable import current_decision  # tfmp._src.policy.enable imports this package
 
     decision = current_decision()
     return decision.policy if decision is not None else model.dtype_policy.name
@@ -175,7 +171,7 @@ def _layer_warnings(path, layer, reason, producers, policy, tensor_cores):
             f"'{path}' produces a model output in {compute}; outputs (and the loss) "
             "should be float32. Call tfmp.force_float32(model)."
         )
-    low_vars = sorted({w.dtype for w in _own_weights(layer) if w.dtype in _LOW})
+    low_vars = sorted({w.dtype for w in own_weights(layer) if w.dtype in _LOW})
     if low_vars:
         yield "variables_16bit", (
             f"'{path}' stores its weights in {low_vars[0]}: no float32 master weights, "
@@ -271,9 +267,9 @@ def audit(
     tensor_cores = _has_tensor_cores() if tensor_cores is None else tensor_cores
     producers = {id(layer) for layer in _float32.output_producers(model)[0]}
     rows, found, total, forced_params = [], [], 0, 0
-    for path, layer, _ in _float32.iter_layers(model):
+    for path, layer, _ in walk(model):
         reason = _float32.forced_reason(layer) or ""
-        weights = _own_weights(layer)
+        weights = own_weights(layer)
         params = sum(int(w.numpy().size) for w in weights)
         total += params
         forced_params += params if reason else 0

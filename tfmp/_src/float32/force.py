@@ -1,7 +1,7 @@
 """`tfmp.force_float32`: keep precision-sensitive layers and model outputs in float32.
 
 Under a mixed policy every layer computes in 16 bits unless told otherwise. This
-module sets a float32 ``DTypePolicy`` on the layers chosen by ``tfmp._registry``
+module sets a float32 ``DTypePolicy`` on the layers chosen by ``tfmp._src.float32.registry``
 (softmax, normalization, fused softmax, user targets) and on the layers producing
 the model's outputs, then makes the model's symbolic graph agree with the new
 dtypes. Keras then does the rest: ``Layer.__call__`` casts float inputs to the
@@ -39,14 +39,24 @@ from typing import Dict, List, Optional, Set, Tuple
 
 import keras
 
-from tfmp import _registry
-from tfmp._errors import invalid_argument
+from tfmp._src.float32 import registry as _registry
+from tfmp._src.constants import LOW_PRECISION
+from tfmp._src.keras_hooks import patches
+from tfmp._src.keras_hooks.keras_private import (
+    autocasts_inputs,
+    functional_graph,
+    inbound_node,
+    keras_history,
+    nodes_by_depth,
+    set_symbolic_dtype,
+)
+from tfmp._src.layer_tree import walk
+from tfmp._src.errors import invalid_argument
 
 _FORCED: "weakref.WeakKeyDictionary[keras.layers.Layer, str]" = weakref.WeakKeyDictionary()
-_MARK = "_tfmp_float32"
-LOW_PRECISION = ("float16", "bfloat16")
+#: Layers whose ``build`` is hooked: layer -> [hook, (path, keep, exclude, forced_as)].
+_DEFERRED: "weakref.WeakKeyDictionary[keras.layers.Layer, list]" = weakref.WeakKeyDictionary()
 
-LayerEntry = Tuple[str, keras.layers.Layer, Optional[keras.layers.Layer]]
 
 
 def forced_reason(layer: keras.layers.Layer) -> Optional[str]:
@@ -54,40 +64,6 @@ def forced_reason(layer: keras.layers.Layer) -> Optional[str]:
     return _FORCED.get(layer)
 
 
-def iter_layers(root: keras.layers.Layer, prefix: str = "") -> List[LayerEntry]:
-    """Lists every layer under ``root`` once, parents before children.
-
-    Args:
-        root: Keras layer or model; not listed itself.
-        prefix: String. Path of ``root``; ``""`` for the model being forced.
-
-    Returns:
-        List of ``(path, layer, parent)``; paths join layer names with ``/``
-        relative to the model (``"encoder/dense"``). InputLayers are skipped.
-    """
-    entries: List[LayerEntry] = []
-    seen: Set[int] = set()
-
-    def visit(parent: keras.layers.Layer, path: str) -> None:
-        for child in parent._flatten_layers(include_self=False, recursive=False):
-            if id(child) in seen or isinstance(child, keras.layers.InputLayer):
-                continue
-            seen.add(id(child))
-            child_path = f"{path}/{child.name}" if path else child.name
-            entries.append((child_path, child, parent))
-            visit(child, child_path)
-
-    visit(root, prefix)
-    return entries
-
-
-def _graph(model: keras.layers.Layer):
-    """The Functional graph behind ``model``, or None (subclassed, unbuilt)."""
-    if isinstance(model, keras.Sequential):
-        return getattr(model, "_functional", None)
-    if hasattr(model, "_nodes_by_depth"):
-        return model
-    return None
 
 
 def output_producers(model: keras.Model) -> Tuple[List[keras.layers.Layer], List[keras.Model]]:
@@ -98,7 +74,7 @@ def output_producers(model: keras.Model) -> Tuple[List[keras.layers.Layer], List
         walking back through raw ops and into nested models), and models with no
         graph to walk, whose outputs must be cast instead.
     """
-    graph = _graph(model)
+    graph = functional_graph(model)
     if graph is None:
         if isinstance(model, keras.Sequential) and model.layers:
             last = model.layers[-1]
@@ -111,7 +87,7 @@ def output_producers(model: keras.Model) -> Tuple[List[keras.layers.Layer], List
     stack, seen = list(graph.outputs), set()
     while stack:
         tensor = stack.pop()
-        history = getattr(tensor, "_keras_history", None)
+        history = keras_history(tensor)
         if history is None or id(tensor) in seen:
             continue
         seen.add(id(tensor))
@@ -125,7 +101,7 @@ def output_producers(model: keras.Model) -> Tuple[List[keras.layers.Layer], List
         elif isinstance(op, keras.layers.Layer):
             layers.append(op)
         else:  # A raw op such as keras.ops.add: look at what feeds it.
-            stack.extend(op._inbound_nodes[history.node_index].input_tensors)
+            stack.extend(inbound_node(op, history.node_index).input_tensors)
     return layers, subclassed
 
 
@@ -143,7 +119,7 @@ def _apply_rules(entries, outputs: Set[int], keep, exclude, inherited: Dict[int,
     """Forces every entry some rule selects; returns ids of changed layers.
 
     Args:
-        entries: List of ``(path, layer, parent)`` from :func:`iter_layers`.
+        entries: List of ``(path, layer, parent)`` from :func:`tfmp._src.layer_tree.walk`.
         outputs: Set of ids of output-producing layers.
         keep: Tuple of call-level keep targets.
         exclude: Tuple of call-level exclude targets (they win over everything).
@@ -173,44 +149,50 @@ def _apply_rules(entries, outputs: Set[int], keep, exclude, inherited: Dict[int,
 def _defer(layer, path: str, keep, exclude, forced_as: Optional[str]) -> None:
     """Re-applies the rules to the sublayers ``layer.build()`` will create.
 
-    Wraps the instance's ``build`` once (Keras itself wraps it the same way in
-    ``Layer.__new__``); a later call only updates the options the wrapper uses.
+    Hooks the instance's ``build`` once (through `keras_hooks.patches`); a later
+    call only updates the options. The hook comes off after the first build.
     """
-    options = (path, keep, exclude, forced_as)
-    if getattr(layer.build, _MARK, None) is not None:
-        setattr(layer.build, _MARK, options)
+    pending = _DEFERRED.get(layer)
+    if pending is not None:
+        pending[1] = (path, keep, exclude, forced_as)
         return
-    original = layer.build
+    pending = _DEFERRED[layer] = [None, (path, keep, exclude, forced_as)]
 
-    @functools.wraps(original)
-    def build(*args, **kwargs):
-        original(*args, **kwargs)
-        path, keep, exclude, forced_as = getattr(build, _MARK)
-        inherited = {id(layer): forced_as} if forced_as else {}
-        _apply_rules(iter_layers(layer, path), set(), keep, exclude, inherited)
+    def wrap(original):
+        @functools.wraps(original)
+        def build(*args, **kwargs):
+            result = original(*args, **kwargs)
+            hook, (path, keep, exclude, forced_as) = _DEFERRED.pop(layer, pending)
+            hook.remove()
+            inherited = {id(layer): forced_as} if forced_as else {}
+            _apply_rules(walk(layer, path), set(), keep, exclude, inherited)
+            return result
 
-    setattr(build, _MARK, options)
-    layer.build = build
+        return build
+
+    pending[0] = patches.install(layer, "build", wrap, owner="float32.build")
+
+
+def _to_float32(x):
+    dtype = getattr(x, "dtype", None)
+    if dtype is not None and keras.backend.standardize_dtype(dtype) in LOW_PRECISION:
+        return keras.ops.cast(x, "float32")
+    return x
 
 
 def _cast_outputs(model: keras.Model) -> bool:
-    """Wraps a subclassed model's ``call`` to cast 16-bit float outputs to float32."""
-    original = model.call
-    if getattr(original, _MARK, False):
+    """Hooks a subclassed model's ``call`` to cast 16-bit float outputs to float32."""
+    if any(hook.owner == "float32.outputs" for hook in patches.installed(model, "call")):
         return False
 
-    def to_float32(x):
-        dtype = getattr(x, "dtype", None)
-        if dtype is not None and keras.backend.standardize_dtype(dtype) in LOW_PRECISION:
-            return keras.ops.cast(x, "float32")
-        return x
+    def wrap(original):
+        @functools.wraps(original)
+        def call(*args, **kwargs):
+            return keras.tree.map_structure(_to_float32, original(*args, **kwargs))
 
-    @functools.wraps(original)
-    def call(*args, **kwargs):
-        return keras.tree.map_structure(to_float32, original(*args, **kwargs))
+        return call
 
-    setattr(call, _MARK, True)
-    model.call = call
+    patches.install(model, "call", wrap, owner="float32.outputs")
     _FORCED.setdefault(model, "outputs cast")
     return True
 
@@ -218,7 +200,7 @@ def _cast_outputs(model: keras.Model) -> bool:
 def _spec_inputs(op, node):
     """The node's recorded arguments, float ones cast as ``Layer.__call__`` would."""
     args, kwargs = node.arguments.args, node.arguments.kwargs
-    if not (isinstance(op, keras.layers.Layer) and op._convert_input_args and op.autocast):
+    if not autocasts_inputs(op):
         return args, kwargs
     target = keras.backend.standardize_dtype(op.input_dtype)
 
@@ -236,12 +218,7 @@ def _spec_inputs(op, node):
 
 def _casts_inputs(op) -> bool:
     """True when ``op`` autocasts float inputs, so their dtype cannot change its output."""
-    return (
-        isinstance(op, keras.layers.Layer)
-        and op._convert_input_args
-        and op.autocast
-        and keras.backend.is_float_dtype(op.compute_dtype)
-    )
+    return autocasts_inputs(op) and keras.backend.is_float_dtype(op.compute_dtype)
 
 
 def _refresh_graph(graph, changed_ops: Set[int]) -> bool:
@@ -263,8 +240,9 @@ def _refresh_graph(graph, changed_ops: Set[int]) -> bool:
         True when a dtype of one of the graph's outputs changed.
     """
     changed_tensors: Set[int] = set()
-    for depth in sorted(graph._nodes_by_depth, reverse=True):
-        for node in graph._nodes_by_depth[depth]:
+    nodes = nodes_by_depth(graph)
+    for depth in sorted(nodes, reverse=True):
+        for node in nodes[depth]:
             op = node.operation
             if node.is_input or op is None:
                 continue
@@ -285,7 +263,7 @@ def _refresh_graph(graph, changed_ops: Set[int]) -> bool:
             for tensor, new in zip(node.outputs, keras.tree.flatten(spec)):
                 new_dtype = keras.backend.standardize_dtype(new.dtype)
                 if new_dtype != tensor.dtype:
-                    tensor._dtype = new_dtype
+                    set_symbolic_dtype(tensor, new_dtype)
                     changed_tensors.add(id(tensor))
     return any(id(t) in changed_tensors for t in graph.outputs)
 
@@ -336,17 +314,17 @@ def force_float32(model: keras.Model, *, keep=(), exclude=()) -> keras.Model:
         )
     keep = _registry.targets_from("keep", keep)
     exclude = _registry.targets_from("exclude", exclude)
-    entries = iter_layers(model)
+    entries = walk(model)
     producers, subclassed = output_producers(model)
     changed = _apply_rules(entries, {id(x) for x in producers}, keep, exclude, {})
-    if not model.built and not _graph(model):
+    if not model.built and not functional_graph(model):
         _defer(model, "", keep, exclude, None)
     for sub in subclassed:
         if _cast_outputs(sub):
             changed.add(id(sub))
     models = [layer for _, layer, _ in reversed(entries) if isinstance(layer, keras.Model)]
     for sub in models + [model]:
-        graph = _graph(sub)
+        graph = functional_graph(sub)
         if graph is not None and _refresh_graph(graph, changed):
             changed.add(id(sub))
     return model

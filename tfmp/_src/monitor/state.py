@@ -15,7 +15,8 @@ from typing import Any, List, Optional
 
 import keras
 
-from tfmp._loss_scale import LossScaleOptimizer
+from tfmp._src.keras_hooks.keras_private import loss_tracker
+from tfmp._src.loss_scale.optimizer import LossScaleOptimizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +151,7 @@ def describe(event: OverflowEvent) -> str:
 def samples_this_epoch(model: Any) -> Optional[int]:
     """Samples trained on in the current epoch, from Keras's loss tracker.
 
-    Keras's `train_step` updates `model._loss_tracker` (a `keras.metrics.Mean`)
+    Keras's `train_step` updates the model's loss tracker (a `keras.metrics.Mean`)
     with the batch size as sample weight, so its `count` variable is the number of
     samples seen since `fit` last reset the metrics (each epoch start, and each
     `evaluate`), summed over replicas under a distribution strategy.
@@ -167,7 +168,7 @@ def samples_this_epoch(model: Any) -> Optional[int]:
         Int, or None when the model has no loss tracker. A custom `train_step`
         that does not update the tracker leaves it at 0.
     """
-    tracker = getattr(model, "_loss_tracker", None)
+    tracker = loss_tracker(model)
     count = getattr(tracker, "count", None)
     if count is None:
         return None

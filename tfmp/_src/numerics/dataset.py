@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 import tensorflow as tf
 
-from tfmp._errors import invalid_argument
+from tfmp._src.errors import invalid_argument
 
 _COMPONENTS = ("x", "y", "sample_weight")
 _PROBLEMS = {

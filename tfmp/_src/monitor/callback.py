@@ -1,7 +1,7 @@
 """`tfmp.LossScaleMonitor`: exact, cheap, crash-safe TensorBoard view of loss scaling.
 
 Event files go to ``<log_dir>/train``, the run `keras.callbacks.TensorBoard` uses
-for training, in a file of their own (see `tfmp._event_file`). Tags:
+for training, in a file of their own (see `tfmp._src.monitor.event_file`). Tags:
 
 Per logging window, as ``batch_<name>`` (step = batches trained, skipped ones
 included, see `LossScaleState.step`) and ``epoch_<name>`` (step = epoch index):
@@ -21,9 +21,9 @@ Per event, at the step it happened: ``overflow_scale`` (scalar: the scale that
 overflowed) and ``overflow_events`` (text, "step 117: non-finite gradients, scale
 32768 -> 16384"); with `grad_stats_freq`, ``grad_norm``,
 ``grad_underflow_fraction``, ``grad_overflow_fraction`` and ``grad_zero_fraction``
-(see `tfmp._grad_stats`); ``monitor_notes`` (text: no device memory on CPU,
+(see `tfmp._src.monitor.grad_stats`); ``monitor_notes`` (text: no device memory on CPU,
 overflows too old to itemize, training stopped by an exception). Plus the
-custom-scalars layout (`tfmp._monitor_layout`).
+custom-scalars layout (`tfmp._src.monitor.layout`).
 """
 
 from __future__ import annotations
@@ -36,19 +36,20 @@ from typing import Optional, Union
 
 import keras
 
-from tfmp import _distribute
-from tfmp import _monitor_runtime as runtime
-from tfmp._errors import invalid_argument
-from tfmp._event_file import EventFile
-from tfmp._grad_stats import GradientStats
-from tfmp._loss_scale import OVERFLOW_HISTORY
-from tfmp._monitor_layout import build_layout
-from tfmp._monitor_layout import layout_summary
-from tfmp._monitor_state import describe
-from tfmp._monitor_state import is_tfmp_optimizer
-from tfmp._monitor_state import read_overflow_events
-from tfmp._monitor_state import read_state
-from tfmp._monitor_state import samples_this_epoch
+from tfmp._src import distribute as _distribute
+from tfmp._src.monitor import runtime as runtime
+from tfmp._src.errors import invalid_argument
+from tfmp._src.keras_hooks import train_function
+from tfmp._src.monitor.event_file import EventFile
+from tfmp._src.monitor.grad_stats import GradientStats
+from tfmp._src.loss_scale.optimizer import OVERFLOW_HISTORY
+from tfmp._src.monitor.layout import build_layout
+from tfmp._src.monitor.layout import layout_summary
+from tfmp._src.monitor.state import describe
+from tfmp._src.monitor.state import is_tfmp_optimizer
+from tfmp._src.monitor.state import read_overflow_events
+from tfmp._src.monitor.state import read_state
+from tfmp._src.monitor.state import samples_this_epoch
 
 _LOG = logging.getLogger(__name__)
 #: Window scalars that only an optimizer counting overflows can give.
@@ -111,9 +112,10 @@ class LossScaleMonitor(keras.callbacks.Callback):
             k > 1 they are written at the end of the execution that reaches a
             multiple of N. Epoch scalars are always written.
         grad_stats_freq: Positive int or None (default, off): compute gradient
-            statistics every N steps (`tfmp._grad_stats`); each logging point
-            writes the latest. Enabling it retraces the train function at the
-            start and at the end of `fit`.
+            statistics every N steps (`tfmp._src.monitor.grad_stats`); each logging point
+            writes the latest. The statistics hook is installed on the optimizer
+            once (the first `fit` with it retraces the train function) and paused
+            between `fit` calls, so repeated `fit` calls do not retrace.
 
     Raises:
         ValueError: `log_dir` is not a path, or `update_freq` or `grad_stats_freq`
@@ -187,15 +189,15 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._counts_overflows = is_tfmp_optimizer(model.optimizer)
         if not self._counts_overflows:
             self._warn_no_counters(state.step)
-        stale = self._grad_stats and self._grad_stats.optimizer is not model.optimizer
-        if self.grad_stats_freq and (self._grad_stats is None or stale):
-            self._grad_stats = GradientStats(
+        if self.grad_stats_freq:
+            self._grad_stats = GradientStats.of(
                 model.optimizer, self.grad_stats_freq, model.distribute_strategy
             )
-        if self._grad_stats is not None:
-            self._grad_stats.install(state.step)
-            model.make_train_function(force=True)
-        runtime.watch_train_function(model, self)
+        if self._grad_stats is not None and self._grad_stats.resume(state.step):
+            model.make_train_function(force=True)  # traced once with the statistics
+        # Keras 3 has no callback for an exception in fit: the step wrapper calls
+        # this one when the train function raises (see keras_hooks.train_function).
+        train_function.add_error_handler(model, self, self._on_crash)
 
     def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
         if not self._active:
@@ -214,8 +216,6 @@ class LossScaleMonitor(keras.callbacks.Callback):
         # With steps_per_execution > 1, Keras calls this once per execution, with
         # `batch` the index of its last step.
         previous, self._step = self._step, self._epoch_base + batch + 1
-        if not runtime.is_guarded(self.model):
-            runtime.watch_train_function(self.model, self)
         freq = self.update_freq
         if freq != "epoch" and self._step // freq > previous // freq:
             self._log("batch_")
@@ -325,13 +325,23 @@ class LossScaleMonitor(keras.callbacks.Callback):
             self._events.write(stats[0], stats[1])
 
     def _warn_no_counters(self, step: int) -> None:
-        """Says, in the log and as a warning, that the optimizer counts no overflows."""
+        """Says that the optimizer counts no overflows: a note, and a warning in 16 bits.
+
+        A float32 model keeps its own optimizer under `tfmp.enable()` (tfmp
+        changes nothing under float32 unless asked), so there the note is enough;
+        a model computing in float16/bfloat16 without tfmp's optimizer is likely
+        a mistake, so it also warns.
+        """
         text = (
             f"the optimizer ({type(self.model.optimizer).__name__}) keeps no overflow "
-            "counts, so only loss_scale (1.0 without loss scaling) and lr are "
-            "written. Call tfmp.enable() before compile, or wrap the optimizer in "
-            "tfmp.LossScaleOptimizer, to count skipped steps."
+            "counts, so only loss_scale (1.0 without loss scaling) and lr are written."
         )
+        if self.model.dtype_policy.compute_dtype == "float32":
+            self._note(step, text + " tfmp leaves a float32 model's optimizer alone; pass "
+                       "tfmp.enable(loss_scale_options={...}) or debug=True to count non-finite steps.")
+            return
+        text += (" Call tfmp.enable() before compile, or wrap the optimizer in "
+                 "tfmp.LossScaleOptimizer, to count skipped steps.")
         warnings.warn(f"LossScaleMonitor: {text}", UserWarning, stacklevel=3)
         self._note(step, text)
 
@@ -361,10 +371,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
     def _finish(self) -> None:
         if self._active:
             self._active = False
-            runtime.unwatch(self.model, self)
+            train_function.remove_error_handler(self.model, self)
             if self._grad_stats is not None:
-                self._grad_stats.uninstall()
-                self.model.train_function = None  # retraced without the statistics
+                self._grad_stats.pause()  # stays traced in: the next fit does not retrace
         self.close()
 
     def close(self) -> None:

@@ -3,22 +3,26 @@
 `model.fit`: stuck detection. A run is stuck when it keeps skipping steps: lowering
 the loss scale has not made the gradients finite, or cannot (the scale is at
 `min_scale`, or the loss itself is NaN). The counters live in optimizer variables;
-`check` reads them between steps and `install_fit_check` makes `fit` call it.
+`check` reads them between steps and `track` makes `fit` call it.
 
 Custom loops: `scaled_gradients` (Keras 3 dropped tf.keras 2's `get_scaled_loss`).
 """
 
 from __future__ import annotations
 
-import sys
+import functools
+import threading
 import warnings
+import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import keras
 import tensorflow as tf
 
-from tfmp._errors import NonFiniteError
+from tfmp._src.constants import NON_FINITE_KINDS
+from tfmp._src.errors import NonFiniteError
+from tfmp._src.keras_hooks import model_hooks, patches, train_function
 
 #: Default of `max_consecutive_overflows`: more than the 24 halvings that take the
 #: scale from `max_scale` 2**24 down to 1, so a healthy start never trips it.
@@ -26,9 +30,6 @@ DEFAULT_MAX_CONSECUTIVE_OVERFLOWS = 32
 #: Consecutive overflows at `min_scale` after which the run counts as stuck: the
 #: scale cannot be lowered any further, so retrying only burns batches.
 MIN_SCALE_PATIENCE = 3
-#: Names of non-finite kinds by bits (1 = NaN, 2 = inf), as `last_loss_status` and
-#: the numerics recorder store them.
-NON_FINITE_KINDS = {1: "nan", 2: "inf", 3: "nan+inf"}
 
 
 def check(optimizer: Any) -> None:
@@ -101,47 +102,59 @@ def _diagnose(optimizer: Any, consecutive: int, at_floor: int) -> NonFiniteError
     return NonFiniteError(message, phase=phase, step=step, kind=kind, details=details)
 
 
-@tf.autograph.experimental.do_not_convert  # plain Python run while tracing
-def install_fit_check(optimizer: Any) -> None:
+_live: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_live_count = 0  # tfmp optimizers not yet garbage-collected
+_fit_hook: Optional[patches.Hook] = None
+_lock = threading.RLock()
+
+
+def track(optimizer: Any) -> None:
     """Makes `model.fit` call `optimizer.raise_if_stuck()` after every step.
 
-    Called while the train step is traced. Why a check between steps: `fit` runs the
-    step in a `tf.function`, XLA-compiled by default on GPUs, where
-    `tf.debugging.Assert` is dropped and `tf.py_function` does not compile; an error
-    raised inside the graph would also reach the caller as a `tf.errors.OpError`,
-    not as `NonFiniteError`. The optimizer is not told which model trains it, so
-    among the calling frames we find the model whose `optimizer` is this one
-    (Keras's `train_step` runs with `self` = the model) and wrap its
-    `train_function`, which `fit` and `train_on_batch` call once per step (once per
-    `steps_per_execution` block). `fit` already waits for each step's result, so
-    reading one scalar adds no stall. A custom loop in a `tf.function` has no such
-    model and calls `optimizer.raise_if_stuck()` itself.
+    Called by every `tfmp.LossScaleOptimizer` when it is created. Why a check
+    between steps: `fit` runs the step in a `tf.function`, XLA-compiled by default
+    on GPUs, where `tf.debugging.Assert` is dropped and `tf.py_function` does not
+    compile; an error raised inside the graph would also reach the caller as a
+    `tf.errors.OpError`, not as `NonFiniteError`. While at least one such optimizer
+    exists, a hook on Keras's ``make_train_function`` (see `keras_hooks`) adds the
+    check to each model whose optimizer is one, when its ``fit`` starts; the check
+    reads one scalar per step, and `fit` already waits for each step's result. The
+    hook comes off when the last such optimizer is garbage-collected. A custom loop
+    in a `tf.function` calls `optimizer.raise_if_stuck()` itself.
 
     Args:
         optimizer: `tfmp.LossScaleOptimizer`.
     """
-    frame = sys._getframe(1)
-    while frame is not None:
-        model = frame.f_locals.get("self")
-        if (
-            isinstance(model, keras.Model)
-            and getattr(model, "optimizer", None) is optimizer
-        ):
-            break
-        frame = frame.f_back
-    else:
-        return
-    train_function = getattr(model, "train_function", None)
-    if train_function is None or getattr(train_function, "_tfmp_stuck_check", False):
-        return
+    global _fit_hook, _live_count
+    with _lock:
+        _live.add(optimizer)
+        _live_count += 1
+        weakref.finalize(optimizer, _release)
+        if _fit_hook is None:
+            _fit_hook = model_hooks.install_make_train_function_hook(_attach, owner="loss_scale.fit_check")
 
-    def checked_train_function(*args: Any, **kwargs: Any) -> Any:
-        logs = train_function(*args, **kwargs)
+
+def _release() -> None:
+    global _fit_hook, _live_count
+    with _lock:
+        _live_count -= 1
+        if _live_count == 0 and _fit_hook is not None:
+            _fit_hook.remove()
+            _fit_hook = None
+
+
+def _attach(model: Any) -> None:
+    """Adds the stuck check to `model` when its optimizer is a tfmp one."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer in _live and not train_function.has_check(model, "stuck"):
+        train_function.add_check(model, "stuck", functools.partial(_check_after_step, model))
+
+
+def _check_after_step(model: Any, logs: Any) -> Any:
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer in _live and optimizer.built:
         optimizer.raise_if_stuck()
-        return logs
-
-    checked_train_function._tfmp_stuck_check = True
-    model.train_function = checked_train_function
+    return logs
 
 
 def scaled_gradients(

@@ -1,0 +1,251 @@
+"""The one owner of hooks into Keras (tfmp/_src/keras_hooks): private names, patches, the step wrapper."""
+
+import ast
+import pathlib
+
+import keras
+import numpy as np
+import pytest
+
+import tfmp
+from tfmp._src.keras_hooks import keras_private, model_hooks, patches, train_function
+from tfmp._src.monitor.grad_stats import GradientStats
+
+TFMP = pathlib.Path(tfmp.__file__).parent
+
+
+# -- every private Keras name lives in keras_private ---------------------------
+
+
+@pytest.mark.parametrize("owner, name", keras_private.REQUIRED_ATTRIBUTES, ids=lambda x: getattr(x, "__name__", x))
+def test_private_keras_attribute_exists(owner, name):
+    assert hasattr(owner, name), (
+        f"Keras {keras.__version__} has no {owner.__name__}.{name}: update "
+        "tfmp/_src/keras_hooks/keras_private.py (checked on Keras "
+        f"{keras_private.CHECKED_ON[0]})."
+    )
+
+
+def test_private_accessors_work_on_this_keras():
+    inputs = keras.Input((3,))
+    dense = keras.layers.Dense(2, name="d")
+    model = keras.Model(inputs, keras.ops.add(dense(inputs), 1.0))
+    model.compile("adam", "mse")
+    model.fit(np.ones((2, 3)), np.ones((2, 2)), verbose=0)
+    assert keras_private.child_layers(model)[-1] is dense
+    assert keras_private.functional_graph(model) is model
+    history = keras_private.keras_history(model.outputs[0])
+    node = keras_private.inbound_node(history.operation, history.node_index)
+    assert keras_private.keras_history(node.input_tensors[0]).operation is dense
+    assert sum(len(nodes) for nodes in keras_private.nodes_by_depth(model).values()) == 3
+    assert keras_private.autocasts_inputs(dense)
+    assert int(keras_private.loss_tracker(model).count.numpy()) == 2
+    assert len(keras_private.optimizer_variables(model.optimizer)) == 2
+    assert not keras_private.overwrites_with_gradient(model.optimizer, dense.kernel)
+    assert keras_private.defining_class(keras.Sequential, "compile").__name__ == "Trainer"
+    assert not keras_private.in_xla_context()
+
+
+def _private_names() -> set:
+    classes = (
+        keras.layers.Layer, keras.Model, keras.Sequential, keras.optimizers.Optimizer,
+        keras.optimizers.LossScaleOptimizer, keras.KerasTensor, keras.Variable,
+        keras.callbacks.Callback, keras.metrics.Mean, keras.DTypePolicy,
+    )
+    names = {n for cls in classes for n in dir(cls) if n.startswith("_") and not n.startswith("__")}
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("adam", "mse")
+    for obj in (model, model.layers[0], model.optimizer, model.outputs[0]):
+        names |= {n for n in vars(obj) if n.startswith("_") and not n.startswith("__")}
+    return names
+
+
+def _private_uses(path: pathlib.Path, names: set) -> set:
+    found = set()
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in names:
+            found.add(node.attr)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
+            found.add(node.value)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            module = getattr(node, "module", None) or ""
+            for alias in node.names:
+                full = f"{module}.{alias.name}" if module else alias.name
+                if full.startswith(("keras.src", "tensorflow.python")) or module.startswith(
+                    ("keras.src", "tensorflow.python")
+                ):
+                    found.add(full)
+    return found
+
+
+def test_no_module_outside_keras_hooks_touches_a_private_keras_name():
+    names = _private_names()
+    # The detector sees what keras_private does (a check that can fail).
+    assert {"_flatten_layers", "_loss_tracker", "keras.src.utils.tracking.no_automatic_dependency_tracking"} <= _private_uses(
+        TFMP / "_src" / "keras_hooks" / "keras_private.py", names
+    )
+    offenders = {}
+    for path in TFMP.rglob("*.py"):
+        if "keras_hooks" in path.parts:
+            continue
+        used = _private_uses(path, names)
+        if used:
+            offenders[str(path.relative_to(TFMP))] = sorted(used)
+    assert offenders == {}
+
+
+# -- patches: composition and exact teardown -----------------------------------
+
+
+class _Thing:
+    def greet(self, text):
+        return f"hello {text}"
+
+
+def _tag(tag):
+    def wrap(call):
+        def tagged(*args, **kwargs):
+            return f"{tag}({call(*args, **kwargs)})"
+
+        return tagged
+
+    return wrap
+
+
+def test_hooks_compose_in_order_and_come_off_one_by_one():
+    thing = _Thing()
+    grad = patches.install(thing, "greet", _tag("grad"), owner="grad_stats")
+    numerics = patches.install(thing, "greet", _tag("num"), owner="numerics")
+    # Installed out of order, composed in ORDER: numerics inside grad_stats.
+    assert thing.greet("x") == "grad(num(hello x))"
+    assert [h.owner for h in patches.installed(thing, "greet")] == ["numerics", "grad_stats"]
+    grad.remove()
+    assert thing.greet("x") == "num(hello x)"  # removing one keeps the other
+    numerics.remove()
+    assert thing.greet("x") == "hello x"
+    assert "greet" not in vars(thing)  # exactly as before: no instance attribute left
+    numerics.remove()  # idempotent
+    assert patches.installed(thing) == []
+
+
+def test_class_hook_restores_the_same_function_and_sits_below_instance_hooks():
+    original = vars(_Thing)["greet"]
+    thing = _Thing()
+    on_instance = patches.install(thing, "greet", _tag("instance"), owner="train_function")
+    on_class = patches.install(_Thing, "greet", _tag("class"), owner="enable.compile")
+    # The instance hook looks the class attribute up at each call.
+    assert thing.greet("x") == "instance(class(hello x))"
+    assert _Thing().greet("y") == "class(hello y)"
+    on_class.remove()
+    assert vars(_Thing)["greet"] is original
+    assert thing.greet("x") == "instance(hello x)"
+    on_instance.remove()
+    assert "greet" not in vars(thing)
+
+
+def test_unknown_owner_and_class_without_the_method_are_refused():
+    with pytest.raises(KeyError, match="Unknown hook owner"):
+        patches.install(_Thing(), "greet", _tag("x"), owner="nobody")
+
+    class Child(_Thing):
+        pass
+
+    with pytest.raises(AttributeError, match="defines it"):
+        patches.install(Child, "greet", _tag("x"), owner="numerics")
+
+
+# -- the per-model step wrapper -------------------------------------------------
+
+
+def _model():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    return model
+
+
+def test_train_function_checks_run_in_order_and_come_off_independently():
+    model = _model()
+    seen = []
+    train_function.add_check(model, "stuck", lambda logs: seen.append("stuck") or logs)
+    train_function.add_check(model, "numerics", lambda logs: seen.append("numerics") or logs)
+    model.fit(np.ones((2, 2)), np.ones((2, 1)), verbose=0)
+    assert seen == ["numerics", "stuck"]
+    traced = model.train_function
+    train_function.remove_check(model, "numerics")
+    seen.clear()
+    model.fit(np.ones((2, 2)), np.ones((2, 1)), verbose=0)
+    assert seen == ["stuck"] and model.train_function is traced  # no retrace
+    train_function.remove_check(model, "stuck")
+    assert model.train_function is traced.tfmp_inner  # Keras's own function is back
+    assert "make_train_function" not in vars(model)
+
+
+def test_error_handlers_see_the_error_then_it_propagates():
+    model = _model()
+    errors = []
+    train_function.add_error_handler(model, "a", errors.append)
+
+    def failing(logs):
+        raise RuntimeError("boom")
+
+    train_function.add_check(model, "stuck", failing)
+    with pytest.raises(RuntimeError, match="boom"):
+        model.fit(np.ones((2, 2)), np.ones((2, 1)), verbose=0)
+    assert [str(e) for e in errors] == ["boom"]
+    train_function.remove_check(model, "stuck")
+    train_function.remove_error_handler(model, "a")
+
+
+def test_monitor_and_check_numerics_leave_each_other_installed(tmp_path):
+    """Issue 13 item 4: the monitor's teardown kept removing check_numerics' hook."""
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, name="d")])
+    model.compile(tfmp.LossScaleOptimizer(keras.optimizers.SGD(0.1)), "mse")
+    handle = tfmp.check_numerics(model, action="raise")
+    monitor = tfmp.LossScaleMonitor(tmp_path, grad_stats_freq=1)
+    x, y = np.ones((4, 2), "float32"), np.ones((4, 1), "float32")
+    model.fit(x, y, verbose=0, callbacks=[monitor])
+    owners = [h.owner for h in patches.installed(model.optimizer, "apply")]
+    assert owners == ["numerics", "grad_stats"]  # the monitor's end left numerics' hook
+    bad = y.copy()
+    bad[1] = np.nan
+    with pytest.raises(tfmp.NonFiniteError) as info:  # backward checks still run
+        model.fit(x, bad, verbose=0, batch_size=1)
+    assert info.value.phase in ("loss", "backward")
+    handle.remove()
+    assert [h.owner for h in patches.installed(model.optimizer, "apply")] == ["grad_stats"]
+    GradientStats.of(model.optimizer, 1, model.distribute_strategy).remove()
+    assert "apply" not in vars(model.optimizer)
+
+
+def test_stuck_check_is_attached_without_enable_and_comes_off_with_the_last_optimizer():
+    import gc
+
+    from tfmp._src.loss_scale import loops
+
+    gc.collect()
+    before = loops._live_count  # tfmp optimizers other tests may still hold
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(tfmp.LossScaleOptimizer(keras.optimizers.SGD(0.1)), "mse")
+    model.fit(np.ones((2, 2)), np.ones((2, 1)), verbose=0)
+    assert train_function.has_check(model, "stuck")
+    trainer = keras_private.defining_class(keras.Model, "make_train_function")
+    assert [h.owner for h in patches.installed(trainer, "make_train_function")] == ["loss_scale.fit_check"]
+    assert loops._live_count == before + 1
+    del model
+    keras.backend.clear_session()
+    gc.collect()
+    assert loops._live_count == before
+    hooked = [h.owner for h in patches.installed(trainer, "make_train_function")]
+    assert hooked == (["loss_scale.fit_check"] if before else [])
+
+
+def test_compile_hook_sits_where_keras_defines_compile():
+    trainer = keras_private.defining_class(keras.Model, "compile")
+    original = vars(trainer)["compile"]
+    with tfmp.policy_scope("float32"):
+        assert [h.owner for h in patches.installed(trainer, "compile")] == ["enable.compile"]
+        assert keras.Sequential.compile is trainer.compile  # compile_from_config compiles
+        assert "compile" not in vars(keras.Model)
+    assert vars(trainer)["compile"] is original
+    assert not model_hooks.compiled_by_tfmp(_model())

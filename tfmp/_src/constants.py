@@ -1,0 +1,23 @@
+"""Numbers and names shared by every part of tfmp, defined once.
+
+Sources: IEEE 754 binary16 limits, read from NumPy's `finfo` (largest finite value
+65504, smallest subnormal 2**-24, about 6e-8); bfloat16 keeps 8 significant bits
+(7 stored), so its relative precision is 2**-8 (Google, "bfloat16: the secret to
+high performance on Cloud TPUs").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: IEEE 754 binary16: the largest finite value (65504).
+FLOAT16_MAX = float(np.finfo(np.float16).max)
+#: IEEE 754 binary16: the smallest positive subnormal value (2**-24).
+FLOAT16_SMALLEST_SUBNORMAL = float(np.finfo(np.float16).smallest_subnormal)
+#: bfloat16's relative precision (unit roundoff is half of it): 2**-8.
+BFLOAT16_EPSILON = 2.0**-8
+#: The 16-bit float compute dtypes of Keras's mixed policies.
+LOW_PRECISION = ("float16", "bfloat16")
+#: Names of non-finite kinds by bits (1 = NaN, 2 = inf), as the loss-scale
+#: optimizer's `last_loss_status` and the numerics recorder store them.
+NON_FINITE_KINDS = {1: "nan", 2: "inf", 3: "nan+inf"}

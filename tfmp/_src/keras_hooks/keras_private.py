@@ -1,0 +1,167 @@
+"""Every private Keras and TensorFlow name tfmp relies on, in one place.
+
+Nothing else in tfmp reads or writes an underscore attribute of a Keras object or
+imports from ``keras.src`` / ``tensorflow.python``: it calls the functions below.
+When Keras changes one of them, `tests/test_keras_hooks.py` fails here, by name.
+Checked on Keras 3.15.1 and TensorFlow 2.21.0 (``CHECKED_ON``), and on the oldest
+pair setup.cfg admits.
+
+| name used | where in Keras / TF | what tfmp does with it |
+|---|---|---|
+| ``Layer._flatten_layers`` | ``keras/src/layers/layer.py`` | `child_layers`: the direct sublayers of a layer, tracked attributes included |
+| ``Sequential._functional`` | ``keras/src/models/sequential.py`` | `functional_graph`: a built Sequential's inner graph |
+| ``Functional._nodes_by_depth`` | ``keras/src/ops/function.py`` | `nodes_by_depth`: the graph's nodes, to refresh symbolic dtypes |
+| ``KerasTensor._keras_history`` | ``keras/src/backend/common/keras_tensor.py`` | `keras_history`: the operation that made a symbolic tensor |
+| ``Operation._inbound_nodes`` | ``keras/src/ops/operation.py`` | `inbound_node`: the node of a raw op, to walk back to output layers |
+| ``KerasTensor._dtype`` | ``keras/src/backend/common/keras_tensor.py`` | `set_symbolic_dtype`: a forced layer's new output dtype in the graph |
+| ``Layer._convert_input_args`` | ``keras/src/layers/layer.py`` | `autocasts_inputs`: whether ``__call__`` casts float inputs |
+| ``Trainer._loss_tracker`` | ``keras/src/trainers/trainer.py`` | `loss_tracker`: samples seen this epoch (the monitor's throughput) |
+| ``Trainer.compile`` identity in ``compile_from_config`` | ``keras/src/trainers/trainer.py`` | the compile hook is set on the class that defines ``compile`` (`defining_class`), so loading still compiles |
+| ``Optimizer._trainable_variables`` | ``keras/src/optimizers/base_optimizer.py`` | `optimizer_variables`: variables ``apply`` defaults to |
+| ``Optimizer._overwrite_variable_with_gradient`` | same | `overwrites_with_gradient`: variables whose "gradient" is a new value, never unscaled |
+| ``LossScaleOptimizer._stateful_handle_finite_grads`` / ``_stateful_handle_non_finite_grads`` | ``keras/src/optimizers/loss_scale_optimizer.py`` | overridden by `LossScaleOptimizerBase` only |
+| ``keras.src.utils.tracking.no_automatic_dependency_tracking`` | ``keras/src/utils/tracking.py`` | `no_automatic_dependency_tracking`: tfmp's optimizer variables stored as attributes |
+| ``control_flow_util.GraphOrParentsInXlaContext`` | ``tensorflow/python/ops/control_flow_util.py`` | `in_xla_context`: refuse XLA steps under several replicas |
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional
+
+import keras
+
+#: The (Keras, TensorFlow) versions these accessors were last checked against.
+CHECKED_ON = ("3.15.1", "2.21.0")
+
+#: (class, attribute) pairs that must exist on the installed Keras's classes; the
+#: test suite checks every one (and runs each accessor below on a real model, for
+#: the instance attributes), so an upgrade that renames one fails in one place.
+REQUIRED_ATTRIBUTES = (
+    (keras.layers.Layer, "_flatten_layers"),
+    (keras.optimizers.Optimizer, "_overwrite_variable_with_gradient"),
+    (keras.optimizers.LossScaleOptimizer, "_stateful_handle_finite_grads"),
+    (keras.optimizers.LossScaleOptimizer, "_stateful_handle_non_finite_grads"),
+)
+
+
+def child_layers(layer: Any) -> List[Any]:
+    """List of `keras.layers.Layer`: the direct sublayers of `layer`, in order.
+
+    Includes sublayers held in attributes, lists and dicts (what Keras tracks),
+    which `layer.layers` (models only) does not list for subclassed layers.
+    """
+    return list(layer._flatten_layers(include_self=False, recursive=False))
+
+
+def functional_graph(model: Any) -> Optional[Any]:
+    """The Functional graph behind `model`, or None (subclassed, unbuilt Sequential).
+
+    A built `keras.Sequential` keeps its graph in a private inner Functional model.
+    """
+    if isinstance(model, keras.Sequential):
+        return getattr(model, "_functional", None)
+    if hasattr(model, "_nodes_by_depth"):
+        return model
+    return None
+
+
+def nodes_by_depth(graph: Any) -> dict:
+    """Dict from depth (int, 0 = outputs) to the list of `Node`s of a Functional graph."""
+    return graph._nodes_by_depth
+
+
+def keras_history(tensor: Any) -> Optional[Any]:
+    """The `KerasHistory` (operation, node_index, tensor_index) of a symbolic tensor, or None."""
+    return getattr(tensor, "_keras_history", None)
+
+
+def inbound_node(operation: Any, node_index: int) -> Any:
+    """The `Node` at `node_index` among the calls of `operation` (a layer or raw op)."""
+    return operation._inbound_nodes[node_index]
+
+
+def set_symbolic_dtype(tensor: Any, dtype: str) -> None:
+    """Writes `dtype` into a `KerasTensor` in place (it has no public setter).
+
+    The graph's tensors are referred to by identity by every downstream node, so a
+    new tensor cannot replace them; Keras's own `compute_output_shape` writes the
+    same slot.
+    """
+    tensor._dtype = dtype
+
+
+def autocasts_inputs(layer: Any) -> bool:
+    """Bool. True when `layer.__call__` casts floating inputs to its compute dtype."""
+    return bool(isinstance(layer, keras.layers.Layer) and layer._convert_input_args and layer.autocast)
+
+
+def loss_tracker(model: Any) -> Optional[Any]:
+    """The `keras.metrics.Mean` a compiled model updates with each batch's loss, or None."""
+    return getattr(model, "_loss_tracker", None)
+
+
+def optimizer_variables(optimizer: Any) -> list:
+    """The trainable variables `optimizer.apply` uses when it is given none."""
+    return list(optimizer._trainable_variables)
+
+
+def overwrites_with_gradient(optimizer: Any, variable: Any) -> bool:
+    """Bool. True when `optimizer` assigns the "gradient" of `variable` as its value.
+
+    Keras uses this for float8 scaling factors (`overwrite_with_gradient`); such a
+    gradient must not be unscaled.
+    """
+    return bool(optimizer._overwrite_variable_with_gradient(variable))
+
+
+def no_automatic_dependency_tracking(function: Callable) -> Callable:
+    """Keras's decorator: attributes set inside `function` are not tracked twice."""
+    from keras.src.utils.tracking import no_automatic_dependency_tracking as decorator
+
+    return decorator(function)
+
+
+def in_xla_context() -> bool:
+    """Bool. True while tracing inside an XLA-compiled function (TensorFlow's own test)."""
+    import tensorflow as tf
+    from tensorflow.python.ops import control_flow_util
+
+    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+
+
+def defining_class(cls: type, name: str) -> type:
+    """The class in `cls.__mro__` whose own namespace defines `name`.
+
+    The compile hook patches `compile` where Keras defines it (the trainer base
+    class), not on `keras.Model`: Keras's `compile_from_config` treats a model whose
+    ``compile`` differs from the trainer's as user-overridden and skips compiling.
+
+    Raises:
+        AttributeError: No class of the MRO defines `name`.
+    """
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            return klass
+    raise AttributeError(f"No class in the MRO of {cls.__name__} defines {name!r}.")
+
+
+class LossScaleOptimizerBase(keras.optimizers.LossScaleOptimizer):
+    """Keras's `LossScaleOptimizer` with its two private step handlers renamed.
+
+    Keras's TensorFlow path calls `_stateful_handle_finite_grads(grads, variables)`
+    when every gradient is finite and `_stateful_handle_non_finite_grads()`
+    otherwise. Subclasses implement `_finite_step` and `_non_finite_step` instead,
+    so the private names appear only here.
+    """
+
+    def _stateful_handle_finite_grads(self, grads: list, trainable_variables: Optional[list]) -> None:
+        self._finite_step(grads, trainable_variables)
+
+    def _stateful_handle_non_finite_grads(self) -> None:
+        self._non_finite_step()
+
+    def _finite_step(self, grads: list, trainable_variables: Optional[list]) -> None:
+        super()._stateful_handle_finite_grads(grads, trainable_variables)
+
+    def _non_finite_step(self) -> None:
+        super()._stateful_handle_non_finite_grads()

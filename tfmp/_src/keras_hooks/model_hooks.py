@@ -1,0 +1,125 @@
+"""Class-level hooks on every Keras model: compile, loading, making the train function.
+
+- ``compile``: `install_compile_hook` routes every ``Model.compile`` call to tfmp's
+  handler (float32 forcing, optimizer wrapping, numerics), on the class that
+  defines ``compile`` (see `keras_private.defining_class`), so that Keras's
+  ``compile_from_config`` still sees an unchanged ``compile`` and compiles models
+  it loads.
+- ``compile_from_config``: while Keras compiles a model it is loading, tfmp's
+  handler is bypassed: the model comes back exactly as it was saved (optimizer
+  class, iterations, slots, loss scale and counters).
+- ``make_train_function``: `install_make_train_function_hook` calls a handler
+  when ``fit`` starts, e.g. to warn about a model compiled before `tfmp.enable()`
+  or to attach the loss-scale optimizer's stuck check to the model.
+
+The handlers decide per thread whether tfmp is on (Keras keeps its dtype policy
+per thread, and so does tfmp); the hooks themselves are process-wide.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from typing import Any, Callable, List
+
+import keras
+
+from tfmp._src.keras_hooks import patches
+from tfmp._src.keras_hooks.keras_private import defining_class
+
+_local = threading.local()
+#: Models tfmp's compile handler compiled, and models Keras compiled while loading.
+_COMPILED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_RESTORED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+CompileHandler = Callable[[Callable, Any, tuple, dict], Any]
+
+
+def _restoring() -> bool:
+    return getattr(_local, "restoring", 0) > 0
+
+
+def install_compile_hook(handler: CompileHandler) -> List[patches.Hook]:
+    """Routes ``Model.compile`` to ``handler(compile, model, args, kwargs)``.
+
+    Args:
+        handler: Callable. Receives Keras's ``compile`` (unbound), the model and
+            the call's arguments, and must call ``compile`` itself. Not called
+            while Keras compiles a model it is loading.
+
+    Returns:
+        List of `patches.Hook` (compile, compile_from_config); remove each to undo.
+    """
+
+    def wrap_compile(compile: Callable) -> Callable:
+        @functools.wraps(compile)
+        def tfmp_compile(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if _restoring():
+                _RESTORED.add(self)
+                return compile(self, *args, **kwargs)
+            result = handler(compile, self, args, kwargs)
+            _COMPILED.add(self)
+            return result
+
+        return tfmp_compile
+
+    def wrap_from_config(compile_from_config: Callable) -> Callable:
+        @functools.wraps(compile_from_config)
+        def tfmp_compile_from_config(self: Any, config: Any) -> Any:
+            _local.restoring = getattr(_local, "restoring", 0) + 1
+            try:
+                return compile_from_config(self, config)
+            finally:
+                _local.restoring -= 1
+
+        return tfmp_compile_from_config
+
+    return [
+        patches.install(defining_class(keras.Model, "compile"), "compile", wrap_compile, owner="enable.compile"),
+        patches.install(
+            defining_class(keras.Model, "compile_from_config"),
+            "compile_from_config",
+            wrap_from_config,
+            owner="enable.compile",
+        ),
+    ]
+
+
+def install_make_train_function_hook(handler: Callable[[Any], None], *, owner: str) -> patches.Hook:
+    """Calls ``handler(model)`` each time Keras makes a model's train function.
+
+    Keras makes it at every ``fit`` and ``train_on_batch`` call (building it the
+    first time or after a forced retrace, else returning the one it has). The
+    handler runs after Keras, so the model's ``train_function`` exists; it should
+    be cheap and idempotent.
+
+    Args:
+        handler: Callable taking the model.
+        owner: String, the hook's owner (a key of `patches.ORDER`).
+
+    Returns:
+        `patches.Hook`; remove it to undo.
+    """
+
+    def wrap(make: Callable) -> Callable:
+        @functools.wraps(make)
+        def make_train_function(self: Any, force: bool = False) -> Any:
+            result = make(self, force)
+            handler(self)
+            return result
+
+        return make_train_function
+
+    trainer = defining_class(keras.Model, "make_train_function")
+    return patches.install(trainer, "make_train_function", wrap, owner=owner)
+
+
+def compiled_by_tfmp(model: Any) -> bool:
+    """Bool. Whether tfmp's compile handler compiled `model`."""
+    return model in _COMPILED
+
+
+def restored_by_keras(model: Any) -> bool:
+    """Bool. Whether Keras compiled `model` while loading it (tfmp left it as saved)."""
+    return model in _RESTORED

@@ -1,0 +1,181 @@
+"""Method hooks: installed, composed and removed in one place.
+
+Every method tfmp replaces on a Keras class or object (``compile``,
+``compile_from_config``, ``make_train_function``, ``train_step``, ``Layer.call``,
+``Layer.build``, ``Optimizer.apply``, ``Optimizer.scale_loss``) goes through
+`install`. Per method of an object there is one *slot* holding the method as it was
+and a stack of hooks; the attribute is the composition of the stack, innermost
+first in the order of `ORDER`. Removing a hook rebuilds the composition from the
+hooks that remain, so removing one never removes another, and removing the last
+one restores exactly what was there (an instance attribute comes off; a class
+attribute is put back).
+
+A hook is a factory ``wrap(next_call) -> call``: it receives the callable below it
+(for a class target an unbound function taking ``self``, for an instance a bound
+callable) and returns the replacement. Hooks on an instance sit above hooks on its
+class: the innermost callable of an instance slot looks the class attribute up at
+each call.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+from typing import Any, Callable, Dict, List, Optional
+
+#: Position of each hook owner in a stack, innermost first. A method with several
+#: hooks always composes them in this order, whatever order they were installed in.
+ORDER = {
+    "float32.build": 10,  # Layer.build: force sublayers created at build time
+    "float32.outputs": 20,  # Model.call: cast a subclassed model's outputs to float32
+    "numerics": 30,  # Layer.call, train_step, Optimizer.apply / scale_loss
+    "grad_stats": 40,  # Optimizer.apply: gradient statistics for the monitor
+    "enable.compile": 50,  # Trainer.compile / compile_from_config while enabled
+    "loss_scale.fit_check": 55,  # Trainer.make_train_function while tfmp optimizers exist
+    "enable.first_step": 60,  # Trainer.make_train_function while enabled
+    "train_function": 70,  # Model.make_train_function: the per-model step wrapper
+}
+_SLOTS_ATTR = "_tfmp_hook_slots"
+_CLASS_SLOTS: Dict[int, Dict[str, "_Slot"]] = {}
+_LOCK = threading.RLock()
+_ABSENT = object()
+
+
+class Hook:
+    """One installed hook; `remove()` takes it off its method.
+
+    Attributes:
+        owner: String. A key of `ORDER`.
+        target: The class or object whose method is hooked.
+        name: String. The method's name.
+        active: Bool. False once removed.
+    """
+
+    def __init__(self, slot: "_Slot", owner: str, wrap: Callable[[Callable], Callable]) -> None:
+        self._slot, self.owner, self.wrap, self.active = slot, owner, wrap, True
+
+    @property
+    def target(self) -> Any:
+        return self._slot.target
+
+    @property
+    def name(self) -> str:
+        return self._slot.name
+
+    def remove(self) -> None:
+        """Takes this hook off; the others on the same method stay composed. Idempotent."""
+        with _LOCK:
+            if self.active:
+                self.active = False
+                self._slot.remove(self)
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "removed"
+        return f"<tfmp Hook {self.owner} on {type(self.target).__name__}.{self.name}, {state}>"
+
+
+class _Slot:
+    """The hooks of one method of one class or object, and what they replaced."""
+
+    def __init__(self, target: Any, name: str) -> None:
+        self.target, self.name = target, name
+        self.is_class = isinstance(target, type)
+        own = vars(target)
+        self.saved = own[name] if name in own else _ABSENT
+        if self.is_class and self.saved is _ABSENT:
+            raise AttributeError(
+                f"tfmp hooks {name!r} on the class that defines it; "
+                f"{target.__name__} does not."
+            )
+        self.hooks: List[Hook] = []
+        self.installed: Any = None
+
+    def _innermost(self) -> Callable:
+        if self.saved is not _ABSENT:
+            return self.saved if self.is_class else self.saved
+        target, name = self.target, self.name
+        bound = getattr(target, name)
+
+        def call_class_attribute(*args: Any, **kwargs: Any) -> Any:
+            return getattr(type(target), name)(target, *args, **kwargs)
+
+        functools.update_wrapper(call_class_attribute, bound)
+        call_class_attribute.__signature__ = inspect.signature(bound)
+        return call_class_attribute
+
+    def compose(self) -> None:
+        call = self._innermost()
+        for hook in sorted(self.hooks, key=lambda h: ORDER[h.owner]):
+            call = hook.wrap(call)
+        self.installed = call
+        _set(self.target, self.name, call, self.is_class)
+
+    def remove(self, hook: Hook) -> None:
+        self.hooks = [h for h in self.hooks if h is not hook]
+        if self.hooks:
+            self.compose()
+            return
+        if self.saved is _ABSENT:
+            if self.name in vars(self.target):
+                object.__delattr__(self.target, self.name)
+        else:
+            _set(self.target, self.name, self.saved, self.is_class)
+        _slots(self.target).pop(self.name, None)
+
+
+def _set(target: Any, name: str, value: Any, is_class: bool) -> None:
+    if is_class:
+        setattr(target, name, value)
+    else:  # past Keras's attribute tracking, which would track a function
+        object.__setattr__(target, name, value)
+
+
+def _slots(target: Any) -> Dict[str, _Slot]:
+    if isinstance(target, type):
+        return _CLASS_SLOTS.setdefault(id(target), {})
+    slots = vars(target).get(_SLOTS_ATTR)
+    if slots is None:
+        slots = {}
+        object.__setattr__(target, _SLOTS_ATTR, slots)
+    return slots
+
+
+def install(target: Any, name: str, wrap: Callable[[Callable], Callable], *, owner: str) -> Hook:
+    """Hooks method `name` of `target` (a class or an object).
+
+    Args:
+        target: A class (hooks every instance; the class must define `name`
+            itself, see `keras_private.defining_class`) or an object (this one
+            only).
+        name: String. The method's name.
+        wrap: Callable ``wrap(next_call) -> call`` building the replacement from the
+            callable below it in the stack.
+        owner: String, a key of `ORDER`: where the hook sits in the stack.
+
+    Returns:
+        `Hook`; call `.remove()` to take it off.
+
+    Raises:
+        KeyError: `owner` is not a key of `ORDER`.
+        AttributeError: `target` is a class that does not define `name` itself.
+    """
+    if owner not in ORDER:
+        raise KeyError(f"Unknown hook owner {owner!r}; known: {', '.join(ORDER)}.")
+    with _LOCK:
+        slots = _slots(target)
+        slot = slots.get(name)
+        if slot is None:
+            slot = slots[name] = _Slot(target, name)
+        hook = Hook(slot, owner, wrap)
+        slot.hooks.append(hook)
+        slot.compose()
+        return hook
+
+
+def installed(target: Any, name: Optional[str] = None) -> List[Hook]:
+    """The active hooks on `target` (on its method `name`, or on all), innermost first."""
+    with _LOCK:
+        slots = _slots(target) if isinstance(target, type) else vars(target).get(_SLOTS_ATTR, {})
+        chosen = [slots[name]] if name in slots else ([] if name else list(slots.values()))
+        return [h for slot in chosen for h in sorted(slot.hooks, key=lambda h: ORDER[h.owner])]

@@ -1,0 +1,162 @@
+"""One wrapper around each model's `train_function`, shared by every tfmp check.
+
+`model.fit` and `train_on_batch` call ``model.train_function`` once per execution
+(``steps_per_execution`` steps) and wait for its logs. Three parts of tfmp act
+there, on the host, between steps:
+
+1. ``"numerics"``: `tfmp.check_numerics` reads the failure flag its step wrote and
+   raises `tfmp.NonFiniteError` naming the layer;
+2. ``"stuck"``: `tfmp.LossScaleOptimizer.raise_if_stuck` stops a run that keeps
+   skipping steps;
+3. on any exception from the step or from 1-2 (not end of data), ``"monitor"``:
+   each `tfmp.LossScaleMonitor` of the model writes what training did up to it,
+   then the exception propagates unchanged.
+
+Each registers a named check (after every step, in the order of `CHECK_ORDER`) or
+error handler with `add_check` / `add_error_handler`. The model gets one wrapper,
+installed through `patches` on its `make_train_function` (so a train function
+Keras builds later is wrapped too) and taken off when the last check or handler
+goes. Installing or removing checks never retraces the step.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Dict, Optional
+
+import tensorflow as tf
+
+from tfmp._src.keras_hooks import patches
+
+#: Order in which checks run after a step.
+CHECK_ORDER = ("numerics", "stuck")
+#: Errors that end an epoch, not training: Keras's epoch iterator catches them.
+END_OF_DATA = (StopIteration, tf.errors.OutOfRangeError)
+_ATTR = "_tfmp_train_function"
+_LOCK = threading.RLock()
+
+Check = Callable[[Any], Any]
+
+
+class _StepHooks:
+    """The checks and error handlers of one model, and the wrapper that runs them."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.checks: Dict[str, Check] = {}
+        self.handlers: Dict[Any, Callable[[BaseException], None]] = {}
+        self.wrapper: Optional[Callable] = None
+        self.inner: Optional[Callable] = None
+        self.hook = patches.install(model, "make_train_function", self._wrap_make, owner="train_function")
+        self._wrap_current()
+
+    def _wrap_make(self, make: Callable) -> Callable:
+        def make_train_function(force: bool = False) -> Any:
+            result = make(force)
+            self._wrap_current()
+            return None if result is None else self.model.train_function
+
+        return make_train_function
+
+    def _wrap_current(self) -> None:
+        """Wraps the model's train function unless it is already this wrapper."""
+        current = getattr(self.model, "train_function", None)
+        if current is None or current is self.wrapper:
+            return
+        self.inner = inner = current
+
+        def train_function(*args: Any, **kwargs: Any) -> Any:
+            try:
+                logs = inner(*args, **kwargs)
+                for name in CHECK_ORDER:
+                    check = self.checks.get(name)
+                    if check is not None:
+                        logs = check(logs)
+                return logs
+            except END_OF_DATA:
+                raise
+            except BaseException as error:
+                for handler in list(self.handlers.values()):
+                    handler(error)
+                raise
+
+        train_function.tfmp_inner = inner
+        self.wrapper = train_function
+        self.model.train_function = train_function
+
+    def remove_if_unused(self) -> None:
+        if self.checks or self.handlers:
+            return
+        self.hook.remove()
+        if getattr(self.model, "train_function", None) is self.wrapper:
+            self.model.train_function = self.inner
+        if vars(self.model).get(_ATTR) is self:
+            object.__delattr__(self.model, _ATTR)
+
+
+def _hooks(model: Any) -> _StepHooks:
+    hooks = vars(model).get(_ATTR)
+    if hooks is None:
+        hooks = _StepHooks(model)
+        object.__setattr__(model, _ATTR, hooks)
+    else:
+        hooks._wrap_current()
+    return hooks
+
+
+def add_check(model: Any, name: str, check: Check) -> None:
+    """Runs `check(logs) -> logs` after every train step of `model`.
+
+    Args:
+        model: `keras.Model`.
+        name: String, one of `CHECK_ORDER`. A second `add_check` with the same
+            name replaces the first.
+        check: Callable taking the step's logs (dict of tensors) and returning
+            the logs to hand on to Keras; it may raise.
+    """
+    if name not in CHECK_ORDER:
+        raise KeyError(f"Unknown train-step check {name!r}; known: {', '.join(CHECK_ORDER)}.")
+    with _LOCK:
+        _hooks(model).checks[name] = check
+
+
+def remove_check(model: Any, name: str) -> None:
+    """Stops running the check `name` on `model`; the other checks stay."""
+    with _LOCK:
+        hooks = vars(model).get(_ATTR)
+        if hooks is not None and hooks.checks.pop(name, None) is not None:
+            hooks.remove_if_unused()
+
+
+def add_error_handler(model: Any, key: Any, handler: Callable[[BaseException], None]) -> None:
+    """Calls `handler(error)` when a train step of `model` raises (not end of data).
+
+    Args:
+        model: `keras.Model`.
+        key: Hashable identifying the handler (e.g. the monitor); a second handler
+            with the same key replaces the first.
+        handler: Callable; it must not raise (the step's error is re-raised after).
+    """
+    with _LOCK:
+        _hooks(model).handlers[key] = handler
+
+
+def remove_error_handler(model: Any, key: Any) -> None:
+    """Stops calling the error handler registered under `key`."""
+    with _LOCK:
+        hooks = vars(model).get(_ATTR)
+        if hooks is not None and hooks.handlers.pop(key, None) is not None:
+            hooks.remove_if_unused()
+
+
+def has_check(model: Any, name: str) -> bool:
+    """Bool. Whether the check `name` runs after `model`'s train steps."""
+    hooks = vars(model).get(_ATTR)
+    return hooks is not None and name in hooks.checks
+
+
+def wrap_current(model: Any) -> None:
+    """Wraps the train function Keras built since the last call (cheap when none)."""
+    hooks = vars(model).get(_ATTR)
+    if hooks is not None:
+        hooks._wrap_current()

@@ -1,0 +1,65 @@
+"""One walk of a model's layer tree and one layer-path convention for all of tfmp.
+
+A layer's path joins layer names with ``/`` from the model down, without the
+model's own name: ``"encoder/block_1/dense"``. Float32 forcing, the registry's
+patterns (``keep_float32="encoder/*_norm"``), `tfmp.audit` rows,
+`tfmp.check_numerics` (`NonFiniteError.layer`) and memory estimates all use it, so
+a path printed by one can be passed to another.
+
+Keras's own ``layer.path`` is not used: it depends on the name scope a layer was
+created in, so a layer made outside its model has no prefix.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, NamedTuple, Optional
+
+import keras
+
+from tfmp._src.keras_hooks.keras_private import child_layers
+
+
+class LayerEntry(NamedTuple):
+    """One layer of a walk: its `path`, the `layer` and its `parent` (None for none)."""
+
+    path: str
+    layer: Any
+    parent: Optional[Any]
+
+
+def walk(root: Any, prefix: str = "") -> List[LayerEntry]:
+    """Lists every layer under `root` once, parents before children (pre-order).
+
+    Args:
+        root: `keras.layers.Layer` or `keras.Model`; not listed itself.
+        prefix: String. Path of `root`; ``""`` for a model.
+
+    Returns:
+        List of `LayerEntry`. `keras.layers.InputLayer`s are skipped; a layer
+        shared by two parents is listed once, under the first.
+    """
+    entries: List[LayerEntry] = []
+    seen = set()
+
+    def visit(parent: Any, path: str) -> None:
+        for child in child_layers(parent):
+            if id(child) in seen or isinstance(child, keras.layers.InputLayer):
+                continue
+            seen.add(id(child))
+            child_path = f"{path}/{child.name}" if path else child.name
+            entries.append(LayerEntry(child_path, child, parent))
+            visit(child, child_path)
+
+    visit(root, prefix)
+    return entries
+
+
+def own_weights(layer: Any) -> list:
+    """The weights `layer` holds itself, not through a sublayer."""
+    inner = {id(w) for entry in walk(layer) for w in entry.layer.weights}
+    return [w for w in layer.weights if id(w) not in inner]
+
+
+def is_wiring(layer: Any) -> bool:
+    """Bool. Input layers and Functional/Sequential containers compute nothing themselves."""
+    return isinstance(layer, (keras.layers.InputLayer, keras.Sequential)) or type(layer).__name__ == "Functional"

@@ -14,6 +14,8 @@ from tfmp._src.advisors import compare as _compare
 from tfmp._src.policy.policy import recommend_policy, resolve_policy
 
 EPOCHS = 3
+# Named, not "auto": on a CPU without bfloat16 "auto" resolves to float32 too.
+POLICIES = ("float32", "mixed_bfloat16")
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +43,7 @@ def build_digits_model():
 @pytest.fixture(scope="module")
 def report(digits):
     train, val = digits
-    # Named, not "auto": on a CPU without bfloat16 "auto" resolves to float32 too.
-    return tfmp.compare(build_digits_model, train, val, policies=("float32", "mixed_bfloat16"),
-                        epochs=EPOCHS, seed=0)
+    return tfmp.compare(build_digits_model, train, val, policies=POLICIES, epochs=EPOCHS, seed=0)
 
 
 def test_each_policy_really_ran(report):
@@ -125,7 +125,7 @@ def test_policy_is_restored_when_a_run_fails(digits):
         return keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
 
     with pytest.raises(ValueError, match="Expected a callable returning a compiled"):
-        tfmp.compare(not_compiled, digits[0])
+        tfmp.compare(not_compiled, digits[0], policies=POLICIES)
     assert keras.config.dtype_policy().name == "mixed_bfloat16"
 
 
@@ -157,7 +157,7 @@ def test_negative_tolerance_is_rejected_before_training(digits):
 
 def test_bad_data_uses_the_error_template():
     with pytest.raises(ValueError, match="Received: train_data="):
-        tfmp.compare(build_digits_model, np.zeros((4, 64)))
+        tfmp.compare(build_digits_model, np.zeros((4, 64)), policies=POLICIES)
 
 
 def test_failing_run_restores_policy_and_compile(digits):

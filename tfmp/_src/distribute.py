@@ -143,7 +143,7 @@ def turn_off_xla_if_replicated(model: Any) -> bool:
         "the step runs as a tf.function graph. To keep XLA, train on a single "
         "replica.",
         PerformanceWarning,
-        stacklevel=3,
+        stacklevel=4,  # the caller of Model.compile
     )
     model.jit_compile = False
     return True

@@ -148,7 +148,9 @@ def compare(
         curves, ``report.to_dict()`` everything as plain Python values.
 
     Raises:
-        ValueError: unknown policy name, no float32 baseline, bad sizes or data,
+        ValueError: unknown policy name, no float32 baseline, two policies that
+            resolve to the same one on this machine (e.g. "auto" is float32 on a
+            CPU without bfloat16: there is nothing to compare), bad sizes or data,
             or `build_model` not returning a compiled model.
 
     Example:

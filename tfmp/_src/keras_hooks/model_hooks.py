@@ -7,7 +7,13 @@
   it loads.
 - ``compile_from_config``: while Keras compiles a model it is loading, tfmp's
   handler is bypassed: the model comes back exactly as it was saved (optimizer
-  class, iterations, slots, loss scale and counters).
+  class, iterations, slots, loss scale and counters). Where the caller asks for
+  it (`install_compile_hook`'s ``keep_saved``), Keras's own ``auto_scale_loss``
+  is off for that compile too: Keras would otherwise wrap a saved plain
+  optimizer in its ``LossScaleOptimizer`` when the global policy is
+  ``mixed_float16`` (a ``Sequential`` model takes the global policy, not its
+  saved one, when loaded), and then skip loading the saved optimizer variables
+  because their count differs.
 - ``make_train_function``: `install_make_train_function_hook` calls a handler
   when ``fit`` starts, e.g. to warn about a model compiled before `tfmp.enable()`
   or to attach the loss-scale optimizer's stuck check to the model.
@@ -40,13 +46,21 @@ def _restoring() -> bool:
     return getattr(_local, "restoring", 0) > 0
 
 
-def install_compile_hook(handler: CompileHandler) -> List[patches.Hook]:
+def install_compile_hook(
+    handler: CompileHandler, *, keep_saved: Callable[[], bool] = lambda: True
+) -> List[patches.Hook]:
     """Routes ``Model.compile`` to ``handler(compile, model, args, kwargs)``.
 
     Args:
         handler: Callable. Receives Keras's ``compile`` (unbound), the model and
             the call's arguments, and must call ``compile`` itself. Not called
-            while Keras compiles a model it is loading.
+            while Keras compiles a model it is loading. It returns what
+            ``compile`` returned; it calls `mark_compiled_by_tfmp` on models it
+            changed.
+        keep_saved: Callable returning a bool, asked in the loading thread when
+            Keras compiles a model it is loading: True turns Keras's
+            ``auto_scale_loss`` off for that compile, so the saved optimizer is
+            kept as it is (see the module docstring). Default: always.
 
     Returns:
         List of `patches.Hook` (compile, compile_from_config); remove each to undo.
@@ -57,10 +71,12 @@ def install_compile_hook(handler: CompileHandler) -> List[patches.Hook]:
         def tfmp_compile(self: Any, *args: Any, **kwargs: Any) -> Any:
             if _restoring():
                 _RESTORED.add(self)
+                if keep_saved():
+                    kwargs.setdefault("auto_scale_loss", False)
                 return compile(self, *args, **kwargs)
-            result = handler(compile, self, args, kwargs)
-            _COMPILED.add(self)
-            return result
+            _COMPILED.discard(self)
+            _RESTORED.discard(self)
+            return handler(compile, self, args, kwargs)
 
         return tfmp_compile
 
@@ -115,8 +131,17 @@ def install_make_train_function_hook(handler: Callable[[Any], None], *, owner: s
     return patches.install(trainer, "make_train_function", wrap, owner=owner)
 
 
+def mark_compiled_by_tfmp(model: Any) -> None:
+    """Records that tfmp's compile handler compiled `model` (until its next compile)."""
+    _COMPILED.add(model)
+
+
 def compiled_by_tfmp(model: Any) -> bool:
-    """Bool. Whether tfmp's compile handler compiled `model`."""
+    """Bool. Whether tfmp's compile handler compiled `model` at its last compile.
+
+    False for a model compiled while tfmp was off in the compiling thread, even
+    while another thread had it on.
+    """
     return model in _COMPILED
 
 

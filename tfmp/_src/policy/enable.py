@@ -21,7 +21,7 @@ import inspect
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import keras
 import tensorflow as tf
@@ -50,28 +50,33 @@ class _Enabled:
     debug: Union[bool, dict] = False
 
 
-_states: Dict[int, _Enabled] = {}  # thread ident -> state
+# thread ident -> (the thread, its state). Python reuses the ident of a thread
+# that ended, so an entry counts only for the very thread that made it.
+_states: Dict[int, Tuple[threading.Thread, _Enabled]] = {}
 _hooks: List[patches.Hook] = []
 _lock = threading.RLock()
 _warned_compiled_before: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def _current() -> Optional[_Enabled]:
-    return _states.get(threading.get_ident())
+    entry = _states.get(threading.get_ident())
+    if entry is None or entry[0] is not threading.current_thread():
+        return None
+    return entry[1]
 
 
 def _set_current(state: Optional[_Enabled]) -> None:
     """Sets this thread's state; installs or removes the Keras hooks as needed."""
     with _lock:
-        alive = {thread.ident for thread in threading.enumerate()}
-        for ident in [i for i in _states if i not in alive]:
+        alive = set(threading.enumerate())
+        for ident in [i for i, (thread, _) in _states.items() if thread not in alive]:
             del _states[ident]  # threads that ended while enabled
         if state is None:
             _states.pop(threading.get_ident(), None)
         else:
-            _states[threading.get_ident()] = state
+            _states[threading.get_ident()] = (threading.current_thread(), state)
         if _states and not _hooks:
-            _hooks.extend(model_hooks.install_compile_hook(_compile_with_tfmp))
+            _hooks.extend(model_hooks.install_compile_hook(_compile_with_tfmp, keep_saved=is_enabled))
             _hooks.append(
                 model_hooks.install_make_train_function_hook(_warn_if_compiled_before_enable, owner="enable.first_step")
             )
@@ -207,14 +212,15 @@ def _check_debug(debug: Union[bool, dict]) -> None:
 def disable() -> None:
     """Restores the policy in force before `enable()` and removes tfmp's hooks.
 
-    Models already compiled keep their forced layers and optimizer. Does nothing
-    when tfmp is not enabled in this thread. The hooks into Keras come off when no
-    thread is enabled any more.
+    Models already compiled keep their forced layers and optimizer. Changes
+    nothing in this thread when tfmp is not enabled in it. The hooks into Keras
+    come off when no live thread is enabled any more (a thread that ended
+    without `disable()` counts as disabled).
     """
     state = _current()
+    _set_current(None)  # also forgets threads that ended while enabled
     if state is None:
         return
-    _set_current(None)
     if state.previous_tf32 is not None:
         tf.config.experimental.enable_tensor_float_32_execution(state.previous_tf32)
     keras.config.set_dtype_policy(state.previous_policy)
@@ -306,6 +312,7 @@ def _compile_with_tfmp(compile: Callable, model: keras.Model, args: tuple, kwarg
     if optimizer is not None and _wants_optimizer_wrapper(model, state):
         optimizer = wrap_optimizer(optimizer, model.dtype_policy.compute_dtype, **state.loss_scale_options)
     result = compile(model, optimizer, *args, **kwargs)
+    model_hooks.mark_compiled_by_tfmp(model)
     turn_off_xla_if_replicated(model)
     if state.debug:
         options = {} if state.debug is True else state.debug

@@ -201,7 +201,7 @@ def test_bad_update_freq(bad):
 def test_bad_grad_stats_freq(bad):
     with pytest.raises(
         ValueError,
-        match=r"Invalid `grad_stats_freq` argument.*None \(off\) or a positive int",
+        match=r"Invalid `grad_stats_freq` argument.*an integer >= 1 or None.*None \(off\)",
     ):
         tfmp.LossScaleMonitor("logs", grad_stats_freq=bad)
 

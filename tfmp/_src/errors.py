@@ -10,6 +10,7 @@ Template (STYLE.md, rule 4): what was received, what was expected, how to fix it
 from __future__ import annotations
 
 import difflib
+import math
 from typing import Any, Iterable, Optional
 
 
@@ -101,3 +102,38 @@ def unknown_key(name: str, received: dict, key: Any, choices: Iterable[str]) -> 
     choices = list(choices)
     fix = f"Unknown key {key!r}. {did_you_mean(key, choices, cutoff=0.6)}".rstrip()
     return invalid_argument(name, received, "keys among " + ", ".join(choices), fix=fix)
+
+
+def is_positive_int(value: Any) -> bool:
+    """Bool. True for an int >= 1 (bools excluded)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_positive_int(name: str, value: Any, *, allow_none: bool = False, fix: str = "") -> None:
+    """The project's one check of a count argument.
+
+    Raises:
+        ValueError: (template) `value` is not an int >= 1 (nor None when `allow_none`).
+    """
+    if not (is_positive_int(value) or (allow_none and value is None)):
+        raise invalid_argument(name, value, "an integer >= 1" + (" or None" if allow_none else ""), fix=fix)
+
+
+def check_positive_number(name: str, value: Any) -> None:
+    """The project's one check of a positive real argument (a scale, a bound).
+
+    Raises:
+        ValueError: (template) `value` is not a finite int or float > 0.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise invalid_argument(name, value, "a finite number > 0")
+
+
+def check_bool(name: str, value: Any, *, allow_none: bool = False) -> None:
+    """The project's one check of a flag argument.
+
+    Raises:
+        ValueError: (template) `value` is not True or False (nor None when `allow_none`).
+    """
+    if not (isinstance(value, bool) or (allow_none and value is None)):
+        raise invalid_argument(name, value, "None, True or False" if allow_none else "True or False")

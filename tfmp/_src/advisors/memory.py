@@ -34,7 +34,7 @@ from typing import Any, Iterable, List, Optional, Tuple, Union
 import keras
 import tensorflow as tf
 
-from tfmp._src.errors import invalid_argument
+from tfmp._src.errors import check_positive_int, invalid_argument
 
 
 def format_bytes(n: int) -> str:
@@ -267,9 +267,7 @@ def estimate_memory(
             "model", model, "a built keras.Model",
             fix="Build it first, e.g. start it with keras.Input(shape) or call "
                 "model.build(input_shape).")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise invalid_argument("batch_size", batch_size, "a positive int",
-                               fix="Pass e.g. batch_size=32.")
+    check_positive_int("batch_size", batch_size, fix="Pass e.g. batch_size=32.")
     if policy is None:
         compute_dtype, label = None, f"as built ({model.dtype_policy.name})"
     else:
@@ -337,8 +335,7 @@ def estimate_kv_cache(
     sizes = dict(num_layers=num_layers, hidden_size=hidden_size, seq_len=seq_len,
                  batch_size=batch_size)
     for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise invalid_argument(name, value, "a positive int")
+        check_positive_int(name, value)
     if isinstance(dtype, str) and dtype.startswith("mixed_"):
         dtype = dtype[len("mixed_"):]
     try:

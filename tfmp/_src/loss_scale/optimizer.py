@@ -14,7 +14,6 @@ initial scale 2**15 and growth interval 2000 are Keras's.
 from __future__ import annotations
 
 import inspect
-import math
 import weakref
 from typing import Any
 
@@ -24,7 +23,7 @@ from keras import ops
 
 from tfmp._src import distribute as _distribute
 from tfmp._src.loss_scale import loops as _loops
-from tfmp._src.errors import invalid_argument
+from tfmp._src.errors import check_bool, check_positive_int, check_positive_number, invalid_argument
 from tfmp._src.keras_hooks.keras_private import (
     LossScaleOptimizerBase,
     no_automatic_dependency_tracking,
@@ -62,19 +61,6 @@ FORWARDED_SETTINGS = (
 #: `overflow_history_scales`): how many skipped steps a reader polling between
 #: steps (tfmp.LossScaleMonitor) can itemize; older ones are only counted.
 OVERFLOW_HISTORY = 64
-
-
-def _check_positive(name: str, value: Any, *, integer: bool = False) -> None:
-    """Raises the template ValueError unless `value` is a finite number > 0."""
-    if integer:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise invalid_argument(name, value, "an integer >= 1")
-    elif (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not (math.isfinite(value) and value > 0)
-    ):
-        raise invalid_argument(name, value, "a finite number > 0")
 
 
 def _forwarded(name: str) -> property:
@@ -190,13 +176,13 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
             ("min_scale", min_scale),
             ("max_scale", max_scale),
         ):
-            _check_positive(arg, value)
+            check_positive_number(arg, value)
         for arg, value in (
             ("dynamic_growth_steps", dynamic_growth_steps),
             ("hysteresis", hysteresis),
             ("max_consecutive_overflows", max_consecutive_overflows),
         ):
-            _check_positive(arg, value, integer=True)
+            check_positive_int(arg, value)
         if min_scale > max_scale:
             raise invalid_argument(
                 "min_scale", min_scale, f"a value <= max_scale={max_scale!r}"
@@ -211,8 +197,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
             raise invalid_argument(
                 "on_stuck", on_stuck, "one of 'raise', 'warn'", choices=_ON_STUCK
             )
-        if not isinstance(loss_scaling, bool):
-            raise invalid_argument("loss_scaling", loss_scaling, "True or False")
+        check_bool("loss_scaling", loss_scaling)
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
             raise invalid_argument(
                 "inner_optimizer",

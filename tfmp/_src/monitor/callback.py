@@ -38,7 +38,7 @@ import keras
 
 from tfmp._src import distribute as _distribute
 from tfmp._src.monitor import runtime as runtime
-from tfmp._src.errors import invalid_argument
+from tfmp._src.errors import check_positive_int, invalid_argument, is_positive_int
 from tfmp._src.keras_hooks import train_function
 from tfmp._src.monitor.event_file import EventFile
 from tfmp._src.monitor.grad_stats import GradientStats
@@ -84,10 +84,6 @@ class _Window:
             samples,
             clock,
         )
-
-
-def _is_positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 class LossScaleMonitor(keras.callbacks.Callback):
@@ -141,20 +137,17 @@ class LossScaleMonitor(keras.callbacks.Callback):
             )
         if update_freq == "batch":
             update_freq = 1
-        if update_freq != "epoch" and not _is_positive_int(update_freq):
+        if update_freq != "epoch" and not is_positive_int(update_freq):
             raise invalid_argument(
                 "update_freq",
                 update_freq,
                 "'epoch', 'batch' or a positive int",
                 choices=("epoch", "batch"),
             )
-        if grad_stats_freq is not None and not _is_positive_int(grad_stats_freq):
-            raise invalid_argument(
-                "grad_stats_freq",
-                grad_stats_freq,
-                "None (off) or a positive int",
-                "Pass e.g. grad_stats_freq=100 for statistics every 100 steps.",
-            )
+        check_positive_int(
+            "grad_stats_freq", grad_stats_freq, allow_none=True,
+            fix="Pass None (off) or e.g. grad_stats_freq=100 for statistics every 100 steps.",
+        )
         self.update_freq = update_freq
         self.grad_stats_freq = grad_stats_freq
         self.log_dir = os.fspath(log_dir)

@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 import keras
 import tensorflow as tf
 
-from tfmp._src.errors import NonFiniteError, invalid_argument
+from tfmp._src.errors import NonFiniteError, check_bool, check_positive_int, invalid_argument
 from tfmp._src.keras_hooks import patches, train_function
 from tfmp._src.keras_hooks.keras_private import optimizer_variables
 from tfmp._src.numerics.layers import LayerSpec, layer_paths, scale_and_counts, select_layers
@@ -285,10 +285,8 @@ def check_numerics(
         raise invalid_argument("action", action, "one of 'raise', 'warn', 'log'", choices=_ACTIONS)
     if phase not in _PHASES:
         raise invalid_argument("phase", phase, "one of 'forward', 'backward', 'both'", choices=_PHASES)
-    if isinstance(trace_length, bool) or not isinstance(trace_length, int) or trace_length < 1:
-        raise invalid_argument("trace_length", trace_length, "an integer >= 1")
-    if not isinstance(enabled, bool):
-        raise invalid_argument("enabled", enabled, "True or False")
+    check_positive_int("trace_length", trace_length)
+    check_bool("enabled", enabled)
     previous = vars(model).get(_ATTR)
     if previous is not None:
         previous.remove()

@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 import tensorflow as tf
 
-from tfmp._src.errors import invalid_argument
+from tfmp._src.errors import check_positive_int, invalid_argument
 
 _COMPONENTS = ("x", "y", "sample_weight")
 _PROBLEMS = {
@@ -201,9 +201,8 @@ def check_dataset(
         >>> report.issues
         [DatasetIssue(batch=1, component='x', feature=2, problem='nan', count=1)]
     """
-    for name, value in (("max_batches", max_batches), ("batch_size", batch_size)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise invalid_argument(name, value, "an integer >= 1" + (" or None" if name == "max_batches" else ""))
+    check_positive_int("max_batches", max_batches, allow_none=True)
+    check_positive_int("batch_size", batch_size)
     dtype = _compute_dtype(policy)
     info = ml_dtypes.finfo(dtype)
     report = DatasetReport(dtype, float(info.max), float(info.smallest_subnormal))

@@ -27,7 +27,7 @@ import keras
 import tensorflow as tf
 
 from tfmp._src.distribute import turn_off_xla_if_replicated
-from tfmp._src.errors import invalid_argument, unknown_key
+from tfmp._src.errors import check_bool, invalid_argument, unknown_key
 from tfmp._src.keras_hooks import model_hooks, patches
 from tfmp._src.float32.force import force_float32
 from tfmp._src.policy.hardware import DeviceFacts
@@ -154,8 +154,7 @@ def enable(
     """
     # Every argument is checked before any state changes: a bad call leaves
     # tfmp (and Keras) exactly as they were.
-    if tf32 not in (None, True, False):
-        raise invalid_argument("tf32", tf32, "None, True or False")
+    check_bool("tf32", tf32, allow_none=True)
     keep_float32 = targets_from("keep_float32", keep_float32)
     exclude_float32 = targets_from("exclude_float32", exclude_float32)
     loss_scale_options = _checked_loss_scale_options(loss_scale_options)

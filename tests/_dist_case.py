@@ -277,12 +277,128 @@ def case_checkpoint(tmp):
     return out
 
 
+def _divide_model():
+    """Dense -> Lambda dividing by input feature 0 -> Dense (test_numerics.py's model)."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(4, name="d1")(inputs)
+    ratio = keras.layers.Lambda(lambda ts: ts[0] / ts[1][:, :1], name="divide")(
+        [hidden, inputs]
+    )
+    outputs = keras.layers.Dense(2, name="d2")(ratio)
+    return keras.Model(inputs, outputs, name="net")
+
+
+def _sqrt_model():
+    """Dense d1 (weights 1, bias 0) -> Lambda sqrt(|x|) -> Dense d2.
+
+    A zero input row makes d1's output 0, where sqrt's gradient is infinite and
+    |x|'s is 0: the forward pass stays finite, d1's gradients turn NaN.
+    """
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(4, name="d1", kernel_initializer="ones")(inputs)
+    root = keras.layers.Lambda(lambda t: keras.ops.sqrt(keras.ops.abs(t)), name="sqrt")(
+        hidden
+    )
+    return keras.Model(inputs, keras.layers.Dense(2, name="d2")(root), name="net")
+
+
+def _numerics_data(*edits, steps=6):
+    """Inputs in [1, 2), one global batch per step; each edit `(step, row, column, value)`.
+
+    Rows 0-3 of a global batch go to replica 0, rows 4-7 to replica 1.
+    """
+    rng = np.random.RandomState(0)
+    x = rng.uniform(1.0, 2.0, (steps * BATCH, 4)).astype("float32")
+    y = rng.uniform(0.0, 1.0, (steps * BATCH, 2)).astype("float32")
+    for step, row, column, value in edits:
+        x[step * BATCH + row, column] = value
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+
+
+def _copies(strategy, variable):
+    """Each local replica's copy of a tf.Variable, as Python values."""
+    return [
+        np.asarray(copy.numpy()).tolist()
+        for copy in strategy.experimental_local_results(variable)
+    ]
+
+
+def _numerics_run(strategy, dataset, run_eagerly=False, build=_divide_model, **options):
+    """Trains `build()` under `strategy` with check_numerics; what it reported."""
+    with strategy.scope():
+        model = build()
+        model.compile(sgd(), "mse", run_eagerly=run_eagerly)
+    handle = tfmp.check_numerics(model, **options)
+    raised = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            model.fit(dataset, epochs=1, verbose=0)
+        except tfmp.NonFiniteError as error:  # the report under test
+            raised.append(error)
+    return {
+        "raised": [
+            [e.layer, e.phase, e.step, e.kind, [item["step"] for item in e.details["trace"]]]
+            for e in raised
+        ],
+        "failures": [[e.layer, e.phase, e.step, e.kind] for e in handle.failures],
+        "failures_are_raised": [f is e for f, e in zip(handle.failures, raised)],
+        "warnings": sum(issubclass(w.category, RuntimeWarning) for w in caught),
+        "input_range": [e.details.get("input_range") for e in handle.failures[:1]],
+        "variable": [
+            [e.details.get("variable"), e.details["bad_gradients"]]
+            for e in handle.failures[:1]
+        ],
+        "step_copies": _copies(strategy, handle.recorder.step),
+        "state_copies": _copies(strategy, handle.recorder.state),
+    }
+
+
+def case_numerics(tmp):
+    """tfmp.check_numerics on two replicas: step, layer and one report per failure."""
+    strategy = mirrored()
+
+    def finite_per_replica(dataset):
+        run = tf.function(
+            lambda v: strategy.run(lambda x: tf.reduce_all(tf.math.is_finite(x)), (v,))
+        )
+        return [
+            [bool(f) for f in strategy.experimental_local_results(run(x))]
+            for x, _ in strategy.experimental_distribute_dataset(dataset)
+        ]
+
+    zero_on_1 = _numerics_data((4, 6, 0, 0.0))  # divide sees a zero on replica 1
+    nan_on_1 = _numerics_data((3, 5, 2, np.nan))  # d1 sees a NaN on replica 1
+    return {
+        "nan_on_1_finite": finite_per_replica(nan_on_1),
+        "zero_on_1": _numerics_run(strategy, zero_on_1),
+        "zero_on_0": _numerics_run(strategy, _numerics_data((4, 2, 0, 0.0))),
+        "zero_on_1_eager": _numerics_run(strategy, zero_on_1, run_eagerly=True),
+        "nan_on_1": _numerics_run(strategy, nan_on_1),
+        # Step 4: divide fails on replica 0, d1 (an earlier layer) on replica 1.
+        "both": _numerics_run(
+            strategy, _numerics_data((4, 2, 0, 0.0), (4, 5, 2, np.nan))
+        ),
+        # Step 0: a zero row on replica 1 turns d1's gradients NaN there only.
+        "backward": _numerics_run(
+            strategy,
+            _numerics_data(*[(0, 6, column, 0.0) for column in range(4)]),
+            build=_sqrt_model,
+            phase="backward",
+        ),
+        "warn": _numerics_run(strategy, zero_on_1, action="warn"),
+    }
+
+
 CASES = {
     "fit": case_fit,
     "keras_lso": case_keras_lso,
     "custom_loop": case_custom_loop,
     "xla": case_xla,
     "checkpoint": case_checkpoint,
+    "numerics": case_numerics,
 }
 
 

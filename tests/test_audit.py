@@ -1,4 +1,4 @@
-"""Tests for tfmp.audit (tfmp/_audit.py): the table, the rows, every warning kind."""
+"""Tests for tfmp.audit (tfmp/_src/float32/audit.py): the table, the rows, every warning kind."""
 
 import keras
 import numpy as np
@@ -6,6 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tfmp
+from tfmp._src.float32.audit import _dtype_mismatch_line
 
 
 def digits_model(units=64):
@@ -141,6 +142,153 @@ def test_dtype_mismatch_names_layer_and_fix():
     report = tfmp.audit(Net(), batch=(np.ones((8, 4)), np.ones((8, 8))), tensor_cores=False)
     (warning,) = [w for w in report.warnings if w.kind == "dtype_mismatch"]
     assert warning.path == "bump" and "self.compute_dtype" in warning.message
+    # TensorFlow's own line, not Keras's "Exception encountered when calling" header.
+    assert "was expected to be a half tensor but is a float tensor" in warning.message
+
+
+class ScaledNoise(keras.layers.Layer):
+    """Training-only bug: a float32 noise tensor added to the 16-bit input."""
+
+    def call(self, x, training=False):
+        if training:
+            return x + tf.random.stateless_normal(tf.shape(x), seed=(1, 2))
+        return x
+
+
+class Net(keras.Model):
+    """Dense -> BatchNormalization -> `last`; subclassed, so built by its first call."""
+
+    def __init__(self, last):
+        super().__init__(name="net")
+        self.hidden, self.norm, self.last = keras.layers.Dense(8), keras.layers.BatchNormalization(), last
+
+    def call(self, x, training=False):
+        return self.last(self.norm(self.hidden(x), training=training), training=training)
+
+
+def _mixed_dtype_model(layer):
+    return Net(layer)
+
+
+@pytest.mark.parametrize("layer_class", [AddConstant, ScaledNoise])
+def test_dtype_mismatch_under_mixed_bfloat16_is_a_warning_naming_the_layer(layer_class):
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    model = _mixed_dtype_model(layer_class(name="bump"))
+    report = tfmp.audit(model, batch=np.ones((8, 4), "float32"), tensor_cores=False)
+    assert [(w.kind, w.path) for w in report.warnings if w.kind == "dtype_mismatch"] == [
+        ("dtype_mismatch", "bump")
+    ]
+    (warning,) = [w for w in report.warnings if w.kind == "dtype_mismatch"]
+    assert "was expected to be a bfloat16 tensor but is a float tensor" in warning.message
+    assert report.gradients == ()
+
+
+class SplitHeads(keras.layers.Layer):
+    """Shape bug: 8 features cannot be split into heads of 3."""
+
+    def call(self, x, training=False):
+        return keras.ops.reshape(x, (-1, 3, 3))
+
+
+class TwoDense(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(8)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+def test_shape_bug_value_error_propagates_although_keras_prints_dtypes():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    model = TwoDense()
+    model(np.ones((8, 4), "float32"))  # built for 4 features
+    with pytest.raises(ValueError, match="expected axis -1 of input shape to have value 4") as info:
+        tfmp.audit(model, batch=np.ones((8, 5), "float32"), tensor_cores=False)
+    assert "Arguments received by TwoDense.call()" in str(info.value)
+    assert "dtype=bfloat16" in str(info.value)  # what the old substring test took for a dtype error
+
+
+def test_shape_bug_invalid_argument_error_propagates():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    model = _mixed_dtype_model(SplitHeads(name="heads"))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="Input to reshape") as info:
+        tfmp.audit(model, batch=np.ones((8, 4), "float32"), tensor_cores=False)
+    assert "dtype=bfloat16" in str(info.value)
+
+
+def _raised(function):
+    try:
+        function()
+    except Exception as error:  # the error under test
+        return error
+    raise AssertionError("did not raise")
+
+
+def test_dtype_errors_are_told_by_the_failing_ops_first_line():
+    def conversion():
+        tf.convert_to_tensor(tf.ones([2]), dtype=tf.bfloat16)
+
+    def unrelated_while_handling_a_dtype_error():
+        try:
+            tf.constant(1.0, tf.bfloat16) + tf.ones([2])
+        except tf.errors.InvalidArgumentError:
+            raise ValueError("bad shape; argument x=tf.Tensor(shape=(2,), dtype=bfloat16)")
+
+    assert _dtype_mismatch_line(_raised(conversion)) == (
+        "Tensor conversion requested dtype bfloat16 for Tensor with dtype float32"
+    )
+    assert _dtype_mismatch_line(_raised(unrelated_while_handling_a_dtype_error)) is None
+    assert _dtype_mismatch_line(TypeError("Expected int32, got dtype float32 of argument 'x'.")) is None
+    assert _dtype_mismatch_line(
+        TypeError("Input 'y' of 'AddV2' Op has type float32 that does not match type bfloat16 of argument 'x'.")
+    ) == "Input 'y' of 'AddV2' Op has type float32 that does not match type bfloat16 of argument 'x'."
+
+
+def _snapshot(model):
+    return {v.path: v.numpy().copy() for v in model.variables}
+
+
+def test_gradient_check_changes_no_variable_of_a_model_with_batch_norm_and_dropout():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    inputs = keras.Input((4,))
+    x = keras.layers.Dense(8, name="hidden")(inputs)
+    x = keras.layers.BatchNormalization(name="norm")(x)
+    x = keras.layers.Dropout(0.5, name="drop")(x)
+    model = keras.Model(inputs, keras.layers.Dense(2, name="out", dtype="float32")(x))
+    batch = np.random.RandomState(0).normal(2.0, 3.0, (8, 4)).astype("float32")
+    before = _snapshot(model)
+    assert {"norm/moving_mean", "norm/moving_variance"} <= set(before)
+    assert any("seed_generator" in path for path in before)
+    report = tfmp.audit(model, batch=batch, tensor_cores=False)
+    assert len(report.gradients) == len(model.trainable_variables)
+    after = _snapshot(model)
+    assert list(after) == list(before)
+    for path, value in before.items():
+        assert value.tobytes() == after[path].tobytes(), path  # bit-identical
+    # The same forward without the restore does move the statistics.
+    model(batch, training=True)
+    assert not np.array_equal(model.get_layer("norm").moving_mean.numpy(), before["norm/moving_mean"])
+
+
+def test_variables_are_restored_when_the_forward_raises():
+    model = Net(SplitHeads(name="heads"))
+    model.hidden.build((None, 4))
+    model.norm.build((None, 8))
+    before = _snapshot(model)
+    assert len(before) == 6
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        tfmp.audit(model, batch=np.full((8, 4), 5.0, "float32"), tensor_cores=False)
+    after = _snapshot(model)
+    assert all(before[path].tobytes() == after[path].tobytes() for path in before)
+
+
+def test_model_built_by_the_gradient_check_keeps_its_initial_statistics():
+    model = Net(keras.layers.Identity())
+    assert model.variables == []
+    tfmp.audit(model, batch=np.full((8, 4), 5.0, "float32"), tensor_cores=False)
+    np.testing.assert_array_equal(model.norm.moving_mean.numpy(), np.zeros(8, "float32"))
+    np.testing.assert_array_equal(model.norm.moving_variance.numpy(), np.ones(8, "float32"))
 
 
 def test_gradient_check_lists_variable_and_gradient_dtypes():

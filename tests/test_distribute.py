@@ -24,10 +24,11 @@ import tfmp
 from tfmp._src import distribute as _distribute
 
 # Bounds of each wait. On 2 idle cores the three processes take ~15 s of CPU each
-# (TensorFlow's import included); the bounds leave room for a busy machine.
-CASES_TIMEOUT_S = 300
+# (TensorFlow's import included), the MirroredStrategy cases ~20 s more for the
+# check_numerics runs; the bounds leave room for a busy machine.
+CASES_TIMEOUT_S = 420
 WORKERS_TIMEOUT_S = 300
-CASES = ["fit", "keras_lso", "custom_loop", "xla", "checkpoint"]
+CASES = ["fit", "keras_lso", "custom_loop", "xla", "checkpoint", "numerics"]
 SCALES = [1024.0, 512.0, 512.0, 1024.0]  # finite, overflow, finite, finite (growth 2)
 
 
@@ -154,6 +155,62 @@ def test_custom_loop_skips_when_any_replica_overflows(mirrored):
     assert all(copies[0] == copies[1] for copies in clean["weights_after"])
     assert clean["iterations"] == 1
     assert clean["state"]["overflow_count"] == [2, 2]
+
+
+# tfmp.check_numerics under MirroredStrategy ----------------------------------------
+# The model and data of test_numerics.py: Dense d1 -> Lambda "divide" (by input
+# feature 0) -> Dense d2, one global batch of 8 per step, 4 rows per replica. On one
+# replica the zero at step 4 is reported as ("divide", "forward", 4, "inf").
+ZERO_AT_4 = ["divide", "forward", 4, "inf"]
+#: Steps of the 8 trace rows ending at divide in step 4 (4 rows per step: d1,
+#: divide, d2, loss).
+ZERO_AT_4_TRACE = [2, 2, 3, 3, 3, 3, 4, 4]
+
+
+@pytest.mark.parametrize("run", ["zero_on_1", "zero_on_0", "zero_on_1_eager"])
+def test_check_numerics_names_the_step_and_layer_once(mirrored, run):
+    result = case(mirrored, "numerics")[run]
+    assert result["raised"] == [ZERO_AT_4 + [ZERO_AT_4_TRACE]]
+    assert result["failures"] == [ZERO_AT_4] and result["failures_are_raised"] == [True]
+    low, high = result["input_range"][0]
+    assert low <= 0.0 <= high
+    # Each replica's copy counted the 5 steps run (0-4), not the replicas' calls;
+    # the failure was cleared on both copies once reported.
+    assert result["step_copies"] == [5, 5]
+    assert result["state_copies"] == [[0] * 5, [0] * 5]
+
+
+def test_check_numerics_reports_a_nan_seen_by_replica_1_only(mirrored):
+    result = case(mirrored, "numerics")
+    assert result["nan_on_1_finite"][3] == [True, False]  # only replica 1's shard
+    run = result["nan_on_1"]
+    assert run["raised"] == [["d1", "forward", 3, "nan", [1, 1, 1, 2, 2, 2, 2, 3]]]
+    assert [str(v) for v in run["input_range"][0]] == ["nan", "nan"]  # replica 1's rows
+    assert run["step_copies"] == [4, 4]
+
+
+def test_check_numerics_reports_the_earliest_layer_over_replicas(mirrored):
+    # Step 4: replica 0's zero makes divide inf, replica 1's NaN reaches d1 first.
+    run = case(mirrored, "numerics")["both"]
+    assert run["raised"] == [["d1", "forward", 4, "nan", [2, 2, 2, 3, 3, 3, 3, 4]]]
+    assert run["failures"] == [["d1", "forward", 4, "nan"]]
+
+
+def test_check_numerics_names_a_gradient_that_is_nan_on_replica_1_only(mirrored):
+    run = case(mirrored, "numerics")["backward"]
+    # As on one replica: the NaN gradient nearest the loss is d1's bias (kernel and
+    # bias are both NaN); the trace holds the loss row of step 0 only.
+    assert run["raised"] == [["d1", "backward", 0, "nan", [0]]]
+    assert run["variable"] == [["d1/bias", 2]]
+    assert run["step_copies"] == [1, 1]
+
+
+def test_check_numerics_warns_once_per_failing_step(mirrored):
+    run = case(mirrored, "numerics")["warn"]
+    # Plain SGD applies step 4's non-finite gradients, so step 5 finds d1 NaN.
+    assert run["failures"] == [ZERO_AT_4, ["d1", "forward", 5, "nan"]]
+    assert run["warnings"] == 2 and run["raised"] == []
+    assert run["step_copies"] == [6, 6]
 
 
 # XLA ----------------------------------------------------------------------------------

@@ -108,6 +108,33 @@ def all_replicas_finite(finite: Any) -> Any:
     return tf.logical_not(non_finite)
 
 
+def gather_replicas(value: Any) -> Any:
+    """Every replica's `value`, stacked in replica order, with one all-reduce.
+
+    Call it in a replica context; every replica then gets the same table. Each
+    replica writes its value into its own row of a zero table and the tables are
+    summed: every entry is its one replica's value plus zeros, and ``x + 0 == x``
+    for every float32 ``x``, infinities and NaN included, so non-finite values
+    arrive unchanged. With one replica, or in a cross-replica context, the table
+    holds `value` alone.
+
+    Args:
+        value: Float32 tensor of a static shape `S`, the same on every replica.
+
+    Returns:
+        Float32 tensor of shape `[replicas, *S]`; row `r` is replica `r`'s value
+        (`replica_id_in_sync_group`).
+    """
+    value = tf.convert_to_tensor(value, tf.float32)
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return value[None]
+    replicas = context.num_replicas_in_sync
+    index = tf.reshape(tf.cast(context.replica_id_in_sync_group, tf.int32), [1, 1])
+    table = tf.scatter_nd(index, value[None], [replicas, *value.shape.as_list()])
+    return context.all_reduce(tf.distribute.ReduceOp.SUM, table)
+
+
 def _xla_refusal(replicas: int) -> str:
     return (
         f"XLA (jit_compile=True) cannot compile a training step replicated over "

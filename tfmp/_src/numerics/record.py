@@ -19,6 +19,8 @@ from typing import Any, Optional
 import keras
 import tensorflow as tf
 
+from tfmp._src.distribute import gather_replicas
+
 #: Columns of one trace row (float32). VALID is 1 for a row that holds data; ABS_MIN
 #: and ABS_MAX are the smallest and largest absolute output value; IN_MIN and IN_MAX
 #: the signed range of the inputs; HAS_INPUT is 1 when the layer had numeric inputs.
@@ -125,6 +127,30 @@ def _kind_bits(nan: tf.Tensor, inf: tf.Tensor) -> tf.Tensor:
     return tf.cast(nan, tf.int64) + 2 * tf.cast(inf, tf.int64)
 
 
+def _replica_variable(initial: Any, name: str) -> tf.Variable:
+    """A non-trainable variable with one copy per replica, read from the first.
+
+    ``synchronization=ON_READ`` gives every replica of a `tf.distribute` strategy its
+    own copy, written from its replica context only; ``ONLY_FIRST_REPLICA`` makes a
+    host read (cross-replica context) return replica 0's copy. Without a strategy it
+    is a plain variable.
+    """
+    return tf.Variable(
+        initial,
+        trainable=False,
+        name=name,
+        synchronization=tf.VariableSynchronization.ON_READ,
+        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+    )
+
+
+#: Score of a replica without a failure when picking the one to report; forward
+#: failures score their row index, backward ones `_BACKWARD_SCORE` minus their
+#: variable index. All are small integers, exact in float32 (below 2**24).
+_NO_FAILURE_SCORE = 2.0**23
+_BACKWARD_SCORE = 2.0**22
+
+
 class FailureRecorder:
     """Variables holding the first failure and the rows evaluated before it.
 
@@ -137,19 +163,35 @@ class FailureRecorder:
     `tail` (the last `trace_length` rows of the previous step) and `scale` (float32,
     the loss scale at the failing step).
 
+    Under a `tf.distribute` strategy with several replicas (tested with
+    `MirroredStrategy` on two logical CPUs, tests/test_distribute.py) every replica
+    runs the step on its own shard, in a thread of its own. The
+    variables are then created in the strategy's scope with one copy per replica
+    (`_replica_variable`): each replica counts its own steps and keeps its own
+    `tail`, so `step` counts global steps, not replica steps. At the end of a step
+    the replicas exchange their candidate failures (`gather_replicas`, one small
+    all-reduce) and all record the same one: the failure earliest in the step (a
+    forward failure before a backward one; among forward failures the lowest row
+    index; among backward ones the gradient nearest the loss; ties to the lowest
+    replica). A failure seen on any replica is thus reported once, with that
+    replica's rows, and the host reads replica 0's copy.
+
     Args:
         trace_length: Int >= 1. Rows kept before a failure.
+        strategy: `tf.distribute.Strategy` the model trains under, or None for the
+            current one.
     """
 
-    def __init__(self, trace_length: int) -> None:
+    def __init__(self, trace_length: int, strategy: Optional[tf.distribute.Strategy] = None) -> None:
         self.trace_length = trace_length
         width = len(COLUMNS)
-        with tf.init_scope():
-            self.step = tf.Variable(tf.constant(0, tf.int64), trainable=False, name="tfmp_numerics_step")
-            self.state = tf.Variable(tf.zeros([5], tf.int64), trainable=False, name="tfmp_numerics_state")
-            self.window = tf.Variable(tf.zeros([trace_length, width]), trainable=False, name="tfmp_numerics_window")
-            self.tail = tf.Variable(tf.zeros([trace_length, width]), trainable=False, name="tfmp_numerics_tail")
-            self.scale = tf.Variable(1.0, trainable=False, name="tfmp_numerics_scale")
+        strategy = strategy if strategy is not None else tf.distribute.get_strategy()
+        with tf.init_scope(), strategy.scope():
+            self.step = _replica_variable(tf.constant(0, tf.int64), "tfmp_numerics_step")
+            self.state = _replica_variable(tf.zeros([5], tf.int64), "tfmp_numerics_state")
+            self.window = _replica_variable(tf.zeros([trace_length, width]), "tfmp_numerics_window")
+            self.tail = _replica_variable(tf.zeros([trace_length, width]), "tfmp_numerics_tail")
+            self.scale = _replica_variable(tf.constant(1.0), "tfmp_numerics_scale")
         #: `(path, class name, compute dtype)` of each row, from the latest trace.
         self.names: list[tuple[str, str, str]] = []
         #: Variables given to the optimizer, from the latest trace of the step.
@@ -158,54 +200,116 @@ class FailureRecorder:
     def finish(self, trace: StepTrace) -> tf.Tensor:
         """Adds the ops that record `trace`'s first failure; call at the end of the step.
 
-        A healthy step pays for the detection only (a finiteness test of the stacked
-        rows and of one max |gradient| per variable) and the ring-buffer update; the
-        failure details are computed in a `tf.cond` branch that runs on a failure.
+        On one replica a healthy step pays for the detection only (a finiteness test
+        of the stacked rows and of one max |gradient| per variable) and the
+        ring-buffer update; the failure details are computed in a `tf.cond` branch
+        that runs on a failure. On several replicas each replica computes its
+        candidate details every step and the replicas exchange them (see the class
+        docstring), so that all agree on one failure.
 
         Returns:
             Scalar int64 tensor, the recorded kind bits after this step (0: no
-            failure so far). Returned by the step, it lets the host learn the
-            outcome without running a variable read of its own.
+            failure so far), the same on every replica. Returned by the step, it
+            lets the host learn the outcome without running a variable read of its
+            own.
         """
         self.names = [entry[:3] for entry in trace.entries]
         count = len(trace.entries)
         rows = tf.stack([entry[3] for entry in trace.entries]) if count else tf.zeros([0, len(COLUMNS)])
-        history = tf.concat([self.tail, rows], axis=0)
+        history = tf.concat([self.tail.read_value(), rows], axis=0)
         bad_rows = tf.logical_not(tf.reduce_all(tf.math.is_finite(rows[:, ABS_MIN : IN_MAX + 1]), axis=1))
         maxima, counted, scale = self._gradient_maxima(trace)
         bad_grads = tf.logical_and(tf.logical_not(tf.math.is_finite(maxima)), counted)
-        failing = tf.logical_and(
-            tf.equal(self.state[KIND], 0), tf.logical_or(tf.reduce_any(bad_rows), tf.reduce_any(bad_grads))
-        )
-
-        def record() -> None:
-            any_fwd = tf.reduce_any(bad_rows)
-            zero = tf.constant(0, tf.int64)
-            first = tf.argmax(tf.cast(bad_rows, tf.int32), output_type=tf.int64) if count else zero
-            out_kind = row_kinds(rows, ABS_MIN, ABS_MAX + 1)
-            fwd_kinds = tf.where(out_kind > 0, out_kind, row_kinds(rows, IN_MIN, IN_MAX + 1))
-            grad_kinds = _kind_bits(tf.math.is_nan(maxima), tf.math.is_inf(maxima))
-            last = _last_true(bad_grads) if self.variables else zero
-            pick = lambda kinds, index: tf.gather(tf.concat([kinds, [0]], 0), index)  # noqa: E731, empty-safe
-            begin = tf.where(any_fwd, first + 1, count)
-            self.state.assign(
-                tf.stack(
-                    [
-                        tf.where(any_fwd, pick(fwd_kinds, first), pick(grad_kinds, last)),
-                        self.step.read_value(),
-                        tf.where(any_fwd, tf.constant(FORWARD, tf.int64), BACKWARD),
-                        tf.where(any_fwd, first, last),
-                        tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(maxima)), tf.int64)),
-                    ]
-                )
-            )
-            self.window.assign(tf.slice(history, tf.stack([begin, 0]), [self.trace_length, len(COLUMNS)]))
-            self.scale.assign(scale)
-
-        tf.cond(failing, record, lambda: None)
+        found = tf.logical_or(tf.reduce_any(bad_rows), tf.reduce_any(bad_grads))
+        armed = tf.equal(self.state.read_value()[KIND], 0)
+        details = lambda: self._details(rows, history, bad_rows, maxima, bad_grads, scale)  # noqa: E731
+        context = tf.distribute.get_replica_context()
+        if context is None or context.num_replicas_in_sync == 1:
+            tf.cond(tf.logical_and(armed, found), lambda: self._write(*details()), lambda: None)
+        else:
+            chosen = self._agree(found, *details())
+            tf.cond(tf.logical_and(armed, chosen[0]), lambda: self._write(*chosen[1:]), lambda: None)
         self.tail.assign(history[count:])
         self.step.assign_add(1)
-        return tf.identity(self.state[KIND])
+        return tf.identity(self.state.read_value()[KIND])
+
+    def _details(
+        self,
+        rows: tf.Tensor,
+        history: tf.Tensor,
+        bad_rows: tf.Tensor,
+        maxima: tf.Tensor,
+        bad_grads: tf.Tensor,
+        scale: tf.Tensor,
+    ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        """This step's first failure, as `finish` records it.
+
+        Returns:
+            (fields, window, scale): int64 `[4]` kind bits, phase code, index and
+            number of non-finite gradients (all 0 kind when the step had no
+            failure); float32 `[trace_length, 6]` rows up to the failing one; the
+            loss scale (scalar float32).
+        """
+        count = rows.shape[0]
+        any_fwd = tf.reduce_any(bad_rows)
+        zero = tf.constant(0, tf.int64)
+        first = tf.argmax(tf.cast(bad_rows, tf.int32), output_type=tf.int64) if count else zero
+        out_kind = row_kinds(rows, ABS_MIN, ABS_MAX + 1)
+        fwd_kinds = tf.where(out_kind > 0, out_kind, row_kinds(rows, IN_MIN, IN_MAX + 1))
+        grad_kinds = _kind_bits(tf.math.is_nan(maxima), tf.math.is_inf(maxima))
+        last = _last_true(bad_grads) if maxima.shape[0] else zero
+        pick = lambda kinds, index: tf.gather(tf.concat([kinds, [0]], 0), index)  # noqa: E731, empty-safe
+        begin = tf.where(any_fwd, first + 1, count)
+        fields = tf.stack(
+            [
+                tf.where(any_fwd, pick(fwd_kinds, first), pick(grad_kinds, last)),
+                tf.where(any_fwd, tf.constant(FORWARD, tf.int64), BACKWARD),
+                tf.where(any_fwd, first, last),
+                tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(maxima)), tf.int64)),
+            ]
+        )
+        window = tf.slice(history, tf.stack([begin, 0]), [self.trace_length, len(COLUMNS)])
+        return fields, window, scale
+
+    def _agree(
+        self, found: tf.Tensor, fields: tf.Tensor, window: tf.Tensor, scale: tf.Tensor
+    ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
+        """The failure every replica records, from each replica's own `_details`.
+
+        One all-reduce (`gather_replicas`) of each replica's candidate packed as
+        float32 `[found, kind, phase, index, bad gradients, scale, window...]`: the
+        small integers are exact in float32 and non-finite window values arrive
+        unchanged. The earliest failure in the step wins (see the class docstring);
+        ties go to the lowest replica.
+
+        Returns:
+            (found, fields, window, scale) of the chosen replica, the same on every
+            replica: scalar bool, True when any replica failed; then as `_details`.
+        """
+        width = len(COLUMNS)
+        packed = tf.concat(
+            [[tf.cast(found, tf.float32)], tf.cast(fields, tf.float32), [scale], tf.reshape(window, [-1])], axis=0
+        )
+        table = gather_replicas(packed)  # [replicas, 6 + trace_length * width]
+        phase, index = table[:, 2], table[:, 3]
+        score = tf.where(tf.equal(phase, FORWARD), index, _BACKWARD_SCORE - index)
+        score = tf.where(table[:, 0] > 0, score, _NO_FAILURE_SCORE)
+        replicas = tf.shape(table)[0]
+        best = tf.equal(score, tf.reduce_min(score))
+        chosen = table[tf.reduce_min(tf.where(best, tf.range(replicas), replicas))]
+        return (
+            chosen[0] > 0,
+            tf.cast(chosen[1:5], tf.int64),
+            tf.reshape(chosen[6:], [self.trace_length, width]),
+            chosen[5],
+        )
+
+    def _write(self, fields: tf.Tensor, window: tf.Tensor, scale: tf.Tensor) -> None:
+        """Records a failure: `fields` as `_details` returns them, at the current step."""
+        kind, phase, index, bad_grads = tf.unstack(fields)
+        self.state.assign(tf.stack([kind, self.step.read_value(), phase, index, bad_grads]))
+        self.window.assign(window)
+        self.scale.assign(scale)
 
     def _gradient_maxima(self, trace: StepTrace) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
         """(max |gradient| per variable, float32 `[V]`; whether each counts, bool `[V]`; loss scale)."""

@@ -37,9 +37,9 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from train_digits import load_digits_arrays  # noqa: E402
 
 import tfmp  # noqa: E402
-from train_digits import load_digits_arrays  # noqa: E402
 
 POLICIES = ("float32", "mixed_bfloat16")
 

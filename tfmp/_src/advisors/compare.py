@@ -26,8 +26,8 @@ import tensorflow as tf
 
 from tfmp._src.advisors import compare_runs
 from tfmp._src.advisors.compare_report import CompareReport, RunResult
-from tfmp._src.policy.enable import policy_scope
 from tfmp._src.errors import invalid_argument
+from tfmp._src.policy.enable import policy_scope
 from tfmp._src.policy.policy import FLOAT32, recommend_policy, resolve_policy
 
 Data = Union[Tuple[Any, Any], tf.data.Dataset]

@@ -375,7 +375,7 @@ class CompareReport:
             validation dashed, one colour per policy, one line per seed). Made
             without pyplot, so no backend state changes.
         """
-        from matplotlib.figure import Figure  # noqa: F811 (lazy: optional dependency)
+        from matplotlib.figure import Figure  # lazy: optional dependency
         from matplotlib.ticker import MaxNLocator
 
         bases = sorted({m.removeprefix("val_") for r in self.runs for m in r.history})
@@ -398,6 +398,7 @@ class CompareReport:
         return fig
 
     def __str__(self) -> str:
-        from tfmp._src.advisors.compare_table import format_report  # (it imports this module)
+        # Imported here: compare_table imports this module.
+        from tfmp._src.advisors.compare_table import format_report
 
         return format_report(self)

@@ -11,6 +11,7 @@ from sklearn.datasets import load_digits
 
 import tfmp
 from tfmp._src.advisors import compare as _compare
+from tfmp._src.advisors.compare_report import CompareReport, RunResult
 from tfmp._src.policy.policy import recommend_policy, resolve_policy
 
 EPOCHS = 3
@@ -171,3 +172,137 @@ def test_failing_run_restores_policy_and_compile(digits):
         tfmp.compare(broken_model, digits[0], policies=("mixed_bfloat16", "float32"))
     assert keras.config.dtype_policy().name == before
     assert keras.Model.compile is original_compile
+
+
+# --- Several seeds: intervals, noise floor, per-example statistics, alternated timing.
+
+SEEDS = 3
+
+
+@pytest.fixture(scope="module")
+def seeded(digits):
+    train, val = digits
+    return tfmp.compare(build_digits_model, train, val, policies=POLICIES, epochs=2,
+                        seed=10, seeds=SEEDS, timing_rounds=3)
+
+
+def test_each_seed_runs_every_policy_from_the_same_weights(seeded):
+    assert seeded.seeds == [10, 11, 12] and seeded.settings["seeds"] == [10, 11, 12]
+    assert [(r.seed, r.policy) for r in seeded.runs] == [
+        (s, p) for s in (10, 11, 12) for p in POLICIES]
+    checksums = [r.initial_weights_checksum for r in seeded.runs]
+    assert checksums[0] == checksums[1] and checksums[2] == checksums[3]
+    assert checksums[0] != checksums[2]  # another seed, other initial weights
+
+
+def test_statistics_are_paired_by_seed(seeded):
+    from scipy import stats
+    f32 = [r for r in seeded.runs if r.policy == "float32"]
+    bf16 = [r for r in seeded.runs if r.policy == "mixed_bfloat16"]
+    diffs = [100 * (b.final["val_accuracy"] - a.final["val_accuracy"]) for a, b in zip(f32, bf16)]
+    summary = seeded.statistics()["mixed_bfloat16"]["val_accuracy"]
+    assert summary.per_seed == pytest.approx(diffs)
+    assert summary.mean == pytest.approx(np.mean(diffs))
+    half = stats.t.ppf(0.975, SEEDS - 1) * np.std(diffs, ddof=1) / np.sqrt(SEEDS)
+    assert summary.ci_low == pytest.approx(np.mean(diffs) - half)
+    assert summary.ci_high == pytest.approx(np.mean(diffs) + half)
+    assert summary.noise_floor == pytest.approx(
+        np.std([100 * r.final["val_accuracy"] for r in f32], ddof=1))
+    assert seeded.differences()["mixed_bfloat16"]["val_accuracy"] == summary.mean
+
+
+def test_predictions_reproduce_val_accuracy_and_agreement(seeded, digits):
+    labels = digits[1][1]
+    assert seeded.val_labels == tuple(int(i) for i in labels)
+    for run in seeded.runs:
+        assert len(run.predictions) == len(labels)
+        assert np.mean(np.asarray(run.predictions) == labels) == pytest.approx(
+            run.final["val_accuracy"], abs=1e-6)
+    agreement = seeded.agreement()["mixed_bfloat16"]
+    f32 = [r for r in seeded.runs if r.policy == "float32"]
+    bf16 = [r for r in seeded.runs if r.policy == "mixed_bfloat16"]
+    assert agreement["agreement"] == [
+        np.mean(np.asarray(a.predictions) == np.asarray(b.predictions)) for a, b in zip(f32, bf16)]
+    for table, a, b in zip(agreement["mcnemar"], f32, bf16):
+        right_a, right_b = np.asarray(a.predictions) == labels, np.asarray(b.predictions) == labels
+        assert table["only_reference"] == int(np.sum(right_a & ~right_b))
+        assert table["only_other"] == int(np.sum(~right_a & right_b))
+        assert 0 < table["p_value"] <= 1
+
+
+def test_speed_is_the_median_of_alternated_paired_ratios(seeded):
+    speed = seeded.speed
+    assert list(speed) == ["float32", "mixed_bfloat16"]
+    assert speed["float32"]["ratios"] == [1.0, 1.0, 1.0]
+    bf16 = speed["mixed_bfloat16"]
+    assert len(bf16["seconds"]) == 3 and all(s > 0 for s in bf16["seconds"])
+    assert bf16["ratios"] == pytest.approx(
+        [a / b for a, b in zip(speed["float32"]["seconds"], bf16["seconds"])])
+    assert bf16["ratio"] == pytest.approx(float(np.median(bf16["ratios"])))
+
+
+def test_seeded_verdict_matches_its_interval_and_rejudges(seeded):
+    from tfmp._src.advisors import compare_stats
+    verdict = seeded.verdict()
+    summary = seeded.statistics()[verdict.policy][verdict.metric]
+    assert (verdict.ci_low, verdict.ci_high, verdict.n_seeds) == (
+        summary.ci_low, summary.ci_high, SEEDS)
+    assert verdict.status == compare_stats.decide(summary.interval, 0.5)
+    wide = max(abs(s.ci_low) + abs(s.ci_high) for d in seeded.statistics().values()
+               for m, s in d.items() if "acc" in m)
+    assert seeded.verdict(tolerance=wide).status == "pass"
+    data = json.loads(json.dumps(seeded.to_dict()))
+    stats_ = data["statistics"]["mixed_bfloat16"]["val_accuracy"]
+    assert set(stats_) >= {"mean", "ci_low", "ci_high", "noise_floor"}
+    assert stats_["mean"] == summary.mean and stats_["noise_floor"] == summary.noise_floor
+    assert data["verdict"]["status"] == verdict.status
+    assert "predictions" not in data["runs"][0]
+    table = str(seeded)
+    assert "95% interval" in table and "McNemar exact p" in table and str(verdict) in table
+
+
+def _run(policy, seed, val_accuracy):
+    return RunResult(requested=policy, policy=policy,
+                     history={"val_accuracy": [val_accuracy]}, step_time_s=0.01,
+                     samples_per_second=3200.0, steps_timed=10, wall_time_s=1.0,
+                     initial_weights_checksum=float(seed), seed=seed)
+
+
+def _planted(reference, other):
+    runs = []
+    for seed, (a, b) in enumerate(zip(reference, other)):
+        runs += [_run("float32", seed, a), _run("mixed_bfloat16", seed, b)]
+    return CompareReport(runs=tuple(runs), tolerance=0.5,
+                         settings={"epochs": 1, "samples_per_step": 32})
+
+
+def test_planted_five_point_drop_over_five_seeds_fails():
+    reference = [0.90, 0.91, 0.89, 0.92, 0.90]
+    report = _planted(reference, [r - d for r, d in zip(reference, (0.05, 0.045, 0.055, 0.052, 0.048))])
+    verdict = report.verdict()
+    assert verdict.status == "fail" and not verdict
+    assert verdict.difference == pytest.approx(-5.0)
+    assert verdict.ci_high < -0.5 and verdict.n_seeds == 5
+    assert verdict.noise_floor == pytest.approx(np.std([100 * r for r in reference], ddof=1))
+    assert "FAIL" in str(verdict) and "troubleshooting.md" in str(verdict)
+
+
+def test_planted_noise_without_a_difference_is_inconclusive_with_a_seed_count():
+    reference = [0.90, 0.92, 0.88, 0.91, 0.89]
+    report = _planted(reference, [r + d for r, d in zip(reference, (-0.02, 0.02, -0.01, 0.01, 0.0))])
+    verdict = report.verdict()
+    assert verdict.status == "inconclusive" and verdict.difference == pytest.approx(0.0, abs=1e-9)
+    assert verdict.seeds_needed == 41  # as in test_compare_stats: std sqrt(2.5) pp
+    assert "about 41 seeds would decide it" in str(verdict)
+
+
+def test_identical_runs_pass_with_a_zero_width_interval():
+    reference = [0.90, 0.92, 0.88]
+    verdict = _planted(reference, reference).verdict(tolerance=0.0)
+    assert verdict.status == "pass" and verdict.ci_low == verdict.ci_high == 0.0
+
+
+@pytest.mark.parametrize("seeds", [0, (1, 1), "3", (1.5,)])
+def test_bad_seeds_use_the_error_template(digits, seeds):
+    with pytest.raises(ValueError, match="Invalid `seeds` argument"):
+        tfmp.compare(build_digits_model, digits[0], policies=POLICIES, seeds=seeds)

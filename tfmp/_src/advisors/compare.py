@@ -3,7 +3,10 @@
 The practice this automates: before trusting a mixed policy, train the same model
 with the same seed and data under float32 and under the mixed policy, and check
 that the final accuracy-like metrics agree within about half a percentage point.
-`compare` does this in one process and keeps every number it measured, so the
+One run per policy judges run-to-run noise as often as precision, so `compare`
+trains each policy with each of several seeds (same data order per seed across
+policies) and judges the confidence interval of the paired differences
+(tfmp/_src/advisors/compare_stats.py). It keeps every number it measured, so the
 verdict can be re-judged at another tolerance without training again.
 
 Troubleshooting (accuracy drop versus float32):
@@ -15,33 +18,19 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmp._src.advisors import compare_runs
 from tfmp._src.advisors.compare_report import CompareReport, RunResult
-from tfmp._src.policy.enable import policy_scope
 from tfmp._src.errors import invalid_argument
+from tfmp._src.policy.enable import policy_scope
 from tfmp._src.policy.policy import FLOAT32, recommend_policy, resolve_policy
 
 Data = Union[Tuple[Any, Any], tf.data.Dataset]
-
-
-class _StepTimer(keras.callbacks.Callback):
-    """Records the wall time of every training step, in seconds."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.durations: List[float] = []
-        self._start = 0.0
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.durations.append(time.perf_counter() - self._start)
 
 
 def _fit_arguments(data: Data, name: str, batch_size: int) -> Tuple[dict, int]:
@@ -72,8 +61,13 @@ def _run_one(
     samples_per_step: int,
     epochs: int,
     seed: int,
-) -> RunResult:
-    """Builds, checks and trains one model under `policy`; returns what it measured."""
+    val: Optional[Tuple[Any, int, int]],
+) -> Tuple[RunResult, keras.Model]:
+    """Builds, checks and trains one model under `policy` with `seed`.
+
+    `val` is ``(validation inputs, batch size, number of labels)`` when per-example
+    predictions are wanted. Returns what the run measured and the trained model.
+    """
     # policy_scope: the same float32 forcing and optimizer wrapping as tfmp.enable().
     with policy_scope(policy):
         keras.utils.set_random_seed(seed)
@@ -85,17 +79,16 @@ def _run_one(
                 fix="Call model.compile(optimizer, loss, metrics=...) inside "
                     "build_model before returning the model.")
         checksum = _weights_checksum(model)
-        timer = _StepTimer()
+        timer = compare_runs.StepTimer()
         start = time.perf_counter()
         history = model.fit(**fit_kwargs, epochs=epochs, verbose=0,
                             callbacks=[timer])
         wall = time.perf_counter() - start
-    del model
-    gc.collect()
+        predictions = None if val is None else compare_runs.predicted_labels(model, *val)
     # The first step traces and compiles the graph; leave it out of the timing.
     timed = timer.durations[1:] or timer.durations
     step = statistics.median(timed)
-    return RunResult(
+    result = RunResult(
         requested=requested,
         policy=policy,
         history={k: [float(v) for v in vs] for k, vs in history.history.items()},
@@ -104,7 +97,25 @@ def _run_one(
         steps_timed=len(timed),
         wall_time_s=wall,
         initial_weights_checksum=checksum,
+        seed=seed,
+        predictions=predictions,
     )
+    return result, model
+
+
+def _seed_list(seed: int, seeds: Union[int, Sequence[int]]) -> Tuple[int, ...]:
+    """The seeds to run: `seed`, `seed` + 1, ... or an explicit sequence."""
+    if isinstance(seeds, int) and not isinstance(seeds, bool):
+        if seeds < 1:
+            raise invalid_argument("seeds", seeds, "a positive int or a sequence of ints",
+                                   fix="Pass e.g. seeds=5 (seeds 0..4 from seed=0).")
+        return tuple(range(seed, seed + seeds))
+    values = tuple(seeds) if isinstance(seeds, (list, tuple)) else ()
+    if not values or len(set(values)) != len(values) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise invalid_argument("seeds", seeds, "a positive int or a sequence of distinct ints",
+                               fix="Pass e.g. seeds=5 or seeds=(0, 1, 2).")
+    return values
 
 
 def compare(
@@ -116,51 +127,72 @@ def compare(
     seed: int = 0,
     batch_size: int = 32,
     tolerance: float = 0.5,
+    seeds: Union[int, Sequence[int]] = 1,
+    timing_rounds: int = 5,
 ) -> CompareReport:
-    """Trains the same model under each policy and reports the differences.
+    """Trains the same model under each policy and seed and judges the differences.
 
-    Each run sets the policy, reseeds (`keras.utils.set_random_seed(seed)`), builds
-    the model with `build_model`, and fits it on the same data with the same
-    shuffling. Runs happen one after another in this process; the Keras global
-    policy is restored afterwards. The Python, NumPy and TensorFlow global random
-    generators are left seeded with `seed`.
+    For each seed, each policy in turn: set the policy, reseed
+    (`keras.utils.set_random_seed(seed)`), build the model with `build_model` and
+    fit it on the same data with the same shuffling, so runs of one seed differ
+    only in the arithmetic. Per metric, the differences to the float32 run of the
+    same seed give a mean with a 95% Student t interval; the float32 runs' own
+    seed-to-seed spread is the noise floor. For a classifier with `val_data`, the
+    per-example agreement of the predictions and McNemar's exact test on the
+    per-example correctness are computed per seed. After the first seed's runs the
+    trained models take turns for `timing_rounds` timed calls each; the speed is the
+    median of paired ratios. Runs happen one after another in this process; the
+    Keras global policy is restored afterwards. The Python, NumPy and TensorFlow
+    global random generators are left seeded with the last seed.
 
     Args:
         build_model: Callable with no arguments returning a compiled `keras.Model`.
-            It is called once per policy, with that policy already set, so layers
-            created inside it take it (give output layers ``dtype="float32"``).
+            It is called once per policy and seed, with that policy already set, so
+            layers created inside it take it (give output layers ``dtype="float32"``).
         train_data: Tuple ``(x, y)`` of arrays (batched with `batch_size`) or a
-            batched `tf.data.Dataset` yielding ``(x, y)``.
-        val_data: Same forms as `train_data`, or None. Gives ``val_*`` metrics.
+            batched `tf.data.Dataset` yielding ``(x, y)``. A dataset brings its own
+            order: shuffle it there with a fixed seed, or every policy sees another.
+        val_data: Same forms as `train_data`, or None. Gives ``val_*`` metrics and,
+            for classifiers, the per-example statistics.
         policies: Sequence of policy names (or `keras.DTypePolicy`); ``"auto"`` means
             `tfmp.recommend_policy().policy`. Must include ``"float32"`` (the
-            baseline) and one more.
+            reference) and one more.
         epochs: Int > 0. Epochs per run.
-        seed: Int. Seed for weights, dropout and shuffling, the same in every run.
+        seed: Int. First seed (weights, dropout and shuffling).
         batch_size: Int > 0. Used when `train_data` is a tuple of arrays.
         tolerance: Float >= 0. Default tolerance of `CompareReport.verdict`, in
             percentage points for accuracy-like metrics (0.5 means 0.5 pp).
+        seeds: Int >= 1 (seeds `seed` .. `seed` + seeds - 1) or a sequence of
+            distinct ints. Default 1, the single run per policy of earlier
+            versions: quick, but with no interval its verdict may judge noise; 5
+            seeds give an interval (cost: seeds x policies trainings).
+        timing_rounds: Int >= 1. Alternated timed calls per policy (10 steps or an
+            epoch each, whichever is fewer).
 
     Returns:
-        `CompareReport`: final metrics, curves, median time per step (seconds) and
-        samples per second for each policy, the largest difference against float32
-        and a verdict. ``print(report)`` shows a table, ``report.plot()`` the
-        curves, ``report.to_dict()`` everything as plain Python values.
+        `CompareReport`: per run the curves and final metrics; per policy and
+        metric the mean difference, interval and noise floor (`statistics()`);
+        agreement and McNemar (`agreement()`); speed (`speed`); a verdict
+        ("pass", "fail" or "inconclusive"). ``print(report)`` shows a table,
+        ``report.plot()`` the curves, ``report.to_dict()`` everything as plain
+        Python values.
 
     Raises:
-        ValueError: unknown policy name, no float32 baseline, two policies that
+        ValueError: unknown policy name, no float32 reference, two policies that
             resolve to the same one on this machine (e.g. "auto" is float32 on a
-            CPU without bfloat16: there is nothing to compare), bad sizes or data,
-            or `build_model` not returning a compiled model.
+            CPU without bfloat16: there is nothing to compare), bad sizes, seeds or
+            data, or `build_model` not returning a compiled model.
 
     Example:
-        ``report = tfmp.compare(build, (x, y), (x_val, y_val), epochs=5)`` then
-        ``print(report)`` and ``report.verdict(tolerance=0.25)``; tests/
+        ``report = tfmp.compare(build, (x, y), (x_val, y_val), epochs=5, seeds=5)``
+        then ``print(report)`` and ``report.verdict(tolerance=0.25)``; tests/
         test_compare.py runs this on scikit-learn's digits.
     """
-    for name, value in (("epochs", epochs), ("batch_size", batch_size)):
+    for name, value in (("epochs", epochs), ("batch_size", batch_size),
+                        ("timing_rounds", timing_rounds)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise invalid_argument(name, value, "a positive int")
+    seed_list = _seed_list(seed, seeds)
     if not callable(build_model):
         raise invalid_argument("build_model", build_model,
                                "a callable returning a compiled keras.Model")
@@ -185,16 +217,38 @@ def compare(
             "policies", policies, "a sequence including 'float32' as the baseline",
             fix=f"Pass e.g. policies=('float32', {policies[0]!r}).")
     fit_kwargs, samples_per_step = _fit_arguments(train_data, "train_data", batch_size)
+    labels, val = None, None
     if val_data is not None:
         val_kwargs, _ = _fit_arguments(val_data, "val_data", batch_size)
         fit_kwargs["validation_data"] = (val_kwargs["x"], val_kwargs["y"]) \
             if "y" in val_kwargs else val_kwargs["x"]
-    runs = [
-        _run_one(requested, policy, build_model, fit_kwargs, samples_per_step,
-                 epochs, seed)
-        for requested, policy in resolved
-    ]
-    settings: Dict[str, Any] = dict(epochs=epochs, seed=seed,
+        labels = compare_runs.class_labels(val_data)
+        if labels is not None:
+            val = (val_kwargs["x"], batch_size, len(labels))
+    runs, speed = [], {}
+    for s in seed_list:
+        models = {}
+        for requested, policy in resolved:
+            run, model = _run_one(requested, policy, build_model, fit_kwargs,
+                                  samples_per_step, epochs, s, val)
+            runs.append(run)
+            if not speed:  # the first seed's models are timed below, then dropped
+                models[run.label] = model
+            del model
+        if models:
+            per_epoch = max(1, (runs[0].steps_timed + 1) // epochs)
+            steps = min(compare_runs.TIMING_STEPS, per_epoch)
+            # The float32 model first: it is the reference of the paired ratios.
+            order = sorted(runs, key=lambda r: r.policy != FLOAT32)
+            speed = compare_runs.time_alternately(
+                {r.label: models[r.label] for r in order},
+                compare_runs.timing_kwargs(fit_kwargs, samples_per_step, steps),
+                timing_rounds)
+        del models
+        gc.collect()
+    settings: Dict[str, Any] = dict(epochs=epochs, seeds=list(seed_list),
                                     samples_per_step=samples_per_step,
                                     device=recommend_policy().device)
-    return CompareReport(runs=tuple(runs), tolerance=float(tolerance), settings=settings)
+    return CompareReport(runs=tuple(runs), tolerance=float(tolerance), settings=settings,
+                         speed=speed,
+                         val_labels=None if labels is None else tuple(int(i) for i in labels))

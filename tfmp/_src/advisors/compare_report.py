@@ -1,10 +1,10 @@
-"""The report of `tfmp.compare`: per-run numbers, differences, verdict, table, plot.
+"""The report of `tfmp.compare`: per-run numbers, intervals, verdict, table, plot.
 
 Every number here was measured by `compare`; the report only re-reads them, so
 `CompareReport.verdict` can judge again at any tolerance without training.
 Units: accuracy-like metrics (accuracy, AUC, precision, recall; values in [0, 1])
 differ in percentage points ("pp"); other metrics (losses) in percent of the
-float32 value ("%").
+float32 value of the same seed ("%"). The statistics are in compare_stats.py.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from tfmp._src.advisors import compare_stats
 from tfmp._src.errors import invalid_argument
 from tfmp._src.policy.policy import FLOAT32
 
@@ -44,6 +45,9 @@ class RunResult:
         wall_time_s: Float. Seconds `Model.fit` took, tracing included.
         initial_weights_checksum: Float. Sum of |w| over trainable weights before
             training; equal across runs shows they started from the same weights.
+        seed: Int. Seed of the run.
+        predictions: Tuple of ints or None. Predicted class per validation example
+            (classifiers with validation data only).
     """
 
     requested: str
@@ -54,6 +58,8 @@ class RunResult:
     steps_timed: int
     wall_time_s: float
     initial_weights_checksum: float
+    seed: int = 0
+    predictions: Optional[Tuple[int, ...]] = None
 
     @property
     def label(self) -> str:
@@ -67,76 +73,225 @@ class RunResult:
         return {k: v[-1] for k, v in self.history.items()}
 
 
+
+@dataclasses.dataclass(frozen=True)
+class MetricSummary:
+    """One metric of one policy against float32, over the seeds.
+
+    Attributes:
+        mean: Float. Mean of the per-seed differences (policy minus float32), `unit`.
+        ci_low: Float. Lower bound of the 95% Student t interval; `mean` for one seed.
+        ci_high: Float. Upper bound; `mean` for one seed.
+        noise_floor: Float or None. Standard deviation of float32's own final value
+            over the seeds, in `unit` (None for one seed): differences of this size
+            happen between two float32 runs.
+        per_seed: List of floats. The difference at each seed, in seed order.
+        unit: String. ``"pp"`` or ``"%"``.
+        interval: `compare_stats.Interval` the bounds come from.
+    """
+
+    mean: float
+    ci_low: float
+    ci_high: float
+    noise_floor: Optional[float]
+    per_seed: List[float]
+    unit: str
+    interval: compare_stats.Interval
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain values: mean, ci_low, ci_high, noise_floor, n_seeds, unit, per_seed."""
+        return {"mean": self.mean, "ci_low": self.ci_low, "ci_high": self.ci_high,
+                "noise_floor": self.noise_floor, "n_seeds": self.interval.n,
+                "unit": self.unit, "per_seed": list(self.per_seed)}
+
+
 @dataclasses.dataclass(frozen=True)
 class Verdict:
     """Whether the mixed runs agree with float32 within a tolerance.
 
     Attributes:
-        passed: Bool. ``abs(difference) <= tolerance``; also the truth value.
-        metric: String. Metric with the largest difference, e.g. ``"val_accuracy"``.
-        policy: String. Label of the run with that difference.
-        difference: Float. That run's value minus float32's, in `unit`.
+        status: String. ``"pass"`` (the interval lies within +-tolerance),
+            ``"fail"`` (it lies entirely outside) or ``"inconclusive"`` (it
+            straddles a bound). With one seed the interval is the single
+            difference, so it is "pass" or "fail".
+        passed: Bool. ``status == "pass"``; also the truth value.
+        metric: String. Metric that decided, e.g. ``"val_accuracy"``.
+        policy: String. Label of the run that decided.
+        difference: Float. Mean difference to float32 over the seeds, in `unit`.
+        ci_low: Float. Lower bound of its 95% interval, in `unit`.
+        ci_high: Float. Upper bound, in `unit`.
         tolerance: Float. In `unit`.
         unit: String. ``"pp"`` (percentage points, accuracy-like metrics) or
             ``"%"`` (percent of the float32 value, losses).
+        n_seeds: Int. Seeds the interval is over.
+        noise_floor: Float or None. float32's seed-to-seed standard deviation.
+        seeds_needed: Int or None. When inconclusive: seeds for which the interval,
+            with the spread observed, would be narrow enough to decide.
+        examples_needed: Int or None. When inconclusive on a validation accuracy of
+            a classifier: validation examples per seed for which the part of the
+            spread due to the choice of examples would be narrow enough.
     """
 
+    status: str
     passed: bool
     metric: str
     policy: str
     difference: float
+    ci_low: float
+    ci_high: float
     tolerance: float
     unit: str
+    n_seeds: int
+    noise_floor: Optional[float] = None
+    seeds_needed: Optional[int] = None
+    examples_needed: Optional[int] = None
 
     def __bool__(self) -> bool:
         return self.passed
 
     def __str__(self) -> str:
-        sign = "<=" if self.passed else ">"
-        text = (f"{'PASS' if self.passed else 'FAIL'}: largest difference {self.metric} "
-                f"{self.difference:+.3f} {self.unit} ({self.policy}) {sign} "
-                f"tolerance {self.tolerance:.3f} {self.unit}")
+        u = self.unit
+        text = (f"{self.status.upper()}: {self.metric} {self.policy} {self.difference:+.3f} {u}, "
+                f"95% interval [{self.ci_low:+.3f}, {self.ci_high:+.3f}] {u} "
+                f"(tolerance +-{self.tolerance:.3f} {u}, {self.n_seeds} seed"
+                f"{'s' if self.n_seeds != 1 else ''}")
+        if self.noise_floor is not None:
+            text += f", float32 noise floor {self.noise_floor:.3f} {u}"
+        text += ")"
+        if self.n_seeds == 1:
+            text += ("; one seed gives no interval and may judge run-to-run noise: "
+                     "pass seeds=5")
+        elif self.status == compare_stats.INCONCLUSIVE:
+            more = (f"about {self.seeds_needed} seeds would decide it"
+                    if self.seeds_needed else "more seeds would not decide it")
+            if self.examples_needed:
+                more += f", or about {self.examples_needed} validation examples per seed"
+            text += f"; {more}"
         return text if self.passed else f"{text}. See {ACCURACY_SECTION}"
 
+
+_SEVERITY = {compare_stats.PASS: 0, compare_stats.INCONCLUSIVE: 1, compare_stats.FAIL: 2}
 
 
 @dataclasses.dataclass(frozen=True)
 class CompareReport:
-    """Results of `compare`: one `RunResult` per policy, float32 first among equals.
+    """Results of `compare`: one `RunResult` per policy and seed.
 
     Attributes:
-        runs: Tuple of `RunResult`, in the order the policies were given.
+        runs: Tuple of `RunResult`, seed by seed, each seed in the order the
+            policies were given.
         tolerance: Float. Default tolerance of `verdict`.
-        settings: Dict. Epochs, seed and samples per step the runs used.
+        settings: Dict. Epochs, seeds and samples per step the runs used.
+        speed: Dict of run label to ``{"step_time_s", "ratio", "seconds",
+            "ratios"}`` from the alternated timing (see `compare_runs`); ``ratio``
+            is the median of paired ratios float32 seconds / this policy's (> 1:
+            faster). Empty when not timed.
+        val_labels: Tuple of ints or None. Validation class labels, for the
+            per-example statistics.
     """
 
     runs: Tuple[RunResult, ...]
     tolerance: float
     settings: Dict[str, Any]
+    speed: Dict[str, Dict[str, Any]] = dataclasses.field(default_factory=dict)
+    val_labels: Optional[Tuple[int, ...]] = None
+
+    @property
+    def seeds(self) -> List[int]:
+        """List of ints. The seeds, in the order they ran."""
+        return list(dict.fromkeys(r.seed for r in self.runs))
 
     @property
     def baseline(self) -> RunResult:
-        """`RunResult` of the first float32 run."""
+        """`RunResult` of the float32 run of the first seed."""
         return next(r for r in self.runs if r.policy == FLOAT32)
 
-    def differences(self) -> Dict[str, Dict[str, float]]:
-        """Final-metric differences against float32, per run label and metric.
+    def _by_seed(self) -> Dict[str, Dict[int, RunResult]]:
+        """Run label to seed to run."""
+        out: Dict[str, Dict[int, RunResult]] = {}
+        for run in self.runs:
+            out.setdefault(run.label, {})[run.seed] = run
+        return out
+
+    def statistics(self, confidence: float = 0.95) -> Dict[str, Dict[str, MetricSummary]]:
+        """Per compared policy and metric: mean difference, interval, noise floor.
+
+        Args:
+            confidence: Float in (0, 1). Coverage of the intervals.
 
         Returns:
-            Dict of run label to dict of metric to (run - float32): percentage points
-            for accuracy-like metrics, percent of the float32 value for the others.
+            Dict of run label (float32 left out) to dict of metric to
+            `MetricSummary`. Differences are paired by seed.
         """
-        base, out = self.baseline, {}
-        for run in self.runs:
-            if run is base:
+        runs = self._by_seed()
+        reference = runs[self.baseline.label]
+        out: Dict[str, Dict[str, MetricSummary]] = {}
+        for label, by_seed in runs.items():
+            if label == self.baseline.label:
                 continue
-            out[run.label] = {}
-            for metric, value in run.final.items():
-                ref = base.final.get(metric)
-                if ref is None:
+            out[label] = {}
+            for metric in by_seed[self.seeds[0]].final:
+                if metric not in reference[self.seeds[0]].final:
                     continue
-                scale = 100.0 if is_accuracy_like(metric) else 100.0 / (abs(ref) or 1.0)
-                out[run.label][metric] = (value - ref) * scale
+                accuracy = is_accuracy_like(metric)
+                refs = [reference[s].final[metric] for s in self.seeds]
+                scales = [100.0 if accuracy else 100.0 / (abs(r) or 1.0) for r in refs]
+                diffs = [(by_seed[s].final[metric] - r) * k
+                         for s, r, k in zip(self.seeds, refs, scales)]
+                interval = compare_stats.paired_interval(diffs, confidence)
+                ref_scale = 100.0 if accuracy else 100.0 / (abs(float(np.mean(refs))) or 1.0)
+                floor = compare_stats.noise_floor([r * ref_scale for r in refs])
+                out[label][metric] = MetricSummary(
+                    interval.mean, interval.ci_low, interval.ci_high, floor, diffs,
+                    "pp" if accuracy else "%", interval)
+        return out
+
+    def differences(self) -> Dict[str, Dict[str, float]]:
+        """Mean final-metric differences against float32, per run label and metric.
+
+        Returns:
+            Dict of run label to dict of metric to the mean over seeds of (run -
+            float32): percentage points for accuracy-like metrics, percent of the
+            float32 value for the others.
+        """
+        return {label: {m: s.mean for m, s in metrics.items()}
+                for label, metrics in self.statistics().items()}
+
+    def _correctness(self, label: str) -> List[Tuple[np.ndarray, np.ndarray]]:
+        """Per seed, (float32 correct, `label` correct) boolean vectors; [] if unknown."""
+        if self.val_labels is None:
+            return []
+        truth, runs, out = np.asarray(self.val_labels), self._by_seed(), []
+        for s in self.seeds:
+            ref, other = runs[self.baseline.label][s], runs[label][s]
+            if ref.predictions is None or other.predictions is None:
+                return []
+            out.append((np.asarray(ref.predictions) == truth,
+                        np.asarray(other.predictions) == truth))
+        return out
+
+    def agreement(self) -> Dict[str, Dict[str, Any]]:
+        """Per-example comparison with float32 at the same seed (classifiers).
+
+        Returns:
+            Dict of run label to ``{"agreement": [float per seed], "mcnemar":
+            [{"only_reference", "only_other", "p_value"} per seed]}``: the fraction
+            of validation predictions equal to float32's and McNemar's exact test on
+            per-example correctness. Empty when no predictions were recorded.
+        """
+        out: Dict[str, Dict[str, Any]] = {}
+        runs = self._by_seed()
+        for label in runs:
+            pairs = self._correctness(label) if label != self.baseline.label else []
+            if not pairs:
+                continue
+            out[label] = {
+                "agreement": [compare_stats.agreement(runs[self.baseline.label][s].predictions,
+                                                      runs[label][s].predictions)
+                              for s in self.seeds],
+                "mcnemar": [dataclasses.asdict(compare_stats.mcnemar(ref, other))
+                            for ref, other in pairs],
+            }
         return out
 
     def verdict(self, tolerance: Optional[float] = None,
@@ -150,7 +305,9 @@ class CompareReport:
                 accuracy-like metric, or the losses when there is none.
 
         Returns:
-            `Verdict` for the largest absolute difference found.
+            `Verdict`: "fail" if any judged interval lies outside the tolerance,
+            else "inconclusive" if any straddles it, else "pass"; it names the
+            metric and policy that decided (the farthest interval among those).
 
         Raises:
             ValueError: negative tolerance or a metric the runs did not record.
@@ -158,52 +315,81 @@ class CompareReport:
         tolerance = self.tolerance if tolerance is None else float(tolerance)
         if not tolerance >= 0:
             raise invalid_argument("tolerance", tolerance, "a float >= 0")
-        diffs = self.differences()
-        names = sorted({m for d in diffs.values() for m in d})
+        summaries = self.statistics()
+        names = sorted({m for d in summaries.values() for m in d})
         if metric is not None and metric not in names:
             raise invalid_argument("metric", metric, "a metric the runs recorded",
                                    choices=names, fix="Choose from: " + ", ".join(names))
         judged = [metric] if metric else ([m for m in names if is_accuracy_like(m)]
                                           or names)
-        worst = max(((abs(d[m]), m, label, d[m]) for label, d in diffs.items()
-                     for m in judged), default=(0.0, judged[0], "", 0.0))
-        unit = "pp" if is_accuracy_like(worst[1]) else "%"
-        return Verdict(worst[0] <= tolerance, worst[1], worst[2], worst[3],
-                       tolerance, unit)
+        candidates = [(label, m, s, compare_stats.decide(s.interval, tolerance))
+                      for label, d in summaries.items() for m, s in d.items() if m in judged]
+        label, m, s, status = max(candidates, key=lambda c: (
+            _SEVERITY[c[3]], max(abs(c[2].ci_low), abs(c[2].ci_high))))
+        seeds_needed = examples_needed = None
+        if status == compare_stats.INCONCLUSIVE:
+            seeds_needed = compare_stats.seeds_needed(s.interval, tolerance)
+            pairs = self._correctness(label) if m.startswith("val_") and "acc" in m else []
+            if pairs:
+                examples_needed = compare_stats.examples_needed(
+                    np.concatenate([p[0] for p in pairs]),
+                    np.concatenate([p[1] for p in pairs]), s.mean, tolerance)
+        return Verdict(status, status == compare_stats.PASS, m, label, s.mean, s.ci_low,
+                       s.ci_high, tolerance, s.unit, s.interval.n, s.noise_floor,
+                       seeds_needed, examples_needed)
 
     def to_dict(self) -> Dict[str, Any]:
-        """Everything as plain Python values (JSON-serializable)."""
+        """Everything as plain Python values (JSON-serializable).
+
+        Returns:
+            Dict with ``settings``, ``baseline``, ``runs`` (without predictions),
+            ``differences``, ``statistics`` (per compared policy and metric:
+            ``mean``, ``ci_low``, ``ci_high``, ``noise_floor``, ``n_seeds``,
+            ``unit``, ``per_seed``), ``agreement``, ``speed`` and ``verdict``.
+        """
+        runs = []
+        for r in self.runs:
+            row = dataclasses.asdict(r)
+            row.pop("predictions")
+            runs.append(dict(row, label=r.label, final=r.final))
         return {
             "settings": dict(self.settings),
             "baseline": self.baseline.label,
-            "runs": [dict(dataclasses.asdict(r), label=r.label, final=r.final)
-                     for r in self.runs],
+            "runs": runs,
             "differences": self.differences(),
+            "statistics": {label: {m: s.to_dict() for m, s in d.items()}
+                           for label, d in self.statistics().items()},
+            "agreement": self.agreement(),
+            "speed": {label: dict(v) for label, v in self.speed.items()},
             "verdict": dataclasses.asdict(self.verdict()),
         }
 
     def plot(self, path: Optional[str] = None) -> Figure:
-        """Draws each metric's per-epoch curve for every policy.
+        """Draws each metric's per-epoch curve for every policy and seed.
 
         Args:
             path: String or None. When given, the figure is also saved there.
 
         Returns:
             `matplotlib.figure.Figure` with one axes per metric (training solid,
-            validation dashed). Made without pyplot, so no backend state changes.
+            validation dashed, one colour per policy, one line per seed). Made
+            without pyplot, so no backend state changes.
         """
-        from matplotlib.figure import Figure  # noqa: F811 (lazy: optional dependency)
+        from matplotlib.figure import Figure  # lazy: optional dependency
         from matplotlib.ticker import MaxNLocator
 
         bases = sorted({m.removeprefix("val_") for r in self.runs for m in r.history})
+        colours = {label: f"C{i}" for i, label in enumerate(self._by_seed())}
         fig = Figure(figsize=(4.5 * len(bases), 3.5), layout="constrained")
         for ax, base in zip(np.atleast_1d(fig.subplots(1, len(bases))), bases):
-            for i, run in enumerate(self.runs):
+            for run in self.runs:
                 for prefix, style in (("", "-"), ("val_", "--")):
                     values = run.history.get(prefix + base)
                     if values:
-                        ax.plot(range(1, len(values) + 1), values, style, color=f"C{i}",
-                                label=f"{prefix}{base} {run.label}")
+                        first = run.seed == self.seeds[0]
+                        ax.plot(range(1, len(values) + 1), values, style,
+                                color=colours[run.label], alpha=1.0 if first else 0.4,
+                                label=f"{prefix}{base} {run.label}" if first else None)
             ax.set(title=base, xlabel="epoch")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.legend(fontsize="small")
@@ -212,20 +398,7 @@ class CompareReport:
         return fig
 
     def __str__(self) -> str:
-        metrics = list(self.baseline.history)
-        header = ["policy"] + metrics + ["ms/step", "samples/s", "speed vs fp32"]
-        rows = [header]
-        for run in self.runs:
-            cells = [run.label]
-            for m in metrics:
-                v = run.final.get(m, float("nan"))
-                cells.append(f"{100 * v:.2f}%" if is_accuracy_like(m) else f"{v:.4f}")
-            cells += [f"{1000 * run.step_time_s:.2f}", f"{run.samples_per_second:.0f}",
-                      f"{self.baseline.step_time_s / run.step_time_s:.2f}x"]
-            rows.append(cells)
-        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-        lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                           for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
-        settings = ", ".join(f"{k}={v}" for k, v in self.settings.items())
-        return "\n".join([f"tfmp.compare ({settings})"] + lines + [str(self.verdict())])
+        # Imported here: compare_table imports this module.
+        from tfmp._src.advisors.compare_table import format_report
 
+        return format_report(self)

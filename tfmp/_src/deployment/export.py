@@ -153,16 +153,19 @@ def _convert(copy: keras.Model, saved_model: str, weights: str) -> bytes:
 
 
 def _layer_in_message(copy: keras.Model, message: str) -> Optional[str]:
-    """The path of the layer whose name appears first in a converter location, or None.
+    """The path of the layer named first in a converter location, or None.
 
-    Converter locations read ``"<model>/<layer>/<op>@<function>"``.
+    Converter locations read ``"<model>/<layer>/<op>@<function>"``; TensorFlow's
+    name scopes may add a suffix (``"inverse_1"`` for a layer named ``"inverse"``),
+    so an exact name wins over a suffixed one at the same place.
     """
     found = []
     for entry in walk(copy):
-        index = message.find(f"/{entry.layer.name}/")
-        if index >= 0:
-            found.append((index, -len(entry.path), entry.path))
-    return min(found)[2] if found else None
+        name = re.escape(entry.layer.name)
+        match = re.search(rf"/({name})(_\d+)?/", message)
+        if match:
+            found.append((match.start(), bool(match.group(2)), -len(entry.path), entry.path))
+    return min(found)[-1] if found else None
 
 
 def _input_names(copy: keras.Model, specs: Dict[str, tf.TensorSpec]) -> List[str]:
@@ -215,7 +218,7 @@ def _trained_outputs(model: keras.Model, flat: List[np.ndarray]) -> List[np.ndar
     inputs = flat[0] if len(flat) == 1 else tf.nest.pack_sequence_as(model.input, flat)
     outputs = model(inputs, training=False)
     return [
-        np.asarray(keras.ops.convert_to_numpy(x)).astype(np.float32)
+        np.asarray(tf.convert_to_tensor(x).numpy()).astype(np.float32)
         for x in tf.nest.flatten(outputs)
     ]
 

@@ -201,7 +201,7 @@ def _copy_weights(source: keras.Model, target: keras.Model) -> None:
             f"({len(target.weights)} against {len(source.weights)}, or shapes differ)",
         )
     for src, dst in pairs:
-        value = np.asarray(keras.ops.convert_to_numpy(src.value))
+        value = np.asarray(src.numpy())
         if np.issubdtype(value.dtype, np.floating) or "float" in str(src.dtype):
             value = value.astype(np.float32)
         else:

@@ -300,7 +300,7 @@ def test_tflite_matches_trained_model(trained, tflite, kind, policy):
 
 
 def test_float16_weights_smaller_file_bounded_difference(tflite):
-    path32, report32 = tflite("cnn", "mixed_bfloat16")
+    path32, _ = tflite("cnn", "mixed_bfloat16")
     path16, report16 = tflite("cnn", "mixed_bfloat16", "float16")
     assert report16.weights == "float16"
     assert path16.stat().st_size < 0.75 * path32.stat().st_size

@@ -23,12 +23,14 @@ PUBLIC_API = {
     "enable",
     "estimate_kv_cache",
     "estimate_memory",
+    "export",
     "float32_layers",
     "force_float32",
     "policy_scope",
     "recommend_policy",
     "register_float32",
     "scaled_gradients",
+    "to_float32",
     "unregister_float32",
 }
 

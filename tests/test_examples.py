@@ -16,6 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 import custom_training_loop  # noqa: E402
+import export_model  # noqa: E402
 import example_utils  # noqa: E402
 import tfmp  # noqa: E402
 import train_digits  # noqa: E402
@@ -65,6 +66,8 @@ SCRIPTS = {
                              "--steps", "--batch-size", "--log-dir", "--seed"),
     train_text_transformer: ("imdb_reviews", "--policy", "--epochs", "--steps",
                              "--max-tokens", "--sequence-length", "--log-dir"),
+    export_model: ("--policy", "--epochs", "--steps", "--batch-size", "--log-dir", "--seed",
+                   "--out-dir"),
     custom_training_loop: ("--policy", "--epochs", "--steps", "--learning-rate",
                            "--clipnorm", "--accumulation-steps", "--log-dir"),
 }
@@ -203,3 +206,23 @@ def test_bad_options_are_usage_errors(argv, message, capsys):
         train_digits.parse_args(argv)
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@SKIP_FP16_WARNING
+def test_export_script_trains_mixed_and_ships_float32(tmp_path, capsys):
+    reports = export_model.main(
+        ["--policy", "mixed_bfloat16", "--epochs", "1", "--steps", "3",
+         "--out-dir", str(tmp_path / "out"), "--log-dir", str(tmp_path / "logs")])
+    out = capsys.readouterr().out
+    assert [(r.format, r.weights) for r in reports] == [
+        ("tf_saved_model", "float32"), ("tflite", "float32"), ("tflite", "float16")]
+    for report in reports:
+        assert report.output_shapes == ((64, 10),)
+        # bfloat16-trained against float32 artifacts: 8 roundings of 2**-9 (see
+        # tests/test_deployment.py), plus 2**-8 for float16 weights.
+        assert 0 < report.max_rel_diff <= 2.0**-6 + (2.0**-8 if report.weights == "float16" else 0)
+        assert str(report) in out
+    assert reports[2].size_bytes < reports[1].size_bytes
+    assert (tmp_path / "out" / "digits.tflite").stat().st_size == reports[1].size_bytes
+    assert keras.models.load_model(tmp_path / "out" / "digits_float32.keras",
+                                   compile=False).compute_dtype == "float32"

@@ -11,6 +11,8 @@ from tfmp._src.float32.audit import audit
 from tfmp._src.advisors.compare import compare
 from tfmp._src.advisors.compare_report import CompareReport
 from tfmp._src.numerics.dataset import check_dataset
+from tfmp._src.deployment.export import export
+from tfmp._src.deployment.to_float32 import to_float32
 from tfmp._src.advisors.doctor import DoctorReport
 from tfmp._src.advisors.doctor import doctor
 from tfmp._src.policy.enable import disable
@@ -56,11 +58,13 @@ __all__ = [
     "enable",
     "estimate_kv_cache",
     "estimate_memory",
+    "export",
     "float32_layers",
     "force_float32",
     "policy_scope",
     "recommend_policy",
     "register_float32",
     "scaled_gradients",
+    "to_float32",
     "unregister_float32",
 ]

@@ -22,6 +22,7 @@ pair setup.cfg admits.
 | ``LossScaleOptimizer._stateful_handle_finite_grads`` / ``_stateful_handle_non_finite_grads`` | ``keras/src/optimizers/loss_scale_optimizer.py`` | overridden by `LossScaleOptimizerBase` only |
 | ``keras.src.utils.tracking.no_automatic_dependency_tracking`` | ``keras/src/utils/tracking.py`` | `no_automatic_dependency_tracking`: tfmp's optimizer variables stored as attributes |
 | ``control_flow_util.GraphOrParentsInXlaContext`` | ``tensorflow/python/ops/control_flow_util.py`` | `in_xla_context`: refuse XLA steps under several replicas |
+| ``convert_phase.ConverterError`` | ``tensorflow/lite/python/convert_phase.py`` | `tflite_converter_error`: the one error type `TFLiteConverter.convert` raises, caught by `tfmp.export` |
 """
 
 from __future__ import annotations
@@ -165,3 +166,10 @@ class LossScaleOptimizerBase(keras.optimizers.LossScaleOptimizer):
 
     def _non_finite_step(self) -> None:
         super()._stateful_handle_non_finite_grads()
+
+
+def tflite_converter_error() -> type:
+    """The exception class `tf.lite.TFLiteConverter.convert` raises (not exported by `tf.lite`)."""
+    from tensorflow.lite.python.convert_phase import ConverterError
+
+    return ConverterError

@@ -1,0 +1,255 @@
+"""`tfmp.export`: a SavedModel or TFLite file from the float32 copy, checked.
+
+The artifact is written from `tfmp.to_float32(model)`, then a sample batch runs
+through the artifact as a deployment would run it (the SavedModel's
+``serving_default`` signature after `tf.saved_model.load`; the TFLite file in a
+`tf.lite.Interpreter`) and through the trained model, and the report gives the
+largest difference.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from typing import Any, Dict, List, Optional, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfmp._src.deployment import artifacts
+from tfmp._src.deployment.report import ExportReport
+from tfmp._src.deployment.to_float32 import to_float32
+from tfmp._src.errors import invalid_argument
+from tfmp._src.keras_hooks.keras_private import functional_graph, tflite_converter_error
+from tfmp._src.layer_tree import walk
+
+FORMATS = ("tf_saved_model", "tflite")
+WEIGHTS = ("float32", "float16")
+
+#: Rows of the sample batch made when none is given, and the seed of its values.
+SAMPLE_BATCH = 4
+SAMPLE_SEED = 0
+
+
+def export(
+    model: keras.Model,
+    path: str,
+    format: str = "tf_saved_model",  # noqa: A002 (the public name is fixed)
+    weights: str = "float32",
+    sample: Optional[Any] = None,
+) -> ExportReport:
+    """Writes a deployable artifact of `model` and checks it against the model.
+
+    The artifact is made from ``tfmp.to_float32(model)``, never from the trained
+    model itself: a model trained after `tfmp.enable()` computes in bfloat16 or
+    float16, and TFLite's builtin kernels have no such ops, so converting it
+    directly (``tf.lite.TFLiteConverter.from_keras_model(model)``) fails with a
+    ``ConverterError`` saying ops such as ``tf.Conv2D`` are "neither a custom op nor
+    a flex op" and suggesting TF Select. TF Select is the wrong fix (it ships
+    TensorFlow kernels to run 16-bit ops a float32 deployment does not want);
+    converting the float32 copy is the fix, and the one this function applies.
+
+    Then a sample batch runs through the written artifact (the SavedModel's
+    ``serving_default`` signature via `tf.saved_model.load`, or the TFLite file in
+    `tf.lite.Interpreter`) and through the trained model (``training=False``), and
+    the largest differences are reported. They are the price of the trained
+    model's 16-bit compute (the copy computes in float32) plus, with
+    ``weights="float16"``, the weight quantization.
+
+    Args:
+        model: A built `keras.Model`, as `tfmp.to_float32` accepts. Not changed.
+        path: String or path-like. For ``"tf_saved_model"`` a folder; for
+            ``"tflite"`` a file (conventionally ending in ``.tflite``). Parent
+            folders are created.
+        format: String. ``"tf_saved_model"`` (Keras's ``model.export``) or
+            ``"tflite"`` (``tf.lite.TFLiteConverter`` from that SavedModel).
+        weights: String. ``"float32"``, or ``"float16"`` (TFLite only): weights
+            stored in float16, about half the file, dequantized to float32 when
+            the interpreter loads them; larger differences.
+        sample: The inputs to check with, as the model takes them (an array, or a
+            list/dict of arrays for several inputs), or None: then a batch of
+            `SAMPLE_BATCH` rows made from the artifact's input signature, standard
+            normal floats and zeros for integer inputs, seed `SAMPLE_SEED`.
+
+    Returns:
+        `ExportReport` with the path, format, weights, file size, output shapes and
+        dtypes, and ``max_abs_diff`` / ``max_rel_diff`` (the latter relative to the
+        largest magnitude of the trained model's output).
+
+    Raises:
+        ValueError: `format` or `weights` is not one of the accepted values;
+            ``weights="float16"`` with ``format="tf_saved_model"``; `model` cannot
+            be copied (see `tfmp.to_float32`); `sample` does not fit the inputs;
+            or TFLite cannot convert an op of the float32 copy (the message names
+            the op, the layer when the converter's message reveals it, and the
+            converter's own words; the converter's error is chained as the cause).
+    """
+    _check_choice("format", format, FORMATS)
+    _check_choice("weights", weights, WEIGHTS)
+    if weights == "float16" and format != "tflite":
+        raise invalid_argument(
+            "weights", weights, "'float32' with format='tf_saved_model'",
+            fix="Float16 weight quantization is a TFLite option: pass format='tflite', "
+            "or weights='float32'.",
+        )
+    path = os.fspath(path)
+    copy = to_float32(model)
+    with tempfile.TemporaryDirectory(prefix="tfmp_export_") as scratch:
+        saved_model = path if format == "tf_saved_model" else os.path.join(scratch, "saved_model")
+        _make_parent(saved_model)
+        copy.export(saved_model, format="tf_saved_model", verbose=False)
+        specs = artifacts.saved_model_inputs(saved_model)
+        if format == "tflite":
+            _make_parent(path)
+            with open(path, "wb") as file:
+                file.write(_convert(copy, saved_model, weights))
+            run = artifacts.run_tflite
+        else:
+            run = artifacts.run_saved_model
+        names = _input_names(copy, specs)
+        flat = _flat_sample(model, sample, names, specs)
+        produced = run(path, dict(zip(names, flat)))
+    expected = _trained_outputs(model, flat)
+    return _report(path, format, weights, expected, produced)
+
+
+def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
+    if value not in choices:
+        expected = "one of " + ", ".join(repr(c) for c in choices)
+        raise invalid_argument(name, value, expected, choices=choices)
+
+
+def _make_parent(path: str) -> None:
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+
+
+def _convert(copy: keras.Model, saved_model: str, weights: str) -> bytes:
+    """TFLite flatbuffer of the SavedModel; a clear error naming op and layer."""
+    converter = tf.lite.TFLiteConverter.from_saved_model(saved_model)
+    if weights == "float16":
+        converter.optimizations = [tf.lite.Optimize.DEFAULT]
+        converter.target_spec.supported_types = [tf.float16]
+    try:
+        return converter.convert()
+    except tflite_converter_error() as error:
+        message = str(error)
+        ops = sorted(set(re.findall(r"'tf\.(\w+)' op", message)))
+        layer = _layer_in_message(copy, message)
+        where = f" at layer {layer!r}" if layer else ""
+        what = f" (TensorFlow ops {', '.join(ops)})" if ops else ""
+        first = next((line.strip() for line in message.splitlines() if "error" in line), "")
+        raise ValueError(
+            f"TFLite cannot convert the float32 copy of model {copy.name!r}{where}"
+            f"{what}. The copy computes in float32, so this is an op TFLite's "
+            "builtin kernels lack, not a mixed-precision one: replace the op in "
+            "that layer, or, if the deployment can ship TensorFlow kernels, convert "
+            "the SavedModel yourself with converter.target_spec.supported_ops "
+            "including tf.lite.OpsSet.SELECT_TF_OPS. Converter said: "
+            f"{first[:500]}"
+        ) from error
+
+
+def _layer_in_message(copy: keras.Model, message: str) -> Optional[str]:
+    """The path of the layer named first in a converter location, or None.
+
+    Converter locations read ``"<model>/<layer>/<op>@<function>"``; TensorFlow's
+    name scopes may add a suffix (``"inverse_1"`` for a layer named ``"inverse"``),
+    so an exact name wins over a suffixed one at the same place.
+    """
+    found = []
+    for entry in walk(copy):
+        name = re.escape(entry.layer.name)
+        match = re.search(rf"/({name})(_\d+)?/", message)
+        if match:
+            found.append((match.start(), bool(match.group(2)), -len(entry.path), entry.path))
+    return min(found)[-1] if found else None
+
+
+def _input_names(copy: keras.Model, specs: Dict[str, tf.TensorSpec]) -> List[str]:
+    """Signature input names in the order of the model's flattened inputs."""
+    if len(specs) == 1:
+        return list(specs)
+    if functional_graph(copy) is not None:
+        names = [tensor.name for tensor in tf.nest.flatten(copy.input)]
+        if sorted(names) == sorted(specs):
+            return names
+    raise invalid_argument(
+        "model", copy, "a model whose serving signature's inputs match its inputs",
+        fix=f"The signature takes {sorted(specs)}; export a Functional model with "
+        "these inputs, or a model with a single input.",
+    )
+
+
+def _flat_sample(
+    model: keras.Model, sample: Any, names: List[str], specs: Dict[str, tf.TensorSpec]
+) -> List[np.ndarray]:
+    """The sample as a list of arrays in `names`' order, each in its spec's dtype."""
+    if sample is None:
+        rng = np.random.default_rng(SAMPLE_SEED)
+        flat = []
+        for name in names:
+            spec = specs[name]
+            shape = [SAMPLE_BATCH] + list(spec.shape[1:])
+            if None in shape:
+                raise invalid_argument(
+                    "sample", None, "a batch of inputs when an input has an unknown "
+                    f"dimension (input {name!r} has shape {tuple(spec.shape)})",
+                    fix="Pass sample=<array of the model's input shape>.",
+                )
+            if spec.dtype.is_floating:
+                flat.append(rng.standard_normal(shape).astype(spec.dtype.as_numpy_dtype))
+            else:
+                flat.append(np.zeros(shape, dtype=spec.dtype.as_numpy_dtype))
+        return flat
+    flat = [np.asarray(x) for x in tf.nest.flatten(sample)]
+    if len(flat) != len(names):
+        raise invalid_argument(
+            "sample", type(sample).__name__,
+            f"{len(names)} input array(s), as the model takes them",
+            fix=f"Received {len(flat)} array(s); pass one per model input.",
+        )
+    return [x.astype(specs[n].dtype.as_numpy_dtype) for x, n in zip(flat, names)]
+
+
+def _trained_outputs(model: keras.Model, flat: List[np.ndarray]) -> List[np.ndarray]:
+    inputs = flat[0] if len(flat) == 1 else tf.nest.pack_sequence_as(model.input, flat)
+    outputs = model(inputs, training=False)
+    return [
+        np.asarray(tf.convert_to_tensor(x).numpy()).astype(np.float32)
+        for x in tf.nest.flatten(outputs)
+    ]
+
+
+def _report(
+    path: str, format: str, weights: str,  # noqa: A002
+    expected: List[np.ndarray], produced: Dict[str, np.ndarray],
+) -> ExportReport:
+    actual = [produced[key] for key in artifacts.output_order(produced)]
+    if len(actual) != len(expected) or any(
+        a.shape != e.shape for a, e in zip(actual, expected)
+    ):
+        raise ValueError(
+            f"The artifact at {path!r} returns outputs of shapes "
+            f"{[a.shape for a in actual]}, the trained model "
+            f"{[e.shape for e in expected]}; the export does not match the model."
+        )
+    abs_diffs, rel_diffs = [], []
+    for got, want in zip(actual, expected):
+        diff = float(np.max(np.abs(got.astype(np.float64) - want))) if want.size else 0.0
+        scale = float(np.max(np.abs(want))) if want.size else 0.0
+        abs_diffs.append(diff)
+        rel_diffs.append(diff / scale if scale > 0 else diff)
+    return ExportReport(
+        path=path,
+        format=format,
+        weights=weights,
+        max_abs_diff=max(abs_diffs),
+        max_rel_diff=max(rel_diffs),
+        output_shapes=tuple(tuple(a.shape) for a in actual),
+        output_dtypes=tuple(str(a.dtype) for a in actual),
+        size_bytes=artifacts.size_bytes(path),
+        sample_rows=int(expected[0].shape[0]) if expected and expected[0].ndim else 0,
+    )

@@ -1,0 +1,209 @@
+"""`tfmp.to_float32`: a float32 copy of a trained model, for deployment.
+
+A model trained after `tfmp.enable()` keeps float32 variables (its master weights)
+but computes in bfloat16 or float16: each layer's dtype policy says so, and
+`model.save()` writes that policy into the file. Shipped as it is, the model keeps
+computing in 16 bits wherever it is loaded, and converters that have no 16-bit
+kernels (TFLite's builtin ops) refuse it. The deployable form is the same graph with
+every policy float32 and the same weights, which is what `to_float32` builds with
+Keras's own machinery: the serialization round trip `model.save()` uses
+(`get_config` / `from_config`, nested models included) with each layer's ``dtype``
+overridden to ``"float32"``, under a float32 global policy, then the weights copied
+by value.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import keras
+import numpy as np
+
+from tfmp._src.errors import invalid_argument
+from tfmp._src.layer_tree import walk
+
+#: Classes whose serialized form is a dtype policy (``"dtype"`` entries of configs).
+_POLICY_CLASSES = ("DTypePolicy", "FloatDTypePolicy", "DTypePolicyMap")
+
+_TEMPLATE_FIX = (
+    "Implement `get_config()` in {cls} returning its constructor arguments "
+    "(with `**kwargs` passed on to `super().__init__`), and `from_config()` when "
+    "some of them are not plain Python values (layers, arrays, callables); then "
+    "`{cls}.from_config(model.get_config())` rebuilds it and to_float32 can copy it."
+)
+
+
+def to_float32(model: keras.Model) -> keras.Model:
+    """Returns a float32 copy of `model` with the same weights, for deployment.
+
+    Every layer of the copy has the ``"float32"`` dtype policy, so it computes and
+    stores in float32, and every floating-point variable holds the trained value
+    cast to float32 (mixed policies already store float32 master weights: the
+    values are then identical). Integer variables (counters, seeds) keep their
+    dtype and value. The copy is not compiled. `model` itself is not changed: not
+    its weights, not its policies, not its optimizer.
+
+    Ship this copy, not the trained model: a model saved under a mixed policy keeps
+    computing in 16 bits wherever it is loaded (inference results then differ
+    from what a float32 deployment expects), and TFLite's builtin kernels refuse
+    its bfloat16/float16 ops. ``tfmp.to_float32(model).save("model.keras")`` writes
+    a file that plain Keras loads, without tfmp, for float32 inference::
+
+        model = keras.models.load_model("model.keras", compile=False)
+
+    Args:
+        model: A built `keras.Model`: Sequential, Functional (nested models
+            included) or a subclassed model whose class implements `get_config`
+            (and `from_config` when its constructor takes non-plain values).
+
+    Returns:
+        A new, uncompiled, built `keras.Model` of the same class and structure.
+
+    Raises:
+        ValueError: `model` is not a built `keras.Model`, or it (or one of its
+            layers) is a subclass that cannot be rebuilt from its config; the
+            message names the class and what it must implement.
+
+    Example:
+        >>> import keras, numpy as np, tfmp
+        >>> with tfmp.policy_scope("mixed_bfloat16"):
+        ...     trained = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        >>> copy = tfmp.to_float32(trained)
+        >>> trained.layers[0].compute_dtype, copy.layers[0].compute_dtype
+        ('bfloat16', 'float32')
+        >>> all(np.array_equal(a, b) for a, b in zip(trained.get_weights(), copy.get_weights()))
+        True
+    """
+    if not isinstance(model, keras.Model):
+        raise invalid_argument("model", model, "a built `keras.Model`")
+    if not model.built:
+        raise invalid_argument(
+            "model", model, "a built `keras.Model`",
+            fix="Build it first: call it on a batch or call `model.build(input_shape)`.",
+        )
+    with _float32_policy():
+        copy = _rebuild(model)
+    _copy_weights(model, copy)
+    return copy
+
+
+@contextlib.contextmanager
+def _float32_policy() -> Iterator[None]:
+    """Sets Keras's global policy to float32 for layers created inside; restores it."""
+    before = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("float32")
+    try:
+        yield
+    finally:
+        keras.config.set_dtype_policy(before)
+
+
+def _float32_config(config: Any) -> Any:
+    """`config` with every serialized dtype policy replaced by ``"float32"``.
+
+    Recurses into nested dicts and lists, so sublayers held in a config (wrappers,
+    nested models) are covered. Plain dtype strings are left alone: an
+    `InputLayer`'s ``"dtype": "int32"`` is the dtype of its data, not a policy.
+    """
+    if isinstance(config, dict):
+        out = {}
+        for key, value in config.items():
+            if key == "dtype" and _is_policy(value):
+                out[key] = "float32"
+            else:
+                out[key] = _float32_config(value)
+        return out
+    if isinstance(config, (list, tuple)):
+        return type(config)(_float32_config(item) for item in config)
+    return config
+
+
+def _is_policy(value: Any) -> bool:
+    if isinstance(value, keras.DTypePolicy):
+        return True
+    if isinstance(value, dict):
+        return value.get("class_name") in _POLICY_CLASSES
+    return isinstance(value, str) and value.startswith("mixed_")
+
+
+def _rebuild(model: keras.Model) -> keras.Model:
+    """`model` rebuilt through Keras's serialization, every policy float32, uncompiled.
+
+    `keras.saving.serialize_keras_object` records the model's config (for a
+    Functional or Sequential model, every layer's config and the graph, nested
+    models included) and its build config (input shapes); deserializing calls
+    `from_config` and builds the model, which creates its variables. The compile
+    config is dropped: the copy is for inference and must not carry the training
+    optimizer (tfmp's `LossScaleOptimizer` would make the file need tfmp to load).
+    `keras.models.clone_model` is not used because it compiles the clone like the
+    original.
+    """
+    classes = {type(entry.layer).__name__: type(entry.layer) for entry in walk(model)}
+    classes[type(model).__name__] = type(model)
+    try:
+        config = keras.saving.serialize_keras_object(model)
+        config.pop("compile_config", None)
+        copy = keras.saving.deserialize_keras_object(
+            _float32_config(config), custom_objects=classes
+        )
+    except (NotImplementedError, TypeError, ValueError) as error:
+        raise _not_rebuildable(_first_unconfigurable(model), error) from error
+    if not copy.built or len(copy.weights) != len(model.weights):
+        raise _not_rebuildable(
+            model, f"the rebuilt model has {len(copy.weights)} variables, not "
+            f"{len(model.weights)}: its `build()` does not create them all"
+        )
+    return copy
+
+
+def _first_unconfigurable(model: keras.Model) -> Any:
+    """The deepest layer (or the model) whose `get_config` raises; else the model.
+
+    A reversed pre-order walk meets every layer before its parents, whose
+    `get_config` fails because of it.
+    """
+    for layer in [entry.layer for entry in reversed(walk(model))] + [model]:
+        try:
+            layer.get_config()
+        except NotImplementedError:
+            return layer
+    return model
+
+
+def _not_rebuildable(layer: Any, cause: Any) -> ValueError:
+    cls = type(layer).__name__
+    text = " ".join(line.strip() for line in str(cause).splitlines() if line.strip())
+    cause = (text.split(". ")[0].rstrip(".")[:300]) or type(cause).__name__
+    return invalid_argument(
+        "model",
+        layer,
+        "a Sequential or Functional model, or layers and subclassed models that "
+        f"can be rebuilt from their config (rebuilding {cls} failed: {cause})",
+        fix=_TEMPLATE_FIX.format(cls=cls),
+    )
+
+
+def _copy_weights(source: keras.Model, target: keras.Model) -> None:
+    """Assigns `source`'s variable values to `target`, floats cast to float32.
+
+    Variables are paired in the order Keras tracks them, which a clone or a config
+    round trip preserves; count and shapes are checked before anything is written.
+    """
+    pairs = list(zip(source.weights, target.weights))
+    mismatch = len(source.weights) != len(target.weights) or any(
+        tuple(a.shape) != tuple(b.shape) for a, b in pairs
+    )
+    if mismatch:
+        raise _not_rebuildable(
+            source,
+            "its copy's variables do not match the trained model's "
+            f"({len(target.weights)} against {len(source.weights)}, or shapes differ)",
+        )
+    for src, dst in pairs:
+        value = np.asarray(src.numpy())
+        if np.issubdtype(value.dtype, np.floating) or "float" in str(src.dtype):
+            value = value.astype(np.float32)
+        else:
+            value = value.astype(dst.dtype)
+        dst.assign(value)

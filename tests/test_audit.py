@@ -93,8 +93,8 @@ def test_audit_shows_the_output_dtype_contract(with_batch):
     ]
     assert [(w.kind, w.path, w.message) for w in report.warnings] == [(
         "consumer_dtype", "aux",
-        "'aux' (float32: output) hands float32 to 'mix', which computes in bfloat16: "
-        "the value is cast at that boundary.",
+        ("'aux' (float32: output) hands float32 to 'mix', which computes in bfloat16: "
+         "the value is cast at that boundary."),
     )]
     text = str(report)
     assert ("bfloat16*" in text) is not with_batch

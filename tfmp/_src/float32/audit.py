@@ -50,10 +50,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import keras
 import tensorflow as tf
 
-from tfmp._src.float32 import force as _float32
-from tfmp._src.float32 import registry as _registry
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.errors import invalid_argument
+from tfmp._src.float32 import force as _float32
+from tfmp._src.float32 import registry as _registry
 from tfmp._src.keras_hooks import patches
 from tfmp._src.keras_hooks.keras_private import functional_graph, nodes_by_depth
 from tfmp._src.layer_tree import is_wiring, own_weights, walk

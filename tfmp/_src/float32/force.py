@@ -56,8 +56,9 @@ from typing import Dict, List, Optional, Set, Tuple
 
 import keras
 
-from tfmp._src.float32 import registry as _registry
 from tfmp._src.constants import LOW_PRECISION
+from tfmp._src.errors import invalid_argument
+from tfmp._src.float32 import registry as _registry
 from tfmp._src.keras_hooks import patches
 from tfmp._src.keras_hooks.keras_private import (
     autocasts_inputs,
@@ -68,7 +69,6 @@ from tfmp._src.keras_hooks.keras_private import (
     set_symbolic_dtype,
 )
 from tfmp._src.layer_tree import walk
-from tfmp._src.errors import invalid_argument
 
 _FORCED: "weakref.WeakKeyDictionary[keras.layers.Layer, str]" = weakref.WeakKeyDictionary()
 #: Forced layers handing back their parent's dtype: layer -> [call hook, spec hook].

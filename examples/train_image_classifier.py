@@ -28,9 +28,10 @@ DATASETS = ("cifar10", "mnist")
 def build_cnn(input_shape: Sequence[int], num_classes: int = 10) -> keras.Model:
     """A VGG-style classifier: two conv blocks, global pooling, softmax.
 
-    Build it after `tfmp.enable()`. Under a mixed policy the convolutions compute
-    in 16 bits; tfmp forces the BatchNormalization layers, the last Dense and the
-    Softmax to float32 at compile time. Channel counts are multiples of 8 (NVIDIA
+    Build it after `tfmp.enable()`. Under a mixed policy every layer computes in
+    16 bits except the output Softmax, which tfmp forces to float32 at compile
+    time; BatchNormalization keeps its 16-bit policy (Keras computes its
+    statistics in float32). Channel counts are multiples of 8 (NVIDIA
     mixed-precision guide: Tensor Cores want dimensions that are multiples of 8).
 
     Args:

@@ -13,9 +13,10 @@ and layer normalization), averaged over the sequence, then a softmax.
 
 Mixed precision in attention: the query-key products are computed in 16 bits,
 the attention softmax in float32 (tfmp forces `MultiHeadAttention`'s Softmax
-sublayer; the fused kernel does it by itself), and so are the LayerNormalization
-layers (they sum squares, which overflow float16 beyond 65504) and the output
-layers.
+sublayer, which hands 16-bit probabilities back to the attention; the fused kernel
+does it by itself), and so are the output layers. The LayerNormalization layers
+sum squares, which overflow float16 beyond 65504: Keras 3.15 computes them in
+float32 inside the layer, so they keep the 16-bit policy.
 """
 
 from __future__ import annotations

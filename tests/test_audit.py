@@ -24,29 +24,91 @@ def kinds(report, path=None):
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 def test_table_marks_forced_layers(policy):
     keras.config.set_dtype_policy(policy)
+    low = policy[6:]
     model = tfmp.force_float32(digits_model())
     report = tfmp.audit(model, tensor_cores=False)
     text = str(report)
     print(text)
     header, rule = text.splitlines()[1:3]
-    columns = ["layer", "class", "compute", "variables", "float32", "params", "warnings"]
+    columns = ["layer", "class", "compute", "output", "variables", "why", "params", "warnings"]
     assert header.split() == columns
     assert len(header) <= len(rule)
-    rows = {row.path: row for row in report.rows}
-    assert rows["hidden"].forced == "" and rows["hidden"].compute_dtype == policy[6:]
-    assert rows["norm"].forced == "normalization" and rows["probs"].forced == "output"
-    assert "normalization" in text and "output" in text
+    rows = [(r.path, r.compute_dtype, r.output_dtype, r.variable_dtype, r.forced, r.why, r.params,
+             r.output_from) for r in report.rows]
+    assert rows == [
+        ("hidden", low, low, "float32", "", "", 64 * 64 + 64, "graph"),
+        ("norm", low, low, "float32", "", "float32 inside Keras 3.15", 128, "graph"),
+        ("probs", "float32", "float32", "float32", "output", "output", 650, "graph"),
+    ]
+    assert "float32 inside Keras 3.15" in text.splitlines()[4]
     assert sum(row.params for row in report.rows) == model.count_params()
     assert report.warnings == () and report.policy == policy
-    assert report.float32_fraction == pytest.approx((128 + 650) / model.count_params())
+    assert report.float32_fraction == pytest.approx(650 / model.count_params())
 
 
 def test_sensitive_and_output_16bit():
     keras.config.set_dtype_policy("mixed_float16")
     report = tfmp.audit(digits_model(), tensor_cores=False)
-    assert kinds(report, "norm") == {"sensitive_16bit"}
+    assert kinds(report, "norm") == set()  # Keras computes LayerNormalization in float32
     assert kinds(report, "probs") == {"sensitive_16bit", "output_16bit"}
     assert report.rows[-1].warnings == ("sensitive_16bit", "output_16bit")
+
+
+class Mix(keras.layers.Layer):
+    """Custom code: its sublayers have no nodes in the model's graph."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.softmax = keras.layers.Softmax(name="softmax")
+        self.norm = keras.layers.LayerNormalization(name="norm")
+
+    def call(self, x):
+        return self.norm(x) + self.softmax(x)
+
+
+def contract_model():
+    inputs = keras.Input((16,))
+    hidden = keras.layers.Dense(64, name="hidden")(inputs)
+    aux = keras.layers.Dense(8, name="aux")(hidden)  # a model output that also feeds `mix`
+    main = keras.layers.Dense(2, name="main")(Mix(name="mix")(aux))
+    return keras.Model(inputs, [aux, main])
+
+
+@pytest.mark.parametrize("with_batch", [False, True])
+def test_audit_shows_the_output_dtype_contract(with_batch):
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    model = tfmp.force_float32(contract_model())
+    batch = np.ones((8, 16), "float32") if with_batch else None
+    report = tfmp.audit(model, batch=batch, tensor_cores=False)
+    print(report)
+    inner = "run" if with_batch else "rule"
+    rows = [(r.path, r.class_name, r.compute_dtype, r.output_dtype, r.why, r.warnings, r.output_from)
+            for r in report.rows]
+    assert rows == [
+        ("hidden", "Dense", "bfloat16", "bfloat16", "", (), "graph"),
+        ("aux", "Dense", "float32", "float32", "output", ("consumer_dtype",), "graph"),
+        ("mix", "Mix", "bfloat16", "bfloat16", "", (), "graph"),
+        ("mix/softmax", "Softmax", "float32", "bfloat16", "softmax", (), inner),
+        ("mix/norm", "LayerNormalization", "bfloat16", "bfloat16", "float32 inside Keras 3.15", (), inner),
+        ("main", "Dense", "float32", "float32", "output", (), "graph"),
+    ]
+    assert [(w.kind, w.path, w.message) for w in report.warnings] == [(
+        "consumer_dtype", "aux",
+        ("'aux' (float32: output) hands float32 to 'mix', which computes in bfloat16: "
+         "the value is cast at that boundary."),
+    )]
+    text = str(report)
+    assert ("bfloat16*" in text) is not with_batch
+    assert ("pass batch= to measure it" in text) is not with_batch
+
+
+def test_output_dtype_measured_inside_custom_code_under_plain_keras():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    report = tfmp.audit(contract_model(), batch=np.ones((8, 16), "float32"), tensor_cores=False)
+    rows = {r.path: (r.compute_dtype, r.output_dtype, r.why) for r in report.rows}
+    assert rows["mix/softmax"] == ("bfloat16", "bfloat16", "")
+    assert rows["aux"] == ("bfloat16", "bfloat16", "")
+    assert "consumer_dtype" not in kinds(report)
 
 
 def test_output_16bit_at_run_time_for_subclassed_models():

@@ -6,6 +6,7 @@ import pytest
 
 import tfmp
 from tfmp._src.float32 import registry as _registry
+from tfmp._src.keras_hooks import patches
 
 MIXED = ["mixed_float16", "mixed_bfloat16"]
 LOW = ("float16", "bfloat16")
@@ -22,23 +23,29 @@ def clean_registry():
 
 
 def sensitive_layers():
-    """One instance of every built-in sensitive layer that keeps the shape (None, 8)."""
+    """One instance of every built-in forced layer that keeps the shape (None, 8)."""
+    return [keras.layers.UnitNormalization(), keras.layers.Softmax()]
+
+
+def keras_float32_layers():
+    """Normalization layers Keras 3.15 computes in float32 itself (left 16-bit)."""
     layers = [
         keras.layers.BatchNormalization(),
         keras.layers.LayerNormalization(),
         keras.layers.GroupNormalization(groups=2),
-        keras.layers.UnitNormalization(),
-        keras.layers.Softmax(),
     ]
     if hasattr(keras.layers, "RMSNormalization"):
         layers.append(keras.layers.RMSNormalization())
     return layers
 
 
-def assert_forced(model, sensitive, x):
-    """Outputs float32 (symbolic when there is a graph, and at run time)."""
+def assert_forced(model, sensitive, x, low=()):
+    """``sensitive`` compute in float32, ``low`` in 16 bits; outputs float32
+    (symbolic when there is a graph, and at run time)."""
     for layer in sensitive:
         assert layer.compute_dtype == "float32", layer.name
+    for layer in low:
+        assert layer.compute_dtype in LOW, layer.name
     for tensor in getattr(model, "outputs", None) or []:
         assert tensor.dtype == "float32"
     for y in keras.tree.flatten(model(x)):
@@ -61,14 +68,16 @@ def test_foundation_common_case(policy):
 @pytest.mark.parametrize("build_first", [True, False])
 def test_sequential(policy, build_first):
     keras.config.set_dtype_policy(policy)
-    sensitive = sensitive_layers()
-    model = keras.Sequential([keras.layers.Dense(8)] + sensitive + [keras.layers.Dense(3)])
+    sensitive, kept = sensitive_layers(), keras_float32_layers()
+    model = keras.Sequential([keras.layers.Dense(8)] + sensitive + kept + [keras.layers.Dense(3)])
     if build_first:
         model.build((None, 4))
     tfmp.force_float32(model)
     model.build((None, 4))
     assert model.layers[0].compute_dtype in LOW
-    assert_forced(model, sensitive + [model.layers[-1]], np.ones((2, 4), "float32"))
+    assert_forced(model, sensitive + [model.layers[-1]], np.ones((2, 4), "float32"), low=kept)
+    # The graph shows plain Keras's dtypes except the output: forced layers hand back 16 bits.
+    assert [layer.output.dtype for layer in model.layers] == [policy[6:]] * 7 + ["float32"]
 
 
 @pytest.mark.parametrize("policy", MIXED)
@@ -85,7 +94,7 @@ def test_functional_multi_output_and_raw_ops(policy):
     tfmp.force_float32(model)
     assert [len(layer._inbound_nodes) for layer in model.layers] == nodes_before
     assert model.layers[1].compute_dtype in LOW
-    assert_forced(model, [norm, a, b, head], np.ones((2, 4), "float32"))
+    assert_forced(model, [a, b, head], np.ones((2, 4), "float32"), low=[norm])
 
 
 class Tower(keras.Model):
@@ -95,10 +104,11 @@ class Tower(keras.Model):
         super().__init__()
         self.dense = keras.layers.Dense(8)
         self.norm = keras.layers.LayerNormalization()
+        self.probs = keras.layers.Softmax()
         self.out = keras.layers.Dense(3)
 
     def call(self, x):
-        return keras.ops.tanh(self.out(self.norm(self.dense(x)))) * 2.0
+        return keras.ops.tanh(self.out(self.probs(self.norm(self.dense(x))))) * 2.0
 
 
 @pytest.mark.parametrize("policy", MIXED)
@@ -106,8 +116,10 @@ def test_subclassed_lazy_model(policy):
     keras.config.set_dtype_policy(policy)
     model = Tower()
     tfmp.force_float32(model)
-    assert_forced(model, [model.norm], np.ones((2, 4), "float32"))
-    assert model.dense.compute_dtype in LOW
+    assert_forced(model, [model.probs], np.ones((2, 4), "float32"), low=[model.dense, model.norm])
+    # The forced softmax hands the model's own 16-bit dtype back to its code.
+    probs = model.probs(np.ones((2, 8), "float32"))
+    assert keras.backend.standardize_dtype(probs.dtype) == policy[6:]
     model.compile("sgd", "mse")
     model.fit(np.ones((4, 4)), np.ones((4, 3)), epochs=1, verbose=0)
 
@@ -123,7 +135,8 @@ def test_nested_models(policy):
     outputs = [inner(inputs), keras.layers.Dense(2)(inner(inputs)), tower(inputs)]
     model = keras.Model(inputs, outputs)
     tfmp.force_float32(model)
-    assert_forced(model, [inner_norm, inner.layers[-1], tower.norm], np.ones((2, 4), "float32"))
+    assert_forced(model, [inner.layers[-1], tower.probs], np.ones((2, 4), "float32"),
+                  low=[inner_norm, tower.norm])
 
 
 @pytest.mark.parametrize("policy", MIXED)
@@ -132,11 +145,12 @@ def test_embedding_mixes_with_dense(policy):
     tokens, features = keras.Input((5,), dtype="int32"), keras.Input((3,))
     embedded = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(20, 8)(tokens))
     dense = keras.layers.Dense(8)(features)
-    norm = keras.layers.LayerNormalization()(dense)  # float32 after forcing
-    joined = keras.ops.concatenate([embedded, norm], axis=-1)  # raw op: float16 + float32
+    norm = keras.layers.UnitNormalization()(dense)  # forced; hands back 16 bits
+    joined = keras.ops.concatenate([embedded, norm], axis=-1)  # raw op on 16-bit tensors
     mixed = keras.layers.Concatenate()([embedded, norm]) + joined
     model = keras.Model([tokens, features], keras.layers.Dense(1)(mixed))
     tfmp.force_float32(model)
+    assert norm.dtype == joined.dtype == policy[6:]
     model.compile("sgd", "mse")
     x = [np.ones((4, 5), "int32"), np.ones((4, 3), "float32")]
     model.fit(x, np.ones((4, 1)), epochs=1, verbose=0)
@@ -160,8 +174,9 @@ def test_fused_activations(activation, position, forced):
 
 
 def test_group_normalization_large_inputs():
-    # Keras 3.15's GroupNormalization already upcasts internally (autocast=False);
-    # forcing must keep that working and make the layer's own policy float32.
+    # Keras 3.15's GroupNormalization upcasts internally (autocast=False, float32
+    # statistics): tfmp leaves it in float16 and it stays finite on values whose
+    # squares overflow float16.
     keras.config.set_dtype_policy("mixed_float16")
     inputs = keras.Input((16, 16, 64))
     norm = keras.layers.GroupNormalization(groups=8, epsilon=1e-12)
@@ -169,14 +184,14 @@ def test_group_normalization_large_inputs():
     tfmp.force_float32(model)
     values = np.random.default_rng(0).uniform(60_000, 70_000, (2, 16, 16, 64)).astype("float32")
     outputs = keras.ops.convert_to_numpy(model(values))
-    assert norm.compute_dtype == "float32" and outputs.dtype == np.float32
+    assert norm.compute_dtype == "float16" and outputs.dtype == np.float32
     assert np.isfinite(outputs).all()
 
 
 def masked_attention_probabilities(mha, mask):
     x = np.random.default_rng(1).normal(size=(2, 6, 8)).astype("float32") * 30.0
     _, scores = mha(x, x, attention_mask=mask, return_attention_scores=True)
-    return keras.ops.convert_to_numpy(keras.ops.cast(scores, "float32"))
+    return keras.ops.convert_to_numpy(scores)
 
 
 @pytest.mark.parametrize("lazy", [False, True])
@@ -199,6 +214,8 @@ def test_masked_multi_head_attention(lazy):
     mask = np.tril(np.ones((6, 6), bool))[None].repeat(2, axis=0)
     probs = masked_attention_probabilities(mha, mask)
     assert mha.compute_dtype == "float16" and mha._softmax.compute_dtype == "float32"
+    assert probs.dtype == np.float16  # handed back to the attention's 16-bit code
+    probs = probs.astype(np.float32)
     assert np.isfinite(probs).all()
     np.testing.assert_allclose(probs.sum(axis=-1), 1.0, atol=1e-3)
     assert (probs[np.broadcast_to(~mask[:, None], probs.shape)] < 1e-3).all()
@@ -214,7 +231,8 @@ def test_idempotent_and_touches_nothing_else():
     tfmp.force_float32(model)
     assert [layer.dtype_policy for layer in model.layers] == policies
     assert model.call is call
-    assert [layer.compute_dtype for layer in model.layers] == ["float16", "float32", "float16"]
+    assert [layer.compute_dtype for layer in model.layers] == ["float16", "float16", "float32", "float16"]
+    assert [hook.owner for hook in patches.installed(model.probs, "call")] == ["float32.cast_back"]
 
 
 def test_float32_policy_is_left_alone():
@@ -235,6 +253,7 @@ def test_keep_and_exclude_arguments():
     dtypes = {layer.name: layer.compute_dtype for layer in model.layers}
     assert dtypes == {"proj": "float32", "mid": "float16", "norm": "float16", "logits": "float16"}
     assert model.outputs[0].dtype == "float16"
+    assert model.get_layer("proj").output.dtype == "float16"  # a user rule hands back 16 bits
 
 
 def test_forcing_a_block_forces_its_sublayers():
@@ -244,6 +263,9 @@ def test_forcing_a_block_forces_its_sublayers():
     outer = keras.Sequential([keras.Input((4,)), model, keras.layers.Dense(2)])
     tfmp.force_float32(outer, keep=[Tower])
     assert all(layer.compute_dtype == "float32" for layer in model.layers)
+    # Inside a float32 block, a forced softmax hands back float32 (its parent's dtype).
+    assert keras.backend.standardize_dtype(model.probs(np.ones((1, 8))).dtype) == "float32"
+    assert outer.layers[0].output.dtype == "float16"  # the block itself hands back 16 bits
 
 
 def test_registry_api_and_context_manager():

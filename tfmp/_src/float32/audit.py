@@ -1,9 +1,18 @@
 """`tfmp.audit(model)`: a per-layer dtype report with warnings.
 
-One row per layer: path, class, compute dtype, variable dtype (of the layer's own
-weights when it has any, else its policy's), whether tfmp forced it to float32 and
-why, own parameter count, and warning kinds. ``print(report)`` gives an aligned
-table; ``report.rows`` and ``report.warnings`` are data.
+One row per layer: path, class, compute dtype, the dtype its output really has,
+variable dtype (of the layer's own weights when it has any, else its policy's),
+why it computes in float32 (tfmp's reason for forcing it, or "float32 inside Keras
+3.15" for a layer Keras computes in float32 itself), own parameter count, and
+warning kinds. ``print(report)`` gives an aligned table; ``report.rows`` and
+``report.warnings`` are data.
+
+The output dtype comes from the model's symbolic graph for layers of a
+Functional/Sequential graph; for layers inside custom code (subclassed layers and
+models), from the forward pass when ``batch=`` is given, else from tfmp's
+output-dtype rule (a forced layer hands back its parent's 16-bit dtype, an output
+producer returns float32, any other layer returns its compute dtype).
+``AuditRow.output_from`` says which (``"graph"``, ``"run"`` or ``"rule"``).
 
 Warning kinds (``AuditWarning.kind``):
 
@@ -23,6 +32,10 @@ Warning kinds (``AuditWarning.kind``):
   matrix dimensions and channel counts should be multiples of 8.
 * ``float32_heavy``: more than half of the parameters sit in float32-forced
   layers, so mixed precision buys little.
+* ``consumer_dtype``: a forced layer's output dtype differs from the compute dtype
+  of a layer that consumes it (in the graph; for a layer inside custom code, its
+  parent), so the value is cast at that boundary: typically a float32 model output
+  that also feeds a 16-bit layer.
 * ``dtype_mismatch``: (with ``batch=``) the forward pass failed because an op
   was given two different dtypes (e.g. a float32 constant added to a bfloat16
   tensor); the message names the layer, TensorFlow's line and the fix.
@@ -32,17 +45,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import re
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import keras
 import tensorflow as tf
 
-from tfmp._src.float32 import force as _float32
-from tfmp._src.float32 import registry as _registry
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.errors import invalid_argument
-from tfmp._src.layer_tree import own_weights, walk
+from tfmp._src.float32 import force as _float32
+from tfmp._src.float32 import registry as _registry
+from tfmp._src.keras_hooks import patches
+from tfmp._src.keras_hooks.keras_private import functional_graph, nodes_by_depth
+from tfmp._src.layer_tree import is_wiring, own_weights, walk
 from tfmp._src.policy.hardware import detect_device_facts
 
 FLOAT32_HEAVY_FRACTION = 0.5
@@ -64,15 +80,36 @@ class AuditWarning:
 
 @dataclasses.dataclass(frozen=True)
 class AuditRow:
-    """One layer. ``forced`` is tfmp's reason (``"output"``, ``"softmax"``...) or ``""``."""
+    """One layer.
+
+    Attributes:
+        path: String. Layer path relative to the model (``"block/dense"``).
+        class_name: String. The layer's class name.
+        compute_dtype: String. Dtype the layer computes in.
+        output_dtype: String. Dtype of its floating outputs (``"float32,bfloat16"``
+            when they differ; ``"-"`` when it never ran in the ``batch=`` pass).
+        variable_dtype: String. Dtype of its own weights (else its policy's).
+        forced: String. tfmp's reason for forcing it to float32 (``"output"``,
+            ``"softmax"``, ``"known fix: ..."``, ``"user rule"``, ``"inside <path>"``...)
+            or ``""``.
+        why: String. ``forced``, or ``"float32 inside Keras 3.15"`` for a layer
+            Keras itself computes in float32, or ``""``.
+        params: Int. Its own parameter count.
+        warnings: Tuple of warning kinds for this layer.
+        output_from: String. Where ``output_dtype`` comes from: ``"graph"``,
+            ``"run"`` (the ``batch=`` pass) or ``"rule"``.
+    """
 
     path: str
     class_name: str
     compute_dtype: str
+    output_dtype: str
     variable_dtype: str
     forced: str
+    why: str
     params: int
     warnings: Tuple[str, ...]
+    output_from: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,13 +145,17 @@ class AuditReport:
         return frozenset(w.kind for w in self.warnings)
 
     def __str__(self) -> str:
-        header = ("layer", "class", "compute", "variables", "float32", "params", "warnings")
+        header = ("layer", "class", "compute", "output", "variables", "why", "params", "warnings")
         body = [
-            (r.path, r.class_name, r.compute_dtype, r.variable_dtype, r.forced or "-",
-             f"{r.params:,}", ",".join(r.warnings) or "-")
+            (r.path, r.class_name, r.compute_dtype,
+             r.output_dtype + ("*" if r.output_from == "rule" else ""), r.variable_dtype,
+             r.why or "-", f"{r.params:,}", ",".join(r.warnings) or "-")
             for r in self.rows
         ]
         lines = [f"tfmp audit (global policy: {self.policy})"] + _table(header, body)
+        if any(r.output_from == "rule" for r in self.rows):
+            lines.append("* output dtype from tfmp's rule (layer inside custom code); "
+                         "pass batch= to measure it.")
         lines.append(f"Parameters in float32-forced layers: {self.float32_fraction:.1%}")
         if self.gradients:
             lines += ["", "Gradient check (one batch):"] + _table(
@@ -194,10 +235,97 @@ def _layer_warnings(path, layer, reason, producers, policy, tensor_cores):
                 )
 
 
-def _dtype_error_layers(error: Exception, rows: Sequence[AuditRow]) -> List[str]:
+def _dtype(x: Any) -> Optional[str]:
+    dtype = getattr(x, "dtype", None)
+    return None if dtype is None else keras.backend.standardize_dtype(dtype)
+
+
+def _graph_facts(model: keras.Model, entries) -> Tuple[Dict[int, List[str]], Dict[int, list]]:
+    """Output dtypes and consumers of every layer that has nodes in a Functional graph.
+
+    Returns:
+        ``(outputs, consumers)``: layer id -> list of output dtypes (one per output
+        tensor of each of its nodes); layer id -> list of ``(consumer operation,
+        dtype of the tensor it receives)``.
+    """
+    graphs = [functional_graph(model)] + [
+        functional_graph(layer) for _, layer, _ in entries if isinstance(layer, keras.Model)
+    ]
+    outputs: Dict[int, List[str]] = {}
+    consumers: Dict[int, list] = {}
+    for graph in (g for g in graphs if g is not None):
+        nodes = [node for level in nodes_by_depth(graph).values() for node in level]
+        users: Dict[int, list] = {}
+        for node in nodes:
+            for tensor in node.input_tensors:
+                users.setdefault(id(tensor), []).append(node.operation)
+        for node in nodes:
+            if node.is_input or node.operation is None:
+                continue
+            key = id(node.operation)
+            for tensor in node.outputs:
+                outputs.setdefault(key, []).append(_dtype(tensor))
+                consumers.setdefault(key, []).extend((u, _dtype(tensor)) for u in users.get(id(tensor), []))
+    return outputs, consumers
+
+
+def _record_outputs(layers: Sequence[keras.layers.Layer]) -> Tuple[Dict[int, List[str]], list]:
+    """Hooks each layer's ``call`` to record its output dtypes; returns (records, hooks)."""
+    seen: Dict[int, List[str]] = {}
+
+    def recorder(key: int):
+        def wrap(original):
+            @functools.wraps(original)
+            def call(*args, **kwargs):
+                outputs = original(*args, **kwargs)
+                seen.setdefault(key, []).extend(
+                    d for d in map(_dtype, keras.tree.flatten(outputs)) if d is not None
+                )
+                return outputs
+
+            return call
+
+        return wrap
+
+    hooks = [patches.install(layer, "call", recorder(id(layer)), owner="audit.outputs")
+             for layer in layers]
+    return seen, hooks
+
+
+def _rule_dtype(layer: keras.layers.Layer, forced: str) -> str:
+    """tfmp's output-dtype rule: float32 for an output producer, else what the layer hands back."""
+    if forced == "output":
+        return "float32"
+    return _float32.handed_back_dtype(layer) or layer.compute_dtype
+
+
+def _consumer_warnings(path, layer, why, out_dtypes, consumers, parent, paths):
+    """Yields ``(kind, message)`` where a forced layer's output dtype differs from its consumer's."""
+    if not why:
+        return
+    if consumers is None:  # inside custom code: the parent's code consumes it
+        consumers = [(parent, d) for d in out_dtypes] if parent is not None and not is_wiring(parent) else []
+    reported = set()
+    for consumer, dtype in consumers:
+        compute = getattr(consumer, "compute_dtype", None)
+        if not isinstance(consumer, keras.layers.Layer) or not keras.backend.is_float_dtype(compute or ""):
+            continue  # a raw op computes in the promoted dtype of its inputs
+        if dtype is None or not keras.backend.is_float_dtype(dtype) or dtype == compute:
+            continue
+        where = paths.get(id(consumer), consumer.name)
+        if (where, dtype) in reported:
+            continue
+        reported.add((where, dtype))
+        yield "consumer_dtype", (
+            f"'{path}' (float32: {why}) hands {dtype} to '{where}', which computes in "
+            f"{compute}: the value is cast at that boundary."
+        )
+
+
+def _dtype_error_layers(error: Exception, entries) -> List[str]:
     """Paths of the layers named in a Keras "when calling X.call()" error."""
     classes = set(re.findall(r"calling (\w+)\.call\(\)", str(error)))
-    return [r.path for r in rows if r.class_name in classes]
+    return [path for path, layer, _ in entries if type(layer).__name__ in classes]
 
 
 #: First lines of TensorFlow errors saying that two dtypes do not match: an eager op
@@ -287,7 +415,7 @@ def _variables_restored(model: keras.Model) -> Iterator[None]:
             variable.assign(value)
 
 
-def _gradient_check(model, batch, rows):
+def _gradient_check(model, batch, entries):
     """Runs one forward/backward pass; returns (gradient rows, output dtypes, warnings).
 
     Every variable of `model` holds the same value afterwards (`_variables_restored`).
@@ -304,7 +432,7 @@ def _gradient_check(model, batch, rows):
             first = _dtype_mismatch_line(error)
             if first is None:
                 raise
-            paths = _dtype_error_layers(error, rows) or ["<unknown layer>"]
+            paths = _dtype_error_layers(error, entries) or ["<unknown layer>"]
             message = (f"forward pass failed on mixed dtypes in {', '.join(paths)}: "
                        f"{first} Fix: {_FIX}.")
             return (), (), [AuditWarning("dtype_mismatch", paths[0], message)]
@@ -364,30 +492,54 @@ def audit(
     policy = _expected_policy(model)
     tensor_cores = _has_tensor_cores() if tensor_cores is None else tensor_cores
     producers = {id(layer) for layer in _float32.output_producers(model)[0]}
-    rows, found, total, forced_params = [], [], 0, 0
-    for path, layer, _ in walk(model):
+    entries = walk(model)
+    paths = {id(layer): path for path, layer, _ in entries}
+    graph_outputs, graph_consumers = _graph_facts(model, entries)
+    found: List[AuditWarning] = []
+    late: List[AuditWarning] = []  # run-time findings, listed after the per-layer ones
+    gradients, run_outputs = (), {}
+    if batch is not None:
+        unseen = [layer for _, layer, _ in entries if id(layer) not in graph_outputs]
+        run_outputs, hooks = _record_outputs(unseen)
+        try:
+            gradients, out_dtypes, errors = _gradient_check(model, batch, entries)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        late += errors
+        for i, dtype in enumerate(out_dtypes):
+            if dtype in _LOW:
+                late.append(AuditWarning("output_16bit", f"<output {i}>",
+                                          f"model output {i} is {dtype} at run time."))
+        if batch_size is None:
+            batch_size = int(keras.tree.flatten(batch)[0].shape[0])
+    rows, total, forced_params = [], 0, 0
+    for path, layer, parent in entries:
         reason = _float32.forced_reason(layer) or ""
+        why = reason or _registry.keras_float32_reason(layer) or ""
+        if id(layer) in graph_outputs:
+            out_dtypes, output_from = graph_outputs[id(layer)], "graph"
+        elif batch is not None:
+            out_dtypes, output_from = run_outputs.get(id(layer), []), "run"
+        else:
+            out_dtypes, output_from = [_rule_dtype(layer, reason)], "rule"
         weights = own_weights(layer)
         params = sum(int(w.numpy().size) for w in weights)
         total += params
         forced_params += params if reason else 0
         kinds = []
-        for kind, message in _layer_warnings(path, layer, reason, producers, policy, tensor_cores):
+        consumers = graph_consumers.get(id(layer)) if output_from == "graph" else None
+        for kind, message in [
+            *_layer_warnings(path, layer, reason, producers, policy, tensor_cores),
+            *_consumer_warnings(path, layer, reason, out_dtypes, consumers, parent, paths),
+        ]:
             kinds.append(kind)
             found.append(AuditWarning(kind, path, message))
         dtype = weights[0].dtype if weights else layer.variable_dtype
-        rows.append(AuditRow(path, type(layer).__name__, layer.compute_dtype, dtype,
-                             reason, params, tuple(dict.fromkeys(kinds))))
-    gradients = ()
-    if batch is not None:
-        gradients, out_dtypes, errors = _gradient_check(model, batch, rows)
-        found += errors
-        for i, dtype in enumerate(out_dtypes):
-            if dtype in _LOW:
-                found.append(AuditWarning("output_16bit", f"<output {i}>",
-                                          f"model output {i} is {dtype} at run time."))
-        if batch_size is None:
-            batch_size = int(keras.tree.flatten(batch)[0].shape[0])
+        output_dtype = ",".join(dict.fromkeys(out_dtypes)) or "-"
+        rows.append(AuditRow(path, type(layer).__name__, layer.compute_dtype, output_dtype, dtype,
+                             reason, why, params, tuple(dict.fromkeys(kinds)), output_from))
+    found += late
     global_compute = keras.config.dtype_policy().compute_dtype
     if tensor_cores and batch_size and batch_size % 8 and global_compute in _LOW:
         found.append(AuditWarning("tensor_core_dims", "<batch>",

@@ -1,12 +1,27 @@
-"""`tfmp.force_float32`: keep precision-sensitive layers and model outputs in float32.
+"""`tfmp.force_float32`: compute precision-sensitive layers and model outputs in float32.
 
 Under a mixed policy every layer computes in 16 bits unless told otherwise. This
-module sets a float32 ``DTypePolicy`` on the layers chosen by ``tfmp._src.float32.registry``
-(softmax, normalization, fused softmax, user targets) and on the layers producing
-the model's outputs, then makes the model's symbolic graph agree with the new
-dtypes. Keras then does the rest: ``Layer.__call__`` casts float inputs to the
-layer's compute dtype, so a float32 layer upcasts its 16-bit inputs and the next
-16-bit layer casts back down.
+module sets a float32 ``DTypePolicy`` on the layers chosen by
+``tfmp._src.float32.registry`` (softmax, fused softmax, normalization that Keras
+computes in 16 bits, known-broken Keras layers, user targets) and on the layers
+producing the model's outputs, then makes the model's symbolic graph agree.
+
+The output-dtype rule. Forcing makes a layer *compute* in float32 (``Layer.__call__``
+casts its float inputs up); the dtype it hands back is the one the code around it
+expects, the compute dtype of its parent (the enclosing layer, or the model for a
+layer of a Functional/Sequential graph):
+
+* Layers producing the model's outputs return float32 (the loss is computed in
+  float32); no cast back.
+* Every other forced layer gets a hook (owner ``"float32.cast_back"``) on its
+  ``call`` and ``compute_output_spec`` that casts floating outputs to its parent's
+  compute dtype when that is 16-bit. So ``norm(x) + y`` and
+  ``tf.matmul(softmax(scores), v)`` inside a custom layer see the same dtypes as
+  under plain Keras, and the symbolic graph shows the same dtypes as plain Keras
+  except the model outputs.
+* Layers Keras already computes in float32 (`registry.FLOAT32_INSIDE_KERAS`:
+  BatchNormalization, LayerNormalization, GroupNormalization, RMSNormalization)
+  are not forced at all.
 
 How each model kind is handled:
 
@@ -18,16 +33,18 @@ How each model kind is handled:
   picks up the new policies by itself.
 * Subclassed models have no graph to walk: their ``call`` is wrapped once so that
   16-bit float outputs are cast to float32 (this also covers outputs computed with
-  raw tensor ops after the last layer).
+  raw tensor ops after the last layer). Their forced layers hand back the model's
+  16-bit dtype, as any layer inside custom code.
 * Layers not built yet (lazy subclassed models, MultiHeadAttention, whose
   ``_softmax`` sublayer only exists after ``build``) get a one-shot hook that
   applies the same rules to the sublayers their ``build`` creates.
 
 Forcing a layer forces its sublayers too (a float32 block with float16 children
-would cast straight back down). MultiHeadAttention's fused path,
-``ops.dot_product_attention``, already runs its softmax in float32 on the
-TensorFlow backend; its explicit path (dropout, or ``return_attention_scores``)
-uses the ``Softmax`` sublayer, which the built-in rule forces.
+would cast straight back down); their parent then computes in float32, so they
+hand back float32. MultiHeadAttention's fused path, ``ops.dot_product_attention``,
+already runs its softmax in float32 on the TensorFlow backend; its explicit path
+(dropout, or ``return_attention_scores``) uses the ``Softmax`` sublayer, which the
+built-in rule forces and which hands 16-bit probabilities back to the attention.
 """
 
 from __future__ import annotations
@@ -39,8 +56,9 @@ from typing import Dict, List, Optional, Set, Tuple
 
 import keras
 
-from tfmp._src.float32 import registry as _registry
 from tfmp._src.constants import LOW_PRECISION
+from tfmp._src.errors import invalid_argument
+from tfmp._src.float32 import registry as _registry
 from tfmp._src.keras_hooks import patches
 from tfmp._src.keras_hooks.keras_private import (
     autocasts_inputs,
@@ -51,9 +69,10 @@ from tfmp._src.keras_hooks.keras_private import (
     set_symbolic_dtype,
 )
 from tfmp._src.layer_tree import walk
-from tfmp._src.errors import invalid_argument
 
 _FORCED: "weakref.WeakKeyDictionary[keras.layers.Layer, str]" = weakref.WeakKeyDictionary()
+#: Forced layers handing back their parent's dtype: layer -> [call hook, spec hook].
+_CAST_BACK: "weakref.WeakKeyDictionary[keras.layers.Layer, list]" = weakref.WeakKeyDictionary()
 #: Layers whose ``build`` is hooked: layer -> [hook, (path, keep, exclude, forced_as)].
 _DEFERRED: "weakref.WeakKeyDictionary[keras.layers.Layer, list]" = weakref.WeakKeyDictionary()
 
@@ -63,6 +82,16 @@ def forced_reason(layer: keras.layers.Layer) -> Optional[str]:
     """Why tfmp set ``layer`` to float32 (``"output"``, ``"softmax"``...), or None."""
     return _FORCED.get(layer)
 
+
+def casts_back(layer: keras.layers.Layer) -> bool:
+    """True when ``layer``'s outputs are cast to its parent's 16-bit compute dtype."""
+    return layer in _CAST_BACK
+
+
+def handed_back_dtype(layer: keras.layers.Layer) -> Optional[str]:
+    """The 16-bit dtype ``layer``'s cast-back hook casts to now, or None (no cast)."""
+    hooks = _CAST_BACK.get(layer)
+    return hooks[2]() if hooks else None
 
 
 
@@ -105,13 +134,74 @@ def output_producers(model: keras.Model) -> Tuple[List[keras.layers.Layer], List
     return layers, subclassed
 
 
-def _set_float32(layer: keras.layers.Layer, reason: str) -> bool:
-    """Sets a float32 policy on a 16-bit float layer; True when it changed."""
+def _cast_float(x, dtype: str):
+    """``x`` cast to ``dtype`` when it is a floating tensor of another dtype."""
+    current = getattr(x, "dtype", None)
+    if current is None or not keras.backend.is_float_dtype(current):
+        return x
+    if keras.backend.standardize_dtype(current) == dtype:
+        return x
+    if isinstance(x, keras.KerasTensor):
+        return keras.KerasTensor(x.shape, dtype=dtype, sparse=x.sparse)
+    return keras.ops.cast(x, dtype)
+
+
+def _install_cast_back(layer: keras.layers.Layer, parent) -> None:
+    """Hooks ``layer.call`` and ``layer.compute_output_spec`` to hand back ``parent``'s dtype.
+
+    The target is read at each call: the parent's compute dtype when it is 16-bit
+    (float16/bfloat16), else no cast (a float32 parent takes float32 as it is).
+    """
+    if layer in _CAST_BACK or parent is None:
+        return
+    parent_ref = weakref.ref(parent)
+
+    def target() -> Optional[str]:
+        owner = parent_ref()
+        dtype = getattr(owner, "compute_dtype", None)
+        return dtype if dtype in LOW_PRECISION else None
+
+    def wrap(original):
+        @functools.wraps(original)
+        def cast_back(*args, **kwargs):
+            outputs = original(*args, **kwargs)
+            dtype = target()
+            if dtype is None:
+                return outputs
+            return keras.tree.map_structure(lambda x: _cast_float(x, dtype), outputs)
+
+        return cast_back
+
+    _CAST_BACK[layer] = [
+        patches.install(layer, "call", wrap, owner="float32.cast_back"),
+        patches.install(layer, "compute_output_spec", wrap, owner="float32.cast_back"),
+        target,
+    ]
+
+
+def _remove_cast_back(layer: keras.layers.Layer) -> None:
+    for hook in _CAST_BACK.pop(layer, [])[:2]:
+        hook.remove()
+
+
+def _set_float32(layer: keras.layers.Layer, reason: str, parent=None) -> bool:
+    """Sets a float32 policy on a 16-bit float layer; True when it changed.
+
+    Every forced layer but an output producer also hands back ``parent``'s dtype
+    (:func:`_install_cast_back`). A layer forced earlier that now produces a model
+    output loses that hook.
+    """
+    if reason == "output" and layer in _CAST_BACK:
+        _remove_cast_back(layer)
+        _FORCED[layer] = reason
+        return True
     policy = layer.dtype_policy
     if layer.compute_dtype not in LOW_PRECISION or policy.quantization_mode:
         return False
     layer.dtype_policy = "float32"
     _FORCED[layer] = reason
+    if reason != "output":
+        _install_cast_back(layer, parent)
     return True
 
 
@@ -138,7 +228,7 @@ def _apply_rules(entries, outputs: Set[int], keep, exclude, inherited: Dict[int,
         elif id(parent) in inherited:
             inherited[id(layer)] = inherited[id(parent)]
             reason = f"inside {inherited[id(parent)]}"
-        if reason is not None and _set_float32(layer, reason):
+        if reason is not None and _set_float32(layer, reason, parent):
             changed.add(id(layer))
     for path, layer, _ in entries:
         if not layer.built:
@@ -269,13 +359,17 @@ def _refresh_graph(graph, changed_ops: Set[int]) -> bool:
 
 
 def force_float32(model: keras.Model, *, keep=(), exclude=()) -> keras.Model:
-    """Keeps precision-sensitive layers and the model's outputs in float32.
+    """Computes precision-sensitive layers in float32 and returns float32 model outputs.
 
     Sets a float32 ``DTypePolicy`` (float32 compute and variables) on: layers
-    producing model outputs; Softmax and normalization layers; layers with a
-    fused softmax/log_softmax activation; registered and ``keep`` targets; and all
-    sublayers of those. Only layers computing in float16/bfloat16 are touched;
-    nothing else changes. Idempotent. Works before or after build and for
+    producing model outputs; Softmax layers and normalization layers Keras
+    computes in 16 bits (UnitNormalization); layers with a fused
+    softmax/log_softmax activation; known-broken Keras layers
+    (``registry.KNOWN_BROKEN``); registered and ``keep`` targets; and all
+    sublayers of those. Output producers return float32; every other forced
+    layer hands back its parent's 16-bit compute dtype, so the code around it
+    sees the dtypes it sees under plain Keras. Only layers computing in
+    float16/bfloat16 are touched; nothing else changes. Idempotent. Works before or after build and for
     Sequential, Functional, nested and multi-output models. A subclassed model has
     no graph that tells which layers produce its outputs: its sensitive layers are
     forced and its ``call`` casts 16-bit outputs to float32, but its last layer

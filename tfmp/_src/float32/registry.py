@@ -1,17 +1,31 @@
-"""Which layers tfmp keeps in float32: built-in rules plus a user registry.
+"""Which layers tfmp keeps in float32: built-in rules, two tables of Keras layers, user rules.
 
 Built-in rules (why: 16 bits cannot hold the numbers these layers produce):
 
 * Softmax layers and ``Activation("softmax"/"log_softmax")``: ``exp`` of a logit
   above ~11 overflows float16 (largest finite value 65504); row sums lose digits.
-* Normalization layers (BatchNormalization, LayerNormalization,
-  GroupNormalization, UnitNormalization, RMSNormalization where Keras has it):
-  their mean/variance sums overflow or lose precision in 16 bits.
+* Normalization layers whose Keras code computes in the layer's own dtype
+  (``UnitNormalization``: ``ops.normalize`` squares and sums in 16 bits, and a
+  value above 256 squared overflows float16).
 * Layers with a fused ``softmax``/``log_softmax`` activation (e.g.
   ``Dense(10, activation="softmax")``), anywhere in the model.
 * Layers that produce a model output (handled in ``tfmp._src.float32.force``), which also
   covers a fused ``sigmoid`` in output position. Keras's own mixed-precision guide
   asks for float32 outputs for the same reason.
+
+Two tables name Keras layers by the class whose ``call`` runs (module and class
+name, so a subclass that keeps Keras's ``call`` matches and one that overrides
+it does not), each entry with the Keras version whose source was read:
+
+* `FLOAT32_INSIDE_KERAS`: layers whose ``call`` already computes in float32 for
+  16-bit inputs (BatchNormalization, LayerNormalization, GroupNormalization,
+  RMSNormalization). tfmp leaves them in the 16-bit policy: no extra casts, the
+  same dtypes as plain Keras; `tfmp.audit` shows "float32 inside Keras 3.15".
+* `KNOWN_BROKEN`: layers that fail under any mixed policy in plain Keras (e.g.
+  ConvNeXt's ``StochasticDepth``); tfmp forces them to float32 (reason
+  ``"known fix: ..."``). To add one, append a `KerasLayerNote` with the class path
+  printed by ``f"{cls.__module__}.{cls.__qualname__}"``, the Keras version you
+  checked and the reason, plus a test that trains the layer under a mixed policy.
 
 Users add targets (layer classes, or glob patterns over layer paths such as
 ``"encoder/*_norm"``) with :func:`register_float32`, and opt out of any rule,
@@ -35,18 +49,47 @@ from tfmp._src.errors import invalid_argument
 
 Target = Union[Type[keras.layers.Layer], str]
 
-_NORMALIZATION_NAMES = (
-    "BatchNormalization",
-    "LayerNormalization",
-    "GroupNormalization",
-    "UnitNormalization",
-    "RMSNormalization",  # Keras >= 3.9.
+
+@dataclasses.dataclass(frozen=True)
+class KerasLayerNote:
+    """One Keras layer class whose mixed-precision behaviour tfmp knows.
+
+    Attributes:
+        class_path: String. ``module.ClassName`` of the class defining the ``call``
+            that runs, e.g. ``"keras.src.applications.convnext.StochasticDepth"``.
+        keras_version: String. The Keras version whose source was checked.
+        why: String. What that source does with 16-bit inputs.
+    """
+
+    class_path: str
+    keras_version: str
+    why: str
+
+
+#: Layers Keras already computes in float32 for 16-bit inputs: left in the 16-bit policy.
+FLOAT32_INSIDE_KERAS: Tuple[KerasLayerNote, ...] = (
+    KerasLayerNote(
+        "keras.src.layers.normalization.batch_normalization.BatchNormalization", "3.15",
+        "call() casts 16-bit inputs to float32 ('BN is prone to overflow'), casts back"),
+    KerasLayerNote(
+        "keras.src.layers.normalization.layer_normalization.LayerNormalization", "3.15",
+        "ops.layer_normalization computes in at least float32, casts back"),
+    KerasLayerNote(
+        "keras.src.layers.normalization.group_normalization.GroupNormalization", "3.15",
+        "_apply_normalization casts 16-bit inputs to float32, casts back"),
+    KerasLayerNote(
+        "keras.src.layers.normalization.rms_normalization.RMSNormalization", "3.15",
+        "ops.rms_normalization computes in at least float32, casts back"),
 )
-BUILTIN_CLASSES: Tuple[type, ...] = (keras.layers.Softmax,) + tuple(
-    getattr(keras.layers, name)
-    for name in _NORMALIZATION_NAMES
-    if hasattr(keras.layers, name)
+
+#: Layers that fail under any mixed policy in plain Keras: forced to float32.
+KNOWN_BROKEN: Tuple[KerasLayerNote, ...] = (
+    KerasLayerNote(
+        "keras.src.applications.convnext.StochasticDepth", "3.15",
+        "float32 random noise times the 16-bit input"),
 )
+
+BUILTIN_CLASSES: Tuple[type, ...] = (keras.layers.Softmax, keras.layers.UnitNormalization)
 SOFTMAX_ACTIVATIONS = frozenset({"softmax", "log_softmax"})
 
 _keep: List[Target] = []
@@ -61,11 +104,17 @@ class Float32Rules:
         builtin: Tuple of layer classes tfmp always keeps in float32.
         keep: Tuple of user-registered classes or path patterns to keep.
         exclude: Tuple of user-registered classes or path patterns never forced.
+        known_broken: Tuple of `KerasLayerNote`: Keras layers forced because they
+            fail under mixed policies (`KNOWN_BROKEN`).
+        float32_inside_keras: Tuple of `KerasLayerNote`: Keras layers left in 16
+            bits because Keras computes them in float32 (`FLOAT32_INSIDE_KERAS`).
     """
 
     builtin: Tuple[type, ...]
     keep: Tuple[Target, ...]
     exclude: Tuple[Target, ...]
+    known_broken: Tuple[KerasLayerNote, ...] = KNOWN_BROKEN
+    float32_inside_keras: Tuple[KerasLayerNote, ...] = FLOAT32_INSIDE_KERAS
 
 
 class Registration:
@@ -203,14 +252,37 @@ def activation_name(layer: keras.layers.Layer) -> str:
     return getattr(getattr(layer, "activation", None), "__name__", "") or ""
 
 
+def _call_class_path(layer: keras.layers.Layer) -> str:
+    """``module.ClassName`` of the class in ``type(layer).__mro__`` that defines ``call``."""
+    for klass in type(layer).__mro__:
+        if "call" in vars(klass):
+            return f"{klass.__module__}.{klass.__qualname__}"
+    return ""
+
+
+def _note(layer: keras.layers.Layer, table: Tuple[KerasLayerNote, ...]) -> Optional[KerasLayerNote]:
+    path = _call_class_path(layer)
+    return next((note for note in table if note.class_path == path), None)
+
+
+def keras_float32_reason(layer: keras.layers.Layer) -> Optional[str]:
+    """``"float32 inside Keras <version>"`` for a `FLOAT32_INSIDE_KERAS` layer, else None."""
+    note = _note(layer, FLOAT32_INSIDE_KERAS)
+    return f"float32 inside Keras {note.keras_version}" if note else None
+
+
 def builtin_reason(layer: keras.layers.Layer) -> Optional[str]:
     """Why a built-in rule keeps ``layer`` in float32, or None.
 
     Returns:
-        ``"softmax"``, ``"normalization"`` or ``"fused <activation>"``, or None.
+        ``"softmax"``, ``"known fix: <why>"`` (a `KNOWN_BROKEN` layer),
+        ``"normalization"`` or ``"fused <activation>"``, or None.
     """
     if isinstance(layer, keras.layers.Softmax):
         return "softmax"
+    note = _note(layer, KNOWN_BROKEN)
+    if note is not None:
+        return f"known fix: {note.why}"
     if isinstance(layer, BUILTIN_CLASSES):
         return "normalization"
     name = activation_name(layer)
@@ -240,7 +312,7 @@ def decide(
     if reason:
         return reason
     if matches(layer, path, keep + tuple(_keep)):
-        return "user"
+        return "user rule"
     return None
 
 

@@ -2,8 +2,8 @@
 
 Every method tfmp replaces on a Keras class or object (``compile``,
 ``compile_from_config``, ``make_train_function``, ``train_step``, ``Layer.call``,
-``Layer.build``, ``Optimizer.apply``, ``Optimizer.scale_loss``) goes through
-`install`. Per method of an object there is one *slot* holding the method as it was
+``Layer.compute_output_spec``, ``Layer.build``, ``Optimizer.apply``,
+``Optimizer.scale_loss``) goes through `install`. Per method of an object there is one *slot* holding the method as it was
 and a stack of hooks; the attribute is the composition of the stack, innermost
 first in the order of `ORDER`. Removing a hook rebuilds the composition from the
 hooks that remain, so removing one never removes another, and removing the last
@@ -29,7 +29,9 @@ from typing import Any, Callable, Dict, List, Optional
 ORDER = {
     "float32.build": 10,  # Layer.build: force sublayers created at build time
     "float32.outputs": 20,  # Model.call: cast a subclassed model's outputs to float32
+    "float32.cast_back": 25,  # Layer.call / compute_output_spec: forced layer hands back its parent's dtype
     "numerics": 30,  # Layer.call, train_step, Optimizer.apply / scale_loss
+    "audit.outputs": 35,  # Layer.call: record output dtypes during tfmp.audit(batch=...)
     "grad_stats": 40,  # Optimizer.apply: gradient statistics for the monitor
     "enable.compile": 50,  # Trainer.compile / compile_from_config while enabled
     "loss_scale.fit_check": 55,  # Trainer.make_train_function while tfmp optimizers exist

@@ -159,18 +159,52 @@ def test_fused_activations(activation, position, forced):
     assert (layer.compute_dtype == "float32") is forced
 
 
-def test_group_normalization_large_inputs():
-    # Keras 3.15's GroupNormalization already upcasts internally (autocast=False);
-    # forcing must keep that working and make the layer's own policy float32.
-    keras.config.set_dtype_policy("mixed_float16")
-    inputs = keras.Input((16, 16, 64))
+def group_norm_model(values_shape=(16, 16, 64)):
+    inputs = keras.Input(values_shape)
     norm = keras.layers.GroupNormalization(groups=8, epsilon=1e-12)
-    model = keras.Model(inputs, keras.layers.Conv2D(8, 1)(norm(inputs)))
-    tfmp.force_float32(model)
+    return keras.Model(inputs, keras.layers.Conv2D(8, 1)(norm(inputs))), norm
+
+
+def test_group_normalization_large_inputs_finite_even_without_tfmp():
+    # Not a case tfmp fixes: Keras 3.15's GroupNormalization already computes its
+    # statistics in float32 (autocast=False, inputs upcast), so the unforced model
+    # is finite too, as asserted first. Forcing must keep that working and make the
+    # layer's own policy float32. See the Softmax test below for a case that only
+    # passes with tfmp.
+    keras.config.set_dtype_policy("mixed_float16")
     values = np.random.default_rng(0).uniform(60_000, 70_000, (2, 16, 16, 64)).astype("float32")
+    plain, plain_norm = group_norm_model()
+    assert plain_norm.compute_dtype == "float16"
+    assert np.isfinite(keras.ops.convert_to_numpy(plain(values))).all()
+    model, norm = group_norm_model()
+    tfmp.force_float32(model)
     outputs = keras.ops.convert_to_numpy(model(values))
     assert norm.compute_dtype == "float32" and outputs.dtype == np.float32
     assert np.isfinite(outputs).all()
+
+
+def test_softmax_on_logits_beyond_float16_needs_forcing():
+    # Logits above 65504 (float16's largest value) become inf when a float16
+    # Softmax casts its inputs, and softmax of inf is NaN. Forced to float32 by
+    # tfmp, the layer sees the float32 logits.
+    keras.config.set_dtype_policy("mixed_float16")
+    logits = np.array(
+        [[70_000.0, 69_000.0, 0.0, 0.0], [1.0, 2.0, 3.0, 4.0]], dtype="float32"
+    )
+
+    def softmax_model():
+        inputs = keras.Input((4,))
+        return keras.Model(inputs, keras.layers.Softmax()(inputs))
+
+    plain = keras.ops.convert_to_numpy(softmax_model()(logits))
+    assert np.isnan(plain[0]).all()  # without tfmp: the row overflowed
+    model = softmax_model()
+    tfmp.force_float32(model)
+    forced = keras.ops.convert_to_numpy(model(logits))
+    assert forced.dtype == np.float32
+    np.testing.assert_array_equal(forced[0], [1.0, 0.0, 0.0, 0.0])  # e**-1000 is 0
+    expected = np.exp([1.0, 2.0, 3.0, 4.0]) / np.exp([1.0, 2.0, 3.0, 4.0]).sum()
+    np.testing.assert_allclose(forced[1], expected, rtol=1e-6)
 
 
 def masked_attention_probabilities(mha, mask):
@@ -243,7 +277,8 @@ def test_forcing_a_block_forces_its_sublayers():
     model(np.ones((1, 4)))
     outer = keras.Sequential([keras.Input((4,)), model, keras.layers.Dense(2)])
     tfmp.force_float32(outer, keep=[Tower])
-    assert all(layer.compute_dtype == "float32" for layer in model.layers)
+    assert [layer.compute_dtype for layer in (model.dense, model.norm, model.out)] == ["float32"] * 3
+    assert len(model.layers) == 3
 
 
 def test_registry_api_and_context_manager():
@@ -305,7 +340,8 @@ def test_docstring_examples_run():
     from tfmp._src.float32 import force as _float32
 
     for module in (_float32, _registry, _audit):
-        assert doctest.testmod(module).failed == 0, module.__name__
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, (module.__name__, result)
 
 
 class Attention(keras.Model):

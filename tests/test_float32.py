@@ -173,19 +173,52 @@ def test_fused_activations(activation, position, forced):
     assert (layer.compute_dtype == "float32") is forced
 
 
-def test_group_normalization_large_inputs():
-    # Keras 3.15's GroupNormalization upcasts internally (autocast=False, float32
-    # statistics): tfmp leaves it in float16 and it stays finite on values whose
-    # squares overflow float16.
-    keras.config.set_dtype_policy("mixed_float16")
-    inputs = keras.Input((16, 16, 64))
+def group_norm_model(values_shape=(16, 16, 64)):
+    inputs = keras.Input(values_shape)
     norm = keras.layers.GroupNormalization(groups=8, epsilon=1e-12)
-    model = keras.Model(inputs, keras.layers.Conv2D(8, 1)(norm(inputs)))
-    tfmp.force_float32(model)
+    return keras.Model(inputs, keras.layers.Conv2D(8, 1)(norm(inputs))), norm
+
+
+def test_group_normalization_large_inputs_finite_even_without_tfmp():
+    # Not a case tfmp fixes: Keras 3.15's GroupNormalization already computes its
+    # statistics in float32 (autocast=False, inputs upcast), so the unforced model
+    # is finite too, as asserted first, and tfmp leaves it in float16 (its output-dtype
+    # rule: Keras already computes it in float32). See the Softmax test below for a
+    # case that only passes with tfmp.
+    keras.config.set_dtype_policy("mixed_float16")
     values = np.random.default_rng(0).uniform(60_000, 70_000, (2, 16, 16, 64)).astype("float32")
+    plain, plain_norm = group_norm_model()
+    assert plain_norm.compute_dtype == "float16"
+    assert np.isfinite(keras.ops.convert_to_numpy(plain(values))).all()
+    model, norm = group_norm_model()
+    tfmp.force_float32(model)
     outputs = keras.ops.convert_to_numpy(model(values))
     assert norm.compute_dtype == "float16" and outputs.dtype == np.float32
     assert np.isfinite(outputs).all()
+
+
+def test_softmax_on_logits_beyond_float16_needs_forcing():
+    # Logits above 65504 (float16's largest value) become inf when a float16
+    # Softmax casts its inputs, and softmax of inf is NaN. Forced to float32 by
+    # tfmp, the layer sees the float32 logits.
+    keras.config.set_dtype_policy("mixed_float16")
+    logits = np.array(
+        [[70_000.0, 69_000.0, 0.0, 0.0], [1.0, 2.0, 3.0, 4.0]], dtype="float32"
+    )
+
+    def softmax_model():
+        inputs = keras.Input((4,))
+        return keras.Model(inputs, keras.layers.Softmax()(inputs))
+
+    plain = keras.ops.convert_to_numpy(softmax_model()(logits))
+    assert np.isnan(plain[0]).all()  # without tfmp: the row overflowed
+    model = softmax_model()
+    tfmp.force_float32(model)
+    forced = keras.ops.convert_to_numpy(model(logits))
+    assert forced.dtype == np.float32
+    np.testing.assert_array_equal(forced[0], [1.0, 0.0, 0.0, 0.0])  # e**-1000 is 0
+    expected = np.exp([1.0, 2.0, 3.0, 4.0]) / np.exp([1.0, 2.0, 3.0, 4.0]).sum()
+    np.testing.assert_allclose(forced[1], expected, rtol=1e-6)
 
 
 def masked_attention_probabilities(mha, mask):
@@ -327,7 +360,8 @@ def test_docstring_examples_run():
     from tfmp._src.float32 import force as _float32
 
     for module in (_float32, _registry, _audit):
-        assert doctest.testmod(module).failed == 0, module.__name__
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, (module.__name__, result)
 
 
 class Attention(keras.Model):

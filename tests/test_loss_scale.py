@@ -499,6 +499,9 @@ def test_keras_deserialization_backwards_compatibility():
     }
     config = {"name": "loss_scale_optimizer", **base, "inner_optimizer": inner}
     config.update(initial_scale=2.0, dynamic_growth_steps=2)
-    assert isinstance(
-        tfmp.LossScaleOptimizer.from_config(config), tfmp.LossScaleOptimizer
-    )
+    restored = tfmp.LossScaleOptimizer.from_config(config)
+    # The saved settings come back, not defaults.
+    assert (restored.initial_scale, restored.dynamic_growth_steps) == (2.0, 2)
+    assert restored.loss_scaling
+    assert type(restored.inner_optimizer) is keras.optimizers.SGD
+    assert float(restored.inner_optimizer.learning_rate) == 0.5

@@ -1,27 +1,181 @@
-"""README.md stays true: its quickstart runs and CI runs its test command."""
+"""README.md stays true: its quickstart runs and logs, its names and paths exist, CI runs its test command."""
 
+import ast
+import inspect
 import pathlib
 import re
 
 import keras
+import pytest
+from _events import read_run
+from _events import steps
+from _events import values
 
 import tfmp
+from tfmp._src.policy import policy as _policy
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+CODE_BLOCKS = re.findall(r"```[a-z]*\n(.*?)```", README, flags=re.S)
+# Inline code spans outside the fenced blocks.
+CODE_SPANS = re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", README, flags=re.S))
+BF16_CPU = tfmp.DeviceFacts(cpu_name="AMD EPYC 9654", cpu_flags=frozenset({"avx512f", "avx512_bf16"}))
 
 
-def test_quickstart_snippet_runs(tmp_path, monkeypatch):
+def _quickstart():
     snippets = re.findall(r"```python\n(.*?)```", README, flags=re.S)
     assert len(snippets) == 1
+    return snippets[0]
+
+
+@pytest.mark.parametrize("machine", ["this_machine", "bfloat16_cpu"])
+def test_quickstart_snippet_runs_and_logs_every_batch(machine, tmp_path, monkeypatch):
+    if machine == "bfloat16_cpu":  # "auto" as on a CPU with AVX512_BF16 (emulated here)
+        monkeypatch.setattr(_policy, "detect_device_facts", lambda: BF16_CPU)
     monkeypatch.chdir(tmp_path)
     before = keras.config.dtype_policy().name
+    namespace = {}
     try:
-        exec(compile(snippets[0], "README.md", "exec"), {})
+        exec(compile(_quickstart(), "README.md", "exec"), namespace)
     finally:
         tfmp.disable()
     assert keras.config.dtype_policy().name == before
-    assert list((tmp_path / "logs" / "quickstart" / "train").glob("events.out.tfevents.*"))
+    decision = namespace["decision"]
+    if machine == "bfloat16_cpu":
+        assert decision.policy == "mixed_bfloat16"
+        assert isinstance(namespace["model"].optimizer, tfmp.LossScaleOptimizer)
+    run = read_run(tmp_path / "logs" / "quickstart")
+    # load_digits: 1797 samples, batch 64 -> 29 batches per epoch, 2 epochs.
+    assert steps(run, "batch_loss_scale") == list(range(1, 59))
+    assert steps(run, "epoch_loss_scale") == [0, 1]
+    if decision.policy == "float32":  # the model keeps its optimizer: no counts
+        assert "batch_overflow_count" not in run
+    else:
+        assert values(run, "batch_overflow_count") == [0.0] * 58
+    if decision.policy in ("float32", "mixed_bfloat16"):
+        assert set(values(run, "batch_loss_scale")) == {1.0}  # no loss scaling
+
+
+def _tfmp_references():
+    """Every dotted name ``tfmp.a.b`` in the README's code, with the text around it."""
+    found = {}
+    for code in CODE_BLOCKS + CODE_SPANS:
+        for match in re.finditer(r"\btfmp((?:\.[A-Za-z_]\w*)+)", code):
+            found.setdefault(match.group(1)[1:], code)
+    return found
+
+
+def test_every_tfmp_name_in_the_readme_exists():
+    references = _tfmp_references()
+    assert {"enable", "LossScaleMonitor", "check_numerics", "estimate_kv_cache"} <= set(references)
+    for dotted, code in references.items():
+        target = tfmp
+        for part in dotted.split("."):
+            assert hasattr(target, part), f"README names tfmp.{dotted} (in `{code}`): no {part!r}"
+            target = getattr(target, part)
+
+
+def _tfmp_calls():
+    """(dotted name, keyword names) of each ``tfmp.f(..., k=...)`` call in the README's code."""
+    calls = []
+    for code in CODE_BLOCKS + CODE_SPANS:
+        try:
+            tree = ast.parse(code)
+        except SyntaxError:  # prose in backticks, bash lines
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and ast.unparse(node.func).startswith("tfmp."):
+                keywords = [k.arg for k in node.keywords if k.arg is not None]
+                calls.append((ast.unparse(node.func)[len("tfmp."):], keywords, len(node.args)))
+    return calls
+
+
+def test_every_keyword_the_readme_passes_is_accepted():
+    calls = _tfmp_calls()
+    assert ("LossScaleMonitor", ["update_freq"], 1) in calls  # the quickstart's
+    for dotted, keywords, positional in calls:
+        function = tfmp
+        for part in dotted.split("."):
+            function = getattr(function, part)
+        parameters = inspect.signature(function).parameters
+        for keyword in keywords:
+            assert keyword in parameters, f"README calls tfmp.{dotted}({keyword}=...): not a parameter"
+        positional_slots = [
+            p for p in parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        has_varargs = any(p.kind == p.VAR_POSITIONAL for p in parameters.values())
+        assert has_varargs or positional <= len(positional_slots), dotted
+
+
+def _number(text):
+    """``"1"``, ``"32"`` or ``"2**24"`` as a float."""
+    base, _, exponent = text.partition("**")
+    return float(base) ** float(exponent or 1)
+
+
+def test_defaults_the_readme_states_are_the_real_ones():
+    # "`min_scale` (default 1)": each such claim, against LossScaleOptimizer's signature.
+    claims = dict(re.findall(r"`(\w+)` \(default ([^)]+)\)", README))
+    assert claims == {"min_scale": "1", "max_scale": "2**24", "max_consecutive_overflows": "32"}
+    parameters = inspect.signature(tfmp.LossScaleOptimizer).parameters
+    for name, default in claims.items():
+        assert parameters[name].default == _number(default), (name, default)
+
+
+# Paths the README names that are not in the repository: what runs write, and a
+# folder made by the set-up line.
+NOT_IN_THE_REPOSITORY = ("logs/", ".venv/")
+
+
+def _repository_paths():
+    """Every path-like word (with a '/' or ending in .py/.md) of the README's code."""
+    words = set()
+    for code in CODE_BLOCKS + CODE_SPANS:
+        for word in re.findall(r"[\w.\-/*<>]+", code):
+            word = word.rstrip(".")
+            if re.search(r"[*<>]", word) or word.startswith("/"):  # patterns, placeholders
+                continue
+            if "/" in word or re.search(r"\.(py|md)$", word):
+                words.add(word)
+    links = re.findall(r"\]\(([^)#:]+)\)", README)  # relative Markdown links
+    return {w for w in words | set(links) if not w.startswith(NOT_IN_THE_REPOSITORY)}
+
+
+def test_every_path_the_readme_names_exists():
+    paths = _repository_paths()
+    assert {"examples/train_digits.py", "tfmp/_src/keras_hooks/", ".ci/run",
+            "docs/troubleshooting.md", "train_digits.py"} <= paths
+    missing = []
+    for path in sorted(paths):
+        if "/" in path:  # from the repository root, or from notebooks/ ("../examples")
+            found = (ROOT / path).exists() or (ROOT / "notebooks" / path).exists()
+        else:  # a bare file name, in the folder its sentence or table row names
+            found = any(p for p in ROOT.rglob(path) if ".git" not in p.parts)
+        if not found:
+            missing.append(path)
+    assert not missing, f"README names paths that do not exist: {missing}"
+
+
+def test_layout_table_names_every_package_and_its_files():
+    rows = re.findall(r"^\| `(tfmp/[^`]+)`(.*)\|$", README[README.index("## Layout"):], flags=re.M)
+    named = {folder for folder, _ in rows}
+    packages = {f"tfmp/_src/{p.name}/" for p in (ROOT / "tfmp" / "_src").iterdir()
+                if p.is_dir() and list(p.glob("*.py"))}
+    assert "tfmp/_src/keras_hooks/" in packages
+    assert packages <= named, f"packages missing from the Layout table: {sorted(packages - named)}"
+    for folder, rest in rows:
+        for name in re.findall(r"`(\w+\.py)`", rest):
+            if folder.endswith("/"):
+                assert (ROOT / folder / name).is_file(), f"README: {folder}{name} does not exist"
+
+
+def test_readme_tables_list_every_notebook_and_example_script():
+    notebooks = set(re.findall(r"^\| `(\d\d_\w+)` \|", README, flags=re.M))
+    assert notebooks == {p.stem for p in (ROOT / "notebooks").glob("*.ipynb")}
+    scripts = set(re.findall(r"^\| `(examples/\w+\.py)` \|", README, flags=re.M))
+    on_disk = {f"examples/{p.name}" for p in (ROOT / "examples").glob("*.py")}
+    assert scripts == on_disk - {"examples/example_utils.py"}  # helpers, not a script
 
 
 def test_ci_runs_the_readme_test_command():

@@ -5,12 +5,20 @@ the writer is created on the first write (no empty files from processes that
 never log, e.g. non-chief workers), every `write` is flushed at once so that a
 crash right after it loses nothing (the default writer keeps events queued for
 up to two minutes), and each tag's description is attached.
+
+Steps and values are handed to TensorFlow as NumPy scalars, never as Python
+numbers: TensorFlow keeps the tensor of every distinct Python int or float it
+converts eagerly in a process-wide cache that is never trimmed (cleared only with
+the eager context), about 0.7 KB each. Steps and logged values are new numbers at
+nearly every logging point, so Python numbers made a monitor logging every batch
+grow the process by about 0.2 MiB per 128-step `fit` call.
 """
 
 from __future__ import annotations
 
 from typing import Iterable, Mapping, Optional
 
+import numpy as np
 import tensorflow as tf
 from tensorboard.compat.proto import summary_pb2
 
@@ -59,9 +67,10 @@ class EventFile:
         """
         if self._writer is None:
             self._writer = tf.summary.create_file_writer(self.directory)
-        with self._writer.as_default(step=int(step)):
+        # NumPy scalars: see the module docstring (Python numbers are cached forever).
+        with self._writer.as_default(step=np.int64(step)):
             for tag, value in (scalars or {}).items():
-                tf.summary.scalar(tag, value, description=self.descriptions.get(tag))
+                tf.summary.scalar(tag, np.float32(value), description=self.descriptions.get(tag))
             for tag, text in (texts or {}).items():
                 tf.summary.text(tag, text, description=self.descriptions.get(tag))
             for summary in summaries:

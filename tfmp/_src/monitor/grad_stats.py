@@ -28,6 +28,7 @@ import weakref
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfmp._src.constants import FLOAT16_MAX, FLOAT16_SMALLEST_SUBNORMAL
@@ -109,7 +110,7 @@ class GradientStats:
         stats = cls._instances.get(optimizer)
         if stats is None:
             stats = cls._instances[optimizer] = cls(optimizer, every, strategy)
-        stats._every.assign(every)
+        stats._every.assign(np.int64(every))
         return stats
 
     @property
@@ -147,7 +148,8 @@ class GradientStats:
             be traced again to contain it (the monitor calls
             `model.make_train_function(force=True)`).
         """
-        self._counter.assign(start_step)
+        # A NumPy scalar: TensorFlow caches every Python int it converts, for good.
+        self._counter.assign(np.int64(start_step))
         self._step.assign(-1)
         self._on.assign(True)
         if self._hook is not None:

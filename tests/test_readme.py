@@ -125,7 +125,8 @@ def test_defaults_the_readme_states_are_the_real_ones():
 
 # Paths the README names that are not in the repository: what runs write, and a
 # folder made by the set-up line.
-NOT_IN_THE_REPOSITORY = ("logs/", ".venv/")
+# Folders a run writes (logs, exported artifacts, the venv) and layer paths ("encoder/...").
+NOT_IN_THE_REPOSITORY = ("logs/", ".venv/", "exported/", "encoder/")
 
 
 def _repository_paths():

@@ -92,7 +92,7 @@ class AuditRow:
         forced: String. tfmp's reason for forcing it to float32 (``"output"``,
             ``"softmax"``, ``"known fix: ..."``, ``"user rule"``, ``"inside <path>"``...)
             or ``""``.
-        why: String. ``forced``, or ``"float32 inside Keras 3.15"`` for a layer
+        why: String. ``forced``, or ``"float32 inside Keras >= 3.12"`` for a layer
             Keras itself computes in float32, or ``""``.
         params: Int. Its own parameter count.
         warnings: Tuple of warning kinds for this layer.

@@ -20,7 +20,9 @@ it does not), each entry with the Keras version whose source was read:
 * `FLOAT32_INSIDE_KERAS`: layers whose ``call`` already computes in float32 for
   16-bit inputs (BatchNormalization, LayerNormalization, GroupNormalization,
   RMSNormalization). tfmp leaves them in the 16-bit policy: no extra casts, the
-  same dtypes as plain Keras; `tfmp.audit` shows "float32 inside Keras 3.15".
+  same dtypes as plain Keras; `tfmp.audit` shows "float32 inside Keras >= 3.12".
+  Each entry names the first Keras version that does so; on an older Keras the
+  layer is forced like any other normalization layer.
 * `KNOWN_BROKEN`: layers that fail under any mixed policy in plain Keras (e.g.
   ConvNeXt's ``StochasticDepth``); tfmp forces them to float32 (reason
   ``"known fix: ..."``). To add one, append a `KerasLayerNote` with the class path
@@ -46,6 +48,7 @@ from typing import Iterable, List, Optional, Tuple, Type, Union
 import keras
 
 from tfmp._src.errors import invalid_argument
+from tfmp._src.keras_hooks.keras_private import keras_at_least
 
 Target = Union[Type[keras.layers.Layer], str]
 
@@ -57,7 +60,9 @@ class KerasLayerNote:
     Attributes:
         class_path: String. ``module.ClassName`` of the class defining the ``call``
             that runs, e.g. ``"keras.src.applications.convnext.StochasticDepth"``.
-        keras_version: String. The Keras version whose source was checked.
+        keras_version: String. The first Keras version whose source does this
+            (checked there and on every later one tfmp is tested on); on an older
+            Keras the note does not apply.
         why: String. What that source does with 16-bit inputs.
     """
 
@@ -69,16 +74,17 @@ class KerasLayerNote:
 #: Layers Keras already computes in float32 for 16-bit inputs: left in the 16-bit policy.
 FLOAT32_INSIDE_KERAS: Tuple[KerasLayerNote, ...] = (
     KerasLayerNote(
-        "keras.src.layers.normalization.batch_normalization.BatchNormalization", "3.15",
+        "keras.src.layers.normalization.batch_normalization.BatchNormalization", "3.12",
         "call() casts 16-bit inputs to float32 ('BN is prone to overflow'), casts back"),
     KerasLayerNote(
-        "keras.src.layers.normalization.layer_normalization.LayerNormalization", "3.15",
+        "keras.src.layers.normalization.layer_normalization.LayerNormalization", "3.12",
         "ops.layer_normalization computes in at least float32, casts back"),
     KerasLayerNote(
         "keras.src.layers.normalization.group_normalization.GroupNormalization", "3.15",
-        "_apply_normalization casts 16-bit inputs to float32, casts back"),
+        "autocast=False and _apply_normalization casts 16-bit inputs to float32, casts back "
+        "(Keras 3.12-3.14 autocast float32 inputs to 16 bits first)"),
     KerasLayerNote(
-        "keras.src.layers.normalization.rms_normalization.RMSNormalization", "3.15",
+        "keras.src.layers.normalization.rms_normalization.RMSNormalization", "3.12",
         "ops.rms_normalization computes in at least float32, casts back"),
 )
 
@@ -268,7 +274,9 @@ def _note(layer: keras.layers.Layer, table: Tuple[KerasLayerNote, ...]) -> Optio
 def keras_float32_reason(layer: keras.layers.Layer) -> Optional[str]:
     """``"float32 inside Keras <version>"`` for a `FLOAT32_INSIDE_KERAS` layer, else None."""
     note = _note(layer, FLOAT32_INSIDE_KERAS)
-    return f"float32 inside Keras {note.keras_version}" if note else None
+    if note is None or not keras_at_least(note.keras_version):
+        return None
+    return f"float32 inside Keras >= {note.keras_version}"
 
 
 def builtin_reason(layer: keras.layers.Layer) -> Optional[str]:
@@ -285,6 +293,8 @@ def builtin_reason(layer: keras.layers.Layer) -> Optional[str]:
         return f"known fix: {note.why}"
     if isinstance(layer, BUILTIN_CLASSES):
         return "normalization"
+    if _note(layer, FLOAT32_INSIDE_KERAS) is not None and keras_float32_reason(layer) is None:
+        return "normalization"  # listed, but this Keras is older than the note's version
     name = activation_name(layer)
     if name in SOFTMAX_ACTIVATIONS:
         return "softmax" if isinstance(layer, keras.layers.Activation) else f"fused {name}"

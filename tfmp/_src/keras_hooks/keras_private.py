@@ -50,6 +50,11 @@ def _version_tuple(version: str) -> tuple:
     return tuple(int(part or 0) for part in match.groups()) if match else (0, 0, 0)
 
 
+def keras_at_least(version: str) -> bool:
+    """Bool. Whether the installed Keras is `version` (e.g. ``"3.15"``) or newer."""
+    return _version_tuple(keras.__version__) >= _version_tuple(version)
+
+
 def check_versions(keras_version: str, tensorflow_version: str) -> None:
     """Refuses a Keras or TensorFlow outside the range tfmp is tested on.
 

@@ -23,6 +23,7 @@ compile.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -77,6 +78,36 @@ def is_chief(strategy: Optional[tf.distribute.Strategy] = None) -> bool:
         return True
     has_chief = "chief" in resolver.cluster_spec().jobs
     return task_type == "worker" and task_id == 0 and not has_chief
+
+
+def replica_local_variable(
+    initial: Any, *, dtype: Any = None, name: Optional[str] = None, strategy: Any = None
+) -> tf.Variable:
+    """A non-trainable variable with one copy per replica, read from the first.
+
+    ``synchronization=ON_READ`` gives every replica of a `tf.distribute` strategy its
+    own copy, written from its replica context only (no cross-replica
+    synchronization, which an assignment inside `tf.cond` cannot do);
+    ``ONLY_FIRST_REPLICA`` makes a host read (cross-replica context) return replica
+    0's copy. Without a strategy it is a plain variable.
+
+    Args:
+        initial: Initial value (tensor, array or Python number).
+        dtype: `tf.DType` or None (from `initial`).
+        name: String or None.
+        strategy: `tf.distribute.Strategy` whose scope creates it, or None for the
+            scope the caller is in.
+    """
+    scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
+    with scope:
+        return tf.Variable(
+            initial,
+            dtype=dtype,
+            trainable=False,
+            name=name,
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+        )
 
 
 def any_replica(flags: Sequence[Any]) -> list:

@@ -32,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmp._src.constants import FLOAT16_MAX, FLOAT16_SMALLEST_SUBNORMAL
+from tfmp._src.distribute import replica_local_variable
 from tfmp._src.keras_hooks import patches
 
 NAMES = (
@@ -40,20 +41,6 @@ NAMES = (
     "grad_overflow_fraction",
     "grad_zero_fraction",
 )
-
-
-def _variable(strategy: Any, value: Any, dtype: tf.DType) -> tf.Variable:
-    """A replica-local variable: each replica writes its own copy, without the
-    cross-replica synchronization an assignment inside `tf.cond` cannot do; reads
-    outside replicas give the first replica's copy."""
-    with strategy.scope():
-        return tf.Variable(
-            value,
-            dtype=dtype,
-            trainable=False,
-            synchronization=tf.VariableSynchronization.ON_READ,
-            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-        )
 
 
 def _statistics(grads: list, scale: tf.Tensor) -> tf.Tensor:
@@ -97,11 +84,11 @@ class GradientStats:
         self, optimizer: keras.optimizers.Optimizer, every: int, strategy: Any
     ) -> None:
         self._optimizer = weakref.ref(optimizer)  # the registry is keyed by it
-        self._counter = _variable(strategy, 0, tf.int64)
-        self._step = _variable(strategy, -1, tf.int64)
-        self._every = _variable(strategy, every, tf.int64)
-        self._on = _variable(strategy, False, tf.bool)
-        self._values = _variable(strategy, [0.0] * len(NAMES), tf.float32)
+        self._counter = replica_local_variable(0, dtype=tf.int64, strategy=strategy)
+        self._step = replica_local_variable(-1, dtype=tf.int64, strategy=strategy)
+        self._every = replica_local_variable(every, dtype=tf.int64, strategy=strategy)
+        self._on = replica_local_variable(False, dtype=tf.bool, strategy=strategy)
+        self._values = replica_local_variable([0.0] * len(NAMES), dtype=tf.float32, strategy=strategy)
         self._hook: Optional[patches.Hook] = None
 
     @classmethod

@@ -19,7 +19,7 @@ from typing import Any, Optional
 import keras
 import tensorflow as tf
 
-from tfmp._src.distribute import gather_replicas
+from tfmp._src.distribute import gather_replicas, replica_local_variable
 
 #: Columns of one trace row (float32). VALID is 1 for a row that holds data; ABS_MIN
 #: and ABS_MAX are the smallest and largest absolute output value; IN_MIN and IN_MAX
@@ -127,23 +127,6 @@ def _kind_bits(nan: tf.Tensor, inf: tf.Tensor) -> tf.Tensor:
     return tf.cast(nan, tf.int64) + 2 * tf.cast(inf, tf.int64)
 
 
-def _replica_variable(initial: Any, name: str) -> tf.Variable:
-    """A non-trainable variable with one copy per replica, read from the first.
-
-    ``synchronization=ON_READ`` gives every replica of a `tf.distribute` strategy its
-    own copy, written from its replica context only; ``ONLY_FIRST_REPLICA`` makes a
-    host read (cross-replica context) return replica 0's copy. Without a strategy it
-    is a plain variable.
-    """
-    return tf.Variable(
-        initial,
-        trainable=False,
-        name=name,
-        synchronization=tf.VariableSynchronization.ON_READ,
-        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-    )
-
-
 #: Score of a replica without a failure when picking the one to report; forward
 #: failures score their row index, backward ones `_BACKWARD_SCORE` minus their
 #: variable index. All are small integers, exact in float32 (below 2**24).
@@ -167,7 +150,7 @@ class FailureRecorder:
     `MirroredStrategy` on two logical CPUs, tests/test_distribute.py) every replica
     runs the step on its own shard, in a thread of its own. The
     variables are then created in the strategy's scope with one copy per replica
-    (`_replica_variable`): each replica counts its own steps and keeps its own
+    (`distribute.replica_local_variable`): each replica counts its own steps and keeps its own
     `tail`, so `step` counts global steps, not replica steps. At the end of a step
     the replicas exchange their candidate failures (`gather_replicas`, one small
     all-reduce) and all record the same one: the failure earliest in the step (a
@@ -187,11 +170,11 @@ class FailureRecorder:
         width = len(COLUMNS)
         strategy = strategy if strategy is not None else tf.distribute.get_strategy()
         with tf.init_scope(), strategy.scope():
-            self.step = _replica_variable(tf.constant(0, tf.int64), "tfmp_numerics_step")
-            self.state = _replica_variable(tf.zeros([5], tf.int64), "tfmp_numerics_state")
-            self.window = _replica_variable(tf.zeros([trace_length, width]), "tfmp_numerics_window")
-            self.tail = _replica_variable(tf.zeros([trace_length, width]), "tfmp_numerics_tail")
-            self.scale = _replica_variable(tf.constant(1.0), "tfmp_numerics_scale")
+            self.step = replica_local_variable(tf.constant(0, tf.int64), name="tfmp_numerics_step")
+            self.state = replica_local_variable(tf.zeros([5], tf.int64), name="tfmp_numerics_state")
+            self.window = replica_local_variable(tf.zeros([trace_length, width]), name="tfmp_numerics_window")
+            self.tail = replica_local_variable(tf.zeros([trace_length, width]), name="tfmp_numerics_tail")
+            self.scale = replica_local_variable(tf.constant(1.0), name="tfmp_numerics_scale")
         #: `(path, class name, compute dtype)` of each row, from the latest trace.
         self.names: list[tuple[str, str, str]] = []
         #: Variables given to the optimizer, from the latest trace of the step.

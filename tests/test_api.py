@@ -91,3 +91,20 @@ def test_version_single_source():
     cfg.read(pathlib.Path(__file__).resolve().parents[1] / "setup.cfg")
     assert cfg["metadata"]["version"] == "attr: tfmp._version.__version__"
     assert tfmp.__version__.count(".") == 2
+
+
+def test_every_package_folder_is_installed():
+    """A folder without __init__.py imports from a checkout but is left out of the wheel."""
+    import pathlib
+
+    import setuptools
+
+    root = pathlib.Path(tfmp.__file__).resolve().parents[1]
+    folders = {
+        ".".join(path.parent.relative_to(root).parts)
+        for path in (root / "tfmp").rglob("*.py")
+        if "__pycache__" not in path.parts
+    }
+    packaged = set(setuptools.find_packages(str(root), include=["tfmp", "tfmp.*"]))
+    assert "tfmp._src.keras_hooks" in folders
+    assert folders <= packaged, f"not packaged: {sorted(folders - packaged)}"

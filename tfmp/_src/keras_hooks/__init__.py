@@ -1,0 +1,1 @@
+"""The one owner of every hook into Keras; see docs/architecture.md."""

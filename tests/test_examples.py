@@ -112,7 +112,7 @@ def test_image_classifier_with_mock_data(tmp_path, capsys, dataset):
              "--policy", "mixed_bfloat16", "--log-dir", str(tmp_path)])
     assert 0.0 <= accuracy <= 1.0
     assert "Test accuracy (" in capsys.readouterr().out
-    assert_monitor_logged(read_run(tmp_path), AUTO)
+    assert_monitor_logged(read_run(tmp_path), "mixed_bfloat16")
 
 
 def test_cnn_forces_only_the_sensitive_layers_to_float32():
@@ -136,7 +136,7 @@ def test_text_transformer_with_mock_imdb(tmp_path):
             ["--epochs", "1", "--steps", "2", "--batch-size", "8", "--max-tokens", "64",
              "--sequence-length", "16", "--policy", "mixed_bfloat16", "--log-dir", str(tmp_path)])
     assert 0.0 <= accuracy <= 1.0
-    assert_monitor_logged(read_run(tmp_path), AUTO)
+    assert_monitor_logged(read_run(tmp_path), "mixed_bfloat16")
 
 
 @SKIP_FP16_WARNING

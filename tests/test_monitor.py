@@ -599,7 +599,9 @@ def test_repeated_fits_trace_once_and_do_not_grow(tmp_path):
     assert stats.read()[0] == 400
     run = read_run(tmp_path / "99")
     assert steps(run, "batch_loss_scale") == [397, 398, 399, 400]
-    assert set(values(run, "batch_overflow_count")) == {0.0}
+    # float16 on random data may skip a step now and then: the monitor logs exactly
+    # the optimizer's count.
+    assert values(run, "batch_overflow_count")[-1] == int(model.optimizer.overflow_count.numpy())
     assert int(model.optimizer.total_steps.numpy()) == 400
     rss_growth = slope(rss)  # MiB per call over calls 50-100
     assert rss_growth < 0.05, f"RSS grew {1024 * rss_growth:.1f} KiB per fit call: {rss}"

@@ -256,7 +256,7 @@ def test_compile_hook_sits_where_keras_defines_compile():
 
 @pytest.mark.parametrize(
     "keras_version, tf_version",
-    [("3.12.0", "2.16.1"), ("3.15.1", "2.21.0"), ("3.16.0.dev2026", "2.22.0rc1")],
+    [("3.12.0", "2.17.0"), ("3.15.1", "2.21.0"), ("3.16.0.dev2026", "2.22.0rc1")],
 )
 def test_supported_versions_import(keras_version, tf_version):
     keras_private.check_versions(keras_version, tf_version)
@@ -264,14 +264,14 @@ def test_supported_versions_import(keras_version, tf_version):
 
 @pytest.mark.parametrize(
     "keras_version, tf_version",
-    [("3.8.0", "2.19.1"), ("3.11.3", "2.20.0"), ("4.0.0", "2.21.0"), ("3.15.1", "2.15.0")],
+    [("3.8.0", "2.19.1"), ("3.11.3", "2.20.0"), ("4.0.0", "2.21.0"), ("3.15.1", "2.16.1")],
 )
 def test_unsupported_versions_are_refused_naming_both(keras_version, tf_version):
     with pytest.raises(ImportError) as info:
         keras_private.check_versions(keras_version, tf_version)
     message = str(info.value)
     assert f"keras=={keras_version}, tensorflow=={tf_version}" in message
-    assert "Keras >= 3.12.0, < 4.0.0 with TensorFlow >= 2.16.1" in message
+    assert "Keras >= 3.12.0, < 4.0.0 with TensorFlow >= 2.17.0" in message
 
 
 def test_setup_cfg_ranges_are_the_tested_ones():

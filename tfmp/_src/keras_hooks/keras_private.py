@@ -40,7 +40,7 @@ CHECKED_ON = ("3.15.1", "2.21.0")
 #: in a second environment, and the lower bounds of setup.cfg's install_requires.
 #: Keras 3.11 and older fail tfmp's tests; Keras 4 is not yet known.
 MIN_KERAS = (3, 12, 0)
-MIN_TENSORFLOW = (2, 16, 1)
+MIN_TENSORFLOW = (2, 17, 0)
 BELOW_KERAS = (4, 0, 0)
 
 

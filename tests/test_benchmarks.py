@@ -8,6 +8,7 @@ import sys
 
 import keras
 import pytest
+from _events import read_run
 
 import tfmp
 from tfmp._src.policy.enable import is_enabled
@@ -98,8 +99,10 @@ def test_memory_counts_follow_the_policies(quick):
         assert len({m["parameter_bytes"] for m in mem.values()}) == 1, name
         assert len({m["gradient_bytes"] for m in mem.values()}) == 1, name
         assert all(m["activation_bytes"] > 0 for m in mem.values())
-        # tfmp's LossScaleOptimizer adds its scale and counters to Adam's slots.
-        assert mem["tfmp"]["optimizer_bytes"] > mem["keras_mixed"]["optimizer_bytes"]
+        if mixed:  # tfmp's LossScaleOptimizer adds its scale and counters to Adam's slots
+            assert mem["tfmp"]["optimizer_bytes"] > mem["keras_mixed"]["optimizer_bytes"]
+        else:  # float32: tfmp leaves the model's optimizer alone
+            assert mem["tfmp"]["optimizer_bytes"] == mem["keras_mixed"]["optimizer_bytes"]
         if mixed:
             assert mem["keras_mixed"]["activation_bytes"] < mem["float32"]["activation_bytes"]
             # Outputs and normalization forced to float32 cost some of the saving.
@@ -123,8 +126,13 @@ def test_targets_are_judged_from_the_ratios(quick):
 
 
 def test_tfmp_config_ran_with_the_monitor(quick):
+    # Quick mode: one warm-up fit call and 2 timed ones, each an epoch of 2-3
+    # steps, under update_freq=100: one epoch point (epoch 0) per call, no batch points.
+    calls = 1 + quick["written"]["suite"]["repeats"]
     for name in MODELS:
-        assert list((quick["folder"] / "logs" / name / "train").glob("events.out.tfevents.*"))
+        run = read_run(quick["folder"] / "logs" / name)
+        assert [step for step, _ in run["epoch_loss_scale"]] == [0] * calls, name
+        assert "batch_loss_scale" not in run, name
 
 
 def test_printed_report_names_every_model(quick, capsys):

@@ -8,6 +8,7 @@ import sys
 
 import keras
 import pytest
+from _events import read_run
 
 import tfmp
 from tfmp._src.policy.enable import is_enabled
@@ -125,8 +126,13 @@ def test_targets_are_judged_from_the_ratios(quick):
 
 
 def test_tfmp_config_ran_with_the_monitor(quick):
+    # Quick mode: one warm-up fit call and 2 timed ones, each an epoch of 2-3
+    # steps, under update_freq=100: one epoch point (epoch 0) per call, no batch points.
+    calls = 1 + quick["written"]["suite"]["repeats"]
     for name in MODELS:
-        assert list((quick["folder"] / "logs" / name / "train").glob("events.out.tfevents.*"))
+        run = read_run(quick["folder"] / "logs" / name)
+        assert [step for step, _ in run["epoch_loss_scale"]] == [0] * calls, name
+        assert "batch_loss_scale" not in run, name
 
 
 def test_printed_report_names_every_model(quick, capsys):

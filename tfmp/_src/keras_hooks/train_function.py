@@ -104,6 +104,14 @@ def _hooks(model: Any) -> _StepHooks:
     return hooks
 
 
+def _remove(model: Any, table: str, key: Any) -> None:
+    """Drops `key` from the model's `checks` or `handlers`; unwraps when none is left."""
+    with _LOCK:
+        hooks = vars(model).get(_ATTR)
+        if hooks is not None and getattr(hooks, table).pop(key, None) is not None:
+            hooks.remove_if_unused()
+
+
 def add_check(model: Any, name: str, check: Check) -> None:
     """Runs `check(logs) -> logs` after every train step of `model`.
 
@@ -122,10 +130,7 @@ def add_check(model: Any, name: str, check: Check) -> None:
 
 def remove_check(model: Any, name: str) -> None:
     """Stops running the check `name` on `model`; the other checks stay."""
-    with _LOCK:
-        hooks = vars(model).get(_ATTR)
-        if hooks is not None and hooks.checks.pop(name, None) is not None:
-            hooks.remove_if_unused()
+    _remove(model, "checks", name)
 
 
 def add_error_handler(model: Any, key: Any, handler: Callable[[BaseException], None]) -> None:
@@ -143,10 +148,7 @@ def add_error_handler(model: Any, key: Any, handler: Callable[[BaseException], N
 
 def remove_error_handler(model: Any, key: Any) -> None:
     """Stops calling the error handler registered under `key`."""
-    with _LOCK:
-        hooks = vars(model).get(_ATTR)
-        if hooks is not None and hooks.handlers.pop(key, None) is not None:
-            hooks.remove_if_unused()
+    _remove(model, "handlers", key)
 
 
 def has_check(model: Any, name: str) -> bool:

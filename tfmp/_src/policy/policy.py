@@ -25,13 +25,10 @@ from typing import Optional, Union
 
 import keras
 
+from tfmp._src.constants import FLOAT32, MIXED_BFLOAT16, MIXED_FLOAT16, POLICY_CHOICES
 from tfmp._src.errors import invalid_argument
 from tfmp._src.policy.hardware import DeviceFacts, detect_device_facts
 
-MIXED_FLOAT16 = "mixed_float16"
-MIXED_BFLOAT16 = "mixed_bfloat16"
-FLOAT32 = "float32"
-POLICY_CHOICES = ("auto", MIXED_FLOAT16, MIXED_BFLOAT16, FLOAT32)
 PURE_16BIT = ("float16", "bfloat16")
 
 # Common spellings that are not Keras policy names, mapped to the one meant.

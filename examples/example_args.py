@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 
-from tfmp._src.constants import POLICY_CHOICES  # tfmp's package imports no TensorFlow
+# `tfmp.enable`'s policies (tfmp._src.policy.policy.POLICY_CHOICES, which imports
+# TensorFlow with tfmp); tests/test_examples.py checks that the two agree.
+POLICY_CHOICES = ("auto", "mixed_float16", "mixed_bfloat16", "float32")
 
 
 def positive_int(text: str) -> int:

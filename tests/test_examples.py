@@ -72,6 +72,13 @@ def test_tfds_path_with_mock_data(tmp_path, dataset):
     assert run["epoch_loss_scale"] == [(0, 1.0)]
 
 
+def test_policy_choices_are_tfmps():
+    import example_args
+    from tfmp._src.policy.policy import POLICY_CHOICES
+
+    assert example_args.POLICY_CHOICES == POLICY_CHOICES
+
+
 def test_unknown_dataset_message():
     with pytest.raises(ValueError, match=r"Received: dataset='svhn'.*--dataset digits"):
         train_digits.make_datasets("svhn", 32)

@@ -63,18 +63,34 @@ def test_example_usage_error_before_tensorflow():
     assert not modules & set(HEAVY)
 
 
+CONSOLE_SCRIPT = """import re, sys
+from tfmp.cli import main
+if __name__ == "__main__":
+    sys.argv[0] = re.sub(r"(-script\\.pyw|\\.exe)?$", "", sys.argv[0])
+    sys.exit(main())
+"""
+
+
+@pytest.fixture
+def console_script(tmp_path):
+    """A copy of the script pip writes for setup.cfg's `tfmp = tfmp.cli:main`."""
+    path = tmp_path / "tfmp"
+    path.write_text(CONSOLE_SCRIPT)
+    return str(path)
+
+
 @pytest.mark.parametrize(
     "args, usage",
     [
         (["-m", "tfmp", "--help"], "usage: tfmp [-h] COMMAND ..."),
         (["-m", "tfmp", "doctor", "--help"], "usage: tfmp doctor [-h] [--json]"),
-        (["-c", "import sys; from tfmp.cli import main; sys.argv[0] = 'tfmp'; "
-               "sys.exit(main())", "doctor", "--help"],
-         "usage: tfmp doctor [-h] [--json]"),
+        (["CONSOLE_SCRIPT", "--help"], "usage: tfmp [-h] COMMAND ..."),
+        (["CONSOLE_SCRIPT", "doctor", "--help"], "usage: tfmp doctor [-h] [--json]"),
     ],
-    ids=["python-m-tfmp", "python-m-tfmp-doctor", "console-script-entry"],
+    ids=["python-m-tfmp", "python-m-tfmp-doctor", "tfmp", "tfmp-doctor"],
 )
-def test_tfmp_help_before_tensorflow(args, usage):
+def test_tfmp_help_before_tensorflow(args, usage, console_script):
+    args = [console_script if arg == "CONSOLE_SCRIPT" else arg for arg in args]
     result, modules = run_importtime(args)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith(usage)
@@ -83,7 +99,7 @@ def test_tfmp_help_before_tensorflow(args, usage):
 
 
 def test_installed_console_script_help():
-    """The `tfmp` command setup.cfg installs (tfmp = tfmp.cli:main), where present."""
+    """The `tfmp` command installed next to this interpreter, where there is one."""
     command = pathlib.Path(sys.executable).parent / "tfmp"
     if not command.exists():
         pytest.skip("no `tfmp` console script next to this interpreter")
@@ -93,21 +109,35 @@ def test_installed_console_script_help():
     assert result.stdout.startswith("usage: tfmp [-h] COMMAND ...")
 
 
-def test_import_tfmp_defers_tensorflow_until_a_public_name_is_used():
+def run_python(*args):
+    """Stdout words of this interpreter run with `args`, in a process of its own."""
+    result = subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                            timeout=300, env=script_env(), cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout.split()
+
+
+def test_import_tfmp_imports_everything_as_before():
+    """Versions checked, TensorFlow loaded, the optimizer registered for load_model."""
     code = (
+        "import sys, tfmp\n"
+        "loaded = 'tensorflow' in sys.modules and 'enable' in vars(tfmp)\n"
+        "import keras\n"
+        "registered = keras.saving.get_registered_object('tfmp>LossScaleOptimizer')\n"
+        "print(loaded, registered is tfmp.LossScaleOptimizer)\n"
+    )
+    assert run_python("-c", code) == ["True", "True"]
+
+
+def test_command_line_start_imports_public_names_on_first_use(tmp_path):
+    script = tmp_path / "tfmp"  # named as the console script
+    script.write_text(
         "import sys, tfmp\n"
         "before = 'tensorflow' in sys.modules\n"
         "enable = tfmp.enable\n"
-        "import keras\n"
-        "registered = keras.saving.get_registered_object('tfmp>LossScaleOptimizer')\n"
-        "print(before, 'tensorflow' in sys.modules, enable.__module__,\n"
-        "      registered is tfmp.LossScaleOptimizer, 'enable' in dir(tfmp))\n"
+        "print(before, 'tensorflow' in sys.modules, enable.__module__, 'enable' in dir(tfmp))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=300, env=script_env(), cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split() == [
-        "False", "True", "tfmp._src.policy.enable", "True", "True"]
+    assert run_python(str(script)) == ["False", "True", "tfmp._src.policy.enable", "True"]
 
 
 def test_unknown_attribute_is_an_attribute_error():

@@ -6,16 +6,19 @@
     model.compile("adam", loss=...)   # float32 forcing + loss-scale optimizer
     model.fit(ds, callbacks=[tfmp.LossScaleMonitor("logs/run1")])
 
-Importing tfmp does not import TensorFlow: the public names below are imported
-on first use (a module ``__getattr__``, PEP 562), all at once, so that ``tfmp
---help`` and ``python -m tfmp doctor --help`` answer without TensorFlow's start-up
-(about 6 s). Reading any public name imports every implementation module, with
-its registrations (e.g. `LossScaleOptimizer` with Keras serialization).
+`import tfmp` imports every public name below (and so TensorFlow and Keras,
+checking their versions, and registering `LossScaleOptimizer` with Keras
+serialization), except while Python starts the `tfmp` command (``tfmp ...`` or
+``python -m tfmp ...``): then the names are imported on first use (a module
+``__getattr__``, PEP 562), so ``--help`` answers without TensorFlow's start-up
+(about 6 s).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Any, List
 
 from tfmp._version import __version__
@@ -70,3 +73,19 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> List[str]:
     return sorted(set(globals()) | set(__all__))
+
+
+def _starting_the_command_line() -> bool:
+    """True while Python starts the `tfmp` command rather than a program importing tfmp.
+
+    ``python -m tfmp`` imports this package while ``sys.argv[0]`` is still ``"-m"``
+    (Python's documentation of ``-m``); the console script setup.cfg installs is
+    named ``tfmp`` (``tfmp.exe`` or ``tfmp-script.py`` on Windows).
+    """
+    argv = getattr(sys, "argv", None) or [""]
+    name = os.path.basename(argv[0]).split(".")[0]
+    return argv[0] == "-m" or name in ("tfmp", "tfmp-script")
+
+
+if not _starting_the_command_line():
+    _import_public_names()

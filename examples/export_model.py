@@ -26,7 +26,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "the trained model."
     )
     example_args.add_training_args(parser, epochs=5, batch_size=64,
-                                    log_dir=os.path.join("logs", "export"))
+                                   log_dir=os.path.join("logs", "export"))
     parser.add_argument("--out-dir", default="exported",
                         help="folder for the artifacts (default exported)")
     return parser.parse_args(argv)

@@ -100,7 +100,7 @@ def test_proxy_is_the_host_checked(monkeypatch):
     assert tfds_preflight._endpoint(url) == ("127.0.0.1", 3128)
 
 
-def test_closed_port_is_unreachable(monkeypatch):
+def test_closed_port_is_unreachable():
     (port,) = free_ports(1)
     assert not tfds_preflight.host_reachable(f"http://127.0.0.1:{port}/data.tar.gz")
 

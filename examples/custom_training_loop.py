@@ -30,12 +30,51 @@ import argparse
 import os
 from typing import Callable, List, Optional, Sequence
 
+import example_args  # examples/, next to this file; imports no TensorFlow
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Train the digits classifier with a hand-written Keras 3 training "
+        "loop: tfmp.scaled_gradients and tfmp.LossScaleOptimizer for loss scaling, "
+        "gradient clipping and gradient accumulation in the inner optimizer; the loss "
+        "scale and overflow count go to TensorBoard.",
+        epilog="Example: %(prog)s --policy mixed_float16 --accumulation-steps 4",
+    )
+    example_args.add_training_args(
+        parser, epochs=10, batch_size=32, log_dir=os.path.join("logs", "custom_loop")
+    )
+    parser.add_argument(
+        "--learning-rate",
+        type=float,
+        default=0.05,
+        help="SGD learning rate, momentum 0.9 (default 0.05)",
+    )
+    parser.add_argument(
+        "--clipnorm",
+        type=float,
+        default=1.0,
+        help="clip the global norm of the unscaled gradients to this "
+        "(default 1.0; 0 disables clipping)",
+    )
+    parser.add_argument(
+        "--accumulation-steps",
+        type=int,
+        default=2,
+        help="average the gradients of this many batches before each "
+        "update (default 2; 1 updates every batch)",
+    )
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and usage errors answer here, before TensorFlow loads
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-import example_utils  # noqa: E402  (examples/, next to this file)
 import tfmp  # noqa: E402
 import train_digits  # noqa: E402
 
@@ -160,40 +199,6 @@ def train(
         )
     callback_list.on_train_end()
     return losses
-
-
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description="Train the digits classifier with a hand-written Keras 3 training "
-        "loop: tfmp.scaled_gradients and tfmp.LossScaleOptimizer for loss scaling, "
-        "gradient clipping and gradient accumulation in the inner optimizer; the loss "
-        "scale and overflow count go to TensorBoard.",
-        epilog="Example: %(prog)s --policy mixed_float16 --accumulation-steps 4",
-    )
-    example_utils.add_training_args(
-        parser, epochs=10, batch_size=32, log_dir=os.path.join("logs", "custom_loop")
-    )
-    parser.add_argument(
-        "--learning-rate",
-        type=float,
-        default=0.05,
-        help="SGD learning rate, momentum 0.9 (default 0.05)",
-    )
-    parser.add_argument(
-        "--clipnorm",
-        type=float,
-        default=1.0,
-        help="clip the global norm of the unscaled gradients to this "
-        "(default 1.0; 0 disables clipping)",
-    )
-    parser.add_argument(
-        "--accumulation-steps",
-        type=int,
-        default=2,
-        help="average the gradients of this many batches before each "
-        "update (default 2; 1 updates every batch)",
-    )
-    return parser.parse_args(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> float:

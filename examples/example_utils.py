@@ -1,8 +1,8 @@
 """Helpers shared by the example scripts and the notebooks.
 
-Every script in this folder takes the same training options (`add_training_args`)
-and runs the same job around its own data and model (`train_and_evaluate`): enable
-tfmp, build and compile the model, fit it with `tfmp.LossScaleMonitor`, evaluate,
+Every script in this folder takes the same training options
+(`example_args.add_training_args`, parsed before TensorFlow is imported) and runs
+the same job around its own data and model (`train_and_evaluate`): enable tfmp, build and compile the model, fit it with `tfmp.LossScaleMonitor`, evaluate,
 and restore the previous policy. The notebooks read the monitor's TensorBoard event
 files back with `read_scalars` and `overflow_steps`.
 
@@ -25,73 +25,6 @@ import tensorflow as tf  # noqa: E402
 from tensorboard.backend.event_processing import event_accumulator  # noqa: E402
 
 import tfmp  # noqa: E402
-from tfmp._src.policy.policy import POLICY_CHOICES  # noqa: E402
-
-
-def positive_int(text: str) -> int:
-    """Argparse type: an int >= 1, else a usage error naming what was received."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, received {text!r}")
-    return value
-
-
-def add_training_args(
-    parser: argparse.ArgumentParser, *, epochs: int, batch_size: int, log_dir: str
-) -> None:
-    """Adds the options every example shares to `parser`.
-
-    Options: ``--policy``, ``--epochs``, ``--steps``, ``--batch-size``,
-    ``--log-dir`` and ``--seed``.
-
-    Args:
-        parser: `argparse.ArgumentParser` to extend.
-        epochs: Int. Default of ``--epochs``.
-        batch_size: Int. Default of ``--batch-size`` (examples per batch).
-        log_dir: String. Default TensorBoard folder of ``--log-dir``.
-    """
-    parser.add_argument(
-        "--policy",
-        default="auto",
-        choices=POLICY_CHOICES,
-        help="auto (default: the fastest safe policy for this hardware), "
-        "mixed_bfloat16, mixed_float16 or float32",
-    )
-    parser.add_argument(
-        "--epochs",
-        type=positive_int,
-        default=epochs,
-        help=f"passes over the training data (default {epochs})",
-    )
-    parser.add_argument(
-        "--steps",
-        type=positive_int,
-        default=None,
-        help="batches per epoch (default: the whole training set); "
-        "small values make a quick smoke run",
-    )
-    parser.add_argument(
-        "--batch-size",
-        type=positive_int,
-        default=batch_size,
-        help=f"examples per batch (default {batch_size}); multiples "
-        "of 8 suit Tensor Cores",
-    )
-    parser.add_argument(
-        "--log-dir",
-        default=log_dir,
-        help=f"TensorBoard log folder for the loss scale and overflow "
-        f"count (default {log_dir})",
-    )
-    parser.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="seed of weights, shuffling and splits (default 0)",
-    )
 
 
 def train_and_evaluate(
@@ -108,7 +41,7 @@ def train_and_evaluate(
     when they are created) and disabled afterwards, also when training raises.
 
     Args:
-        args: Namespace with the options of `add_training_args`.
+        args: Namespace with the options of `example_args.add_training_args`.
         make_datasets: Callable returning batched ``(train, test)`` datasets of
             ``(features, label)``; called after `tfmp.enable()`.
         build_model: Callable taking the feature shape without the batch axis and

@@ -16,12 +16,7 @@ import argparse
 import os
 from typing import List, Optional, Sequence
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-import tfmp  # noqa: E402
-
-import example_utils  # noqa: E402  (examples/, next to this file)
-import train_digits  # noqa: E402
+import example_args  # examples/, next to this file; imports no TensorFlow
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -30,11 +25,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "its float32 copy as a SavedModel and a TFLite file and compare them with "
         "the trained model."
     )
-    example_utils.add_training_args(parser, epochs=5, batch_size=64,
-                                    log_dir=os.path.join("logs", "export"))
+    example_args.add_training_args(parser, epochs=5, batch_size=64,
+                                   log_dir=os.path.join("logs", "export"))
     parser.add_argument("--out-dir", default="exported",
                         help="folder for the artifacts (default exported)")
     return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and usage errors answer here, before TensorFlow loads
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tfmp  # noqa: E402
+
+import example_utils  # noqa: E402  (examples/, next to this file)
+import train_digits  # noqa: E402
 
 
 def main(argv: Optional[Sequence[str]] = None) -> List:

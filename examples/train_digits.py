@@ -15,6 +15,28 @@ import argparse
 import os
 from typing import Optional, Sequence, Tuple
 
+import example_args  # examples/, next to this file; imports no TensorFlow
+
+DATASETS = ("digits", "mnist", "cifar10")
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Train a classifier with tfmp mixed precision, logging the "
+        "loss scale and overflow count to TensorBoard."
+    )
+    parser.add_argument("--dataset", choices=DATASETS, default="digits",
+                        help="digits (bundled, default) or a tensorflow-datasets "
+                        "name (needs a network the first time)")
+    example_args.add_data_dir_arg(parser)
+    example_args.add_training_args(parser, epochs=15, batch_size=64,
+                                   log_dir=os.path.join("logs", "digits"))
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and usage errors answer here, before TensorFlow loads
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
@@ -22,8 +44,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import example_utils  # noqa: E402  (examples/, next to this file)
+import tfds_preflight  # noqa: E402
 
-DATASETS = ("digits", "mnist", "cifar10")
 NUM_CLASSES = 10
 
 
@@ -52,31 +74,43 @@ def load_digits_arrays(
     return (x_train, y_train), (x_test, y_test)
 
 
-def load_tfds(name: str, batch_size: int) -> Tuple[tf.data.Dataset, tf.data.Dataset]:
+def load_tfds(
+    name: str, batch_size: int, data_dir: Optional[str] = None
+) -> Tuple[tf.data.Dataset, tf.data.Dataset]:
     """Loads `name` ("mnist" or "cifar10") through tensorflow-datasets.
+
+    A data set not yet prepared is downloaded only when its hosts answer
+    (`tfds_preflight.prepare`); otherwise the run stops at once with what to do.
 
     Args:
         name: String. A tensorflow-datasets name with ``image`` and ``label``.
         batch_size: Int. Examples per batch.
+        data_dir: String or None. Folder of prepared data sets (None: tfds's
+            default, ``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets``).
 
     Returns:
         ``(train, test)`` batched `tf.data.Dataset`s of (float32 image in [0, 1],
         int64 label).
-    """
-    import tensorflow_datasets as tfds
 
+    Raises:
+        SystemExit: the data set is not prepared and its download host is
+            unreachable, or the download failed (its partial folders removed).
+    """
     def scale(image, label):
         return tf.cast(image, tf.float32) / 255.0, label
 
-    train, test = tfds.load(name, split=["train", "test"], as_supervised=True)
+    builder = tfds_preflight.prepare(name, data_dir)
+    train, test = builder.as_dataset(split=["train", "test"], as_supervised=True)
     train = train.map(scale).shuffle(10_000, seed=0).batch(batch_size)
     return train.prefetch(tf.data.AUTOTUNE), test.map(scale).batch(batch_size)
 
 
 def make_datasets(
-    dataset: str, batch_size: int, seed: int = 0
+    dataset: str, batch_size: int, seed: int = 0, data_dir: Optional[str] = None
 ) -> Tuple[tf.data.Dataset, tf.data.Dataset]:
     """Returns batched ``(train, test)`` `tf.data` pipelines for `dataset`.
+
+    `data_dir` is the tensorflow-datasets folder (see `load_tfds`).
 
     Raises:
         ValueError: `dataset` is not one of "digits", "mnist", "cifar10".
@@ -88,7 +122,7 @@ def make_datasets(
         test = tf.data.Dataset.from_tensor_slices((x_test, y_test)).batch(batch_size)
         return train.prefetch(tf.data.AUTOTUNE), test.cache()
     if dataset in ("mnist", "cifar10"):
-        return load_tfds(dataset, batch_size)
+        return load_tfds(dataset, batch_size, data_dir)
     raise ValueError(
         f"Invalid `dataset` argument. Expected one of {DATASETS}. "
         f"Received: dataset={dataset!r}. Use --dataset digits for the bundled data."
@@ -116,25 +150,12 @@ def build_model(input_shape: Sequence[int]) -> keras.Model:
     return keras.Model(inputs, outputs, name="digits_classifier")
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description="Train a classifier with tfmp mixed precision, logging the "
-        "loss scale and overflow count to TensorBoard."
-    )
-    parser.add_argument("--dataset", choices=DATASETS, default="digits",
-                        help="digits (bundled, default) or a tensorflow-datasets "
-                        "name (needs a network the first time)")
-    example_utils.add_training_args(parser, epochs=15, batch_size=64,
-                                    log_dir=os.path.join("logs", "digits"))
-    return parser.parse_args(argv)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> float:
     """Runs the job; returns the test accuracy (float in [0, 1])."""
     args = parse_args(argv)
     return example_utils.train_and_evaluate(
         args,
-        lambda: make_datasets(args.dataset, args.batch_size, args.seed),
+        lambda: make_datasets(args.dataset, args.batch_size, args.seed, args.data_dir),
         build_model,
     )
 

@@ -15,14 +15,43 @@ import argparse
 import os
 from typing import Optional, Sequence
 
+import example_args  # examples/, next to this file; imports no TensorFlow
+
+DATASETS = ("cifar10", "mnist")
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Train a CNN image classifier on a tensorflow-datasets data set "
+        "with tfmp mixed precision; the loss scale and overflow count go to "
+        "TensorBoard. The data set is downloaded on first use.",
+        epilog="Example: %(prog)s --dataset mnist --epochs 2 --policy auto",
+    )
+    parser.add_argument(
+        "--dataset",
+        choices=DATASETS,
+        default="cifar10",
+        help="cifar10 (default; 32x32 colour, 10 classes) or mnist (28x28 grey digits)",
+    )
+    example_args.add_data_dir_arg(parser)
+    example_args.add_training_args(
+        parser,
+        epochs=10,
+        batch_size=128,
+        log_dir=os.path.join("logs", "image_classifier"),
+    )
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and usage errors answer here, before TensorFlow loads
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 
 import example_utils  # noqa: E402  (examples/, next to this file)
 import train_digits  # noqa: E402
-
-DATASETS = ("cifar10", "mnist")
 
 
 def build_cnn(input_shape: Sequence[int], num_classes: int = 10) -> keras.Model:
@@ -57,33 +86,13 @@ def build_cnn(input_shape: Sequence[int], num_classes: int = 10) -> keras.Model:
     return keras.Model(inputs, outputs, name="cnn_classifier")
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description="Train a CNN image classifier on a tensorflow-datasets data set "
-        "with tfmp mixed precision; the loss scale and overflow count go to "
-        "TensorBoard. The data set is downloaded on first use.",
-        epilog="Example: %(prog)s --dataset mnist --epochs 2 --policy auto",
-    )
-    parser.add_argument(
-        "--dataset",
-        choices=DATASETS,
-        default="cifar10",
-        help="cifar10 (default; 32x32 colour, 10 classes) or mnist (28x28 grey digits)",
-    )
-    example_utils.add_training_args(
-        parser,
-        epochs=10,
-        batch_size=128,
-        log_dir=os.path.join("logs", "image_classifier"),
-    )
-    return parser.parse_args(argv)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> float:
     """Runs the job; returns the test accuracy (float in [0, 1])."""
     args = parse_args(argv)
     return example_utils.train_and_evaluate(
-        args, lambda: train_digits.load_tfds(args.dataset, args.batch_size), build_cnn
+        args,
+        lambda: train_digits.load_tfds(args.dataset, args.batch_size, args.data_dir),
+        build_cnn,
     )
 
 

@@ -25,6 +25,41 @@ import argparse
 import os
 from typing import Optional, Sequence, Tuple
 
+import example_args  # examples/, next to this file; imports no TensorFlow
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Train a one-block Transformer on IMDB movie reviews "
+        "(tensorflow-datasets 'imdb_reviews', downloaded on first use) with tfmp "
+        "mixed precision; the loss scale and overflow count go to TensorBoard.",
+        epilog="Example: %(prog)s --epochs 1 --steps 100 --policy auto",
+    )
+    example_args.add_training_args(
+        parser,
+        epochs=2,
+        batch_size=64,
+        log_dir=os.path.join("logs", "text_transformer"),
+    )
+    example_args.add_data_dir_arg(parser)
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=20_000,
+        help="vocabulary size learnt from the training reviews (default 20000)",
+    )
+    parser.add_argument(
+        "--sequence-length",
+        type=int,
+        default=200,
+        help="tokens kept per review; shorter ones are padded (default 200)",
+    )
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and usage errors answer here, before TensorFlow loads
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
@@ -32,10 +67,15 @@ import tensorflow as tf  # noqa: E402
 from keras import ops  # noqa: E402
 
 import example_utils  # noqa: E402  (examples/, next to this file)
+import tfds_preflight  # noqa: E402
 
 
 def load_imdb(
-    batch_size: int, max_tokens: int, sequence_length: int, seed: int = 0
+    batch_size: int,
+    max_tokens: int,
+    sequence_length: int,
+    seed: int = 0,
+    data_dir: Optional[str] = None,
 ) -> Tuple[tf.data.Dataset, tf.data.Dataset]:
     """Loads ``imdb_reviews`` and turns reviews into token ids.
 
@@ -48,14 +88,15 @@ def load_imdb(
         max_tokens: Int. Vocabulary size, including the two reserved ids.
         sequence_length: Int. Reviews are cut or zero-padded to this many tokens.
         seed: Int. Seed of the training shuffle.
+        data_dir: String or None. Folder of prepared tensorflow-datasets data
+            sets (None: ``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets``).
 
     Returns:
         ``(train, test)`` batched datasets of (int64 ids of shape
         (batch, sequence_length), int64 label 0 = negative, 1 = positive).
     """
-    import tensorflow_datasets as tfds
-
-    train, test = tfds.load("imdb_reviews", split=["train", "test"], as_supervised=True)
+    builder = tfds_preflight.prepare("imdb_reviews", data_dir)
+    train, test = builder.as_dataset(split=["train", "test"], as_supervised=True)
     vectorizer = keras.layers.TextVectorization(
         max_tokens=max_tokens, output_sequence_length=sequence_length
     )
@@ -150,41 +191,14 @@ def build_transformer(
     return keras.Model(ids, outputs, name="text_transformer")
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description="Train a one-block Transformer on IMDB movie reviews "
-        "(tensorflow-datasets 'imdb_reviews', downloaded on first use) with tfmp "
-        "mixed precision; the loss scale and overflow count go to TensorBoard.",
-        epilog="Example: %(prog)s --epochs 1 --steps 100 --policy auto",
-    )
-    example_utils.add_training_args(
-        parser,
-        epochs=2,
-        batch_size=64,
-        log_dir=os.path.join("logs", "text_transformer"),
-    )
-    parser.add_argument(
-        "--max-tokens",
-        type=int,
-        default=20_000,
-        help="vocabulary size learnt from the training reviews (default 20000)",
-    )
-    parser.add_argument(
-        "--sequence-length",
-        type=int,
-        default=200,
-        help="tokens kept per review; shorter ones are padded (default 200)",
-    )
-    return parser.parse_args(argv)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> float:
     """Runs the job; returns the test accuracy (float in [0, 1])."""
     args = parse_args(argv)
     return example_utils.train_and_evaluate(
         args,
         lambda: load_imdb(
-            args.batch_size, args.max_tokens, args.sequence_length, args.seed
+            args.batch_size, args.max_tokens, args.sequence_length, args.seed,
+            args.data_dir,
         ),
         lambda shape: build_transformer(shape, vocabulary_size=args.max_tokens),
         learning_rate=3e-4,

@@ -17,6 +17,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 import custom_training_loop  # noqa: E402
 import export_model  # noqa: E402
 import example_utils  # noqa: E402
+import tfds_preflight  # noqa: E402
 import tfmp  # noqa: E402
 import train_digits  # noqa: E402
 import train_image_classifier  # noqa: E402
@@ -25,6 +26,12 @@ import train_text_transformer  # noqa: E402
 # What "auto" picks on this machine: float32 on a CPU without bfloat16 hardware,
 # where tfmp leaves the optimizer alone and the monitor writes no overflow counts.
 AUTO = tfmp.recommend_policy().policy
+
+
+@pytest.fixture
+def hosts_answer(monkeypatch):
+    """`tfds.testing.mock_data` serves the data: the preflight's network check passes."""
+    monkeypatch.setattr(tfds_preflight, "host_reachable", lambda url: True)
 
 
 def assert_monitor_logged(run, policy):
@@ -51,6 +58,7 @@ def test_main_job_trains_digits_with_auto_policy(tmp_path, capsys):
         assert {v for _, v in run["batch_overflow_count"]} == {0.0}
 
 
+@pytest.mark.usefixtures("hosts_answer")
 @pytest.mark.parametrize("dataset", ["mnist", "cifar10"])
 def test_tfds_path_with_mock_data(tmp_path, dataset):
     with tfds.testing.mock_data(num_examples=64):
@@ -64,6 +72,13 @@ def test_tfds_path_with_mock_data(tmp_path, dataset):
     assert run["epoch_loss_scale"] == [(0, 1.0)]
 
 
+def test_policy_choices_are_tfmps():
+    import example_args
+    from tfmp._src.policy.policy import POLICY_CHOICES
+
+    assert example_args.POLICY_CHOICES == POLICY_CHOICES
+
+
 def test_unknown_dataset_message():
     with pytest.raises(ValueError, match=r"Received: dataset='svhn'.*--dataset digits"):
         train_digits.make_datasets("svhn", 32)
@@ -72,10 +87,10 @@ def test_unknown_dataset_message():
 # The other example scripts and the shared helpers ------------------------------------
 
 SCRIPTS = {
-    train_digits: ("--dataset", "--policy", "--epochs", "--steps", "--log-dir"),
-    train_image_classifier: ("--dataset", "cifar10", "mnist", "--policy", "--epochs",
+    train_digits: ("--dataset", "--data-dir", "--policy", "--epochs", "--steps", "--log-dir"),
+    train_image_classifier: ("--dataset", "cifar10", "mnist", "--data-dir", "--policy", "--epochs",
                              "--steps", "--batch-size", "--log-dir", "--seed"),
-    train_text_transformer: ("imdb_reviews", "--policy", "--epochs", "--steps",
+    train_text_transformer: ("imdb_reviews", "--data-dir", "--policy", "--epochs", "--steps",
                              "--max-tokens", "--sequence-length", "--log-dir"),
     export_model: ("--policy", "--epochs", "--steps", "--batch-size", "--log-dir", "--seed",
                    "--out-dir"),
@@ -104,6 +119,7 @@ def test_a_script_runs_from_the_command_line():
     assert result.stdout.startswith("usage: custom_training_loop.py")
 
 
+@pytest.mark.usefixtures("hosts_answer")
 @pytest.mark.parametrize("dataset", ["mnist", "cifar10"])
 def test_image_classifier_with_mock_data(tmp_path, capsys, dataset):
     with tfds.testing.mock_data(num_examples=32):
@@ -130,6 +146,7 @@ def test_cnn_forces_only_the_sensitive_layers_to_float32():
     assert model.outputs[0].dtype == "float32"
 
 
+@pytest.mark.usefixtures("hosts_answer")
 def test_text_transformer_with_mock_imdb(tmp_path):
     with tfds.testing.mock_data(num_examples=32):
         accuracy = train_text_transformer.main(

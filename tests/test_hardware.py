@@ -1,7 +1,9 @@
-"""Device detection: TensorFlow's device lists, GPU details and CPU flags."""
+"""Device detection: TensorFlow's device lists, GPU details and CPU flags (archspec)."""
 
+import archspec.cpu
 import pytest
 import tensorflow as tf
+from archspec.cpu import detect
 
 import tfmp
 from tfmp._src.policy import hardware as _hardware
@@ -41,69 +43,86 @@ def test_detection_is_cached():
     assert _hardware.detect_device_facts() is _hardware.detect_device_facts()
 
 
-def test_cpu_flags_parsed_from_cpuinfo(tmp_path, monkeypatch):
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text(
-        "processor\t: 0\nmodel name\t: AMD EPYC 9654\nflags\t\t: fpu avx2 avx512f avx512_bf16\n\n"
-        "processor\t: 1\nmodel name\t: AMD EPYC 9654\nflags\t\t: fpu avx2 avx512f avx512_bf16\n"
-    )
-    real_open = open
-    monkeypatch.setattr(
-        "builtins.open",
-        lambda path, *a, **k: real_open(cpuinfo if path == "/proc/cpuinfo" else path, *a, **k),
-    )
-    name, flags = _hardware._read_cpu_info()
-    assert name == "AMD EPYC 9654"
-    assert flags == frozenset({"fpu", "avx2", "avx512f", "avx512_bf16"})
+def test_cpu_name_and_flags_from_archspec_targets():
+    name, flags = _hardware.cpu_from_archspec(
+        archspec.cpu.TARGETS["zen4"], brand="AMD EPYC 9654 96-Core Processor")
+    assert name == "AMD EPYC 9654 96-Core Processor"
+    assert {"avx2", "avx512f", "avx512_bf16"} <= flags
     assert tfmp.DeviceFacts(cpu_flags=flags).cpu_bf16_flags == ("avx512_bf16",)
+    # Without a brand string (Arm on Linux): vendor and microarchitecture name.
+    assert _hardware.cpu_from_archspec(archspec.cpu.TARGETS["neoverse_v1"])[0] == (
+        "ARM neoverse_v1")
 
 
-# /proc/cpuinfo flag lines of real CPUs (shortened) and what "auto" must decide.
-CPUINFO_CASES = {
+def _partial(vendor, flag_line):
+    """What archspec reads from a CPU itself: a partial microarchitecture of its flags."""
+    return detect.partial_uarch(vendor=vendor, features=set(flag_line.split()))
+
+
+# CPUs as archspec names them (its target) and the flags read from the CPU itself
+# (shortened /proc/cpuinfo flag lines), with what "auto" must decide.
+CPU_CASES = {
     "zen4": (
-        "AMD EPYC 9654 96-Core Processor",
-        "fpu sse2 avx2 avx512f avx512bw avx512_vnni avx512_bf16",
-        "mixed_bfloat16",
-        "CPU 'AMD EPYC 9654 96-Core Processor' (avx512_bf16)",
+        "zen4", _partial("AuthenticAMD", "fpu sse2 avx2 avx512f avx512bw avx512_bf16"),
+        "AMD EPYC 9654 96-Core Processor", "mixed_bfloat16", "(avx512_bf16)",
     ),
     "sapphire_rapids": (
-        "Intel(R) Xeon(R) Platinum 8480+",
-        "fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8",
-        "mixed_bfloat16",
-        "CPU 'Intel(R) Xeon(R) Platinum 8480+' (avx512_bf16, amx_bf16)",
+        "sapphirerapids", _partial("GenuineIntel", "fpu avx2 avx512f avx512_bf16 amx_bf16"),
+        "Intel(R) Xeon(R) Platinum 8480+", "mixed_bfloat16", "(avx512_bf16, amx_bf16)",
     ),
+    # archspec 0.2.7 has no Cooper Lake target: named cascadelake, bf16 from its flags.
+    "cooper_lake": (
+        "cascadelake", _partial("GenuineIntel", "fpu avx2 avx512f avx512_vnni avx512_bf16"),
+        "Intel(R) Xeon(R) Platinum 8380H", "mixed_bfloat16", "(avx512_bf16)",
+    ),
+    # A CPU archspec cannot name (generic x86_64) whose flags show AMX-BF16.
     "amx_only": (
-        "Some AMX CPU",
-        "fpu avx2 amx_bf16 amx_tile",
-        "mixed_bfloat16",
-        "CPU 'Some AMX CPU' (amx_bf16)",
+        "x86_64", _partial("GenuineIntel", "fpu avx2 amx_bf16 amx_tile"),
+        "Some AMX CPU", "mixed_bfloat16", "(amx_bf16)",
     ),
-    # AVX-512 with VNNI and BW but no bfloat16 instructions (Cascade Lake).
+    # AVX-512 with VNNI and BW but no bfloat16 instructions.
     "cascade_lake": (
-        "Intel(R) Xeon(R) Gold 6248 CPU @ 2.50GHz",
-        "fpu avx2 avx512f avx512bw avx512_vnni",
-        "float32",
-        "CPU 'Intel(R) Xeon(R) Gold 6248 CPU @ 2.50GHz' (no bfloat16 flags)",
+        "cascadelake", _partial("GenuineIntel", "fpu avx2 avx512f avx512bw avx512_vnni"),
+        "Intel(R) Xeon(R) Gold 6248 CPU @ 2.50GHz", "float32", "(no bfloat16 flags)",
     ),
-    "no_flags": ("Mystery CPU", "", "float32", "CPU 'Mystery CPU' (no bfloat16 flags)"),
+    "skylake_avx512": (
+        "skylake_avx512", None, "Intel(R) Xeon(R) Gold 6148", "float32", "(no bfloat16 flags)",
+    ),
+    # Arm FEAT_BF16 ("bf16" in the Features line): AWS Graviton3 and Graviton4.
+    "neoverse_v1": (
+        "neoverse_v1", _partial("ARM", "fp asimd sve bf16 svebf16 i8mm"),
+        None, "mixed_bfloat16", "(bf16)",
+    ),
+    "neoverse_v2": ("neoverse_v2", None, None, "mixed_bfloat16", "(bf16)"),
+    # Graviton2: no BF16.
+    "neoverse_n1": ("neoverse_n1", _partial("ARM", "fp asimd atomics"), None, "float32",
+                    "(no bfloat16 flags)"),
+    # Apple M2: archspec reads no flags on macOS; the m2 target lists bf16.
+    "apple_m2": ("m2", detect.partial_uarch(name="m2", vendor="Apple"), "Apple M2",
+                 "mixed_bfloat16", "(bf16)"),
+    "no_flags": ("x86_64", None, "Mystery CPU", "float32", "(no bfloat16 flags)"),
 }
 
 
-@pytest.mark.parametrize("case", sorted(CPUINFO_CASES))
-def test_auto_decides_from_the_cpuinfo_it_reads(case, tmp_path, monkeypatch):
-    """From /proc/cpuinfo text to the decision, with the expectation written out."""
-    name, flag_line, policy, device = CPUINFO_CASES[case]
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text(f"processor\t: 0\nmodel name\t: {name}\nflags\t\t: {flag_line}\n")
-    real_open = open
-    monkeypatch.setattr(
-        "builtins.open",
-        lambda path, *a, **k: real_open(cpuinfo if path == "/proc/cpuinfo" else path, *a, **k),
-    )
+@pytest.mark.parametrize("case", sorted(CPU_CASES))
+def test_auto_decides_from_what_archspec_reports(case, monkeypatch):
+    """From archspec's detection to the decision, with the expectation written out."""
+    target, detected, brand, policy, flags = CPU_CASES[case]
+    monkeypatch.setattr(archspec.cpu, "host", lambda: archspec.cpu.TARGETS[target])
+    monkeypatch.setattr(detect, "detected_info", lambda: detected or _partial("", ""))
+    monkeypatch.setattr(archspec.cpu, "brand_string", lambda: brand)
     monkeypatch.setattr(tf.config, "list_physical_devices", lambda kind=None: [])
-    facts = _hardware.detect_device_facts.__wrapped__()  # uncached: reads the fake file
+    facts = _hardware.detect_device_facts.__wrapped__()  # uncached: reads the fakes
+    name = brand or f"{archspec.cpu.TARGETS[target].vendor} {target}"
     decision = tfmp.recommend_policy(facts)
-    assert (decision.policy, decision.device) == (policy, device)
+    assert (decision.policy, decision.device) == (policy, f"CPU '{name}' {flags}")
+
+
+def test_arm_reason_does_not_claim_the_zen4_measurement():
+    arm = tfmp.DeviceFacts(cpu_name="ARM neoverse_v1", cpu_flags=frozenset({"sve", "bf16"}))
+    reason = tfmp.recommend_policy(arm).reason
+    assert reason.startswith("The CPU has BF16, so oneDNN runs bfloat16 matmuls")
+    assert "not measured by tfmp" in reason and "Zen 4" not in reason
 
 
 def _this_cpu_flags():
@@ -115,7 +134,7 @@ def _this_cpu_flags():
         return None
     for line in lines:
         key, _, value = line.partition(":")
-        if key.strip() == "flags":
+        if key.strip() in ("flags", "Features"):  # x86, Arm
             return set(value.split())
     return set()
 
@@ -123,8 +142,8 @@ def _this_cpu_flags():
 @pytest.mark.skipif(bool(tf.config.list_physical_devices("GPU")), reason="decides for a GPU")
 @pytest.mark.skipif(_this_cpu_flags() is None, reason="no /proc/cpuinfo to check against")
 def test_this_cpu_machine():
-    # The rule written out: hardware bfloat16 is AVX512_BF16 or AMX-BF16.
-    has_bf16 = bool({"avx512_bf16", "amx_bf16"} & _this_cpu_flags())
+    # The rule written out: hardware bfloat16 is AVX512_BF16, AMX-BF16 or Arm BF16.
+    has_bf16 = bool({"avx512_bf16", "amx_bf16", "bf16"} & _this_cpu_flags())
     decision = tfmp.recommend_policy()
     assert decision.policy == ("mixed_bfloat16" if has_bf16 else "float32")
     assert decision.device.startswith("CPU '")

@@ -176,7 +176,9 @@ def test_readme_tables_list_every_notebook_and_example_script():
     assert notebooks == {p.stem for p in (ROOT / "notebooks").glob("*.ipynb")}
     scripts = set(re.findall(r"^\| `(examples/\w+\.py)` \|", README, flags=re.M))
     on_disk = {f"examples/{p.name}" for p in (ROOT / "examples").glob("*.py")}
-    assert scripts == on_disk - {"examples/example_utils.py"}  # helpers, not a script
+    helpers = {"examples/example_utils.py", "examples/example_args.py",
+               "examples/tfds_preflight.py"}
+    assert scripts == on_disk - helpers
 
 
 def test_ci_runs_the_readme_test_command():

@@ -1,5 +1,8 @@
 """The `tfmp` command line: ``tfmp doctor [--json]`` (also ``python -m tfmp doctor``).
 
+Arguments are parsed before TensorFlow is imported (``tfmp/__init__.py`` imports
+nothing heavy), so ``--help`` and usage errors answer at once.
+
 Installed as a console script by setup.cfg::
 
     [options.entry_points]
@@ -13,8 +16,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from tfmp._src.advisors.doctor import doctor
-from tfmp._src.policy.hardware import DeviceFacts
+from tfmp._src.policy.hardware import DeviceFacts  # no TensorFlow import
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,5 +45,7 @@ def main(argv: Optional[Sequence[str]] = None,
     """
     args = _parser().parse_args(argv)
     if args.command == "doctor":
+        from tfmp._src.advisors.doctor import doctor  # imports TensorFlow
+
         doctor(device_facts, as_json=args.json, file=sys.stdout)
     return 0

@@ -10,7 +10,7 @@ report can be produced for a GPU this machine does not have.
 
 Per-device support follows the same rules as "auto" (`tfmp._src.policy.policy`): float16
 Tensor Cores from compute capability 7.0, bfloat16 Tensor Cores and TF32 from 8.0;
-on a CPU, bfloat16 with AVX512_BF16 or AMX-BF16 and float16 never.
+on a CPU, bfloat16 with AVX512_BF16, AMX-BF16 or Arm BF16 and float16 never.
 """
 
 from __future__ import annotations

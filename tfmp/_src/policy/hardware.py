@@ -1,24 +1,32 @@
 """Device facts that the automatic policy choice rests on.
 
 Facts come from TensorFlow (`tf.config.list_physical_devices`,
-`tf.config.experimental.get_device_details` for a GPU's compute capability) and
-from the CPU's feature flags (`/proc/cpuinfo` on Linux). Detection runs once per
-process (cached); tests and advisors inject a `DeviceFacts` instead, so every
-rule can be exercised without the hardware.
+`tf.config.experimental.get_device_details` for a GPU's compute capability) and,
+for the CPU, from archspec (the CPU detection of the Spack package manager:
+https://github.com/archspec/archspec), which reads ``/proc/cpuinfo`` on Linux
+(x86 ``flags``, Arm ``Features``), ``sysctl`` on macOS and the CPUID instruction
+on Windows. Detection runs once per process (cached); tests and advisors inject
+a `DeviceFacts` instead, so every rule can be exercised without the hardware.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import platform
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
-# CPU flags (as Linux spells them in /proc/cpuinfo) that give hardware bfloat16
-# matmuls: AVX512_BF16 (Intel Cooper Lake+, AMD Zen 4+) and AMX-BF16 (Intel
-# Sapphire Rapids+). Source: Intel and AMD instruction-set references; oneDNN
-# uses them for its bfloat16 kernels.
-CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+# CPU feature flags (as Linux spells them in /proc/cpuinfo, and archspec on every
+# system) that give hardware bfloat16 matrix arithmetic:
+# - avx512_bf16: AVX512_BF16 (VDPBF16PS; Intel Cooper Lake and Sapphire Rapids+,
+#   AMD Zen 4+). Source: Intel Architecture Instruction Set Extensions reference.
+# - amx_bf16: AMX-BF16 tile matmuls (TDPBF16PS; Intel Sapphire Rapids+). Same source.
+# - bf16: Arm FEAT_BF16 (BFDOT, BFMMLA; Armv8.6-A, optional from Armv8.2-A: Neoverse
+#   V1 in AWS Graviton3, Neoverse V2 in Graviton4 and NVIDIA Grace, Neoverse N2).
+#   Source: Arm Architecture Reference Manual; Linux's arm64 cpu-feature-registers
+#   documentation (HWCAP2_BF16, shown as "bf16").
+# oneDNN uses all three for its bfloat16 kernels (oneDNN "Data types" documentation;
+# on Arm through the Arm Compute Library).
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +58,9 @@ class DeviceFacts:
         gpus: Tuple of `GpuFacts`, empty on a machine without visible GPUs.
         tpu: Bool. True when TensorFlow lists a TPU device.
         cpu_name: String. CPU model name, e.g. ``"AMD EPYC"``.
-        cpu_flags: Frozenset of lowercase CPU feature flags, e.g.
-            ``{"avx512f", "avx512_bf16"}``.
+        cpu_flags: Frozenset of lowercase CPU feature flags as Linux and
+            archspec spell them, e.g. ``{"avx512f", "avx512_bf16"}`` (x86) or
+            ``{"sve", "bf16"}`` (Arm).
 
     Example:
         >>> a100 = DeviceFacts(gpus=(GpuFacts("NVIDIA A100", (8, 0)),))
@@ -88,22 +97,52 @@ class DeviceFacts:
         return gpu.compute_capability if gpu is not None else None
 
 
-def _read_cpu_info() -> Tuple[str, frozenset]:
-    """Returns (model name, flags) from /proc/cpuinfo; empty flags elsewhere."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            text = f.read()
-    except OSError:
-        return platform.processor() or "unknown CPU", frozenset()
-    name, flags = "unknown CPU", frozenset()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip().lower()
-        if key == "model name" and name == "unknown CPU":
-            name = value.strip()
-        elif key == "flags" and not flags:
-            flags = frozenset(value.split())
-    return name, flags
+def cpu_from_archspec(
+    target: Any, detected: Any = None, brand: Optional[str] = None
+) -> Tuple[str, frozenset]:
+    """Returns (CPU name, feature flags) from archspec's view of a CPU.
+
+    The flags are the union of the named microarchitecture's features and the
+    ones read from the CPU itself: archspec names a CPU after the closest target
+    it knows, whose feature list can lack what this CPU has (archspec 0.2.7 has no
+    Cooper Lake target, so a Cooper Lake CPU, which has AVX512_BF16, is named
+    ``cascadelake``), while the flags read from an Apple CPU are empty and only its
+    target (e.g. ``m2``) lists them.
+
+    Args:
+        target: `archspec.cpu.Microarchitecture`, e.g. ``archspec.cpu.host()`` or
+            ``archspec.cpu.TARGETS["neoverse_v1"]``.
+        detected: `archspec.cpu.Microarchitecture` or None. The partial one
+            holding the flags read from the CPU
+            (``archspec.cpu.detect.detected_info()``).
+        brand: String or None. The CPU's brand string
+            (``archspec.cpu.brand_string()``); None names the CPU by vendor and
+            microarchitecture, e.g. ``"ARM neoverse_v1"``.
+
+    Returns:
+        ``(name, flags)``: string, and frozenset of lowercase flag strings.
+
+    Example:
+        >>> import archspec.cpu
+        >>> name, flags = cpu_from_archspec(archspec.cpu.TARGETS["neoverse_v1"])
+        >>> name, "bf16" in flags
+        ('ARM neoverse_v1', True)
+    """
+    flags = set(target.features)
+    if detected is not None:
+        flags |= set(detected.features)
+    name = brand or f"{target.vendor} {target.name}"
+    return name, frozenset(flag.lower() for flag in flags)
+
+
+def _read_cpu() -> Tuple[str, frozenset]:
+    """(name, flags) of this machine's CPU, detected by archspec."""
+    import archspec.cpu
+    from archspec.cpu import detect
+
+    return cpu_from_archspec(
+        archspec.cpu.host(), detect.detected_info(), archspec.cpu.brand_string()
+    )
 
 
 def _read_gpus() -> Tuple[GpuFacts, ...]:
@@ -132,7 +171,7 @@ def detect_device_facts() -> DeviceFacts:
     """
     import tensorflow as tf
 
-    cpu_name, cpu_flags = _read_cpu_info()
+    cpu_name, cpu_flags = _read_cpu()
     return DeviceFacts(
         gpus=_read_gpus(),
         tpu=bool(tf.config.list_physical_devices("TPU")),

@@ -3,14 +3,17 @@
 Rules (NVIDIA "Train With Mixed Precision" guide and the TensorFlow mixed-precision
 guide; CPU figures measured on a Zen 4 CPU with TF 2.21):
 
-| hardware                                  | policy           |
-|-------------------------------------------|------------------|
-| TPU                                       | mixed_bfloat16   |
-| NVIDIA GPU, compute capability >= 8.0     | mixed_bfloat16   |
-| NVIDIA GPU, 7.0 <= compute capability < 8 | mixed_float16    |
-| NVIDIA GPU, compute capability < 7.0      | float32          |
-| CPU with AVX512_BF16 or AMX-BF16          | mixed_bfloat16   |
-| any other CPU                             | float32          |
+| hardware                                   | policy           |
+|--------------------------------------------|------------------|
+| TPU                                        | mixed_bfloat16   |
+| NVIDIA GPU, compute capability >= 8.0      | mixed_bfloat16   |
+| NVIDIA GPU, 7.0 <= compute capability < 8  | mixed_float16    |
+| NVIDIA GPU, compute capability < 7.0       | float32          |
+| CPU with AVX512_BF16, AMX-BF16 or Arm BF16 | mixed_bfloat16   |
+| any other CPU                              | float32          |
+
+CPU flags as `tfmp._src.policy.hardware.CPU_BF16_FLAGS` lists them (sources there);
+Arm BF16 (Neoverse V1/V2/N2) is not measured by tfmp.
 
 float16 is never chosen on a CPU: no CPU arithmetic for it, measured 0.59x of
 float32 on an MLP. Tensor Cores arrived with compute capability 7.0 (Volta);
@@ -143,16 +146,19 @@ def recommend_policy(device_facts: Optional[DeviceFacts] = None) -> PolicyDecisi
     if gpu is not None:
         return _gpu_decision(gpu.compute_capability, gpu.cc_string, device)
     if facts.cpu_bf16_flags:
+        measured = ("measured 1.88x float32 on a Zen 4 CPU"
+                    if set(facts.cpu_bf16_flags) - {"bf16"}
+                    else "Arm BF16 through the Arm Compute Library; not measured by tfmp")
         return PolicyDecision(
             MIXED_BFLOAT16,
             f"The CPU has {'/'.join(facts.cpu_bf16_flags).upper()}, so oneDNN runs "
-            "bfloat16 matmuls in hardware (measured 1.88x float32 on a Zen 4 CPU).",
+            f"bfloat16 matmuls in hardware ({measured}).",
             device,
         )
     return PolicyDecision(
         FLOAT32,
-        "The CPU has neither AVX512_BF16 nor AMX-BF16, so 16-bit compute would be "
-        "emulated and slower than float32.",
+        "The CPU has none of AVX512_BF16, AMX-BF16 (x86) or BF16 (Arm), so 16-bit "
+        "compute would be emulated and slower than float32.",
         device,
     )
 

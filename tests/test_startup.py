@@ -1,0 +1,147 @@
+"""``--help`` of every example and of the `tfmp` command answers before TensorFlow loads.
+
+Each case runs in a fresh interpreter with ``-X importtime``, whose report on stderr
+names every module imported: TensorFlow and Keras must not be among them (their
+start-up takes about 6 s and prints its own log lines first). Wall-clock times are
+not asserted (the test machine is shared).
+"""
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from _subproc import ROOT, script_env
+
+EXAMPLES = sorted(
+    path.name for path in (ROOT / "examples").glob("*.py")
+    if path.name not in {"example_args.py", "example_utils.py", "tfds_preflight.py"}
+)
+HEAVY = ("tensorflow", "keras", "tensorflow_datasets")
+
+
+def imported_modules(importtime_stderr):
+    """Top-level names of the modules an ``-X importtime`` report lists."""
+    names = set()
+    for line in importtime_stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            name = line.rsplit("|", 1)[1].strip()
+            names.add(name.split(".")[0])
+    return names
+
+
+def run_importtime(args):
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", *args],
+        capture_output=True, text=True, timeout=120, env=script_env(), cwd=ROOT,
+    )
+    return result, imported_modules(result.stderr)
+
+
+def test_every_example_script_is_covered():
+    assert EXAMPLES == [
+        "custom_training_loop.py", "export_model.py", "train_digits.py",
+        "train_image_classifier.py", "train_text_transformer.py",
+    ]
+
+
+@pytest.mark.parametrize("script", EXAMPLES)
+def test_example_help_before_tensorflow(script):
+    result, modules = run_importtime([str(ROOT / "examples" / script), "--help"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith(f"usage: {script} [-h]")
+    assert "--policy" in result.stdout
+    assert "argparse" in modules  # the report is read: this one is always there
+    assert not modules & set(HEAVY), sorted(modules & set(HEAVY))
+
+
+def test_example_usage_error_before_tensorflow():
+    result, modules = run_importtime(
+        [str(ROOT / "examples" / "train_digits.py"), "--epochs", "0"])
+    assert result.returncode == 2
+    assert "expected a whole number >= 1, received '0'" in result.stderr
+    assert not modules & set(HEAVY)
+
+
+CONSOLE_SCRIPT = """import re, sys
+from tfmp.cli import main
+if __name__ == "__main__":
+    sys.argv[0] = re.sub(r"(-script\\.pyw|\\.exe)?$", "", sys.argv[0])
+    sys.exit(main())
+"""
+
+
+@pytest.fixture
+def console_script(tmp_path):
+    """A copy of the script pip writes for setup.cfg's `tfmp = tfmp.cli:main`."""
+    path = tmp_path / "tfmp"
+    path.write_text(CONSOLE_SCRIPT)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "args, usage",
+    [
+        (["-m", "tfmp", "--help"], "usage: tfmp [-h] COMMAND ..."),
+        (["-m", "tfmp", "doctor", "--help"], "usage: tfmp doctor [-h] [--json]"),
+        (["CONSOLE_SCRIPT", "--help"], "usage: tfmp [-h] COMMAND ..."),
+        (["CONSOLE_SCRIPT", "doctor", "--help"], "usage: tfmp doctor [-h] [--json]"),
+    ],
+    ids=["python-m-tfmp", "python-m-tfmp-doctor", "tfmp", "tfmp-doctor"],
+)
+def test_tfmp_help_before_tensorflow(args, usage, console_script):
+    args = [console_script if arg == "CONSOLE_SCRIPT" else arg for arg in args]
+    result, modules = run_importtime(args)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith(usage)
+    assert "tfmp" in modules
+    assert not modules & set(HEAVY), sorted(modules & set(HEAVY))
+
+
+def test_installed_console_script_help():
+    """The `tfmp` command installed next to this interpreter, where there is one."""
+    command = pathlib.Path(sys.executable).parent / "tfmp"
+    if not command.exists():
+        pytest.skip("no `tfmp` console script next to this interpreter")
+    result = subprocess.run([str(command), "--help"], capture_output=True, text=True,
+                            timeout=120, env=script_env(), cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("usage: tfmp [-h] COMMAND ...")
+
+
+def run_python(*args):
+    """Stdout words of this interpreter run with `args`, in a process of its own."""
+    result = subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                            timeout=300, env=script_env(), cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout.split()
+
+
+def test_import_tfmp_imports_everything_as_before():
+    """Versions checked, TensorFlow loaded, the optimizer registered for load_model."""
+    code = (
+        "import sys, tfmp\n"
+        "loaded = 'tensorflow' in sys.modules and 'enable' in vars(tfmp)\n"
+        "import keras\n"
+        "registered = keras.saving.get_registered_object('tfmp>LossScaleOptimizer')\n"
+        "print(loaded, registered is tfmp.LossScaleOptimizer)\n"
+    )
+    assert run_python("-c", code) == ["True", "True"]
+
+
+def test_command_line_start_imports_public_names_on_first_use(tmp_path):
+    script = tmp_path / "tfmp"  # named as the console script
+    script.write_text(
+        "import sys, tfmp\n"
+        "before = 'tensorflow' in sys.modules\n"
+        "enable = tfmp.enable\n"
+        "print(before, 'tensorflow' in sys.modules, enable.__module__, 'enable' in dir(tfmp))\n"
+    )
+    assert run_python(str(script)) == ["False", "True", "tfmp._src.policy.enable", "True"]
+
+
+def test_unknown_attribute_is_an_attribute_error():
+    import tfmp
+
+    with pytest.raises(AttributeError, match="module 'tfmp' has no attribute 'enabel'"):
+        tfmp.enabel  # noqa: B018

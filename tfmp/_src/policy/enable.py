@@ -3,8 +3,10 @@
 While enabled, every model compiled gets float32 forcing (`tfmp.force_float32`), a
 `tfmp.LossScaleOptimizer` when it computes in 16 bits (or when asked) and, with
 ``debug=True``, `tfmp.check_numerics` hooks, without further calls. The hooks into
-Keras (``compile``, ``compile_from_config``, ``make_train_function``) are
-installed by `tfmp._src.keras_hooks.model_hooks` while any thread is enabled;
+Keras (``compile``, ``compile_from_config``, ``make_train_function`` from
+`tfmp._src.keras_hooks.model_hooks`; the ``Layer.losses`` property from
+`tfmp._src.keras_hooks.loss_terms`, so 16-bit loss terms are summed in float32)
+are installed while any thread is enabled;
 `disable()` removes them with the last thread, and restores the previous global
 policy and the TF32 setting.
 
@@ -29,6 +31,7 @@ import tensorflow as tf
 from tfmp._src.distribute import turn_off_xla_if_replicated
 from tfmp._src.errors import check_bool, invalid_argument, unknown_key
 from tfmp._src.keras_hooks import model_hooks, patches
+from tfmp._src.keras_hooks.loss_terms import install_losses_hook
 from tfmp._src.float32.force import force_float32
 from tfmp._src.policy.hardware import DeviceFacts
 from tfmp._src.loss_scale.optimizer import WRAP_OPTIONS
@@ -80,6 +83,7 @@ def _set_current(state: Optional[_Enabled]) -> None:
             _hooks.append(
                 model_hooks.install_make_train_function_hook(_warn_if_compiled_before_enable, owner="enable.first_step")
             )
+            _hooks.append(install_losses_hook())
         elif not _states:
             while _hooks:
                 _hooks.pop().remove()

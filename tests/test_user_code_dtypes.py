@@ -1,0 +1,112 @@
+"""User code written for 16 bits trains under tfmp: loss terms, float token ids, dtype errors.
+
+1. A loss term a layer adds with ``add_loss`` from its 16-bit tensors (the Keras
+   VAE example's KL term) is summed in float32 with the compiled loss and the
+   weight regularizers: the loss Keras reports is the float32 sum of the terms.
+2. Token ids declared as a float ``keras.Input`` reach an ``Embedding`` inside a
+   custom layer exactly, although the custom layer autocasts them to 16 bits.
+3. A layer mixing a float32 tensor it created with its 16-bit inputs fails with
+   the same exception type and text, plus the layer's path, both dtypes and the
+   remedies.
+"""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmp
+
+POLICIES = ("mixed_bfloat16", "mixed_float16")
+ORIGINAL_LOSSES = keras.layers.Layer.__dict__["losses"]
+
+
+@pytest.fixture(autouse=True)
+def always_disable():
+    yield
+    tfmp.disable()
+    assert keras.layers.Layer.__dict__["losses"] is ORIGINAL_LOSSES
+
+
+def _quiet_enable(policy, **options):
+    """`tfmp.enable` without its 'slower than float32 here' warning (CPU without 16-bit units)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tfmp.PerformanceWarning)
+        return tfmp.enable(policy, **options)
+
+
+def _kl(z_mean, z_log_var):
+    return -0.5 * tf.reduce_mean(1 + z_log_var - tf.square(z_mean) - tf.exp(z_log_var))
+
+
+class KLSampling(keras.layers.Layer):
+    """The Keras VAE example's sampling layer; adds its KL term in the compute dtype."""
+
+    def call(self, inputs, training=None):
+        z_mean, z_log_var = inputs
+        self.add_loss(_kl(z_mean, z_log_var))
+        if not training:
+            return z_mean
+        eps = keras.random.normal(tf.shape(z_mean), dtype=self.compute_dtype, seed=1)
+        return z_mean + tf.exp(0.5 * z_log_var) * eps
+
+
+def _vae(l2=0.01):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(16, activation="relu", name="enc")(inputs)
+    z_mean = keras.layers.Dense(2, name="z_mean", kernel_regularizer=keras.regularizers.L2(l2))(hidden)
+    z_log_var = keras.layers.Dense(2, name="z_log_var")(hidden)
+    z = KLSampling(name="sampling")([z_mean, z_log_var])
+    decoded = keras.layers.Dense(8, name="dec")(keras.layers.Dense(16, activation="relu")(z))
+    model = keras.Model(inputs, decoded)
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    return model, keras.Model(inputs, [z_mean, z_log_var, decoded])
+
+
+X = np.random.default_rng(0).uniform(0.0, 1.0, (24, 8)).astype("float32")
+
+
+def test_plain_keras_mixed_precision_fails_on_a_16bit_add_loss_term():
+    keras.config.set_dtype_policy("mixed_bfloat16")  # the fixture restores it
+    model, _ = _vae()
+    with pytest.raises(TypeError, match="dtype <dtype: 'bfloat16'> to <dtype: 'float32'>"):
+        model.fit(X, X, batch_size=8, verbose=0)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_vae_with_16bit_kl_term_trains_with_finite_loss(policy):
+    _quiet_enable(policy)
+    model, _ = _vae()
+    history = model.fit(X, X, batch_size=8, epochs=1, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 3
+    assert np.isfinite(history.history["loss"][0])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_reported_loss_is_the_float32_sum_of_every_term(policy):
+    _quiet_enable(policy)
+    model, probe = _vae(l2=0.5)
+    z_mean, z_log_var, decoded = probe(X, training=False)
+    assert z_mean.dtype == policy.split("_")[1] and decoded.dtype == "float32"
+    kl = float(tf.cast(_kl(z_mean, z_log_var), tf.float32))
+    mse = float(np.mean((X - decoded.numpy()) ** 2))
+    kernel = model.get_layer("z_mean").kernel.numpy()
+    l2 = float(0.5 * np.sum(kernel.astype(np.float64) ** 2))
+    assert l2 > 0.1 and abs(kl) > 1e-3  # each term weighs in the total
+    terms = model.losses
+    assert [t.dtype for t in terms] == ["float32", "float32"]  # add_loss term cast, regularizer as is
+    reported = model.evaluate(X, X, batch_size=len(X), verbose=0)
+    assert reported == pytest.approx(mse + kl + l2, rel=1e-5)
+    # Without the KL term: compiled loss + L2 exactly (the regularizer stays float32).
+    assert float(terms[1]) == pytest.approx(l2, rel=1e-6)
+
+
+def test_losses_hook_is_installed_only_while_enabled():
+    assert keras.layers.Layer.__dict__["losses"] is ORIGINAL_LOSSES
+    _quiet_enable("mixed_bfloat16")
+    assert keras.layers.Layer.__dict__["losses"] is not ORIGINAL_LOSSES
+    tfmp.disable()
+    assert keras.layers.Layer.__dict__["losses"] is ORIGINAL_LOSSES

@@ -110,3 +110,104 @@ def test_losses_hook_is_installed_only_while_enabled():
     assert keras.layers.Layer.__dict__["losses"] is not ORIGINAL_LOSSES
     tfmp.disable()
     assert keras.layers.Layer.__dict__["losses"] is ORIGINAL_LOSSES
+
+
+# 3. Dtype errors that say what to do ------------------------------------------------
+
+REMEDY = ("dtype=self.compute_dtype", "keep_float32=['block/noise']", "tfmp.register_float32(Noise)")
+
+
+class Noise(keras.layers.Layer):
+    """Multiplies its input by float32 noise it creates: fails under any mixed policy."""
+
+    def call(self, x):
+        return x * tf.random.uniform(tf.shape(x))
+
+
+class Block(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(8, name="dense")
+        self.noise = Noise(name="noise")
+
+    def call(self, x):
+        return self.noise(self.dense(x))
+
+
+class Net(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.block = Block(name="block")
+        self.out = keras.layers.Dense(1, name="out")
+
+    def call(self, x):
+        return self.out(self.block(x))
+
+
+def _original(error):
+    return error.__cause__ or error.__context__
+
+
+def _text(error):
+    return "\n".join([str(error), *getattr(error, "__notes__", [])])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_fit_error_names_layer_dtypes_and_remedies(policy):
+    _quiet_enable(policy)
+    model = Net()
+    model.compile("sgd", "mse")
+    with pytest.raises(TypeError) as info:
+        model.fit(np.ones((4, 8), "float32"), np.ones((4, 1), "float32"), verbose=0)
+    text = _text(info.value)
+    assert "Input 'y' of 'Mul' Op has type float32 that does not match type" in text  # TF's text kept
+    assert f"Layer 'block/noise' (Noise) mixes {policy.split('_')[1]} and float32 tensors" in text
+    assert all(remedy in text for remedy in REMEDY)
+    # Same type; the original is chained (Keras's traceback filter re-raises `from None`,
+    # which hides __cause__ from the printout but keeps __context__).
+    assert type(info.value) is TypeError and type(_original(info.value)) is TypeError
+    assert "tfmp:" not in str(_original(info.value))
+
+
+def test_eager_call_keeps_tensorflow_error_type():
+    _quiet_enable("mixed_bfloat16")
+    model = Net()
+    model.compile("sgd", "mse")
+    with pytest.raises(tf.errors.InvalidArgumentError) as info:
+        model(np.ones((2, 8), "float32"))
+    text = _text(info.value)
+    assert "Layer 'block/noise' (Noise) mixes bfloat16 and float32 tensors" in text
+    assert all(remedy in text for remedy in REMEDY)
+    assert type(info.value) is type(_original(info.value))
+    assert info.value.op is _original(info.value).op
+
+
+def test_lambda_in_sequential_predict_is_named():
+    _quiet_enable("mixed_bfloat16")
+    model = keras.Sequential(
+        [keras.layers.Dense(4), keras.layers.Lambda(lambda x: x + tf.constant(1.0), name="shift"), keras.layers.Dense(1)]
+    )
+    model.compile("sgd", "mse")
+    with pytest.raises(TypeError) as info:
+        model.predict(np.ones((2, 3), "float32"), verbose=0)
+    text = _text(info.value)
+    assert "Layer 'shift' (Lambda) mixes bfloat16 and float32 tensors" in text
+    assert "keep_float32=['shift']" in text and "tf.cast(t, x.dtype)" in text
+
+
+def test_other_errors_pass_unchanged():
+    _quiet_enable("mixed_bfloat16")
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile("sgd", "mse")
+    with pytest.raises(ValueError) as info:
+        model.fit(np.ones((2, 4), "float32"), np.ones((2, 1)), verbose=0)  # wrong input width
+    assert "expected shape" in str(info.value) and "tfmp:" not in _text(info.value)
+
+
+def test_mismatch_texts_are_recognised():
+    from tfmp._src.float32.dtype_errors import mismatched_dtypes
+
+    assert mismatched_dtypes("cannot compute Mul as input #1(zero-based) was expected to be a half tensor but is a float tensor") == ("float16", "float32")
+    assert mismatched_dtypes("Tensor conversion requested dtype bfloat16 for Tensor with dtype float32") == ("bfloat16", "float32")
+    assert mismatched_dtypes("has type int32 that does not match type float32") is None

@@ -112,6 +112,85 @@ def test_losses_hook_is_installed_only_while_enabled():
     assert keras.layers.Layer.__dict__["losses"] is ORIGINAL_LOSSES
 
 
+
+# 2. Float token ids ----------------------------------------------------------------
+
+
+class Tokens(keras.layers.Layer):
+    """A custom layer around an Embedding: its __call__ autocasts float ids to 16 bits."""
+
+    def __init__(self, vocab, **kwargs):
+        super().__init__(**kwargs)
+        self.vocab = vocab
+        self.embedding = keras.layers.Embedding(vocab, 4, name="embedding")
+        self.seen = []
+
+    def call(self, ids):
+        self.seen.append(keras.backend.standardize_dtype(ids.dtype))
+        return self.embedding(ids)
+
+
+def _id_model(vocab, length):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input(shape=(length,))  # float32 ids, as many tutorials declare them
+    tokens = Tokens(vocab, name="tokens")
+    pooled = keras.layers.GlobalAveragePooling1D()(tokens(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(1, name="head")(pooled))
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    return model, tokens
+
+
+@pytest.mark.parametrize(
+    "policy, vocab, ids",
+    [("mixed_bfloat16", 2000, [1001, 1999]), ("mixed_float16", 5000, [4097, 4999])],
+)
+def test_float_ids_reach_the_embedding_exactly(policy, vocab, ids):
+    compute = policy.split("_")[1]
+    assert float(np.asarray(ids[0], compute)) != ids[0]  # the 16-bit autocast would round them
+    _quiet_enable(policy)
+    model, tokens = _id_model(vocab, len(ids))
+    x = np.array([ids], "float32")
+    rows = tokens(x)[0]
+    table = tokens.embedding.embeddings
+    expected = keras.ops.cast(keras.ops.take(table, np.array(ids), axis=0), compute)
+    assert rows.dtype == compute
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(rows), keras.ops.convert_to_numpy(expected))
+    assert tokens.seen[-1] == compute  # the custom layer's code still sees 16 bits, as under Keras
+    before = table.numpy().copy()
+    history = model.fit(np.repeat(x, 4, axis=0), np.ones((4, 1), "float32"), batch_size=2, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+    changed = np.flatnonzero(np.any(table.numpy() != before, axis=1))
+    assert changed.tolist() == sorted(ids)  # gradients reached exactly the rows looked up
+    assert tokens.get_config()["dtype"]["config"]["name"] == policy
+
+
+
+def test_float_ids_into_a_subclassed_model_with_an_embedding():
+    class Classifier(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.embedding = keras.layers.Embedding(2000, 4, name="embedding")
+            self.pool = keras.layers.GlobalAveragePooling1D()
+
+        def call(self, ids):
+            return self.pool(self.embedding(ids))
+
+    _quiet_enable("mixed_bfloat16")
+    model = Classifier()
+    model.compile("sgd", "mse")
+    out = model(np.array([[1999, 1999]], "float32"))
+    expected = keras.ops.cast(model.embedding.embeddings[1999], "bfloat16")
+    assert out.dtype == "float32"  # the model's outputs are float32 under tfmp
+    np.testing.assert_array_equal(out.numpy()[0], keras.ops.cast(expected, "float32").numpy())
+
+
+def test_plain_keras_rounds_float_ids_past_the_vocabulary():
+    keras.config.set_dtype_policy("mixed_bfloat16")  # the fixture restores it
+    _, tokens = _id_model(2000, 2)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"= 2000 is not in \[0, 2000\)"):
+        tokens(np.array([[1001, 1999]], "float32"))
+
+
 # 3. Dtype errors that say what to do ------------------------------------------------
 
 REMEDY = ("dtype=self.compute_dtype", "keep_float32=['block/noise']", "tfmp.register_float32(Noise)")

@@ -30,6 +30,7 @@ ORDER = {
     "float32.build": 10,  # Layer.build: force sublayers created at build time
     "float32.outputs": 20,  # Model.call: cast a subclassed model's outputs to float32
     "float32.cast_back": 25,  # Layer.call / compute_output_spec: forced layer hands back its parent's dtype
+    "float32.ids": 26,  # DTypePolicy.convert_input / Layer.call / Embedding.call: exact float token ids
     "enable.dtype_errors": 28,  # Model.build / call: dtype mismatches explained (models tfmp compiles)
     "numerics": 30,  # Layer.call, train_step, Optimizer.apply / scale_loss
     "audit.outputs": 35,  # Layer.call: record output dtypes during tfmp.audit(batch=...)

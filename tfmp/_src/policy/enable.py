@@ -35,6 +35,7 @@ from tfmp._src.keras_hooks import model_hooks, patches
 from tfmp._src.keras_hooks.loss_terms import install_losses_hook
 from tfmp._src.float32.dtype_errors import explain_dtype_errors
 from tfmp._src.float32.force import force_float32
+from tfmp._src.float32.token_ids import keep_exact_ids
 from tfmp._src.policy.hardware import DeviceFacts
 from tfmp._src.loss_scale.optimizer import WRAP_OPTIONS
 from tfmp._src.loss_scale.optimizer import wrap_optimizer
@@ -314,6 +315,7 @@ def _compile_with_tfmp(compile: Callable, model: keras.Model, args: tuple, kwarg
     optimizer = args.pop(0) if args else kwargs.pop("optimizer", "rmsprop")
     _warn_if_built_before_enable(model, state.decision.policy)
     force_float32(model, keep=state.keep_float32, exclude=state.exclude_float32)
+    keep_exact_ids(model)
     if model.dtype_policy.compute_dtype in LOW_PRECISION:
         explain_dtype_errors(model)
     if optimizer is not None and _wants_optimizer_wrapper(model, state):

@@ -305,6 +305,10 @@ def _wants_optimizer_wrapper(model: keras.Model, state: _Enabled) -> bool:
 def _compile_with_tfmp(compile: Callable, model: keras.Model, args: tuple, kwargs: dict) -> Any:
     """tfmp's compile handler: force float32 where needed, wrap the optimizer.
 
+    Also keeps float token ids exact for Embeddings under 16-bit custom code
+    (`tfmp._src.float32.token_ids`) and, for a 16-bit model, hooks its ``build``
+    and ``call`` to explain dtype mismatches (`tfmp._src.float32.dtype_errors`).
+
     Under a multi-replica `tf.distribute` strategy an explicit ``jit_compile=True``
     is turned off with a warning (see `tfmp._src.distribute`).
     """

@@ -60,6 +60,7 @@ from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.errors import invalid_argument
 from tfmp._src.float32 import registry as _registry
 from tfmp._src.keras_hooks import patches
+from tfmp._src.keras_hooks.loss_terms import to_float32
 from tfmp._src.keras_hooks.keras_private import (
     autocasts_inputs,
     functional_graph,
@@ -263,13 +264,6 @@ def _defer(layer, path: str, keep, exclude, forced_as: Optional[str]) -> None:
     pending[0] = patches.install(layer, "build", wrap, owner="float32.build")
 
 
-def _to_float32(x):
-    dtype = getattr(x, "dtype", None)
-    if dtype is not None and keras.backend.standardize_dtype(dtype) in LOW_PRECISION:
-        return keras.ops.cast(x, "float32")
-    return x
-
-
 def _cast_outputs(model: keras.Model) -> bool:
     """Hooks a subclassed model's ``call`` to cast 16-bit float outputs to float32."""
     if any(hook.owner == "float32.outputs" for hook in patches.installed(model, "call")):
@@ -278,7 +272,7 @@ def _cast_outputs(model: keras.Model) -> bool:
     def wrap(original):
         @functools.wraps(original)
         def call(*args, **kwargs):
-            return keras.tree.map_structure(_to_float32, original(*args, **kwargs))
+            return keras.tree.map_structure(to_float32, original(*args, **kwargs))
 
         return call
 

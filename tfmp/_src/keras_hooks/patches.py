@@ -3,7 +3,7 @@
 Every method tfmp replaces on a Keras class or object (``compile``,
 ``compile_from_config``, ``make_train_function``, ``train_step``, ``Layer.call``,
 ``Layer.compute_output_spec``, ``Layer.build``, ``Optimizer.apply``,
-``Optimizer.scale_loss``) goes through `install`. Per method of an object there is one *slot* holding the method as it was
+``Optimizer.scale_loss``, the ``Layer.losses`` property) goes through `install`. Per method of an object there is one *slot* holding the method as it was
 and a stack of hooks; the attribute is the composition of the stack, innermost
 first in the order of `ORDER`. Removing a hook rebuilds the composition from the
 hooks that remain, so removing one never removes another, and removing the last
@@ -30,10 +30,13 @@ ORDER = {
     "float32.build": 10,  # Layer.build: force sublayers created at build time
     "float32.outputs": 20,  # Model.call: cast a subclassed model's outputs to float32
     "float32.cast_back": 25,  # Layer.call / compute_output_spec: forced layer hands back its parent's dtype
+    "float32.ids": 26,  # DTypePolicy.convert_input / Layer.call / Embedding.call: exact float token ids
+    "enable.dtype_errors": 28,  # Model.build / call: dtype mismatches explained (models tfmp compiles)
     "numerics": 30,  # Layer.call, train_step, Optimizer.apply / scale_loss
     "audit.outputs": 35,  # Layer.call: record output dtypes during tfmp.audit(batch=...)
     "grad_stats": 40,  # Optimizer.apply: gradient statistics for the monitor
     "enable.compile": 50,  # Trainer.compile / compile_from_config while enabled
+    "enable.losses": 52,  # Layer.losses (property): 16-bit loss terms cast to float32 while enabled
     "loss_scale.fit_check": 55,  # Trainer.make_train_function while tfmp optimizers exist
     "enable.first_step": 60,  # Trainer.make_train_function while enabled
     "train_function": 70,  # Model.make_train_function: the per-model step wrapper

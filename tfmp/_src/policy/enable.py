@@ -3,8 +3,10 @@
 While enabled, every model compiled gets float32 forcing (`tfmp.force_float32`), a
 `tfmp.LossScaleOptimizer` when it computes in 16 bits (or when asked) and, with
 ``debug=True``, `tfmp.check_numerics` hooks, without further calls. The hooks into
-Keras (``compile``, ``compile_from_config``, ``make_train_function``) are
-installed by `tfmp._src.keras_hooks.model_hooks` while any thread is enabled;
+Keras (``compile``, ``compile_from_config``, ``make_train_function`` from
+`tfmp._src.keras_hooks.model_hooks`; the ``Layer.losses`` property from
+`tfmp._src.keras_hooks.loss_terms`, so 16-bit loss terms are summed in float32)
+are installed while any thread is enabled;
 `disable()` removes them with the last thread, and restores the previous global
 policy and the TF32 setting.
 
@@ -26,10 +28,14 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import keras
 import tensorflow as tf
 
+from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.distribute import turn_off_xla_if_replicated
 from tfmp._src.errors import check_bool, invalid_argument, unknown_key
 from tfmp._src.keras_hooks import model_hooks, patches
+from tfmp._src.keras_hooks.loss_terms import install_losses_hook
+from tfmp._src.float32.dtype_errors import explain_dtype_errors
 from tfmp._src.float32.force import force_float32
+from tfmp._src.float32.token_ids import keep_exact_ids
 from tfmp._src.policy.hardware import DeviceFacts
 from tfmp._src.loss_scale.optimizer import WRAP_OPTIONS
 from tfmp._src.loss_scale.optimizer import wrap_optimizer
@@ -80,6 +86,7 @@ def _set_current(state: Optional[_Enabled]) -> None:
             _hooks.append(
                 model_hooks.install_make_train_function_hook(_warn_if_compiled_before_enable, owner="enable.first_step")
             )
+            _hooks.append(install_losses_hook())
         elif not _states:
             while _hooks:
                 _hooks.pop().remove()
@@ -298,6 +305,10 @@ def _wants_optimizer_wrapper(model: keras.Model, state: _Enabled) -> bool:
 def _compile_with_tfmp(compile: Callable, model: keras.Model, args: tuple, kwargs: dict) -> Any:
     """tfmp's compile handler: force float32 where needed, wrap the optimizer.
 
+    Also keeps float token ids exact for Embeddings under 16-bit custom code
+    (`tfmp._src.float32.token_ids`) and, for a 16-bit model, hooks its ``build``
+    and ``call`` to explain dtype mismatches (`tfmp._src.float32.dtype_errors`).
+
     Under a multi-replica `tf.distribute` strategy an explicit ``jit_compile=True``
     is turned off with a warning (see `tfmp._src.distribute`).
     """
@@ -308,6 +319,9 @@ def _compile_with_tfmp(compile: Callable, model: keras.Model, args: tuple, kwarg
     optimizer = args.pop(0) if args else kwargs.pop("optimizer", "rmsprop")
     _warn_if_built_before_enable(model, state.decision.policy)
     force_float32(model, keep=state.keep_float32, exclude=state.exclude_float32)
+    keep_exact_ids(model)
+    if model.dtype_policy.compute_dtype in LOW_PRECISION:
+        explain_dtype_errors(model)
     if optimizer is not None and _wants_optimizer_wrapper(model, state):
         optimizer = wrap_optimizer(optimizer, model.dtype_policy.compute_dtype, **state.loss_scale_options)
     result = compile(model, optimizer, *args, **kwargs)

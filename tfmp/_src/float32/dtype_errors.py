@@ -1,0 +1,177 @@
+"""Dtype-mismatch errors that say which layer and what to do.
+
+A layer that mixes a tensor it creates itself (``tf.random.uniform(...)``,
+``tf.constant(1.0)``, a raw TF op in a ``Lambda``: float32 by default) with its
+16-bit inputs fails under any mixed policy, plain Keras's too, with TensorFlow's
+terse text ("Input 'y' of 'Mul' Op has type float32 that does not match type
+bfloat16 of argument 'x'"). For every model tfmp compiles, `explain_dtype_errors`
+hooks the model's ``build`` and ``call`` (owner ``"enable.dtype_errors"``, once
+per model): ``fit``, ``evaluate``, ``predict`` and ``model(x)`` all go through
+them when Keras traces or runs the forward pass. An exception whose text is such
+a mismatch between a 16-bit and a wider float dtype is raised again as the same
+type, with Keras's/TensorFlow's text followed by the failing layer's path, the
+two dtypes and the remedies, and the original chained as ``__cause__``. Any other
+exception passes unchanged. The error is raised while tracing, so a working model
+pays nothing per step.
+
+The failing layer is the innermost frame of the traceback running a layer's
+``call``; when Keras filtered that frame out (a ``Lambda``), the layer named in
+Keras's "Exception encountered when calling <Class>.call()" or "of '<name>' (of
+type <Class>)" text.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any, List, Optional, Tuple
+
+import keras
+import tensorflow as tf
+
+from tfmp._src.constants import LOW_PRECISION
+from tfmp._src.keras_hooks import patches
+from tfmp._src.layer_tree import walk
+
+#: TensorFlow's spellings of float dtypes in its messages ("float" is float32).
+_DTYPE_NAMES = {"half": "float16", "float": "float32", "double": "float64"}
+_DTYPE = r"(?:tf\.)?(bfloat16|float16|float32|float64|half|float|double)"
+#: The texts TensorFlow raises for two tensors of different dtypes in one op.
+_MISMATCH = (
+    re.compile(rf"has type {_DTYPE} that does not match type {_DTYPE}"),  # graph: op inputs
+    re.compile(rf"expected to be a {_DTYPE} tensor but is a {_DTYPE} tensor"),  # eager: op inputs
+    re.compile(rf"requested dtype {_DTYPE} for Tensor with dtype {_DTYPE}"),  # convert_to_tensor
+    re.compile(rf"must have the same dtype, got {_DTYPE} != {_DTYPE}"),  # tf.linalg.matmul
+)
+_KERAS_CALL = re.compile(r"Exception encountered when calling (\w+)\.call\(\)")
+_KERAS_SPEC = re.compile(r"of '([^']+)' \(of type (\w+)\)")
+_MARK = "tfmp_dtype_hint"
+
+
+def mismatched_dtypes(message: str) -> Optional[Tuple[str, str]]:
+    """The (16-bit, wider) float dtypes a TensorFlow dtype-mismatch text names, or None.
+
+    Args:
+        message: String, an exception's text.
+
+    Returns:
+        Tuple of two Keras dtype names, e.g. ``("bfloat16", "float32")``, when the
+        text is one of TensorFlow's dtype-mismatch messages between a float16 or
+        bfloat16 tensor and a tensor of another float dtype; else None.
+    """
+    for pattern in _MISMATCH:
+        match = pattern.search(message)
+        if match:
+            pair = [_DTYPE_NAMES.get(name, name) for name in match.groups()]
+            low = [d for d in pair if d in LOW_PRECISION]
+            wide = [d for d in pair if d not in LOW_PRECISION]
+            if len(low) == 1 and len(wide) == 1:
+                return low[0], wide[0]
+    return None
+
+
+def _failing_layer(model: Any, error: BaseException, message: str) -> Tuple[str, Any]:
+    """(path, layer) of the layer whose code raised `error` inside `model`; ("", None) if unknown."""
+    entries = walk(model)
+    by_id = {id(entry.layer): entry.path for entry in entries}
+    frames: List[Any] = []
+    tb = error.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        owner = frame.f_locals.get("self")
+        if frame.f_code.co_name == "call" and id(owner) in by_id:
+            return by_id[id(owner)], owner
+    named = _KERAS_SPEC.search(message)
+    called = _KERAS_CALL.search(message)
+    for entry in entries:
+        if named and entry.layer.name == named.group(1):
+            return entry.path, entry.layer
+    if called:
+        matches = [entry for entry in entries if type(entry.layer).__name__ == called.group(1)]
+        if len(matches) == 1:
+            return matches[0].path, matches[0].layer
+    return "", None
+
+
+def explanation(path: str, layer: Any, low: str, wide: str) -> str:
+    """The text tfmp appends: the layer, both dtypes and the remedies."""
+    cls = type(layer).__name__ if layer is not None else "its layer class"
+    where = f"Layer '{path}' ({cls})" if path else "A layer of this model"
+    target = repr(path) if path else "'<layer path>'"
+    return (
+        f"tfmp: {where} mixes {low} and {wide} tensors. Under the mixed policy its "
+        f"inputs arrive in {low} (its compute dtype), while a tensor it creates "
+        f"itself (tf.random.*, tf.constant, tf.ones, a raw TF op) is {wide} by "
+        f"default. Fix: create such tensors with dtype=self.compute_dtype (in a "
+        f"Lambda or plain function: tf.cast(t, x.dtype)); or compute the layer in "
+        f"float32: tfmp.enable(..., keep_float32=[{target}]) or "
+        f"tfmp.register_float32({cls if layer is not None else target}) before compile."
+    )
+
+
+def _rebuilt(error: BaseException, text: str) -> Optional[BaseException]:
+    """A new exception of `error`'s type whose text ends with `text`, or None."""
+    if isinstance(error, tf.errors.OpError):
+        new = type(error)(error.node_def, error.op, f"{error.message}\n\n{text}", error.error_code)
+    else:
+        try:
+            new = type(error)(f"{error.args[0] if error.args else ''}\n\n{text}")
+        except Exception:  # a constructor with another signature
+            return None
+    for key, value in vars(error).items():  # e.g. Keras's marker that it added its context
+        if key not in vars(new):
+            setattr(new, key, value)
+    return new
+
+
+def annotate(model: Any, error: BaseException) -> BaseException:
+    """The exception to raise for `error` met in `model`: explained, or `error` itself.
+
+    Returns `error` unchanged unless its text is a 16-bit/float32 dtype mismatch
+    (see `mismatched_dtypes`) not explained yet. Otherwise a new exception of the
+    same type (TensorFlow's ``OpError`` rebuilt with its node and op), chained to
+    `error`; when the type cannot be rebuilt, `error` itself with the explanation
+    as a note (Python 3.11+).
+    """
+    message = error.message if isinstance(error, tf.errors.OpError) else str(error)
+    dtypes = mismatched_dtypes(message)
+    if dtypes is None or getattr(error, _MARK, False):
+        return error
+    path, layer = _failing_layer(model, error, message)
+    text = explanation(path, layer, *dtypes)
+    new = _rebuilt(error, text)
+    if new is None:
+        if hasattr(error, "add_note"):
+            error.add_note(text)
+        setattr(error, _MARK, True)
+        return error
+    setattr(new, _MARK, True)
+    new.__cause__ = error
+    return new.with_traceback(error.__traceback__)
+
+
+def _wrap(model: Any) -> Any:
+    def wrap(original):
+        @functools.wraps(original)
+        def explained(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(*args, **kwargs)
+            except Exception as error:
+                new = annotate(model, error)
+                if new is error:
+                    raise
+                raise new from error
+
+        return explained
+
+    return wrap
+
+
+def explain_dtype_errors(model: keras.Model) -> None:
+    """Hooks `model`'s ``build`` and ``call`` to explain dtype mismatches (idempotent)."""
+    if any(h.owner == "enable.dtype_errors" for h in patches.installed(model, "call")):
+        return
+    for name in ("build", "call"):
+        patches.install(model, name, _wrap(model), owner="enable.dtype_errors")

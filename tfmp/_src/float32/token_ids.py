@@ -1,0 +1,150 @@
+"""Exact token ids for an ``Embedding`` inside 16-bit custom code.
+
+Many tutorials declare token ids as a float input (``keras.Input(shape=(64,))``).
+``Embedding`` itself never autocasts (it casts float ids to int32), but a custom
+layer or subclassed model around it does: ``Layer.__call__`` casts every float
+input to the layer's 16-bit compute dtype before ``call`` runs, and bfloat16
+holds integers exactly only up to 256 (float16 up to 2048). Under plain Keras
+mixed precision the embedding then looks up rounded ids (1001 -> 1000 in
+bfloat16), silently, or fails for ids rounded past the vocabulary ("indices[0,0]
+= 2000 is not in [0, 2000)").
+
+`keep_exact_ids(model)` (applied by `compile` while enabled) fixes that for every
+``Embedding`` under such an autocasting ancestor, without changing what the
+ancestor's code receives (still the 16-bit tensor, as under plain Keras):
+
+* the ancestor gets its own copy of its dtype policy (the same name, so its
+  config and saved file do not change) whose ``convert_input`` records, for
+  each float tensor it casts down to 16 bits, the tensor it was cast from;
+* the records live until the ancestor's next call converts its inputs (a
+  subclassed model runs ``call`` twice in its first ``__call__``: once to build);
+* the ``Embedding``'s ``call`` looks its ids up with the recorded original
+  (float32, cast to int32 by Keras: exact up to 2**24) when it receives a cast
+  tensor unchanged; any other input is looked up as Keras does.
+
+Ids that pass through another op first (``x[:, :8]``, ``tf.cast(x, "int32")``)
+were rounded by the ancestor's cast before that op and stay rounded: declare an
+integer input (``keras.Input(shape=(64,), dtype="int32")``) there. All hooks
+have owner ``"float32.ids"`` and stay with the model.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Dict, List, Tuple
+
+import keras
+
+from tfmp._src.constants import LOW_PRECISION
+from tfmp._src.keras_hooks import patches
+from tfmp._src.keras_hooks.keras_private import autocasts_inputs, functional_graph
+from tfmp._src.layer_tree import walk
+
+#: id of a 16-bit tensor an ancestor's autocast made -> (that tensor, the float tensor it came from).
+_ORIGINALS: Dict[int, Tuple[Any, Any]] = {}
+_OWNER = "float32.ids"
+
+
+def _hooked(target: Any, name: str) -> bool:
+    return any(hook.owner == _OWNER for hook in patches.installed(target, name))
+
+
+def _record_casts(layer: Any) -> None:
+    """Gives `layer` a private policy copy whose ``convert_input`` records originals."""
+    policy = layer.dtype_policy
+    own = type(policy)(policy.name)
+    recorded: List[int] = []
+    finished = [False]  # True once `call` returned: the next conversion starts a new call
+
+    def forget() -> None:
+        while recorded:
+            _ORIGINALS.pop(recorded.pop(), None)
+
+    def wrap_convert(convert):
+        @functools.wraps(convert)
+        def convert_input(x, autocast, dtype):
+            if finished[0]:
+                finished[0] = False
+                forget()
+            result = convert(x, autocast, dtype)
+            if result is not x and keras.backend.standardize_dtype(result.dtype) in LOW_PRECISION:
+                _ORIGINALS[id(result)] = (result, x)
+                recorded.append(id(result))
+            return result
+
+        return convert_input
+
+    def wrap_call(call):
+        @functools.wraps(call)
+        def mark_finished(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return call(*args, **kwargs)
+            finally:
+                finished[0] = True
+
+        return mark_finished
+
+    patches.install(own, "convert_input", wrap_convert, owner=_OWNER)
+    layer.dtype_policy = own
+    patches.install(layer, "call", wrap_call, owner=_OWNER)
+
+
+def _look_up_originals(embedding: Any) -> None:
+    """Hooks `embedding.call` to use the pre-cast ids of a tensor an ancestor cast."""
+
+    def wrap(call):
+        @functools.wraps(call)
+        def exact_ids(inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            entry = _ORIGINALS.get(id(inputs))
+            if entry is not None and entry[0] is inputs:
+                inputs = entry[1]
+            return call(inputs, *args, **kwargs)
+
+        return exact_ids
+
+    patches.install(embedding, "call", wrap, owner=_OWNER)
+
+
+def _casting_ancestors(model: Any) -> Dict[int, Tuple[Any, List[Any]]]:
+    """Embedding id -> (the Embedding, its ancestors that autocast floats to 16 bits)."""
+    entries = walk(model)
+    parent_of = {id(entry.layer): entry.parent for entry in entries}
+    found: Dict[int, Tuple[Any, List[Any]]] = {}
+    for entry in entries:
+        if not isinstance(entry.layer, keras.layers.Embedding):
+            continue
+        ancestors, node = [], entry.parent
+        while node is not None:
+            if (
+                autocasts_inputs(node)
+                and functional_graph(node) is None
+                and node.compute_dtype in LOW_PRECISION
+                and node.dtype_policy.quantization_mode is None
+            ):
+                ancestors.append(node)
+            node = parent_of.get(id(node))
+        if ancestors:
+            found[id(entry.layer)] = (entry.layer, ancestors)
+    return found
+
+
+def keep_exact_ids(model: keras.Model) -> int:
+    """Makes every ``Embedding`` under 16-bit autocasting code look up the ids as given.
+
+    Args:
+        model: ``keras.Model``; changed in place (see the module docstring).
+            Idempotent.
+
+    Returns:
+        Int. Number of Embedding layers newly hooked (0 when none is under a
+        custom layer or subclassed model computing in 16 bits).
+    """
+    count = 0
+    for embedding, ancestors in _casting_ancestors(model).values():
+        for ancestor in ancestors:
+            if not _hooked(ancestor, "call"):
+                _record_casts(ancestor)
+        if not _hooked(embedding, "call"):
+            _look_up_originals(embedding)
+            count += 1
+    return count

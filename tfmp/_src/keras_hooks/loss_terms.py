@@ -1,0 +1,61 @@
+"""Loss terms in float32: the class-level hook on ``Layer.losses``.
+
+Keras's ``compute_loss`` sums the compiled loss (float32: a ``keras.losses.Loss``
+computes in ``floatx``) with every term of ``model.losses`` in one
+``ops.sum``. A term a layer adds with ``self.add_loss(...)`` from its 16-bit
+tensors (the KL term of the Keras VAE example), an activity regularizer's term,
+or a weight regularizer's term over 16-bit variables (pure 16-bit policies) is a
+float16/bfloat16 tensor, and the sum fails under plain Keras mixed precision
+("Cannot convert a list containing a tensor of dtype bfloat16 to float32").
+
+While tfmp is enabled, ``Layer.losses`` (the property every loss term is read
+through: Keras's ``compute_loss``, a user's ``compute_loss`` or custom loop
+summing ``model.losses``, ``stateless_call``) hands back each 16-bit floating
+term cast to float32, so the total loss is summed in float32. Terms already in
+float32 (weight regularizers over float32 master weights under a mixed policy)
+come back as they are, the very same tensors. This is the one visible change:
+``model.losses`` holds float32 tensors where plain Keras would hold 16-bit ones,
+which plain Keras could not add to the compiled loss anyway.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List
+
+import keras
+
+from tfmp._src.constants import LOW_PRECISION
+from tfmp._src.keras_hooks import patches
+from tfmp._src.keras_hooks.keras_private import defining_class
+
+
+def to_float32(term: Any) -> Any:
+    """`term` cast to float32 when it is a float16/bfloat16 tensor, else `term` itself."""
+    dtype = getattr(term, "dtype", None)
+    if dtype is not None and keras.backend.standardize_dtype(dtype) in LOW_PRECISION:
+        return keras.ops.cast(term, "float32")
+    return term
+
+
+def _wrap_losses(original: Any) -> property:
+    """Builds the hooked ``losses`` property from the one below it in the stack."""
+    getter: Callable[[Any], List[Any]] = original.fget if isinstance(original, property) else original
+
+    def losses(self: Any) -> List[Any]:
+        return [to_float32(term) for term in getter(self)]
+
+    losses.__doc__ = getter.__doc__
+    return property(losses)
+
+
+def install_losses_hook() -> patches.Hook:
+    """Makes ``Layer.losses`` hand back 16-bit loss terms cast to float32.
+
+    Installed on the class that defines ``losses`` (``keras.layers.Layer``), so
+    every layer and model sees it; owner ``"enable.losses"``.
+
+    Returns:
+        `patches.Hook`; remove it to restore Keras's property.
+    """
+    owner = defining_class(keras.layers.Layer, "losses")
+    return patches.install(owner, "losses", _wrap_losses, owner="enable.losses")

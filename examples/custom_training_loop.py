@@ -221,7 +221,8 @@ def main(argv: Optional[Sequence[str]] = None) -> float:
         # compile() does not train: it applies tfmp's float32 forcing, attaches the
         # optimizer (callbacks read model.optimizer) and prepares evaluate().
         model.compile(optimizer=optimizer, loss=loss_fn, metrics=["accuracy"])
-        monitor = tfmp.LossScaleMonitor(args.log_dir, update_freq="batch")
+        run_dir = example_utils.new_run_dir(args.log_dir)
+        monitor = tfmp.LossScaleMonitor(run_dir, update_freq="batch")
         losses = train(
             model,
             optimizer,
@@ -238,7 +239,7 @@ def main(argv: Optional[Sequence[str]] = None) -> float:
         tfmp.disable()
     print(f"{len(losses)} steps, last loss {losses[-1]:.4f}, {state}")
     print(f"Test accuracy ({decision.policy}): {accuracy:.4f}")
-    print(f"TensorBoard logs: tensorboard --logdir {args.log_dir}")
+    print(f"TensorBoard logs: tensorboard --logdir {args.log_dir} (this run: {run_dir})")
     return float(accuracy)
 
 

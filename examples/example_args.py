@@ -69,8 +69,8 @@ def add_training_args(
     parser.add_argument(
         "--log-dir",
         default=log_dir,
-        help=f"TensorBoard log folder for the loss scale and overflow "
-        f"count (default {log_dir})",
+        help=f"TensorBoard root folder; each run writes the loss scale and "
+        f"overflow count to a new subfolder <log-dir>/<date-time> (default {log_dir})",
     )
     parser.add_argument(
         "--seed",

@@ -2,9 +2,12 @@
 
 Every script in this folder takes the same training options
 (`example_args.add_training_args`, parsed before TensorFlow is imported) and runs
-the same job around its own data and model (`train_and_evaluate`): enable tfmp, build and compile the model, fit it with `tfmp.LossScaleMonitor`, evaluate,
-and restore the previous policy. The notebooks read the monitor's TensorBoard event
-files back with `read_scalars` and `overflow_steps`.
+the same job around its own data and model (`train_and_evaluate`): enable tfmp,
+build and compile the model, fit it with `tfmp.LossScaleMonitor`, evaluate, and
+restore the previous policy. Every run logs to a new folder of its own
+(`new_run_dir`), so a second run never mixes its events with the first's. The
+notebooks read the monitor's TensorBoard event files back with `read_scalars` and
+`overflow_steps`.
 
 The notebooks import this module from ``../examples``; the test suite, which runs
 them in a temporary folder, points the environment variable ``TFMP_EXAMPLES`` at
@@ -14,7 +17,9 @@ this folder instead.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
+import time
 from typing import Callable, Optional, Sequence, Tuple
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -63,7 +68,8 @@ def train_and_evaluate(
             loss=loss,
             metrics=["accuracy"],
         )
-        monitor = tfmp.LossScaleMonitor(args.log_dir, update_freq="batch")
+        run_dir = new_run_dir(args.log_dir)
+        monitor = tfmp.LossScaleMonitor(run_dir, update_freq="batch")
         # shuffle=False: the tf.data pipelines reshuffle every epoch themselves.
         model.fit(
             train,
@@ -76,8 +82,35 @@ def train_and_evaluate(
     finally:
         tfmp.disable()
     print(f"Test accuracy ({decision.policy}): {accuracy:.4f}")
-    print(f"TensorBoard logs: tensorboard --logdir {args.log_dir}")
+    print(f"TensorBoard logs: tensorboard --logdir {args.log_dir} (this run: {run_dir})")
     return float(accuracy)
+
+
+def new_run_dir(root: str) -> str:
+    """Creates a new, empty run folder below `root` and returns its path.
+
+    The folder is named after the local date and time, ``<root>/YYYYmmdd-HHMMSS``;
+    a later run in the same second gets ``-2``, ``-3``, ... appended. Each run's
+    event files then stay apart: ``tensorboard --logdir <root>`` lists every run
+    separately, and `read_scalars` on the returned folder reads this run only
+    (event files of two runs in one folder would be read back as one series whose
+    steps restart in the middle).
+
+    Args:
+        root: String or path-like. Parent folder, created if missing.
+
+    Returns:
+        String: the new folder, ``os.path.join(root, name)`` (relative when `root` is).
+    """
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for number in itertools.count(1):
+        path = os.path.join(os.fspath(root), stamp if number == 1 else f"{stamp}-{number}")
+        try:
+            os.makedirs(path)  # not exist_ok: a folder that exists belongs to another run
+        except FileExistsError:
+            continue
+        return path
+    raise AssertionError("unreachable: itertools.count() does not end")
 
 
 def read_scalars(

@@ -144,11 +144,20 @@ def test_bad_policies_use_the_error_template(digits, policies, fragment):
         tfmp.compare(build_digits_model, digits[0], policies=policies)
 
 
-def test_policies_resolving_to_the_same_one_are_refused(digits, monkeypatch):
-    no_bf16 = tfmp.DeviceFacts(cpu_name="test CPU", cpu_flags=frozenset({"avx2"}))
-    monkeypatch.setattr(_compare, "resolve_policy", functools.partial(resolve_policy, device_facts=no_bf16))
-    with pytest.raises(ValueError, match=r"'auto' -> 'float32'.*would be the same"):
-        tfmp.compare(build_digits_model, digits[0], policies=("float32", "auto"))
+@pytest.mark.parametrize(
+    "flags, policies, resolved",
+    [
+        ({"avx2"}, ("float32", "auto"), r"'float32' -> 'float32', 'auto' -> 'float32'"),
+        ({"avx512_bf16"}, ("float32", "mixed_bfloat16", "auto"),
+         r"'mixed_bfloat16' -> 'mixed_bfloat16', 'auto' -> 'mixed_bfloat16'"),
+    ],
+    ids=["cpu-without-bf16", "cpu-with-bf16"],
+)
+def test_policies_resolving_to_the_same_one_are_refused(digits, monkeypatch, flags, policies, resolved):
+    facts = tfmp.DeviceFacts(cpu_name="test CPU", cpu_flags=frozenset(flags))
+    monkeypatch.setattr(_compare, "resolve_policy", functools.partial(resolve_policy, device_facts=facts))
+    with pytest.raises(ValueError, match=resolved + r", so the runs would be the same"):
+        tfmp.compare(build_digits_model, digits[0], policies=policies)
 
 
 def test_negative_tolerance_is_rejected_before_training(digits):

@@ -54,16 +54,20 @@ def test_injected_gpu_reports_compute_capability_and_recommendation(
     assert "No GPU visible" not in text
 
 
-def test_this_cpu_machine_says_there_is_no_gpu():
+def test_this_machine_lists_the_devices_tensorflow_sees():
     report = tfmp.doctor(file=None)
     d = report.data
     assert d["facts"] == "detected"
-    assert [dev["type"] for dev in d["devices"]] == ["CPU"]
+    # Expected from TensorFlow's own device list, read here: a GPU machine lists its GPUs.
+    gpus = len(tf.config.list_physical_devices("GPU"))
+    tpu = bool(tf.config.list_physical_devices("TPU"))
+    assert [dev["type"] for dev in d["devices"]] == ["CPU"] + ["GPU"] * gpus + ["TPU"] * tpu
     assert d["versions"]["tensorflow"] == tf.__version__
     assert d["versions"]["keras"] == keras.__version__
     assert d["build"]["cuda_build"] == bool(tf.sysconfig.get_build_info()["is_cuda_build"])
-    assert any(n.startswith("No GPU visible") for n in d["notes"])
-    assert "  no GPU" in str(report).splitlines()
+    no_accelerator = not gpus and not tpu
+    assert any(n.startswith("No GPU visible") for n in d["notes"]) == no_accelerator
+    assert ("  no GPU" in str(report).splitlines()) == (gpus == 0)
 
 
 def test_cpu_bf16_flags_and_global_policy_are_reported():

@@ -34,6 +34,13 @@ def hosts_answer(monkeypatch):
     monkeypatch.setattr(tfds_preflight, "host_reachable", lambda url: True)
 
 
+def the_run(log_dir):
+    """The one run folder a script made below its --log-dir (each run gets a new one)."""
+    runs = sorted(log_dir.iterdir())
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
 def assert_monitor_logged(run, policy):
     """The monitor's loss-scale tags, and overflow counts exactly when tfmp's optimizer is there."""
     assert {"batch_loss_scale", "epoch_loss_scale"} <= set(run)
@@ -49,13 +56,37 @@ def test_main_job_trains_digits_with_auto_policy(tmp_path, capsys):
     out = capsys.readouterr().out
     assert accuracy >= 0.9
     assert "tfmp policy:" in out
-    assert f"tensorboard --logdir {tmp_path}" in out
+    assert f"tensorboard --logdir {tmp_path} (this run: {the_run(tmp_path)})" in out
     assert f"tfmp policy: {AUTO} on " in out
-    run = read_run(tmp_path)
+    run = read_run(the_run(tmp_path))
     assert_monitor_logged(run, AUTO)
-    assert {v for _, v in run["batch_loss_scale"]} == {1.0}  # bfloat16 or float32: no scaling
-    if AUTO != "float32":
+    if AUTO != "mixed_float16":  # a GPU of compute capability 7.x would scale
+        assert {v for _, v in run["batch_loss_scale"]} == {1.0}  # bfloat16 or float32: no scaling
+    if AUTO == "mixed_bfloat16":
         assert {v for _, v in run["batch_overflow_count"]} == {0.0}
+
+
+def test_a_second_run_logs_to_its_own_folder(tmp_path, capsys):
+    def run(steps):
+        train_digits.main(["--epochs", "1", "--steps", str(steps), "--policy", "float32",
+                           "--log-dir", str(tmp_path)])
+
+    run(3)
+    first = the_run(tmp_path)
+    run(2)  # same --log-dir, fewer steps: its events must not mix with the first run's
+    second = sorted(set(tmp_path.iterdir()) - {first})
+    assert len(second) == 1 and second[0].name > first.name
+    assert [step for step, _ in read_run(first)["batch_loss_scale"]] == [1, 2, 3]
+    assert [step for step, _ in read_run(second[0])["batch_loss_scale"]] == [1, 2]
+    assert f"(this run: {second[0]})" in capsys.readouterr().out
+
+
+def test_new_run_dir_never_reuses_a_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(example_utils.time, "strftime", lambda fmt: "20260102-030405")
+    made = [example_utils.new_run_dir(tmp_path / "logs") for _ in range(3)]
+    assert made == [str(tmp_path / "logs" / name)
+                    for name in ("20260102-030405", "20260102-030405-2", "20260102-030405-3")]
+    assert all(not list(pathlib.Path(path).iterdir()) for path in made)
 
 
 @pytest.mark.usefixtures("hosts_answer")
@@ -67,7 +98,7 @@ def test_tfds_path_with_mock_data(tmp_path, dataset):
              "--log-dir", str(tmp_path), "--policy", "float32"]
         )
     assert 0.0 <= accuracy <= 1.0
-    run = read_run(tmp_path)  # the monitor logged each of the 2 batches and the epoch
+    run = read_run(the_run(tmp_path))  # the monitor logged each of the 2 batches and the epoch
     assert [step for step, _ in run["batch_loss_scale"]] == [1, 2]
     assert run["epoch_loss_scale"] == [(0, 1.0)]
 
@@ -128,7 +159,7 @@ def test_image_classifier_with_mock_data(tmp_path, capsys, dataset):
              "--policy", "mixed_bfloat16", "--log-dir", str(tmp_path)])
     assert 0.0 <= accuracy <= 1.0
     assert "Test accuracy (" in capsys.readouterr().out
-    assert_monitor_logged(read_run(tmp_path), "mixed_bfloat16")
+    assert_monitor_logged(read_run(the_run(tmp_path)), "mixed_bfloat16")
 
 
 def test_cnn_forces_only_the_sensitive_layers_to_float32():
@@ -153,7 +184,7 @@ def test_text_transformer_with_mock_imdb(tmp_path):
             ["--epochs", "1", "--steps", "2", "--batch-size", "8", "--max-tokens", "64",
              "--sequence-length", "16", "--policy", "mixed_bfloat16", "--log-dir", str(tmp_path)])
     assert 0.0 <= accuracy <= 1.0
-    assert_monitor_logged(read_run(tmp_path), "mixed_bfloat16")
+    assert_monitor_logged(read_run(the_run(tmp_path)), "mixed_bfloat16")
 
 
 @SKIP_FP16_WARNING
@@ -178,7 +209,7 @@ def test_custom_training_loop_script(tmp_path, capsys):
     out = capsys.readouterr().out
     assert 0.0 <= accuracy <= 1.0
     assert "6 steps" in out and "loss scale" in out
-    steps, scales = example_utils.read_scalars(str(tmp_path), "batch_loss_scale")
+    steps, scales = example_utils.read_scalars(str(the_run(tmp_path)), "batch_loss_scale")
     assert list(steps) == [1, 2, 3, 4, 5, 6]
     assert scales[0] == 2.0**15  # mixed_float16: Keras's initial scale, dynamic scaling on
 

@@ -53,6 +53,16 @@ WINDOW_TAGS = (
 )
 
 
+DEVICE_MEMORY = _monitor_runtime.device_memory  # the real one, tested on its own below
+
+
+@pytest.fixture(autouse=True)
+def no_device_memory(monkeypatch):
+    """Every test sees a machine whose TensorFlow reports no device memory (a CPU), also on a
+    GPU machine, where the monitor would add memory scalars; tests inject GPU numbers themselves."""
+    monkeypatch.setattr(_monitor_runtime, "device_memory", dict)
+
+
 def tiny_model():
     return keras.Sequential(
         [keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)]
@@ -273,7 +283,7 @@ def test_exact_values_at_exact_steps(tmp_path, spe):
         "custom_scalars__config__",
     }
     assert set(run) == expected_tags
-    # CPU: TensorFlow reports no device memory, said once.
+    # No device memory reported (the fixture `no_device_memory`): said once.
     assert len(run["monitor_notes"]) == 1
     assert "device memory is not available" in run["monitor_notes"][0][1]
 
@@ -477,7 +487,7 @@ def test_device_memory_reads_each_gpu(monkeypatch):
     )
     info = {"GPU:0": {"current": 10, "peak": 20}, "GPU:1": {"current": 1, "peak": 2}}
     monkeypatch.setattr(tf.config.experimental, "get_memory_info", info.__getitem__)
-    assert _monitor_runtime.device_memory() == {"GPU:0": (10, 20), "GPU:1": (1, 2)}
+    assert DEVICE_MEMORY() == {"GPU:0": (10, 20), "GPU:1": (1, 2)}
 
 
 @pytest.mark.parametrize("task_id", [0, 1])

@@ -75,6 +75,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+import example_utils  # noqa: E402  (examples/, next to this file)
 import tfmp  # noqa: E402
 import train_digits  # noqa: E402
 

@@ -21,7 +21,7 @@ import os
 import sys
 from typing import Any, List
 
-from tfmp._version import __version__
+from tfmp._version import __version__ as __version__
 
 # Public name -> the module that defines it (the one place each name is exported).
 _EXPORTS = {

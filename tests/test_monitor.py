@@ -272,8 +272,11 @@ def test_exact_values_at_exact_steps(tmp_path, spe):
         "overflow_events",
         "monitor_notes",
         "custom_scalars__config__",
+        "metrics/batch_loss",  # Keras's logs, at the same logging points
+        "metrics/epoch_loss",
     }
     assert set(run) == expected_tags
+    assert steps(run, "metrics/batch_loss") == logged
     # CPU: TensorFlow reports no device memory, said once.
     assert len(run["monitor_notes"]) == 1
     assert "device memory is not available" in run["monitor_notes"][0][1]

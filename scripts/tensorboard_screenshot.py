@@ -5,6 +5,9 @@ data, opens one dashboard (by default Custom Scalars, the layout of
 `tfmp.LossScaleMonitor`) in headless Chromium and saves the page as a PNG, then
 stops the server. Nothing is fetched from the network: TensorBoard serves its
 own front end, and Chromium resolves every host but 127.0.0.1 to "not found".
+Chromium reaches TensorBoard through a small same-origin relay whose first page
+switches off "Ignore outliers in chart scaling" (a setting TensorBoard keeps in
+the browser's local storage), so every logged value is inside the charts.
 The README's picture of the main job comes from:
 
     python examples/train_digits.py --policy mixed_float16 --log-dir logs/digits_fp16
@@ -19,6 +22,7 @@ palette, which keeps chart screenshots small.
 from __future__ import annotations
 
 import argparse
+import http.server
 import json
 import os
 import shutil
@@ -26,10 +30,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 DASHBOARDS = ("custom_scalars", "timeseries", "scalars", "text")
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
@@ -45,8 +50,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="PNG file to write (default tensorboard.png)")
     parser.add_argument("--dashboard", choices=DASHBOARDS, default="custom_scalars",
                         help="TensorBoard tab to capture (default custom_scalars)")
-    parser.add_argument("--window-size", default="1400,1500",
-                        help="browser window WIDTH,HEIGHT in pixels (default 1400,1500)")
+    parser.add_argument("--window-size", default="1400,2400",
+                        help="browser window WIDTH,HEIGHT in pixels (default 1400,2400)")
+    parser.add_argument("--smoothing", type=float, default=0.0,
+                        help="TensorBoard's chart smoothing in [0, 1) (default 0: "
+                        "raw values, so each halving of the loss scale shows)")
     parser.add_argument("--budget-ms", type=int, default=20000,
                         help="virtual time Chromium lets the page run before the "
                         "shot, in milliseconds (default 20000)")
@@ -63,6 +71,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if width < 1 or height < 1:
         parser.error(f"--window-size expects WIDTH,HEIGHT in pixels, e.g. 1400,1500; "
                      f"received {args.window_size!r}")
+    if not 0.0 <= args.smoothing < 1.0:
+        parser.error(f"--smoothing expects a number in [0, 1), received {args.smoothing}")
     if args.budget_ms < 1:
         parser.error(f"--budget-ms expects a whole number >= 1, received {args.budget_ms}")
     if not os.path.isdir(args.logdir):
@@ -106,6 +116,64 @@ def wait_for_runs(url: str, server: subprocess.Popen, timeout: float) -> List[st
     raise TimeoutError(f"TensorBoard at {url} listed no run within {timeout} s")
 
 
+def page_path(dashboard: str, smoothing: float) -> str:
+    """The dashboard's path; TensorBoard reads the smoothing from the fragment."""
+    return f"/?darkMode=false#{dashboard}&_smoothingWeight={smoothing:g}"
+
+
+SETUP_PATH = "/__screenshot_setup"
+
+
+class _Relay(http.server.BaseHTTPRequestHandler):
+    """Relays GET/POST to TensorBoard; `SETUP_PATH` sets local storage, then opens the page."""
+
+    target = ""  # TensorBoard's address
+    page = ""  # the dashboard path to open after the setup
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        if self.path == SETUP_PATH:
+            script = (f"localStorage.setItem('_ignoreYOutliers', 'false');"
+                      f"location.replace({json.dumps(self.page)});")
+            self._reply(200, {"Content-Type": "text/html"},
+                        f"<!doctype html><script>{script}</script>".encode())
+        else:
+            self._relay(None)
+
+    def do_POST(self) -> None:  # noqa: N802
+        length = int(self.headers.get("Content-Length") or 0)
+        self._relay(self.rfile.read(length))
+
+    def _relay(self, body: Optional[bytes]) -> None:
+        headers = {k: v for k, v in self.headers.items()
+                   if k.lower() in ("content-type", "accept", "x-xsrf-protected")}
+        request = urllib.request.Request(self.target + self.path, data=body, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                self._reply(response.status, response.headers, response.read())
+        except urllib.error.HTTPError as error:
+            self._reply(error.code, error.headers, error.read())
+
+    def _reply(self, status: int, headers: Any, body: bytes) -> None:
+        self.send_response(status)
+        for key in ("Content-Type", "Content-Encoding", "Cache-Control"):
+            if headers.get(key):
+                self.send_header(key, headers[key])
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass  # quiet
+
+
+def start_relay(target: str, page: str) -> http.server.ThreadingHTTPServer:
+    """Serves `_Relay` on a free 127.0.0.1 port in a daemon thread."""
+    handler = type("Relay", (_Relay,), {"target": target, "page": page})
+    relay = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=relay.serve_forever, daemon=True).start()
+    return relay
+
+
 def chromium_command(chromium: str, url: str, output: str, window: str,
                      budget_ms: int, profile: str) -> List[str]:
     """The headless Chromium command line: local only, no GPU, fresh profile."""
@@ -146,11 +214,17 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         runs = wait_for_runs(url, server, args.timeout)
         output = os.path.abspath(args.output)
         os.makedirs(os.path.dirname(output), exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix="tb-chromium-") as profile:
-            command = chromium_command(chromium, f"{url}/?darkMode=false#{args.dashboard}",
-                                       output, args.window_size, args.budget_ms, profile)
-            subprocess.run(command, check=True, timeout=args.timeout,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        relay = start_relay(url, page_path(args.dashboard, args.smoothing))
+        try:
+            start = f"http://127.0.0.1:{relay.server_address[1]}{SETUP_PATH}"
+            with tempfile.TemporaryDirectory(prefix="tb-chromium-") as profile:
+                command = chromium_command(chromium, start, output, args.window_size,
+                                           args.budget_ms, profile)
+                subprocess.run(command, check=True, timeout=args.timeout,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        finally:
+            relay.shutdown()
+            relay.server_close()
     finally:
         server.terminate()
         try:

@@ -6,8 +6,8 @@ charts from a `Layout` proto found in the run's event files under the tag
 cumulative overflow count side by side, one category per logging level (batch,
 epoch), so a halving of the scale lines up with the overflow that caused it; the
 next holds the training loss and metrics from Keras's logs (a loss curve beside the
-precision panels), the others the finer loss-scaling signals and, when enabled, the
-gradient statistics. Each chart matches its tags exactly (the tags are listed in
+precision panels), then, when enabled, the gradient statistics and update ratio, and
+last the finer loss-scaling signals. Each chart matches its tags exactly (the tags are listed in
 `tfmp._src.monitor.callback`).
 """
 
@@ -92,8 +92,9 @@ def build_layout(
         "loss scaling (epoch)" holding exactly the loss scale and the overflow
         count (a category is one grid, so the two charts sit side by side), then
         "training" (per level one chart per metric, the epoch ones with their
-        validation values; left out without `metrics`), "loss scaling:
-        details", "throughput" and, with `grad_stats`, "gradients".
+        validation values; left out without `metrics`), with `grad_stats`
+        "gradients and updates", then "loss scaling: details" and
+        "throughput".
     """
     categories, details, speed = [], [], []
     for prefix in prefixes:
@@ -123,14 +124,10 @@ def build_layout(
         categories.append(
             layout_pb2.Category(title="training", chart=_training_charts(prefixes, metrics))
         )
-    categories += [
-        layout_pb2.Category(title="loss scaling: details", chart=details),
-        layout_pb2.Category(title="throughput", chart=speed, closed=True),
-    ]
     if grad_stats:
         categories.append(
             layout_pb2.Category(
-                title="gradients",
+                title="gradients and updates",
                 chart=[
                     _chart("global gradient norm (unscaled)", ["grad_norm"]),
                     _chart(
@@ -148,6 +145,10 @@ def build_layout(
                 ],
             )
         )
+    categories += [
+        layout_pb2.Category(title="loss scaling: details", chart=details),
+        layout_pb2.Category(title="throughput", chart=speed, closed=True),
+    ]
     return layout_pb2.Layout(category=categories)
 
 

@@ -152,6 +152,8 @@ class _Relay(http.server.BaseHTTPRequestHandler):
                 self._reply(response.status, response.headers, response.read())
         except urllib.error.HTTPError as error:
             self._reply(error.code, error.headers, error.read())
+        except urllib.error.URLError as error:  # TensorBoard gone: say so to the browser
+            self._reply(502, {"Content-Type": "text/plain"}, str(error).encode())
 
     def _reply(self, status: int, headers: Any, body: bytes) -> None:
         self.send_response(status)

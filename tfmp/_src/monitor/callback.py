@@ -75,7 +75,7 @@ class _Window:
 
 
 class LossScaleMonitor(keras.callbacks.Callback):
-    """Logs loss scaling, overflow events and throughput to TensorBoard.
+    """Logs loss scaling, overflow events, throughput and the training loss to TensorBoard.
 
     Exact: counts come from the optimizer's variables (`tfmp.LossScaleOptimizer`:
     `total_steps`, `overflow_count`, the overflow history), so nothing between
@@ -86,7 +86,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
     `tfmp.NonFiniteError`, Ctrl-C) the monitor writes the state at that moment
     before the error propagates. Under a distribution strategy only the chief
     writes. The file is opened at the first write and closed at the end of
-    training (a later `fit` opens a new one).
+    training (a later `fit` opens a new one). Beside the precision panels it
+    writes the loss and metrics of Keras's `logs` (``metrics/...`` tags, no
+    extra device read) and, when the scale cannot move, a Text-tab note saying why.
 
     Args:
         log_dir: String or path-like. Root folder of the run; events go to
@@ -96,8 +98,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
             k > 1 they are written at the end of the execution that reaches a
             multiple of N. Epoch scalars are always written.
         grad_stats_freq: Positive int or None (default, off): compute gradient
-            statistics every N steps (`tfmp._src.monitor.grad_stats`); each logging point
-            writes the latest. The statistics hook is installed on the optimizer
+            statistics and the update-to-weight ratio every N steps
+            (`tfmp._src.monitor.grad_stats`); each logging point writes the latest. The statistics hook is installed on the optimizer
             once (the first `fit` with it retraces the train function) and paused
             between `fit` calls, so repeated `fit` calls do not retrace.
 

@@ -56,8 +56,10 @@ def test_main_job_trains_digits_with_auto_policy(tmp_path, capsys):
     # The story beside the flat scale: the note, the loss, the gradients, the updates.
     [(_, note)] = run["loss_scale_note"]
     assert note.startswith("The loss scale stays 1 (a flat chart): ")
-    for tag in ("metrics/batch_loss", "metrics/batch_accuracy", "grad_norm", "update_ratio"):
+    for tag in ("metrics/batch_loss", "metrics/batch_accuracy"):
         assert len(run[tag]) == steps, tag
+    for tag in ("grad_norm", "update_ratio", "bfloat16_relative_precision"):  # every 5 steps
+        assert [step for step, _ in run[tag]] == list(range(5, steps + 1, 5)), tag
     assert len(run["metrics/epoch_loss"]) == len(run["metrics/epoch_accuracy"]) == 15
     assert run["metrics/epoch_accuracy"][-1][1] >= 0.9
     assert run["metrics/epoch_loss"][-1][1] < run["metrics/epoch_loss"][0][1]

@@ -96,6 +96,7 @@ def flat_scale_note(optimizer: Any, compute_dtype: str) -> Optional[str]:
     else:
         why = f"{compute_dtype} needs no loss scaling"
     return (
-        f"The loss scale stays 1 (a flat chart): {why}. Watch grad_norm, the "
-        "skipped steps (overflow_count) and update_ratio against 2**-8 instead."
+        f"The loss scale stays 1 (a flat chart): {why}. Watch the skipped steps "
+        "(overflow_count) and, with grad_stats_freq, grad_norm and update_ratio "
+        "against 2**-8 instead."
     )

@@ -39,6 +39,8 @@ def train_and_evaluate(
     *,
     learning_rate: float = 1e-3,
     loss: str = "sparse_categorical_crossentropy",
+    loss_scale_options: Optional[dict] = None,
+    grad_stats_freq: Optional[int] = None,
 ) -> float:
     """Trains and evaluates one model under tfmp; returns its test accuracy.
 
@@ -53,12 +55,17 @@ def train_and_evaluate(
             returning an uncompiled `keras.Model`.
         learning_rate: Float. Adam's learning rate.
         loss: String. A Keras loss name.
+        loss_scale_options: Dict or None. `tfmp.enable`'s `loss_scale_options`
+            (with them a float32 model also gets `tfmp.LossScaleOptimizer`, which
+            skips and counts non-finite steps at a fixed scale of 1).
+        grad_stats_freq: Int or None. The monitor's `grad_stats_freq`: gradient
+            norm and update ratio every N steps.
 
     Returns:
         Float in [0, 1]: the test accuracy.
     """
     keras.utils.set_random_seed(args.seed)
-    decision = tfmp.enable(args.policy)
+    decision = tfmp.enable(args.policy, loss_scale_options=loss_scale_options)
     try:
         print(decision)
         train, test = make_datasets()
@@ -69,7 +76,9 @@ def train_and_evaluate(
             metrics=["accuracy"],
         )
         run_dir = new_run_dir(args.log_dir)
-        monitor = tfmp.LossScaleMonitor(run_dir, update_freq="batch")
+        monitor = tfmp.LossScaleMonitor(
+            run_dir, update_freq="batch", grad_stats_freq=grad_stats_freq
+        )
         # shuffle=False: the tf.data pipelines reshuffle every epoch themselves.
         model.fit(
             train,

@@ -26,6 +26,7 @@ import train_text_transformer  # noqa: E402
 # What "auto" picks on this machine: float32 on a CPU without bfloat16 hardware,
 # where tfmp leaves the optimizer alone and the monitor writes no overflow counts.
 AUTO = tfmp.recommend_policy().policy
+SKIP_FP16_WARNING = pytest.mark.filterwarnings("ignore::tfmp.PerformanceWarning")
 
 
 @pytest.fixture
@@ -59,11 +60,42 @@ def test_main_job_trains_digits_with_auto_policy(tmp_path, capsys):
     assert f"tensorboard --logdir {tmp_path} (this run: {the_run(tmp_path)})" in out
     assert f"tfmp policy: {AUTO} on " in out
     run = read_run(the_run(tmp_path))
-    assert_monitor_logged(run, AUTO)
+    # The main job passes loss-scale options, so even a float32 model gets tfmp's
+    # optimizer: non-finite steps are skipped and counted at a fixed scale of 1.
+    assert_monitor_logged(run, "mixed_bfloat16")
+    steps = len(run["batch_loss_scale"])
+    assert steps == 15 * 23  # 15 epochs of ceil(1437 / 64) batches
     if AUTO != "mixed_float16":  # a GPU of compute capability 7.x would scale
-        assert {v for _, v in run["batch_loss_scale"]} == {1.0}  # bfloat16 or float32: no scaling
-    if AUTO == "mixed_bfloat16":
+        assert {v for _, v in run["batch_loss_scale"]} == {1.0}  # bfloat16 or float32
         assert {v for _, v in run["batch_overflow_count"]} == {0.0}
+        # The story beside the flat scale: the note, the loss, the gradients, the updates.
+        [(_, note)] = run["loss_scale_note"]
+        assert note.startswith("The loss scale stays 1 (a flat chart): ")
+    for tag in ("metrics/batch_loss", "metrics/batch_accuracy"):
+        assert len(run[tag]) == steps, tag
+    for tag in ("grad_norm", "update_ratio", "bfloat16_relative_precision"):  # every 5 steps
+        assert [step for step, _ in run[tag]] == list(range(5, steps + 1, 5)), tag
+    assert len(run["metrics/epoch_loss"]) == len(run["metrics/epoch_accuracy"]) == 15
+    assert run["metrics/epoch_accuracy"][-1][1] >= 0.9
+    assert run["metrics/epoch_loss"][-1][1] < run["metrics/epoch_loss"][0][1]
+
+
+@SKIP_FP16_WARNING
+def test_main_job_digits_mixed_float16_scale_backs_off_and_grows(tmp_path):
+    """The README's float16 run, shortened to 2 epochs (46 steps): the scale moves both ways."""
+    train_digits.main(["--policy", "mixed_float16", "--epochs", "2", "--log-dir", str(tmp_path)])
+    run = read_run(the_run(tmp_path))
+    scales = np.array([v for _, v in run["batch_loss_scale"]])
+    assert len(scales) == 46
+    steps_down = np.flatnonzero(np.diff(np.concatenate([[2.0**24], scales])) < 0)
+    steps_up = np.flatnonzero(np.diff(scales) > 0)
+    assert len(steps_down) >= 1 and len(steps_up) >= 1
+    assert steps_down[0] == 0  # 2**24 overflows at the first step
+    overflows = run["batch_overflow_count"][-1][1]
+    assert overflows == len(run["overflow_events"]) >= 1
+    assert len(run["metrics/batch_loss"]) == len(run["metrics/batch_accuracy"]) == 46
+    assert [step for step, _ in run["metrics/epoch_accuracy"]] == [0, 1]
+    assert "loss_scale_note" not in run  # the scale moves: nothing to explain
 
 
 def test_a_second_run_logs_to_its_own_folder(tmp_path, capsys):
@@ -128,7 +160,6 @@ SCRIPTS = {
     custom_training_loop: ("--policy", "--epochs", "--steps", "--learning-rate",
                            "--clipnorm", "--accumulation-steps", "--log-dir"),
 }
-SKIP_FP16_WARNING = pytest.mark.filterwarnings("ignore::tfmp.PerformanceWarning")
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda module: module.__name__)

@@ -25,6 +25,7 @@ from _events import values
 import tfmp
 from tfmp._src import distribute as _distribute
 from tfmp._src.monitor import callback as _monitor
+from tfmp._src.monitor import metrics as _monitor_metrics
 from tfmp._src.monitor import runtime as _monitor_runtime
 from tfmp._src.monitor.grad_stats import GradientStats
 from tfmp._src.monitor import state as _monitor_state
@@ -281,8 +282,11 @@ def test_exact_values_at_exact_steps(tmp_path, spe):
         "overflow_events",
         "monitor_notes",
         "custom_scalars__config__",
+        "metrics/batch_loss",  # Keras's logs, at the same logging points
+        "metrics/epoch_loss",
     }
     assert set(run) == expected_tags
+    assert steps(run, "metrics/batch_loss") == logged
     # No device memory reported (the fixture `no_device_memory`): said once.
     assert len(run["monitor_notes"]) == 1
     assert "device memory is not available" in run["monitor_notes"][0][1]
@@ -525,7 +529,7 @@ def test_only_the_chief_writes_under_a_strategy(tmp_path, task_id, monkeypatch):
 
 
 def test_docstring_examples():
-    for module in (_monitor, _monitor_state):
+    for module in (_monitor, _monitor_state, _monitor_metrics):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, (module.__name__, result)
 
@@ -618,6 +622,87 @@ def test_repeated_fits_trace_once_and_do_not_grow(tmp_path):
     if heap[0] is not None:
         heap_growth = slope(heap) / 1024  # KiB per call
         assert heap_growth < 3.0, f"malloc heap grew {heap_growth:.2f} KiB per fit call"
+
+
+def test_loss_and_metrics_from_logs_beside_the_scale(tmp_path):
+    with tfmp.policy_scope("mixed_float16", loss_scale_options={"initial_scale": INITIAL}):
+        model = tiny_model()
+        model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    x, y = data()
+    history = model.fit(
+        x, y, batch_size=8, epochs=2, verbose=0, validation_data=(x[:8], y[:8]),
+        callbacks=[tfmp.LossScaleMonitor(tmp_path, update_freq=2)],
+    )
+    run = read_run(tmp_path)
+    for name in ("loss", "mae"):
+        assert steps(run, f"metrics/batch_{name}") == [2, 4, 6, 8]
+        for tag in (f"metrics/epoch_{name}", f"metrics/epoch_val_{name}"):
+            assert steps(run, tag) == [0, 1]
+        # Keras's own numbers, as History keeps them (stored as float32).
+        for key in (name, f"val_{name}"):
+            expected = np.float32(history.history[key])
+            assert values(run, f"metrics/epoch_{key}") == pytest.approx(expected, rel=1e-7)
+    # The epoch's value is the running mean after its last batch.
+    assert values(run, "metrics/batch_loss")[1::2] == values(run, "metrics/epoch_loss")
+    # Kept apart from the tags of keras.callbacks.TensorBoard.
+    assert not {"batch_loss", "epoch_loss", "epoch_mae"} & set(run)
+    [(_, layout)] = run["custom_scalars__config__"]
+    assert [c.title for c in layout.category][:3] == [
+        "loss scaling (batch)", "loss scaling (epoch)", "training"]
+    training = layout.category[2]
+    assert [chart.title for chart in training.chart] == [
+        "loss (batch)", "mae (batch)", "loss (epoch)", "mae (epoch)"]
+    assert list(training.chart[2].multiline.tag) == ["^metrics/epoch_(val_)?loss$"]
+
+
+def test_metric_scalars_keep_only_real_numbers():
+    logs = {"loss": np.float32(0.5), "n": np.int64(3), "flag": True, "learning_rate": 0.1,
+            "vector": np.array([1.0, 2.0]), "zero_d": np.array(0.25), "text": "x"}
+    assert _monitor_metrics.metric_scalars("epoch_", logs) == {
+        "metrics/epoch_loss": 0.5, "metrics/epoch_n": 3.0, "metrics/epoch_zero_d": 0.25}
+    assert _monitor_metrics.metric_scalars("batch_", None) == {}
+
+
+@pytest.mark.parametrize(
+    "policy, reason",
+    [("mixed_bfloat16", "bfloat16 has float32's exponent range"),
+     ("float32", "float32 needs no loss scaling"),
+     ("mixed_float16", None)],
+)
+def test_flat_scale_note_only_without_loss_scaling(tmp_path, policy, reason):
+    with tfmp.policy_scope(policy):
+        model = tiny_model()
+        model.compile(optimizer="sgd", loss="mse")
+    x, y = data(16)
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0,
+              callbacks=[tfmp.LossScaleMonitor(tmp_path, update_freq="batch")])
+    run = read_run(tmp_path)
+    if reason is None:
+        assert "loss_scale_note" not in run
+        return
+    [(step, note)] = run["loss_scale_note"]  # once, at the start
+    assert step == 0
+    assert note.startswith("The loss scale stays 1 (a flat chart): " + reason)
+    assert set(values(run, "batch_loss_scale")) == {1.0}
+
+
+def test_update_ratio_exact(tmp_path):
+    # Kernel [1, 1], input 1, loss = sum of outputs: each gradient is 1, so SGD(0.25)
+    # moves each weight by 0.25: [0.75, 0.75] then [0.5, 0.5]. Ratios 0.25/1 and 0.25/0.75.
+    model = keras.Sequential(
+        [keras.Input((1,)), keras.layers.Dense(2, use_bias=False, kernel_initializer="ones")]
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.25),
+                  loss=lambda y_true, y_pred: tf.reduce_sum(y_pred, axis=-1))
+    model.fit(np.ones((3, 1), "float32"), np.zeros((3, 2), "float32"), batch_size=1,
+              verbose=0, callbacks=[tfmp.LossScaleMonitor(tmp_path, update_freq="batch",
+                                                          grad_stats_freq=2)])
+    run = read_run(tmp_path)
+    assert steps(run, "update_ratio") == [2]
+    assert values(run, "update_ratio") == pytest.approx([1 / 3], rel=1e-6)
+    assert run["bfloat16_relative_precision"] == [(2, 2.0**-8)]
+    assert values(run, "grad_norm") == pytest.approx([2**0.5], rel=1e-6)
+    np.testing.assert_array_equal(model.layers[0].kernel.numpy(), [[0.25, 0.25]])
 
 
 @pytest.mark.parametrize("bad", [None, "", 3])

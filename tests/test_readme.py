@@ -189,3 +189,13 @@ def test_ci_runs_the_readme_test_command():
     ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
     assert ci_lines[-1].strip() == test_command
     assert 'pip install --quiet ".[test]"' in "\n".join(ci_lines)
+
+
+def test_main_job_screenshot_is_in_the_repository_with_its_command():
+    [image] = re.findall(r"!\[[^\]]*\]\((docs/images/[\w.]+\.png)\)", README)
+    data = (ROOT / image).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) < 300 * 1024
+    # The README says how to make it again: the main job's run, then the script on its logs.
+    assert "python examples/train_digits.py --policy mixed_float16 --log-dir logs/digits_fp16" in README
+    assert f"python scripts/tensorboard_screenshot.py logs/digits_fp16 --output {image}" in README

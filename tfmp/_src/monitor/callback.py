@@ -24,6 +24,11 @@ overflowed) and ``overflow_events`` (text, "step 117: non-finite gradients, scal
 (see `tfmp._src.monitor.grad_stats`); ``monitor_notes`` (text: no device memory on CPU,
 overflows too old to itemize, training stopped by an exception). Plus the
 custom-scalars layout (`tfmp._src.monitor.layout`).
+
+The training loss and metrics of Keras's `logs`, as ``metrics/batch_<name>`` and
+``metrics/epoch_<name>`` at the same logging points (`tfmp._src.monitor.metrics`).
+At the start of training, when the scale cannot move (no loss scaling: bfloat16,
+float32), ``loss_scale_note`` (text) says why its chart is flat.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import logging
 import os
 import time
 import warnings
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import keras
 
@@ -43,8 +48,10 @@ from tfmp._src.keras_hooks import train_function
 from tfmp._src.monitor.event_file import EventFile
 from tfmp._src.monitor.grad_stats import GradientStats
 from tfmp._src.loss_scale.optimizer import OVERFLOW_HISTORY
+from tfmp._src.monitor.layout import DESCRIPTIONS
 from tfmp._src.monitor.layout import build_layout
 from tfmp._src.monitor.layout import layout_summary
+from tfmp._src.monitor import metrics as _metrics
 from tfmp._src.monitor.state import describe
 from tfmp._src.monitor.state import is_tfmp_optimizer
 from tfmp._src.monitor.state import read_overflow_events
@@ -55,25 +62,6 @@ _LOG = logging.getLogger(__name__)
 #: Window scalars that only an optimizer counting overflows can give.
 _OVERFLOW_TAGS = ("overflow_count", "skipped_steps", "overflow_rate", "consecutive_overflows")
 _MIB = 2.0**20
-DESCRIPTIONS = {
-    "overflow_scale": "Loss scale of a step skipped for non-finite gradients, "
-    "at that step (one point per skipped step).",
-    "overflow_events": "One line per skipped step: the scale before and after.",
-}
-for _prefix in ("batch_", "epoch_"):
-    DESCRIPTIONS.update(
-        {
-            _prefix + "loss_scale": "Loss scale (1.0 without loss scaling).",
-            _prefix
-            + "overflow_count": "Skipped (non-finite) steps since training began.",
-            _prefix
-            + "overflow_rate": "Skipped steps / steps, over the logging window.",
-            _prefix + "skipped_steps": "Skipped steps in the logging window.",
-            _prefix + "consecutive_overflows": "Skipped steps in a row.",
-        }
-    )
-
-
 class _Window:
     """Counters at the start of a logging window."""
 
@@ -87,7 +75,7 @@ class _Window:
 
 
 class LossScaleMonitor(keras.callbacks.Callback):
-    """Logs loss scaling, overflow events and throughput to TensorBoard.
+    """Logs loss scaling, overflow events, throughput and the training loss to TensorBoard.
 
     Exact: counts come from the optimizer's variables (`tfmp.LossScaleOptimizer`:
     `total_steps`, `overflow_count`, the overflow history), so nothing between
@@ -98,7 +86,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
     `tfmp.NonFiniteError`, Ctrl-C) the monitor writes the state at that moment
     before the error propagates. Under a distribution strategy only the chief
     writes. The file is opened at the first write and closed at the end of
-    training (a later `fit` opens a new one).
+    training (a later `fit` opens a new one). Beside the precision panels it
+    writes the loss and metrics of Keras's `logs` (``metrics/...`` tags, no
+    extra device read) and, when the scale cannot move, a Text-tab note saying why.
 
     Args:
         log_dir: String or path-like. Root folder of the run; events go to
@@ -108,8 +98,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
             k > 1 they are written at the end of the execution that reaches a
             multiple of N. Epoch scalars are always written.
         grad_stats_freq: Positive int or None (default, off): compute gradient
-            statistics every N steps (`tfmp._src.monitor.grad_stats`); each logging point
-            writes the latest. The statistics hook is installed on the optimizer
+            statistics and the update-to-weight ratio every N steps
+            (`tfmp._src.monitor.grad_stats`); each logging point writes the latest. The statistics hook is installed on the optimizer
             once (the first `fit` with it retraces the train function) and paused
             between `fit` calls, so repeated `fit` calls do not retrace.
 
@@ -182,6 +172,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._counts_overflows = is_tfmp_optimizer(model.optimizer)
         if not self._counts_overflows:
             self._warn_no_counters(state.step)
+        note = _metrics.flat_scale_note(model.optimizer, model.dtype_policy.compute_dtype)
+        if note is not None:
+            self._events.write(state.step, texts={_metrics.NOTE_TAG: note})
         if self.grad_stats_freq:
             self._grad_stats = GradientStats.of(
                 model.optimizer, self.grad_stats_freq, model.distribute_strategy
@@ -211,7 +204,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         previous, self._step = self._step, self._epoch_base + batch + 1
         freq = self.update_freq
         if freq != "epoch" and self._step // freq > previous // freq:
-            self._log("batch_")
+            self._log("batch_", logs=logs)
 
     def on_test_begin(self, logs: Optional[dict] = None) -> None:
         # Validation inside fit: evaluate() resets the loss tracker next.
@@ -221,7 +214,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
         if self._active:
-            self._log("epoch_", epoch)
+            self._log("epoch_", epoch, logs)
 
     def on_train_end(self, logs: Optional[dict] = None) -> None:
         self._finish()
@@ -234,8 +227,10 @@ class LossScaleMonitor(keras.callbacks.Callback):
             self._samples += seen - self._epoch_samples_read
             self._epoch_samples_read = seen
 
-    def _log(self, prefix: str, epoch: Optional[int] = None) -> None:
-        """Reads the state once and writes events and window scalars at one step."""
+    def _log(
+        self, prefix: str, epoch: Optional[int] = None, logs: Optional[dict] = None
+    ) -> None:
+        """Reads the state once and writes events, window scalars and `logs` at one step."""
         state = read_state(self.model.optimizer)
         self._step = state.step
         if epoch is not None and self._train_clock is not None:
@@ -243,7 +238,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
         else:
             self._count_samples()
             clock = time.perf_counter()
-        self._write_events(state)
+        metrics = _metrics.metric_scalars(prefix, logs)
+        names = [tag[len(_metrics.GROUP + prefix):] for tag in metrics]
+        self._write_events(state, [name for name in names if not name.startswith("val_")])
         window = self._batch_window if epoch is None else self._epoch_window
         steps = state.step - window.step
         skipped = state.overflow_count - window.overflows
@@ -274,9 +271,11 @@ class LossScaleMonitor(keras.callbacks.Callback):
                 "no gpu*_memory_mib scalars.",
             )
             self._memory_noted = True
+        for tag in metrics.keys() - self._events.descriptions.keys():
+            self._events.descriptions[tag] = _metrics.describe_metric(tag)
         self._events.write(
             state.step if epoch is None else epoch,
-            {prefix + tag: value for tag, value in scalars.items()},
+            {**metrics, **{prefix + tag: value for tag, value in scalars.items()}},
         )
         new_window = _Window(state.step, state.overflow_count, self._samples, clock)
         if epoch is None:
@@ -284,13 +283,17 @@ class LossScaleMonitor(keras.callbacks.Callback):
         else:
             self._epoch_window = new_window
 
-    def _write_events(self, state) -> None:
-        """Writes skipped steps and gradient statistics not yet written."""
+    def _write_events(self, state, metric_names: Sequence[str] = ()) -> None:
+        """Writes skipped steps and gradient statistics not yet written.
+
+        The first call also writes the custom-scalars layout, with a chart per
+        name in `metric_names` (the training metrics in Keras's logs).
+        """
         if not self._layout_written:
             prefixes = (
                 ("epoch_",) if self.update_freq == "epoch" else ("batch_", "epoch_")
             )
-            layout = build_layout(prefixes, self._grad_stats is not None)
+            layout = build_layout(prefixes, self._grad_stats is not None, metric_names)
             self._events.write(0, summaries=[layout_summary(layout)])
             self._layout_written = True
         # Lower only if the counters were restored to an earlier state.

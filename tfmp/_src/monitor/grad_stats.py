@@ -17,8 +17,18 @@ reduces the gradients to four numbers kept in variables:
   after scaling, or non-finite: in float16 they are inf.
 
 Fractions are over all elements of all gradients (the `values` of sparse ones).
+
+- ``update_ratio``: ||w_after - w_before|| / ||w_before||, global L2 norms over
+  all trainable weights the optimizer updates in the step (0 on a skipped step;
+  inf when the weights were all zero and moved). A weight stored in bfloat16 keeps
+  8 significant bits, so a change below about 2**-8 of its magnitude
+  (`BFLOAT16_EPSILON`, written beside it as ``bfloat16_relative_precision``) is
+  rounded away; with float32 master weights (Keras's mixed policies) the ratio
+  shows how close the updates come to that.
+
 Under a distribution strategy the statistics are those of the first replica's
-gradients. On other steps the cost is one counter increment and a `tf.cond`.
+gradients. On other steps the cost is one counter increment and three `tf.cond`s;
+on a computing step the weights are copied once (the copy the update leaves).
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp._src.constants import FLOAT16_MAX, FLOAT16_SMALLEST_SUBNORMAL
+from tfmp._src.constants import BFLOAT16_EPSILON, FLOAT16_MAX, FLOAT16_SMALLEST_SUBNORMAL
 from tfmp._src.distribute import replica_local_variable
 from tfmp._src.keras_hooks import patches
 
@@ -40,7 +50,10 @@ NAMES = (
     "grad_underflow_fraction",
     "grad_overflow_fraction",
     "grad_zero_fraction",
+    "update_ratio",
 )
+#: Reference line written with ``update_ratio``: `BFLOAT16_EPSILON` (2**-8).
+PRECISION_TAG = "bfloat16_relative_precision"
 
 
 def _statistics(grads: list, scale: tf.Tensor) -> tf.Tensor:
@@ -60,6 +73,17 @@ def _statistics(grads: list, scale: tf.Tensor) -> tf.Tensor:
         zero += tf.reduce_sum(tf.cast(tf.equal(magnitude, 0.0), tf.float32))
     count = tf.maximum(elements, 1.0)
     return tf.stack([tf.sqrt(squares), under / count, over / count, zero / count])
+
+
+def _update_ratio(variables: list, before: list) -> tf.Tensor:
+    """||variables - before|| / ||before||, global L2 norms, float32 scalar."""
+    update = weight = tf.constant(0.0, tf.float32)
+    for variable, old in zip(variables, before):
+        old = tf.cast(old, tf.float32)
+        update += tf.reduce_sum(tf.square(tf.cast(variable.value, tf.float32) - old))
+        weight += tf.reduce_sum(tf.square(old))
+    moved = tf.where(update > 0.0, float("inf"), 0.0)
+    return tf.where(weight > 0.0, tf.sqrt(update) / tf.sqrt(tf.maximum(weight, 1e-30)), moved)
 
 
 class GradientStats:
@@ -88,7 +112,8 @@ class GradientStats:
         self._step = replica_local_variable(-1, dtype=tf.int64, strategy=strategy)
         self._every = replica_local_variable(every, dtype=tf.int64, strategy=strategy)
         self._on = replica_local_variable(False, dtype=tf.bool, strategy=strategy)
-        self._values = replica_local_variable([0.0] * len(NAMES), dtype=tf.float32, strategy=strategy)
+        self._values = replica_local_variable([0.0] * (len(NAMES) - 1), dtype=tf.float32, strategy=strategy)
+        self._ratio = replica_local_variable(0.0, dtype=tf.float32, strategy=strategy)
         self._hook: Optional[patches.Hook] = None
 
     @classmethod
@@ -116,7 +141,8 @@ class GradientStats:
             scale = self.optimizer.loss_scale_factor or 1.0
         return tf.cast(tf.convert_to_tensor(scale), tf.float32)
 
-    def _record(self, grads: list) -> None:
+    def _record(self, grads: list) -> tf.Tensor:
+        """Computes the gradient statistics if due; returns whether they were (bool)."""
         step = self._counter.assign_add(1)
 
         def compute() -> tf.Tensor:
@@ -126,6 +152,29 @@ class GradientStats:
 
         due = tf.logical_and(self._on, tf.equal(step % self._every, 0))
         tf.cond(due, compute, lambda: tf.constant(False))
+        return due
+
+    def _apply_recording_update(
+        self, apply: Callable, grads: list, variables: Optional[list], due: tf.Tensor
+    ) -> Any:
+        """Runs `apply`; if due, records the update ratio of `variables` (NaN if None)."""
+        if not variables:
+            self._ratio.assign(np.float32("nan"))
+            return apply(grads, variables)
+        # Copies only when due: the update writes new buffers while these are alive.
+        before = tf.cond(
+            due,
+            lambda: [tf.identity(v.value) for v in variables],
+            lambda: [tf.zeros([0], v.dtype) for v in variables],
+        )
+        result = apply(grads, variables)
+
+        def ratio() -> tf.Tensor:
+            self._ratio.assign(_update_ratio(variables, before))
+            return tf.constant(True)
+
+        tf.cond(due, ratio, lambda: tf.constant(False))
+        return result
 
     def resume(self, start_step: int) -> bool:
         """Switches the statistics on; the next step is number `start_step + 1`.
@@ -145,8 +194,9 @@ class GradientStats:
         def wrap(apply: Callable) -> Callable:
             @functools.wraps(apply)
             def apply_with_statistics(grads: list, trainable_variables: Optional[list] = None) -> Any:
-                self._record(grads)
-                return apply(grads, trainable_variables)
+                due = self._record(grads)
+                variables = None if trainable_variables is None else list(trainable_variables)
+                return self._apply_recording_update(apply, grads, variables, due)
 
             return apply_with_statistics
 
@@ -169,4 +219,10 @@ class GradientStats:
         step = int(self._step.numpy())
         if step < 0:
             return None
-        return step, dict(zip(NAMES, (float(v) for v in self._values.numpy())))
+        numbers = [float(v) for v in self._values.numpy()] + [float(self._ratio.numpy())]
+        values = dict(zip(NAMES, numbers))
+        if np.isnan(values["update_ratio"]):  # apply was given no variables
+            del values["update_ratio"]
+        else:
+            values[PRECISION_TAG] = BFLOAT16_EPSILON
+        return step, values

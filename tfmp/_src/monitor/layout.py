@@ -5,12 +5,15 @@ charts from a `Layout` proto found in the run's event files under the tag
 ``custom_scalars__config__``. The first categories put the loss scale and the
 cumulative overflow count side by side, one category per logging level (batch,
 epoch), so a halving of the scale lines up with the overflow that caused it; the
-others hold the finer loss-scaling signals and, when enabled, the gradient statistics.
-Each chart matches its tag exactly (the tags are listed in `tfmp._src.monitor.callback`).
+next holds the training loss and metrics from Keras's logs (a loss curve beside the
+precision panels), then, when enabled, the gradient statistics and update ratio, and
+last the finer loss-scaling signals. Each chart matches its tags exactly (the tags are listed in
+`tfmp._src.monitor.callback`).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 from tensorboard.compat.proto import summary_pb2
@@ -18,32 +21,80 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.custom_scalar import metadata as layout_metadata
 from tensorboard.plugins.custom_scalar import summary as custom_scalar_summary
 
+from tfmp._src.monitor.metrics import GROUP as METRICS_GROUP
+
+#: Chart descriptions by tag (Markdown; TensorBoard shows them behind an info icon).
+DESCRIPTIONS = {
+    "overflow_scale": "Loss scale of a step skipped for non-finite gradients, "
+    "at that step (one point per skipped step).",
+    "overflow_events": "One line per skipped step: the scale before and after.",
+    "update_ratio": "||weights after - before|| / ||weights before|| of one step "
+    "(global L2 norms). Below 2**-8, a bfloat16 copy of the weights would not move.",
+    "bfloat16_relative_precision": "2**-8: relative changes smaller than this are "
+    "lost when a weight is stored in bfloat16.",
+}
+for _prefix in ("batch_", "epoch_"):
+    DESCRIPTIONS.update(
+        {
+            _prefix + "loss_scale": "Loss scale (1.0 without loss scaling).",
+            _prefix
+            + "overflow_count": "Skipped (non-finite) steps since training began.",
+            _prefix
+            + "overflow_rate": "Skipped steps / steps, over the logging window.",
+            _prefix + "skipped_steps": "Skipped steps in the logging window.",
+            _prefix + "consecutive_overflows": "Skipped steps in a row.",
+        }
+    )
+
+
 #: Tag under which the custom-scalars plugin looks for the layout.
 LAYOUT_TAG = layout_metadata.CONFIG_SUMMARY_TAG
 
 
 def _chart(title: str, tags: Sequence[str]) -> layout_pb2.Chart:
     """A line chart of the given exact tags (anchored regular expressions)."""
+    return _pattern_chart(title, [f"^{re.escape(t)}$" for t in tags])
+
+
+def _pattern_chart(title: str, patterns: Sequence[str]) -> layout_pb2.Chart:
+    """A line chart of the tags matching any of `patterns` (regular expressions)."""
     return layout_pb2.Chart(
-        title=title,
-        multiline=layout_pb2.MultilineChartContent(tag=[f"^{t}$" for t in tags]),
+        title=title, multiline=layout_pb2.MultilineChartContent(tag=list(patterns))
     )
 
 
-def build_layout(prefixes: Sequence[str], grad_stats: bool) -> layout_pb2.Layout:
+def _training_charts(prefixes: Sequence[str], metrics: Sequence[str]) -> list:
+    """Per level, one chart per metric; epoch charts add its ``val_`` twin."""
+    charts = []
+    for prefix in prefixes:
+        level = prefix.rstrip("_")
+        for name in metrics:
+            val = "(val_)?" if prefix == "epoch_" else ""
+            pattern = f"^{re.escape(METRICS_GROUP + prefix)}{val}{re.escape(name)}$"
+            charts.append(_pattern_chart(f"{name} ({level})", [pattern]))
+    return charts
+
+
+def build_layout(
+    prefixes: Sequence[str], grad_stats: bool, metrics: Sequence[str] = ()
+) -> layout_pb2.Layout:
     """Builds the layout for the tags a monitor writes.
 
     Args:
         prefixes: Sequence of strings, the logging levels written: ``"batch_"``
             and/or ``"epoch_"``.
         grad_stats: Bool. Whether gradient statistics are written.
+        metrics: Sequence of strings. Names of the training metrics in Keras's
+            logs (e.g. ``("loss", "accuracy")``), without ``val_`` ones.
 
     Returns:
         `layout_pb2.Layout`: per level a category "loss scaling (batch)" /
         "loss scaling (epoch)" holding exactly the loss scale and the overflow
         count (a category is one grid, so the two charts sit side by side), then
-        "loss scaling: details", "throughput" and, with `grad_stats`,
-        "gradients".
+        "training" (per level one chart per metric, the epoch ones with their
+        validation values; left out without `metrics`), with `grad_stats`
+        "gradients and updates", then "loss scaling: details" and
+        "throughput".
     """
     categories, details, speed = [], [], []
     for prefix in prefixes:
@@ -69,16 +120,20 @@ def build_layout(prefixes: Sequence[str], grad_stats: bool) -> layout_pb2.Layout
     details.append(
         _chart("overflow events (scale that overflowed)", ["overflow_scale"])
     )
-    categories += [
-        layout_pb2.Category(title="loss scaling: details", chart=details),
-        layout_pb2.Category(title="throughput", chart=speed, closed=True),
-    ]
+    if metrics:
+        categories.append(
+            layout_pb2.Category(title="training", chart=_training_charts(prefixes, metrics))
+        )
     if grad_stats:
         categories.append(
             layout_pb2.Category(
-                title="gradients",
+                title="gradients and updates",
                 chart=[
                     _chart("global gradient norm (unscaled)", ["grad_norm"]),
+                    _chart(
+                        "update / weight (global norms) vs bfloat16's 2**-8",
+                        ["update_ratio", "bfloat16_relative_precision"],
+                    ),
                     _chart(
                         "float16 underflow / overflow / zero fractions",
                         [
@@ -90,6 +145,10 @@ def build_layout(prefixes: Sequence[str], grad_stats: bool) -> layout_pb2.Layout
                 ],
             )
         )
+    categories += [
+        layout_pb2.Category(title="loss scaling: details", chart=details),
+        layout_pb2.Category(title="throughput", chart=speed, closed=True),
+    ]
     return layout_pb2.Layout(category=categories)
 
 

@@ -23,6 +23,7 @@ from tfmp._src.float32.force import force_float32
 from tfmp._src.policy.hardware import DeviceFacts
 from tfmp._src.policy.hardware import GpuFacts
 from tfmp._src.loss_scale.optimizer import LossScaleOptimizer
+from tfmp._src.loss_scale.guard import LossScaleWarning
 from tfmp._src.loss_scale.loops import scaled_gradients
 from tfmp._src.advisors.memory import MemoryEstimate
 from tfmp._src.advisors.memory import estimate_kv_cache
@@ -44,6 +45,7 @@ __all__ = [
     "GpuFacts",
     "LossScaleMonitor",
     "LossScaleOptimizer",
+    "LossScaleWarning",
     "MemoryEstimate",
     "NonFiniteError",
     "PerformanceWarning",

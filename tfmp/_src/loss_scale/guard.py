@@ -106,7 +106,8 @@ class StepRecord:
         """Bool. Called by `apply`: whether this step's loss status was recorded."""
         if tf.executing_eagerly():
             recorded, self._eager_pending = self._eager_pending, False
-            return recorded and tf.distribute.get_replica_context().num_replicas_in_sync == 1
+            context = tf.distribute.get_replica_context()  # None in a cross-replica context
+            return recorded and context is not None and context.num_replicas_in_sync == 1
         graph = tf.compat.v1.get_default_graph()
         while graph is not None:
             if graph in self._graphs:

@@ -4,7 +4,9 @@ Keras's `LossScaleOptimizer` halves the scale on every non-finite step without a
 floor, doubles it without a ceiling and counts nothing. The subclass below keeps all
 of Keras's behaviour and adds scale bounds, hysteresis, overflow counters kept as
 optimizer variables (so checkpoints carry them), a fixed-scale guard for bfloat16 and
-float32 runs, and stuck detection that stops `model.fit` with `tfmp.NonFiniteError`.
+float32 runs (skipping a step whose loss is non-finite; see `guard.py`), a warning
+for gradients of a loss it never scaled, and stuck detection that stops
+`model.fit` with `tfmp.NonFiniteError`.
 
 Number sources: float16's largest finite value is 65504, so gradients above that
 overflow to inf; the default `max_scale` of 2**24 is NVIDIA apex's cap; the default
@@ -96,9 +98,10 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
 
     On a step with finite gradients the gradients are divided by the scale and handed
     to `inner_optimizer`; after `dynamic_growth_steps` finite steps in a row the scale
-    doubles, capped at `max_scale`. On a non-finite step the update is skipped, the
-    counters go up and, once `hysteresis` non-finite steps came in a row, the scale
-    halves, never below `min_scale`. The inner optimizer's `iterations` does not
+    doubles, capped at `max_scale`. On a non-finite step (by default: a non-finite
+    gradient with loss scaling, a non-finite loss without; see `guard`) the update
+    is skipped, the counters go up and, once `hysteresis` non-finite steps came in
+    a row, the scale halves, never below `min_scale`. The inner optimizer's `iterations` does not
     advance on a skipped step, so learning-rate schedules do not either; `total_steps`
     counts every step.
 
@@ -318,6 +321,8 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
             self.last_loss_status.assign(
                 ops.cast(nan, _INT) + 2 * ops.cast(inf, _INT)
             )
+        if not self.loss_scaling:
+            return loss  # the scale is fixed at 1.0: nothing to multiply (nor divide in apply)
         return super().scale_loss(loss)
 
     def check_finite(self, grads: list) -> Any:
@@ -386,6 +391,8 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
             self.raise_if_stuck()
 
     def _unscale(self, grads: list, trainable_variables: list | None) -> list:
+        if not self.loss_scaling:
+            return grads
         variables = trainable_variables or optimizer_variables(self)
         return [
             g

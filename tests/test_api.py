@@ -15,6 +15,7 @@ PUBLIC_API = {
     "GpuFacts",
     "LossScaleMonitor",
     "LossScaleOptimizer",
+    "LossScaleWarning",
     "MemoryEstimate",
     "NonFiniteError",
     "PerformanceWarning",

@@ -16,7 +16,7 @@ from tfmp._src.policy.enable import is_enabled
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import harness, memory, report, run  # noqa: E402
+from benchmarks import guard_cost, harness, memory, report, run  # noqa: E402
 
 MODELS = {"mlp", "cnn", "transformer"}
 
@@ -183,3 +183,14 @@ def test_unknown_config_is_rejected_in_the_project_template():
     workload = next(iter(run.workloads(quick=True).values()))
     with pytest.raises(ValueError, match=r"Invalid `config` argument.*Received: config='fp16'"):
         harness.prepare(workload, "fp16", "mixed_bfloat16", "unused", warmup_steps=2)
+
+
+def test_guard_cost_pairs_each_repeat_with_plain_keras():
+    times = {"keras": [1.0, 2.0, 4.0], "guard=loss": [1.0, 2.2, 4.0], "guard=gradients": [1.5, 2.0, 8.0]}
+    assert guard_cost.paired_ratios(times) == {"guard=loss": 1.0, "guard=gradients": 1.5}
+    before = keras.config.dtype_policy().name
+    results = guard_cost.main(["--repeats", "1", "--steps", "2", "--inputs", "4", "--width", "8",
+                               "--batch-size", "4", "--policies", "float32"])
+    assert set(results) == {"float32 wall", "float32 cpu"}
+    assert all(value > 0 for row in results.values() for value in row.values())
+    assert keras.config.dtype_policy().name == before

@@ -447,6 +447,7 @@ def _optimizer_state(optimizer):
     return [v.numpy().tolist() for v in optimizer.variables]
 
 
+@pytest.mark.filterwarnings("ignore::tfmp.LossScaleWarning")  # constant gradients, no scale_loss
 def test_get_unscaled_gradients_changes_nothing_and_apply_unscales_once():
     optimizer, variable = _sgd_at_1024()
     grad = tf.constant([1024.0])
@@ -459,6 +460,7 @@ def test_get_unscaled_gradients_changes_nothing_and_apply_unscales_once():
     assert int(optimizer.iterations.numpy()) == 1 and optimizer.loss_scale == 1024.0
 
 
+@pytest.mark.filterwarnings("ignore::tfmp.LossScaleWarning")  # constant gradients, no scale_loss
 def test_tf_keras_2_flow_unscales_exactly_once():
     optimizer, variable = _sgd_at_1024()
     grads = [tf.constant([1024.0])]
@@ -469,6 +471,7 @@ def test_tf_keras_2_flow_unscales_exactly_once():
     assert int(optimizer.total_steps.numpy()) == 2 and int(optimizer.overflow_count.numpy()) == 0
 
 
+@pytest.mark.filterwarnings("ignore::tfmp.LossScaleWarning")  # constant gradients, no scale_loss
 def test_both_flows_in_one_tf_function_traced_once_and_called_alternately():
     optimizer, variable = _sgd_at_1024()
 

@@ -18,6 +18,9 @@ import tfmp
 from tfmp._src.loss_scale import optimizer as _loss_scale
 from tfmp._src.loss_scale import loops as _loops
 
+# These tests hand `apply` gradients they scaled themselves, without `scale_loss`.
+pytestmark = pytest.mark.filterwarnings("ignore::tfmp.LossScaleWarning")
+
 INF = float("inf")
 FINITE = [1.0, 6.0, 7.0, 2.0]
 
@@ -311,6 +314,7 @@ def test_config_round_trips_every_argument():
         "max_consecutive_overflows": 9,
         "on_stuck": "warn",
         "loss_scaling": False,
+        "guard": "gradients",
     }
     optimizer = _optimizer(name="ls", **new_args)
     config = optimizer.get_config()

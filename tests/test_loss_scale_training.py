@@ -12,6 +12,9 @@ import tensorflow as tf
 import tfmp
 from tfmp._src.loss_scale import optimizer as _loss_scale
 
+# These tests hand `apply` gradients they scaled themselves, without `scale_loss`.
+pytestmark = pytest.mark.filterwarnings("ignore::tfmp.LossScaleWarning")
+
 TOLERANCE = {"float32": 1e-6, "mixed_float16": 1e-3}
 X = np.array([[1.0, 2.0, 0.5], [0.25, -1.0, 2.0]], "float32")
 Y = np.array([[1.0, 0.0], [0.0, 1.0]], "float32")

@@ -31,6 +31,7 @@ _EXPORTS = {
     "GpuFacts": "tfmp._src.policy.hardware",
     "LossScaleMonitor": "tfmp._src.monitor.callback",
     "LossScaleOptimizer": "tfmp._src.loss_scale.optimizer",
+    "LossScaleWarning": "tfmp._src.loss_scale.guard",
     "MemoryEstimate": "tfmp._src.advisors.memory",
     "NonFiniteError": "tfmp._src.errors",
     "PerformanceWarning": "tfmp._src.policy.policy",

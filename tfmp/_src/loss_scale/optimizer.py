@@ -4,7 +4,9 @@ Keras's `LossScaleOptimizer` halves the scale on every non-finite step without a
 floor, doubles it without a ceiling and counts nothing. The subclass below keeps all
 of Keras's behaviour and adds scale bounds, hysteresis, overflow counters kept as
 optimizer variables (so checkpoints carry them), a fixed-scale guard for bfloat16 and
-float32 runs, and stuck detection that stops `model.fit` with `tfmp.NonFiniteError`.
+float32 runs (skipping a step whose loss is non-finite; see `guard.py`), a warning
+for gradients of a loss it never scaled, and stuck detection that stops
+`model.fit` with `tfmp.NonFiniteError`.
 
 Number sources: float16's largest finite value is 65504, so gradients above that
 overflow to inf; the default `max_scale` of 2**24 is NVIDIA apex's cap; the default
@@ -22,6 +24,7 @@ import tensorflow as tf
 from keras import ops
 
 from tfmp._src import distribute as _distribute
+from tfmp._src.loss_scale import guard as _guard
 from tfmp._src.loss_scale import loops as _loops
 from tfmp._src.errors import check_bool, check_positive_int, check_positive_number, invalid_argument
 from tfmp._src.keras_hooks.keras_private import (
@@ -95,9 +98,10 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
 
     On a step with finite gradients the gradients are divided by the scale and handed
     to `inner_optimizer`; after `dynamic_growth_steps` finite steps in a row the scale
-    doubles, capped at `max_scale`. On a non-finite step the update is skipped, the
-    counters go up and, once `hysteresis` non-finite steps came in a row, the scale
-    halves, never below `min_scale`. The inner optimizer's `iterations` does not
+    doubles, capped at `max_scale`. On a non-finite step (by default: a non-finite
+    gradient with loss scaling, a non-finite loss without; see `guard`) the update
+    is skipped, the counters go up and, once `hysteresis` non-finite steps came in
+    a row, the scale halves, never below `min_scale`. The inner optimizer's `iterations` does not
     advance on a skipped step, so learning-rate schedules do not either; `total_steps`
     counts every step.
 
@@ -136,6 +140,14 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
             per stuck run).
         loss_scaling: Bool. False fixes the scale at 1.0 (for bfloat16 or float32
             compute) while non-finite steps are still skipped and counted.
+        guard: String, what a step is checked for before it is applied (see
+            `tfmp._src.loss_scale.guard`): `"gradients"` (every gradient finite;
+            what loss scaling needs, costs a pass over all gradients that every
+            update waits for), `"loss"` (the loss given to `scale_loss` in the
+            same step is finite: one scalar; misses an inf or NaN born in the
+            backward pass; only with `loss_scaling=False`; a step applied without
+            `scale_loss` gets the gradients check), or `"auto"` (default):
+            `"gradients"` with loss scaling, `"loss"` without.
         name: String or None. The optimizer's name.
         **kwargs: Keras's backwards-compatibility arguments (`dynamic=True` and the
             base optimizer's defaults); anything else raises ValueError.
@@ -168,6 +180,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         max_consecutive_overflows: int = DEFAULT_MAX_CONSECUTIVE_OVERFLOWS,
         on_stuck: str = "raise",
         loss_scaling: bool = True,
+        guard: str = "auto",
         name: str | None = None,
         **kwargs: Any,
     ) -> None:
@@ -198,6 +211,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
                 "on_stuck", on_stuck, "one of 'raise', 'warn'", choices=_ON_STUCK
             )
         check_bool("loss_scaling", loss_scaling)
+        _guard.check_guard(guard, loss_scaling)
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
             raise invalid_argument(
                 "inner_optimizer",
@@ -222,7 +236,10 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         self.max_consecutive_overflows = max_consecutive_overflows
         self.on_stuck = on_stuck
         self.loss_scaling = loss_scaling
+        self.guard = guard
         self._warned_run = None
+        self._steps = _guard.StepRecord()  # scale_loss calls, per traced or eager step
+        self._check_loss = False  # True inside an `apply` that checks the loss only
         # Gradients returned by get_unscaled_gradients, by id: apply does not
         # divide these again (tf.keras 2 code unscales before apply_gradients).
         self._unscaled = weakref.WeakValueDictionary()
@@ -292,8 +309,10 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         """Multiplies `loss` by the scale, recording whether the loss is finite.
 
         Keras's TF trainer calls this on the unscaled loss before the gradients, so
-        stuck detection can tell a non-finite loss from gradient overflow.
+        stuck detection can tell a non-finite loss from gradient overflow, and
+        the `"loss"` guard skips a step whose loss is non-finite.
         """
+        self._steps.note_scale_loss(self.built)
         if self.built:
             value = ops.convert_to_tensor(loss)
             nan, inf = _distribute.any_replica(
@@ -302,6 +321,8 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
             self.last_loss_status.assign(
                 ops.cast(nan, _INT) + 2 * ops.cast(inf, _INT)
             )
+        if not self.loss_scaling:
+            return loss  # the scale is fixed at 1.0: nothing to multiply (nor divide in apply)
         return super().scale_loss(loss)
 
     def check_finite(self, grads: list) -> Any:
@@ -310,7 +331,11 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         Keras checks only this replica's gradients and, under `MirroredStrategy`,
         keeps replica 0's answer; here the answer is combined over all replicas in
         sync (see `tfmp._src.distribute`), so all of them skip the same steps.
+        Inside an `apply` checking the loss only (the `"loss"` guard), the answer
+        is whether the loss recorded by `scale_loss` was finite on every replica.
         """
+        if self._check_loss:
+            return ops.equal(self.last_loss_status, 0)
         return _distribute.all_replicas_finite(super().check_finite(grads))
 
     def get_scaled_loss(self, loss: Any) -> Any:
@@ -341,16 +366,33 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
     def apply(self, grads: list, trainable_variables: list | None = None) -> None:
         """Skips or applies one step (Keras semantics), then checks for a stuck run.
 
+        The step is skipped when its `guard` check fails: the gradients, or the
+        loss recorded by `scale_loss` in the same step (see `guard`).
+
         Raises:
             ValueError: when traced in an XLA-compiled step replicated over several
                 replicas of a `tf.distribute` strategy (see `tfmp._src.distribute`).
+
+        Warns:
+            tfmp.LossScaleWarning: once per optimizer, when it scales dynamically
+                and gradients arrive although no loss was ever scaled by it.
         """
         _distribute.check_not_xla_replicated()
-        super().apply(grads, trainable_variables)
+        grads = list(grads)
+        loss_recorded = self._steps.take_loss_recorded()
+        from_unscale = any(g is not None and self._unscaled.get(id(g)) is g for g in grads)
+        _guard.warn_if_unscaled(self, self._steps, from_unscale)
+        self._check_loss = loss_recorded and _guard.resolve(self.guard, self.loss_scaling) == "loss"
+        try:
+            super().apply(grads, trainable_variables)
+        finally:
+            self._check_loss = False
         if tf.executing_eagerly():
             self.raise_if_stuck()
 
     def _unscale(self, grads: list, trainable_variables: list | None) -> list:
+        if not self.loss_scaling:
+            return grads
         variables = trainable_variables or optimizer_variables(self)
         return [
             g
@@ -434,6 +476,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
             max_consecutive_overflows=self.max_consecutive_overflows,
             on_stuck=self.on_stuck,
             loss_scaling=self.loss_scaling,
+            guard=self.guard,
         )
         return config
 
@@ -456,8 +499,10 @@ def wrap_optimizer(
     """Wraps an optimizer in `tfmp.LossScaleOptimizer` for a compute dtype.
 
     Dynamic loss scaling is used when `compute_dtype` is `"float16"`; for other
-    dtypes the scale is fixed at 1.0 (`loss_scaling=False`) and non-finite steps are
-    still skipped and counted. An explicit `loss_scaling` option wins.
+    dtypes the scale is fixed at 1.0 (`loss_scaling=False`) and steps with a
+    non-finite loss (the default `guard="auto"`; every gradient with
+    `guard="gradients"`) are still skipped and counted. An explicit
+    `loss_scaling` option wins.
 
     Args:
         optimizer: `keras.optimizers.Optimizer`, string (e.g. `"adam"`) or config

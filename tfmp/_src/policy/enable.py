@@ -138,6 +138,10 @@ def enable(
         exclude_float32: Same form: layers tfmp must not force.
         loss_scale_options: Dict or None. Keyword arguments for
             `tfmp.LossScaleOptimizer` (e.g. ``{"initial_scale": 2.0**15}``).
+            Its ``guard`` says what a step is checked for before it is applied:
+            by default the gradients under float16 (loss scaling needs it) and
+            the loss alone otherwise (one scalar); ``{"guard": "gradients"}``
+            checks every gradient under any policy, as ``debug`` does.
         allow_pure_16bit: Bool. Accept ``"float16"``/``"bfloat16"`` policies, which
             keep no float32 master weights. Default False.
         tf32: Bool or None. Switch TF32 matmuls on GPUs of compute capability
@@ -145,7 +149,9 @@ def enable(
         debug: Bool or dict. True instruments every model compiled while enabled
             with `tfmp.check_numerics` (first non-finite layer raises
             `tfmp.NonFiniteError`); a dict gives its keyword options, e.g.
-            ``{"action": "warn", "phase": "forward"}``. Default False.
+            ``{"action": "warn", "phase": "forward"}``. Default False. Also
+            makes the optimizer check every gradient (``guard="gradients"``)
+            unless `loss_scale_options` set a guard.
         device_facts: `tfmp.DeviceFacts` or None. Device facts to decide "auto"
             for; None reads this machine's.
 
@@ -164,11 +170,11 @@ def enable(
     check_bool("tf32", tf32, allow_none=True)
     keep_float32 = targets_from("keep_float32", keep_float32)
     exclude_float32 = targets_from("exclude_float32", exclude_float32)
-    loss_scale_options = _checked_loss_scale_options(loss_scale_options)
     _check_debug(debug)
     decision = resolve_policy(
         policy, allow_pure_16bit=allow_pure_16bit, device_facts=device_facts
     )
+    loss_scale_options = _checked_loss_scale_options(loss_scale_options, decision.compute_dtype)
     state = _current()
     previous = state.previous_policy if state else keras.config.dtype_policy()
     previous_tf32 = state.previous_tf32 if state else None
@@ -183,8 +189,13 @@ def enable(
     return decision
 
 
-def _checked_loss_scale_options(options: Optional[dict]) -> dict:
-    """Validates `loss_scale_options` by building a throwaway optimizer with them."""
+def _checked_loss_scale_options(options: Optional[dict], compute_dtype: str) -> dict:
+    """Validates `loss_scale_options` by building throwaway optimizers with them.
+
+    Once as for float16 (every bound is checked with loss scaling on; a
+    ``guard="loss"``, valid only without it, is left out there) and once for the
+    policy's `compute_dtype` (``guard="loss"`` under float16 raises).
+    """
     if options is None:
         return {}
     if not isinstance(options, dict):
@@ -195,7 +206,9 @@ def _checked_loss_scale_options(options: Optional[dict]) -> dict:
     for key in options:
         if key not in WRAP_OPTIONS:
             raise unknown_key("loss_scale_options", options, key, WRAP_OPTIONS)
-    wrap_optimizer("sgd", "float16", **options)  # raises on a bad value
+    probe = {key: value for key, value in options.items() if (key, value) != ("guard", "loss")}
+    wrap_optimizer("sgd", "float16", **probe)  # raises on a bad value
+    wrap_optimizer("sgd", compute_dtype, **options)
     return dict(options)
 
 
@@ -323,7 +336,10 @@ def _compile_with_tfmp(compile: Callable, model: keras.Model, args: tuple, kwarg
     if model.dtype_policy.compute_dtype in LOW_PRECISION:
         explain_dtype_errors(model)
     if optimizer is not None and _wants_optimizer_wrapper(model, state):
-        optimizer = wrap_optimizer(optimizer, model.dtype_policy.compute_dtype, **state.loss_scale_options)
+        options = state.loss_scale_options
+        if state.debug:
+            options = {"guard": "gradients", **options}
+        optimizer = wrap_optimizer(optimizer, model.dtype_policy.compute_dtype, **options)
     result = compile(model, optimizer, *args, **kwargs)
     model_hooks.mark_compiled_by_tfmp(model)
     turn_off_xla_if_replicated(model)

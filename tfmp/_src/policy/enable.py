@@ -29,6 +29,7 @@ import tensorflow as tf
 from tfmp._src.distribute import turn_off_xla_if_replicated
 from tfmp._src.errors import check_bool, invalid_argument, unknown_key
 from tfmp._src.keras_hooks import model_hooks, patches
+from tfmp._src.float32 import fused_batchnorm
 from tfmp._src.float32.force import force_float32
 from tfmp._src.policy.hardware import DeviceFacts
 from tfmp._src.loss_scale.optimizer import WRAP_OPTIONS
@@ -80,6 +81,7 @@ def _set_current(state: Optional[_Enabled]) -> None:
             _hooks.append(
                 model_hooks.install_make_train_function_hook(_warn_if_compiled_before_enable, owner="enable.first_step")
             )
+            _hooks.append(fused_batchnorm.install())
         elif not _states:
             while _hooks:
                 _hooks.pop().remove()

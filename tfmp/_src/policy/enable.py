@@ -3,8 +3,10 @@
 While enabled, every model compiled gets float32 forcing (`tfmp.force_float32`), a
 `tfmp.LossScaleOptimizer` when it computes in 16 bits (or when asked) and, with
 ``debug=True``, `tfmp.check_numerics` hooks, without further calls. The hooks into
-Keras (``compile``, ``compile_from_config``, ``make_train_function``) are
-installed by `tfmp._src.keras_hooks.model_hooks` while any thread is enabled;
+Keras (``compile``, ``compile_from_config``, ``make_train_function`` by
+`tfmp._src.keras_hooks.model_hooks`; ``BatchNormalization.call`` by
+`tfmp._src.float32.fused_batchnorm`, which traces TensorFlow's fused kernel while
+the calling thread is enabled with a mixed policy) are installed while any thread is enabled;
 `disable()` removes them with the last thread, and restores the previous global
 policy and the TF32 setting.
 

@@ -103,6 +103,11 @@ def call_reason(layer: keras.layers.Layer, inputs: Any, training: Any, mask: Any
     return _shape_reason(layer, inputs.shape.rank if hasattr(inputs.shape, "rank") else len(inputs.shape))
 
 
+def last_call_reason(layer: keras.layers.Layer) -> Optional[str]:
+    """Why `layer`'s last call (or trace) took Keras's path; ``""``: the fused kernel; None: no call while hooked."""
+    return _last_call.get(layer)
+
+
 def audit_note(layer: keras.layers.Layer) -> str:
     """`"fused"`, ``"keras: <reason>"`` for a BatchNormalization, ``""`` for any other layer.
 

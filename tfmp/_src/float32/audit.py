@@ -14,6 +14,10 @@ output-dtype rule (a forced layer hands back its parent's 16-bit dtype, an outpu
 producer returns float32, any other layer returns its compute dtype).
 ``AuditRow.output_from`` says which (``"graph"``, ``"run"`` or ``"rule"``).
 
+For a BatchNormalization, ``AuditRow.batchnorm_kernel`` says whether it runs on
+TensorFlow's fused kernel (``"fused"``) or Keras's path and why
+(`tfmp._src.float32.fused_batchnorm`); the table ends with a line counting them.
+
 Warning kinds (``AuditWarning.kind``):
 
 * ``sensitive_16bit``: a softmax/normalization layer (``tfmp._src.float32.registry`` rules)

@@ -13,6 +13,7 @@ BatchNormalization against the same model traced with tfmp's fused kernel.
     python benchmarks/run.py                       # full suite, a few minutes
     python benchmarks/run.py --json results.json   # also write every number
     python benchmarks/run.py --quick               # tiny sizes: checks it runs
+    python benchmarks/run.py --batchnorm-only --models cnn resnet50
 
 Close other work first: the ratios are only as good as the machine is quiet
 (the load average is recorded in the results).
@@ -151,6 +152,7 @@ def batchnorm_policy(decision_policy: str) -> str:
 def run_suite(
     quick: bool = False, repeats: Optional[int] = None,
     models: Optional[Sequence[str]] = None, log_dir: Optional[str] = None,
+    batchnorm_only: bool = False,
 ) -> dict:
     """Runs the suite and returns every number (the ``--json`` content).
 
@@ -160,6 +162,8 @@ def run_suite(
         models: Sequence of workload names or None (all).
         log_dir: String or None. Folder for the tfmp monitor's events (a
             temporary folder, removed afterwards, when None).
+        batchnorm_only: Bool. Run only the "Keras BatchNormalization vs fused"
+            line (``models`` stays empty).
 
     Returns:
         Dict with ``machine``, ``suite``, ``decision``, ``matmul``, ``models``,
@@ -182,7 +186,7 @@ def run_suite(
     results["matmul"] = bench_matmul(decision.compute_dtype, sizes)
     with tempfile.TemporaryDirectory() as tmp:
         results["models"] = {}
-        for name in names:
+        for name in ([] if batchnorm_only else names):
             results["models"][name] = bench_workload(
                 chosen[name], decision.policy, sizes, log_dir or tmp
             )
@@ -217,10 +221,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser.add_argument("--models", nargs="+", choices=list(workloads(False)),
                         help="run only these workloads")
     parser.add_argument("--log-dir", help="keep the tfmp monitor's events here")
+    parser.add_argument("--batchnorm-only", action="store_true",
+                        help="only the Keras BatchNormalization vs fused line")
     args = parser.parse_args(argv)
     if args.repeats is not None and args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    results = run_suite(args.quick, args.repeats, args.models, args.log_dir)
+    results = run_suite(args.quick, args.repeats, args.models, args.log_dir, args.batchnorm_only)
     m = results["machine"]
     print(f"{m['cpu']}, {m['cores']} cores; TensorFlow {m['tensorflow']}, Keras "
           f"{m['keras']}; {m['date']}; load average {m['load_average_start'][0]:.2f} "

@@ -100,6 +100,13 @@ def test_batchnorm_line_compares_keras_and_fused_kernels(quick):
     assert "Keras BatchNormalization vs fused" in report.markdown(quick["written"])
 
 
+def test_batchnorm_only_skips_the_main_section():
+    results = run.run_suite(quick=True, repeats=1, models=["mlp"], batchnorm_only=True)
+    assert results["models"] == {} and results["targets"] == []
+    assert results["batchnorm"]["models"] == {}  # the MLP has no BatchNormalization
+    assert results["batchnorm"]["policy"] == run.batchnorm_policy(tfmp.recommend_policy().policy)
+
+
 def test_matmul_ceiling_is_measured_in_float32_and_the_recommended_dtype(quick):
     mm = quick["written"]["matmul"]
     assert mm["dtype"] == tfmp.recommend_policy().compute_dtype

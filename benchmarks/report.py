@@ -134,6 +134,8 @@ def markdown(results: dict) -> str:
         f"{mm['configs']['float32']['median_gflops']:.0f} vs "
         f"{mm['configs'][mm['dtype']]['median_gflops']:.0f} GFLOP/s): the hardware ceiling."
     )
+    if not results["models"]:  # --batchnorm-only
+        return "\n".join(lines + _batchnorm_markdown(results.get("batchnorm")))
     lines.append("")
     rows = []
     for name, model in results["models"].items():

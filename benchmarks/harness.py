@@ -7,11 +7,16 @@ Configurations (`CONFIGS`):
   mixed-precision guide does it: ``keras.config.set_dtype_policy(policy)`` and
   a plain `compile` (Keras wraps the optimizer itself only for float16).
 * ``tfmp``: ``tfmp.enable("auto")`` before building, `compile` under tfmp (float32
-  forcing, `tfmp.LossScaleOptimizer`), and `fit` with
+  forcing, `tfmp.LossScaleOptimizer`), the train step traced while enabled (so
+  BatchNormalization takes the fused kernel under a mixed policy), and `fit` with
   ``tfmp.LossScaleMonitor(update_freq=100)``.
+* ``fused_bn`` (`BN_CONFIGS`, the "Keras BatchNormalization vs fused" line):
+  ``keras_mixed``, with the train step traced while ``tfmp.enable(policy)`` is in
+  force: only BatchNormalization's kernel differs.
 
 Each configuration builds its own model; the global policy is restored and
-`tfmp.disable()` called right after its `compile`, so the next one starts clean.
+`tfmp.disable()` called right after its warm-up (whose first step traces the
+train step), so the next one starts clean.
 Models stay alive so that timed runs of the configurations can alternate (the
 same share of any background load falls on each).
 
@@ -26,17 +31,23 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import warnings
 from typing import Callable, List, Optional
 
 import keras
 import tensorflow as tf
 
 import tfmp
+from tfmp._src.float32 import fused_batchnorm
+from tfmp._src.layer_tree import walk
 from tfmp._src.errors import invalid_argument
 from benchmarks.memory import PeakDeviceMemory, model_memory
 from benchmarks.workloads import Workload
 
 CONFIGS = ("float32", "keras_mixed", "tfmp")
+#: The "Keras BatchNormalization vs fused" comparison: plain Keras under a mixed
+#: policy, and the same with the train step traced while tfmp is enabled.
+BN_CONFIGS = ("keras_mixed", "fused_bn")
 MONITOR_UPDATE_FREQ = 100
 
 
@@ -76,6 +87,8 @@ class ConfiguredRun:
         callbacks: List of Keras callbacks of this configuration, plus the clock.
         clock: `StepClock` among `callbacks`.
         memory: Dict of byte counts (see `benchmarks.memory`).
+        fused_batchnorm: ``[fused, total]``: BatchNormalization layers whose
+            traced call took TensorFlow's fused kernel, and all of them.
     """
 
     config: str
@@ -85,6 +98,7 @@ class ConfiguredRun:
     callbacks: list
     clock: StepClock
     memory: dict
+    fused_batchnorm: List[int] = dataclasses.field(default_factory=lambda: [0, 0])
 
     def train(self, steps: int) -> float:
         """Trains `steps` + 1 steps and returns the seconds per step after the first.
@@ -102,8 +116,18 @@ class ConfiguredRun:
         return self.clock.seconds_per_step()
 
 
-def _build_and_compile(workload: Workload, config: str, policy: str) -> keras.Model:
-    """Builds and compiles under `config`, then restores the global state."""
+def _build_compile_and_warm_up(
+    workload: Workload, config: str, policy: str, warm_up: Callable[[keras.Model], None]
+) -> keras.Model:
+    """Builds and compiles under `config`, runs `warm_up(model)`, then restores the global state.
+
+    The warm-up traces the train step, so it runs while the configuration is in
+    force: under ``tfmp`` (and ``fused_bn``) tfmp stays enabled until the step is
+    traced, as in a user's script, so BatchNormalization layers trace the fused
+    kernel where tfmp uses it. ``fused_bn`` compiles plainly under `policy` and
+    enables tfmp only for the trace: it differs from ``keras_mixed`` in the
+    BatchNormalization kernel alone.
+    """
     previous = keras.config.dtype_policy()
     try:
         if config == "tfmp":
@@ -115,6 +139,11 @@ def _build_and_compile(workload: Workload, config: str, policy: str) -> keras.Mo
             optimizer=keras.optimizers.Adam(1e-3),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
+        with warnings.catch_warnings():
+            if config == "fused_bn":  # compiled before enable(); 16 bits emulated on some CPUs
+                warnings.simplefilter("ignore")
+                tfmp.enable(policy)
+            warm_up(model)
     finally:
         tfmp.disable()
         keras.config.set_dtype_policy(previous)
@@ -128,8 +157,9 @@ def prepare(
 
     Args:
         workload: `Workload`.
-        config: String. One of `CONFIGS`.
-        policy: String. The recommended mixed policy (used by ``keras_mixed``).
+        config: String. One of `CONFIGS` or ``"fused_bn"``.
+        policy: String. The recommended mixed policy (used by ``keras_mixed``
+            and ``fused_bn``).
         log_dir: String. Root folder for the tfmp monitor's event files.
         warmup_steps: Int >= 2. Untimed steps; the first traces the train step.
 
@@ -137,25 +167,39 @@ def prepare(
         `ConfiguredRun`, with its clock holding the warm-up steps' times.
 
     Raises:
-        ValueError: `config` is not one of `CONFIGS`.
+        ValueError: `config` is not one of `CONFIGS` or ``"fused_bn"``.
     """
-    if config not in CONFIGS:
-        raise invalid_argument("config", config, f"one of {CONFIGS}", choices=CONFIGS)
+    if config not in CONFIGS + BN_CONFIGS:
+        choices = CONFIGS + BN_CONFIGS[1:]
+        raise invalid_argument("config", config, f"one of {choices}", choices=choices)
     peak = PeakDeviceMemory()
-    model = _build_and_compile(workload, config, policy)
     clock = StepClock()
     callbacks: list = []
     if config == "tfmp":
         monitor_dir = os.path.join(log_dir, workload.name)
         callbacks.append(tfmp.LossScaleMonitor(monitor_dir, update_freq=MONITOR_UPDATE_FREQ))
     callbacks.append(clock)
-    run = ConfiguredRun(
-        config, model.dtype_policy.name, model, workload.dataset(), callbacks, clock, {}
-    )
-    run.train(warmup_steps - 1)
+    runs: List[ConfiguredRun] = []
+
+    def warm_up(model: keras.Model) -> None:
+        run = ConfiguredRun(
+            config, model.dtype_policy.name, model, workload.dataset(), callbacks, clock, {}
+        )
+        run.train(warmup_steps - 1)
+        runs.append(run)
+
+    model = _build_compile_and_warm_up(workload, config, policy, warm_up)
+    run = runs[0]
     run.memory = model_memory(model, workload.batch_size)
     run.memory["peak_device_bytes"] = peak.read()
+    run.fused_batchnorm = fused_batchnorm_count(model)
     return run
+
+
+def fused_batchnorm_count(model: keras.Model) -> List[int]:
+    """``[fused, total]`` BatchNormalization layers of `model`; fused: its last traced call took the kernel."""
+    layers = [layer for _, layer, _ in walk(model) if isinstance(layer, keras.layers.BatchNormalization)]
+    return [sum(fused_batchnorm.last_call_reason(layer) == "" for layer in layers), len(layers)]
 
 
 def calibrate_steps(

@@ -52,6 +52,16 @@ def summarize_config(samples_per_s: List[float]) -> dict:
     }
 
 
+def speed_ratio(configs: Dict[str, dict], numerator: str, denominator: str) -> dict:
+    """``{"value": ratio of the medians, "paired": median of the per-repeat ratios}`` of samples/s."""
+    num, den = configs[numerator], configs[denominator]
+    paired = [a / b for a, b in zip(num["samples_per_s"], den["samples_per_s"])]
+    return {
+        "value": num["median_samples_per_s"] / den["median_samples_per_s"],
+        "paired": statistics.median(paired),
+    }
+
+
 def ratios(configs: Dict[str, dict]) -> Dict[str, dict]:
     """The three ratios of one model, from medians and paired per repeat.
 
@@ -64,12 +74,7 @@ def ratios(configs: Dict[str, dict]) -> Dict[str, dict]:
     """
 
     def speed(numerator: str, denominator: str) -> dict:
-        num, den = configs[numerator], configs[denominator]
-        paired = [a / b for a, b in zip(num["samples_per_s"], den["samples_per_s"])]
-        return {
-            "value": num["median_samples_per_s"] / den["median_samples_per_s"],
-            "paired": statistics.median(paired),
-        }
+        return speed_ratio(configs, numerator, denominator)
 
     return {
         "keras_mixed_vs_float32": speed("keras_mixed", "float32"),
@@ -129,6 +134,8 @@ def markdown(results: dict) -> str:
         f"{mm['configs']['float32']['median_gflops']:.0f} vs "
         f"{mm['configs'][mm['dtype']]['median_gflops']:.0f} GFLOP/s): the hardware ceiling."
     )
+    if not results["models"]:  # --batchnorm-only
+        return "\n".join(lines + _batchnorm_markdown(results.get("batchnorm")))
     lines.append("")
     rows = []
     for name, model in results["models"].items():
@@ -169,4 +176,21 @@ def markdown(results: dict) -> str:
         rows.append([t["model"], t["what"], f"{t['ratio']} {t['op']} {t['limit']}",
                      f"{t['value']:.3f}", verdict])
     lines += _table(["model", "target", "rule", "measured", "verdict"], rows)
+    lines += _batchnorm_markdown(results.get("batchnorm"))
     return "\n".join(lines)
+
+
+def _batchnorm_markdown(batchnorm: Optional[dict]) -> List[str]:
+    """The "Keras BatchNormalization vs fused" table (empty without that section)."""
+    if not batchnorm:
+        return []
+    rows = []
+    for name, model in batchnorm["models"].items():
+        c, r = model["configs"], model["ratios"]["fused_vs_keras"]
+        fused = c["fused_bn"]["fused_batchnorm"]
+        rows.append([name, batchnorm["policy"], f"{c['keras_mixed']['median_samples_per_s']:,.0f}",
+                     f"{c['fused_bn']['median_samples_per_s']:,.0f}",
+                     f"{r['value']:.2f}x ({r['paired']:.2f}x)", f"{fused[0]} of {fused[1]}"])
+    return ["", f"Keras BatchNormalization vs fused ({batchnorm['policy']}, plain Keras compile):", ""] + _table(
+        ["model", "policy", "Keras BN samples/s", "fused BN samples/s", "fused / Keras",
+         "BN layers fused"], rows)

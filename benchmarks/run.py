@@ -1,15 +1,19 @@
 """Benchmark suite: float32, plain Keras mixed precision and tfmp, side by side.
 
-For each workload (MLP, CNN, Transformer encoder; see `benchmarks.workloads`) the
+For each workload (MLP, CNN, Transformer encoder, and ResNet50 at full size; see
+`benchmarks.workloads`) the
 three configurations of `benchmarks.harness` are built and warmed up, then timed
 alternately over several repeats in this one process; medians of samples/s and
 their ratios are printed with the issue-9 targets, next to the hardware ceiling
 (``tf.matmul`` in float32 vs the recommended 16-bit dtype), and the memory of
-each configuration.
+each configuration. Then the "Keras BatchNormalization vs fused" line: the CNN
+(and ResNet50 at full size) under plain Keras with a mixed policy, Keras's
+BatchNormalization against the same model traced with tfmp's fused kernel.
 
     python benchmarks/run.py                       # full suite, a few minutes
     python benchmarks/run.py --json results.json   # also write every number
     python benchmarks/run.py --quick               # tiny sizes: checks it runs
+    python benchmarks/run.py --batchnorm-only --models cnn resnet50
 
 Close other work first: the ratios are only as good as the machine is quiet
 (the load average is recorded in the results).
@@ -45,6 +49,8 @@ from tfmp._src.policy.hardware import detect_device_facts  # noqa: E402
 #  matmul size, matmul products per timed call)
 FULL = dict(repeats=5, warmup=5, seconds=3.0, min_steps=10, max_steps=2000,
             matmul_size=2048, matmul_iterations=8)
+#: Workloads of the "Keras BatchNormalization vs fused" line (those present at the size run).
+BATCHNORM_MODELS = ("cnn", "resnet50")
 QUICK = dict(repeats=2, warmup=2, seconds=0.0, min_steps=2, max_steps=2,
              matmul_size=64, matmul_iterations=2)
 
@@ -97,9 +103,11 @@ def bench_matmul(dtype: str, sizes: dict) -> dict:
     }
 
 
-def bench_workload(workload: Workload, policy: str, sizes: dict, log_dir: str) -> dict:
+def bench_workload(
+    workload: Workload, policy: str, sizes: dict, log_dir: str,
+    configs: Sequence[str] = harness.CONFIGS,
+) -> dict:
     """Prepares the configurations of one workload and times them alternately."""
-    configs = harness.CONFIGS
     runs = {}
     for config in configs:
         _log(f"  {workload.name}: building and warming up {config}")
@@ -127,14 +135,24 @@ def bench_workload(workload: Workload, policy: str, sizes: dict, log_dir: str) -
             "policy": runs[config].policy,
             **report.summarize_config(samples[config]),
             "memory": runs[config].memory,
+            "fused_batchnorm": runs[config].fused_batchnorm,
         }
-    out["ratios"] = report.ratios(out["configs"])
+    if tuple(configs) == harness.CONFIGS:
+        out["ratios"] = report.ratios(out["configs"])
+    else:
+        out["ratios"] = {"fused_vs_keras": report.speed_ratio(out["configs"], "fused_bn", "keras_mixed")}
     return out
+
+
+def batchnorm_policy(decision_policy: str) -> str:
+    """The mixed policy of the BatchNormalization comparison: "auto"'s, else mixed_bfloat16 (emulated)."""
+    return decision_policy if decision_policy.startswith("mixed_") else "mixed_bfloat16"
 
 
 def run_suite(
     quick: bool = False, repeats: Optional[int] = None,
     models: Optional[Sequence[str]] = None, log_dir: Optional[str] = None,
+    batchnorm_only: bool = False,
 ) -> dict:
     """Runs the suite and returns every number (the ``--json`` content).
 
@@ -144,10 +162,14 @@ def run_suite(
         models: Sequence of workload names or None (all).
         log_dir: String or None. Folder for the tfmp monitor's events (a
             temporary folder, removed afterwards, when None).
+        batchnorm_only: Bool. Run only the "Keras BatchNormalization vs fused"
+            line (``models`` stays empty).
 
     Returns:
-        Dict with ``machine``, ``suite``, ``decision``, ``matmul``, ``models``
-        and ``targets``.
+        Dict with ``machine``, ``suite``, ``decision``, ``matmul``, ``models``,
+        ``batchnorm`` (``policy`` and, per model of `BATCHNORM_MODELS` run,
+        the ``keras_mixed`` and ``fused_bn`` configurations and their
+        ``fused_vs_keras`` ratio) and ``targets``.
     """
     sizes = dict(QUICK if quick else FULL)
     if repeats is not None:
@@ -155,7 +177,7 @@ def run_suite(
     start = time.perf_counter()
     decision = tfmp.recommend_policy()
     chosen = workloads(quick)
-    names = list(models) if models else list(chosen)
+    names = [n for n in models if n in chosen] if models else list(chosen)
     results = {"machine": machine(), "suite": {"quick": quick, **sizes}}
     results["decision"] = {"policy": decision.policy, "reason": decision.reason,
                            "device": decision.device}
@@ -164,10 +186,17 @@ def run_suite(
     results["matmul"] = bench_matmul(decision.compute_dtype, sizes)
     with tempfile.TemporaryDirectory() as tmp:
         results["models"] = {}
-        for name in names:
+        for name in ([] if batchnorm_only else names):
             results["models"][name] = bench_workload(
                 chosen[name], decision.policy, sizes, log_dir or tmp
             )
+            gc.collect()
+        bn_names = [n for n in BATCHNORM_MODELS if n in chosen and (not models or n in models)]
+        policy = batchnorm_policy(decision.policy)
+        results["batchnorm"] = {"policy": policy, "models": {}}
+        for name in bn_names:
+            results["batchnorm"]["models"][name] = bench_workload(
+                chosen[name], policy, sizes, log_dir or tmp, configs=harness.BN_CONFIGS)
             gc.collect()
     bf16_cpu = decision.compute_dtype == "bfloat16" and not detect_device_facts().gpus
     results["targets"] = report.verdicts(results["models"], bf16_cpu)
@@ -189,13 +218,15 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser.add_argument("--json", metavar="PATH", help="write all results to PATH")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (tests)")
     parser.add_argument("--repeats", type=int, help="timed repeats per config")
-    parser.add_argument("--models", nargs="+", choices=list(workloads(True)),
+    parser.add_argument("--models", nargs="+", choices=list(workloads(False)),
                         help="run only these workloads")
     parser.add_argument("--log-dir", help="keep the tfmp monitor's events here")
+    parser.add_argument("--batchnorm-only", action="store_true",
+                        help="only the Keras BatchNormalization vs fused line")
     args = parser.parse_args(argv)
     if args.repeats is not None and args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    results = run_suite(args.quick, args.repeats, args.models, args.log_dir)
+    results = run_suite(args.quick, args.repeats, args.models, args.log_dir, args.batchnorm_only)
     m = results["machine"]
     print(f"{m['cpu']}, {m['cores']} cores; TensorFlow {m['tensorflow']}, Keras "
           f"{m['keras']}; {m['date']}; load average {m['load_average_start'][0]:.2f} "

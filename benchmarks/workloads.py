@@ -8,6 +8,7 @@ and a tiny "quick" size that only checks the suite still runs:
 | mlp         | Dense 1024-2048-2048-2048-10, batch 256, Adam                     |
 | cnn         | 4 Conv2D 64-64-128-128 + BatchNormalization, 32x32x3, batch 128   |
 | transformer | 2 encoder blocks, d_model 128, 4 heads, FFN 512, 128 tokens, batch 64 |
+| resnet50    | `keras.applications.ResNet50`, no weights, 64x64x3, 10 classes, batch 32 (full size only) |
 
 Inputs are synthetic (fixed seed): the suite measures speed, not accuracy, and
 needs no download. A few distinct batches are cached in memory and repeated, so
@@ -197,6 +198,31 @@ def transformer(
     )
 
 
+def resnet50(size: int, classes: int, batch_size: int) -> Workload:
+    """`keras.applications.ResNet50` (random weights, logits out): 53 BatchNormalization layers.
+
+    Args:
+        size: Int. Height and width of the RGB input images.
+        classes: Int. Output logits.
+        batch_size: Int. Samples per step.
+
+    Returns:
+        `Workload` named ``"resnet50"``.
+    """
+
+    def build() -> keras.Model:
+        return keras.applications.ResNet50(
+            weights=None, input_shape=(size, size, 3), classes=classes, classifier_activation=None)
+
+    def inputs(batch: int, rng: np.random.Generator):
+        n = batch * DISTINCT_BATCHES
+        images = rng.uniform(0.0, 1.0, (n, size, size, 3)).astype(np.float32)
+        return images, _classes(rng, n, classes)
+
+    return Workload("resnet50", f"ResNet50 {size}x{size}x3, batch {batch_size}", batch_size,
+                    build, inputs)
+
+
 def workloads(quick: bool = False) -> Dict[str, Workload]:
     """The suite's workloads by name, at full or quick size.
 
@@ -204,7 +230,8 @@ def workloads(quick: bool = False) -> Dict[str, Workload]:
         quick: Bool. Tiny sizes that train in milliseconds (for tests).
 
     Returns:
-        Dict mapping ``"mlp"``, ``"cnn"``, ``"transformer"`` to `Workload`.
+        Dict mapping ``"mlp"``, ``"cnn"``, ``"transformer"`` and, at full size
+        only, ``"resnet50"`` to `Workload`.
     """
     if quick:
         chosen = (
@@ -217,5 +244,6 @@ def workloads(quick: bool = False) -> Dict[str, Workload]:
             mlp(1024, 2048, 3, 10, batch_size=256),
             cnn(32, (64, 64, 128, 128), 10, batch_size=128),
             transformer(128, 2000, 128, 4, 512, 2, 2, batch_size=64),
+            resnet50(64, 10, batch_size=32),
         )
     return {w.name: w for w in chosen}

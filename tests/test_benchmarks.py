@@ -80,6 +80,33 @@ def test_ratios_are_computed_from_the_medians(quick):
         assert r["tfmp_vs_float32"]["paired"] == pytest.approx(paired)
 
 
+def test_batchnorm_line_compares_keras_and_fused_kernels(quick):
+    decision = tfmp.recommend_policy()
+    section = quick["written"]["batchnorm"]
+    assert section["policy"] == run.batchnorm_policy(decision.policy)
+    assert section["policy"].startswith("mixed_")
+    assert set(section["models"]) == {"cnn"}  # resnet50 runs at full size only
+    cnn = section["models"]["cnn"]
+    assert set(cnn["configs"]) == set(harness.BN_CONFIGS)
+    assert {c["policy"] for c in cnn["configs"].values()} == {section["policy"]}
+    # The quick CNN has 4 BatchNormalization layers: all fused in fused_bn, none in plain Keras.
+    assert cnn["configs"]["fused_bn"]["fused_batchnorm"] == [4, 4]
+    assert cnn["configs"]["keras_mixed"]["fused_batchnorm"] == [0, 4]
+    # The suite's tfmp configuration traces while enabled: fused exactly when "auto" is mixed.
+    tfmp_cnn = quick["written"]["models"]["cnn"]["configs"]["tfmp"]
+    assert tfmp_cnn["fused_batchnorm"] == [4 if decision.policy.startswith("mixed_") else 0, 4]
+    med = {k: c["median_samples_per_s"] for k, c in cnn["configs"].items()}
+    assert cnn["ratios"]["fused_vs_keras"]["value"] == pytest.approx(med["fused_bn"] / med["keras_mixed"])
+    assert "Keras BatchNormalization vs fused" in report.markdown(quick["written"])
+
+
+def test_batchnorm_only_skips_the_main_section():
+    results = run.run_suite(quick=True, repeats=1, models=["mlp"], batchnorm_only=True)
+    assert results["models"] == {} and results["targets"] == []
+    assert results["batchnorm"]["models"] == {}  # the MLP has no BatchNormalization
+    assert results["batchnorm"]["policy"] == run.batchnorm_policy(tfmp.recommend_policy().policy)
+
+
 def test_matmul_ceiling_is_measured_in_float32_and_the_recommended_dtype(quick):
     mm = quick["written"]["matmul"]
     assert mm["dtype"] == tfmp.recommend_policy().compute_dtype

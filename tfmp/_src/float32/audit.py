@@ -14,6 +14,10 @@ output-dtype rule (a forced layer hands back its parent's 16-bit dtype, an outpu
 producer returns float32, any other layer returns its compute dtype).
 ``AuditRow.output_from`` says which (``"graph"``, ``"run"`` or ``"rule"``).
 
+For a BatchNormalization, ``AuditRow.batchnorm_kernel`` says whether it runs on
+TensorFlow's fused kernel (``"fused"``) or Keras's path and why
+(`tfmp._src.float32.fused_batchnorm`); the table ends with a line counting them.
+
 Warning kinds (``AuditWarning.kind``):
 
 * ``sensitive_16bit``: a softmax/normalization layer (``tfmp._src.float32.registry`` rules)
@@ -55,6 +59,7 @@ import tensorflow as tf
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.errors import invalid_argument
 from tfmp._src.float32 import force as _float32
+from tfmp._src.float32 import fused_batchnorm as _fused_batchnorm
 from tfmp._src.float32 import registry as _registry
 from tfmp._src.keras_hooks import patches
 from tfmp._src.keras_hooks.keras_private import functional_graph, nodes_by_depth
@@ -98,6 +103,9 @@ class AuditRow:
         warnings: Tuple of warning kinds for this layer.
         output_from: String. Where ``output_dtype`` comes from: ``"graph"``,
             ``"run"`` (the ``batch=`` pass) or ``"rule"``.
+        batchnorm_kernel: String. For a BatchNormalization, ``"fused"`` when it runs
+            on TensorFlow's fused kernel, else ``"keras: <why not>"``
+            (`tfmp._src.float32.fused_batchnorm`); ``""`` for other layers.
     """
 
     path: str
@@ -110,6 +118,7 @@ class AuditRow:
     params: int
     warnings: Tuple[str, ...]
     output_from: str
+    batchnorm_kernel: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +166,7 @@ class AuditReport:
             lines.append("* output dtype from tfmp's rule (layer inside custom code); "
                          "pass batch= to measure it.")
         lines.append(f"Parameters in float32-forced layers: {self.float32_fraction:.1%}")
+        lines += _batchnorm_lines(self.rows)
         if self.gradients:
             lines += ["", "Gradient check (one batch):"] + _table(
                 ("variable", "variable dtype", "gradient dtype"),
@@ -164,6 +174,16 @@ class AuditReport:
             )
         lines += [""] + [f"WARNING [{w.kind}] {w.message}" for w in self.warnings]
         return "\n".join(lines).rstrip()
+
+
+def _batchnorm_lines(rows: Sequence[AuditRow]) -> List[str]:
+    """One line counting the fused BatchNormalization layers, one per layer on Keras's path."""
+    notes = [(r.path, r.batchnorm_kernel) for r in rows if r.batchnorm_kernel]
+    if not notes:
+        return []
+    fused = sum(note == _fused_batchnorm.FUSED for _, note in notes)
+    return [f"BatchNormalization on the fused kernel: {fused} of {len(notes)}"] + [
+        f"  {path}: {note}" for path, note in notes if note != _fused_batchnorm.FUSED]
 
 
 def _table(header: Sequence[str], body: Sequence[Sequence[str]]) -> List[str]:
@@ -538,7 +558,8 @@ def audit(
         dtype = weights[0].dtype if weights else layer.variable_dtype
         output_dtype = ",".join(dict.fromkeys(out_dtypes)) or "-"
         rows.append(AuditRow(path, type(layer).__name__, layer.compute_dtype, output_dtype, dtype,
-                             reason, why, params, tuple(dict.fromkeys(kinds)), output_from))
+                             reason, why, params, tuple(dict.fromkeys(kinds)), output_from,
+                             _fused_batchnorm.audit_note(layer)))
     found += late
     global_compute = keras.config.dtype_policy().compute_dtype
     if tensor_cores and batch_size and batch_size % 8 and global_compute in _LOW:

@@ -2,7 +2,8 @@
 
 Every method tfmp replaces on a Keras class or object (``compile``,
 ``compile_from_config``, ``make_train_function``, ``train_step``, ``Layer.call``,
-``Layer.compute_output_spec``, ``Layer.build``, ``Optimizer.apply``,
+``Layer.compute_output_spec``, ``Layer.build``,
+``BatchNormalization.call``, ``Optimizer.apply``,
 ``Optimizer.scale_loss``, the ``Layer.losses`` property) goes through `install`. Per method of an object there is one *slot* holding the method as it was
 and a stack of hooks; the attribute is the composition of the stack, innermost
 first in the order of `ORDER`. Removing a hook rebuilds the composition from the
@@ -27,6 +28,7 @@ from typing import Any, Callable, Dict, List, Optional
 #: Position of each hook owner in a stack, innermost first. A method with several
 #: hooks always composes them in this order, whatever order they were installed in.
 ORDER = {
+    "fused_batchnorm": 5,  # BatchNormalization.call: the fused kernel while enabled with a mixed policy
     "float32.build": 10,  # Layer.build: force sublayers created at build time
     "float32.outputs": 20,  # Model.call: cast a subclassed model's outputs to float32
     "float32.cast_back": 25,  # Layer.call / compute_output_spec: forced layer hands back its parent's dtype

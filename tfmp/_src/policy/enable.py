@@ -5,7 +5,9 @@ While enabled, every model compiled gets float32 forcing (`tfmp.force_float32`),
 ``debug=True``, `tfmp.check_numerics` hooks, without further calls. The hooks into
 Keras (``compile``, ``compile_from_config``, ``make_train_function`` from
 `tfmp._src.keras_hooks.model_hooks`; the ``Layer.losses`` property from
-`tfmp._src.keras_hooks.loss_terms`, so 16-bit loss terms are summed in float32)
+`tfmp._src.keras_hooks.loss_terms`, so 16-bit loss terms are summed in float32;
+``BatchNormalization.call`` from `tfmp._src.float32.fused_batchnorm`, which traces
+TensorFlow's fused kernel while the calling thread is enabled with a mixed policy)
 are installed while any thread is enabled;
 `disable()` removes them with the last thread, and restores the previous global
 policy and the TF32 setting.
@@ -34,6 +36,7 @@ from tfmp._src.errors import check_bool, invalid_argument, unknown_key
 from tfmp._src.keras_hooks import model_hooks, patches
 from tfmp._src.keras_hooks.loss_terms import install_losses_hook
 from tfmp._src.float32.dtype_errors import explain_dtype_errors
+from tfmp._src.float32 import fused_batchnorm
 from tfmp._src.float32.force import force_float32
 from tfmp._src.float32.token_ids import keep_exact_ids
 from tfmp._src.policy.hardware import DeviceFacts
@@ -87,6 +90,7 @@ def _set_current(state: Optional[_Enabled]) -> None:
                 model_hooks.install_make_train_function_hook(_warn_if_compiled_before_enable, owner="enable.first_step")
             )
             _hooks.append(install_losses_hook())
+            _hooks.append(fused_batchnorm.install())
         elif not _states:
             while _hooks:
                 _hooks.pop().remove()

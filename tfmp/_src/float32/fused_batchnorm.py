@@ -1,0 +1,178 @@
+"""BatchNormalization on TensorFlow's fused kernel while tfmp is enabled with a mixed policy.
+
+Keras 3.15's `keras.layers.BatchNormalization.call` casts 16-bit inputs to
+float32, computes the moments and the normalization with separate ops, and casts
+back. TensorFlow's fused kernel (``tf.raw_ops.FusedBatchNormV3``) takes the
+16-bit ``x`` with float32 scale, offset, mean and variance, computes the
+statistics and the arithmetic in float32 inside one op and returns ``y`` in the
+dtype of ``x``; its gradient is one op too (``FusedBatchNormGradV3``).
+
+While any thread is enabled, `install` hooks ``BatchNormalization.call`` on the
+class (owner ``"fused_batchnorm"`` in ``keras_hooks.patches.ORDER``); the class
+itself is unchanged, so a saved model is a plain Keras BatchNormalization. A call
+takes the fused kernel when `call_reason` returns ``""``, else Keras's own code:
+
+* the calling thread has tfmp enabled with a ``mixed_*`` policy, and the layer
+  computes in float16/bfloat16 with float32 variables;
+* ``synchronized=False`` and ``renorm=False``; no ``mask``;
+* a 4D or 5D input of float16, bfloat16 or float32, normalized over the last
+  axis (NHWC/NDHWC) or axis 1 (NCHW/NCDHW);
+* ``training`` a Python bool or None (Keras's own test ``training and
+  self.trainable`` picks batch or moving statistics, as here).
+
+Moving statistics are updated with Keras's expression,
+``moving * momentum + batch * (1 - momentum)`` in float32, from the batch mean
+and the biased batch variance. The kernel returns the Bessel-corrected variance
+(multiplied by ``n / max(n - 1, 1)``, n the number of values per channel,
+TensorFlow's ``fused_batch_norm_op.cc``; measured on TF 2.21, CPU, oneDNN on and
+off, all four data formats), which is multiplied back by ``max(n - 1, 1) / n``.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any, Callable, Optional
+
+import keras
+import tensorflow as tf
+
+from tfmp._src.constants import LOW_PRECISION
+from tfmp._src.keras_hooks import patches
+
+FUSED = "fused"
+_FORMATS = {(4, False): "NHWC", (4, True): "NCHW", (5, False): "NDHWC", (5, True): "NCDHW"}
+_INPUT_DTYPES = ("float16", "bfloat16", "float32")
+#: layer -> why its last call took Keras's path ("" when it took the fused kernel).
+_last_call: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+
+
+def _enabled_mixed() -> bool:
+    from tfmp._src.policy.enable import current_decision  # tfmp._src.policy.enable imports this module
+
+    decision = current_decision()
+    return decision is not None and decision.policy.startswith("mixed_")
+
+
+def _shape_reason(layer: keras.layers.Layer, rank: Optional[int]) -> str:
+    if rank is None:
+        return "input rank unknown"
+    if rank not in (4, 5):
+        return f"input rank {rank} (the fused kernel takes 4 or 5)"
+    if layer.axis % rank not in (1, rank - 1):
+        return f"axis {layer.axis} of a {rank}D input (the fused kernel takes the last axis or axis 1)"
+    return ""
+
+
+def layer_reason(layer: keras.layers.Layer) -> str:
+    """Why `layer` cannot take the fused kernel, from its configuration alone.
+
+    Args:
+        layer: A `keras.layers.BatchNormalization`.
+
+    Returns:
+        String. ``""`` when every call without a mask would take the fused kernel,
+        else the first reason not to, e.g. ``"synchronized=True"`` or
+        ``"input rank 3 (the fused kernel takes 4 or 5)"``.
+    """
+    if not _enabled_mixed():
+        return "tfmp not enabled with a mixed policy"
+    if layer.compute_dtype not in LOW_PRECISION or layer.variable_dtype != "float32":
+        return f"policy {layer.dtype_policy.name} (the fused path is for mixed policies)"
+    if layer.synchronized:
+        return "synchronized=True"
+    if layer.renorm:
+        return "renorm=True"
+    if not layer.built or layer.input_spec is None:
+        return "not built"
+    return _shape_reason(layer, layer.input_spec.ndim)
+
+
+def call_reason(layer: keras.layers.Layer, inputs: Any, training: Any, mask: Any) -> str:
+    """Why this call cannot take the fused kernel (``""``: it can). Same rules as `layer_reason`."""
+    why = layer_reason(layer)
+    if why and why != "not built":
+        return why
+    if mask is not None:
+        return "called with a mask"
+    if not (training is None or isinstance(training, bool)):
+        return f"training is a {type(training).__name__}, not a Python bool"
+    dtype = keras.backend.standardize_dtype(inputs.dtype)
+    if dtype not in _INPUT_DTYPES:
+        return f"{dtype} inputs"
+    return _shape_reason(layer, inputs.shape.rank if hasattr(inputs.shape, "rank") else len(inputs.shape))
+
+
+def last_call_reason(layer: keras.layers.Layer) -> Optional[str]:
+    """Why `layer`'s last call (or trace) took Keras's path; ``""``: the fused kernel; None: no call while hooked."""
+    return _last_call.get(layer)
+
+
+def audit_note(layer: keras.layers.Layer) -> str:
+    """`"fused"`, ``"keras: <reason>"`` for a BatchNormalization, ``""`` for any other layer.
+
+    The reason is the configuration's (`layer_reason`), or the last call's when
+    the configuration allows the fused kernel but that call did not take it (a
+    mask, a float64 input).
+    """
+    if not isinstance(layer, keras.layers.BatchNormalization):
+        return ""
+    why = layer_reason(layer) or _last_call.get(layer, "")
+    return f"keras: {why}" if why else FUSED
+
+
+def fused_call(layer: keras.layers.Layer, inputs: Any, training: Optional[bool]) -> tf.Tensor:
+    """BatchNormalization's forward pass on ``FusedBatchNormV3``; updates the moving statistics in training.
+
+    Args:
+        layer: A built `keras.layers.BatchNormalization` that `call_reason` accepts.
+        inputs: 4D or 5D tensor of float16, bfloat16 or float32.
+        training: Bool or None. With ``layer.trainable``, normalize by the batch
+            statistics and update the moving ones; else by the moving ones.
+
+    Returns:
+        Tensor of `inputs`' shape in ``layer.compute_dtype``.
+    """
+    rank = inputs.shape.rank
+    axis = layer.axis % rank
+    channels = inputs.shape[axis] or layer.moving_mean.shape[0]
+    f32 = tf.float32
+    scale = tf.cast(layer.gamma, f32) if layer.scale else tf.ones([channels], f32)
+    offset = tf.cast(layer.beta, f32) if layer.center else tf.zeros([channels], f32)
+    data_format = _FORMATS[(rank, axis == 1 and axis != rank - 1)]
+    moving_mean = tf.cast(layer.moving_mean, f32)
+    moving_variance = tf.cast(layer.moving_variance, f32)
+    if training and layer.trainable:
+        empty = tf.constant([], f32)
+        y, mean, corrected, _, _, _ = tf.raw_ops.FusedBatchNormV3(
+            x=inputs, scale=scale, offset=offset, mean=empty, variance=empty,
+            epsilon=layer.epsilon, exponential_avg_factor=1.0, data_format=data_format,
+            is_training=True)
+        n = tf.cast(tf.size(inputs, out_type=tf.int64) // channels, f32)
+        variance = corrected * (tf.maximum(n - 1.0, 1.0) / n)
+        layer.moving_mean.assign(moving_mean * layer.momentum + mean * (1.0 - layer.momentum))
+        layer.moving_variance.assign(
+            moving_variance * layer.momentum + variance * (1.0 - layer.momentum))
+    else:
+        y = tf.raw_ops.FusedBatchNormV3(
+            x=inputs, scale=scale, offset=offset, mean=moving_mean, variance=moving_variance,
+            epsilon=layer.epsilon, exponential_avg_factor=1.0, data_format=data_format,
+            is_training=False)[0]
+    return tf.cast(y, layer.compute_dtype)
+
+
+def _wrap(next_call: Callable) -> Callable:
+    @functools.wraps(next_call)
+    def call(self, inputs, training=None, mask=None):
+        why = call_reason(self, inputs, training, mask)
+        _last_call[self] = why
+        if why:
+            return next_call(self, inputs, training=training, mask=mask)
+        return fused_call(self, inputs, training)
+
+    return call
+
+
+def install() -> patches.Hook:
+    """Hooks ``keras.layers.BatchNormalization.call``; ``.remove()`` the returned `Hook` to undo."""
+    return patches.install(keras.layers.BatchNormalization, "call", _wrap, owner="fused_batchnorm")

@@ -34,7 +34,11 @@ How each model kind is handled:
 * Subclassed models have no graph to walk: their ``call`` is wrapped once so that
   16-bit float outputs are cast to float32 (this also covers outputs computed with
   raw tensor ops after the last layer). Their forced layers hand back the model's
-  16-bit dtype, as any layer inside custom code.
+  16-bit dtype, as any layer inside custom code; an output that is exactly what a
+  forced layer handed back is returned as that layer's float32 result instead
+  (`tfmp._src.float32.cast_back`), so a final softmax is not rounded to 16 bits.
+* A model loaded while enabled (`force_loaded`) keeps its saved policies and gets
+  the hooks back: saving keeps policies, not hooks.
 * Layers not built yet (lazy subclassed models, MultiHeadAttention, whose
   ``_softmax`` sublayer only exists after ``build``) get a one-shot hook that
   applies the same rules to the sublayers their ``build`` creates.

@@ -16,6 +16,8 @@ marker, deselected by default: ``python -m pytest -q -m zoo tests/test_zoo.py``
 runs them (``-m "zoo or not zoo"``: everything).
 """
 
+import configparser
+import pathlib
 import warnings
 
 import keras
@@ -36,9 +38,12 @@ MATMUL_CLASSES = ("Dense", "EinsumDense", "Conv1D", "Conv2D", "DepthwiseConv2D",
 MATMUL_REASONS = ("output", "fused softmax")
 
 
+def _resolved(policy: str) -> str:
+    return tfmp.recommend_policy().policy if policy == "auto" else policy
+
+
 def _is_16bit(policy: str) -> bool:
-    resolved = tfmp.recommend_policy().policy if policy == "auto" else policy
-    return resolved != "float32"
+    return _resolved(policy) != "float32"
 
 
 def _params():
@@ -82,18 +87,23 @@ def check_model(name: str, policy: str, path) -> keras.Model:
         _finite_loss(loaded.fit(case.x, case.y, batch_size=BATCH, epochs=1, verbose=0))
     finally:
         tfmp.disable()
-    report = tfmp.audit(model, tensor_cores=False)
-    forced_matmuls = {row.path: row.forced for row in report.rows
+    rows = tfmp.audit(model, tensor_cores=False).rows
+    forced_matmuls = {row.path: row.forced for row in rows
                       if row.class_name in MATMUL_CLASSES and row.forced not in ("",) + MATMUL_REASONS}
     assert forced_matmuls == {}
+    assert _forced(loaded) == _forced(model)  # loading while enabled put the forcing back
     return model
+
+
+def _forced(model):
+    """Sorted (class, reason) of the layers tfmp forced (layer names change on loading)."""
+    return sorted((r.class_name, r.forced) for r in tfmp.audit(model, tensor_cores=False).rows if r.forced)
 
 
 @pytest.mark.parametrize("name, policy", list(_params()))
 def test_zoo_model(name, policy, tmp_path):
     model = check_model(name, policy, str(tmp_path / f"{name}.keras"))
-    low = "float32" if not _is_16bit(policy) else tfmp.recommend_policy().policy[6:] if policy == "auto" else policy[6:]
-    assert model.compute_dtype == low
+    assert model.compute_dtype == keras.DTypePolicy(_resolved(policy)).compute_dtype
 
 
 # -- What the zoo found ------------------------------------------------------------------------
@@ -204,3 +214,14 @@ def test_keras_unit_normalization_overflow_warning_is_gone_once_forced():
         warnings.simplefilter("error", RuntimeWarning)
         loss = model.train_on_batch(np.ones((2, 4), "float32"), np.zeros((2, 2), "float32"))
     assert np.isfinite(loss) and block.inner.compute_dtype == "float32"
+
+
+def test_zoo_marker_is_registered_deselected_and_named_in_readme():
+    root = pathlib.Path(__file__).resolve().parents[1]
+    config = configparser.ConfigParser()
+    config.read(root / "setup.cfg")
+    pytest_config = config["tool:pytest"]
+    assert pytest_config["addopts"] == '-m "not slow and not zoo"'
+    assert any(line.startswith("zoo:") for line in pytest_config["markers"].split("\n"))
+    assert "`python -m pytest -q -m zoo tests/test_zoo.py`" in (root / "README.md").read_text()
+    assert sum(1 for name in CASES for policy in POLICIES if (name, policy) not in FAST) == 21

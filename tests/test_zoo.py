@@ -163,6 +163,22 @@ def test_forcing_comes_back_when_loaded_while_enabled(build, path, tmp_path):
     assert rows[loaded.layers[-1].name].forced == "output" and loaded.outputs[0].dtype == "float32"
 
 
+def test_plain_float32_model_loaded_while_enabled_is_left_as_saved(tmp_path):
+    # A Sequential model takes the global policy when loaded, not its saved one: its
+    # float32 layers under a float16 model must not be taken for forced ones.
+    model = keras.Sequential([keras.Input((4,)), layers.Dense(4), layers.Softmax(), layers.Dense(2)])
+    model.save(tmp_path / "plain.keras")
+    x = np.random.default_rng(0).normal(size=(4, 4)).astype("float32")
+    tfmp.enable("mixed_float16")
+    try:
+        loaded = keras.saving.load_model(tmp_path / "plain.keras")
+    finally:
+        tfmp.disable()
+    rows = tfmp.audit(loaded, tensor_cores=False).rows
+    assert [(r.compute_dtype, r.forced) for r in rows] == [("float32", "")] * 3
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+
+
 class SoftmaxHead(keras.Model):
     """Subclassed model whose last layer is a Dense with a fused softmax."""
 

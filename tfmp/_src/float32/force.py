@@ -364,8 +364,12 @@ def force_loaded(model: keras.Model, *, keep=(), exclude=()) -> keras.Model:
     subclassed model's outputs are not cast. This applies the same rules, and
     a layer saved with the float32 policy that a rule selects, under a 16-bit
     parent, is taken as forced: it gets its cast-back hook and its reason in
-    `tfmp.audit`. Same arguments and return value as `force_float32`.
+    `tfmp.audit`. A model none of whose layers computes in 16 bits (a plain
+    float32 model) is left as it is. Same arguments and return value as
+    `force_float32`.
     """
+    if not any(entry.layer.compute_dtype in LOW_PRECISION for entry in walk(model)):
+        return model
     return _force(model, _registry.targets_from("keep", keep),
                   _registry.targets_from("exclude", exclude), adopt=True)
 

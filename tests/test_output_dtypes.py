@@ -12,60 +12,17 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from keras import layers, ops
+from keras import layers
 
 import tfmp
+from _zoo import convnext_tiny, transformer_classifier
 from tfmp._src.float32 import registry as _registry
 from tfmp._src.keras_hooks.keras_private import keras_at_least
 
 MIXED = ["mixed_bfloat16", "mixed_float16"]
 
 
-# -- The Keras-examples Transformer text classifier, as written there -------------------------
-
-
-class TransformerBlock(layers.Layer):
-    def __init__(self, embed_dim, num_heads, ff_dim, rate=0.1):
-        super().__init__()
-        self.att = layers.MultiHeadAttention(num_heads=num_heads, key_dim=embed_dim)
-        self.ffn = keras.Sequential([layers.Dense(ff_dim, activation="relu"), layers.Dense(embed_dim)])
-        self.layernorm1 = layers.LayerNormalization(epsilon=1e-6)
-        self.layernorm2 = layers.LayerNormalization(epsilon=1e-6)
-        self.dropout1 = layers.Dropout(rate)
-        self.dropout2 = layers.Dropout(rate)
-
-    def call(self, inputs):
-        attn_output = self.att(inputs, inputs)
-        attn_output = self.dropout1(attn_output)
-        out1 = self.layernorm1(inputs + attn_output)
-        ffn_output = self.ffn(out1)
-        ffn_output = self.dropout2(ffn_output)
-        return self.layernorm2(out1 + ffn_output)
-
-
-class TokenAndPositionEmbedding(layers.Layer):
-    def __init__(self, maxlen, vocab_size, embed_dim):
-        super().__init__()
-        self.token_emb = layers.Embedding(input_dim=vocab_size, output_dim=embed_dim)
-        self.pos_emb = layers.Embedding(input_dim=maxlen, output_dim=embed_dim)
-
-    def call(self, x):
-        maxlen = ops.shape(x)[-1]
-        positions = ops.arange(start=0, stop=maxlen, step=1)
-        positions = self.pos_emb(positions)
-        x = self.token_emb(x)
-        return x + positions
-
-
-def transformer_classifier(maxlen=8, vocab=50, embed_dim=8):
-    inputs = layers.Input(shape=(maxlen,))
-    x = TokenAndPositionEmbedding(maxlen, vocab, embed_dim)(inputs)
-    x = TransformerBlock(embed_dim, 2, embed_dim)(x)
-    x = layers.GlobalAveragePooling1D()(x)
-    x = layers.Dropout(0.1)(x)
-    x = layers.Dense(8, activation="relu")(x)
-    outputs = layers.Dense(2, activation="softmax")(x)
-    return keras.Model(inputs=inputs, outputs=outputs)
+# -- The Keras-examples Transformer text classifier (tests/_zoo.py) ---------------------------
 
 
 @pytest.mark.parametrize("policy", MIXED)
@@ -282,16 +239,9 @@ def test_stochastic_depth_trains_under_tfmp(policy):
 
 @pytest.mark.slow
 def test_convnext_tiny_with_drop_path_trains_under_tfmp():
-    # keras.applications.ConvNeXtTiny fixes drop_path_rate=0.0 in Keras 3.15; the
-    # architecture with stochastic depth is its ConvNeXt builder.
-    from keras.src.applications.convnext import MODEL_CONFIGS, ConvNeXt
-
     tfmp.enable("mixed_bfloat16")
     try:
-        config = MODEL_CONFIGS["tiny"]
-        model = ConvNeXt(depths=config["depths"], projection_dims=config["projection_dims"],
-                         drop_path_rate=0.1, weights=None, include_top=True, classes=4,
-                         input_shape=(32, 32, 3), name="convnext_tiny")
+        model = convnext_tiny(drop_path_rate=0.1, classes=4)
         model.compile("sgd", "sparse_categorical_crossentropy")
         x = np.random.default_rng(0).uniform(0, 255, (2, 32, 32, 3)).astype("float32")
         history = model.fit(x, np.array([0, 1]), batch_size=2, verbose=0)

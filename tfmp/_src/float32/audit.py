@@ -60,6 +60,7 @@ from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.errors import invalid_argument
 from tfmp._src.float32 import force as _float32
 from tfmp._src.float32 import fused_batchnorm as _fused_batchnorm
+from tfmp._src.float32.cast_back import handed_back_dtype
 from tfmp._src.float32 import registry as _registry
 from tfmp._src.keras_hooks import patches
 from tfmp._src.keras_hooks.keras_private import functional_graph, nodes_by_depth
@@ -316,7 +317,7 @@ def _rule_dtype(layer: keras.layers.Layer, forced: str) -> str:
     """tfmp's output-dtype rule: float32 for an output producer, else what the layer hands back."""
     if forced == "output":
         return "float32"
-    return _float32.handed_back_dtype(layer) or layer.compute_dtype
+    return handed_back_dtype(layer) or layer.compute_dtype
 
 
 def _consumer_warnings(path, layer, why, out_dtypes, consumers, parent, paths):

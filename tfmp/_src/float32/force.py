@@ -34,7 +34,11 @@ How each model kind is handled:
 * Subclassed models have no graph to walk: their ``call`` is wrapped once so that
   16-bit float outputs are cast to float32 (this also covers outputs computed with
   raw tensor ops after the last layer). Their forced layers hand back the model's
-  16-bit dtype, as any layer inside custom code.
+  16-bit dtype, as any layer inside custom code; an output that is exactly what a
+  forced layer handed back is returned as that layer's float32 result instead
+  (`tfmp._src.float32.cast_back`), so a final softmax is not rounded to 16 bits.
+* A model loaded while enabled (`force_loaded`) keeps its saved policies and gets
+  the hooks back: saving keeps policies, not hooks.
 * Layers not built yet (lazy subclassed models, MultiHeadAttention, whose
   ``_softmax`` sublayer only exists after ``build``) get a one-shot hook that
   applies the same rules to the sublayers their ``build`` creates.
@@ -58,9 +62,10 @@ import keras
 
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.errors import invalid_argument
+from tfmp._src.float32 import cast_back as _cast_back
 from tfmp._src.float32 import registry as _registry
+from tfmp._src.float32.cast_back import casts_back
 from tfmp._src.keras_hooks import patches
-from tfmp._src.keras_hooks.loss_terms import to_float32
 from tfmp._src.keras_hooks.keras_private import (
     autocasts_inputs,
     functional_graph,
@@ -72,8 +77,6 @@ from tfmp._src.keras_hooks.keras_private import (
 from tfmp._src.layer_tree import walk
 
 _FORCED: "weakref.WeakKeyDictionary[keras.layers.Layer, str]" = weakref.WeakKeyDictionary()
-#: Forced layers handing back their parent's dtype: layer -> [call hook, spec hook].
-_CAST_BACK: "weakref.WeakKeyDictionary[keras.layers.Layer, list]" = weakref.WeakKeyDictionary()
 #: Layers whose ``build`` is hooked: layer -> [hook, (path, keep, exclude, forced_as)].
 _DEFERRED: "weakref.WeakKeyDictionary[keras.layers.Layer, list]" = weakref.WeakKeyDictionary()
 
@@ -82,18 +85,6 @@ _DEFERRED: "weakref.WeakKeyDictionary[keras.layers.Layer, list]" = weakref.WeakK
 def forced_reason(layer: keras.layers.Layer) -> Optional[str]:
     """Why tfmp set ``layer`` to float32 (``"output"``, ``"softmax"``...), or None."""
     return _FORCED.get(layer)
-
-
-def casts_back(layer: keras.layers.Layer) -> bool:
-    """True when ``layer``'s outputs are cast to its parent's 16-bit compute dtype."""
-    return layer in _CAST_BACK
-
-
-def handed_back_dtype(layer: keras.layers.Layer) -> Optional[str]:
-    """The 16-bit dtype ``layer``'s cast-back hook casts to now, or None (no cast)."""
-    hooks = _CAST_BACK.get(layer)
-    return hooks[2]() if hooks else None
-
 
 
 def output_producers(model: keras.Model) -> Tuple[List[keras.layers.Layer], List[keras.Model]]:
@@ -135,65 +126,33 @@ def output_producers(model: keras.Model) -> Tuple[List[keras.layers.Layer], List
     return layers, subclassed
 
 
-def _cast_float(x, dtype: str):
-    """``x`` cast to ``dtype`` when it is a floating tensor of another dtype."""
-    current = getattr(x, "dtype", None)
-    if current is None or not keras.backend.is_float_dtype(current):
-        return x
-    if keras.backend.standardize_dtype(current) == dtype:
-        return x
-    if isinstance(x, keras.KerasTensor):
-        return keras.KerasTensor(x.shape, dtype=dtype, sparse=x.sparse)
-    return keras.ops.cast(x, dtype)
+def _saved_float32(layer: keras.layers.Layer, parent) -> bool:
+    """True when a loaded ``layer`` has the float32 policy forcing gave it before saving.
 
-
-def _install_cast_back(layer: keras.layers.Layer, parent) -> None:
-    """Hooks ``layer.call`` and ``layer.compute_output_spec`` to hand back ``parent``'s dtype.
-
-    The target is read at each call: the parent's compute dtype when it is 16-bit
-    (float16/bfloat16), else no cast (a float32 parent takes float32 as it is).
+    That is a plain float32 policy under a 16-bit parent, or under a parent
+    forced itself (the sublayers of a forced layer).
     """
-    if layer in _CAST_BACK or parent is None:
-        return
-    parent_ref = weakref.ref(parent)
-
-    def target() -> Optional[str]:
-        owner = parent_ref()
-        dtype = getattr(owner, "compute_dtype", None)
-        return dtype if dtype in LOW_PRECISION else None
-
-    def wrap(original):
-        @functools.wraps(original)
-        def cast_back(*args, **kwargs):
-            outputs = original(*args, **kwargs)
-            dtype = target()
-            if dtype is None:
-                return outputs
-            return keras.tree.map_structure(lambda x: _cast_float(x, dtype), outputs)
-
-        return cast_back
-
-    _CAST_BACK[layer] = [
-        patches.install(layer, "call", wrap, owner="float32.cast_back"),
-        patches.install(layer, "compute_output_spec", wrap, owner="float32.cast_back"),
-        target,
-    ]
+    if layer in _FORCED or layer.dtype_policy.name != "float32":
+        return False
+    return getattr(parent, "compute_dtype", None) in LOW_PRECISION or parent in _FORCED
 
 
-def _remove_cast_back(layer: keras.layers.Layer) -> None:
-    for hook in _CAST_BACK.pop(layer, [])[:2]:
-        hook.remove()
-
-
-def _set_float32(layer: keras.layers.Layer, reason: str, parent=None) -> bool:
+def _set_float32(layer: keras.layers.Layer, reason: str, parent=None, adopt: bool = False) -> bool:
     """Sets a float32 policy on a 16-bit float layer; True when it changed.
 
     Every forced layer but an output producer also hands back ``parent``'s dtype
-    (:func:`_install_cast_back`). A layer forced earlier that now produces a model
-    output loses that hook.
+    (`cast_back.install`). A layer forced earlier that now produces a model
+    output loses that hook. With ``adopt`` (a model being loaded), a layer saved
+    with the float32 policy forcing gave it is recorded as forced and gets its
+    hook back (True: the graph Keras rebuilt without the hook needs refreshing).
     """
-    if reason == "output" and layer in _CAST_BACK:
-        _remove_cast_back(layer)
+    if adopt and _saved_float32(layer, parent):
+        _FORCED[layer] = reason
+        if reason != "output":
+            _cast_back.install(layer, parent)
+        return reason != "output"
+    if reason == "output" and casts_back(layer):
+        _cast_back.remove(layer)
         _FORCED[layer] = reason
         return True
     policy = layer.dtype_policy
@@ -202,11 +161,13 @@ def _set_float32(layer: keras.layers.Layer, reason: str, parent=None) -> bool:
     layer.dtype_policy = "float32"
     _FORCED[layer] = reason
     if reason != "output":
-        _install_cast_back(layer, parent)
+        _cast_back.install(layer, parent)
     return True
 
 
-def _apply_rules(entries, outputs: Set[int], keep, exclude, inherited: Dict[int, str]) -> Set[int]:
+def _apply_rules(
+    entries, outputs: Set[int], keep, exclude, inherited: Dict[int, str], adopt: bool = False
+) -> Set[int]:
     """Forces every entry some rule selects; returns ids of changed layers.
 
     Args:
@@ -216,6 +177,7 @@ def _apply_rules(entries, outputs: Set[int], keep, exclude, inherited: Dict[int,
         exclude: Tuple of call-level exclude targets (they win over everything).
         inherited: Dict, layer id -> path of the forced layer it sits in; updated
             so that sublayers of a forced layer are forced too.
+        adopt: Bool. The model is being loaded (see :func:`_set_float32`).
     """
     changed: Set[int] = set()
     for path, layer, parent in entries:
@@ -229,7 +191,7 @@ def _apply_rules(entries, outputs: Set[int], keep, exclude, inherited: Dict[int,
         elif id(parent) in inherited:
             inherited[id(layer)] = inherited[id(parent)]
             reason = f"inside {inherited[id(parent)]}"
-        if reason is not None and _set_float32(layer, reason, parent):
+        if reason is not None and _set_float32(layer, reason, parent, adopt):
             changed.add(id(layer))
     for path, layer, _ in entries:
         if not layer.built:
@@ -265,18 +227,9 @@ def _defer(layer, path: str, keep, exclude, forced_as: Optional[str]) -> None:
 
 
 def _cast_outputs(model: keras.Model) -> bool:
-    """Hooks a subclassed model's ``call`` to cast 16-bit float outputs to float32."""
-    if any(hook.owner == "float32.outputs" for hook in patches.installed(model, "call")):
+    """Hooks a subclassed model's ``call`` to return float32 outputs (see `cast_back`)."""
+    if not _cast_back.cast_outputs(model):
         return False
-
-    def wrap(original):
-        @functools.wraps(original)
-        def call(*args, **kwargs):
-            return keras.tree.map_structure(to_float32, original(*args, **kwargs))
-
-        return call
-
-    patches.install(model, "call", wrap, owner="float32.outputs")
     _FORCED.setdefault(model, "outputs cast")
     return True
 
@@ -400,11 +353,31 @@ def force_float32(model: keras.Model, *, keep=(), exclude=()) -> keras.Model:
             "a keras.Model (Sequential, Functional or subclassed)",
             fix="Wrap a single layer in keras.Sequential([layer]) first.",
         )
-    keep = _registry.targets_from("keep", keep)
-    exclude = _registry.targets_from("exclude", exclude)
+    return _force(model, _registry.targets_from("keep", keep), _registry.targets_from("exclude", exclude))
+
+
+def force_loaded(model: keras.Model, *, keep=(), exclude=()) -> keras.Model:
+    """`force_float32` for a model Keras is loading (called as it compiles it).
+
+    A saved model keeps its layers' policies, but not tfmp's hooks: without
+    them a forced layer inside custom code hands back float32 again, and a
+    subclassed model's outputs are not cast. This applies the same rules, and
+    a layer saved with the float32 policy that a rule selects, under a 16-bit
+    parent, is taken as forced: it gets its cast-back hook and its reason in
+    `tfmp.audit`. A model none of whose layers computes in 16 bits (a plain
+    float32 model) is left as it is. Same arguments and return value as
+    `force_float32`.
+    """
+    if not any(entry.layer.compute_dtype in LOW_PRECISION for entry in walk(model)):
+        return model
+    return _force(model, _registry.targets_from("keep", keep),
+                  _registry.targets_from("exclude", exclude), adopt=True)
+
+
+def _force(model: keras.Model, keep, exclude, adopt: bool = False) -> keras.Model:
     entries = walk(model)
     producers, subclassed = output_producers(model)
-    changed = _apply_rules(entries, {id(x) for x in producers}, keep, exclude, {})
+    changed = _apply_rules(entries, {id(x) for x in producers}, keep, exclude, {}, adopt)
     if not model.built and not functional_graph(model):
         _defer(model, "", keep, exclude, None)
     for sub in subclassed:

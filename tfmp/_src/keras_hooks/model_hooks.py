@@ -13,7 +13,8 @@
   optimizer in its ``LossScaleOptimizer`` when the global policy is
   ``mixed_float16`` (a ``Sequential`` model takes the global policy, not its
   saved one, when loaded), and then skip loading the saved optimizer variables
-  because their count differs.
+  because their count differs. The caller's ``on_load`` runs first (tfmp puts
+  back its float32 forcing hooks, which saving does not keep).
 - ``make_train_function``: `install_make_train_function_hook` calls a handler
   when ``fit`` starts, e.g. to warn about a model compiled before `tfmp.enable()`
   or to attach the loss-scale optimizer's stuck check to the model.
@@ -47,7 +48,10 @@ def _restoring() -> bool:
 
 
 def install_compile_hook(
-    handler: CompileHandler, *, keep_saved: Callable[[], bool] = lambda: True
+    handler: CompileHandler,
+    *,
+    keep_saved: Callable[[], bool] = lambda: True,
+    on_load: Callable[[Any], None] = lambda model: None,
 ) -> List[patches.Hook]:
     """Routes ``Model.compile`` to ``handler(compile, model, args, kwargs)``.
 
@@ -61,6 +65,10 @@ def install_compile_hook(
             Keras compiles a model it is loading: True turns Keras's
             ``auto_scale_loss`` off for that compile, so the saved optimizer is
             kept as it is (see the module docstring). Default: always.
+        on_load: Callable taking the model, called in the loading thread just
+            before Keras compiles a model it is loading (the layers are built,
+            the weights not loaded yet), e.g. to put back per-layer hooks that
+            saving does not keep. Default: nothing.
 
     Returns:
         List of `patches.Hook` (compile, compile_from_config); remove each to undo.
@@ -71,6 +79,7 @@ def install_compile_hook(
         def tfmp_compile(self: Any, *args: Any, **kwargs: Any) -> Any:
             if _restoring():
                 _RESTORED.add(self)
+                on_load(self)
                 if keep_saved():
                     kwargs.setdefault("auto_scale_loss", False)
                 return compile(self, *args, **kwargs)

@@ -37,7 +37,7 @@ from tfmp._src.keras_hooks import model_hooks, patches
 from tfmp._src.keras_hooks.loss_terms import install_losses_hook
 from tfmp._src.float32.dtype_errors import explain_dtype_errors
 from tfmp._src.float32 import fused_batchnorm
-from tfmp._src.float32.force import force_float32
+from tfmp._src.float32.force import force_float32, force_loaded
 from tfmp._src.float32.token_ids import keep_exact_ids
 from tfmp._src.policy.hardware import DeviceFacts
 from tfmp._src.loss_scale.optimizer import WRAP_OPTIONS
@@ -85,7 +85,8 @@ def _set_current(state: Optional[_Enabled]) -> None:
         else:
             _states[threading.get_ident()] = (threading.current_thread(), state)
         if _states and not _hooks:
-            _hooks.extend(model_hooks.install_compile_hook(_compile_with_tfmp, keep_saved=is_enabled))
+            _hooks.extend(model_hooks.install_compile_hook(
+                _compile_with_tfmp, keep_saved=is_enabled, on_load=_force_loaded))
             _hooks.append(
                 model_hooks.install_make_train_function_hook(_warn_if_compiled_before_enable, owner="enable.first_step")
             )
@@ -317,6 +318,13 @@ def _wants_optimizer_wrapper(model: keras.Model, state: _Enabled) -> bool:
     """Under float32 the optimizer stays the user's unless debug or options ask."""
     compute = model.dtype_policy.compute_dtype
     return compute in ("float16", "bfloat16") or bool(state.debug) or bool(state.loss_scale_options)
+
+
+def _force_loaded(model: keras.Model) -> None:
+    """While enabled, puts float32 forcing back on a model Keras is loading."""
+    state = _current()
+    if state is not None:
+        force_loaded(model, keep=state.keep_float32, exclude=state.exclude_float32)
 
 
 def _compile_with_tfmp(compile: Callable, model: keras.Model, args: tuple, kwargs: dict) -> Any:

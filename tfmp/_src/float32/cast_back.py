@@ -1,0 +1,148 @@
+"""What a forced layer hands back: its parent's 16-bit dtype, or float32 for a model output.
+
+`tfmp._src.float32.force` decides which layers compute in float32; this module
+installs the two hooks that make the dtypes around them match plain Keras:
+
+* ``"float32.cast_back"`` on a forced layer's ``call`` and ``compute_output_spec``:
+  floating outputs are cast to the compute dtype of its parent (the enclosing
+  layer, or the model) when that is float16/bfloat16, read at each call.
+* ``"float32.outputs"`` on a subclassed model's ``call``: 16-bit floating outputs
+  are cast to float32. An output that is exactly what a forced direct sublayer of
+  the model handed back (``return self.head(x)``, ``head`` a forced softmax) is
+  replaced by that sublayer's float32 result, so the probabilities the loss sees
+  are not rounded to 16 bits and back. The model's own code still receives the
+  16-bit tensor, as under plain Keras. The match is by tensor identity within one
+  call of the model (eager or traced).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+import keras
+
+from tfmp._src.constants import LOW_PRECISION
+from tfmp._src.keras_hooks import patches
+from tfmp._src.keras_hooks.loss_terms import to_float32
+
+#: Forced layers handing back their parent's dtype: layer -> [call hook, spec hook, target].
+_CAST_BACK: "weakref.WeakKeyDictionary[keras.layers.Layer, list]" = weakref.WeakKeyDictionary()
+_local = threading.local()
+
+
+class _ModelCall:
+    """One running call of a hooked subclassed model: the casts its direct sublayers made."""
+
+    def __init__(self, model: keras.Model):
+        self.model = model
+        #: id of the 16-bit tensor handed back -> (that tensor, the float32 one it came from)
+        self.kept: Dict[int, Tuple[Any, Any]] = {}
+
+    def output(self, x):
+        """``x`` in float32: the kept float32 original when ``x`` is a handed-back cast."""
+        pair = self.kept.get(id(x))
+        if pair is not None and pair[0] is x:
+            return pair[1]
+        return to_float32(x)
+
+
+def _running_calls() -> List[_ModelCall]:
+    if not hasattr(_local, "calls"):
+        _local.calls = []
+    return _local.calls
+
+
+def casts_back(layer: keras.layers.Layer) -> bool:
+    """True when ``layer``'s outputs are cast to its parent's 16-bit compute dtype."""
+    return layer in _CAST_BACK
+
+
+def handed_back_dtype(layer: keras.layers.Layer) -> Optional[str]:
+    """The 16-bit dtype ``layer``'s cast-back hook casts to now, or None (no cast)."""
+    hooks = _CAST_BACK.get(layer)
+    return hooks[2]() if hooks else None
+
+
+def cast_float(x, dtype: str):
+    """``x`` cast to ``dtype`` when it is a floating tensor of another dtype."""
+    current = getattr(x, "dtype", None)
+    if current is None or not keras.backend.is_float_dtype(current):
+        return x
+    if keras.backend.standardize_dtype(current) == dtype:
+        return x
+    if isinstance(x, keras.KerasTensor):
+        return keras.KerasTensor(x.shape, dtype=dtype, sparse=x.sparse)
+    return keras.ops.cast(x, dtype)
+
+
+def install(layer: keras.layers.Layer, parent) -> None:
+    """Hooks ``layer.call`` and ``layer.compute_output_spec`` to hand back ``parent``'s dtype.
+
+    The target is read at each call: the parent's compute dtype when it is 16-bit
+    (float16/bfloat16), else no cast (a float32 parent takes float32 as it is).
+    Idempotent.
+    """
+    if layer in _CAST_BACK or parent is None:
+        return
+    parent_ref = weakref.ref(parent)
+
+    def target() -> Optional[str]:
+        owner = parent_ref()
+        dtype = getattr(owner, "compute_dtype", None)
+        return dtype if dtype in LOW_PRECISION else None
+
+    def wrap(original):
+        @functools.wraps(original)
+        def cast_back(*args, **kwargs):
+            outputs = original(*args, **kwargs)
+            dtype = target()
+            if dtype is None:
+                return outputs
+            cast = keras.tree.map_structure(lambda x: cast_float(x, dtype), outputs)
+            calls = _running_calls()
+            if calls and calls[-1].model is parent_ref():
+                for new, old in zip(keras.tree.flatten(cast), keras.tree.flatten(outputs)):
+                    if new is not old:
+                        calls[-1].kept[id(new)] = (new, old)
+            return cast
+
+        return cast_back
+
+    _CAST_BACK[layer] = [
+        patches.install(layer, "call", wrap, owner="float32.cast_back"),
+        patches.install(layer, "compute_output_spec", wrap, owner="float32.cast_back"),
+        target,
+    ]
+
+
+def remove(layer: keras.layers.Layer) -> None:
+    """Takes ``layer``'s cast-back hooks off (it now produces a model output)."""
+    for hook in _CAST_BACK.pop(layer, [])[:2]:
+        hook.remove()
+
+
+def cast_outputs(model: keras.Model) -> bool:
+    """Hooks a subclassed model's ``call`` to return float32 outputs; False if already hooked."""
+    if any(hook.owner == "float32.outputs" for hook in patches.installed(model, "call")):
+        return False
+    model_ref = weakref.ref(model)
+
+    def wrap(original):
+        @functools.wraps(original)
+        def call(*args, **kwargs):
+            running = _ModelCall(model_ref())
+            calls = _running_calls()
+            calls.append(running)
+            try:
+                outputs = original(*args, **kwargs)
+            finally:
+                calls.pop()
+            return keras.tree.map_structure(running.output, outputs)
+
+        return call
+
+    patches.install(model, "call", wrap, owner="float32.outputs")
+    return True

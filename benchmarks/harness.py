@@ -6,7 +6,8 @@ Configurations (`CONFIGS`):
 * ``keras_mixed``: plain Keras with the recommended mixed policy, as the Keras
   mixed-precision guide does it: ``keras.config.set_dtype_policy(policy)`` and
   a plain `compile` (Keras wraps the optimizer itself only for float16).
-* ``tfmp``: ``tfmp.enable("auto")`` before building, `compile` under tfmp (float32
+* ``tfmp``: ``tfmp.enable("auto")`` (or the policy of ``run.py --policy``) before
+  building, `compile` under tfmp (float32
   forcing, `tfmp.LossScaleOptimizer`), the train step traced while enabled (so
   BatchNormalization takes the fused kernel under a mixed policy), and `fit` with
   ``tfmp.LossScaleMonitor(update_freq=100)``.
@@ -117,7 +118,8 @@ class ConfiguredRun:
 
 
 def _build_compile_and_warm_up(
-    workload: Workload, config: str, policy: str, warm_up: Callable[[keras.Model], None]
+    workload: Workload, config: str, policy: str, warm_up: Callable[[keras.Model], None],
+    tfmp_policy: str = "auto",
 ) -> keras.Model:
     """Builds and compiles under `config`, runs `warm_up(model)`, then restores the global state.
 
@@ -131,7 +133,9 @@ def _build_compile_and_warm_up(
     previous = keras.config.dtype_policy()
     try:
         if config == "tfmp":
-            tfmp.enable("auto")
+            with warnings.catch_warnings():  # an explicit policy may be emulated on this CPU
+                warnings.simplefilter("ignore", tfmp.PerformanceWarning)
+                tfmp.enable(tfmp_policy)
         else:
             keras.config.set_dtype_policy("float32" if config == "float32" else policy)
         model = workload.build()
@@ -151,7 +155,8 @@ def _build_compile_and_warm_up(
 
 
 def prepare(
-    workload: Workload, config: str, policy: str, log_dir: str, warmup_steps: int
+    workload: Workload, config: str, policy: str, log_dir: str, warmup_steps: int,
+    tfmp_policy: str = "auto",
 ) -> ConfiguredRun:
     """Builds, compiles and warms up `workload` under `config`.
 
@@ -162,6 +167,9 @@ def prepare(
             and ``fused_bn``).
         log_dir: String. Root folder for the tfmp monitor's event files.
         warmup_steps: Int >= 2. Untimed steps; the first traces the train step.
+        tfmp_policy: String. What the ``tfmp`` configuration passes to
+            `tfmp.enable`: ``"auto"``, or the same policy as `policy` to compare
+            tfmp with plain Keras on a machine where "auto" picks float32.
 
     Returns:
         `ConfiguredRun`, with its clock holding the warm-up steps' times.
@@ -188,7 +196,7 @@ def prepare(
         run.train(warmup_steps - 1)
         runs.append(run)
 
-    model = _build_compile_and_warm_up(workload, config, policy, warm_up)
+    model = _build_compile_and_warm_up(workload, config, policy, warm_up, tfmp_policy)
     run = runs[0]
     run.memory = model_memory(model, workload.batch_size)
     run.memory["peak_device_bytes"] = peak.read()

@@ -14,6 +14,7 @@ BatchNormalization against the same model traced with tfmp's fused kernel.
     python benchmarks/run.py --json results.json   # also write every number
     python benchmarks/run.py --quick               # tiny sizes: checks it runs
     python benchmarks/run.py --batchnorm-only --models cnn resnet50
+    python benchmarks/run.py --policy mixed_bfloat16   # tfmp vs Keras where "auto" is float32
 
 Close other work first: the ratios are only as good as the machine is quiet
 (the load average is recorded in the results).
@@ -51,6 +52,8 @@ FULL = dict(repeats=5, warmup=5, seconds=3.0, min_steps=10, max_steps=2000,
             matmul_size=2048, matmul_iterations=8)
 #: Workloads of the "Keras BatchNormalization vs fused" line (those present at the size run).
 BATCHNORM_MODELS = ("cnn", "resnet50")
+#: ``--policy`` choices: "auto", or a mixed policy run by both plain Keras and tfmp.
+POLICIES = ("auto", "mixed_bfloat16", "mixed_float16")
 QUICK = dict(repeats=2, warmup=2, seconds=0.0, min_steps=2, max_steps=2,
              matmul_size=64, matmul_iterations=2)
 
@@ -105,13 +108,14 @@ def bench_matmul(dtype: str, sizes: dict) -> dict:
 
 def bench_workload(
     workload: Workload, policy: str, sizes: dict, log_dir: str,
-    configs: Sequence[str] = harness.CONFIGS,
+    configs: Sequence[str] = harness.CONFIGS, tfmp_policy: str = "auto",
 ) -> dict:
     """Prepares the configurations of one workload and times them alternately."""
     runs = {}
     for config in configs:
         _log(f"  {workload.name}: building and warming up {config}")
-        runs[config] = harness.prepare(workload, config, policy, log_dir, sizes["warmup"])
+        runs[config] = harness.prepare(
+            workload, config, policy, log_dir, sizes["warmup"], tfmp_policy)
     slowest = max(run.clock.seconds_per_step() for run in runs.values())
     steps = harness.calibrate_steps(
         slowest, sizes["seconds"], sizes["min_steps"], sizes["max_steps"]
@@ -152,7 +156,7 @@ def batchnorm_policy(decision_policy: str) -> str:
 def run_suite(
     quick: bool = False, repeats: Optional[int] = None,
     models: Optional[Sequence[str]] = None, log_dir: Optional[str] = None,
-    batchnorm_only: bool = False,
+    batchnorm_only: bool = False, policy: str = "auto",
 ) -> dict:
     """Runs the suite and returns every number (the ``--json`` content).
 
@@ -164,6 +168,11 @@ def run_suite(
             temporary folder, removed afterwards, when None).
         batchnorm_only: Bool. Run only the "Keras BatchNormalization vs fused"
             line (``models`` stays empty).
+        policy: String. ``"auto"``: tfmp runs ``enable("auto")`` and plain
+            Keras the policy "auto" picks. A mixed policy (one of
+            `POLICIES`): both run it, so tfmp's overhead over plain Keras can be
+            measured where "auto" picks float32 (16 bits may be emulated there:
+            the speed-up targets are then "n/a").
 
     Returns:
         Dict with ``machine``, ``suite``, ``decision``, ``matmul``, ``models``,
@@ -176,30 +185,32 @@ def run_suite(
         sizes["repeats"] = repeats
     start = time.perf_counter()
     decision = tfmp.recommend_policy()
+    mixed = decision.policy if policy == "auto" else policy
     chosen = workloads(quick)
     names = [n for n in models if n in chosen] if models else list(chosen)
     results = {"machine": machine(), "suite": {"quick": quick, **sizes}}
     results["decision"] = {"policy": decision.policy, "reason": decision.reason,
-                           "device": decision.device}
-    _log(f"tfmp auto: {decision.policy} on {decision.device}")
+                           "device": decision.device, "requested": policy, "run": mixed}
+    _log(f"tfmp auto: {decision.policy} on {decision.device}; running {policy!r}: {mixed}")
     _log("matmul")
-    results["matmul"] = bench_matmul(decision.compute_dtype, sizes)
+    results["matmul"] = bench_matmul(keras.DTypePolicy(mixed).compute_dtype, sizes)
     with tempfile.TemporaryDirectory() as tmp:
         results["models"] = {}
         for name in ([] if batchnorm_only else names):
             results["models"][name] = bench_workload(
-                chosen[name], decision.policy, sizes, log_dir or tmp
+                chosen[name], mixed, sizes, log_dir or tmp, tfmp_policy=policy
             )
             gc.collect()
         bn_names = [n for n in BATCHNORM_MODELS if n in chosen and (not models or n in models)]
-        policy = batchnorm_policy(decision.policy)
-        results["batchnorm"] = {"policy": policy, "models": {}}
+        bn_policy = batchnorm_policy(mixed)
+        results["batchnorm"] = {"policy": bn_policy, "models": {}}
         for name in bn_names:
             results["batchnorm"]["models"][name] = bench_workload(
-                chosen[name], policy, sizes, log_dir or tmp, configs=harness.BN_CONFIGS)
+                chosen[name], bn_policy, sizes, log_dir or tmp, configs=harness.BN_CONFIGS)
             gc.collect()
-    bf16_cpu = decision.compute_dtype == "bfloat16" and not detect_device_facts().gpus
-    results["targets"] = report.verdicts(results["models"], bf16_cpu)
+    auto = policy == "auto"
+    bf16_cpu = auto and decision.compute_dtype == "bfloat16" and not detect_device_facts().gpus
+    results["targets"] = report.verdicts(results["models"], bf16_cpu, auto)
     results["machine"]["load_average_end"] = list(os.getloadavg())
     results["suite"]["duration_s"] = time.perf_counter() - start
     return results
@@ -223,15 +234,19 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser.add_argument("--log-dir", help="keep the tfmp monitor's events here")
     parser.add_argument("--batchnorm-only", action="store_true",
                         help="only the Keras BatchNormalization vs fused line")
+    parser.add_argument("--policy", choices=POLICIES, default="auto",
+                        help="policy of the Keras mixed and tfmp configurations "
+                             "(default: what tfmp's 'auto' picks here)")
     args = parser.parse_args(argv)
     if args.repeats is not None and args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    results = run_suite(args.quick, args.repeats, args.models, args.log_dir, args.batchnorm_only)
+    results = run_suite(args.quick, args.repeats, args.models, args.log_dir,
+                        args.batchnorm_only, args.policy)
     m = results["machine"]
     print(f"{m['cpu']}, {m['cores']} cores; TensorFlow {m['tensorflow']}, Keras "
           f"{m['keras']}; {m['date']}; load average {m['load_average_start'][0]:.2f} "
           f"-> {m['load_average_end'][0]:.2f}; {results['suite']['duration_s']:.0f} s")
-    print(f"auto: {results['decision']['policy']}\n")
+    print(f"auto: {results['decision']['policy']}; run: {results['decision']['run']}\n")
     print(report.markdown(results))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

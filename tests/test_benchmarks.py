@@ -143,10 +143,10 @@ def test_memory_counts_follow_the_policies(quick):
 def test_targets_are_judged_from_the_ratios(quick):
     results = quick["written"]
     targets = results["targets"]
-    overhead = [t for t in targets if t["ratio"] == "tfmp_vs_keras_step_time"]
+    overhead = [t for t in targets if t["limit"] == 1.02]
     assert {t["model"] for t in overhead} == MODELS
     for t in targets:
-        value = results["models"][t["model"]]["ratios"][t["ratio"]]["value"]
+        value = results["models"][t["model"]]["ratios"][t["ratio"]]["paired"]
         assert t["value"] == value
         if t["met"] is not None:
             assert t["met"] == (value <= t["limit"] if t["op"] == "<=" else value >= t["limit"])
@@ -182,10 +182,28 @@ def test_ratios_and_verdicts_on_exact_numbers():
     assert r["tfmp_vs_keras_step_time"] == {"value": 1.0, "paired": 1.0}
     models = {"mlp": {"ratios": r}, "cnn": {"ratios": r}}
     judged = {(t["model"], t["limit"]): t["met"] for t in report.verdicts(models, True)}
-    assert judged == {("mlp", 1.02): True, ("cnn", 1.02): True, ("mlp", 1.5): True,
-                      ("cnn", 1.8): True, ("mlp", 1.0): True, ("cnn", 1.0): True}
+    assert judged == {("mlp", 1.02): True, ("cnn", 1.02): True, ("cnn", 0.769): False,
+                      ("mlp", 1.5): True, ("cnn", 1.8): True, ("mlp", 1.0): True,
+                      ("cnn", 1.0): True}
     not_bf16 = report.verdicts(models, False)
     assert [t["met"] for t in not_bf16 if t["limit"] in (1.5, 1.8)] == [None, None]
+    explicit = {(t["model"], t["limit"]): t["met"] for t in report.verdicts(models, False, auto=False)}
+    assert explicit[("mlp", 1.0)] is None and explicit[("cnn", 1.0)] is None
+    assert explicit[("mlp", 1.02)] is True
+
+
+def test_verdicts_judge_the_paired_ratio():
+    # Medians agree (ratio of medians 1.0) but tfmp is 1.5x slower within every repeat.
+    configs = {
+        "float32": report.summarize_config([100.0, 100.0, 100.0]),
+        "keras_mixed": report.summarize_config([150.0, 300.0, 450.0]),
+        "tfmp": report.summarize_config([100.0, 200.0, 300.0]),
+    }
+    r = report.ratios(configs)
+    assert r["tfmp_vs_keras_step_time"]["paired"] == 1.5
+    overhead = [t for t in report.verdicts({"mlp": {"ratios": r}}, True)
+                if t["ratio"] == "tfmp_vs_keras_step_time"]
+    assert [(t["value"], t["met"]) for t in overhead] == [(1.5, False)]
 
 
 def test_calibrated_steps_stay_in_bounds():
@@ -221,3 +239,22 @@ def test_guard_cost_pairs_each_repeat_with_plain_keras():
     assert set(results) == {"float32 wall", "float32 cpu"}
     assert all(value > 0 for row in results.values() for value in row.values())
     assert keras.config.dtype_policy().name == before
+
+
+def test_explicit_policy_runs_keras_and_tfmp_under_it():
+    results = run.run_suite(quick=True, repeats=1, models=["cnn"], policy="mixed_bfloat16")
+    assert results["decision"]["run"] == "mixed_bfloat16"
+    cnn = results["models"]["cnn"]["configs"]
+    assert {c: cnn[c]["policy"] for c in harness.CONFIGS} == {
+        "float32": "float32", "keras_mixed": "mixed_bfloat16", "tfmp": "mixed_bfloat16"}
+    assert cnn["tfmp"]["fused_batchnorm"] == [4, 4]
+    assert cnn["keras_mixed"]["fused_batchnorm"] == [0, 4]
+    # BatchNormalization keeps the 16-bit policy under tfmp: activations as plain Keras's
+    # but for the float32 logits (batch x 10 classes, 2 more bytes each).
+    extra = cnn["tfmp"]["memory"]["activation_bytes"] - cnn["keras_mixed"]["memory"]["activation_bytes"]
+    assert extra == results["models"]["cnn"]["batch_size"] * 10 * 2
+    assert cnn["float32"]["memory"]["activation_bytes"] > cnn["tfmp"]["memory"]["activation_bytes"]
+    assert results["matmul"]["dtype"] == "bfloat16"
+    verdicts = {(t["ratio"], t["limit"]): t["met"] for t in results["targets"]}
+    assert verdicts[("tfmp_vs_float32", 1.0)] is None  # not "auto"
+    assert verdicts[("tfmp_vs_float32", 1.8)] is None

@@ -376,6 +376,21 @@ def test_stuck_error_from_the_optimizer_is_logged_before_it_propagates(tmp_path)
     assert "step 5: training stopped by NonFiniteError" in run["monitor_notes"][-1][1]
 
 
+@pytest.mark.parametrize("guard, cause", [
+    ("auto", "non-finite loss or gradients"), ("gradients", "non-finite gradients")])
+def test_skipped_step_text_names_what_the_guard_checks(tmp_path, guard, cause):
+    model = tiny_model()
+    model.compile(optimizer=tfmp.LossScaleOptimizer(
+        keras.optimizers.SGD(), loss_scaling=False, guard=guard), loss="mse")
+    x, y = data(16)
+    y[9] = np.nan  # second batch of 8: its loss, then its gradients, are NaN
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
+              callbacks=[tfmp.LossScaleMonitor(tmp_path, update_freq="batch")])
+    run = read_run(tmp_path)
+    assert run["batch_overflow_count"] == [(1, 0.0), (2, 1.0)]
+    assert run["overflow_events"] == [(2, f"step 2: {cause}, scale 1 -> 1")]
+
+
 def test_next_to_keras_tensorboard_and_layout(tmp_path):
     model = tiny_model()
     model.compile(optimizer=tfmp.LossScaleOptimizer(keras.optimizers.SGD(), loss_scaling=False), loss="mse")

@@ -19,7 +19,7 @@ included, see `LossScaleState.step`) and ``epoch_<name>`` (step = epoch index):
 
 Per event, at the step it happened: ``overflow_scale`` (scalar: the scale that
 overflowed) and ``overflow_events`` (text, "step 117: non-finite gradients, scale
-32768 -> 16384"); with `grad_stats_freq`, ``grad_norm``,
+32768 -> 16384"; "non-finite loss or gradients" under the loss guard); with `grad_stats_freq`, ``grad_norm``,
 ``grad_underflow_fraction``, ``grad_overflow_fraction`` and ``grad_zero_fraction``
 (see `tfmp._src.monitor.grad_stats`); ``monitor_notes`` (text: no device memory on CPU,
 overflows too old to itemize, training stopped by an exception). Plus the
@@ -57,6 +57,7 @@ from tfmp._src.monitor.state import is_tfmp_optimizer
 from tfmp._src.monitor.state import read_overflow_events
 from tfmp._src.monitor.state import read_state
 from tfmp._src.monitor.state import samples_this_epoch
+from tfmp._src.monitor.state import skip_cause
 
 _LOG = logging.getLogger(__name__)
 #: Window scalars that only an optimizer counting overflows can give.
@@ -309,11 +310,12 @@ class LossScaleMonitor(keras.callbacks.Callback):
                 f"counted but not itemized (the overflow history holds "
                 f"{OVERFLOW_HISTORY}); log more often to see each.",
             )
+        cause = skip_cause(self.model.optimizer) if events else None
         for event in events:
             self._events.write(
                 event.step,
                 {"overflow_scale": event.scale_before},
-                {"overflow_events": describe(event)},
+                {"overflow_events": describe(event, cause)},
             )
         stats = self._grad_stats.read() if self._grad_stats is not None else None
         if stats is not None and stats[0] > self._last_grad_step:

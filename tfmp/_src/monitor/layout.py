@@ -25,9 +25,9 @@ from tfmp._src.monitor.metrics import GROUP as METRICS_GROUP
 
 #: Chart descriptions by tag (Markdown; TensorBoard shows them behind an info icon).
 DESCRIPTIONS = {
-    "overflow_scale": "Loss scale of a step skipped for non-finite gradients, "
-    "at that step (one point per skipped step).",
-    "overflow_events": "One line per skipped step: the scale before and after.",
+    "overflow_scale": "Loss scale of a step skipped for non-finite gradients "
+    "(or loss, under the loss guard), at that step (one point per skipped step).",
+    "overflow_events": "One line per skipped step: what was non-finite, the scale before and after.",
     "update_ratio": "||weights after - before|| / ||weights before|| of one step "
     "(global L2 norms). Below 2**-8, a bfloat16 copy of the weights would not move.",
     "bfloat16_relative_precision": "2**-8: relative changes smaller than this are "

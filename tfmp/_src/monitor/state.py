@@ -16,6 +16,7 @@ from typing import Any, List, Optional
 import keras
 
 from tfmp._src.keras_hooks.keras_private import loss_tracker
+from tfmp._src.loss_scale import guard as _guard
 from tfmp._src.loss_scale.optimizer import LossScaleOptimizer
 
 
@@ -135,15 +136,27 @@ def format_scale(value: float) -> str:
     return repr(value)
 
 
-def describe(event: OverflowEvent) -> str:
-    """The overflow's text summary.
+def skip_cause(optimizer: Any) -> str:
+    """What made `optimizer` skip a step, from its guard (`tfmp._src.loss_scale.guard`).
+
+    ``"non-finite gradients"`` when every gradient is checked (loss scaling, or
+    ``guard="gradients"``); ``"non-finite loss or gradients"`` under the loss
+    guard (the loss in `fit`; the gradients in a step applied without
+    `scale_loss`).
+    """
+    checks = _guard.resolve(optimizer.guard, optimizer.loss_scaling)
+    return "non-finite gradients" if checks == "gradients" else "non-finite loss or gradients"
+
+
+def describe(event: OverflowEvent, cause: str = "non-finite gradients") -> str:
+    """The skipped step's text summary; `cause` as from `skip_cause`.
 
     Example:
         >>> describe(OverflowEvent(117, 32768.0, 16384.0))
         'step 117: non-finite gradients, scale 32768 -> 16384'
     """
     return (
-        f"step {event.step}: non-finite gradients, scale "
+        f"step {event.step}: {cause}, scale "
         f"{format_scale(event.scale_before)} -> {format_scale(event.scale_after)}"
     )
 

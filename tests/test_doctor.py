@@ -80,6 +80,16 @@ def test_cpu_bf16_flags_and_global_policy_are_reported():
     assert any("#no-speed-up" in n for n in report.data["notes"])
 
 
+def test_cpu_with_bf16_but_onednn_off_is_reported():
+    mac = DeviceFacts(cpu_name="Apple M2", cpu_flags=frozenset({"bf16"}), cpu_target="m2",
+                      system="Darwin")
+    report = tfmp.doctor(mac, file=None)
+    cpu = report.data["devices"][0]
+    assert cpu["bf16_flags"] == ["bf16"] and cpu["onednn"] is False and cpu["bfloat16"] is False
+    assert report.data["recommendation"]["policy"] == "float32"
+    assert "CPU Apple M2 (bf16 flags: bf16; TensorFlow's oneDNN kernels off)" in str(report)
+
+
 def test_unknown_compute_capability_is_not_guessed():
     facts = DeviceFacts(gpus=(GpuFacts("Mystery GPU", None),))
     report = tfmp.doctor(facts, file=None)

@@ -1,5 +1,8 @@
 """Device detection: TensorFlow's device lists, GPU details and CPU flags (archspec)."""
 
+import os
+import platform
+
 import archspec.cpu
 import pytest
 import tensorflow as tf
@@ -93,13 +96,15 @@ CPU_CASES = {
         "neoverse_v1", _partial("ARM", "fp asimd sve bf16 svebf16 i8mm"),
         None, "mixed_bfloat16", "(bf16)",
     ),
-    "neoverse_v2": ("neoverse_v2", None, None, "mixed_bfloat16", "(bf16)"),
+    # Graviton4 / Grace: BF16, but TensorFlow turns oneDNN on by default for Neoverse V1 only.
+    "neoverse_v2": ("neoverse_v2", None, None, "float32", "(bf16; oneDNN off)"),
     # Graviton2: no BF16.
     "neoverse_n1": ("neoverse_n1", _partial("ARM", "fp asimd atomics"), None, "float32",
                     "(no bfloat16 flags)"),
-    # Apple M2: archspec reads no flags on macOS; the m2 target lists bf16.
+    # Apple M2: archspec reads no flags on macOS; the m2 target lists bf16, but
+    # TensorFlow has no oneDNN kernels on macOS.
     "apple_m2": ("m2", detect.partial_uarch(name="m2", vendor="Apple"), "Apple M2",
-                 "mixed_bfloat16", "(bf16)"),
+                 "float32", "(bf16; oneDNN off)", "Darwin"),
     "no_flags": ("x86_64", None, "Mystery CPU", "float32", "(no bfloat16 flags)"),
 }
 
@@ -107,7 +112,9 @@ CPU_CASES = {
 @pytest.mark.parametrize("case", sorted(CPU_CASES))
 def test_auto_decides_from_what_archspec_reports(case, monkeypatch):
     """From archspec's detection to the decision, with the expectation written out."""
-    target, detected, brand, policy, flags = CPU_CASES[case]
+    target, detected, brand, policy, flags, system = (CPU_CASES[case] + ("Linux",))[:6]
+    monkeypatch.setattr(platform, "system", lambda: system)
+    monkeypatch.delenv(_hardware.ONEDNN_ENV, raising=False)
     monkeypatch.setattr(archspec.cpu, "host", lambda: archspec.cpu.TARGETS[target])
     monkeypatch.setattr(detect, "detected_info", lambda: detected or _partial("", ""))
     monkeypatch.setattr(archspec.cpu, "brand_string", lambda: brand)
@@ -118,8 +125,43 @@ def test_auto_decides_from_what_archspec_reports(case, monkeypatch):
     assert (decision.policy, decision.device) == (policy, f"CPU '{name}' {flags}")
 
 
+ZEN4 = dict(cpu_name="AMD EPYC", cpu_flags=frozenset({"sse2", "avx512_bf16"}), cpu_target="zen4")
+V2 = dict(cpu_name="ARM neoverse_v2", cpu_flags=frozenset({"bf16"}), cpu_target="neoverse_v2")
+
+
+@pytest.mark.parametrize("facts, env, system, onednn", [
+    (ZEN4, None, "Linux", True), (ZEN4, "0", "Linux", False), (ZEN4, "False", "Linux", False),
+    (ZEN4, None, "Windows", True), (V2, None, "Linux", False), (V2, "1", "Linux", True),
+    (V2, "TRUE", "Darwin", True), (V2, "yes", "Linux", False),  # TensorFlow ignores "yes"
+    (dict(V2, cpu_target="neoverse_v1"), None, "Linux", True),
+    (dict(V2, cpu_target="m2"), None, "Darwin", False),
+])
+def test_onednn_rule_follows_tensorflow(facts, env, system, onednn):
+    device = tfmp.DeviceFacts(system=system, onednn_env=env, **facts)
+    assert device.onednn is onednn
+    decision = tfmp.recommend_policy(device)
+    assert decision.policy == ("mixed_bfloat16" if onednn else "float32")
+    warning = tfmp._src.policy.policy.slower_than_float32("mixed_bfloat16", device)
+    if onednn:
+        assert warning is None
+    else:
+        assert "oneDNN kernels are off" in decision.reason and "TF_ENABLE_ONEDNN_OPTS=1" in decision.reason
+        assert warning == decision.reason
+        assert (f"TF_ENABLE_ONEDNN_OPTS={env}" in decision.reason) == bool(env)
+
+
+def test_onednn_setting_is_read_from_the_environment(monkeypatch):
+    monkeypatch.setenv(_hardware.ONEDNN_ENV, "0")
+    monkeypatch.setattr(tf.config, "list_physical_devices", lambda kind=None: [])
+    facts = _hardware.detect_device_facts.__wrapped__()
+    assert facts.onednn_env == "0" and facts.onednn is False
+    assert facts.system == platform.system()
+    assert facts.cpu_target == archspec.cpu.host().name
+
+
 def test_arm_reason_does_not_claim_the_zen4_measurement():
-    arm = tfmp.DeviceFacts(cpu_name="ARM neoverse_v1", cpu_flags=frozenset({"sve", "bf16"}))
+    arm = tfmp.DeviceFacts(cpu_name="ARM neoverse_v1", cpu_flags=frozenset({"sve", "bf16"}),
+                           cpu_target="neoverse_v1")
     reason = tfmp.recommend_policy(arm).reason
     assert reason.startswith("The CPU has BF16, so oneDNN runs bfloat16 matmuls")
     assert "not measured by tfmp" in reason and "Zen 4" not in reason
@@ -142,8 +184,12 @@ def _this_cpu_flags():
 @pytest.mark.skipif(bool(tf.config.list_physical_devices("GPU")), reason="decides for a GPU")
 @pytest.mark.skipif(_this_cpu_flags() is None, reason="no /proc/cpuinfo to check against")
 def test_this_cpu_machine():
-    # The rule written out: hardware bfloat16 is AVX512_BF16, AMX-BF16 or Arm BF16.
-    has_bf16 = bool({"avx512_bf16", "amx_bf16", "bf16"} & _this_cpu_flags())
+    # The rule written out: hardware bfloat16 is AVX512_BF16, AMX-BF16 or Arm BF16,
+    # used through TensorFlow's oneDNN kernels (on by default for x86 on Linux).
+    x86_bf16 = bool({"avx512_bf16", "amx_bf16"} & _this_cpu_flags())
+    onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "").lower() not in ("0", "false")
+    arm_bf16 = "bf16" in _this_cpu_flags() and archspec.cpu.host().name == "neoverse_v1"
+    has_bf16 = (x86_bf16 or arm_bf16) and onednn
     decision = tfmp.recommend_policy()
     assert decision.policy == ("mixed_bfloat16" if has_bf16 else "float32")
     assert decision.device.startswith("CPU '")

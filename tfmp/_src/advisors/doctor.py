@@ -52,11 +52,12 @@ def _gpu_entry(index: int, gpu: GpuFacts) -> Dict[str, Any]:
 
 
 def _cpu_entry(facts: DeviceFacts) -> Dict[str, Any]:
-    cpu = DeviceFacts(cpu_name=facts.cpu_name, cpu_flags=facts.cpu_flags)
+    cpu = dataclasses.replace(facts, gpus=(), tpu=False)
     return {
         "type": "CPU",
         "name": facts.cpu_name,
         "bf16_flags": list(facts.cpu_bf16_flags),
+        "onednn": facts.onednn,
         "float16": False,
         "bfloat16": _fast("mixed_bfloat16", cpu),
         "tf32": None,
@@ -99,7 +100,9 @@ def _device_name(dev: Dict[str, Any]) -> str:
         return (f"GPU:{dev['index']} {dev['name']}, compute capability "
                 f"{dev['compute_capability']}")
     if dev["type"] == "CPU":
-        return f"CPU {dev['name']} (bf16 flags: {', '.join(dev['bf16_flags']) or 'none'})"
+        onednn = "on" if dev["onednn"] else "off"
+        return (f"CPU {dev['name']} (bf16 flags: {', '.join(dev['bf16_flags']) or 'none'}; "
+                f"TensorFlow's oneDNN kernels {onednn})")
     return dev["name"]
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import platform
 from typing import Any, Optional, Tuple
 
 # CPU feature flags (as Linux spells them in /proc/cpuinfo, and archspec on every
@@ -27,6 +29,40 @@ from typing import Any, Optional, Tuple
 # oneDNN uses all three for its bfloat16 kernels (oneDNN "Data types" documentation;
 # on Arm through the Arm Compute Library).
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+#: The environment variable TensorFlow reads to turn its oneDNN CPU kernels on or off.
+ONEDNN_ENV = "TF_ENABLE_ONEDNN_OPTS"
+
+
+def onednn_enabled(system: str, env_value: Optional[str], x86: bool, cpu_target: str) -> bool:
+    """Whether TensorFlow runs its oneDNN CPU kernels, hence hardware bfloat16 matmuls.
+
+    TensorFlow 2.21's rule (``tensorflow/core/util/port.cc``, ``IsMklEnabled`` and
+    ``DefaultOneDnnPolicy``): ``TF_ENABLE_ONEDNN_OPTS`` decides when it is
+    ``0``/``false``/``1``/``true`` (any case); otherwise oneDNN is on by default on
+    Windows x86, and on Linux for x86 CPUs with AVX512_VNNI, AVX512_BF16, AVX_VNNI
+    or AMX (every x86 CPU with a bfloat16 flag has one of them) and for Arm
+    Neoverse V1 only; off elsewhere (macOS, other Arm CPUs on Linux). Without
+    oneDNN, bfloat16 runs on Eigen's kernels, which convert to float32 and back.
+
+    Args:
+        system: String, `platform.system()`: ``"Linux"``, ``"Windows"``, ``"Darwin"``.
+        env_value: String or None. The value of ``TF_ENABLE_ONEDNN_OPTS``.
+        x86: Bool. The CPU is x86 (else Arm).
+        cpu_target: String. archspec's microarchitecture name, e.g. ``"neoverse_v1"``.
+
+    Returns:
+        Bool.
+    """
+    value = (env_value or "").strip().lower()
+    if value in ("1", "true"):
+        return True
+    if value in ("0", "false"):
+        return False
+    if system == "Windows":
+        return x86
+    if system == "Linux":
+        return x86 or cpu_target == "neoverse_v1"
+    return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +97,11 @@ class DeviceFacts:
         cpu_flags: Frozenset of lowercase CPU feature flags as Linux and
             archspec spell them, e.g. ``{"avx512f", "avx512_bf16"}`` (x86) or
             ``{"sve", "bf16"}`` (Arm).
+        cpu_target: String. archspec's name of the CPU's microarchitecture, e.g.
+            ``"zen4"``, ``"neoverse_v1"``, ``"m2"``; empty when unknown.
+        system: String, as `platform.system()` says: ``"Linux"``, ``"Windows"``,
+            ``"Darwin"`` (macOS).
+        onednn_env: String or None. The value of ``TF_ENABLE_ONEDNN_OPTS``.
 
     Example:
         >>> a100 = DeviceFacts(gpus=(GpuFacts("NVIDIA A100", (8, 0)),))
@@ -72,11 +113,20 @@ class DeviceFacts:
     tpu: bool = False
     cpu_name: str = "unknown CPU"
     cpu_flags: frozenset = frozenset()
+    cpu_target: str = ""
+    system: str = "Linux"
+    onednn_env: Optional[str] = None
 
     @property
     def cpu_bf16_flags(self) -> Tuple[str, ...]:
         """Tuple of strings. The bfloat16 flags of `CPU_BF16_FLAGS` present."""
         return tuple(flag for flag in CPU_BF16_FLAGS if flag in self.cpu_flags)
+
+    @property
+    def onednn(self) -> bool:
+        """Bool. TensorFlow's oneDNN CPU kernels are on (see `onednn_enabled`)."""
+        x86 = bool(set(self.cpu_bf16_flags) - {"bf16"}) or "sse2" in self.cpu_flags
+        return onednn_enabled(self.system, self.onednn_env, x86, self.cpu_target)
 
     @property
     def weakest_gpu(self) -> Optional[GpuFacts]:
@@ -166,10 +216,13 @@ def detect_device_facts() -> DeviceFacts:
     """Reads this machine's device facts once per process.
 
     Returns:
-        `DeviceFacts` of the visible GPUs (with compute capability), TPUs, and the
-        CPU's model name and flags.
+        `DeviceFacts` of the visible GPUs (with compute capability), TPUs, the
+        CPU's model name, flags and microarchitecture, the operating system and
+        ``TF_ENABLE_ONEDNN_OPTS``.
     """
     import tensorflow as tf
+
+    import archspec.cpu
 
     cpu_name, cpu_flags = _read_cpu()
     return DeviceFacts(
@@ -177,4 +230,7 @@ def detect_device_facts() -> DeviceFacts:
         tpu=bool(tf.config.list_physical_devices("TPU")),
         cpu_name=cpu_name,
         cpu_flags=cpu_flags,
+        cpu_target=archspec.cpu.host().name,
+        system=platform.system(),
+        onednn_env=os.environ.get(ONEDNN_ENV),
     )

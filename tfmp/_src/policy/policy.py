@@ -29,7 +29,7 @@ from typing import Optional, Union
 import keras
 
 from tfmp._src.errors import invalid_argument
-from tfmp._src.policy.hardware import DeviceFacts, detect_device_facts
+from tfmp._src.policy.hardware import ONEDNN_ENV, DeviceFacts, detect_device_facts
 
 MIXED_FLOAT16 = "mixed_float16"
 MIXED_BFLOAT16 = "mixed_bfloat16"
@@ -115,6 +115,8 @@ def describe_device(facts: DeviceFacts) -> str:
     if gpu is not None:
         return f"GPU '{gpu.name}' (compute capability {gpu.cc_string})"
     flags = ", ".join(facts.cpu_bf16_flags) or "no bfloat16 flags"
+    if facts.cpu_bf16_flags and not facts.onednn:
+        flags += "; oneDNN off"
     return f"CPU '{facts.cpu_name}' ({flags})"
 
 
@@ -145,6 +147,8 @@ def recommend_policy(device_facts: Optional[DeviceFacts] = None) -> PolicyDecisi
     gpu = facts.weakest_gpu
     if gpu is not None:
         return _gpu_decision(gpu.compute_capability, gpu.cc_string, device)
+    if facts.cpu_bf16_flags and not facts.onednn:
+        return PolicyDecision(FLOAT32, _onednn_off(facts), device)
     if facts.cpu_bf16_flags:
         measured = ("measured 1.88x float32 on a Zen 4 CPU"
                     if set(facts.cpu_bf16_flags) - {"bf16"}
@@ -224,8 +228,21 @@ def slower_than_float32(policy: str, facts: DeviceFacts) -> Optional[str]:
             f"this GPU has {facts.weakest_gpu.cc_string}"
         )
     if compute == "bfloat16" and facts.cpu_bf16_flags:
-        return None
+        return None if facts.onednn else _onednn_off(facts)
     return f"this CPU has no {compute} arithmetic ({describe_device(facts)})"
+
+
+def _onednn_off(facts: DeviceFacts) -> str:
+    """Why a CPU with bfloat16 instructions still gets float32: TensorFlow's oneDNN is off."""
+    why = (f"{ONEDNN_ENV}={facts.onednn_env}" if facts.onednn_env
+           else f"TensorFlow's default on {facts.system} for this CPU")
+    return (
+        f"The CPU has {'/'.join(facts.cpu_bf16_flags).upper()}, but TensorFlow's oneDNN "
+        f"kernels are off ({why}; TensorFlow 2.21 turns them on by default only on "
+        "Linux for x86 and Arm Neoverse V1, and on Windows x86): bfloat16 would run on "
+        "Eigen's kernels, which convert to float32 and back, slower than float32. "
+        f"Set {ONEDNN_ENV}=1 before TensorFlow starts to use oneDNN."
+    )
 
 
 def resolve_policy(

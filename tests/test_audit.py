@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tfmp
-from tfmp._src.float32.audit import _dtype_mismatch_line
+from tfmp._src.float32.audit_batch import _dtype_mismatch_line
 
 
 def digits_model(units=64):

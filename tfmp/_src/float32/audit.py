@@ -47,18 +47,16 @@ Warning kinds (``AuditWarning.kind``):
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
-import re
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import keras
-import tensorflow as tf
 
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.errors import invalid_argument
 from tfmp._src.float32 import force as _float32
+from tfmp._src.float32.audit_batch import gradient_check
+from tfmp._src.float32.audit_report import AuditReport, AuditRow, AuditWarning
 from tfmp._src.float32 import fused_batchnorm as _fused_batchnorm
 from tfmp._src.float32.cast_back import handed_back_dtype
 from tfmp._src.float32 import registry as _registry
@@ -69,132 +67,6 @@ from tfmp._src.policy.hardware import detect_device_facts
 
 FLOAT32_HEAVY_FRACTION = 0.5
 _LOW = LOW_PRECISION
-_FIX = (
-    "cast constants and other tensors to `self.compute_dtype` inside `call()` "
-    "(e.g. `keras.ops.cast(c, self.compute_dtype)`)"
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class AuditWarning:
-    """One finding. ``kind`` is one of the module's warning kinds; ``path`` the layer."""
-
-    kind: str
-    path: str
-    message: str
-
-
-@dataclasses.dataclass(frozen=True)
-class AuditRow:
-    """One layer.
-
-    Attributes:
-        path: String. Layer path relative to the model (``"block/dense"``).
-        class_name: String. The layer's class name.
-        compute_dtype: String. Dtype the layer computes in.
-        output_dtype: String. Dtype of its floating outputs (``"float32,bfloat16"``
-            when they differ; ``"-"`` when it never ran in the ``batch=`` pass).
-        variable_dtype: String. Dtype of its own weights (else its policy's).
-        forced: String. tfmp's reason for forcing it to float32 (``"output"``,
-            ``"softmax"``, ``"known fix: ..."``, ``"user rule"``, ``"inside <path>"``...)
-            or ``""``.
-        why: String. ``forced``, or ``"float32 inside Keras >= 3.12"`` for a layer
-            Keras itself computes in float32, or ``""``.
-        params: Int. Its own parameter count.
-        warnings: Tuple of warning kinds for this layer.
-        output_from: String. Where ``output_dtype`` comes from: ``"graph"``,
-            ``"run"`` (the ``batch=`` pass) or ``"rule"``.
-        batchnorm_kernel: String. For a BatchNormalization, ``"fused"`` when it runs
-            on TensorFlow's fused kernel, else ``"keras: <why not>"``
-            (`tfmp._src.float32.fused_batchnorm`); ``""`` for other layers.
-    """
-
-    path: str
-    class_name: str
-    compute_dtype: str
-    output_dtype: str
-    variable_dtype: str
-    forced: str
-    why: str
-    params: int
-    warnings: Tuple[str, ...]
-    output_from: str
-    batchnorm_kernel: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class GradientRow:
-    """A trainable variable's dtype and its gradient's dtype (None: no gradient)."""
-
-    path: str
-    variable_dtype: str
-    gradient_dtype: Optional[str]
-
-
-@dataclasses.dataclass(frozen=True)
-class AuditReport:
-    """Result of :func:`audit`; ``str(report)`` is an aligned table.
-
-    Attributes:
-        policy: String. Name of the Keras global dtype policy.
-        rows: Tuple of :class:`AuditRow`, parents before children.
-        warnings: Tuple of :class:`AuditWarning`.
-        float32_fraction: Float in [0, 1]. Share of parameters in forced layers.
-        gradients: Tuple of :class:`GradientRow`, empty unless ``batch`` was given.
-    """
-
-    policy: str
-    rows: Tuple[AuditRow, ...]
-    warnings: Tuple[AuditWarning, ...]
-    float32_fraction: float
-    gradients: Tuple[GradientRow, ...] = ()
-
-    @property
-    def kinds(self) -> frozenset:
-        """Set of warning kinds present."""
-        return frozenset(w.kind for w in self.warnings)
-
-    def __str__(self) -> str:
-        header = ("layer", "class", "compute", "output", "variables", "why", "params", "warnings")
-        body = [
-            (r.path, r.class_name, r.compute_dtype,
-             r.output_dtype + ("*" if r.output_from == "rule" else ""), r.variable_dtype,
-             r.why or "-", f"{r.params:,}", ",".join(r.warnings) or "-")
-            for r in self.rows
-        ]
-        lines = [f"tfmp audit (global policy: {self.policy})"] + _table(header, body)
-        if any(r.output_from == "rule" for r in self.rows):
-            lines.append("* output dtype from tfmp's rule (layer inside custom code); "
-                         "pass batch= to measure it.")
-        lines.append(f"Parameters in float32-forced layers: {self.float32_fraction:.1%}")
-        lines += _batchnorm_lines(self.rows)
-        if self.gradients:
-            lines += ["", "Gradient check (one batch):"] + _table(
-                ("variable", "variable dtype", "gradient dtype"),
-                [(g.path, g.variable_dtype, g.gradient_dtype or "None") for g in self.gradients],
-            )
-        lines += [""] + [f"WARNING [{w.kind}] {w.message}" for w in self.warnings]
-        return "\n".join(lines).rstrip()
-
-
-def _batchnorm_lines(rows: Sequence[AuditRow]) -> List[str]:
-    """One line counting the fused BatchNormalization layers, one per layer on Keras's path."""
-    notes = [(r.path, r.batchnorm_kernel) for r in rows if r.batchnorm_kernel]
-    if not notes:
-        return []
-    fused = sum(note == _fused_batchnorm.FUSED for _, note in notes)
-    return [f"BatchNormalization on the fused kernel: {fused} of {len(notes)}"] + [
-        f"  {path}: {note}" for path, note in notes if note != _fused_batchnorm.FUSED]
-
-
-def _table(header: Sequence[str], body: Sequence[Sequence[str]]) -> List[str]:
-    widths = [max(len(str(c)) for c in column) for column in zip(header, *body)]
-    rule = "  ".join("-" * w for w in widths)
-
-    def fmt(row: Sequence[str]) -> str:
-        return "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
-
-    return [fmt(header), rule] + [fmt(row) for row in body]
 
 
 def _dims(layer: keras.layers.Layer) -> List[Tuple[str, Optional[int]]]:
@@ -343,130 +215,6 @@ def _consumer_warnings(path, layer, why, out_dtypes, consumers, parent, paths):
         )
 
 
-def _dtype_error_layers(error: Exception, entries) -> List[str]:
-    """Paths of the layers named in a Keras "when calling X.call()" error."""
-    classes = set(re.findall(r"calling (\w+)\.call\(\)", str(error)))
-    return [path for path, layer, _ in entries if type(layer).__name__ in classes]
-
-
-#: First lines of TensorFlow errors saying that two dtypes do not match: an eager op
-#: ("cannot compute AddV2 as input #1(zero-based) was expected to be a bfloat16 tensor
-#: but is a float tensor", InvalidArgumentError), a graph op ("Input 'y' of 'AddV2' Op
-#: has type float32 that does not match type bfloat16 of argument 'x'", "Tensors in
-#: list passed to 'values' of 'ConcatV2' Op have types [bfloat16, float32] that don't
-#: all match", TypeError) and a conversion ("Tensor conversion requested dtype
-#: bfloat16 for Tensor with dtype float32", ValueError). Measured on TF 2.21.
-_DTYPE_MISMATCH = {
-    tf.errors.InvalidArgumentError: re.compile(r"was expected to be an? \w+ tensor but is an? \w+ tensor"),
-    TypeError: re.compile(
-        r"has type \w+ that does not match type \w+|have types \[[\w, ]+\] that don't all match"
-    ),
-    ValueError: re.compile(r"^Tensor conversion requested dtype \w+ for Tensor with dtype \w+"),
-}
-
-
-def _message(error: BaseException) -> str:
-    """The error's own text (an `OpError`'s message without TensorFlow's prefix)."""
-    if isinstance(error, tf.errors.OpError):
-        return error.message or ""
-    return str(error.args[0]) if error.args else ""
-
-
-def _as_raised(error: BaseException) -> BaseException:
-    """The error as the failing op raised it, before Keras added call information.
-
-    Keras re-raises an error from a layer's `call` as a new error of the same class
-    whose message wraps the original one ("Exception encountered when calling
-    X.call()", the original text, then "Arguments received by X.call()" with every
-    argument's shape and dtype), raised while handling the original, so the original
-    is the new error's `__context__`. The chain is followed only while each step is
-    such a re-raise: same class, message contained in the outer one.
-    """
-    for _ in range(8):  # one step per Keras wrapper; a bound against cycles
-        inner = error.__context__
-        text = _message(inner) if inner is not None else ""
-        if inner is None or type(inner) is not type(error) or not text or text not in _message(error):
-            break
-        error = inner
-    return error
-
-
-def _dtype_mismatch_line(error: BaseException) -> Optional[str]:
-    """The first line of `error` when it says two dtypes do not match, else None.
-
-    Decided from the error as the failing op raised it (`_as_raised`): its class and
-    its first line, never from Keras's dump of the call's arguments, which names a
-    dtype for every tensor argument whatever went wrong.
-    """
-    raised = _as_raised(error)
-    lines = _message(raised).strip().splitlines()
-    first = lines[0].strip() if lines else ""
-    for error_class, pattern in _DTYPE_MISMATCH.items():
-        if isinstance(raised, error_class) and pattern.search(first):
-            first = first.split(": <tf.Tensor")[0]  # a conversion error prints the values
-            return re.sub(r"\s+name:\s*\S*$", "", first)  # eager ops end in "[Op:AddV2] name: "
-    return None
-
-
-@contextlib.contextmanager
-def _variables_restored(model: keras.Model) -> Iterator[None]:
-    """Puts every variable of `model` back as it was when the block exits.
-
-    The gradient check runs the model with ``training=True``, since some dtype
-    errors only show there (dropout and noise layers compute nothing in inference),
-    and a training call updates state: BatchNormalization's moving mean and
-    variance, the seed generators of random layers. Their values are copied before
-    and assigned back after, also when the block raises. Variables the block
-    creates (a model built by this first call) go back to the value they were
-    created with, so an unbuilt model ends as if it had only been built.
-    """
-    saved = {id(v): (v, v.numpy()) for v in list(model.variables) + list(model.metrics_variables)}
-    created: List[Tuple[Any, Any]] = []
-
-    def remember(next_creator: Any, **kwargs: Any) -> Any:
-        variable = next_creator(**kwargs)
-        created.append((variable, variable.numpy()))
-        return variable
-
-    try:
-        with tf.variable_creator_scope(remember):
-            yield
-    finally:
-        for variable, value in list(saved.values()) + created:
-            variable.assign(value)
-
-
-def _gradient_check(model, batch, entries):
-    """Runs one forward/backward pass; returns (gradient rows, output dtypes, warnings).
-
-    Every variable of `model` holds the same value afterwards (`_variables_restored`).
-    Errors other than a dtype mismatch between two tensors propagate.
-    """
-    x = batch[0] if isinstance(batch, tuple) else batch
-    with _variables_restored(model):
-        try:
-            with tf.GradientTape() as tape:
-                outputs = keras.tree.flatten(model(x, training=True))
-                loss = sum(keras.ops.mean(keras.ops.square(keras.ops.cast(o, "float32")))
-                           for o in outputs)
-        except (tf.errors.InvalidArgumentError, TypeError, ValueError) as error:
-            first = _dtype_mismatch_line(error)
-            if first is None:
-                raise
-            paths = _dtype_error_layers(error, entries) or ["<unknown layer>"]
-            message = (f"forward pass failed on mixed dtypes in {', '.join(paths)}: "
-                       f"{first} Fix: {_FIX}.")
-            return (), (), [AuditWarning("dtype_mismatch", paths[0], message)]
-        variables = model.trainable_variables
-        grads = tape.gradient(loss, variables)
-    gradients = tuple(
-        GradientRow(v.path, v.dtype, g if g is None else keras.backend.standardize_dtype(g.dtype))
-        for v, g in zip(variables, grads)
-    )
-    out_dtypes = tuple(keras.backend.standardize_dtype(o.dtype) for o in outputs)
-    return gradients, out_dtypes, []
-
-
 def audit(
     model: keras.Model,
     *,
@@ -523,7 +271,7 @@ def audit(
         unseen = [layer for _, layer, _ in entries if id(layer) not in graph_outputs]
         run_outputs, hooks = _record_outputs(unseen)
         try:
-            gradients, out_dtypes, errors = _gradient_check(model, batch, entries)
+            gradients, out_dtypes, errors = gradient_check(model, batch, entries)
         finally:
             for hook in hooks:
                 hook.remove()

@@ -1,0 +1,147 @@
+"""`tfmp.audit(model, batch=...)`: one forward and backward pass, leaving the model as it was.
+
+The pass runs with ``training=True`` (dropout and noise layers compute nothing in
+inference) inside `_variables_restored`; it reports each gradient's dtype and the
+outputs' dtypes, and turns an error that says two dtypes do not match into a
+``dtype_mismatch`` warning. Every other error propagates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from typing import Any, Iterator, List, Optional, Tuple
+
+import keras
+import tensorflow as tf
+
+from tfmp._src.float32.audit_report import AuditWarning, GradientRow
+
+_FIX = (
+    "cast constants and other tensors to `self.compute_dtype` inside `call()` "
+    "(e.g. `keras.ops.cast(c, self.compute_dtype)`)"
+)
+
+
+def _dtype_error_layers(error: Exception, entries) -> List[str]:
+    """Paths of the layers named in a Keras "when calling X.call()" error."""
+    classes = set(re.findall(r"calling (\w+)\.call\(\)", str(error)))
+    return [path for path, layer, _ in entries if type(layer).__name__ in classes]
+
+
+#: First lines of TensorFlow errors saying that two dtypes do not match: an eager op
+#: ("cannot compute AddV2 as input #1(zero-based) was expected to be a bfloat16 tensor
+#: but is a float tensor", InvalidArgumentError), a graph op ("Input 'y' of 'AddV2' Op
+#: has type float32 that does not match type bfloat16 of argument 'x'", "Tensors in
+#: list passed to 'values' of 'ConcatV2' Op have types [bfloat16, float32] that don't
+#: all match", TypeError) and a conversion ("Tensor conversion requested dtype
+#: bfloat16 for Tensor with dtype float32", ValueError). Measured on TF 2.21.
+_DTYPE_MISMATCH = {
+    tf.errors.InvalidArgumentError: re.compile(r"was expected to be an? \w+ tensor but is an? \w+ tensor"),
+    TypeError: re.compile(
+        r"has type \w+ that does not match type \w+|have types \[[\w, ]+\] that don't all match"
+    ),
+    ValueError: re.compile(r"^Tensor conversion requested dtype \w+ for Tensor with dtype \w+"),
+}
+
+
+def _message(error: BaseException) -> str:
+    """The error's own text (an `OpError`'s message without TensorFlow's prefix)."""
+    if isinstance(error, tf.errors.OpError):
+        return error.message or ""
+    return str(error.args[0]) if error.args else ""
+
+
+def _as_raised(error: BaseException) -> BaseException:
+    """The error as the failing op raised it, before Keras added call information.
+
+    Keras re-raises an error from a layer's `call` as a new error of the same class
+    whose message wraps the original one ("Exception encountered when calling
+    X.call()", the original text, then "Arguments received by X.call()" with every
+    argument's shape and dtype), raised while handling the original, so the original
+    is the new error's `__context__`. The chain is followed only while each step is
+    such a re-raise: same class, message contained in the outer one.
+    """
+    for _ in range(8):  # one step per Keras wrapper; a bound against cycles
+        inner = error.__context__
+        text = _message(inner) if inner is not None else ""
+        if inner is None or type(inner) is not type(error) or not text or text not in _message(error):
+            break
+        error = inner
+    return error
+
+
+def _dtype_mismatch_line(error: BaseException) -> Optional[str]:
+    """The first line of `error` when it says two dtypes do not match, else None.
+
+    Decided from the error as the failing op raised it (`_as_raised`): its class and
+    its first line, never from Keras's dump of the call's arguments, which names a
+    dtype for every tensor argument whatever went wrong.
+    """
+    raised = _as_raised(error)
+    lines = _message(raised).strip().splitlines()
+    first = lines[0].strip() if lines else ""
+    for error_class, pattern in _DTYPE_MISMATCH.items():
+        if isinstance(raised, error_class) and pattern.search(first):
+            first = first.split(": <tf.Tensor")[0]  # a conversion error prints the values
+            return re.sub(r"\s+name:\s*\S*$", "", first)  # eager ops end in "[Op:AddV2] name: "
+    return None
+
+
+@contextlib.contextmanager
+def _variables_restored(model: keras.Model) -> Iterator[None]:
+    """Puts every variable of `model` back as it was when the block exits.
+
+    The gradient check runs the model with ``training=True``, since some dtype
+    errors only show there (dropout and noise layers compute nothing in inference),
+    and a training call updates state: BatchNormalization's moving mean and
+    variance, the seed generators of random layers. Their values are copied before
+    and assigned back after, also when the block raises. Variables the block
+    creates (a model built by this first call) go back to the value they were
+    created with, so an unbuilt model ends as if it had only been built.
+    """
+    saved = {id(v): (v, v.numpy()) for v in list(model.variables) + list(model.metrics_variables)}
+    created: List[Tuple[Any, Any]] = []
+
+    def remember(next_creator: Any, **kwargs: Any) -> Any:
+        variable = next_creator(**kwargs)
+        created.append((variable, variable.numpy()))
+        return variable
+
+    try:
+        with tf.variable_creator_scope(remember):
+            yield
+    finally:
+        for variable, value in list(saved.values()) + created:
+            variable.assign(value)
+
+
+def gradient_check(model, batch, entries):
+    """Runs one forward/backward pass; returns (gradient rows, output dtypes, warnings).
+
+    Every variable of `model` holds the same value afterwards (`_variables_restored`).
+    Errors other than a dtype mismatch between two tensors propagate.
+    """
+    x = batch[0] if isinstance(batch, tuple) else batch
+    with _variables_restored(model):
+        try:
+            with tf.GradientTape() as tape:
+                outputs = keras.tree.flatten(model(x, training=True))
+                loss = sum(keras.ops.mean(keras.ops.square(keras.ops.cast(o, "float32")))
+                           for o in outputs)
+        except (tf.errors.InvalidArgumentError, TypeError, ValueError) as error:
+            first = _dtype_mismatch_line(error)
+            if first is None:
+                raise
+            paths = _dtype_error_layers(error, entries) or ["<unknown layer>"]
+            message = (f"forward pass failed on mixed dtypes in {', '.join(paths)}: "
+                       f"{first} Fix: {_FIX}.")
+            return (), (), [AuditWarning("dtype_mismatch", paths[0], message)]
+        variables = model.trainable_variables
+        grads = tape.gradient(loss, variables)
+    gradients = tuple(
+        GradientRow(v.path, v.dtype, g if g is None else keras.backend.standardize_dtype(g.dtype))
+        for v, g in zip(variables, grads)
+    )
+    out_dtypes = tuple(keras.backend.standardize_dtype(o.dtype) for o in outputs)
+    return gradients, out_dtypes, []

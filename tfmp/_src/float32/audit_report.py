@@ -1,0 +1,134 @@
+"""The result of `tfmp.audit`: rows per layer, gradient rows, warnings, and its table.
+
+`tfmp._src.float32.audit` builds an `AuditReport`; this module holds its data
+classes and the text ``print(report)`` shows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional, Sequence, Tuple
+
+from tfmp._src.float32 import fused_batchnorm as _fused_batchnorm
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditWarning:
+    """One finding. ``kind`` is one of the module's warning kinds; ``path`` the layer."""
+
+    kind: str
+    path: str
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditRow:
+    """One layer.
+
+    Attributes:
+        path: String. Layer path relative to the model (``"block/dense"``).
+        class_name: String. The layer's class name.
+        compute_dtype: String. Dtype the layer computes in.
+        output_dtype: String. Dtype of its floating outputs (``"float32,bfloat16"``
+            when they differ; ``"-"`` when it never ran in the ``batch=`` pass).
+        variable_dtype: String. Dtype of its own weights (else its policy's).
+        forced: String. tfmp's reason for forcing it to float32 (``"output"``,
+            ``"softmax"``, ``"known fix: ..."``, ``"user rule"``, ``"inside <path>"``...)
+            or ``""``.
+        why: String. ``forced``, or ``"float32 inside Keras >= 3.12"`` for a layer
+            Keras itself computes in float32, or ``""``.
+        params: Int. Its own parameter count.
+        warnings: Tuple of warning kinds for this layer.
+        output_from: String. Where ``output_dtype`` comes from: ``"graph"``,
+            ``"run"`` (the ``batch=`` pass) or ``"rule"``.
+        batchnorm_kernel: String. For a BatchNormalization, ``"fused"`` when it runs
+            on TensorFlow's fused kernel, else ``"keras: <why not>"``
+            (`tfmp._src.float32.fused_batchnorm`); ``""`` for other layers.
+    """
+
+    path: str
+    class_name: str
+    compute_dtype: str
+    output_dtype: str
+    variable_dtype: str
+    forced: str
+    why: str
+    params: int
+    warnings: Tuple[str, ...]
+    output_from: str
+    batchnorm_kernel: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientRow:
+    """A trainable variable's dtype and its gradient's dtype (None: no gradient)."""
+
+    path: str
+    variable_dtype: str
+    gradient_dtype: Optional[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditReport:
+    """Result of :func:`audit`; ``str(report)`` is an aligned table.
+
+    Attributes:
+        policy: String. Name of the Keras global dtype policy.
+        rows: Tuple of :class:`AuditRow`, parents before children.
+        warnings: Tuple of :class:`AuditWarning`.
+        float32_fraction: Float in [0, 1]. Share of parameters in forced layers.
+        gradients: Tuple of :class:`GradientRow`, empty unless ``batch`` was given.
+    """
+
+    policy: str
+    rows: Tuple[AuditRow, ...]
+    warnings: Tuple[AuditWarning, ...]
+    float32_fraction: float
+    gradients: Tuple[GradientRow, ...] = ()
+
+    @property
+    def kinds(self) -> frozenset:
+        """Set of warning kinds present."""
+        return frozenset(w.kind for w in self.warnings)
+
+    def __str__(self) -> str:
+        header = ("layer", "class", "compute", "output", "variables", "why", "params", "warnings")
+        body = [
+            (r.path, r.class_name, r.compute_dtype,
+             r.output_dtype + ("*" if r.output_from == "rule" else ""), r.variable_dtype,
+             r.why or "-", f"{r.params:,}", ",".join(r.warnings) or "-")
+            for r in self.rows
+        ]
+        lines = [f"tfmp audit (global policy: {self.policy})"] + _table(header, body)
+        if any(r.output_from == "rule" for r in self.rows):
+            lines.append("* output dtype from tfmp's rule (layer inside custom code); "
+                         "pass batch= to measure it.")
+        lines.append(f"Parameters in float32-forced layers: {self.float32_fraction:.1%}")
+        lines += _batchnorm_lines(self.rows)
+        if self.gradients:
+            lines += ["", "Gradient check (one batch):"] + _table(
+                ("variable", "variable dtype", "gradient dtype"),
+                [(g.path, g.variable_dtype, g.gradient_dtype or "None") for g in self.gradients],
+            )
+        lines += [""] + [f"WARNING [{w.kind}] {w.message}" for w in self.warnings]
+        return "\n".join(lines).rstrip()
+
+
+def _batchnorm_lines(rows: Sequence[AuditRow]) -> List[str]:
+    """One line counting the fused BatchNormalization layers, one per layer on Keras's path."""
+    notes = [(r.path, r.batchnorm_kernel) for r in rows if r.batchnorm_kernel]
+    if not notes:
+        return []
+    fused = sum(note == _fused_batchnorm.FUSED for _, note in notes)
+    return [f"BatchNormalization on the fused kernel: {fused} of {len(notes)}"] + [
+        f"  {path}: {note}" for path, note in notes if note != _fused_batchnorm.FUSED]
+
+
+def _table(header: Sequence[str], body: Sequence[Sequence[str]]) -> List[str]:
+    widths = [max(len(str(c)) for c in column) for column in zip(header, *body)]
+    rule = "  ".join("-" * w for w in widths)
+
+    def fmt(row: Sequence[str]) -> str:
+        return "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
+
+    return [fmt(header), rule] + [fmt(row) for row in body]

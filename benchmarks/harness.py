@@ -15,6 +15,10 @@ Configurations (`CONFIGS`):
   ``keras_mixed``, with the train step traced while ``tfmp.enable(policy)`` is in
   force: only BatchNormalization's kernel differs.
 
+Side experiments (`benchmarks/side_experiments.py`) vary a configuration with
+`Overrides`: XLA, tfmp's policy, tfmp's guard or monitor on plain Keras, Grappler
+options around each call.
+
 Each configuration builds its own model; the global policy is restored and
 `tfmp.disable()` called right after its warm-up (whose first step traces the
 train step), so the next one starts clean.
@@ -29,11 +33,12 @@ first of which traces the train function) run before any timed call.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
 import warnings
-from typing import Callable, List, Optional
+from typing import Callable, Iterator, List, Mapping, Optional, Union
 
 import keras
 import tensorflow as tf
@@ -50,6 +55,61 @@ CONFIGS = ("float32", "keras_mixed", "tfmp")
 #: policy, and the same with the train step traced while tfmp is enabled.
 BN_CONFIGS = ("keras_mixed", "fused_bn")
 MONITOR_UPDATE_FREQ = 100
+
+
+@dataclasses.dataclass(frozen=True)
+class Overrides:
+    """Departures from a configuration's defaults, for side experiments.
+
+    The defaults leave the configuration as the suite runs it.
+
+    Attributes:
+        jit_compile: Bool or ``"auto"``. `compile`'s argument (Keras's "auto"
+            turns XLA off on a machine without accelerators).
+        tfmp_policy: String. The policy ``tfmp`` enables (the suite: ``"auto"``).
+        guard: Bool. Under a plain configuration, wrap Adam in
+            ``tfmp.LossScaleOptimizer(loss_scaling=False)`` (its default guard):
+            tfmp's guard without the rest of tfmp.
+        monitor: Bool or None. Train with ``tfmp.LossScaleMonitor(update_freq=
+            MONITOR_UPDATE_FREQ)``; None: only under ``tfmp``.
+        grappler: Dict of option name -> bool, or None. Grappler options
+            (`tf.config.optimizer.set_experimental_options`) in force around each
+            call of the model (warm-up included), previous values restored after.
+    """
+
+    jit_compile: Union[bool, str] = "auto"
+    tfmp_policy: str = "auto"
+    guard: bool = False
+    monitor: Optional[bool] = None
+    grappler: Optional[Mapping[str, bool]] = None
+
+
+@contextlib.contextmanager
+def grappler_options(options: Optional[Mapping[str, bool]]) -> Iterator[None]:
+    """Sets Grappler `options` for the calls inside, then restores the previous values.
+
+    The options are process-wide but read at each call of a `tf.function`: TensorFlow
+    passes the current ones with every call (the call op's ``config_proto``) and
+    optimizes a function once per distinct set, so toggling them between calls of
+    already built models gives each call the options in force (checked on
+    TensorFlow 2.21 with ``auto_mixed_precision_onednn_bfloat16``).
+
+    Args:
+        options: Dict of option name -> bool, or None (nothing changed).
+
+    Yields:
+        None. On exit an option that was unset before is set to False (off).
+    """
+    if not options:
+        yield
+        return
+    before = tf.config.optimizer.get_experimental_options()
+    tf.config.optimizer.set_experimental_options(dict(options))
+    try:
+        yield
+    finally:
+        tf.config.optimizer.set_experimental_options(
+            {name: before.get(name, False) for name in options})
 
 
 class StepClock(keras.callbacks.Callback):
@@ -90,6 +150,7 @@ class ConfiguredRun:
         memory: Dict of byte counts (see `benchmarks.memory`).
         fused_batchnorm: ``[fused, total]``: BatchNormalization layers whose
             traced call took TensorFlow's fused kernel, and all of them.
+        grappler: Dict or None. Grappler options of every call (`Overrides`).
     """
 
     config: str
@@ -100,6 +161,7 @@ class ConfiguredRun:
     clock: StepClock
     memory: dict
     fused_batchnorm: List[int] = dataclasses.field(default_factory=lambda: [0, 0])
+    grappler: Optional[Mapping[str, bool]] = None
 
     def train(self, steps: int) -> float:
         """Trains `steps` + 1 steps and returns the seconds per step after the first.
@@ -110,16 +172,17 @@ class ConfiguredRun:
         Returns:
             Float. Mean wall-clock seconds per timed step.
         """
-        self.model.fit(
-            self.dataset, epochs=1, steps_per_epoch=steps + 1, verbose=0, shuffle=False,
-            callbacks=self.callbacks,
-        )
+        with grappler_options(self.grappler):
+            self.model.fit(
+                self.dataset, epochs=1, steps_per_epoch=steps + 1, verbose=0, shuffle=False,
+                callbacks=self.callbacks,
+            )
         return self.clock.seconds_per_step()
 
 
 def _build_compile_and_warm_up(
     workload: Workload, config: str, policy: str, warm_up: Callable[[keras.Model], None],
-    tfmp_policy: str = "auto",
+    overrides: Overrides,
 ) -> keras.Model:
     """Builds and compiles under `config`, runs `warm_up(model)`, then restores the global state.
 
@@ -128,20 +191,25 @@ def _build_compile_and_warm_up(
     traced, as in a user's script, so BatchNormalization layers trace the fused
     kernel where tfmp uses it. ``fused_bn`` compiles plainly under `policy` and
     enables tfmp only for the trace: it differs from ``keras_mixed`` in the
-    BatchNormalization kernel alone.
+    BatchNormalization kernel alone. `overrides` change the policy tfmp enables,
+    the optimizer and `jit_compile`.
     """
     previous = keras.config.dtype_policy()
     try:
         if config == "tfmp":
             with warnings.catch_warnings():  # an explicit policy may be emulated on this CPU
                 warnings.simplefilter("ignore", tfmp.PerformanceWarning)
-                tfmp.enable(tfmp_policy)
+                tfmp.enable(overrides.tfmp_policy)
         else:
             keras.config.set_dtype_policy("float32" if config == "float32" else policy)
         model = workload.build()
+        optimizer = keras.optimizers.Adam(1e-3)
+        if overrides.guard:
+            optimizer = tfmp.LossScaleOptimizer(optimizer, loss_scaling=False)
         model.compile(
-            optimizer=keras.optimizers.Adam(1e-3),
+            optimizer=optimizer,
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            jit_compile=overrides.jit_compile,
         )
         with warnings.catch_warnings():
             if config == "fused_bn":  # compiled before enable(); 16 bits emulated on some CPUs
@@ -156,7 +224,7 @@ def _build_compile_and_warm_up(
 
 def prepare(
     workload: Workload, config: str, policy: str, log_dir: str, warmup_steps: int,
-    tfmp_policy: str = "auto",
+    overrides: Overrides = Overrides(),
 ) -> ConfiguredRun:
     """Builds, compiles and warms up `workload` under `config`.
 
@@ -167,9 +235,7 @@ def prepare(
             and ``fused_bn``).
         log_dir: String. Root folder for the tfmp monitor's event files.
         warmup_steps: Int >= 2. Untimed steps; the first traces the train step.
-        tfmp_policy: String. What the ``tfmp`` configuration passes to
-            `tfmp.enable`: ``"auto"``, or the same policy as `policy` to compare
-            tfmp with plain Keras on a machine where "auto" picks float32.
+        overrides: `Overrides`. Departures from `config` (none by default).
 
     Returns:
         `ConfiguredRun`, with its clock holding the warm-up steps' times.
@@ -183,7 +249,7 @@ def prepare(
     peak = PeakDeviceMemory()
     clock = StepClock()
     callbacks: list = []
-    if config == "tfmp":
+    if overrides.monitor or (overrides.monitor is None and config == "tfmp"):
         monitor_dir = os.path.join(log_dir, workload.name)
         callbacks.append(tfmp.LossScaleMonitor(monitor_dir, update_freq=MONITOR_UPDATE_FREQ))
     callbacks.append(clock)
@@ -191,12 +257,13 @@ def prepare(
 
     def warm_up(model: keras.Model) -> None:
         run = ConfiguredRun(
-            config, model.dtype_policy.name, model, workload.dataset(), callbacks, clock, {}
+            config, model.dtype_policy.name, model, workload.dataset(), callbacks, clock, {},
+            grappler=overrides.grappler,
         )
         run.train(warmup_steps - 1)
         runs.append(run)
 
-    model = _build_compile_and_warm_up(workload, config, policy, warm_up, tfmp_policy)
+    model = _build_compile_and_warm_up(workload, config, policy, warm_up, overrides)
     run = runs[0]
     run.memory = model_memory(model, workload.batch_size)
     run.memory["peak_device_bytes"] = peak.read()

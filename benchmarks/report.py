@@ -119,11 +119,30 @@ def verdicts(models: Dict[str, dict], bf16_cpu: bool, auto: bool = True) -> List
     return out
 
 
+def machine_line(machine: dict, duration_s: float) -> str:
+    """Where and when a run was made, in one line.
+
+    Args:
+        machine: Dict as from ``benchmarks/run.py``'s `machine`, with
+            ``load_average_end`` added at the end of the run.
+        duration_s: Float. Seconds the run took.
+
+    Returns:
+        String: CPU, cores, TensorFlow and Keras versions, date, load average
+        (1 minute) at start and end, duration.
+    """
+    m = machine
+    return (f"{m['cpu']}, {m['cores']} cores; TensorFlow {m['tensorflow']}, Keras "
+            f"{m['keras']}; {m['date']}; load average {m['load_average_start'][0]:.2f} "
+            f"-> {m['load_average_end'][0]:.2f}; {duration_s:.0f} s")
+
+
 def _row(cells) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
-def _table(header, rows) -> List[str]:
+def table(header, rows) -> List[str]:
+    """Lines of a Markdown table: `header` (list of cells) and `rows` (lists of cells)."""
     return [_row(header), _row(["---"] * len(header))] + [_row(r) for r in rows]
 
 
@@ -156,7 +175,7 @@ def markdown(results: dict) -> str:
             *(f"{r[k]['value']:.2f}x ({r[k]['paired']:.2f}x)"
               for k in ("keras_mixed_vs_float32", "tfmp_vs_float32", "tfmp_vs_keras_step_time")),
         ])
-    lines += _table(
+    lines += table(
         ["model", "float32 samples/s", "Keras mixed samples/s", "tfmp samples/s",
          "Keras mixed / float32", "tfmp / float32", "tfmp / Keras step time"],
         rows,
@@ -174,7 +193,7 @@ def markdown(results: dict) -> str:
                 f"{m['activation_bytes'] / MIB:.2f}",
                 "n/a on CPU" if peak is None else f"{peak / MIB:.1f}",
             ])
-    lines += _table(
+    lines += table(
         ["model", "config", "policy", "parameters MiB", "gradients MiB", "optimizer MiB",
          "activations MiB", "peak device MiB"],
         rows,
@@ -185,7 +204,7 @@ def markdown(results: dict) -> str:
         verdict = "n/a" if t["met"] is None else ("met" if t["met"] else "NOT met")
         rows.append([t["model"], t["what"], f"{t['ratio']} {t['op']} {t['limit']}",
                      f"{t['value']:.3f}", verdict])
-    lines += _table(["model", "target", "rule", "measured", "verdict"], rows)
+    lines += table(["model", "target", "rule", "measured", "verdict"], rows)
     lines += _batchnorm_markdown(results.get("batchnorm"))
     return "\n".join(lines)
 
@@ -201,6 +220,6 @@ def _batchnorm_markdown(batchnorm: Optional[dict]) -> List[str]:
         rows.append([name, batchnorm["policy"], f"{c['keras_mixed']['median_samples_per_s']:,.0f}",
                      f"{c['fused_bn']['median_samples_per_s']:,.0f}",
                      f"{r['value']:.2f}x ({r['paired']:.2f}x)", f"{fused[0]} of {fused[1]}"])
-    return ["", f"Keras BatchNormalization vs fused ({batchnorm['policy']}, plain Keras compile):", ""] + _table(
+    return ["", f"Keras BatchNormalization vs fused ({batchnorm['policy']}, plain Keras compile):", ""] + table(
         ["model", "policy", "Keras BN samples/s", "fused BN samples/s", "fused / Keras",
          "BN layers fused"], rows)

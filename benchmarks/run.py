@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's tfmp
@@ -114,37 +114,55 @@ def bench_workload(
     runs = {}
     for config in configs:
         _log(f"  {workload.name}: building and warming up {config}")
-        runs[config] = harness.prepare(
-            workload, config, policy, log_dir, sizes["warmup"], tfmp_policy)
-    slowest = max(run.clock.seconds_per_step() for run in runs.values())
-    steps = harness.calibrate_steps(
-        slowest, sizes["seconds"], sizes["min_steps"], sizes["max_steps"]
-    )
-    samples = {config: [] for config in configs}
-    for repeat in range(sizes["repeats"]):
-        order = configs[repeat % len(configs):] + configs[: repeat % len(configs)]
-        for config in order:
-            seconds = runs[config].train(steps)
-            samples[config].append(workload.batch_size / seconds)
-        _log(f"  {workload.name}: repeat {repeat + 1}/{sizes['repeats']} "
-             + ", ".join(f"{c} {samples[c][-1]:,.0f}/s" for c in configs))
-    out = {
-        "description": workload.description,
-        "batch_size": workload.batch_size,
-        "steps_per_repeat": steps,
-        "configs": {},
-    }
-    for config in configs:
-        out["configs"][config] = {
-            "policy": runs[config].policy,
-            **report.summarize_config(samples[config]),
-            "memory": runs[config].memory,
-            "fused_batchnorm": runs[config].fused_batchnorm,
-        }
+        runs[config] = harness.prepare(workload, config, policy, log_dir, sizes["warmup"],
+                                       harness.Overrides(tfmp_policy=tfmp_policy))
+    out = {"description": workload.description,
+           **bench_runs(runs, workload.batch_size, sizes, workload.name)}
     if tuple(configs) == harness.CONFIGS:
         out["ratios"] = report.ratios(out["configs"])
     else:
         out["ratios"] = {"fused_vs_keras": report.speed_ratio(out["configs"], "fused_bn", "keras_mixed")}
+    return out
+
+
+def bench_runs(
+    runs: Dict[str, harness.ConfiguredRun], batch_size: int, sizes: dict, label: str
+) -> dict:
+    """Times prepared runs alternately, the order rotated each repeat.
+
+    Args:
+        runs: Dict name -> warmed-up `harness.ConfiguredRun` (all of `batch_size`).
+        batch_size: Int. Samples per step of every run.
+        sizes: Dict with ``repeats``, ``seconds``, ``min_steps``, ``max_steps``
+            (`FULL`, `QUICK`): the steps per timed call last about ``seconds``
+            for the slowest run.
+        label: String. Prefix of the progress lines (stderr).
+
+    Returns:
+        Dict: ``batch_size``, ``steps_per_repeat`` and ``configs``: per name, the
+        run's ``policy``, `report.summarize_config` of its samples/s (one per
+        repeat), ``memory`` and ``fused_batchnorm``.
+    """
+    names = list(runs)
+    slowest = max(run.clock.seconds_per_step() for run in runs.values())
+    steps = harness.calibrate_steps(
+        slowest, sizes["seconds"], sizes["min_steps"], sizes["max_steps"]
+    )
+    samples = {name: [] for name in names}
+    for repeat in range(sizes["repeats"]):
+        for name in names[repeat % len(names):] + names[: repeat % len(names)]:
+            seconds = runs[name].train(steps)
+            samples[name].append(batch_size / seconds)
+        _log(f"  {label}: repeat {repeat + 1}/{sizes['repeats']} "
+             + ", ".join(f"{n} {samples[n][-1]:,.0f}/s" for n in names))
+    out = {"batch_size": batch_size, "steps_per_repeat": steps, "configs": {}}
+    for name in names:
+        out["configs"][name] = {
+            "policy": runs[name].policy,
+            **report.summarize_config(samples[name]),
+            "memory": runs[name].memory,
+            "fused_batchnorm": runs[name].fused_batchnorm,
+        }
     return out
 
 
@@ -216,8 +234,32 @@ def run_suite(
     return results
 
 
+def add_common_arguments(parser: argparse.ArgumentParser, repeats_help: str) -> None:
+    """Adds ``--json``, ``--quick`` and ``--repeats``, shared with ``side_experiments.py``."""
+    parser.add_argument("--json", metavar="PATH", help="write all results to PATH")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (tests)")
+    parser.add_argument("--repeats", type=int, help=repeats_help)
+
+
+def parse_checked(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    """Parses `argv`; exits with a usage error (status 2) when ``--repeats`` is below 1."""
+    args = parser.parse_args(argv)
+    if args.repeats is not None and args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    return args
+
+
+def publish(results: dict, text: str, json_path: Optional[str]) -> dict:
+    """Prints `text` and writes `results` as JSON to `json_path` (if any); returns `results`."""
+    print(text)
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
 def main(argv: Optional[Sequence[str]] = None) -> dict:
-    """Command line: runs the suite, prints Markdown tables, optionally writes JSON.
+    """Command line of the suite (module docstring); prints its tables.
 
     Args:
         argv: Sequence of strings or None (``sys.argv[1:]``).
@@ -226,9 +268,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         Dict of results (as written with ``--json``).
     """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", metavar="PATH", help="write all results to PATH")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (tests)")
-    parser.add_argument("--repeats", type=int, help="timed repeats per config")
+    add_common_arguments(parser, "timed repeats per config")
     parser.add_argument("--models", nargs="+", choices=list(workloads(False)),
                         help="run only these workloads")
     parser.add_argument("--log-dir", help="keep the tfmp monitor's events here")
@@ -237,21 +277,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser.add_argument("--policy", choices=POLICIES, default="auto",
                         help="policy of the Keras mixed and tfmp configurations "
                              "(default: what tfmp's 'auto' picks here)")
-    args = parser.parse_args(argv)
-    if args.repeats is not None and args.repeats < 1:
-        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    args = parse_checked(parser, argv)
     results = run_suite(args.quick, args.repeats, args.models, args.log_dir,
                         args.batchnorm_only, args.policy)
-    m = results["machine"]
-    print(f"{m['cpu']}, {m['cores']} cores; TensorFlow {m['tensorflow']}, Keras "
-          f"{m['keras']}; {m['date']}; load average {m['load_average_start'][0]:.2f} "
-          f"-> {m['load_average_end'][0]:.2f}; {results['suite']['duration_s']:.0f} s")
+    print(report.machine_line(results["machine"], results["suite"]["duration_s"]))
     print(f"auto: {results['decision']['policy']}; run: {results['decision']['run']}\n")
-    print(report.markdown(results))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=2)
-    return results
+    return publish(results, report.markdown(results), args.json)
 
 
 if __name__ == "__main__":

@@ -100,7 +100,9 @@ def mlp(features: int, hidden: int, depth: int, classes: int, batch_size: int) -
     return Workload("mlp", f"MLP {widths}, batch {batch_size}", batch_size, build, inputs)
 
 
-def cnn(size: int, filters: Tuple[int, ...], classes: int, batch_size: int) -> Workload:
+def cnn(
+    size: int, filters: Tuple[int, ...], classes: int, batch_size: int, batch_norm: bool = True,
+) -> Workload:
     """A small VGG-style CNN: Conv2D + BatchNormalization + ReLU blocks.
 
     Args:
@@ -109,6 +111,8 @@ def cnn(size: int, filters: Tuple[int, ...], classes: int, batch_size: int) -> W
             follows every second one.
         classes: Int. Output logits.
         batch_size: Int. Samples per step.
+        batch_norm: Bool. False leaves the BatchNormalization layers out
+            (Conv2D + ReLU blocks), to see what they cost.
 
     Returns:
         `Workload` named ``"cnn"``.
@@ -118,7 +122,8 @@ def cnn(size: int, filters: Tuple[int, ...], classes: int, batch_size: int) -> W
         x = inputs = keras.Input((size, size, 3))
         for i, width in enumerate(filters):
             x = keras.layers.Conv2D(width, 3, padding="same", use_bias=False)(x)
-            x = keras.layers.BatchNormalization()(x)
+            if batch_norm:
+                x = keras.layers.BatchNormalization()(x)
             x = keras.layers.ReLU()(x)
             if i % 2 == 1:
                 x = keras.layers.MaxPooling2D()(x)
@@ -133,7 +138,8 @@ def cnn(size: int, filters: Tuple[int, ...], classes: int, batch_size: int) -> W
     widths = "-".join(map(str, filters))
     return Workload(
         "cnn",
-        f"CNN conv {widths} + BatchNorm, {size}x{size}x3, batch {batch_size}",
+        f"CNN conv {widths} {'+' if batch_norm else 'without'} BatchNorm, {size}x{size}x3, "
+        f"batch {batch_size}",
         batch_size,
         build,
         inputs,
@@ -223,11 +229,12 @@ def resnet50(size: int, classes: int, batch_size: int) -> Workload:
                     build, inputs)
 
 
-def workloads(quick: bool = False) -> Dict[str, Workload]:
+def workloads(quick: bool = False, batch_norm: bool = True) -> Dict[str, Workload]:
     """The suite's workloads by name, at full or quick size.
 
     Args:
         quick: Bool. Tiny sizes that train in milliseconds (for tests).
+        batch_norm: Bool. False: the CNN without its BatchNormalization layers.
 
     Returns:
         Dict mapping ``"mlp"``, ``"cnn"``, ``"transformer"`` and, at full size
@@ -236,13 +243,13 @@ def workloads(quick: bool = False) -> Dict[str, Workload]:
     if quick:
         chosen = (
             mlp(32, 32, 3, 10, batch_size=16),
-            cnn(8, (4, 4, 8, 8), 10, batch_size=8),
+            cnn(8, (4, 4, 8, 8), 10, batch_size=8, batch_norm=batch_norm),
             transformer(8, 50, 16, 2, 32, 1, 2, batch_size=8),
         )
     else:
         chosen = (
             mlp(1024, 2048, 3, 10, batch_size=256),
-            cnn(32, (64, 64, 128, 128), 10, batch_size=128),
+            cnn(32, (64, 64, 128, 128), 10, batch_size=128, batch_norm=batch_norm),
             transformer(128, 2000, 128, 4, 512, 2, 2, batch_size=64),
             resnet50(64, 10, batch_size=32),
         )

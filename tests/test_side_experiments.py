@@ -1,0 +1,168 @@
+"""benchmarks/side_experiments.py: each subcommand runs (quick) and its numbers hang together; no timing asserts."""
+
+import json
+import math
+import pathlib
+import statistics
+import sys
+
+import keras
+import pytest
+import tensorflow as tf
+
+from tfmp._src.policy.enable import is_enabled
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import harness, side_experiments  # noqa: E402
+
+NAMES = tuple(side_experiments.EXPERIMENTS)
+REWRITE_KEY = "auto_mixed_precision_onednn_bfloat16"
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """Each subcommand run once with --quick through the command line, shared by the tests."""
+    folder = tmp_path_factory.mktemp("side")
+    policy_before = keras.config.dtype_policy().name
+    out = {}
+    for name in NAMES:
+        path = folder / f"{name}.json"
+        returned = side_experiments.main([name, "--quick", "--json", str(path)])
+        out[name] = {"returned": returned, "written": json.loads(path.read_text(encoding="utf-8"))}
+    out["policy"] = (policy_before, keras.config.dtype_policy().name)
+    out["rewrite_option"] = tf.config.optimizer.get_experimental_options().get(REWRITE_KEY, False)
+    return out
+
+
+def test_subcommands_are_the_four_experiments():
+    assert NAMES == ("xla", "onednn-rewrite", "cnn-without-bn", "transformer-overhead")
+
+
+def test_runs_leave_no_global_state(quick):
+    before, after = quick["policy"]
+    assert after == before
+    assert not is_enabled()
+    assert quick["rewrite_option"] is False  # the Grappler option was set around calls only
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_json_holds_every_variant_and_its_samples(quick, name):
+    written = quick[name]["written"]
+    assert written == json.loads(json.dumps(quick[name]["returned"]))
+    experiment = side_experiments.EXPERIMENTS[name]
+    assert written["experiment"] == name and written["suite"]["quick"] is True
+    assert written["suite"]["repeats"] == 2
+    assert list(written["variants"]) == list(experiment.variants)
+    for label, variant in written["variants"].items():
+        expected = "float32" if experiment.variants[label].config == "float32" else "mixed_bfloat16"
+        assert variant["policy"] == expected, label
+        samples = variant["samples_per_s"]
+        assert len(samples) == 2 and all(math.isfinite(s) and s > 0 for s in samples)
+        assert variant["median_samples_per_s"] == statistics.median(samples)
+    machine = written["machine"]
+    assert len(machine["load_average_start"]) == len(machine["load_average_end"]) == 3
+    assert machine["cpu"] and machine["date"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_ratios_are_medians_of_the_per_repeat_ratios(quick, name):
+    written = quick[name]["written"]
+    variants = written["variants"]
+    pairs = side_experiments.EXPERIMENTS[name].ratios
+    assert list(written["ratios"]) == [f"{a} / {b}" for a, b in pairs]
+    for a, b in pairs:
+        ratio = written["ratios"][f"{a} / {b}"]
+        sa, sb = variants[a]["samples_per_s"], variants[b]["samples_per_s"]
+        assert (ratio["numerator"], ratio["denominator"]) == (a, b)
+        assert ratio["paired"] == pytest.approx(statistics.median(x / y for x, y in zip(sa, sb)))
+        assert ratio["value"] == pytest.approx(statistics.median(sa) / statistics.median(sb))
+
+
+def test_batchnorm_share_is_one_minus_the_speed_ratio(quick):
+    written = quick["cnn-without-bn"]["written"]
+    shares = written["step_shares"]
+    assert set(shares) == {"BatchNormalization, float32 step",
+                           "BatchNormalization, mixed_bfloat16 step"}
+    for share in shares.values():
+        with_ = written["variants"][share["with"]]["samples_per_s"]
+        without = written["variants"][share["without"]]["samples_per_s"]
+        assert share["without"] == share["with"] + " without BN"
+        assert share["paired"] == pytest.approx(
+            1 - statistics.median(w / o for w, o in zip(with_, without)))
+        assert share["value"] == pytest.approx(
+            1 - statistics.median(with_) / statistics.median(without))
+    # The quick CNN has 4 BatchNormalization layers; the variants without have none.
+    layers = {label: v["fused_batchnorm"][1] for label, v in written["variants"].items()}
+    assert layers == {"float32": 4, "mixed_bfloat16": 4, "float32 without BN": 0,
+                      "mixed_bfloat16 without BN": 0}
+
+
+def test_other_experiments_report_no_step_shares(quick):
+    assert all(quick[n]["written"]["step_shares"] == {} for n in NAMES if n != "cnn-without-bn")
+
+
+def test_xla_variants_compile_with_xla_and_the_others_without(quick):
+    variants = quick["xla"]["written"]["variants"]
+    assert {label: v["jit_compile"] for label, v in variants.items()} == {
+        "float32": False, "mixed_bfloat16": False, "float32 + XLA": True,
+        "mixed_bfloat16 + XLA": True}
+
+
+def test_transformer_variants_differ_in_optimizer_and_monitor_only(quick):
+    variants = quick["transformer-overhead"]["written"]["variants"]
+    facts = {label: (v["config"], v["optimizer"], v["monitor"]) for label, v in variants.items()}
+    assert facts == {
+        "Keras": ("keras_mixed", "Adam", False),
+        "tfmp": ("tfmp", "LossScaleOptimizer", True),
+        "Keras + guard": ("keras_mixed", "LossScaleOptimizer", False),
+        "Keras + monitor": ("keras_mixed", "Adam", True),
+    }
+    assert variants["tfmp"]["overrides"]["tfmp_policy"] == "mixed_bfloat16"
+
+
+def test_rewrite_variants_carry_the_grappler_option(quick):
+    written = quick["onednn-rewrite"]["written"]
+    assert isinstance(written["rewrite_applies"], bool)
+    options = {label: v["overrides"]["grappler"] for label, v in written["variants"].items()}
+    assert options == {"mixed_bfloat16": None, "mixed_bfloat16 + rewrite": {REWRITE_KEY: True},
+                       "float32": None, "float32 + rewrite": {REWRITE_KEY: True}}
+    assert all("rewrite_applies" not in quick[n]["written"] for n in NAMES if n != "onednn-rewrite")
+
+
+def test_markdown_names_every_variant_and_ratio(quick):
+    for name in NAMES:
+        text = side_experiments.markdown(quick[name]["written"])
+        for label in quick[name]["written"]["variants"]:
+            assert f"| {label} |" in text
+        for label in quick[name]["written"]["ratios"]:
+            assert f"| {label} |" in text
+        assert "load average" in text
+
+
+def test_grappler_options_are_restored_after_the_call():
+    before = tf.config.optimizer.get_experimental_options().get(REWRITE_KEY, False)
+    with harness.grappler_options({REWRITE_KEY: True}):
+        assert tf.config.optimizer.get_experimental_options()[REWRITE_KEY] is True
+    assert tf.config.optimizer.get_experimental_options().get(REWRITE_KEY, False) is before
+    with harness.grappler_options(None):  # nothing set
+        assert tf.config.optimizer.get_experimental_options().get(REWRITE_KEY, False) is before
+
+
+def test_a_function_run_under_the_rewrite_is_exact_again_outside():
+    # The probe calls one tf.function with and without the option: the later call
+    # without it must compute in float32 again (the option is per call, not sticky).
+    a = tf.random.stateless_normal((32, 32), seed=(5, 6))
+    product = tf.function(lambda x: tf.matmul(x, x))
+    exact = product(a).numpy()
+    with harness.grappler_options({REWRITE_KEY: True}):
+        product(a)
+    assert (product(a).numpy() == exact).all()
+
+
+@pytest.mark.parametrize("argv", [["xla", "--repeats", "0"], [], ["unknown"]])
+def test_bad_command_lines_exit_with_a_usage_error(argv, capsys):
+    with pytest.raises(SystemExit) as raised:
+        side_experiments.main(argv)
+    assert raised.value.code == 2

@@ -233,6 +233,8 @@ def test_unknown_config_is_rejected_in_the_project_template():
 def test_guard_cost_pairs_each_repeat_with_plain_keras():
     times = {"keras": [1.0, 2.0, 4.0], "guard=loss": [1.0, 2.2, 4.0], "guard=gradients": [1.5, 2.0, 8.0]}
     assert guard_cost.paired_ratios(times) == {"guard=loss": 1.0, "guard=gradients": 1.5}
+    assert guard_cost.fastest_ratios(times) == {"guard=loss fastest": 1.0,
+                                                "guard=gradients fastest": 1.5}
     before = keras.config.dtype_policy().name
     results = guard_cost.main(["--repeats", "1", "--steps", "2", "--inputs", "4", "--width", "8",
                                "--batch-size", "4", "--policies", "float32"])

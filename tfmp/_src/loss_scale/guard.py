@@ -5,13 +5,13 @@ Guards (the `guard` argument). A step is skipped, and counted, when its check fa
 - ``"gradients"``: every gradient finite on every replica. What dynamic loss
   scaling needs (an overflow shows up only in the gradients), and it also
   catches a finite loss whose backward pass overflows. Its cost: every update
-  waits until all gradients are computed and checked (on an MLP of 10.5 M
-  parameters trained with Adam in bfloat16 on a CPU, tfmp took 1.08x plain
-  Keras's step time; `benchmarks/guard_cost.py` measures it here).
+  waits until all gradients are computed and checked (`benchmarks/guard_cost.py`,
+  MLP of 10.5 M parameters, Adam, batch 256, 2-core AVX512_BF16 CPU,
+  2026-12-01: 1.06x plain Keras's step time in bfloat16, 1.11x in float32).
 - ``"loss"``: the loss passed to `scale_loss` in the same step is finite (one
   scalar, checked before the backward pass). A bad batch or a diverging run
   gives a non-finite loss; an inf or NaN born in the backward pass alone is not
-  caught. Only without loss scaling.
+  caught. Only without loss scaling. Same benchmark: 1.00x plain Keras.
 - ``"auto"`` (default): ``"gradients"`` with loss scaling, ``"loss"`` without.
 
 The loss check needs the loss: Keras's `train_step` (hence `fit`) and

@@ -147,7 +147,11 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
             same step is finite: one scalar; misses an inf or NaN born in the
             backward pass; only with `loss_scaling=False`; a step applied without
             `scale_loss` gets the gradients check), or `"auto"` (default):
-            `"gradients"` with loss scaling, `"loss"` without.
+            `"gradients"` with loss scaling, `"loss"` without. Measured by
+            `benchmarks/guard_cost.py` (MLP 1024-2048-2048-2048-10, batch 256,
+            Adam, 2-core AVX512_BF16 CPU, 2026-12-01): step time against plain
+            Keras `"loss"` 1.00x, `"gradients"` 1.06x (`mixed_bfloat16`) and
+            1.11x (`float32`).
         name: String or None. The optimizer's name.
         **kwargs: Keras's backwards-compatibility arguments (`dynamic=True` and the
             base optimizer's defaults); anything else raises ValueError.

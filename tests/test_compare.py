@@ -127,6 +127,8 @@ def test_policy_is_restored_when_a_run_fails(digits):
 
     with pytest.raises(ValueError, match="Expected a callable returning a compiled"):
         tfmp.compare(not_compiled, digits[0], policies=POLICIES)
+    with pytest.raises(ValueError, match=r"Received: build_model=<Sequential.*not make_model\(\)"):
+        tfmp.compare(not_compiled(), digits[0], policies=POLICIES)
     assert keras.config.dtype_policy().name == "mixed_bfloat16"
 
 

@@ -202,6 +202,10 @@ def test_bad_debug_option():
         ({"debug": {"acton": "warn"}}, r"Invalid `debug` argument.*Did you mean 'action'"),
         ({"keep_float32": [3]}, r"Invalid `keep_float32` argument.*Received: keep_float32=3"),
         ({"exclude_float32": [keras.layers.Dense(2)]}, r"Invalid `exclude_float32` argument"),
+        ({"keep_float32": keras.layers.Dense(2)}, r"Invalid `keep_float32` argument.*not an instance"),
+        ({"keep_float32": 5}, r"Received: keep_float32=5 \(of type int\)"),
+        ({"exclude_float32": {"dense": 1}}, r"Invalid `exclude_float32` argument"),
+        ({"allow_pure_16bit": "no"}, r"Expected True or False. Received: allow_pure_16bit='no'"),
     ],
 )
 def test_bad_options_leave_everything_untouched(options, message):

@@ -335,6 +335,8 @@ def test_registry_api_and_context_manager():
         (lambda: tfmp.unregister_float32("logitz"), "Received: targets='logitz'"),
         (lambda: tfmp.force_float32(keras.layers.Dense(2)), "Invalid `model` argument"),
         (lambda: tfmp.force_float32(Tower(), keep=[3]), "Invalid `keep` argument"),
+        (lambda: tfmp.force_float32(Tower(), keep=keras.layers.Dense(3)), "not an instance"),
+        (lambda: tfmp.register_float32(b"x"), r"Received: targets=b'x'"),
     ],
 )
 def test_errors_follow_the_template(call, message):

@@ -98,6 +98,8 @@ def test_scaled_gradients_are_scaled_and_record_a_nan_loss():
         loss = _loss(layer) * float("nan")
     tfmp.scaled_gradients(tape, loss, layer.trainable_variables, optimizer)
     assert int(optimizer.last_loss_status.numpy()) == 1
+    with pytest.raises(ValueError, match=r"Received: tape=None.*tf.GradientTape\(\) as tape"):
+        tfmp.scaled_gradients(None, loss, layer.trainable_variables, optimizer)
 
 
 # Item 7: gradient accumulation and clipping ----------------------------------------------

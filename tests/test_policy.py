@@ -83,6 +83,11 @@ def test_typos_get_suggestions(typo, meant):
         resolve_policy(typo, device_facts=A100)
 
 
+def test_recommend_policy_refuses_a_policy_name():
+    with pytest.raises(ValueError, match=r"Received: device_facts='mixed_float16'.*tfmp.enable\(policy\)"):
+        tfmp.recommend_policy("mixed_float16")
+
+
 def test_non_string_policy_rejected():
     with pytest.raises(ValueError, match=r"Received: policy=16 \(of type int\)"):
         resolve_policy(16, device_facts=A100)

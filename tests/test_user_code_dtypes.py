@@ -85,6 +85,23 @@ def test_vae_with_16bit_kl_term_trains_with_finite_loss(policy):
     assert np.isfinite(history.history["loss"][0])
 
 
+class _ReadsLosses(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        self.count = len(self.model.losses)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_model_losses_stay_readable_after_fit_as_in_plain_keras(policy):
+    _quiet_enable(policy)
+    model, _ = _vae()
+    reads = _ReadsLosses()
+    model.fit(X, X, batch_size=8, verbose=0, callbacks=[reads])
+    # After the trace, the terms are the finished graph's tensors: handed back as
+    # Keras holds them (16-bit add_loss term, float32 regularizer), not cast.
+    assert reads.count == 2
+    assert [t.dtype for t in model.losses] == [policy.split("_")[1], "float32"]
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_reported_loss_is_the_float32_sum_of_every_term(policy):
     _quiet_enable(policy)

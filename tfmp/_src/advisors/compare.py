@@ -193,9 +193,12 @@ def compare(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise invalid_argument(name, value, "a positive int")
     seed_list = _seed_list(seed, seeds)
-    if not callable(build_model):
-        raise invalid_argument("build_model", build_model,
-                               "a callable returning a compiled keras.Model")
+    if not callable(build_model) or isinstance(build_model, keras.Model):
+        raise invalid_argument(
+            "build_model", build_model, "a callable returning a compiled keras.Model",
+            fix="Pass the function that builds and compiles the model (each policy "
+            "needs a model of its own), e.g. compare(make_model, data), not make_model().",
+        )
     distinct = not isinstance(policies, str) and len(set(policies)) == len(policies)
     if not distinct or len(policies) < 2:
         raise invalid_argument(

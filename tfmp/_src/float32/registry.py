@@ -153,8 +153,9 @@ def targets_from(name: str, targets: Union[Target, Iterable[Target], None]) -> T
 
     Args:
         name: String. Argument name used in error messages, e.g. ``"keep"``.
-        targets: A layer class, a glob pattern string, an iterable of those, or
-            None (no targets).
+        targets: A layer class, a glob pattern string, a list, tuple or set of
+            those, or None (no targets). Any other single value is checked as one
+            target.
 
     Returns:
         Tuple of layer classes and pattern strings.
@@ -165,7 +166,7 @@ def targets_from(name: str, targets: Union[Target, Iterable[Target], None]) -> T
     """
     if targets is None:
         return ()
-    if isinstance(targets, (str, type)):
+    if not isinstance(targets, (list, tuple, set, frozenset)):
         targets = (targets,)
     result = []
     for target in targets:

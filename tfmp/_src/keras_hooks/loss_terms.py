@@ -15,7 +15,10 @@ term cast to float32, so the total loss is summed in float32. Terms already in
 float32 (weight regularizers over float32 master weights under a mixed policy)
 come back as they are, the very same tensors. This is the one visible change:
 ``model.losses`` holds float32 tensors where plain Keras would hold 16-bit ones,
-which plain Keras could not add to the compiled loss anyway.
+which plain Keras could not add to the compiled loss anyway. A term read eagerly
+after the step that made it was traced (``model.losses`` after ``fit``, in a
+callback) is a symbolic tensor of that finished graph: it comes back as it is,
+as plain Keras hands it back, since no op can read it any more.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 from typing import Any, Callable, List
 
 import keras
+import tensorflow as tf
 
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.keras_hooks import patches
@@ -42,6 +46,8 @@ def _wrap_losses(original: Any) -> property:
     getter: Callable[[Any], List[Any]] = original.fget if isinstance(original, property) else original
 
     def losses(self: Any) -> List[Any]:
+        if tf.executing_eagerly():  # symbolic terms here belong to a finished trace
+            return [term if tf.is_symbolic_tensor(term) else to_float32(term) for term in getter(self)]
         return [to_float32(term) for term in getter(self)]
 
     losses.__doc__ = getter.__doc__

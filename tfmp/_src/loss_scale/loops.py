@@ -21,7 +21,7 @@ import keras
 import tensorflow as tf
 
 from tfmp._src.constants import NON_FINITE_KINDS
-from tfmp._src.errors import NonFiniteError
+from tfmp._src.errors import NonFiniteError, invalid_argument
 from tfmp._src.keras_hooks import model_hooks, patches, train_function
 
 #: Default of `max_consecutive_overflows`: more than the 24 halvings that take the
@@ -188,7 +188,15 @@ def scaled_gradients(
     Returns:
         List with one tensor per variable (None if unconnected), still multiplied
         by the loss scale.
+
+    Raises:
+        ValueError: (template) `tape` is not a `tf.GradientTape`.
     """
+    if not isinstance(tape, tf.GradientTape):
+        raise invalid_argument(
+            "tape", tape, "the tf.GradientTape that recorded the loss",
+            fix="Compute the loss inside `with tf.GradientTape() as tape:` and pass that tape.",
+        )
     with tape:
         scaled_loss = optimizer.scale_loss(loss)
     return tape.gradient(scaled_loss, list(variables))

@@ -28,7 +28,7 @@ from typing import Optional, Union
 
 import keras
 
-from tfmp._src.errors import invalid_argument
+from tfmp._src.errors import check_bool, invalid_argument
 from tfmp._src.policy.hardware import ONEDNN_ENV, DeviceFacts, detect_device_facts
 
 MIXED_FLOAT16 = "mixed_float16"
@@ -130,11 +130,21 @@ def recommend_policy(device_facts: Optional[DeviceFacts] = None) -> PolicyDecisi
     Returns:
         `PolicyDecision` with `.policy`, `.reason`, `.device` and `.tf32`.
 
+    Raises:
+        ValueError: (template) `device_facts` is neither None nor a
+            `tfmp.DeviceFacts` (a policy name belongs to `tfmp.enable`).
+
     Example:
         >>> from tfmp import DeviceFacts, GpuFacts
         >>> recommend_policy(DeviceFacts(gpus=(GpuFacts("Tesla V100", (7, 0)),))).policy
         'mixed_float16'
     """
+    if device_facts is not None and not isinstance(device_facts, DeviceFacts):
+        raise invalid_argument(
+            "device_facts", device_facts, "None (this machine) or a tfmp.DeviceFacts",
+            fix="Call tfmp.recommend_policy() for this machine; to set a policy, "
+            "call tfmp.enable(policy).",
+        )
     facts = device_facts if device_facts is not None else detect_device_facts()
     device = describe_device(facts)
     if facts.tpu:
@@ -270,6 +280,7 @@ def resolve_policy(
     Warns:
         PerformanceWarning: an explicit policy that is slower than float32 here.
     """
+    check_bool("allow_pure_16bit", allow_pure_16bit)
     name = policy.name if isinstance(policy, keras.DTypePolicy) else policy
     if not isinstance(name, str):
         raise invalid_argument(

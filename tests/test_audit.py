@@ -135,6 +135,24 @@ def test_variables_16bit():
     assert report.rows[0].variable_dtype == "float16"
 
 
+def test_a_layer_the_user_excluded_gets_no_sensitive_warning():
+    def build():
+        inputs = keras.Input((8,))
+        x = keras.layers.Softmax(name="attn")(keras.layers.Dense(8, name="scores")(inputs))
+        return keras.Model(inputs, keras.layers.Dense(2, name="out")(x))
+
+    with tfmp.policy_scope("mixed_bfloat16", exclude_float32=[keras.layers.Softmax]):
+        model = build()
+        model.compile(optimizer="sgd", loss="mse")
+        report = tfmp.audit(model, tensor_cores=False)
+    assert model.get_layer("attn").compute_dtype == "bfloat16"
+    assert kinds(report) == set()
+    keras.config.set_dtype_policy("mixed_bfloat16")  # the fixture restores it
+    assert kinds(tfmp.audit(build(), tensor_cores=False), "attn") == {"sensitive_16bit"}
+    with tfmp.register_float32("attn", exclude=True):
+        assert kinds(tfmp.audit(build(), tensor_cores=False), "attn") == set()
+
+
 def test_policy_mismatch_when_built_before_enable():
     model = digits_model()  # built under float32
     with tfmp.policy_scope("mixed_bfloat16"):

@@ -21,7 +21,7 @@ TensorFlow's fused kernel (``"fused"``) or Keras's path and why
 Warning kinds (``AuditWarning.kind``):
 
 * ``sensitive_16bit``: a softmax/normalization layer (``tfmp._src.float32.registry`` rules)
-  computes in float16/bfloat16.
+  computes in float16/bfloat16, unless a user exclusion keeps it there.
 * ``output_16bit``: a layer producing a model output computes in 16 bits, or (with
   ``batch=``) a model output is 16-bit at run time.
 * ``variables_16bit``: 16-bit variables, so no float32 master weights; small
@@ -97,7 +97,8 @@ def _expected_policy(model: keras.Model) -> str:
 def _layer_warnings(path, layer, reason, producers, policy, tensor_cores):
     """Yields ``(kind, message)`` pairs for one layer."""
     compute = layer.compute_dtype
-    if compute in _LOW and _registry.builtin_reason(layer):
+    excluded = _float32.excluded_by_user(layer) or _registry.is_excluded(layer, path, ())
+    if compute in _LOW and _registry.builtin_reason(layer) and not excluded:
         yield "sensitive_16bit", (
             f"'{path}' ({type(layer).__name__}) computes in {compute}; "
             "call tfmp.force_float32(model) or keep it float32 explicitly."

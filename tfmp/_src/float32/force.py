@@ -77,6 +77,8 @@ from tfmp._src.keras_hooks.keras_private import (
 from tfmp._src.layer_tree import walk
 
 _FORCED: "weakref.WeakKeyDictionary[keras.layers.Layer, str]" = weakref.WeakKeyDictionary()
+#: Layers a user exclusion kept out of float32 (`excluded_by_user`).
+_EXCLUDED: "weakref.WeakSet[keras.layers.Layer]" = weakref.WeakSet()
 #: Layers whose ``build`` is hooked: layer -> [hook, (path, keep, exclude, forced_as)].
 _DEFERRED: "weakref.WeakKeyDictionary[keras.layers.Layer, list]" = weakref.WeakKeyDictionary()
 
@@ -85,6 +87,13 @@ _DEFERRED: "weakref.WeakKeyDictionary[keras.layers.Layer, list]" = weakref.WeakK
 def forced_reason(layer: keras.layers.Layer) -> Optional[str]:
     """Why tfmp set ``layer`` to float32 (``"output"``, ``"softmax"``...), or None."""
     return _FORCED.get(layer)
+
+
+def excluded_by_user(layer: keras.layers.Layer) -> bool:
+    """True when an exclusion (``exclude``/``exclude_float32``, or
+    ``register_float32(..., exclude=True)``) kept ``layer`` out of float32 when
+    tfmp last forced its model."""
+    return layer in _EXCLUDED
 
 
 def output_producers(model: keras.Model) -> Tuple[List[keras.layers.Layer], List[keras.Model]]:
@@ -182,7 +191,9 @@ def _apply_rules(
     changed: Set[int] = set()
     for path, layer, parent in entries:
         if _registry.is_excluded(layer, path, exclude):
+            _EXCLUDED.add(layer)
             continue
+        _EXCLUDED.discard(layer)
         reason = _registry.decide(
             layer, path, is_output=id(layer) in outputs, keep=keep, exclude=exclude
         )

@@ -46,9 +46,8 @@ def _wrap_losses(original: Any) -> property:
     getter: Callable[[Any], List[Any]] = original.fget if isinstance(original, property) else original
 
     def losses(self: Any) -> List[Any]:
-        if tf.executing_eagerly():  # symbolic terms here belong to a finished trace
-            return [term if tf.is_symbolic_tensor(term) else to_float32(term) for term in getter(self)]
-        return [to_float32(term) for term in getter(self)]
+        stale = tf.executing_eagerly()  # read eagerly, a symbolic term is a finished trace's
+        return [term if stale and tf.is_symbolic_tensor(term) else to_float32(term) for term in getter(self)]
 
     losses.__doc__ = getter.__doc__
     return property(losses)

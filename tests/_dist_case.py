@@ -240,6 +240,7 @@ def case_checkpoint(tmp):
             model.compile(sgd(), "mse")
         model.fit(data().take(2), epochs=1, verbose=0)
         out["saved_mirrored"] = _plain_state(model.optimizer)
+        out["saved_weights"] = [w.tolist() for w in model.get_weights()]
         model.save(tmp / "mirrored.keras")
         ckpt_path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(
             str(tmp / "mirrored_ckpt")

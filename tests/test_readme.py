@@ -1,6 +1,7 @@
 """README.md stays true: its quickstart runs and logs, its names and paths exist, CI runs its test command."""
 
 import ast
+import configparser
 import inspect
 import pathlib
 import re
@@ -189,6 +190,10 @@ def test_ci_runs_the_readme_test_command():
     ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
     assert ci_lines[-1].strip() == test_command
     assert 'pip install --quiet ".[test]"' in "\n".join(ci_lines)
+    # Every run names its slowest tests (setup.cfg's addopts, read by both CI tiers).
+    addopts = configparser.ConfigParser()
+    addopts.read(ROOT / "setup.cfg")
+    assert re.search(r"--durations=\d+", addopts["tool:pytest"]["addopts"])
 
 
 def test_main_job_screenshot_is_in_the_repository_with_its_command():

@@ -230,7 +230,7 @@ def test_zoo_marker_is_registered_deselected_and_named_in_readme():
     config = configparser.ConfigParser()
     config.read(root / "setup.cfg")
     pytest_config = config["tool:pytest"]
-    assert pytest_config["addopts"] == '-m "not slow and not zoo"'
+    assert '-m "not slow and not zoo"' in pytest_config["addopts"]
     assert any(line.startswith("zoo:") for line in pytest_config["markers"].split("\n"))
     assert "`python -m pytest -q -m zoo tests/test_zoo.py`" in (root / "README.md").read_text()
     assert sum(1 for name in CASES for policy in POLICIES if (name, policy) not in FAST) == 18

@@ -142,12 +142,13 @@ def make_datasets(
 
 #: Widths of `build_model` for float16 demos on a CPU (notebooks 01, 04, 05): a
 #: float16 training step on a CPU is emulated, and on Sapphire Rapids TensorFlow
-#: 2.21 fuses float16 MatMul+BiasAdd into a oneDNN kernel that runs about 20 ns per
-#: multiply-add (a 1024-1024-1024-10 MLP, batch 256: 17 s a step against 35 ms in
-#: float32). Eight filters and 32 units cut the default model's 280,000
-#: multiply-adds per image to 21,000: at that rate (forward and backward, three
+#: 2.21 fuses float16 MatMul+BiasAdd into a oneDNN kernel that takes 10-15 ns per
+#: multiply-add (measured there: a 1024-1024-1024-10 MLP at batch 256 steps in 17 s
+#: against 35 ms in float32; notebook 05's two runs of 180 steps of this model's
+#: default widths took 137 s). Eight filters and 32 units cut the default 280,000
+#: multiply-adds per image to 21,000: at 15 ns (forward and backward, three
 #: multiply-adds per weight and image) 200 float16 steps of 32 images take about
-#: 8 s there instead of 110 s.
+#: 6 s there instead of 80 s.
 FLOAT16_DEMO_WIDTHS = {"filters": 8, "units": 32}
 
 

@@ -140,7 +140,7 @@ def make_datasets(
     )
 
 
-#: Widths of `build_model` for float16 demos on a CPU (notebooks 01, 04, 05): a
+#: Widths of `build_model` for float16 demos on a CPU (notebooks 01 and 04): a
 #: float16 training step on a CPU is emulated, and on Sapphire Rapids TensorFlow
 #: 2.21 fuses float16 MatMul+BiasAdd into a oneDNN kernel that takes 10-15 ns per
 #: multiply-add (measured there: a 1024-1024-1024-10 MLP at batch 256 steps in 17 s

@@ -18,6 +18,9 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import guard_cost, harness, memory, report, run  # noqa: E402
 
+# One worker runs this module, so its module fixtures run once (-n 2 --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("benchmarks")
+
 MODELS = {"mlp", "cnn", "transformer"}
 
 

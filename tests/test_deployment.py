@@ -37,7 +37,8 @@ TOLERANCE = {"mixed_bfloat16": 2.0**-6, "mixed_float16": 2.0**-8}
 FLOAT32_TOLERANCE = 1e-5
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.filterwarnings("ignore::tfmp.PerformanceWarning")
+# One worker runs this module, so its module fixtures run once (-n 2 --dist loadgroup).
+pytestmark = [pytest.mark.filterwarnings("ignore::tfmp.PerformanceWarning"), pytest.mark.xdist_group("deployment")]
 
 
 # -- models --------------------------------------------------------------------

@@ -47,19 +47,22 @@ def run_notebook(path, workdir, override=None):
     return notebook
 
 
+def outputs_of(notebook):
+    """Every output of every code cell, in order."""
+    return [o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+
+
 def errors_in(notebook):
-    return [o for c in notebook.cells if c.cell_type == "code"
-            for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    return [o for o in outputs_of(notebook) if o.get("output_type") == "error"]
 
 
 def stdout_of(notebook):
-    return "".join(o.get("text", "") for c in notebook.cells if c.cell_type == "code"
-                   for o in c.get("outputs", []) if o.get("name") == "stdout")
+    return "".join(o.get("text", "") for o in outputs_of(notebook) if o.get("name") == "stdout")
 
 
 def markdown_of(notebook):
-    return "".join(o["data"]["text/markdown"] for c in notebook.cells if c.cell_type == "code"
-                   for o in c.get("outputs", []) if "text/markdown" in o.get("data", {}))
+    return "".join(o["data"]["text/markdown"] for o in outputs_of(notebook)
+                   if "text/markdown" in o.get("data", {}))
 
 
 @pytest.fixture(autouse=True)

@@ -387,3 +387,29 @@ def test_gradient_check_lists_variable_and_gradient_dtypes():
 def test_invalid_model():
     with pytest.raises(ValueError, match="Invalid `model` argument"):
         tfmp.audit(keras.layers.Dense(3))
+
+
+@keras.saving.register_keras_serializable("tfmp_tests")
+class _GanWithoutCall(keras.Model):
+    """The keras.io DCGAN's shape: sublayers and a train_step, no call()."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.generator = keras.layers.Dense(4)
+        self.discriminator = keras.layers.Dense(1)
+
+    def train_step(self, data):
+        return {}
+
+
+def test_a_failed_batch_pass_leaves_what_is_saved_unchanged(tmp_path):
+    model = _GanWithoutCall()
+    model.generator.build((None, 2))
+    model.discriminator.build((None, 4))
+    before = (model.built, model.get_build_config())
+    with pytest.raises(NotImplementedError, match="call"):
+        tfmp.audit(model, batch=np.ones((2, 2), "float32"))
+    assert (model.built, model.get_build_config()) == before == (False, None)
+    model.save(tmp_path / "gan.keras")
+    loaded = keras.models.load_model(tmp_path / "gan.keras")
+    assert type(loaded) is _GanWithoutCall and loaded.get_build_config() is None

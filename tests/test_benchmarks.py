@@ -18,8 +18,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import guard_cost, harness, memory, report, run  # noqa: E402
 
-# One worker runs this module, so its module fixtures run once (-n 2 --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("benchmarks")
+# One worker runs this module (conftest.ONE_WORKER_MODULES), so its module fixtures run once.
 
 MODELS = {"mlp", "cnn", "transformer"}
 

@@ -14,8 +14,7 @@ from tfmp._src.advisors import compare as _compare
 from tfmp._src.advisors.compare_report import CompareReport, RunResult
 from tfmp._src.policy.policy import recommend_policy, resolve_policy
 
-# One worker runs this module, so its module fixtures run once (-n 2 --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("compare")
+# One worker runs this module (conftest.ONE_WORKER_MODULES), so its module fixtures run once.
 
 EPOCHS = 3
 # Named, not "auto": on a CPU without bfloat16 "auto" resolves to float32 too.

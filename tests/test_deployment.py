@@ -1,7 +1,7 @@
 """tfmp.to_float32 and tfmp.export: float32 copies, TFLite and SavedModel artifacts.
 
 Models are trained a few steps under tfmp.enable("mixed_bfloat16") and
-"mixed_float16" (this CPU has no bfloat16/float16 arithmetic: both are emulated,
+"mixed_float16" (on a CPU without bfloat16/float16 arithmetic both are emulated,
 slowly but correctly). TFLite conversion takes seconds, so trained models and
 converted artifacts are module fixtures shared by the tests.
 
@@ -10,9 +10,13 @@ largest magnitude of the trained output. The trained model rounds to its compute
 dtype after each op: unit roundoff 2**-9 for bfloat16 (8 significant bits) and
 2**-11 for float16 (11 bits); these models chain about 8 rounded ops from input to
 output (cast, conv or matmul, bias, activation, normalization, dense, attention),
-so the bounds are 8 roundings: 2**-6 (bfloat16) and 2**-8 (float16). The artifact
-against the float32 copy is float32 against float32 (kernels differ only in
-summation order): 1e-5.
+so the bounds are 8 roundings: 2**-6 (bfloat16) and 2**-8 (float16). They are a
+typical error, not a worst case: cancellation in a dot product can exceed them for
+some initial weights (over 40 initial seeds, the largest error of the untrained
+to_float32 models was 2**-5.7 for bfloat16 and 2**-8.5 for float16, against medians
+of 2**-7.7 to 2**-6.7 and about 2**-10.7), so every model here is built from a fixed
+seed. The artifact against the float32 copy is float32 against float32 (kernels
+differ only in summation order): 1e-5.
 """
 
 import json
@@ -37,8 +41,8 @@ TOLERANCE = {"mixed_bfloat16": 2.0**-6, "mixed_float16": 2.0**-8}
 FLOAT32_TOLERANCE = 1e-5
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-# One worker runs this module, so its module fixtures run once (-n 2 --dist loadgroup).
-pytestmark = [pytest.mark.filterwarnings("ignore::tfmp.PerformanceWarning"), pytest.mark.xdist_group("deployment")]
+# One worker runs this module (conftest.ONE_WORKER_MODULES), so its module fixtures run once.
+pytestmark = [pytest.mark.filterwarnings("ignore::tfmp.PerformanceWarning")]
 
 
 # -- models --------------------------------------------------------------------
@@ -188,6 +192,7 @@ BUILDERS = {"sequential": build_sequential, "functional": build_cnn, "nested": b
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("kind", BUILDERS)
 def test_to_float32_copies_every_layer_and_weight(kind, policy):
+    keras.utils.set_random_seed(0)  # the bounds hold for typical weights, not for every draw
     with tfmp.policy_scope(policy):
         model = BUILDERS[kind]()
         model.compile("adam", "mse")

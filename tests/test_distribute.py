@@ -23,8 +23,7 @@ from _subproc import started
 import tfmp
 from tfmp._src import distribute as _distribute
 
-# One worker runs this module, so its module fixtures run once (-n 2 --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("distribute")
+# One worker runs this module (conftest.ONE_WORKER_MODULES), so its module fixtures run once.
 
 # Bounds of each wait. On 2 idle cores the three processes take ~15 s of CPU each
 # (TensorFlow's import included), the MirroredStrategy cases ~20 s more for the

@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import tfmp
-from tfmp import cli
+import _tfmp_command as cli
 from tfmp._src.advisors import doctor as _doctor
 from tfmp._src.policy.hardware import DeviceFacts, GpuFacts
 

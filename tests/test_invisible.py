@@ -609,11 +609,15 @@ def test_a_thread_that_ended_enabled_enables_no_later_thread():
 # 5. enable() after compile() warns once, at the first fit ---------------------------------
 
 
-def _perf_warnings(call):
+def _perf_warnings(call, where=None):
+    """Messages of the PerformanceWarnings `call` raises; their (file, line) into `where`."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         call()
-    return [str(w.message) for w in caught if issubclass(w.category, tfmp.PerformanceWarning)]
+    ours = [w for w in caught if issubclass(w.category, tfmp.PerformanceWarning)]
+    if where is not None:
+        where.extend((w.filename, w.lineno) for w in ours)
+    return [str(w.message) for w in ours]
 
 
 def _fit_twice(model):
@@ -627,9 +631,13 @@ def test_a_model_compiled_before_enable_warns_once_at_its_first_fit():
     early = _two_layer(name="early_model")
     early.compile(keras.optimizers.SGD(0.5), "mse")
     _quiet_enable("mixed_bfloat16")
-    messages = _perf_warnings(_fit_twice(early))
+    where = []
+    messages = _perf_warnings(_fit_twice(early), where)
     assert len(messages) == 1
     assert "'early_model' was compiled before tfmp.enable()" in messages[0]
+    fit_line = next(number for number, line in enumerate(open(__file__), 1)
+                    if "model.fit(ONES_X, ZEROS_Y, batch_size=2" in line)
+    assert where == [(__file__, fit_line)]  # the user's fit() call, under every hook
     assert "compile the model after tfmp.enable()" in messages[0]
     assert type(early.optimizer) is keras.optimizers.SGD  # left as compiled
 

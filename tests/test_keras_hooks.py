@@ -1,7 +1,10 @@
 """The one owner of hooks into Keras (tfmp/_src/keras_hooks): private names, patches, the step wrapper."""
 
 import ast
+import json
 import pathlib
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -10,6 +13,7 @@ import pytest
 import tfmp
 from tfmp._src.keras_hooks import keras_private, model_hooks, patches, train_function
 from tfmp._src.monitor.grad_stats import GradientStats
+from _subproc import ROOT, script_env
 
 TFMP = pathlib.Path(tfmp.__file__).parent
 
@@ -155,6 +159,73 @@ def test_unknown_owner_and_class_without_the_method_are_refused():
         patches.install(Child, "greet", _tag("x"), owner="numerics")
 
 
+def _failing_wrap(call):
+    raise RuntimeError("this wrap factory fails")
+
+
+def test_a_failing_wrap_changes_nothing():
+    class Thing(_Thing):
+        greet = _Thing.greet
+
+    original, thing = vars(Thing)["greet"], Thing()
+    good = patches.install(Thing, "greet", _tag("good"), owner="numerics")
+    with pytest.raises(RuntimeError, match="this wrap factory fails"):
+        patches.install(Thing, "greet", _failing_wrap, owner="grad_stats")
+    assert thing.greet("x") == "good(hello x)"
+    assert [h.owner for h in patches.installed(Thing, "greet")] == ["numerics"]
+    good.remove()  # no ghost hook left to recompose
+    assert vars(Thing)["greet"] is original and patches.installed(Thing) == []
+    with pytest.raises(RuntimeError, match="this wrap factory fails"):
+        patches.install(thing, "greet", _failing_wrap, owner="numerics")
+    assert "greet" not in vars(thing) and patches.installed(thing) == []
+
+
+def test_install_all_installs_every_hook_or_none():
+    class Thing(_Thing):
+        greet = _Thing.greet
+
+    original = vars(Thing)["greet"]
+    with pytest.raises(RuntimeError, match="this wrap factory fails"):
+        patches.install_all([
+            lambda: patches.install(Thing, "greet", _tag("first"), owner="numerics"),
+            lambda: [patches.install(Thing, "greet", _failing_wrap, owner="grad_stats")],
+        ])
+    assert vars(Thing)["greet"] is original and patches.installed(Thing) == []
+    hooks = patches.install_all([
+        lambda: patches.install(Thing, "greet", _tag("a"), owner="numerics"),
+        lambda: [patches.install(Thing, "greet", _tag("b"), owner="grad_stats")],
+    ])
+    assert [h.owner for h in hooks] == ["numerics", "grad_stats"] and Thing().greet("x") == "b(a(hello x))"
+    for hook in hooks:
+        hook.remove()
+    assert vars(Thing)["greet"] is original
+
+
+def test_a_patch_another_library_puts_on_top_is_never_overwritten():
+    class Thing(_Thing):
+        greet = _Thing.greet
+
+    original = vars(Thing)["greet"]
+    ours = patches.install(Thing, "greet", _tag("tfmp"), owner="numerics")
+    below = vars(Thing)["greet"]
+
+    def other(self, text):  # another library's patch, calling what it replaced
+        return f"other({below(self, text)})"
+
+    Thing.greet = other
+    assert Thing().greet("x") == "other(tfmp(hello x))"
+    with pytest.warns(RuntimeWarning, match=r"another patch \(.*other\) sits on top"):
+        ours.remove()
+    assert vars(Thing)["greet"] is other  # kept, and tfmp's hook is gone from under it
+    assert Thing().greet("x") == "other(hello x)"
+    with pytest.warns(RuntimeWarning, match=r"Another patch \(.*other\) sits on .*Thing.greet above tfmp's"):
+        again = patches.install(Thing, "greet", _tag("tfmp"), owner="numerics")
+    assert Thing().greet("x") == "other(tfmp(hello x))"  # composed under the other patch
+    Thing.greet = below  # the other library takes its patch off
+    again.remove()
+    assert vars(Thing)["greet"] is original and patches.installed(Thing) == []
+
+
 # -- the per-model step wrapper -------------------------------------------------
 
 
@@ -218,24 +289,27 @@ def test_monitor_and_check_numerics_leave_each_other_installed(tmp_path):
     assert "apply" not in vars(model.optimizer)
 
 
-def test_stuck_check_is_attached_without_enable_and_comes_off_with_the_last_optimizer():
+def test_stuck_check_is_attached_without_enable_and_comes_off_after_the_last_optimizer():
     import gc
 
     from tfmp._src.loss_scale import loops
 
     gc.collect()
-    before = loops._live_count  # tfmp optimizers other tests may still hold
+    before = len(loops._live)  # tfmp optimizers other tests may still hold
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.compile(tfmp.LossScaleOptimizer(keras.optimizers.SGD(0.1)), "mse")
     model.fit(np.ones((2, 2)), np.ones((2, 1)), verbose=0)
     assert train_function.has_check(model, "stuck")
     trainer = keras_private.defining_class(keras.Model, "make_train_function")
     assert [h.owner for h in patches.installed(trainer, "make_train_function")] == ["loss_scale.fit_check"]
-    assert loops._live_count == before + 1
+    assert len(loops._live) == before + 1
     del model
     keras.backend.clear_session()
     gc.collect()
-    assert loops._live_count == before
+    assert len(loops._live) == before
+    # Not from the garbage collector: at the next make_train_function (or disable()).
+    assert [h.owner for h in patches.installed(trainer, "make_train_function")] == ["loss_scale.fit_check"]
+    _model().make_train_function()
     hooked = [h.owner for h in patches.installed(trainer, "make_train_function")]
     assert hooked == (["loss_scale.fit_check"] if before else [])
 
@@ -285,3 +359,40 @@ def test_setup_cfg_ranges_are_the_tested_ones():
     assert f"tensorflow>={dotted(keras_private.MIN_TENSORFLOW)}" in requires
     ci = (TFMP.parent / ".ci" / "run").read_text()
     assert f'"keras=={dotted(keras_private.MIN_KERAS)}" "tensorflow=={dotted(keras_private.MIN_TENSORFLOW)}"' in ci
+
+
+# -- giving Keras back ------------------------------------------------------------
+
+
+def _surfaces(*runs):
+    """The JSON of tests/_keras_surface.py for each argument list, run side by side."""
+    processes = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "_keras_surface.py"), *args],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=script_env(), cwd=ROOT) for args in runs]
+    surfaces = []
+    for process in processes:
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err[-3000:]
+        surfaces.append(json.loads(out.splitlines()[-1]))
+    return surfaces
+
+
+def test_after_tfmp_lets_go_keras_is_as_without_tfmp():
+    """Every method and property of Keras's main classes, against a process without tfmp."""
+    plain, after = _surfaces([], ["--use-tfmp"])
+    assert len(plain) > 200 and any(name.endswith("Trainer.compile") for name in plain)
+    changed = {name: (plain.get(name), after.get(name))
+               for name in plain.keys() | after.keys() if plain.get(name) != after.get(name)}
+    assert changed == {}
+
+
+def test_the_leak_guard_sees_enabled_threads_and_class_hooks():
+    from conftest import tfmp_leftovers
+
+    assert tfmp_leftovers() == ([], [])
+    with tfmp.policy_scope("float32"):
+        threads, hooks = tfmp_leftovers()
+        assert threads == ["tfmp enabled in MainThread"]
+        assert {hook.owner for hook in hooks} == {
+            "enable.compile", "enable.first_step", "enable.losses", "fused_batchnorm"}
+    assert tfmp_leftovers() == ([], [])

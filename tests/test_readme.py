@@ -196,6 +196,17 @@ def test_ci_runs_the_readme_test_command():
     assert re.search(r"--durations=\d+", addopts["tool:pytest"]["addopts"])
 
 
+def test_modules_with_expensive_fixtures_are_one_unit_of_work():
+    """What `--dist loadscope` sends to one worker (tests/conftest.py)."""
+    from conftest import ONE_WORKER_MODULES, scheduling_unit
+
+    assert "--dist loadscope" in README
+    assert scheduling_unit("tests/test_distribute.py::test_a[x-y]") == "tests/test_distribute.py"
+    assert scheduling_unit("tests/test_enable.py::test_a[x-y]") == "tests/test_enable.py::test_a[x-y]"
+    assert sorted(ONE_WORKER_MODULES) == sorted(
+        name for name in ONE_WORKER_MODULES if (ROOT / "tests" / name).is_file())
+
+
 def test_main_job_screenshot_is_in_the_repository_with_its_command():
     [image] = re.findall(r"!\[[^\]]*\]\((docs/images/[\w.]+\.png)\)", README)
     data = (ROOT / image).read_bytes()

@@ -17,8 +17,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import harness, side_experiments  # noqa: E402
 
-# One worker runs this module, so its module fixtures run once (-n 2 --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("side_experiments")
+# One worker runs this module (conftest.ONE_WORKER_MODULES), so its module fixtures run once.
 
 NAMES = tuple(side_experiments.EXPERIMENTS)
 REWRITE_KEY = "auto_mixed_precision_onednn_bfloat16"

@@ -6,6 +6,7 @@ start-up takes about 6 s and prints its own log lines first). Wall-clock times a
 not asserted (the test machine is shared).
 """
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -64,7 +65,7 @@ def test_example_usage_error_before_tensorflow():
 
 
 CONSOLE_SCRIPT = """import re, sys
-from tfmp.cli import main
+from _tfmp_command import main
 if __name__ == "__main__":
     sys.argv[0] = re.sub(r"(-script\\.pyw|\\.exe)?$", "", sys.argv[0])
     sys.exit(main())
@@ -73,7 +74,7 @@ if __name__ == "__main__":
 
 @pytest.fixture
 def console_script(tmp_path):
-    """A copy of the script pip writes for setup.cfg's `tfmp = tfmp.cli:main`."""
+    """A copy of the script pip writes for setup.cfg's `tfmp = _tfmp_command:main`."""
     path = tmp_path / "tfmp"
     path.write_text(CONSOLE_SCRIPT)
     return str(path)
@@ -94,7 +95,7 @@ def test_tfmp_help_before_tensorflow(args, usage, console_script):
     result, modules = run_importtime(args)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith(usage)
-    assert "tfmp" in modules
+    assert "_tfmp_command" in modules  # the report is read: the command's module is there
     assert not modules & set(HEAVY), sorted(modules & set(HEAVY))
 
 
@@ -129,15 +130,38 @@ def test_import_tfmp_imports_everything_as_before():
     assert run_python("-c", code) == ["True", "True"]
 
 
-def test_command_line_start_imports_public_names_on_first_use(tmp_path):
-    script = tmp_path / "tfmp"  # named as the console script
-    script.write_text(
-        "import sys, tfmp\n"
-        "before = 'tensorflow' in sys.modules\n"
-        "enable = tfmp.enable\n"
-        "print(before, 'tensorflow' in sys.modules, enable.__module__, 'enable' in dir(tfmp))\n"
-    )
-    assert run_python(str(script)) == ["False", "True", "tfmp._src.policy.enable", "True"]
+def test_the_module_python_m_runs_is_read_as_cpython_parses_its_command_line():
+    from tfmp import _module_run_by_python
+
+    assert _module_run_by_python(["python", "-B", "-X", "importtime", "-m", "tfmp", "doctor"]) == "tfmp"
+    assert _module_run_by_python(["python", "-Bmtfmp"]) == "tfmp"
+    assert _module_run_by_python(["python", "-Werror", "-m", "mypkg.train"]) == "mypkg.train"
+    assert _module_run_by_python(["python", "-c", "import tfmp", "-m", "tfmp"]) is None
+    assert _module_run_by_python(["python", "train.py", "-m", "tfmp"]) is None
+    assert _module_run_by_python(["python"]) is None
+
+
+def test_python_m_tfmp_imports_public_names_on_first_use():
+    code = ("import sys; sys.orig_argv = [sys.executable, '-m', 'tfmp']; import tfmp; "
+            "before = 'tensorflow' in sys.modules; enable = tfmp.enable; "
+            "print(before, 'tensorflow' in sys.modules, enable.__module__, 'enable' in dir(tfmp))")
+    assert run_python("-c", code) == ["False", "True", "tfmp._src.policy.enable", "True"]
+
+
+def test_a_program_run_with_python_m_gets_tfmp_registered(tmp_path):
+    """``python -m mypkg.train`` with ``import tfmp`` in mypkg/__init__.py: all imported."""
+    package = tmp_path / "mypkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("import tfmp\n")
+    (package / "train.py").write_text(
+        "import keras, tfmp\n"
+        "print(keras.saving.get_registered_object('tfmp>LossScaleOptimizer') is tfmp.LossScaleOptimizer,"
+        " 'enable' in vars(tfmp))\n")
+    env = {**script_env(), "PYTHONPATH": f"{tmp_path}{os.pathsep}{script_env().get('PYTHONPATH', '')}"}
+    result = subprocess.run([sys.executable, "-m", "mypkg.train"], capture_output=True, text=True,
+                            timeout=300, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["True", "True"]
 
 
 def test_unknown_attribute_is_an_attribute_error():

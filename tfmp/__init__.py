@@ -8,18 +8,19 @@
 
 `import tfmp` imports every public name below (and so TensorFlow and Keras,
 checking their versions, and registering `LossScaleOptimizer` with Keras
-serialization), except while Python starts the `tfmp` command (``tfmp ...`` or
-``python -m tfmp ...``): then the names are imported on first use (a module
+serialization), except while Python starts ``python -m tfmp ...`` (the `tfmp`
+command, see `_tfmp_command`): then the names are imported on first use (a module
 ``__getattr__``, PEP 562), so ``--help`` answers without TensorFlow's start-up
-(about 6 s).
+(about 6 s). Which module ``-m`` runs is read from ``sys.orig_argv``, the
+interpreter's own command line, so a program started as ``python -m mypkg.train``
+that imports tfmp gets everything at once.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 import sys
-from typing import Any, List
+from typing import Any, List, Optional
 
 from tfmp._version import __version__ as __version__
 
@@ -76,17 +77,35 @@ def __dir__() -> List[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-def _starting_the_command_line() -> bool:
-    """True while Python starts the `tfmp` command rather than a program importing tfmp.
+def _module_run_by_python(command_line: List[str]) -> Optional[str]:
+    """The NAME of ``python [options] -m NAME ...`` (`sys.orig_argv`), or None.
 
-    ``python -m tfmp`` imports this package while ``sys.argv[0]`` is still ``"-m"``
-    (Python's documentation of ``-m``); the console script setup.cfg installs is
-    named ``tfmp`` (``tfmp.exe`` or ``tfmp-script.py`` on Windows).
+    Options are read as CPython's command line defines them: single-letter flags
+    may be grouped (``-Bm tfmp``, ``-mtfmp``); ``-W`` and ``-X`` take a value (in
+    the same word or the next); ``-c``, a script path or ``-`` end the options.
     """
-    argv = getattr(sys, "argv", None) or [""]
-    name = os.path.basename(argv[0]).split(".")[0]
-    return argv[0] == "-m" or name in ("tfmp", "tfmp-script")
+    words = iter(command_line[1:])
+    for word in words:
+        if word == "--check-hash-based-pycs":
+            next(words, None)
+            continue
+        if word.startswith("--"):
+            continue
+        if not word.startswith("-") or word == "-":
+            return None
+        flags = word[1:]
+        for position, flag in enumerate(flags):
+            value = flags[position + 1:]
+            if flag == "m":
+                return value or next(words, None)
+            if flag == "c":
+                return None
+            if flag in "WX":
+                if not value:
+                    next(words, None)
+                break
+    return None
 
 
-if not _starting_the_command_line():
+if _module_run_by_python(list(getattr(sys, "orig_argv", []))) != "tfmp":
     _import_public_names()

@@ -1,8 +1,8 @@
-"""``python -m tfmp doctor [--json]``: the `tfmp` command line."""
+"""``python -m tfmp doctor [--json]``: the `tfmp` command line (`_tfmp_command`)."""
 
 import sys
 
-from tfmp.cli import main
+from _tfmp_command import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -30,6 +30,7 @@ from typing import Any, Optional
 
 import tensorflow as tf
 
+from tfmp._src.errors import user_stacklevel
 from tfmp._src.keras_hooks.keras_private import in_xla_context
 from tfmp._src.policy.policy import PerformanceWarning
 
@@ -201,7 +202,7 @@ def turn_off_xla_if_replicated(model: Any) -> bool:
         "the step runs as a tf.function graph. To keep XLA, train on a single "
         "replica.",
         PerformanceWarning,
-        stacklevel=4,  # the caller of Model.compile
+        stacklevel=user_stacklevel(),  # the caller of Model.compile
     )
     model.jit_compile = False
     return True

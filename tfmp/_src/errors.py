@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
+import sys
 from typing import Any, Iterable, Optional
 
 
@@ -137,3 +139,24 @@ def check_bool(name: str, value: Any, *, allow_none: bool = False) -> None:
     """
     if not (isinstance(value, bool) or (allow_none and value is None)):
         raise invalid_argument(name, value, "None, True or False" if allow_none else "True or False")
+
+
+def _package_dir(name: str) -> str:
+    module = sys.modules.get(name)
+    path = getattr(module, "__file__", None)
+    return os.path.dirname(os.path.abspath(path)) + os.sep if path else "\0"
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for `warnings.warn` that names the user's line.
+
+    Counted from the function that calls this one (level 1) to the first frame
+    outside tfmp, Keras and TensorFlow, so a warning raised under Keras's methods
+    and tfmp's hooks on them points at the user's ``compile()`` or ``fit()`` call
+    however many frames lie between.
+    """
+    libraries = tuple(_package_dir(name) for name in ("tfmp", "keras", "tensorflow"))
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(libraries):
+        frame, level = frame.f_back, level + 1
+    return level

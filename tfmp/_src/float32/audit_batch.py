@@ -16,6 +16,7 @@ import keras
 import tensorflow as tf
 
 from tfmp._src.float32.audit_report import AuditWarning, GradientRow
+from tfmp._src.keras_hooks.keras_private import build_state_restored_on_error
 
 _FIX = (
     "cast constants and other tensors to `self.compute_dtype` inside `call()` "
@@ -119,11 +120,13 @@ def _variables_restored(model: keras.Model) -> Iterator[None]:
 def gradient_check(model, batch, entries):
     """Runs one forward/backward pass; returns (gradient rows, output dtypes, warnings).
 
-    Every variable of `model` holds the same value afterwards (`_variables_restored`).
-    Errors other than a dtype mismatch between two tensors propagate.
+    Every variable of `model` holds the same value afterwards (`_variables_restored`),
+    and a pass that raises leaves the model's build state (what is saved as its
+    build config) as it was. Errors other than a dtype mismatch between two tensors
+    propagate.
     """
     x = batch[0] if isinstance(batch, tuple) else batch
-    with _variables_restored(model):
+    with _variables_restored(model), build_state_restored_on_error(model):
         try:
             with tf.GradientTape() as tape:
                 outputs = keras.tree.flatten(model(x, training=True))

@@ -27,8 +27,9 @@ pair setup.cfg admits.
 
 from __future__ import annotations
 
+import contextlib
 import re
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 import keras
 import tensorflow as tf
@@ -175,6 +176,23 @@ def in_xla_context() -> bool:
     from tensorflow.python.ops import control_flow_util
 
     return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+
+
+@contextlib.contextmanager
+def build_state_restored_on_error(layer: Any) -> Iterator[None]:
+    """Puts `layer.built` and its recorded build shapes back if the block raises.
+
+    Keras marks a layer built and records its input shapes (``get_build_config``,
+    saved with the model) when its first call starts, before ``call`` runs; a call
+    that fails (a subclassed GAN without ``call``) would leave
+    ``{"input_shape": None}``, which no later load can build from.
+    """
+    built, shapes = layer.built, layer._build_shapes_dict
+    try:
+        yield
+    except BaseException:
+        layer.built, layer._build_shapes_dict = built, shapes
+        raise
 
 
 def defining_class(cls: type, name: str) -> type:

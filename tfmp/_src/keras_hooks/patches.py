@@ -16,6 +16,16 @@ A hook is a factory ``wrap(next_call) -> call``: it receives the callable below 
 callable) and returns the replacement. Hooks on an instance sit above hooks on its
 class: the innermost callable of an instance slot looks the class attribute up at
 each call.
+
+Transactions. A slot's attribute is written twice at most: when its first hook
+comes, with a *pass-through* that calls the slot's current composition, and when
+its last hook goes, with what was there before. In between, installing or
+removing a hook builds the new composition first and only then swaps it in, so a
+``wrap`` that raises leaves the method and the slot as they were. A patch another
+library puts on top of tfmp's (``other(tfmp(original))``) keeps working: tfmp never
+writes over an attribute it did not write; when its last hook goes and another
+patch sits on top, it leaves its pass-through (now calling the original) under that
+patch and warns, naming it. `install_all` installs several hooks or none.
 """
 
 from __future__ import annotations
@@ -23,7 +33,8 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
-from typing import Any, Callable, Dict, List, Optional
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 #: Position of each hook owner in a stack, innermost first. A method with several
 #: hooks always composes them in this order, whatever order they were installed in.
@@ -71,11 +82,16 @@ class Hook:
         return self._slot.name
 
     def remove(self) -> None:
-        """Takes this hook off; the others on the same method stay composed. Idempotent."""
+        """Takes this hook off; the others on the same method stay composed. Idempotent.
+
+        Raises:
+            Whatever a remaining hook's ``wrap`` raises while the method is
+            recomposed; this hook then stays on, and the method is unchanged.
+        """
         with _LOCK:
             if self.active:
-                self.active = False
                 self._slot.remove(self)
+                self.active = False
 
     def __repr__(self) -> str:
         state = "active" if self.active else "removed"
@@ -88,19 +104,19 @@ class _Slot:
     def __init__(self, target: Any, name: str) -> None:
         self.target, self.name = target, name
         self.is_class = isinstance(target, type)
-        own = vars(target)
-        self.saved = own[name] if name in own else _ABSENT
+        self.saved = vars(target).get(name, _ABSENT)
         if self.is_class and self.saved is _ABSENT:
             raise AttributeError(
                 f"tfmp hooks {name!r} on the class that defines it; "
                 f"{target.__name__} does not."
             )
         self.hooks: List[Hook] = []
-        self.installed: Any = None
+        self.composed: Any = None  # what the pass-through calls
+        self.pass_through: Any = None  # the attribute tfmp wrote; None until then
 
     def _innermost(self) -> Callable:
         if self.saved is not _ABSENT:
-            return self.saved if self.is_class else self.saved
+            return self.saved
         target, name = self.target, self.name
         bound = getattr(target, name)
 
@@ -111,24 +127,71 @@ class _Slot:
         call_class_attribute.__signature__ = inspect.signature(bound)
         return call_class_attribute
 
-    def compose(self) -> None:
+    def set_hooks(self, hooks: List[Hook]) -> None:
+        """Composes `hooks` over the innermost callable, then swaps the result in."""
         call = self._innermost()
-        for hook in sorted(self.hooks, key=lambda h: ORDER[h.owner]):
-            call = hook.wrap(call)
-        self.installed = call
-        _set(self.target, self.name, call, self.is_class)
+        for hook in sorted(hooks, key=lambda h: ORDER[h.owner]):
+            call = hook.wrap(call)  # may raise: nothing has changed yet
+        self.hooks, self.composed = hooks, call
+        if self.pass_through is None:
+            self.pass_through = _pass_through(self, self._innermost())
+            _set(self.target, self.name, self.pass_through, self.is_class)
+        elif self.foreign_patch() is not None:
+            warnings.warn(
+                f"Another patch ({self.foreign_patch()}) sits on {self.describe()} above "
+                "tfmp's: tfmp's hooks run only if it calls the method it replaced. "
+                "Apply that patch after tfmp.enable() is done, or before tfmp is imported.",
+                RuntimeWarning, stacklevel=4)
+
+    def foreign_patch(self) -> Optional[str]:
+        """The name of what another library wrote over tfmp's attribute, if anything."""
+        current = vars(self.target).get(self.name, _ABSENT)
+        if current is self.pass_through:
+            return None
+        if current is _ABSENT:
+            return "deleted"
+        name = getattr(current, "__qualname__", None) or type(current).__qualname__
+        return f"{getattr(current, '__module__', None) or '?'}.{name}"
+
+    def describe(self) -> str:
+        owner = self.target if self.is_class else type(self.target)
+        kind = "" if self.is_class else "an instance of "
+        return f"{kind}{owner.__module__}.{owner.__qualname__}.{self.name}"
 
     def remove(self, hook: Hook) -> None:
-        self.hooks = [h for h in self.hooks if h is not hook]
-        if self.hooks:
-            self.compose()
+        remaining = [h for h in self.hooks if h is not hook]
+        if remaining:
+            self.set_hooks(remaining)
+            return
+        self.hooks, self.composed = [], self._innermost()
+        foreign = self.foreign_patch()
+        if foreign is not None:
+            warnings.warn(
+                f"tfmp took its hooks off {self.describe()}, but another patch ({foreign}) "
+                "sits on top: tfmp left a pass-through to the original method under it "
+                "instead of overwriting it.",
+                RuntimeWarning, stacklevel=4)
             return
         if self.saved is _ABSENT:
-            if self.name in vars(self.target):
-                object.__delattr__(self.target, self.name)
+            object.__delattr__(self.target, self.name)
         else:
             _set(self.target, self.name, self.saved, self.is_class)
         _slots(self.target).pop(self.name, None)
+
+
+def _pass_through(slot: _Slot, original: Any) -> Any:
+    """The attribute tfmp writes once per slot: it calls `slot.composed`.
+
+    It carries the original's name, docstring and (through ``__wrapped__``) its
+    signature, which Keras inspects (e.g. whether ``call`` takes ``training``).
+    """
+    if isinstance(original, property):
+        return property(lambda obj: slot.composed.__get__(obj, type(obj)), doc=original.__doc__)
+
+    def pass_through(*args: Any, **kwargs: Any) -> Any:
+        return slot.composed(*args, **kwargs)
+
+    return functools.update_wrapper(pass_through, original)
 
 
 def _set(target: Any, name: str, value: Any, is_class: bool) -> None:
@@ -166,18 +229,42 @@ def install(target: Any, name: str, wrap: Callable[[Callable], Callable], *, own
     Raises:
         KeyError: `owner` is not a key of `ORDER`.
         AttributeError: `target` is a class that does not define `name` itself.
+        Whatever `wrap` raises; the method and its other hooks are then unchanged.
     """
     if owner not in ORDER:
         raise KeyError(f"Unknown hook owner {owner!r}; known: {', '.join(ORDER)}.")
     with _LOCK:
         slots = _slots(target)
-        slot = slots.get(name)
-        if slot is None:
-            slot = slots[name] = _Slot(target, name)
+        slot = slots.get(name) or _Slot(target, name)
         hook = Hook(slot, owner, wrap)
-        slot.hooks.append(hook)
-        slot.compose()
+        slot.set_hooks(slot.hooks + [hook])  # raises before anything changes
+        slots[name] = slot
         return hook
+
+
+def install_all(installers: Sequence[Callable[[], Any]]) -> List[Hook]:
+    """Runs each installer (returning a `Hook` or a list of them); all or none stay.
+
+    Args:
+        installers: Sequence of callables without arguments, each installing hooks
+            through `install` and returning them.
+
+    Returns:
+        List of every `Hook` installed, in order.
+
+    Raises:
+        Whatever an installer raises, after removing the hooks installed before it.
+    """
+    hooks: List[Hook] = []
+    try:
+        for installer in installers:
+            made = installer()
+            hooks.extend(made if isinstance(made, list) else [made])
+    except BaseException:
+        for hook in reversed(hooks):
+            hook.remove()
+        raise
+    return hooks
 
 
 def installed(target: Any, name: Optional[str] = None) -> List[Hook]:

@@ -102,8 +102,7 @@ def _diagnose(optimizer: Any, consecutive: int, at_floor: int) -> NonFiniteError
     return NonFiniteError(message, phase=phase, step=step, kind=kind, details=details)
 
 
-_live: "weakref.WeakSet[Any]" = weakref.WeakSet()
-_live_count = 0  # tfmp optimizers not yet garbage-collected
+_live: "weakref.WeakSet[Any]" = weakref.WeakSet()  # tfmp optimizers not yet collected
 _fit_hook: Optional[patches.Hook] = None
 _lock = threading.RLock()
 
@@ -118,27 +117,29 @@ def track(optimizer: Any) -> None:
     `tf.errors.OpError`, not as `NonFiniteError`. While at least one such optimizer
     exists, a hook on Keras's ``make_train_function`` (see `keras_hooks`) adds the
     check to each model whose optimizer is one, when its ``fit`` starts; the check
-    reads one scalar per step, and `fit` already waits for each step's result. The
-    hook comes off when the last such optimizer is garbage-collected. A custom loop
-    in a `tf.function` calls `optimizer.raise_if_stuck()` itself.
+    reads one scalar per step, and `fit` already waits for each step's result. A
+    custom loop in a `tf.function` calls `optimizer.raise_if_stuck()` itself.
+
+    The hook comes off in `release_if_unused`, once the last such optimizer has been
+    garbage-collected: at the next ``make_train_function`` or `tfmp.disable()`.
+    Never from a garbage-collection callback, which can run in any thread while
+    another holds the hooks' lock.
 
     Args:
         optimizer: `tfmp.LossScaleOptimizer`.
     """
-    global _fit_hook, _live_count
+    global _fit_hook
     with _lock:
         _live.add(optimizer)
-        _live_count += 1
-        weakref.finalize(optimizer, _release)
         if _fit_hook is None:
             _fit_hook = model_hooks.install_make_train_function_hook(_attach, owner="loss_scale.fit_check")
 
 
-def _release() -> None:
-    global _fit_hook, _live_count
+def release_if_unused() -> None:
+    """Takes the ``make_train_function`` hook off when no tfmp optimizer is alive."""
+    global _fit_hook
     with _lock:
-        _live_count -= 1
-        if _live_count == 0 and _fit_hook is not None:
+        if not _live and _fit_hook is not None:
             _fit_hook.remove()
             _fit_hook = None
 
@@ -148,6 +149,7 @@ def _attach(model: Any) -> None:
     optimizer = getattr(model, "optimizer", None)
     if optimizer in _live and not train_function.has_check(model, "stuck"):
         train_function.add_check(model, "stuck", functools.partial(_check_after_step, model))
+    release_if_unused()
 
 
 def _check_after_step(model: Any, logs: Any) -> Any:

@@ -102,12 +102,14 @@ class GradientStats:
         strategy: `tf.distribute.Strategy` the model trains under.
     """
 
-    _instances: "weakref.WeakKeyDictionary[Any, GradientStats]" = weakref.WeakKeyDictionary()
+    # Kept on the optimizer itself: a registry keyed by it (a WeakKeyDictionary)
+    # would keep it alive forever, since the hook these statistics own refers to it.
+    _ATTR = "_tfmp_gradient_stats"
 
     def __init__(
         self, optimizer: keras.optimizers.Optimizer, every: int, strategy: Any
     ) -> None:
-        self._optimizer = weakref.ref(optimizer)  # the registry is keyed by it
+        self._optimizer = weakref.ref(optimizer)
         self._counter = replica_local_variable(0, dtype=tf.int64, strategy=strategy)
         self._step = replica_local_variable(-1, dtype=tf.int64, strategy=strategy)
         self._every = replica_local_variable(every, dtype=tf.int64, strategy=strategy)
@@ -119,9 +121,10 @@ class GradientStats:
     @classmethod
     def of(cls, optimizer: keras.optimizers.Optimizer, every: int, strategy: Any) -> "GradientStats":
         """The statistics of `optimizer` (created at the first call), computed every `every` steps."""
-        stats = cls._instances.get(optimizer)
+        stats = vars(optimizer).get(cls._ATTR)
         if stats is None:
-            stats = cls._instances[optimizer] = cls(optimizer, every, strategy)
+            stats = cls(optimizer, every, strategy)
+            object.__setattr__(optimizer, cls._ATTR, stats)  # past Keras's attribute tracking
         stats._every.assign(np.int64(every))
         return stats
 

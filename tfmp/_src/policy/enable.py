@@ -32,7 +32,7 @@ import tensorflow as tf
 
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.distribute import turn_off_xla_if_replicated
-from tfmp._src.errors import check_bool, invalid_argument, unknown_key
+from tfmp._src.errors import check_bool, invalid_argument, unknown_key, user_stacklevel
 from tfmp._src.keras_hooks import model_hooks, patches
 from tfmp._src.keras_hooks.loss_terms import install_losses_hook
 from tfmp._src.float32.dtype_errors import explain_dtype_errors
@@ -40,6 +40,7 @@ from tfmp._src.float32 import fused_batchnorm
 from tfmp._src.float32.force import force_float32, force_loaded
 from tfmp._src.float32.token_ids import keep_exact_ids
 from tfmp._src.policy.hardware import DeviceFacts
+from tfmp._src.loss_scale import loops
 from tfmp._src.loss_scale.optimizer import WRAP_OPTIONS
 from tfmp._src.loss_scale.optimizer import wrap_optimizer
 from tfmp._src.numerics.check import check_numerics
@@ -85,16 +86,18 @@ def _set_current(state: Optional[_Enabled]) -> None:
         else:
             _states[threading.get_ident()] = (threading.current_thread(), state)
         if _states and not _hooks:
-            _hooks.extend(model_hooks.install_compile_hook(
-                _compile_with_tfmp, keep_saved=is_enabled, on_load=_force_loaded))
-            _hooks.append(
-                model_hooks.install_make_train_function_hook(_warn_if_compiled_before_enable, owner="enable.first_step")
-            )
-            _hooks.append(install_losses_hook())
-            _hooks.append(fused_batchnorm.install())
+            _hooks.extend(patches.install_all([  # all four or none
+                lambda: model_hooks.install_compile_hook(
+                    _compile_with_tfmp, keep_saved=is_enabled, on_load=_force_loaded),
+                lambda: model_hooks.install_make_train_function_hook(
+                    _warn_if_compiled_before_enable, owner="enable.first_step"),
+                install_losses_hook,
+                fused_batchnorm.install,
+            ]))
         elif not _states:
             while _hooks:
                 _hooks.pop().remove()
+            loops.release_if_unused()
 
 
 def is_enabled() -> bool:
@@ -286,7 +289,7 @@ def _warn_if_built_before_enable(model: keras.Model, policy: str) -> None:
             f"computing in {model.dtype_policy.compute_dtype}. Layers take the global "
             "policy when they are created: build the model after tfmp.enable().",
             PerformanceWarning,
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
 
 
@@ -310,7 +313,7 @@ def _warn_if_compiled_before_enable(model: keras.Model) -> None:
         f"optimizer, although tfmp's policy is {state.decision.policy!r}. Build and "
         "compile the model after tfmp.enable().",
         PerformanceWarning,
-        stacklevel=4,
+        stacklevel=user_stacklevel(),
     )
 
 

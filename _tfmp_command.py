@@ -1,22 +1,28 @@
 """The `tfmp` command line: ``tfmp doctor [--json]`` (also ``python -m tfmp doctor``).
 
-Arguments are parsed before TensorFlow is imported (``tfmp/__init__.py`` imports
-nothing heavy), so ``--help`` and usage errors answer at once.
+A module of its own, outside the `tfmp` package: ``import tfmp`` imports TensorFlow
+and Keras (about 6 s), so the console script starts here and parses its arguments
+first, and ``--help`` and usage errors answer at once. ``python -m tfmp`` runs
+``tfmp/__main__.py``, for which `tfmp/__init__.py` defers its imports.
 
 Installed as a console script by setup.cfg::
 
+    [options]
+    py_modules = _tfmp_command
+
     [options.entry_points]
     console_scripts =
-        tfmp = tfmp.cli:main
+        tfmp = _tfmp_command:main
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
-from tfmp._src.policy.hardware import DeviceFacts  # no TensorFlow import
+if TYPE_CHECKING:
+    from tfmp import DeviceFacts
 
 
 def _parser() -> argparse.ArgumentParser:

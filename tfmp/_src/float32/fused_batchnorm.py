@@ -81,7 +81,7 @@ def layer_reason(layer: keras.layers.Layer) -> str:
         return f"policy {layer.dtype_policy.name} (the fused path is for mixed policies)"
     if layer.synchronized:
         return "synchronized=True"
-    if layer.renorm:
+    if getattr(layer, "renorm", False):  # Keras 3.13 added renorm
         return "renorm=True"
     if not layer.built or layer.input_spec is None:
         return "not built"

@@ -413,3 +413,27 @@ def test_a_failed_batch_pass_leaves_what_is_saved_unchanged(tmp_path):
     model.save(tmp_path / "gan.keras")
     loaded = keras.models.load_model(tmp_path / "gan.keras")
     assert type(loaded) is _GanWithoutCall and loaded.get_build_config() is None
+
+
+class _BuildsThenFailsOnce(keras.Model):
+    """A subclassed model whose build makes a weight and whose first call raises."""
+
+    calls = 0
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=(input_shape[-1], 1), initializer="ones")
+
+    def call(self, x):
+        type(self).calls += 1
+        if type(self).calls == 1:
+            raise RuntimeError("first call fails")
+        return x @ self.w
+
+
+def test_a_batch_pass_that_built_state_before_failing_leaves_the_model_usable():
+    model = _BuildsThenFailsOnce()
+    with pytest.raises(RuntimeError, match="first call fails"):
+        tfmp.audit(model, batch=np.ones((2, 3), "float32"))
+    # Built before the failure: it stays built, and calls as plain Keras would.
+    assert model.built and tuple(model.get_build_config()["input_shape"]) == (2, 3)
+    np.testing.assert_array_equal(model(np.ones((2, 3), "float32")).numpy(), [[3.0], [3.0]])

@@ -217,6 +217,26 @@ def test_bad_options_leave_everything_untouched(options, message):
     assert keras.Model.compile is ORIGINAL_COMPILE
 
 
+def test_a_hook_that_fails_to_install_leaves_tfmp_and_keras_as_they_were(monkeypatch):
+    from tfmp._src.float32 import fused_batchnorm
+    from tfmp._src.keras_hooks.keras_private import defining_class
+    from tfmp._src.policy import enable as enable_module
+
+    trainer = defining_class(keras.Model, "compile")
+    compile_before = vars(trainer)["compile"]
+
+    def fail():
+        raise RuntimeError("the fourth hook fails")
+
+    monkeypatch.setattr(fused_batchnorm, "install", fail)
+    with warnings.catch_warnings(), pytest.raises(RuntimeError, match="the fourth hook fails"):
+        warnings.simplefilter("ignore", tfmp.PerformanceWarning)
+        tfmp.enable("mixed_bfloat16")
+    assert not enable_module.is_enabled() and enable_module._hooks == []
+    assert vars(trainer)["compile"] is compile_before  # the first three came off
+    assert keras.config.dtype_policy().name == "float32"
+
+
 def test_single_keep_pattern_is_not_split_into_letters():
     tfmp.enable("mixed_bfloat16", device_facts=A100, keep_float32="hidden",
                 exclude_float32=keras.layers.Softmax)

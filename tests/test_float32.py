@@ -1,5 +1,7 @@
 """Tests for tfmp.force_float32 and the float32 registry (tfmp/_float32.py, _registry.py)."""
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -398,3 +400,30 @@ def test_deferred_forcing_uses_the_latest_options(exclude_later, softmax_dtype):
         tfmp.force_float32(model, exclude="*softmax")
     model(np.ones((1, 3, 8), "float32"))
     assert model.mha._softmax.compute_dtype == softmax_dtype
+
+
+def _compiled_with_a_forced_middle_softmax():
+    with warnings.catch_warnings(), tfmp.policy_scope("mixed_bfloat16"):
+        warnings.simplefilter("ignore", tfmp.PerformanceWarning)
+        inputs = keras.Input((4,))
+        x = keras.layers.Softmax()(keras.layers.Dense(4)(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(2)(x))
+        model.compile("sgd", "mse")
+    return model
+
+
+def test_a_forced_layer_goes_with_its_model():
+    """tfmp's state on a forced layer (its cast-back hooks) does not keep it alive."""
+    import gc
+    import weakref
+
+    from tfmp._src.float32 import cast_back
+
+    model = _compiled_with_a_forced_middle_softmax()
+    softmax = model.get_layer(index=2)
+    assert isinstance(softmax, keras.layers.Softmax) and cast_back.casts_back(softmax)
+    layer_ref, model_ref = weakref.ref(softmax), weakref.ref(model)
+    del model, softmax
+    keras.backend.clear_session()
+    gc.collect()
+    assert model_ref() is None and layer_ref() is None

@@ -595,15 +595,17 @@ def test_a_thread_that_ended_enabled_enables_no_later_thread():
         return threading.get_ident(), _enable.is_enabled(), _compile_plain_sgd()
 
     # CPython reuses the ident of an ended thread (not every time): try until it does.
-    for _ in range(50):
-        ended = _in_thread(enable_and_end)
-        ident, enabled, compiled = _in_thread(ident_and_state)
-        assert (enabled, compiled) == (False, PLAIN)
-        if ident == ended:
-            break
-    else:
-        pytest.skip("no thread ident was reused in 50 tries")
-    tfmp.disable()  # forgets the ended threads; the hooks come off (checked by the fixture)
+    try:
+        for _ in range(50):
+            ended = _in_thread(enable_and_end)
+            ident, enabled, compiled = _in_thread(ident_and_state)
+            assert (enabled, compiled) == (False, PLAIN)
+            if ident == ended:
+                break
+        else:
+            pytest.skip("no thread ident was reused in 50 tries")
+    finally:
+        tfmp.disable()  # forgets the ended threads; the hooks come off (checked by the fixture)
 
 
 # 5. enable() after compile() warns once, at the first fit ---------------------------------

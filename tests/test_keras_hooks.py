@@ -5,6 +5,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import warnings
 
 import keras
 import numpy as np
@@ -191,6 +192,15 @@ def test_install_all_installs_every_hook_or_none():
             lambda: [patches.install(Thing, "greet", _failing_wrap, owner="grad_stats")],
         ])
     assert vars(Thing)["greet"] is original and patches.installed(Thing) == []
+
+    def two_then_fail():  # an installer that installs some hooks, then raises
+        patches.install(Thing, "greet", _tag("second"), owner="grad_stats")
+        patches.install(Thing, "greet", _failing_wrap, owner="numerics")
+
+    with pytest.raises(RuntimeError, match="this wrap factory fails"):
+        patches.install_all([lambda: patches.install(Thing, "greet", _tag("first"), owner="train_function"),
+                             two_then_fail])
+    assert vars(Thing)["greet"] is original and patches.installed(Thing) == []
     hooks = patches.install_all([
         lambda: patches.install(Thing, "greet", _tag("a"), owner="numerics"),
         lambda: [patches.install(Thing, "greet", _tag("b"), owner="grad_stats")],
@@ -221,6 +231,14 @@ def test_a_patch_another_library_puts_on_top_is_never_overwritten():
     with pytest.warns(RuntimeWarning, match=r"Another patch \(.*other\) sits on .*Thing.greet above tfmp's"):
         again = patches.install(Thing, "greet", _tag("tfmp"), owner="numerics")
     assert Thing().greet("x") == "other(tfmp(hello x))"  # composed under the other patch
+    with warnings.catch_warnings():  # made an error: nothing changes, the hook stays removable
+        warnings.simplefilter("error", RuntimeWarning)
+        with pytest.raises(RuntimeWarning, match="Another patch"):
+            patches.install(Thing, "greet", _tag("more"), owner="grad_stats")
+        assert [h.owner for h in patches.installed(Thing, "greet")] == ["numerics"]
+        with pytest.raises(RuntimeWarning, match="sits on top"):
+            again.remove()
+        assert again.active and Thing().greet("x") == "other(tfmp(hello x))"
     Thing.greet = below  # the other library takes its patch off
     again.remove()
     assert vars(Thing)["greet"] is original and patches.installed(Thing) == []

@@ -138,6 +138,7 @@ def test_the_module_python_m_runs_is_read_as_cpython_parses_its_command_line():
     assert _module_run_by_python(["python", "-Werror", "-m", "mypkg.train"]) == "mypkg.train"
     assert _module_run_by_python(["python", "-c", "import tfmp", "-m", "tfmp"]) is None
     assert _module_run_by_python(["python", "train.py", "-m", "tfmp"]) is None
+    assert _module_run_by_python(["python", "--", "-m", "tfmp"]) is None  # runs a file named -m
     assert _module_run_by_python(["python"]) is None
 
 

@@ -82,13 +82,15 @@ def _module_run_by_python(command_line: List[str]) -> Optional[str]:
 
     Options are read as CPython's command line defines them: single-letter flags
     may be grouped (``-Bm tfmp``, ``-mtfmp``); ``-W`` and ``-X`` take a value (in
-    the same word or the next); ``-c``, a script path or ``-`` end the options.
+    the same word or the next); ``-c``, ``--``, a script path or ``-`` end the options.
     """
     words = iter(command_line[1:])
     for word in words:
         if word == "--check-hash-based-pycs":
             next(words, None)
             continue
+        if word == "--":
+            return None  # a script path follows
         if word.startswith("--"):
             continue
         if not word.startswith("-") or word == "-":

@@ -144,7 +144,7 @@ def check_bool(name: str, value: Any, *, allow_none: bool = False) -> None:
 def _package_dir(name: str) -> str:
     module = sys.modules.get(name)
     path = getattr(module, "__file__", None)
-    return os.path.dirname(os.path.abspath(path)) + os.sep if path else "\0"
+    return os.path.normcase(os.path.dirname(os.path.abspath(path))) + os.sep if path else "\0"
 
 
 def user_stacklevel() -> int:
@@ -157,6 +157,6 @@ def user_stacklevel() -> int:
     """
     libraries = tuple(_package_dir(name) for name in ("tfmp", "keras", "tensorflow"))
     frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(libraries):
+    while frame.f_back is not None and os.path.normcase(os.path.abspath(frame.f_code.co_filename)).startswith(libraries):
         frame, level = frame.f_back, level + 1
     return level

@@ -26,10 +26,11 @@ import keras
 
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.keras_hooks import patches
+from tfmp._src.keras_hooks.object_state import PerObject
 from tfmp._src.keras_hooks.loss_terms import to_float32
 
 #: Forced layers handing back their parent's dtype: layer -> [call hook, spec hook, target].
-_CAST_BACK: "weakref.WeakKeyDictionary[keras.layers.Layer, list]" = weakref.WeakKeyDictionary()
+_CAST_BACK = PerObject("cast_back")  # layer -> [call hook, compute_output_spec hook, target]
 _local = threading.local()
 
 

@@ -66,6 +66,7 @@ from tfmp._src.float32 import cast_back as _cast_back
 from tfmp._src.float32 import registry as _registry
 from tfmp._src.float32.cast_back import casts_back
 from tfmp._src.keras_hooks import patches
+from tfmp._src.keras_hooks.object_state import PerObject
 from tfmp._src.keras_hooks.keras_private import (
     autocasts_inputs,
     functional_graph,
@@ -80,7 +81,7 @@ _FORCED: "weakref.WeakKeyDictionary[keras.layers.Layer, str]" = weakref.WeakKeyD
 #: Layers a user exclusion kept out of float32 (`excluded_by_user`).
 _EXCLUDED: "weakref.WeakSet[keras.layers.Layer]" = weakref.WeakSet()
 #: Layers whose ``build`` is hooked: layer -> [hook, (path, keep, exclude, forced_as)].
-_DEFERRED: "weakref.WeakKeyDictionary[keras.layers.Layer, list]" = weakref.WeakKeyDictionary()
+_DEFERRED = PerObject("deferred_forcing")  # unbuilt layer -> [build hook, rules]
 
 
 

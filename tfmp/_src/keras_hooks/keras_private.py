@@ -180,18 +180,30 @@ def in_xla_context() -> bool:
 
 @contextlib.contextmanager
 def build_state_restored_on_error(layer: Any) -> Iterator[None]:
-    """Puts `layer.built` and its recorded build shapes back if the block raises.
+    """Puts `layer`'s build state back if the block raises before building anything.
 
-    Keras marks a layer built and records its input shapes (``get_build_config``,
-    saved with the model) when its first call starts, before ``call`` runs; a call
-    that fails (a subclassed GAN without ``call``) would leave
-    ``{"input_shape": None}``, which no later load can build from.
+    Keras marks a layer built, records its input shapes (``get_build_config``, saved
+    with the model) and locks its state tracker when its first call starts, before
+    ``call`` runs; a call that fails (a subclassed GAN without ``call``) would leave
+    ``{"input_shape": None}``, which no later load can build from. When the failed
+    block created no variable, built flag, shapes and lock go back as they were;
+    when it did, the layer stays built (building again would make them twice).
     """
-    built, shapes = layer.built, layer._build_shapes_dict
+    built, shapes, locked = layer.built, layer._build_shapes_dict, layer._tracker.locked
+    created: List[Any] = []
+
+    def remember(next_creator: Any, **kwargs: Any) -> Any:
+        created.append(next_creator(**kwargs))
+        return created[-1]
+
     try:
-        yield
+        with tf.variable_creator_scope(remember):
+            yield
     except BaseException:
-        layer.built, layer._build_shapes_dict = built, shapes
+        if not created:
+            layer.built, layer._build_shapes_dict = built, shapes
+            if not locked:
+                layer._tracker.unlock()
         raise
 
 

@@ -30,11 +30,14 @@ patch and warns, naming it. `install_all` installs several hooks or none.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import threading
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from tfmp._src.errors import user_stacklevel
 
 #: Position of each hook owner in a stack, innermost first. A method with several
 #: hooks always composes them in this order, whatever order they were installed in.
@@ -58,6 +61,7 @@ _SLOTS_ATTR = "_tfmp_hook_slots"
 _CLASS_SLOTS: Dict[int, Dict[str, "_Slot"]] = {}
 _LOCK = threading.RLock()
 _ABSENT = object()
+_installing = threading.local()  # .hooks: what `install_all` collects in this thread
 
 
 class Hook:
@@ -128,20 +132,24 @@ class _Slot:
         return call_class_attribute
 
     def set_hooks(self, hooks: List[Hook]) -> None:
-        """Composes `hooks` over the innermost callable, then swaps the result in."""
+        """Composes `hooks` over the innermost callable, then swaps the result in.
+
+        Everything that can raise (a ``wrap``, the warning about a patch on top,
+        which a warnings filter can make an error) runs before anything changes.
+        """
         call = self._innermost()
         for hook in sorted(hooks, key=lambda h: ORDER[h.owner]):
-            call = hook.wrap(call)  # may raise: nothing has changed yet
-        self.hooks, self.composed = hooks, call
-        if self.pass_through is None:
-            self.pass_through = _pass_through(self, self._innermost())
-            _set(self.target, self.name, self.pass_through, self.is_class)
-        elif self.foreign_patch() is not None:
+            call = hook.wrap(call)
+        if self.pass_through is not None and self.foreign_patch() is not None:
             warnings.warn(
                 f"Another patch ({self.foreign_patch()}) sits on {self.describe()} above "
                 "tfmp's: tfmp's hooks run only if it calls the method it replaced. "
                 "Apply that patch after tfmp.enable() is done, or before tfmp is imported.",
-                RuntimeWarning, stacklevel=4)
+                RuntimeWarning, stacklevel=user_stacklevel())
+        self.hooks, self.composed = hooks, call
+        if self.pass_through is None:
+            self.pass_through = _pass_through(self, self._innermost())
+            _set(self.target, self.name, self.pass_through, self.is_class)
 
     def foreign_patch(self) -> Optional[str]:
         """The name of what another library wrote over tfmp's attribute, if anything."""
@@ -163,14 +171,15 @@ class _Slot:
         if remaining:
             self.set_hooks(remaining)
             return
-        self.hooks, self.composed = [], self._innermost()
         foreign = self.foreign_patch()
-        if foreign is not None:
+        if foreign is not None:  # warned first: a filter may make it an error
             warnings.warn(
                 f"tfmp took its hooks off {self.describe()}, but another patch ({foreign}) "
                 "sits on top: tfmp left a pass-through to the original method under it "
                 "instead of overwriting it.",
-                RuntimeWarning, stacklevel=4)
+                RuntimeWarning, stacklevel=user_stacklevel())
+        self.hooks, self.composed = [], self._innermost()
+        if foreign is not None:
             return
         if self.saved is _ABSENT:
             object.__delattr__(self.target, self.name)
@@ -239,31 +248,40 @@ def install(target: Any, name: str, wrap: Callable[[Callable], Callable], *, own
         hook = Hook(slot, owner, wrap)
         slot.set_hooks(slot.hooks + [hook])  # raises before anything changes
         slots[name] = slot
+        collecting = getattr(_installing, "hooks", None)
+        if collecting is not None:
+            collecting.append(hook)
         return hook
 
 
 def install_all(installers: Sequence[Callable[[], Any]]) -> List[Hook]:
-    """Runs each installer (returning a `Hook` or a list of them); all or none stay.
+    """Runs each installer; every hook they install through `install` stays, or none.
 
     Args:
         installers: Sequence of callables without arguments, each installing hooks
-            through `install` and returning them.
+            through `install`.
 
     Returns:
         List of every `Hook` installed, in order.
 
     Raises:
-        Whatever an installer raises, after removing the hooks installed before it.
+        Whatever an installer raises, after removing every hook installed before it
+        (also those of an installer that installed some and then raised).
     """
-    hooks: List[Hook] = []
+    outer = getattr(_installing, "hooks", None)
+    _installing.hooks = hooks = []
     try:
         for installer in installers:
-            made = installer()
-            hooks.extend(made if isinstance(made, list) else [made])
+            installer()
     except BaseException:
         for hook in reversed(hooks):
-            hook.remove()
+            with contextlib.suppress(Exception):  # take the others off all the same
+                hook.remove()
         raise
+    finally:
+        _installing.hooks = outer
+    if outer is not None:
+        outer.extend(hooks)
     return hooks
 
 

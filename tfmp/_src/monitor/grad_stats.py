@@ -44,6 +44,7 @@ import tensorflow as tf
 from tfmp._src.constants import BFLOAT16_EPSILON, FLOAT16_MAX, FLOAT16_SMALLEST_SUBNORMAL
 from tfmp._src.distribute import replica_local_variable
 from tfmp._src.keras_hooks import patches
+from tfmp._src.keras_hooks.object_state import PerObject
 
 NAMES = (
     "grad_norm",
@@ -102,9 +103,7 @@ class GradientStats:
         strategy: `tf.distribute.Strategy` the model trains under.
     """
 
-    # Kept on the optimizer itself: a registry keyed by it (a WeakKeyDictionary)
-    # would keep it alive forever, since the hook these statistics own refers to it.
-    _ATTR = "_tfmp_gradient_stats"
+    _registry = PerObject("gradient_stats")  # on the optimizer: its hook refers to it
 
     def __init__(
         self, optimizer: keras.optimizers.Optimizer, every: int, strategy: Any
@@ -121,10 +120,9 @@ class GradientStats:
     @classmethod
     def of(cls, optimizer: keras.optimizers.Optimizer, every: int, strategy: Any) -> "GradientStats":
         """The statistics of `optimizer` (created at the first call), computed every `every` steps."""
-        stats = vars(optimizer).get(cls._ATTR)
+        stats = cls._registry.get(optimizer)
         if stats is None:
-            stats = cls(optimizer, every, strategy)
-            object.__setattr__(optimizer, cls._ATTR, stats)  # past Keras's attribute tracking
+            stats = cls._registry[optimizer] = cls(optimizer, every, strategy)
         stats._every.assign(np.int64(every))
         return stats
 

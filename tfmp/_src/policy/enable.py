@@ -76,27 +76,41 @@ def _current() -> Optional[_Enabled]:
 
 
 def _set_current(state: Optional[_Enabled]) -> None:
-    """Sets this thread's state; installs or removes the Keras hooks as needed."""
+    """Sets this thread's state; installs or removes the Keras hooks as needed.
+
+    Raises:
+        Whatever installing a hook raises; this thread's state is then as before.
+    """
     with _lock:
         alive = set(threading.enumerate())
         for ident in [i for i, (thread, _) in _states.items() if thread not in alive]:
             del _states[ident]  # threads that ended while enabled
+        ident = threading.get_ident()
+        before = _states.get(ident)
         if state is None:
-            _states.pop(threading.get_ident(), None)
+            _states.pop(ident, None)
         else:
-            _states[threading.get_ident()] = (threading.current_thread(), state)
+            _states[ident] = (threading.current_thread(), state)
         if _states and not _hooks:
-            _hooks.extend(patches.install_all([  # all four or none
-                lambda: model_hooks.install_compile_hook(
-                    _compile_with_tfmp, keep_saved=is_enabled, on_load=_force_loaded),
-                lambda: model_hooks.install_make_train_function_hook(
-                    _warn_if_compiled_before_enable, owner="enable.first_step"),
-                install_losses_hook,
-                fused_batchnorm.install,
-            ]))
+            try:
+                _hooks.extend(patches.install_all([  # all four or none
+                    lambda: model_hooks.install_compile_hook(
+                        _compile_with_tfmp, keep_saved=is_enabled, on_load=_force_loaded),
+                    lambda: model_hooks.install_make_train_function_hook(
+                        _warn_if_compiled_before_enable, owner="enable.first_step"),
+                    install_losses_hook,
+                    fused_batchnorm.install,
+                ]))
+            except BaseException:
+                if before is None:
+                    _states.pop(ident, None)
+                else:
+                    _states[ident] = before
+                raise
         elif not _states:
             while _hooks:
-                _hooks.pop().remove()
+                _hooks[-1].remove()  # kept in the list if removing raises
+                _hooks.pop()
             loops.release_if_unused()
 
 

@@ -1,0 +1,44 @@
+"""State tfmp keeps for one Keras object, on the object itself.
+
+A registry keyed by the object (a `weakref.WeakKeyDictionary`) keeps the object
+alive for ever as soon as the value refers back to it, and tfmp's values do: a
+`patches.Hook` refers to its slot, the slot to its target. Kept in the object's
+own ``__dict__`` (past Keras's attribute tracking, so it is neither tracked,
+saved nor checkpointed), the state lives and dies with the object.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_ABSENT = object()
+
+
+class PerObject:
+    """A mapping from Keras objects to one kind of tfmp state, stored on each object.
+
+    Args:
+        name: String. What the state is; the attribute is ``_tfmp_<name>``.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.attribute = f"_tfmp_{name}"
+
+    def __contains__(self, obj: Any) -> bool:
+        return self.attribute in vars(obj)
+
+    def get(self, obj: Any, default: Any = None) -> Any:
+        return vars(obj).get(self.attribute, default)
+
+    def __setitem__(self, obj: Any, value: Any) -> None:
+        object.__setattr__(obj, self.attribute, value)
+
+    def pop(self, obj: Any, default: Any = _ABSENT) -> Any:
+        """Removes and returns `obj`'s state; `default` (or KeyError) when it has none."""
+        if self.attribute in vars(obj):
+            value = vars(obj)[self.attribute]
+            object.__delattr__(obj, self.attribute)
+            return value
+        if default is _ABSENT:
+            raise KeyError(f"{type(obj).__name__} has no {self.attribute}")
+        return default

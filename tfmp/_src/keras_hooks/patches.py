@@ -38,6 +38,7 @@ import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from tfmp._src.errors import user_stacklevel
+from tfmp._src.keras_hooks.object_state import PerObject
 
 #: Position of each hook owner in a stack, innermost first. A method with several
 #: hooks always composes them in this order, whatever order they were installed in.
@@ -57,7 +58,7 @@ ORDER = {
     "enable.first_step": 60,  # Trainer.make_train_function while enabled
     "train_function": 70,  # Model.make_train_function: the per-model step wrapper
 }
-_SLOTS_ATTR = "_tfmp_hook_slots"
+_INSTANCE_SLOTS = PerObject("hook_slots")
 _CLASS_SLOTS: Dict[int, Dict[str, "_Slot"]] = {}
 _LOCK = threading.RLock()
 _ABSENT = object()
@@ -213,10 +214,9 @@ def _set(target: Any, name: str, value: Any, is_class: bool) -> None:
 def _slots(target: Any) -> Dict[str, _Slot]:
     if isinstance(target, type):
         return _CLASS_SLOTS.setdefault(id(target), {})
-    slots = vars(target).get(_SLOTS_ATTR)
+    slots = _INSTANCE_SLOTS.get(target)
     if slots is None:
-        slots = {}
-        object.__setattr__(target, _SLOTS_ATTR, slots)
+        slots = _INSTANCE_SLOTS[target] = {}
     return slots
 
 
@@ -288,6 +288,6 @@ def install_all(installers: Sequence[Callable[[], Any]]) -> List[Hook]:
 def installed(target: Any, name: Optional[str] = None) -> List[Hook]:
     """The active hooks on `target` (on its method `name`, or on all), innermost first."""
     with _LOCK:
-        slots = _slots(target) if isinstance(target, type) else vars(target).get(_SLOTS_ATTR, {})
+        slots = _slots(target) if isinstance(target, type) else _INSTANCE_SLOTS.get(target, {})
         chosen = [slots[name]] if name in slots else ([] if name else list(slots.values()))
         return [h for slot in chosen for h in sorted(slot.hooks, key=lambda h: ORDER[h.owner])]

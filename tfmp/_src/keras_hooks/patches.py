@@ -138,18 +138,19 @@ class _Slot:
         Everything that can raise (a ``wrap``, the warning about a patch on top,
         which a warnings filter can make an error) runs before anything changes.
         """
-        call = self._innermost()
+        innermost = call = self._innermost()
         for hook in sorted(hooks, key=lambda h: ORDER[h.owner]):
             call = hook.wrap(call)
-        if self.pass_through is not None and self.foreign_patch() is not None:
+        foreign = self.foreign_patch() if self.pass_through is not None else None
+        if foreign is not None:
             warnings.warn(
-                f"Another patch ({self.foreign_patch()}) sits on {self.describe()} above "
+                f"Another patch ({foreign}) sits on {self.describe()} above "
                 "tfmp's: tfmp's hooks run only if it calls the method it replaced. "
                 "Apply that patch after tfmp.enable() is done, or before tfmp is imported.",
                 RuntimeWarning, stacklevel=user_stacklevel())
         self.hooks, self.composed = hooks, call
         if self.pass_through is None:
-            self.pass_through = _pass_through(self, self._innermost())
+            self.pass_through = _pass_through(self, innermost)
             _set(self.target, self.name, self.pass_through, self.is_class)
 
     def foreign_patch(self) -> Optional[str]:

@@ -54,6 +54,7 @@ from _dist_train import state  # noqa: E402
 from _dist_train import weights  # noqa: E402
 
 import tfmp  # noqa: E402
+from tfmp._src.float32 import fused_batchnorm  # noqa: E402
 from tfmp._src.keras_hooks import train_function  # noqa: E402
 
 
@@ -393,7 +394,43 @@ def case_numerics(tmp):
     }
 
 
+class _KLTerm(keras.layers.Layer):
+    """Adds a 16-bit loss term (as the Keras VAE example's KL term), returns its input."""
+
+    def call(self, x):
+        self.add_loss(1e-3 * tf.reduce_mean(tf.square(x)))
+        return x
+
+
+def case_replica_graphs(tmp):
+    """A model attached in a scope, traced after it in the replica threads."""
+    strategy = mirrored()
+    with tfmp.policy_scope("mixed_bfloat16"):
+        with strategy.scope():
+            inputs = keras.Input((4, 4, 3))
+            x = keras.layers.Conv2D(4, 3, padding="same")(inputs)
+            x = keras.layers.BatchNormalization(name="bn")(x)
+            x = _KLTerm()(x)
+            outputs = keras.layers.Dense(2)(keras.layers.GlobalAveragePooling2D()(x))
+            model = keras.Model(inputs, outputs)
+            model.compile(sgd(), "mse")
+    data = tf.data.Dataset.from_tensor_slices(
+        (np.ones((16, 4, 4, 3), "float32"), np.zeros((16, 2), "float32"))).batch(BATCH)
+    history = model.fit(data, epochs=1, verbose=0)  # the KL term is summed in float32
+    bn = model.get_layer("bn")
+    step = tf.function(lambda v: strategy.run(lambda t: bn(t, training=True), (v,)))
+    graph = step.get_concrete_function(tf.TensorSpec((8, 4, 4, 4), "bfloat16")).graph
+    ops = [op.type for op in graph.get_operations()]
+    return {
+        "loss": float(history.history["loss"][-1]),
+        "fused_ops": ops.count("FusedBatchNormV3"),
+        "last_call_reason": fused_batchnorm.last_call_reason(bn),
+        "replicas": strategy.num_replicas_in_sync,
+    }
+
+
 CASES = {
+    "replica_graphs": case_replica_graphs,
     "fit": case_fit,
     "keras_lso": case_keras_lso,
     "custom_loop": case_custom_loop,

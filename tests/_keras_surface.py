@@ -2,7 +2,7 @@
 
 Run as a script: ``python tests/_keras_surface.py [--use-tfmp]``. With
 ``--use-tfmp`` it first enables tfmp, trains a model under a loss-scale optimizer,
-with a monitor, check_numerics and an audit, and lets every tfmp object go
+with a monitor, check_numerics and an audit, saves and loads it, and lets every tfmp object go
 (garbage collection, then `tfmp.disable()`: the stuck check's hook comes off there
 or at the next ``make_train_function``, not from the garbage collector); without,
 tfmp is never imported.
@@ -26,7 +26,7 @@ CLASSES = [keras.Model, keras.layers.Layer, keras.layers.BatchNormalization,
 
 def describe(value):
     """Where a class attribute's code lives (identity cannot cross processes)."""
-    function = value.fget if isinstance(value, property) else value
+    function = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
     code = getattr(function, "__code__", None)
     where = (code.co_filename, code.co_firstlineno) if code else None
     return [type(value).__name__, getattr(function, "__qualname__", None), where]
@@ -39,7 +39,7 @@ def surface():
             if klass.__module__.split(".")[0] not in ("keras", "tensorflow"):
                 continue
             for name, value in vars(klass).items():
-                if callable(value) or isinstance(value, property):
+                if callable(value) or isinstance(value, (property, classmethod, staticmethod)):
                     found[f"{klass.__module__}.{klass.__qualname__}.{name}"] = describe(value)
     return found
 
@@ -58,6 +58,8 @@ def train_under_tfmp(logdir):
     model.fit(*data, epochs=1, verbose=0,
               callbacks=[tfmp.LossScaleMonitor(logdir, grad_stats_freq=1)])
     tfmp.audit(model, batch=data[0][:2])
+    model.save(f"{logdir}/model.keras")
+    keras.models.load_model(f"{logdir}/model.keras")  # attached while loading
 
 
 def use_tfmp():

@@ -52,20 +52,44 @@ if importlib.util.find_spec("xdist") is not None:
 
 
 def tfmp_leftovers():
-    """What tfmp still holds outside any model: enabled threads and class-level hooks.
+    """What tfmp still holds outside any live model: sessions and class-level hooks.
 
     The stuck check's ``make_train_function`` hook may stay while a
-    `tfmp.LossScaleOptimizer` is alive (a module fixture's model holds one).
+    `tfmp.LossScaleOptimizer` is alive, and the model-level hooks
+    (``Layer.losses``, ``BatchNormalization.call``) while an attached model is
+    alive (a module fixture's model holds both); `no_tfmp_state_at_module_end`
+    checks that they go with the models.
     """
-    from tfmp._src.keras_hooks import patches
+    from tfmp._src.attachment import hooks as attachment_hooks
+    from tfmp._src.attachment import record
+    from tfmp._src.keras_hooks import fit_lifecycle
     from tfmp._src.loss_scale import loops
-    from tfmp._src.policy import enable
+    from tfmp._src.policy import session
 
-    threads = [f"tfmp enabled in {thread.name}" for thread, _ in enable._states.values()]
+    threads = [f"tfmp enabled in {name}" for name in session.open_threads()]
     allowed = {"loss_scale.fit_check"} if loops._fit_hook is not None else set()
-    hooks = [hook for slots in list(patches._CLASS_SLOTS.values()) for slot in slots.values()
-             for hook in slot.hooks if hook.owner not in allowed]
+    if fit_lifecycle._needed_by:
+        allowed.add("fit_lifecycle")
+    if record.any_marked():
+        allowed |= {hook.owner for hook in attachment_hooks.installed()}
+    hooks = [hook for hook in _class_hooks() if hook.owner not in allowed]
     return threads, hooks
+
+
+def _class_hooks():
+    from tfmp._src.keras_hooks import patches
+
+    return [hook for slots in list(patches._CLASS_SLOTS.values()) for slot in slots.values()
+            for hook in slot.hooks]
+
+
+def _clean_up(hooks):
+    from tfmp._src.policy import enable, session
+
+    session._sessions.clear()
+    enable._set_current(None)
+    for hook in hooks:
+        hook.remove()
 
 
 @pytest.fixture(autouse=True)
@@ -73,21 +97,45 @@ def no_tfmp_state_left():
     """Fails a test that leaves tfmp enabled, a class-level hook on or TF32 changed."""
     import tensorflow as tf
 
+    from tfmp._src.policy import enable
+
     tf32 = tf.config.experimental.tensor_float_32_execution_enabled()
     yield
+    enable._release_unused_hooks()  # as tfmp.disable() does: the hooks no live model needs
     threads, hooks = tfmp_leftovers()
     leftovers = threads + [repr(hook) for hook in hooks]
     if tf.config.experimental.tensor_float_32_execution_enabled() != tf32:
         leftovers.append(f"TF32 execution left {'on' if not tf32 else 'off'}")
         tf.config.experimental.enable_tensor_float_32_execution(tf32)
     if leftovers:  # cleaned up, so that the tests after this one start clean
-        from tfmp._src.policy import enable
-
-        enable._states.clear()
-        enable._set_current(None)
-        for hook in hooks:
-            hook.remove()
+        _clean_up(hooks)
         pytest.fail("The test left tfmp state behind: " + "; ".join(leftovers), pytrace=False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_tfmp_state_at_module_end():
+    """Once a module's models are gone: no attached object alive, no class-level hook on.
+
+    Checks that no tfmp registry keeps a model (and so its hooks) alive.
+    """
+    yield
+    import gc
+
+    from tfmp._src.attachment import hooks as attachment_hooks
+    from tfmp._src.attachment import record
+    from tfmp._src.policy import enable
+
+    keras.backend.clear_session()
+    gc.collect()
+    enable.disable()  # not enabled here: takes off the hooks no live model needs
+    hooks = _class_hooks()
+    leftovers = [repr(hook) for hook in hooks]
+    if record.any_marked():
+        leftovers.append(f"{len(record._marked)} attached objects alive")
+    if leftovers:
+        record.unmark(list(record._marked))
+        _clean_up(hooks + attachment_hooks.installed())
+        pytest.fail("The module left tfmp state behind: " + "; ".join(leftovers), pytrace=False)
 
 
 @pytest.fixture(autouse=True)

@@ -9,6 +9,7 @@ import keras
 import tfmp
 
 PUBLIC_API = {
+    "Attachment",
     "CompareReport",
     "DeviceFacts",
     "DoctorReport",
@@ -21,10 +22,12 @@ PUBLIC_API = {
     "PerformanceWarning",
     "PolicyDecision",
     "__version__",
+    "attachment",
     "audit",
     "check_dataset",
     "check_numerics",
     "compare",
+    "detach",
     "disable",
     "doctor",
     "enable",

@@ -30,7 +30,7 @@ from tfmp._src import distribute as _distribute
 # check_numerics runs; the bounds leave room for a busy machine.
 CASES_TIMEOUT_S = 420
 WORKERS_TIMEOUT_S = 300
-CASES = ["fit", "keras_lso", "custom_loop", "xla", "checkpoint", "numerics"]
+CASES = ["replica_graphs", "fit", "keras_lso", "custom_loop", "xla", "checkpoint", "numerics"]
 SCALES = [1024.0, 512.0, 512.0, 1024.0]  # finite, overflow, finite, finite (growth 2)
 
 
@@ -97,6 +97,16 @@ def per_batch(result, name):
 
 
 # MirroredStrategy + model.fit ---------------------------------------------------------
+
+
+def test_replica_threads_trace_what_the_attachment_decided(mirrored):
+    """Built and compiled in a scope, traced after it in the replica threads: fused BN on
+    both replicas (one kernel each), the 16-bit loss term summed in float32."""
+    result = case(mirrored, "replica_graphs")
+    assert result["replicas"] == 2
+    assert result["fused_ops"] == 2
+    assert result["last_call_reason"] == ""
+    assert np.isfinite(result["loss"])
 
 
 def test_the_injected_inf_reaches_replica_1_only(mirrored):

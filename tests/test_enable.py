@@ -83,7 +83,7 @@ def test_policy_scope_inside_enable_restores_outer_state():
         assert keras.config.dtype_policy().name == "mixed_float16"
     assert keras.config.dtype_policy().name == "mixed_bfloat16"
     assert tfmp._src.policy.enable.current_decision().policy == "mixed_bfloat16"
-    assert tfmp._src.policy.enable._current().keep_float32 == ("*head*",)
+    assert tfmp._src.policy.session.current().keep_float32 == ("*head*",)
 
 
 def test_policy_scope_with_bad_policy_restores():
@@ -220,6 +220,8 @@ def test_bad_options_leave_everything_untouched(options, message):
 def test_a_hook_that_fails_to_install_leaves_tfmp_and_keras_as_they_were(monkeypatch):
     from tfmp._src.float32 import fused_batchnorm
     from tfmp._src.keras_hooks.keras_private import defining_class
+    from tfmp._src.attachment import hooks as attachment_hooks
+    from tfmp._src.keras_hooks import patches
     from tfmp._src.policy import enable as enable_module
 
     trainer = defining_class(keras.Model, "compile")
@@ -232,8 +234,9 @@ def test_a_hook_that_fails_to_install_leaves_tfmp_and_keras_as_they_were(monkeyp
     with warnings.catch_warnings(), pytest.raises(RuntimeError, match="the fourth hook fails"):
         warnings.simplefilter("ignore", tfmp.PerformanceWarning)
         tfmp.enable("mixed_bfloat16")
-    assert not enable_module.is_enabled() and enable_module._hooks == []
-    assert vars(trainer)["compile"] is compile_before  # the first three came off
+    assert not enable_module.is_enabled() and enable_module._session_hooks == []
+    assert vars(trainer)["compile"] is compile_before  # the session hooks came off
+    assert attachment_hooks.installed() == [] and patches.installed(keras.layers.Layer) == []
     assert keras.config.dtype_policy().name == "float32"
 
 

@@ -130,16 +130,24 @@ def test_mask_takes_keras_path_and_audit_shows_the_last_call(disabled):
     assert fused_batchnorm.audit_note(layer) == "fused"
 
 
-def test_float32_policy_and_disabled_take_keras_path(disabled):
+def test_float32_policy_takes_keras_path_and_the_hook_goes_with_the_last_attached_layer(disabled):
+    import gc
+
     original = vars(keras.layers.BatchNormalization)["call"]
+    unattached = keras.layers.BatchNormalization()
     tfmp.enable("float32")
     layer = keras.layers.BatchNormalization()
     x = tf.ones((2, 3, 4, 5))
     assert not _uses_fused_kernel(layer, x, True)
-    assert fused_batchnorm.audit_note(layer) == "keras: tfmp not enabled with a mixed policy"
+    assert fused_batchnorm.audit_note(layer) == "keras: policy float32 (the fused path is for mixed policies)"
     tfmp.enable("mixed_bfloat16")
     assert len(patches.installed(keras.layers.BatchNormalization, "call")) == 1
     tfmp.disable()
+    assert fused_batchnorm.audit_note(unattached) == f"keras: {fused_batchnorm.NOT_ATTACHED}"
+    assert len(patches.installed(keras.layers.BatchNormalization, "call")) == 1  # `layer` is attached
+    del layer
+    gc.collect()
+    tfmp.disable()  # not enabled: takes off the hooks no live attached layer needs
     assert patches.installed(keras.layers.BatchNormalization, "call") == []
     assert vars(keras.layers.BatchNormalization)["call"] is original
 
@@ -173,8 +181,8 @@ def test_fit_saves_plain_keras_layer_that_loads_without_tfmp(disabled, tmp_path)
     path = str(tmp_path / "model.keras")
     model.save(path)
     tfmp.disable()
-    assert patches.installed(keras.layers.BatchNormalization, "call") == []
     loaded = keras.models.load_model(path, compile=False)
+    assert tfmp.attachment(loaded) is None
     assert type(loaded.get_layer("bn")) is keras.layers.BatchNormalization
     np.testing.assert_array_equal(loaded.get_layer("bn").moving_variance.numpy(), bn.moving_variance.numpy())
     assert not _uses_fused_kernel(loaded.get_layer("bn"), tf.ones((2, 4, 4, 4), "bfloat16"), False)

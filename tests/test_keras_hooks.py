@@ -10,6 +10,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfmp
 from tfmp._src.keras_hooks import keras_private, model_hooks, patches, train_function
@@ -39,6 +40,7 @@ def test_private_accessors_work_on_this_keras():
     model.fit(np.ones((2, 3)), np.ones((2, 2)), verbose=0)
     assert keras_private.child_layers(model)[-1] is dense
     assert keras_private.functional_graph(model) is model
+    assert keras_private.is_functional(model) and not keras_private.is_functional(keras.Sequential())
     history = keras_private.keras_history(model.outputs[0])
     node = keras_private.inbound_node(history.operation, history.node_index)
     assert keras_private.keras_history(node.input_tensors[0]).operation is dense
@@ -412,5 +414,64 @@ def test_the_leak_guard_sees_enabled_threads_and_class_hooks():
         threads, hooks = tfmp_leftovers()
         assert threads == ["tfmp enabled in MainThread"]
         assert {hook.owner for hook in hooks} == {
-            "enable.compile", "enable.first_step", "enable.losses", "fused_batchnorm"}
+            "enable.compile", "enable.first_step", "enable.losses", "fused_batchnorm", "float32.from_config"}
     assert tfmp_leftovers() == ([], [])
+
+
+# Contracts with TensorFlow's and Keras's error texts (keras_hooks/error_texts.py) -------
+
+_BF16, _F32 = (lambda: tf.ones((2, 2), tf.bfloat16)), (lambda: tf.ones((2, 2)))
+#: One call per `error_texts.DTYPE_MISMATCH` entry that makes TensorFlow raise that text.
+_MISMATCH_PRODUCERS = {
+    "graph op": lambda: tf.function(lambda a, b: a * b, autograph=False)(_BF16(), _F32()),
+    "eager op": lambda: tf.raw_ops.Mul(x=_BF16(), y=_F32()),
+    "conversion": lambda: tf.convert_to_tensor(_F32(), dtype=tf.bfloat16),
+    "list op": lambda: tf.function(lambda a, b: tf.concat([a, b], 0), autograph=False)(_BF16(), _F32()),
+}
+
+
+def _raised(produce):
+    try:
+        produce()
+    except (TypeError, ValueError, tf.errors.OpError) as error:  # what the contracts are about
+        return error
+    raise AssertionError("the producer raised nothing")
+
+
+def _first_line(error):
+    text = error.message if isinstance(error, tf.errors.OpError) else str(error)
+    return text.strip().splitlines()[0]
+
+
+def test_every_dtype_mismatch_text_has_a_contract_test():
+    from tfmp._src.keras_hooks import error_texts
+
+    assert set(_MISMATCH_PRODUCERS) == set(error_texts.DTYPE_MISMATCH)
+
+
+@pytest.mark.parametrize("name", sorted(_MISMATCH_PRODUCERS))
+def test_tensorflow_still_raises_each_dtype_mismatch_text(name):
+    from tfmp._src.keras_hooks import error_texts
+
+    error = _raised(_MISMATCH_PRODUCERS[name])
+    cls, pattern = error_texts.DTYPE_MISMATCH[name]
+    assert isinstance(error, cls)
+    assert pattern.search(_first_line(error)), _first_line(error)
+    assert error_texts.is_dtype_mismatch(error, _first_line(error))
+    assert sorted(error_texts.mismatched_dtypes(_first_line(error))) == ["bfloat16", "float32"]
+
+
+class _Fails(keras.layers.Layer):
+    def call(self, x):
+        raise ValueError("broken on purpose")
+
+
+def test_keras_still_names_the_layer_that_raised():
+    from tfmp._src.keras_hooks import error_texts
+
+    layer = _Fails(name="fails")
+    in_call = _raised(lambda: layer(tf.ones((1, 2))))  # eager call: Keras's traceback filter
+    assert error_texts.layer_named_by_keras(str(in_call)) == (None, "_Fails")
+    assert layer in list(error_texts.call_frame_owners(in_call))
+    in_spec = _raised(lambda: _Fails(name="spec")(keras.Input((2,))))  # Functional construction
+    assert error_texts.layer_named_by_keras(str(in_spec)) == ("spec", "_Fails")

@@ -509,3 +509,13 @@ def test_keras_deserialization_backwards_compatibility():
     assert restored.loss_scaling
     assert type(restored.inner_optimizer) is keras.optimizers.SGD
     assert float(restored.inner_optimizer.learning_rate) == 0.5
+
+
+def test_stateless_apply_is_refused_with_what_to_call_instead():
+    variable = keras.Variable([1.0])
+    optimizer = _optimizer()
+    optimizer.build([variable])
+    before = [v.numpy().copy() for v in optimizer.variables]
+    with pytest.raises(NotImplementedError, match=r"stateless_apply is not supported.*optimizer\.apply"):
+        optimizer.stateless_apply([v.value for v in optimizer.variables], [tf.constant([1.0])], [variable])
+    assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, optimizer.variables))

@@ -350,7 +350,51 @@ def test_crash_keeps_every_event_up_to_the_failing_batch(tmp_path, where, spe):
         (5, "step 5: non-finite gradients, scale 512 -> 256"),
     ]
     notes = [text for _, text in run["monitor_notes"]]
-    assert any("training stopped by" in n for n in notes) == (where == "pipeline")
+    assert sum("training stopped by" in n for n in notes) == 1
+
+
+class RaiseAt(keras.callbacks.Callback):
+    """Raises `error` at the end of 0-based batch `batch`, or as epoch `epoch` begins."""
+
+    def __init__(self, error, batch=None, epoch=None):
+        super().__init__()
+        self.error, self.batch, self.epoch = error, batch, epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.batch:
+            raise self.error
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise self.error
+
+
+# Errors made per test: a raised error keeps its traceback, and with it the test's frame.
+@pytest.mark.parametrize("make_error, batch, epoch", [
+    (lambda: RuntimeError("callback failed"), 2, None),
+    (KeyboardInterrupt, 2, None),
+    (KeyboardInterrupt, None, 1),  # between epochs, before the next epoch's iterator
+    (lambda: OSError(28, "No space left on device"), 2, None),
+])
+def test_any_error_out_of_fit_closes_the_monitor_and_the_next_fit_starts_clean(tmp_path, make_error, batch, epoch):
+    error = make_error()
+    model = tiny_model()
+    model.compile(optimizer=tfmp.LossScaleOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+    x, y = data(16)
+    monitor = tfmp.LossScaleMonitor(tmp_path, update_freq="batch")
+    with pytest.raises(type(error)):
+        model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[monitor, RaiseAt(error, batch, epoch)])
+    stopped_at = 3 if batch is not None else 4
+    notes = read_run(tmp_path)["monitor_notes"]
+    assert notes[-1][0] == stopped_at
+    assert notes[-1][1].startswith(f"step {stopped_at}: training stopped by {type(error).__name__}")
+    assert _train_function._hooks(model).handlers == {}  # no crash handler left registered
+    assert not monitor._events.is_open
+    history = model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[monitor])
+    assert len(history.history["loss"]) == 1
+    logged = steps(read_run(tmp_path), "batch_loss_scale")  # both fits' files
+    assert sorted(logged) == list(range(1, stopped_at + 1)) + [stopped_at + i for i in (1, 2, 3, 4)]
+    assert sum("training stopped by" in text for _, text in read_run(tmp_path)["monitor_notes"]) == 1
 
 
 def test_stuck_error_from_the_optimizer_is_logged_before_it_propagates(tmp_path):

@@ -20,10 +20,12 @@ MACHINE_PATH = re.compile(r"(/home/|/work/|/tmp/|/Users/|site-packages|[A-Z]:\\\
 
 
 # The second run of a notebook uses the small settings its knobs allow where the full
-# run is slow (02's A/B timing and its 5-seed tfmp.compare). 02's second run also
-# stops float16 after its second step (TOO_SLOW = 0), so the path a CPU with a
-# crawling float16 takes is run on every CPU.
-SECOND_RUN = {"02_precision_comparison": "EPOCHS, WIDTH, SEEDS, TOO_SLOW = 4, 256, 2, 0"}
+# run is slow (02's A/B timing and its 5-seed tfmp.compare; 04's two trainings, whose
+# checks hold from the first epoch). 02's second run also stops float16 after its
+# second step (TOO_SLOW = 0), so the path a CPU with a crawling float16 takes is run
+# on every CPU.
+SECOND_RUN = {"02_precision_comparison": "EPOCHS, WIDTH, SEEDS, TOO_SLOW = 4, 256, 2, 0",
+              "04_custom_training_loop": "BATCH, EPOCHS, ACCUMULATE = 32, 1, 4"}
 KNOBS = re.compile(r"^[A-Z_, ]*\bEPOCHS\b[A-Z_, ]*=", re.M)
 
 

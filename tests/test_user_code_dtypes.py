@@ -10,6 +10,7 @@
    remedies.
 """
 
+import gc
 import warnings
 
 import keras
@@ -26,6 +27,8 @@ ORIGINAL_LOSSES = keras.layers.Layer.__dict__["losses"]
 @pytest.fixture(autouse=True)
 def always_disable():
     yield
+    tfmp.disable()
+    gc.collect()  # the test's models are gone: nothing keeps the losses hook
     tfmp.disable()
     assert keras.layers.Layer.__dict__["losses"] is ORIGINAL_LOSSES
 

@@ -26,6 +26,7 @@ from tfmp._version import __version__ as __version__
 
 # Public name -> the module that defines it (the one place each name is exported).
 _EXPORTS = {
+    "Attachment": "tfmp._src.attachment.record",
     "CompareReport": "tfmp._src.advisors.compare_report",
     "DeviceFacts": "tfmp._src.policy.hardware",
     "DoctorReport": "tfmp._src.advisors.doctor",
@@ -37,10 +38,12 @@ _EXPORTS = {
     "NonFiniteError": "tfmp._src.errors",
     "PerformanceWarning": "tfmp._src.policy.policy",
     "PolicyDecision": "tfmp._src.policy.policy",
+    "attachment": "tfmp._src.attachment.attach",
     "audit": "tfmp._src.float32.audit",
     "check_dataset": "tfmp._src.numerics.dataset",
     "check_numerics": "tfmp._src.numerics.check",
     "compare": "tfmp._src.advisors.compare",
+    "detach": "tfmp._src.attachment.attach",
     "disable": "tfmp._src.policy.enable",
     "doctor": "tfmp._src.advisors.doctor",
     "enable": "tfmp._src.policy.enable",

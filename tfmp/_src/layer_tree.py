@@ -16,7 +16,7 @@ from typing import Any, List, NamedTuple, Optional
 
 import keras
 
-from tfmp._src.keras_hooks.keras_private import child_layers
+from tfmp._src.keras_hooks.keras_private import child_layers, is_functional
 
 
 class LayerEntry(NamedTuple):
@@ -62,4 +62,4 @@ def own_weights(layer: Any) -> list:
 
 def is_wiring(layer: Any) -> bool:
     """Bool. Input layers and Functional/Sequential containers compute nothing themselves."""
-    return isinstance(layer, (keras.layers.InputLayer, keras.Sequential)) or type(layer).__name__ == "Functional"
+    return isinstance(layer, (keras.layers.InputLayer, keras.Sequential)) or is_functional(layer)

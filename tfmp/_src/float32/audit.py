@@ -52,6 +52,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import keras
 
+from tfmp._src.attachment import record as _record
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.errors import invalid_argument
 from tfmp._src.float32 import force as _float32
@@ -63,6 +64,7 @@ from tfmp._src.float32 import registry as _registry
 from tfmp._src.keras_hooks import patches
 from tfmp._src.keras_hooks.keras_private import functional_graph, nodes_by_depth
 from tfmp._src.layer_tree import is_wiring, own_weights, walk
+from tfmp._src.policy import session
 from tfmp._src.policy.hardware import detect_device_facts
 
 FLOAT32_HEAVY_FRACTION = 0.5
@@ -87,11 +89,13 @@ def _has_tensor_cores() -> bool:
 
 
 def _expected_policy(model: keras.Model) -> str:
-    """The policy the model's layers should have: tfmp's while enabled, else the model's."""
-    from tfmp._src.policy.enable import current_decision  # tfmp._src.policy.enable imports this package
-
-    decision = current_decision()
-    return decision.policy if decision is not None else model.dtype_policy.name
+    """The policy the model's layers should have: the one tfmp attached it under,
+    else the calling thread's session's, else the model's."""
+    attached = _record.of(model)
+    current = session.current()
+    if attached is not None:
+        return attached.policy
+    return current.decision.policy if current is not None else model.dtype_policy.name
 
 
 def _layer_warnings(path, layer, reason, producers, policy, tensor_cores):

@@ -30,22 +30,6 @@ def _dtype_error_layers(error: Exception, entries) -> List[str]:
     return [path for path, layer, _ in entries if type(layer).__name__ in classes]
 
 
-#: First lines of TensorFlow errors saying that two dtypes do not match: an eager op
-#: ("cannot compute AddV2 as input #1(zero-based) was expected to be a bfloat16 tensor
-#: but is a float tensor", InvalidArgumentError), a graph op ("Input 'y' of 'AddV2' Op
-#: has type float32 that does not match type bfloat16 of argument 'x'", "Tensors in
-#: list passed to 'values' of 'ConcatV2' Op have types [bfloat16, float32] that don't
-#: all match", TypeError) and a conversion ("Tensor conversion requested dtype
-#: bfloat16 for Tensor with dtype float32", ValueError). Measured on TF 2.21.
-_DTYPE_MISMATCH = {
-    tf.errors.InvalidArgumentError: re.compile(r"was expected to be an? \w+ tensor but is an? \w+ tensor"),
-    TypeError: re.compile(
-        r"has type \w+ that does not match type \w+|have types \[[\w, ]+\] that don't all match"
-    ),
-    ValueError: re.compile(r"^Tensor conversion requested dtype \w+ for Tensor with dtype \w+"),
-}
-
-
 def _message(error: BaseException) -> str:
     """The error's own text (an `OpError`'s message without TensorFlow's prefix)."""
     if isinstance(error, tf.errors.OpError):
@@ -82,10 +66,9 @@ def _dtype_mismatch_line(error: BaseException) -> Optional[str]:
     raised = _as_raised(error)
     lines = _message(raised).strip().splitlines()
     first = lines[0].strip() if lines else ""
-    for error_class, pattern in _DTYPE_MISMATCH.items():
-        if isinstance(raised, error_class) and pattern.search(first):
-            first = first.split(": <tf.Tensor")[0]  # a conversion error prints the values
-            return re.sub(r"\s+name:\s*\S*$", "", first)  # eager ops end in "[Op:AddV2] name: "
+    if error_texts.is_dtype_mismatch(raised, first):  # keras_hooks.error_texts.DTYPE_MISMATCH
+        first = first.split(": <tf.Tensor")[0]  # a conversion error prints the values
+        return re.sub(r"\s+name:\s*\S*$", "", first)  # eager ops end in "[Op:AddV2] name: "
     return None
 
 

@@ -23,28 +23,15 @@ type <Class>)" text.
 from __future__ import annotations
 
 import functools
-import re
-from typing import Any, List, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import keras
 import tensorflow as tf
 
 from tfmp._src.constants import LOW_PRECISION
-from tfmp._src.keras_hooks import patches
+from tfmp._src.keras_hooks import error_texts, patches
 from tfmp._src.layer_tree import walk
 
-#: TensorFlow's spellings of float dtypes in its messages ("float" is float32).
-_DTYPE_NAMES = {"half": "float16", "float": "float32", "double": "float64"}
-_DTYPE = r"(?:tf\.)?(bfloat16|float16|float32|float64|half|float|double)"
-#: The texts TensorFlow raises for two tensors of different dtypes in one op.
-_MISMATCH = (
-    re.compile(rf"has type {_DTYPE} that does not match type {_DTYPE}"),  # graph: op inputs
-    re.compile(rf"expected to be a {_DTYPE} tensor but is a {_DTYPE} tensor"),  # eager: op inputs
-    re.compile(rf"requested dtype {_DTYPE} for Tensor with dtype {_DTYPE}"),  # convert_to_tensor
-    re.compile(rf"must have the same dtype, got {_DTYPE} != {_DTYPE}"),  # tf.linalg.matmul
-)
-_KERAS_CALL = re.compile(r"Exception encountered when calling (\w+)\.call\(\)")
-_KERAS_SPEC = re.compile(r"of '([^']+)' \(of type (\w+)\)")
 _MARK = "tfmp_dtype_hint"
 
 
@@ -56,42 +43,32 @@ def mismatched_dtypes(message: str) -> Optional[Tuple[str, str]]:
 
     Returns:
         Tuple of two Keras dtype names, e.g. ``("bfloat16", "float32")``, when the
-        text is one of TensorFlow's dtype-mismatch messages between a float16 or
-        bfloat16 tensor and a tensor of another float dtype; else None.
+        text is one of TensorFlow's dtype-mismatch messages
+        (`keras_hooks.error_texts.DTYPE_MISMATCH`) between a float16 or bfloat16
+        tensor and a tensor of another float dtype; else None.
     """
-    for pattern in _MISMATCH:
-        match = pattern.search(message)
-        if match:
-            pair = [_DTYPE_NAMES.get(name, name) for name in match.groups()]
-            low = [d for d in pair if d in LOW_PRECISION]
-            wide = [d for d in pair if d not in LOW_PRECISION]
-            if len(low) == 1 and len(wide) == 1:
-                return low[0], wide[0]
-    return None
+    pair = error_texts.mismatched_dtypes(message)
+    if pair is None:
+        return None
+    low = [d for d in pair if d in LOW_PRECISION]
+    wide = [d for d in pair if d not in LOW_PRECISION]
+    return (low[0], wide[0]) if len(low) == 1 and len(wide) == 1 else None
 
 
 def _failing_layer(model: Any, error: BaseException, message: str) -> Tuple[str, Any]:
     """(path, layer) of the layer whose code raised `error` inside `model`; ("", None) if unknown."""
     entries = walk(model)
     by_id = {id(entry.layer): entry.path for entry in entries}
-    frames: List[Any] = []
-    tb = error.__traceback__
-    while tb is not None:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
-    for frame in reversed(frames):
-        owner = frame.f_locals.get("self")
-        if frame.f_code.co_name == "call" and id(owner) in by_id:
+    for owner in error_texts.call_frame_owners(error):
+        if id(owner) in by_id:
             return by_id[id(owner)], owner
-    named = _KERAS_SPEC.search(message)
-    called = _KERAS_CALL.search(message)
+    name, cls = error_texts.layer_named_by_keras(message)
     for entry in entries:
-        if named and entry.layer.name == named.group(1):
+        if name is not None and entry.layer.name == name:
             return entry.path, entry.layer
-    if called:
-        matches = [entry for entry in entries if type(entry.layer).__name__ == called.group(1)]
-        if len(matches) == 1:
-            return matches[0].path, matches[0].layer
+    matches = [entry for entry in entries if cls is not None and type(entry.layer).__name__ == cls]
+    if len(matches) == 1:
+        return matches[0].path, matches[0].layer
     return "", None
 
 

@@ -7,13 +7,16 @@ back. TensorFlow's fused kernel (``tf.raw_ops.FusedBatchNormV3``) takes the
 statistics and the arithmetic in float32 inside one op and returns ``y`` in the
 dtype of ``x``; its gradient is one op too (``FusedBatchNormGradV3``).
 
-While any thread is enabled, `install` hooks ``BatchNormalization.call`` on the
-class (owner ``"fused_batchnorm"`` in ``keras_hooks.patches.ORDER``); the class
+`install` hooks ``BatchNormalization.call`` on the class (owner
+``"fused_batchnorm"`` in ``keras_hooks.patches.ORDER``), installed while a thread
+is enabled or an attached model is alive (`tfmp._src.attachment`); the class
 itself is unchanged, so a saved model is a plain Keras BatchNormalization. A call
 takes the fused kernel when `call_reason` returns ``""``, else Keras's own code:
 
-* the calling thread has tfmp enabled with a ``mixed_*`` policy, and the layer
-  computes in float16/bfloat16 with float32 variables;
+* the layer is attached to tfmp (its model was compiled or loaded while enabled,
+  or the layer was first called while enabled), which is decided once and kept
+  with the layer, whatever thread traces it later; and it computes in
+  float16/bfloat16 with float32 variables (a ``mixed_*`` policy);
 * ``synchronized=False`` and ``renorm=False``; no ``mask``;
 * a 4D or 5D input of float16, bfloat16 or float32, normalized over the last
   axis (NHWC/NDHWC) or axis 1 (NCHW/NCDHW);
@@ -37,21 +40,16 @@ from typing import Any, Callable, Optional
 import keras
 import tensorflow as tf
 
+from tfmp._src.attachment import record
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.keras_hooks import patches
 
 FUSED = "fused"
+NOT_ATTACHED = "not attached to tfmp (compile or first call it while tfmp is enabled)"
 _FORMATS = {(4, False): "NHWC", (4, True): "NCHW", (5, False): "NDHWC", (5, True): "NCDHW"}
 _INPUT_DTYPES = ("float16", "bfloat16", "float32")
 #: layer -> why its last call took Keras's path ("" when it took the fused kernel).
 _last_call: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
-
-
-def _enabled_mixed() -> bool:
-    from tfmp._src.policy.enable import current_decision  # tfmp._src.policy.enable imports this module
-
-    decision = current_decision()
-    return decision is not None and decision.policy.startswith("mixed_")
 
 
 def _shape_reason(layer: keras.layers.Layer, rank: Optional[int]) -> str:
@@ -75,8 +73,12 @@ def layer_reason(layer: keras.layers.Layer) -> str:
         else the first reason not to, e.g. ``"synchronized=True"`` or
         ``"input rank 3 (the fused kernel takes 4 or 5)"``.
     """
-    if not _enabled_mixed():
-        return "tfmp not enabled with a mixed policy"
+    if not record.would_attach(layer):
+        return NOT_ATTACHED
+    return _configuration_reason(layer)
+
+
+def _configuration_reason(layer: keras.layers.Layer) -> str:
     if layer.compute_dtype not in LOW_PRECISION or layer.variable_dtype != "float32":
         return f"policy {layer.dtype_policy.name} (the fused path is for mixed policies)"
     if layer.synchronized:
@@ -89,8 +91,13 @@ def layer_reason(layer: keras.layers.Layer) -> str:
 
 
 def call_reason(layer: keras.layers.Layer, inputs: Any, training: Any, mask: Any) -> str:
-    """Why this call cannot take the fused kernel (``""``: it can). Same rules as `layer_reason`."""
-    why = layer_reason(layer)
+    """Why this call cannot take the fused kernel (``""``: it can). Same rules as `layer_reason`.
+
+    Attaches `layer` when its thread has a session and it has no attachment yet.
+    """
+    if not record.attached_or_first_use(layer):
+        return NOT_ATTACHED
+    why = _configuration_reason(layer)
     if why and why != "not built":
         return why
     if mask is not None:

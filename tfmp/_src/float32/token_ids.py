@@ -148,3 +148,8 @@ def keep_exact_ids(model: keras.Model) -> int:
             _look_up_originals(embedding)
             count += 1
     return count
+
+
+def exact_id_embeddings(model: keras.Model) -> int:
+    """Int. Embedding layers of `model` that look their ids up as given (hooked here)."""
+    return sum(isinstance(e.layer, keras.layers.Embedding) and _hooked(e.layer, "call") for e in walk(model))

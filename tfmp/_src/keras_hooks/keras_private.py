@@ -10,6 +10,7 @@ pair setup.cfg admits.
 |---|---|---|
 | ``Layer._flatten_layers`` | ``keras/src/layers/layer.py`` | `child_layers`: the direct sublayers of a layer, tracked attributes included |
 | ``Sequential._functional`` | ``keras/src/models/sequential.py`` | `functional_graph`: a built Sequential's inner graph |
+| the class ``Functional`` (``keras.Model(inputs, outputs)``), not public | ``keras/src/models/functional.py`` | `is_functional`: a graph of layers that computes nothing itself (not a subclass) |
 | ``Functional._nodes_by_depth`` | ``keras/src/ops/function.py`` | `nodes_by_depth`: the graph's nodes, to refresh symbolic dtypes |
 | ``KerasTensor._keras_history`` | ``keras/src/backend/common/keras_tensor.py`` | `keras_history`: the operation that made a symbolic tensor |
 | ``Operation._inbound_nodes`` | ``keras/src/ops/operation.py`` | `inbound_node`: the node of a raw op, to walk back to output layers |
@@ -112,6 +113,13 @@ def functional_graph(model: Any) -> Optional[Any]:
     if hasattr(model, "_nodes_by_depth"):
         return model
     return None
+
+
+def is_functional(layer: Any) -> bool:
+    """Bool. `layer` is a plain ``keras.Model(inputs, outputs)`` (Keras's ``Functional``), no subclass."""
+    from keras.src.models.functional import Functional
+
+    return type(layer) is Functional
 
 
 def nodes_by_depth(graph: Any) -> dict:

@@ -8,10 +8,16 @@ or a weight regularizer's term over 16-bit variables (pure 16-bit policies) is a
 float16/bfloat16 tensor, and the sum fails under plain Keras mixed precision
 ("Cannot convert a list containing a tensor of dtype bfloat16 to float32").
 
-While tfmp is enabled, ``Layer.losses`` (the property every loss term is read
-through: Keras's ``compute_loss``, a user's ``compute_loss`` or custom loop
-summing ``model.losses``, ``stateless_call``) hands back each 16-bit floating
-term cast to float32, so the total loss is summed in float32. Terms already in
+For a model tfmp attached (`tfmp._src.attachment`: compiled or loaded while
+enabled, or first read while enabled), ``Layer.losses`` (the property every
+loss term is read through: Keras's ``compute_loss``, a user's ``compute_loss``
+or custom loop summing ``model.losses``, ``stateless_call``) hands back each
+16-bit floating term cast to float32, so the total loss is summed in float32.
+The hook is on the class, installed while a thread is enabled or an attached
+model is alive; it decides by the object's attachment, never by the thread that
+reads the property, so the model keeps this after `tfmp.disable()` and in
+`tf.distribute` replica threads. Any other object's terms come back as Keras
+hands them back. Terms already in
 float32 (weight regularizers over float32 master weights under a mixed policy)
 come back as they are, the very same tensors. This is the one visible change:
 ``model.losses`` holds float32 tensors where plain Keras would hold 16-bit ones,
@@ -28,6 +34,7 @@ from typing import Any, Callable, List
 import keras
 import tensorflow as tf
 
+from tfmp._src.attachment import record
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.keras_hooks import patches
 from tfmp._src.keras_hooks.keras_private import defining_class
@@ -46,6 +53,8 @@ def _wrap_losses(original: Any) -> property:
     getter: Callable[[Any], List[Any]] = original.fget if isinstance(original, property) else original
 
     def losses(self: Any) -> List[Any]:
+        if not record.attached_or_first_use(self):
+            return getter(self)
         stale = tf.executing_eagerly()  # read eagerly, a symbolic term is a finished trace's
         return [term if stale and tf.is_symbolic_tensor(term) else to_float32(term) for term in getter(self)]
 
@@ -57,7 +66,8 @@ def install_losses_hook() -> patches.Hook:
     """Makes ``Layer.losses`` hand back 16-bit loss terms cast to float32.
 
     Installed on the class that defines ``losses`` (``keras.layers.Layer``), so
-    every layer and model sees it; owner ``"enable.losses"``.
+    every layer and model sees it (attached ones cast their terms); owner
+    ``"enable.losses"``.
 
     Returns:
         `patches.Hook`; remove it to restore Keras's property.

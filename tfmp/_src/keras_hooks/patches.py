@@ -4,7 +4,8 @@ Every method tfmp replaces on a Keras class or object (``compile``,
 ``compile_from_config``, ``make_train_function``, ``train_step``, ``Layer.call``,
 ``Layer.compute_output_spec``, ``Layer.build``,
 ``BatchNormalization.call``, ``Optimizer.apply``,
-``Optimizer.scale_loss``, the ``Layer.losses`` property) goes through `install`. Per method of an object there is one *slot* holding the method as it was
+``Optimizer.scale_loss``, the ``Layer.losses`` property, the
+``Operation.from_config`` classmethod) goes through `install`. Per method of an object there is one *slot* holding the method as it was
 and a stack of hooks; the attribute is the composition of the stack, innermost
 first in the order of `ORDER`. Removing a hook rebuilds the composition from the
 hooks that remain, so removing one never removes another, and removing the last
@@ -43,8 +44,9 @@ from tfmp._src.keras_hooks.object_state import PerObject
 #: Position of each hook owner in a stack, innermost first. A method with several
 #: hooks always composes them in this order, whatever order they were installed in.
 ORDER = {
-    "fused_batchnorm": 5,  # BatchNormalization.call: the fused kernel while enabled with a mixed policy
+    "fused_batchnorm": 5,  # BatchNormalization.call: the fused kernel for attached layers
     "float32.build": 10,  # Layer.build: force sublayers created at build time
+    "float32.from_config": 12,  # Operation.from_config (classmethod) while enabled: a float32 layer's sublayers
     "float32.outputs": 20,  # Model.call: cast a subclassed model's outputs to float32
     "float32.cast_back": 25,  # Layer.call / compute_output_spec: forced layer hands back its parent's dtype
     "float32.ids": 26,  # DTypePolicy.convert_input / Layer.call / Embedding.call: exact float token ids
@@ -53,9 +55,10 @@ ORDER = {
     "audit.outputs": 35,  # Layer.call: record output dtypes during tfmp.audit(batch=...)
     "grad_stats": 40,  # Optimizer.apply: gradient statistics for the monitor
     "enable.compile": 50,  # Trainer.compile / compile_from_config while enabled
-    "enable.losses": 52,  # Layer.losses (property): 16-bit loss terms cast to float32 while enabled
+    "enable.losses": 52,  # Layer.losses (property): 16-bit loss terms of attached models cast to float32
     "loss_scale.fit_check": 55,  # Trainer.make_train_function while tfmp optimizers exist
     "enable.first_step": 60,  # Trainer.make_train_function while enabled
+    "fit_lifecycle": 65,  # Trainer.fit while a LossScaleMonitor is alive: handlers of an error out of fit
     "train_function": 70,  # Model.make_train_function: the per-model step wrapper
 }
 _INSTANCE_SLOTS = PerObject("hook_slots")
@@ -198,6 +201,11 @@ def _pass_through(slot: _Slot, original: Any) -> Any:
     """
     if isinstance(original, property):
         return property(lambda obj: slot.composed.__get__(obj, type(obj)), doc=original.__doc__)
+    if isinstance(original, classmethod):
+        def class_pass_through(cls: type, *args: Any, **kwargs: Any) -> Any:
+            return slot.composed.__get__(None, cls)(*args, **kwargs)
+
+        return classmethod(functools.update_wrapper(class_pass_through, original.__func__))
 
     def pass_through(*args: Any, **kwargs: Any) -> Any:
         return slot.composed(*args, **kwargs)

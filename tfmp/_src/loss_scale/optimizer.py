@@ -394,6 +394,28 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         if tf.executing_eagerly():
             self.raise_if_stuck()
 
+    def stateless_apply(self, optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
+        """Refused: the step must update the scale bounds and counters in place.
+
+        Keras's `LossScaleOptimizer.stateless_apply` runs its own
+        ``_stateless_handle_*`` path, which would skip tfmp's bounds, hysteresis,
+        overflow counters and stuck check without a word; and TensorFlow's
+        optimizers refuse ``stateless_apply`` anyway (incompatible with
+        `tf.distribute`).
+
+        Raises:
+            NotImplementedError: always, saying what to call instead.
+        """
+        raise NotImplementedError(
+            "tfmp.LossScaleOptimizer.stateless_apply is not supported. Received: a "
+            f"stateless_apply call on {self.name!r}. Expected: optimizer.apply(grads, "
+            "variables) or apply_gradients, which update the loss scale, its bounds "
+            "and the overflow counters in place (Keras's stateless path would skip "
+            "them, and TensorFlow's optimizers have no stateless_apply). Fix: train "
+            "with model.fit, or call optimizer.apply in your loop "
+            "(tfmp.scaled_gradients computes the gradients)."
+        )
+
     def _unscale(self, grads: list, trainable_variables: list | None) -> list:
         if not self.loss_scaling:
             return grads

@@ -44,7 +44,7 @@ import keras
 from tfmp._src import distribute as _distribute
 from tfmp._src.monitor import runtime as runtime
 from tfmp._src.errors import check_positive_int, invalid_argument, is_positive_int
-from tfmp._src.keras_hooks import train_function
+from tfmp._src.keras_hooks import fit_lifecycle, train_function
 from tfmp._src.monitor.event_file import EventFile
 from tfmp._src.monitor.grad_stats import GradientStats
 from tfmp._src.loss_scale.optimizer import OVERFLOW_HISTORY
@@ -83,9 +83,10 @@ class LossScaleMonitor(keras.callbacks.Callback):
     two reads is lost, whatever `steps_per_execution`; each skipped step is
     itemized at its own step (the last 64 between two logging points).
     Cheap: variables are read only at logging points. Crash-safe: each logging point is flushed to disk as written,
-    and when the train function raises (a failing step or input pipeline,
-    `tfmp.NonFiniteError`, Ctrl-C) the monitor writes the state at that moment
-    before the error propagates. Under a distribution strategy only the chief
+    and when ``fit`` raises (a failing step or input pipeline,
+    `tfmp.NonFiniteError`, another callback, Ctrl-C, a full disk) the monitor
+    writes the state at that moment, with a note naming the error, and closes
+    its file before the error propagates; the next ``fit`` starts clean. Under a distribution strategy only the chief
     writes. The file is opened at the first write and closed at the end of
     training (a later `fit` opens a new one). Beside the precision panels it
     writes the loss and metrics of Keras's `logs` (``metrics/...`` tags, no
@@ -147,6 +148,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._layout_written = False
         self._memory_noted = False
         self._grad_stats: Optional[GradientStats] = None
+        fit_lifecycle.needs(self)
 
     @property
     def train_log_dir(self) -> str:
@@ -156,6 +158,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
     # -- Keras callback hooks -------------------------------------------------
 
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        self._finish()  # a fit this monitor was in ended without on_train_end: start clean
         model = self.model
         self._active = _distribute.is_chief(model.distribute_strategy)
         if not self._active:
@@ -183,8 +186,11 @@ class LossScaleMonitor(keras.callbacks.Callback):
         if self._grad_stats is not None and self._grad_stats.resume(state.step):
             model.make_train_function(force=True)  # traced once with the statistics
         # Keras 3 has no callback for an exception in fit: the step wrapper calls
-        # this one when the train function raises (see keras_hooks.train_function).
+        # this one when the train function raises (see keras_hooks.train_function),
+        # the fit hook when anything else in fit does (a callback, Ctrl-C between
+        # steps; keras_hooks.fit_lifecycle).
         train_function.add_error_handler(model, self, self._on_crash)
+        fit_lifecycle.on_fit_error(model, self, self._on_crash)
 
     def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
         if not self._active:
@@ -370,6 +376,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         if self._active:
             self._active = False
             train_function.remove_error_handler(self.model, self)
+            fit_lifecycle.forget(self.model, self)
             if self._grad_stats is not None:
                 self._grad_stats.pause()  # stays traced in: the next fit does not retrace
         self.close()

@@ -1,127 +1,118 @@
-"""`tfmp.enable()`, `tfmp.disable()` and `tfmp.policy_scope()`: tfmp's state and its compile handler.
+"""`tfmp.enable()`, `tfmp.disable()` and `tfmp.policy_scope()`: the session and its compile handler.
 
-While enabled, every model compiled gets float32 forcing (`tfmp.force_float32`), a
-`tfmp.LossScaleOptimizer` when it computes in 16 bits (or when asked) and, with
-``debug=True``, `tfmp.check_numerics` hooks, without further calls. The hooks into
-Keras (``compile``, ``compile_from_config``, ``make_train_function`` from
-`tfmp._src.keras_hooks.model_hooks`; the ``Layer.losses`` property from
-`tfmp._src.keras_hooks.loss_terms`, so 16-bit loss terms are summed in float32;
-``BatchNormalization.call`` from `tfmp._src.float32.fused_batchnorm`, which traces
-TensorFlow's fused kernel while the calling thread is enabled with a mixed policy)
-are installed while any thread is enabled;
-`disable()` removes them with the last thread, and restores the previous global
-policy and the TF32 setting.
+`enable()` opens a session for the calling thread (`tfmp._src.policy.session`;
+Keras keeps its global dtype policy per thread, and so does tfmp). While a thread
+has one, every model compiled in it is *attached* (`tfmp._src.attachment`):
+float32 forcing (`tfmp.force_float32`), a `tfmp.LossScaleOptimizer` when it
+computes in 16 bits (or when asked), exact float token ids, explained dtype
+errors and, with ``debug=True``, `tfmp.check_numerics`; the decisions are
+recorded in the model's `tfmp.Attachment` and kept with it. A model compiled in
+a thread without a session is left alone, even while another thread has one.
 
-Per thread, as Keras: Keras keeps its global dtype policy per thread, so tfmp's
-state is per thread too. A model compiled in a thread that did not call
-`enable()` is left alone, even while another thread is enabled.
+Class-level hooks into Keras, all through `tfmp._src.keras_hooks.patches`:
+
+- session hooks, on while some thread has a session: ``compile`` and
+  ``compile_from_config`` (`keras_hooks.model_hooks`; a model Keras loads is
+  attached as saved), ``make_train_function`` (warns about a model compiled
+  before `enable()`), ``from_config`` (a layer saved in float32 makes its
+  sublayers in float32, `tfmp._src.float32.loaded_layers`);
+- model-level hooks, on while a session is open or an attached model is alive
+  (`tfmp._src.attachment.hooks`): ``Layer.losses`` and
+  ``BatchNormalization.call``. They decide by the model's attachment, so a model
+  traces the same graph inside or outside a scope and after `disable()`.
+
+`disable()` ends the thread's session, restores the previous global policy and
+the TF32 setting, and takes off every class-level hook nothing needs any more.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
-import threading
 import warnings
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Iterator, List, Optional, Union
 
 import keras
 import tensorflow as tf
 
+from tfmp._src.attachment import hooks as attachment_hooks
+from tfmp._src.attachment.attach import attach
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.distribute import turn_off_xla_if_replicated
 from tfmp._src.errors import check_bool, invalid_argument, unknown_key, user_stacklevel
-from tfmp._src.keras_hooks import model_hooks, patches
-from tfmp._src.keras_hooks.loss_terms import install_losses_hook
+from tfmp._src.keras_hooks import fit_lifecycle, model_hooks, patches
 from tfmp._src.float32.dtype_errors import explain_dtype_errors
-from tfmp._src.float32 import fused_batchnorm
+from tfmp._src.float32 import loaded_layers
 from tfmp._src.float32.force import force_float32, force_loaded
-from tfmp._src.float32.token_ids import keep_exact_ids
+from tfmp._src.float32.token_ids import exact_id_embeddings, keep_exact_ids
 from tfmp._src.policy.hardware import DeviceFacts
 from tfmp._src.loss_scale import loops
 from tfmp._src.loss_scale.optimizer import WRAP_OPTIONS
 from tfmp._src.loss_scale.optimizer import wrap_optimizer
 from tfmp._src.numerics.check import check_numerics
+from tfmp._src.policy import session
 from tfmp._src.policy.policy import PerformanceWarning, PolicyDecision, resolve_policy
+from tfmp._src.policy.session import Session
 from tfmp._src.float32.registry import targets_from
 
-@dataclasses.dataclass
-class _Enabled:
-    """What `enable()` changed in one thread, so that `disable()` can put it back."""
-
-    decision: PolicyDecision
-    previous_policy: keras.DTypePolicy
-    previous_tf32: Optional[bool]
-    keep_float32: Sequence[Any]
-    exclude_float32: Sequence[Any]
-    loss_scale_options: dict
-    debug: Union[bool, dict] = False
-
-
-# thread ident -> (the thread, its state). Python reuses the ident of a thread
-# that ended, so an entry counts only for the very thread that made it.
-_states: Dict[int, Tuple[threading.Thread, _Enabled]] = {}
-_hooks: List[patches.Hook] = []
-_lock = threading.RLock()
+_session_hooks: List[patches.Hook] = []  # compile and first-step hooks, while a session is open
 _warned_compiled_before: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
-def _current() -> Optional[_Enabled]:
-    entry = _states.get(threading.get_ident())
-    if entry is None or entry[0] is not threading.current_thread():
-        return None
-    return entry[1]
+def _set_current(state: Optional[Session]) -> None:
+    """Makes `state` this thread's session; installs or removes the class-level hooks.
 
-
-def _set_current(state: Optional[_Enabled]) -> None:
-    """Sets this thread's state; installs or removes the Keras hooks as needed.
+    The session hooks (``compile``, ``compile_from_config``,
+    ``make_train_function``) are on while a thread has a session; the
+    model-level hooks (`tfmp._src.attachment.hooks`) also while an attached
+    model is alive.
 
     Raises:
-        Whatever installing a hook raises; this thread's state is then as before.
+        Whatever installing a hook raises; this thread's session is then as before.
     """
-    with _lock:
-        alive = set(threading.enumerate())
-        for ident in [i for i, (thread, _) in _states.items() if thread not in alive]:
-            del _states[ident]  # threads that ended while enabled
-        ident = threading.get_ident()
-        before = _states.get(ident)
-        if state is None:
-            _states.pop(ident, None)
-        else:
-            _states[ident] = (threading.current_thread(), state)
-        if _states and not _hooks:
+    with session.lock:
+        before = session.replace(state)
+        if session.any_open() and not _session_hooks:
             try:
-                _hooks.extend(patches.install_all([  # all four or none
+                installed = patches.install_all([  # all or none
                     lambda: model_hooks.install_compile_hook(
-                        _compile_with_tfmp, keep_saved=is_enabled, on_load=_force_loaded),
+                        _compile_with_tfmp, keep_saved=is_enabled, on_load=_attach_loaded),
                     lambda: model_hooks.install_make_train_function_hook(
                         _warn_if_compiled_before_enable, owner="enable.first_step"),
-                    install_losses_hook,
-                    fused_batchnorm.install,
-                ]))
+                    loaded_layers.install,
+                ])
+                try:
+                    attachment_hooks.hold()
+                except BaseException:
+                    for hook in reversed(installed):
+                        hook.remove()
+                    raise
+                _session_hooks.extend(installed)
             except BaseException:
-                if before is None:
-                    _states.pop(ident, None)
-                else:
-                    _states[ident] = before
+                session.replace(before)
                 raise
-        elif not _states:
-            while _hooks:
-                _hooks[-1].remove()  # kept in the list if removing raises
-                _hooks.pop()
-            loops.release_if_unused()
+        elif not session.any_open():
+            while _session_hooks:
+                _session_hooks[-1].remove()  # kept in the list if removing raises
+                _session_hooks.pop()
+            _release_unused_hooks()
+
+
+def _release_unused_hooks() -> None:
+    loops.release_if_unused()
+    fit_lifecycle.release_if_unused()
+    attachment_hooks.release_if_unused()
 
 
 def is_enabled() -> bool:
     """Bool. True in this thread between `tfmp.enable()` and `tfmp.disable()`."""
-    return _current() is not None
+    return session.current() is not None
 
 
 def current_decision() -> Optional[PolicyDecision]:
     """The `PolicyDecision` in force in this thread, or None when tfmp is not enabled."""
-    state = _current()
+    state = session.current()
     return state.decision if state else None
 
 
@@ -168,6 +159,8 @@ def enable(
             keep no float32 master weights. Default False.
         tf32: Bool or None. Switch TF32 matmuls on GPUs of compute capability
             >= 8.0 on or off; None leaves TensorFlow's setting (on by default).
+            TensorFlow's setting is process-wide: it applies to every thread
+            until `disable()` (or the scope's exit) puts it back.
         debug: Bool or dict. True instruments every model compiled while enabled
             with `tfmp.check_numerics` (first non-finite layer raises
             `tfmp.NonFiniteError`); a dict gives its keyword options, e.g.
@@ -197,13 +190,13 @@ def enable(
         policy, allow_pure_16bit=allow_pure_16bit, device_facts=device_facts
     )
     loss_scale_options = _checked_loss_scale_options(loss_scale_options, decision.compute_dtype)
-    state = _current()
+    state = session.current()
     previous = state.previous_policy if state else keras.config.dtype_policy()
     previous_tf32 = state.previous_tf32 if state else None
     if tf32 is not None and previous_tf32 is None:
         previous_tf32 = tf.config.experimental.tensor_float_32_execution_enabled()
     _set_current(
-        _Enabled(decision, previous, previous_tf32, keep_float32, exclude_float32, loss_scale_options, debug)
+        Session(decision, previous, previous_tf32, keep_float32, exclude_float32, loss_scale_options, debug)
     )
     if tf32 is not None:
         tf.config.experimental.enable_tensor_float_32_execution(tf32)
@@ -251,16 +244,21 @@ def _check_debug(debug: Union[bool, dict]) -> None:
 
 
 def disable() -> None:
-    """Restores the policy in force before `enable()` and removes tfmp's hooks.
+    """Ends this thread's session: restores the policy in force before `enable()`.
 
-    Models already compiled keep their forced layers and optimizer. Changes
-    nothing in this thread when tfmp is not enabled in it. The hooks into Keras
-    come off when no live thread is enabled any more (a thread that ended
-    without `disable()` counts as disabled).
+    Models tfmp attached keep what it decided for them (`tfmp.attachment`):
+    their layers' policies, their optimizer, the fused BatchNormalization kernel,
+    float32 loss terms, exact token ids; `tfmp.detach(model)` takes those off one
+    model. Models compiled from now on in this thread are plain Keras. The
+    session hooks into Keras come off when no live thread is enabled any more (a
+    thread that ended without `disable()` counts as disabled); the model-level
+    hooks once, besides, no attached model is alive, checked here (also when this
+    thread was not enabled) and by `tfmp.detach`.
     """
-    state = _current()
+    state = session.current()
     _set_current(None)  # also forgets threads that ended while enabled
     if state is None:
+        _release_unused_hooks()
         return
     if state.previous_tf32 is not None:
         tf.config.experimental.enable_tensor_float_32_execution(state.previous_tf32)
@@ -283,7 +281,7 @@ def policy_scope(
     The previous global policy (and any enclosing `enable()` with its options) is
     back on exit, also when the block raises.
     """
-    saved_state = _current()
+    saved_state = session.current()
     saved_policy = keras.config.dtype_policy()
     saved_tf32 = tf.config.experimental.tensor_float_32_execution_enabled()
     try:
@@ -309,7 +307,7 @@ def _warn_if_built_before_enable(model: keras.Model, policy: str) -> None:
 
 def _warn_if_compiled_before_enable(model: keras.Model) -> None:
     """At `fit`: warns once when `model` was compiled without tfmp while tfmp is on."""
-    state = _current()
+    state = session.current()
     if (
         state is None
         or state.decision.policy == "float32"
@@ -331,21 +329,38 @@ def _warn_if_compiled_before_enable(model: keras.Model) -> None:
     )
 
 
-def _wants_optimizer_wrapper(model: keras.Model, state: _Enabled) -> bool:
+def _wants_optimizer_wrapper(model: keras.Model, state: Session) -> bool:
     """Under float32 the optimizer stays the user's unless debug or options ask."""
     compute = model.dtype_policy.compute_dtype
     return compute in ("float16", "bfloat16") or bool(state.debug) or bool(state.loss_scale_options)
 
 
-def _force_loaded(model: keras.Model) -> None:
-    """While enabled, puts float32 forcing back on a model Keras is loading."""
-    state = _current()
+def _fix_and_attach(model: keras.Model, state: Session, attached_by: str) -> None:
+    """Exact token ids and dtype-error explanations, then the model's `Attachment`."""
+    keep_exact_ids(model)
+    explains = model.dtype_policy.compute_dtype in LOW_PRECISION
+    if explains:
+        explain_dtype_errors(model)
+    attach(model, state.decision.policy, attached_by=attached_by,
+           exact_ids=exact_id_embeddings(model), explains_dtype_errors=explains,
+           numerics=bool(state.debug) and attached_by == "compile")
+
+
+def _attach_loaded(model: keras.Model) -> None:
+    """While enabled, puts tfmp's per-model changes back on a model Keras is loading.
+
+    Saving keeps the layers' policies, not tfmp's hooks: float32 forcing's
+    cast-backs, exact token ids and dtype-error explanations are put back, and the
+    model is attached as saved (its optimizer stays the saved one).
+    """
+    state = session.current()
     if state is not None:
         force_loaded(model, keep=state.keep_float32, exclude=state.exclude_float32)
+        _fix_and_attach(model, state, "load")
 
 
 def _compile_with_tfmp(compile: Callable, model: keras.Model, args: tuple, kwargs: dict) -> Any:
-    """tfmp's compile handler: force float32 where needed, wrap the optimizer.
+    """tfmp's compile handler: force float32 where needed, wrap the optimizer, attach.
 
     Also keeps float token ids exact for Embeddings under 16-bit custom code
     (`tfmp._src.float32.token_ids`) and, for a 16-bit model, hooks its ``build``
@@ -354,16 +369,13 @@ def _compile_with_tfmp(compile: Callable, model: keras.Model, args: tuple, kwarg
     Under a multi-replica `tf.distribute` strategy an explicit ``jit_compile=True``
     is turned off with a warning (see `tfmp._src.distribute`).
     """
-    state = _current()
+    state = session.current()
     if state is None:
         return compile(model, *args, **kwargs)
     args = list(args)
     optimizer = args.pop(0) if args else kwargs.pop("optimizer", "rmsprop")
     _warn_if_built_before_enable(model, state.decision.policy)
     force_float32(model, keep=state.keep_float32, exclude=state.exclude_float32)
-    keep_exact_ids(model)
-    if model.dtype_policy.compute_dtype in LOW_PRECISION:
-        explain_dtype_errors(model)
     if optimizer is not None and _wants_optimizer_wrapper(model, state):
         options = state.loss_scale_options
         if state.debug:
@@ -375,4 +387,5 @@ def _compile_with_tfmp(compile: Callable, model: keras.Model, args: tuple, kwarg
     if state.debug:
         options = {} if state.debug is True else state.debug
         check_numerics(model, **options)
+    _fix_and_attach(model, state, "compile")
     return result

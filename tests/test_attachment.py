@@ -1,0 +1,265 @@
+"""Tests for tfmp/_src/attachment: a model keeps what tfmp decided when it attached it."""
+
+import gc
+import threading
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmp
+from tfmp._src.attachment import hooks as attachment_hooks
+from tfmp._src.float32 import fused_batchnorm
+from tfmp._src.keras_hooks import patches
+
+pytestmark = pytest.mark.filterwarnings("ignore::tfmp.PerformanceWarning")  # 16 bits emulated on CPUs
+X = np.random.RandomState(0).normal(size=(8, 6, 6, 3)).astype("float32")
+Y = np.zeros((8, 2), "float32")
+
+
+@pytest.fixture(autouse=True)
+def disabled():
+    yield
+    tfmp.disable()
+
+
+class KLTerm(keras.layers.Layer):
+    """Adds a loss term from its 16-bit input (the Keras VAE example's KL term)."""
+
+    def call(self, x):
+        self.add_loss(1e-3 * tf.reduce_mean(tf.square(x)))
+        return x
+
+
+def cnn(kl=False):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6, 6, 3))
+    x = keras.layers.Conv2D(4, 3, name="conv")(inputs)
+    x = keras.layers.BatchNormalization(name="bn")(x)
+    if kl:
+        x = KLTerm(name="kl")(x)
+    x = keras.layers.GlobalAveragePooling2D(name="pool")(x)
+    return keras.Model(inputs, keras.layers.Dense(2, name="out")(x))
+
+
+def step_ops(model):
+    """Op types of `model`'s train step, traced now in a tf.function of our own."""
+    step = tf.function(lambda x, y: model.train_step((x, y)))
+    graph = step.get_concrete_function(tf.TensorSpec((8, 6, 6, 3)), tf.TensorSpec((8, 2))).graph
+    return sorted(op.type for op in graph.get_operations())
+
+
+def test_a_model_traces_the_same_graph_inside_and_after_its_scope():
+    with tfmp.policy_scope("mixed_bfloat16"):
+        model = cnn()
+        model.compile("sgd", "mse")
+        inside = step_ops(model)
+    after = step_ops(model)
+    assert "FusedBatchNormV3" in inside
+    assert after == inside
+    tfmp.disable()
+    assert step_ops(model) == inside
+    model.fit(X, Y, batch_size=4, verbose=0)  # Keras's own trace, after the scope
+    assert fused_batchnorm.last_call_reason(model.get_layer("bn")) == ""
+
+
+def test_the_same_graph_is_traced_in_another_thread():
+    with tfmp.policy_scope("mixed_bfloat16"):
+        model = cnn()
+        model.compile("sgd", "mse")
+        here = step_ops(model)
+    there = []
+    thread = threading.Thread(target=lambda: there.append(step_ops(model)))
+    thread.start()
+    thread.join()
+    assert there == [here]
+
+
+def test_a_model_compiled_while_enabled_sums_its_16_bit_loss_terms_after_disable():
+    tfmp.enable("mixed_bfloat16")
+    model = cnn(kl=True)
+    model.compile("sgd", "mse")
+    tfmp.disable()
+    history = model.fit(X, Y, batch_size=4, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+
+
+def test_plain_keras_fails_on_the_same_16_bit_loss_term():
+    keras.config.set_dtype_policy("mixed_bfloat16")  # the conftest fixture restores it
+    model = cnn(kl=True)
+    model.compile("sgd", "mse")
+    with pytest.raises(TypeError, match="bfloat16"):
+        model.fit(X, Y, batch_size=4, verbose=0)
+
+
+def test_the_attachment_records_what_tfmp_decided():
+    tfmp.enable("mixed_bfloat16")
+    model = cnn()
+    model.compile("sgd", "mse")
+    found = tfmp.attachment(model)
+    assert isinstance(found, tfmp.Attachment)
+    assert (found.attached_by, found.policy, found.model) == ("compile", "mixed_bfloat16", model.name)
+    assert found.forced_float32 == {"out": "output"}
+    assert found.layer_policies == {"conv": "mixed_bfloat16", "bn": "mixed_bfloat16",
+                                    "pool": "mixed_bfloat16", "out": "float32"}
+    assert found.batchnorm_kernel == {"bn": "fused"}
+    assert found.explains_dtype_errors and found.loss_terms_in_float32 and not found.check_numerics
+    assert found.exact_ids == 0
+
+
+def test_a_model_compiled_without_a_session_is_not_attached():
+    model = cnn()
+    model.compile("sgd", "mse")
+    assert tfmp.attachment(model) is None
+    with pytest.raises(ValueError, match="Invalid `model` argument"):
+        tfmp.attachment("model")
+
+
+def test_a_model_compiled_in_another_thread_without_a_session_is_not_attached():
+    tfmp.enable("mixed_bfloat16")
+    built = []
+
+    def build():
+        model = cnn()
+        model.compile("sgd", "mse")
+        built.append(model)
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    thread.join()
+    assert tfmp.attachment(built[0]) is None
+    assert "FusedBatchNormV3" not in step_ops(built[0])
+
+
+def test_a_custom_loop_model_attaches_at_its_first_step_and_keeps_it_in_a_retrace():
+    tfmp.enable("mixed_bfloat16")
+    model = cnn(kl=True)  # never compiled: a custom training loop
+
+    @tf.function
+    def loss_of(x):
+        out = model(x, training=True)
+        return tf.reduce_mean(tf.square(tf.cast(out, "float32"))) + tf.add_n(model.losses)
+
+    first = loss_of.get_concrete_function(tf.TensorSpec((8, 6, 6, 3))).graph
+    tfmp.disable()
+    retrace = loss_of.get_concrete_function(tf.TensorSpec((4, 6, 6, 3))).graph  # a last, smaller batch
+    for graph in (first, retrace):
+        assert "FusedBatchNormV3" in {op.type for op in graph.get_operations()}
+    assert np.isfinite(float(loss_of(tf.constant(X[:4]))))  # the 16-bit term summed in float32
+    assert tfmp.attachment(model.get_layer("bn")).attached_by == "first call"
+
+
+def test_detach_gives_the_model_back_to_keras():
+    original_call = vars(keras.layers.BatchNormalization)["call"]
+    original_losses = vars(keras.layers.Layer)["losses"]
+    tfmp.enable("mixed_bfloat16")
+    model = cnn(kl=True)
+    model.compile("sgd", "mse")
+    model.fit(X, Y, batch_size=4, verbose=0)
+    tfmp.disable()
+    found = tfmp.detach(model)
+    assert found.attached_by == "compile"
+    assert tfmp.attachment(model) is None and tfmp.attachment(model.get_layer("bn")) is None
+    assert model.train_function is None
+    bn_step = tf.function(lambda x: model.get_layer("bn")(x, training=True))
+    graph = bn_step.get_concrete_function(tf.TensorSpec((8, 4, 4, 4), "bfloat16")).graph
+    assert "FusedBatchNormV3" not in {op.type for op in graph.get_operations()}
+    assert not any(h.owner in ("enable.dtype_errors", "float32.ids") for h in patches.installed(model))
+    with pytest.raises(TypeError, match="bfloat16"):  # plain Keras again: the 16-bit term
+        model.fit(X, Y, batch_size=4, verbose=0)
+    assert tfmp.detach(model) is None  # detaching twice changes nothing
+    del model, found
+    gc.collect()
+    tfmp.disable()
+    assert attachment_hooks.installed() == []
+    assert vars(keras.layers.BatchNormalization)["call"] is original_call
+    assert vars(keras.layers.Layer)["losses"] is original_losses
+
+
+def test_the_model_level_hooks_stay_while_an_attached_model_lives():
+    tfmp.enable("mixed_bfloat16")
+    model = cnn()
+    model.compile("sgd", "mse")
+    tfmp.disable()
+    owners = sorted(hook.owner for hook in attachment_hooks.installed())
+    assert owners == ["enable.losses", "fused_batchnorm"]
+    tfmp.disable()  # the model is alive: they stay
+    assert len(attachment_hooks.installed()) == 2
+    del model
+    gc.collect()
+    tfmp.disable()
+    assert attachment_hooks.installed() == []
+
+
+@keras.saving.register_keras_serializable(package="tfmp_tests")
+class SavedTokens(keras.layers.Layer):
+    """A custom layer around an Embedding (its __call__ autocasts float ids), saveable."""
+
+    def __init__(self, vocab, **kwargs):
+        super().__init__(**kwargs)
+        self.vocab = vocab
+        self.embedding = keras.layers.Embedding(vocab, 4, name="embedding")
+
+    def call(self, ids):
+        return self.embedding(ids)
+
+    def get_config(self):
+        return {**super().get_config(), "vocab": self.vocab}
+
+
+def test_exact_float_ids_are_kept_by_a_model_loaded_while_enabled(tmp_path):
+    tfmp.enable("mixed_bfloat16")
+    inputs = keras.Input(shape=(2,))  # float32 ids, as many tutorials declare them
+    pooled = keras.layers.GlobalAveragePooling1D()(SavedTokens(2000, name="tokens")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(1, name="head")(pooled))
+    model.compile("sgd", "mse")
+    model.fit(np.ones((2, 2), "float32"), np.zeros((2, 1), "float32"), verbose=0)
+    path = str(tmp_path / "ids.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert tfmp.attachment(loaded).attached_by == "load"
+    assert tfmp.attachment(loaded).exact_ids == 1
+    tokens = loaded.get_layer("tokens")
+    rows = tokens(np.array([[1001, 1999]], "float32"))[0]  # 1999 rounds to 2000 in bfloat16
+    table = tokens.embedding.embeddings
+    expected = keras.ops.cast(keras.ops.take(table, np.array([1001, 1999]), axis=0), "bfloat16")
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(rows), keras.ops.convert_to_numpy(expected))
+
+
+@keras.saving.register_keras_serializable(package="tfmp_tests")
+class TransformerBlock(keras.layers.Layer):
+    """The keras.io miniature GPT's block: sublayers made in __init__ without a dtype."""
+
+    def __init__(self, dim=8, **kwargs):
+        super().__init__(**kwargs)
+        self.dim = dim
+        self.att = keras.layers.MultiHeadAttention(2, dim)
+        self.ffn = keras.layers.Dense(dim)
+        self.norm = keras.layers.LayerNormalization()
+
+    def call(self, x):
+        return self.norm(x + self.ffn(self.att(x, x)))
+
+    def get_config(self):
+        return {**super().get_config(), "dim": self.dim}
+
+
+def test_a_custom_layer_producing_an_output_loads_while_enabled(tmp_path):
+    tfmp.enable("mixed_bfloat16")
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((5,), dtype="int32")
+    x = TransformerBlock(name="block")(keras.layers.Embedding(50, 8)(tokens))
+    model = keras.Model(tokens, [keras.layers.Dense(50, name="logits")(x), x])  # as the GPT returns [logits, x]
+    model.compile("adam", ["sparse_categorical_crossentropy", None])
+    ids = np.arange(10).reshape(2, 5) % 50
+    model.fit(ids, ids, verbose=0)
+    path = str(tmp_path / "gpt.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    block = loaded.get_layer("block")
+    assert {layer.compute_dtype for layer in block._flatten_layers()} == {"float32"}
+    for before, after in zip(model(ids), loaded(ids)):
+        assert after.dtype == "float32"
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(after), keras.ops.convert_to_numpy(before))
+    assert keras.config.dtype_policy().name == "mixed_bfloat16"  # the global policy is back after loading

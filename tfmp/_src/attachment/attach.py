@@ -1,0 +1,127 @@
+"""Attaching a model to tfmp, reading what was decided (`tfmp.attachment`), and `tfmp.detach`.
+
+`attach` runs when a model is compiled or loaded while tfmp is enabled
+(`tfmp._src.policy.enable`): the decisions made then (policies, float32
+forcing, the BatchNormalization kernel, exact token ids, dtype-error
+explanations, `tfmp.check_numerics`) are recorded in one `Attachment` carried
+by the model and every layer in it. What a model keeps after `tfmp.disable()` is
+exactly that: its attachment, its layers' policies and its optimizer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import keras
+
+from tfmp._src.attachment import hooks, record
+from tfmp._src.attachment.record import Attachment
+from tfmp._src.errors import invalid_argument
+from tfmp._src.float32 import fused_batchnorm
+from tfmp._src.float32.force import forced_reason
+from tfmp._src.keras_hooks import patches
+from tfmp._src.layer_tree import walk
+from tfmp._src.numerics.check import check_numerics
+
+#: Owners of the per-object hooks an attachment brings and `detach` takes off.
+#: Float32 forcing's hooks (cast-back, output casts) stay: they go with the layer
+#: policies forcing set, which are the model's own and saved with it.
+DETACHED_OWNERS = ("float32.ids", "enable.dtype_errors")
+
+
+def _check_model(model: Any) -> None:
+    if not isinstance(model, keras.layers.Layer):
+        raise invalid_argument(
+            "model", model, "a keras.Model or one of its layers",
+            fix="Pass the model itself, e.g. tfmp.attachment(model).",
+        )
+
+
+def attach(model: keras.Model, policy: str, *, attached_by: str, exact_ids: int,
+           explains_dtype_errors: bool, numerics: bool) -> Attachment:
+    """Records what tfmp decided for `model` and marks the model and its layers with it.
+
+    Args:
+        model: `keras.Model`, already changed by tfmp (forced, hooked).
+        policy: String. The session's policy name.
+        attached_by: String. ``"compile"`` or ``"load"``.
+        exact_ids: Int. Embeddings whose float ids tfmp keeps exact.
+        explains_dtype_errors: Bool. Whether the model's dtype errors are explained.
+        numerics: Bool. Whether `tfmp.check_numerics` was installed.
+
+    Returns:
+        The `Attachment`, replacing any earlier one of the model.
+
+    Raises:
+        Whatever installing the model-level hooks raises; nothing is marked then.
+    """
+    hooks.hold()
+    entries = walk(model)
+    found = Attachment(
+        model=model.name, attached_by=attached_by, policy=policy,
+        layer_policies={e.path: e.layer.dtype_policy.name for e in entries},
+        forced_float32={e.path: forced_reason(e.layer) for e in entries if forced_reason(e.layer)},
+        exact_ids=exact_ids, explains_dtype_errors=explains_dtype_errors, check_numerics=numerics,
+    )
+    record.mark([model, *(e.layer for e in entries)], found)
+    found.batchnorm_kernel = {
+        e.path: fused_batchnorm.audit_note(e.layer)
+        for e in entries if isinstance(e.layer, keras.layers.BatchNormalization)
+    }
+    return found
+
+
+def attachment(model: keras.layers.Layer) -> Optional[Attachment]:
+    """What tfmp decided for `model` when it attached it, or None.
+
+    Args:
+        model: `keras.Model`, or a layer of one (a layer carries its model's
+            attachment, or its own when it attached at its first call).
+
+    Returns:
+        `tfmp.Attachment`, or None for a model tfmp did not attach (compiled
+        without tfmp enabled in its thread, or detached).
+
+    Raises:
+        ValueError: `model` is not a Keras model or layer (the message says what
+            was received).
+    """
+    _check_model(model)
+    return record.of(model)
+
+
+def detach(model: keras.layers.Layer) -> Optional[Attachment]:
+    """Takes tfmp's trace-time changes off `model`; the next `fit` traces plain Keras code.
+
+    Removes the model's and its layers' attachment, so that the fused
+    BatchNormalization kernel and the float32 loss-term casts no longer apply;
+    the exact-token-id and dtype-error hooks; `tfmp.check_numerics`; and resets
+    the model's train, test and predict functions so that they are traced again.
+    Kept: the layers' dtype policies (float32 forcing's, saved with the model) and
+    the optimizer: to train with another one, compile the model again after
+    `tfmp.disable()`. Once no model is attached and no thread is enabled, tfmp's
+    model-level class hooks come off Keras.
+
+    Args:
+        model: `keras.Model` (or a layer: it and its sublayers). A model that is
+            not attached is left as it is.
+
+    Returns:
+        The `tfmp.Attachment` the model had, or None.
+
+    Raises:
+        ValueError: `model` is not a Keras model or layer.
+    """
+    _check_model(model)
+    found = record.of(model)
+    objects = [model, *(e.layer for e in walk(model))]
+    if isinstance(model, keras.Model):
+        check_numerics(model, enabled=False)
+        model.train_function = model.test_function = model.predict_function = None
+    for obj in objects + [obj.dtype_policy for obj in objects]:
+        for hook in patches.installed(obj):
+            if hook.owner in DETACHED_OWNERS:
+                hook.remove()
+    record.unmark(objects)
+    hooks.release_if_unused()
+    return found

@@ -1,0 +1,53 @@
+"""The model-level class hooks: held while a session is open or an attached object lives.
+
+Two hooks act on attached models only, deciding per object (`record.of`), never
+by the calling thread: ``Layer.losses`` (16-bit loss terms summed in float32,
+`tfmp._src.keras_hooks.loss_terms`) and ``BatchNormalization.call`` (the fused
+kernel, `tfmp._src.float32.fused_batchnorm`). They are installed together (both
+or neither) by `hold`, when a session opens or a model is attached, and stay
+while an attached model may still trace a step, also after `tfmp.disable()`.
+`release_if_unused` takes them off once no thread has a session and no attached
+object is alive: called by `tfmp.disable()` and `tfmp.detach()`, never from a
+garbage-collection callback (which can run in any thread while another holds
+the hooks' lock).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import List
+
+from tfmp._src.attachment import record
+from tfmp._src.float32 import fused_batchnorm
+from tfmp._src.keras_hooks import patches
+from tfmp._src.keras_hooks.loss_terms import install_losses_hook
+from tfmp._src.policy import session
+
+_hooks: List[patches.Hook] = []
+_lock = threading.RLock()
+
+
+def hold() -> None:
+    """Installs the model-level hooks unless they are on.
+
+    Raises:
+        Whatever installing a hook raises; neither hook is then installed.
+    """
+    with _lock:
+        if not _hooks:
+            _hooks.extend(patches.install_all([install_losses_hook, fused_batchnorm.install]))
+
+
+def release_if_unused() -> None:
+    """Takes the model-level hooks off when no session is open and no attached object is alive."""
+    with _lock:
+        if _hooks and not session.any_open() and not record.any_marked():
+            while _hooks:
+                _hooks[-1].remove()  # kept in the list if removing raises
+                _hooks.pop()
+
+
+def installed() -> List[patches.Hook]:
+    """The model-level hooks now on (for the test suite's leak guard)."""
+    with _lock:
+        return list(_hooks)

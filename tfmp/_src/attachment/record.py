@@ -1,0 +1,116 @@
+"""The attachment record: what tfmp decided for a model, kept on the model and its layers.
+
+Every object tfmp attached (the model and each of its layers) carries the same
+`Attachment` in its own ``__dict__`` (`PerObject`, so it lives and dies with the
+model and is neither tracked nor saved by Keras). tfmp's model-level hooks
+(``Layer.losses``, ``BatchNormalization.call``) read only this mark while a step
+is traced; never the calling thread's session. A layer of a model never compiled
+under tfmp (a custom training loop) is attached the first time a model-level hook
+sees it while its thread has a session (`attached_or_first_use`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import weakref
+from typing import Any, Dict, Iterable, Optional
+
+from tfmp._src.keras_hooks.object_state import PerObject
+from tfmp._src.policy import session
+
+_MARK = PerObject("attachment")
+#: Objects that carry a mark; while one is alive the model-level hooks stay installed.
+_marked: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_lock = threading.RLock()
+
+
+@dataclasses.dataclass
+class Attachment:
+    """What tfmp decided for one model when it attached it (`tfmp.attachment(model)`).
+
+    Decided once, when the model is compiled or loaded while tfmp is enabled (or,
+    for a layer of a model never compiled under tfmp, when the layer is first
+    called while enabled), and kept with the model until `tfmp.detach`: the same
+    graph is traced inside or outside `tfmp.policy_scope`, after `tfmp.disable()`,
+    in `tf.distribute` replica threads and in a `tf.function` of the user's.
+
+    Attributes:
+        model: String. Name of the model (or layer) attached.
+        attached_by: String. ``"compile"``, ``"load"`` (Keras compiled it while
+            loading it) or ``"first call"`` (a layer called while enabled).
+        policy: String. tfmp's policy in the session that attached it, e.g.
+            ``"mixed_bfloat16"``.
+        layer_policies: Dict, layer path -> dtype policy name at attachment.
+        forced_float32: Dict, layer path -> why tfmp set it to float32
+            (``"output"``, ``"softmax"``...).
+        batchnorm_kernel: Dict, BatchNormalization path -> ``"fused"`` or
+            ``"keras: <reason>"`` (see `tfmp.audit`), from the configuration.
+        exact_ids: Int. Embedding layers whose float token ids are looked up as
+            given (see `tfmp.force_float32`'s module notes on exact ids).
+        explains_dtype_errors: Bool. Dtype mismatches raised by the model's
+            ``build``/``call`` name the layer and the fix.
+        check_numerics: Bool. `tfmp.check_numerics` was installed (``debug``).
+        loss_terms_in_float32: Bool. ``model.losses`` hands back 16-bit loss terms
+            cast to float32 (always True for an attached model).
+    """
+
+    model: str
+    attached_by: str
+    policy: str
+    layer_policies: Dict[str, str] = dataclasses.field(default_factory=dict)
+    forced_float32: Dict[str, str] = dataclasses.field(default_factory=dict)
+    batchnorm_kernel: Dict[str, str] = dataclasses.field(default_factory=dict)
+    exact_ids: int = 0
+    explains_dtype_errors: bool = False
+    check_numerics: bool = False
+    loss_terms_in_float32: bool = True
+
+
+def of(obj: Any) -> Optional[Attachment]:
+    """The `Attachment` `obj` (a model or layer) carries, or None."""
+    return _MARK.get(obj) if hasattr(obj, "__dict__") else None
+
+
+def mark(objects: Iterable[Any], record: Attachment) -> None:
+    """Gives each of `objects` the mark `record`."""
+    with _lock:
+        for obj in objects:
+            _MARK[obj] = record
+            _marked.add(obj)
+
+
+def unmark(objects: Iterable[Any]) -> None:
+    """Takes the mark off each of `objects` (those without one are skipped)."""
+    with _lock:
+        for obj in objects:
+            _MARK.pop(obj, None)
+            _marked.discard(obj)
+
+
+def any_marked() -> bool:
+    """Bool. Whether an object with a mark is still alive (not yet garbage-collected)."""
+    with _lock:
+        return len(_marked) > 0
+
+
+def attached_or_first_use(layer: Any) -> bool:
+    """Bool. Whether tfmp treats `layer` as attached, attaching it on first use.
+
+    Called by the model-level hooks as a layer is called (or its losses read).
+    A layer without a mark is attached when the calling thread has a session
+    (a custom training loop over a model built while enabled, never compiled);
+    the decision then stays with the layer.
+    """
+    if of(layer) is not None:
+        return True
+    current = session.current()
+    if current is None:
+        return False
+    mark([layer], Attachment(model=layer.name, attached_by="first call", policy=current.decision.policy))
+    return True
+
+
+def would_attach(layer: Any) -> bool:
+    """Bool. `attached_or_first_use` without attaching: for reports (`tfmp.audit`)."""
+    return of(layer) is not None or session.current() is not None

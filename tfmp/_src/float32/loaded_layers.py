@@ -1,0 +1,67 @@
+"""A layer saved in float32 rebuilds its sublayers in float32 when loaded while enabled.
+
+Float32 forcing sets a float32 policy on a layer and on all its sublayers (a
+custom layer producing a model output, such as the keras.io miniature GPT's
+``TransformerBlock`` returning ``[logits, x]``). A saved file keeps the custom
+layer's policy only: its sublayers are made again by its ``__init__``, which
+gives them the global policy. Loaded under a 16-bit global policy the layer
+computes in float32 around 16-bit sublayers and fails ("Input 'y' of 'AddV2' Op
+has type bfloat16 that does not match type float32"). Keras's own composite
+layers pass their policy to their sublayers (``dtype=self.dtype_policy``);
+custom code as the keras.io examples write it does not.
+
+While the calling thread has a session, ``from_config`` (the classmethod every
+layer is made with when loaded: Keras's ``Operation.from_config``, owner
+``"float32.from_config"``) builds a layer whose saved policy computes in float32
+with the global policy set to float32, so sublayers created in its ``__init__``
+compute in float32 as they did when it was saved. Any other layer, and any
+layer made outside a session, is made as Keras makes it. A custom layer whose
+own ``from_config`` does not call ``super().from_config`` is not seen.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import keras
+
+from tfmp._src.constants import LOW_PRECISION
+from tfmp._src.keras_hooks import patches
+from tfmp._src.keras_hooks.keras_private import defining_class
+from tfmp._src.policy import session
+
+
+def _computes_in_float32(config: Any) -> bool:
+    dtype = config.get("dtype") if isinstance(config, dict) else None
+    if dtype is None:
+        return False
+    try:
+        policy = keras.dtype_policies.get(dtype)
+    except (ValueError, TypeError):
+        return False
+    return policy.compute_dtype == "float32" and policy.quantization_mode is None
+
+
+def _wrap(original: classmethod) -> classmethod:
+    from_config: Callable = original.__func__
+
+    @functools.wraps(from_config)
+    def tfmp_from_config(cls: type, config: Any) -> Any:
+        global_policy = keras.config.dtype_policy()
+        if (session.current() is None or global_policy.compute_dtype not in LOW_PRECISION
+                or not _computes_in_float32(config)):
+            return from_config(cls, config)
+        keras.config.set_dtype_policy("float32")  # Keras's global policy is per thread
+        try:
+            return from_config(cls, config)
+        finally:
+            keras.config.set_dtype_policy(global_policy)
+
+    return classmethod(tfmp_from_config)
+
+
+def install() -> patches.Hook:
+    """Hooks the ``from_config`` classmethod every Keras layer inherits; remove the `Hook` to undo."""
+    owner = defining_class(keras.layers.Layer, "from_config")
+    return patches.install(owner, "from_config", _wrap, owner="float32.from_config")

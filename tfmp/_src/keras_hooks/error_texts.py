@@ -1,0 +1,103 @@
+"""The Keras and TensorFlow texts and traceback shapes tfmp reads, in one place.
+
+tfmp explains dtype mismatches (`tfmp._src.float32.dtype_errors`) and tells them
+from other failures in `tfmp.audit`'s batch pass (`tfmp._src.float32.audit_batch`)
+by the texts TensorFlow and Keras raise. Each text is a contract with those
+libraries: `DTYPE_MISMATCH` and `KERAS_TEXTS` list them with the call that
+produces them, and ``tests/test_keras_hooks.py`` produces every one on the
+installed pair (run by ``.ci/run`` on the oldest and the newest supported
+Keras/TensorFlow), so a reworded message fails by name there.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, Iterator, Optional, Tuple
+
+import tensorflow as tf
+
+#: TensorFlow's spellings of float dtypes in its messages ("float" is float32).
+_DTYPE_NAMES = {"half": "float16", "float": "float32", "double": "float64", "bfloat16": "bfloat16",
+                "float16": "float16", "float32": "float32", "float64": "float64"}
+_NAME = r"(?:tf\.)?(\w+)"
+
+#: TensorFlow's texts for tensors of different dtypes in one op: name -> (the
+#: error class, the pattern of its first line). Measured on TF 2.17 and 2.21.
+DTYPE_MISMATCH: Dict[str, Tuple[type, "re.Pattern[str]"]] = {
+    # tf.function(lambda a, b: a * b) on a bfloat16 and a float32 tensor:
+    # "Input 'y' of 'Mul' Op has type float32 that does not match type bfloat16 of argument 'x'."
+    "graph op": (TypeError, re.compile(rf"has type {_NAME} that does not match type {_NAME}")),
+    # tf.raw_ops.Mul eagerly: "cannot compute Mul as input #1(zero-based) was expected
+    # to be a bfloat16 tensor but is a float tensor [Op:Mul] name: "
+    "eager op": (tf.errors.InvalidArgumentError,
+                 re.compile(rf"was expected to be an? {_NAME} tensor but is an? {_NAME} tensor")),
+    # tf.convert_to_tensor(float32 tensor, dtype="bfloat16"):
+    # "Tensor conversion requested dtype bfloat16 for Tensor with dtype float32: <tf.Tensor ..."
+    "conversion": (ValueError, re.compile(rf"requested dtype {_NAME} for Tensor with dtype {_NAME}")),
+    # tf.concat([bfloat16, float32], 0) in a graph: "Tensors in list passed to
+    # 'values' of 'ConcatV2' Op have types [bfloat16, float32] that don't all match."
+    "list op": (TypeError, re.compile(r"have types \[([\w, ]+)\] that don't all match")),
+}
+
+#: Keras's texts naming the layer that raised: name -> pattern.
+KERAS_TEXTS: Dict[str, "re.Pattern[str]"] = {
+    # An error raised in a layer's call, re-raised by Keras's traceback filter:
+    # "Exception encountered when calling Noise.call()."
+    "call": re.compile(r"Exception encountered when calling (\w+)\.call\(\)"),
+    # An error while Keras infers a layer's output spec (building a Functional
+    # model): "Could not automatically infer the output shape / dtype of 'noise'
+    # (of type Noise)."
+    "output spec": re.compile(r"of '([^']+)' \(of type (\w+)\)"),
+}
+
+
+def mismatched_dtypes(message: str) -> Optional[Tuple[str, str]]:
+    """The two float dtypes (Keras names) a TensorFlow dtype-mismatch text names, or None.
+
+    Args:
+        message: String, an exception's text (anywhere in it).
+
+    Returns:
+        Tuple of two dtype names, e.g. ``("float32", "bfloat16")`` in the text's
+        order, when a `DTYPE_MISMATCH` text names exactly two float dtypes; else
+        None (also for a mismatch involving an integer dtype).
+    """
+    for _, pattern in DTYPE_MISMATCH.values():
+        match = pattern.search(message)
+        if match:
+            names = [n for group in match.groups() for n in group.split(", ")]
+            floats = list(dict.fromkeys(_DTYPE_NAMES.get(n.removeprefix("tf.")) for n in names))
+            if len(floats) == 2 and None not in floats:
+                return floats[0], floats[1]
+    return None
+
+
+def is_dtype_mismatch(error: BaseException, first_line: str) -> bool:
+    """Bool. Whether `error` (of its class) with first line `first_line` is a dtype mismatch."""
+    return any(isinstance(error, cls) and pattern.search(first_line)
+               for cls, pattern in DTYPE_MISMATCH.values())
+
+
+def layer_named_by_keras(message: str) -> Tuple[Optional[str], Optional[str]]:
+    """(layer name, layer class) from Keras's texts in `message`; None for what they do not say."""
+    spec = KERAS_TEXTS["output spec"].search(message)
+    if spec:
+        return spec.group(1), spec.group(2)
+    call = KERAS_TEXTS["call"].search(message)
+    return None, (call.group(1) if call else None)
+
+
+def call_frame_owners(error: BaseException) -> Iterator[Any]:
+    """The ``self`` of each frame of `error`'s traceback running a ``call`` method, innermost first.
+
+    Keras's traceback filter keeps the frames of user code (a layer's ``call``);
+    it drops its own and TensorFlow's.
+    """
+    frames = []
+    tb = error.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        if frame.f_code.co_name == "call" and "self" in frame.f_locals:
+            yield frame.f_locals["self"]

@@ -1,0 +1,107 @@
+"""One hook on Keras's ``fit``: what tfmp opened for a ``fit`` call closes however it ends.
+
+Keras 3 has no callback for an exception out of ``fit``: a user callback that
+raises, Ctrl-C (`KeyboardInterrupt`) in a callback or between steps, an
+`OSError` from a full disk all leave ``fit`` without ``on_train_end``. The step
+wrapper (`keras_hooks.train_function`) sees only what the train function itself
+raises. This hook wraps ``fit`` on the class that defines it (owner
+``"fit_lifecycle"``): when ``fit`` raises, every handler registered for that
+model with `on_fit_error` is called with the error, once, and the error then
+propagates unchanged.
+
+The hook is installed while an object that `needs` it is alive (each
+`tfmp.LossScaleMonitor`), and comes off in `release_if_unused`: at the end of
+every ``fit`` call, and from `tfmp.disable()`; never from a garbage-collection
+callback.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import weakref
+from typing import Any, Callable, Dict, Optional
+
+import keras
+
+from tfmp._src.keras_hooks import patches
+from tfmp._src.keras_hooks.keras_private import defining_class
+from tfmp._src.keras_hooks.object_state import PerObject
+
+_HANDLERS = PerObject("fit_error_handlers")  # model -> {key: handler}
+_needed_by: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_hook: Optional[patches.Hook] = None
+_lock = threading.RLock()
+_LOG = logging.getLogger("tfmp")
+
+
+def _wrap_fit(fit: Callable) -> Callable:
+    @functools.wraps(fit)
+    def tfmp_fit(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fit(self, *args, **kwargs)
+        except BaseException as error:
+            handlers: Dict[Any, Callable] = _HANDLERS.pop(self, {})
+            for handler in handlers.values():
+                try:
+                    handler(error)
+                except Exception as failure:  # the error out of fit matters more
+                    _LOG.warning("tfmp: a handler of the error out of fit failed: %r", failure)
+            raise
+        finally:
+            release_if_unused()
+
+    return tfmp_fit
+
+
+def needs(owner: Any) -> None:
+    """Installs the ``fit`` hook (if absent) and keeps it while `owner` is alive."""
+    global _hook
+    with _lock:
+        _needed_by.add(owner)
+        if _hook is None:
+            trainer = defining_class(keras.Model, "fit")
+            _hook = patches.install(trainer, "fit", _wrap_fit, owner="fit_lifecycle")
+
+
+def release_if_unused() -> None:
+    """Takes the ``fit`` hook off when nothing that needs it is alive."""
+    global _hook
+    with _lock:
+        if _hook is not None and not _needed_by:
+            _hook.remove()
+            _hook = None
+
+
+def on_fit_error(model: Any, key: Any, handler: Callable[[BaseException], None]) -> None:
+    """Calls `handler(error)` if the running ``fit`` of `model` raises `error`.
+
+    Args:
+        model: `keras.Model` whose ``fit`` is running.
+        key: Hashable naming the handler (e.g. the callback); a second handler
+            with the same key replaces the first.
+        handler: Callable; what it raises is logged, and the error out of ``fit``
+            propagates all the same. Dropped once called.
+    """
+    with _lock:
+        handlers = _HANDLERS.get(model)
+        if handlers is None:
+            handlers = {}
+            _HANDLERS[model] = handlers
+        handlers[key] = handler
+
+
+def forget(model: Any, key: Any) -> None:
+    """Drops the handler registered under `key` (``fit`` ended without an error)."""
+    with _lock:
+        handlers = _HANDLERS.get(model)
+        if handlers is not None:
+            handlers.pop(key, None)
+            if not handlers:
+                _HANDLERS.pop(model)
+
+
+def installed() -> Optional[patches.Hook]:
+    """The ``fit`` hook, when installed (for the test suite's leak guard)."""
+    return _hook

@@ -120,7 +120,8 @@ def test_a_model_compiled_in_another_thread_without_a_session_is_not_attached():
     tfmp.enable("mixed_bfloat16")
     built = []
 
-    def build():
+    def build():  # plain Keras mixed precision in a thread without a session
+        keras.config.set_dtype_policy("mixed_bfloat16")  # Keras's global policy is per thread
         model = cnn()
         model.compile("sgd", "mse")
         built.append(model)
@@ -128,8 +129,49 @@ def test_a_model_compiled_in_another_thread_without_a_session_is_not_attached():
     thread = threading.Thread(target=build)
     thread.start()
     thread.join()
-    assert tfmp.attachment(built[0]) is None
-    assert "FusedBatchNormV3" not in step_ops(built[0])
+    model = built[0]
+    assert model.get_layer("bn").compute_dtype == "bfloat16"
+    assert "FusedBatchNormV3" not in step_ops(model)  # traced here, in the enabled thread
+    assert tfmp.attachment(model) is None and tfmp.attachment(model.get_layer("bn")) is None
+
+
+class LateNorm(keras.layers.Layer):
+    """Makes its BatchNormalization in build(): after the model was compiled and attached.
+
+    With its own policy (a layer made in build() would take the policy of the thread
+    that builds it, under Keras as under tfmp)."""
+
+    def build(self, input_shape):
+        self.norm = keras.layers.BatchNormalization(name="late_bn", dtype=self.dtype_policy)
+        self.norm.build(input_shape)
+
+    def call(self, x, training=None):
+        return self.norm(x, training=training)
+
+
+class LateModel(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.conv = keras.layers.Conv2D(4, 3)
+        self.late = LateNorm()
+        self.head = keras.layers.Dense(2)
+
+    def call(self, x, training=None):
+        pooled = keras.ops.mean(self.late(self.conv(x), training=training), axis=(1, 2))
+        return self.head(pooled)
+
+
+def test_a_sublayer_made_after_attaching_takes_its_models_attachment_in_any_thread():
+    tfmp.enable("mixed_bfloat16")
+    model = LateModel()
+    model.compile("sgd", "mse")  # unbuilt: late_bn does not exist yet
+    tfmp.disable()
+    traced = []
+    thread = threading.Thread(target=lambda: traced.append(step_ops(model)))  # no session there
+    thread.start()
+    thread.join()
+    assert "FusedBatchNormV3" in traced[0]
+    assert tfmp.attachment(model.late.norm) is tfmp.attachment(model)
 
 
 def test_a_custom_loop_model_attaches_at_its_first_step_and_keeps_it_in_a_retrace():

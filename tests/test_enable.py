@@ -258,3 +258,19 @@ def test_compiling_a_model_built_before_enable_warns():
     tfmp.enable("mixed_bfloat16", device_facts=A100)
     with pytest.warns(tfmp.PerformanceWarning, match="built under the policy 'float32'.*after tfmp.enable"):
         model.compile(optimizer="sgd", loss="mse")
+
+
+def test_enable_with_loss_scale_options_alone_leaves_keras_unhooked_after_disable():
+    """The optimizers enable() checks the options with are never built: no fit hook from them."""
+    from tfmp._src.keras_hooks import patches
+    from tfmp._src.keras_hooks.keras_private import defining_class
+
+    import gc
+
+    gc.collect()
+    tfmp.disable()  # not enabled: takes off the hooks of optimizers other tests left to the collector
+    trainer = defining_class(keras.Model, "make_train_function")
+    assert patches.installed(trainer, "make_train_function") == []
+    tfmp.enable("float32", loss_scale_options={"initial_scale": 2.0**10, "max_consecutive_overflows": 5})
+    tfmp.disable()
+    assert patches.installed(trainer, "make_train_function") == []

@@ -427,6 +427,7 @@ _MISMATCH_PRODUCERS = {
     "eager op": lambda: tf.raw_ops.Mul(x=_BF16(), y=_F32()),
     "conversion": lambda: tf.convert_to_tensor(_F32(), dtype=tf.bfloat16),
     "list op": lambda: tf.function(lambda a, b: tf.concat([a, b], 0), autograph=False)(_BF16(), _F32()),
+    "division": lambda: _BF16() / _F32(),
 }
 
 

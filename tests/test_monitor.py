@@ -369,25 +369,41 @@ class RaiseAt(keras.callbacks.Callback):
             raise self.error
 
 
+def _interrupted_batches(x, y, at):
+    """Batches of 4 from a Python generator that raises KeyboardInterrupt at batch `at`."""
+    for i in range(len(x) // 4):
+        if i == at:
+            raise KeyboardInterrupt
+        yield x[4 * i:4 * (i + 1)], y[4 * i:4 * (i + 1)]
+
+
 # Errors made per test: a raised error keeps its traceback, and with it the test's frame.
-@pytest.mark.parametrize("make_error, batch, epoch", [
-    (lambda: RuntimeError("callback failed"), 2, None),
-    (KeyboardInterrupt, 2, None),
-    (KeyboardInterrupt, None, 1),  # between epochs, before the next epoch's iterator
-    (lambda: OSError(28, "No space left on device"), 2, None),
-])
-def test_any_error_out_of_fit_closes_the_monitor_and_the_next_fit_starts_clean(tmp_path, make_error, batch, epoch):
-    error = make_error()
+@pytest.mark.parametrize("make_error, batch, epoch, raised", [
+    (lambda: RuntimeError("callback failed"), 2, None, "RuntimeError"),
+    (KeyboardInterrupt, 2, None, "KeyboardInterrupt"),
+    (KeyboardInterrupt, None, 1, "KeyboardInterrupt"),  # between epochs, before the next epoch's iterator
+    (lambda: OSError(28, "No space left on device"), 2, None, "OSError"),
+    (None, 3, None, "UnknownError"),  # Ctrl-C in the data iterator: tf.data hands it on as UnknownError
+], ids=["callback", "ctrl-c-in-callback", "ctrl-c-between-epochs", "disk-full", "ctrl-c-in-iterator"])
+def test_any_error_out_of_fit_closes_the_monitor_and_the_next_fit_starts_clean(
+        tmp_path, make_error, batch, epoch, raised):
     model = tiny_model()
     model.compile(optimizer=tfmp.LossScaleOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
     x, y = data(16)
     monitor = tfmp.LossScaleMonitor(tmp_path, update_freq="batch")
-    with pytest.raises(type(error)):
-        model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[monitor, RaiseAt(error, batch, epoch)])
+    with pytest.raises(BaseException) as caught:
+        if make_error is None:
+            model.fit(_interrupted_batches(x, y, batch), steps_per_epoch=4, epochs=2, verbose=0,
+                      callbacks=[monitor])
+        else:
+            callbacks = [monitor, RaiseAt(make_error(), batch, epoch)]
+            model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=callbacks)
+    assert type(caught.value).__name__ == raised
+    del caught  # its traceback holds this frame
     stopped_at = 3 if batch is not None else 4
     notes = read_run(tmp_path)["monitor_notes"]
     assert notes[-1][0] == stopped_at
-    assert notes[-1][1].startswith(f"step {stopped_at}: training stopped by {type(error).__name__}")
+    assert notes[-1][1].startswith(f"step {stopped_at}: training stopped by {raised}")
     assert _train_function._hooks(model).handlers == {}  # no crash handler left registered
     assert not monitor._events.is_open
     history = model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[monitor])

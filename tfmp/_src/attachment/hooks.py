@@ -40,7 +40,7 @@ def hold() -> None:
 
 def release_if_unused() -> None:
     """Takes the model-level hooks off when no session is open and no attached object is alive."""
-    with _lock:
+    with session.lock, _lock:  # session.lock first, as enable() takes them
         if _hooks and not session.any_open() and not record.any_marked():
             while _hooks:
                 _hooks[-1].remove()  # kept in the list if removing raises

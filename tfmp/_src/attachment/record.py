@@ -4,9 +4,11 @@ Every object tfmp attached (the model and each of its layers) carries the same
 `Attachment` in its own ``__dict__`` (`PerObject`, so it lives and dies with the
 model and is neither tracked nor saved by Keras). tfmp's model-level hooks
 (``Layer.losses``, ``BatchNormalization.call``) read only this mark while a step
-is traced; never the calling thread's session. A layer of a model never compiled
-under tfmp (a custom training loop) is attached the first time a model-level hook
-sees it while its thread has a session (`attached_or_first_use`).
+is traced, never the calling thread's session: a layer without one takes its
+model's when called inside it. A layer of a model never compiled (a custom
+training loop) is attached the first time a model-level hook sees it while its
+thread has a session; one of a model compiled without tfmp never is
+(`attached_or_first_use`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import threading
 import weakref
 from typing import Any, Dict, Iterable, Optional
 
+from tfmp._src.keras_hooks.keras_private import entry_layer
 from tfmp._src.keras_hooks.object_state import PerObject
 from tfmp._src.policy import session
 
@@ -97,15 +100,27 @@ def any_marked() -> bool:
 def attached_or_first_use(layer: Any) -> bool:
     """Bool. Whether tfmp treats `layer` as attached, attaching it on first use.
 
-    Called by the model-level hooks as a layer is called (or its losses read).
-    A layer without a mark is attached when the calling thread has a session
-    (a custom training loop over a model built while enabled, never compiled);
-    the decision then stays with the layer.
+    Called by the model-level hooks as a layer is called (or its losses read):
+
+    * a layer with a mark is attached;
+    * a layer without one, called inside an attached model's call (a sublayer
+      the model made after it was attached, e.g. in ``build``), takes the
+      model's attachment;
+    * a layer of a model compiled without tfmp is left alone, in any thread;
+    * any other layer is attached when the calling thread has a session (a
+      custom training loop over a model built while enabled, never compiled).
+
+    Each decision that attaches stays with the layer.
     """
     if of(layer) is not None:
         return True
+    entry = entry_layer()
+    inherited = of(entry) if entry is not None else None
+    if inherited is not None:
+        mark([layer], inherited)
+        return True
     current = session.current()
-    if current is None:
+    if current is None or any(getattr(obj, "compiled", False) for obj in (layer, entry)):
         return False
     mark([layer], Attachment(model=layer.name, attached_by="first call", policy=current.decision.policy))
     return True

@@ -26,8 +26,9 @@ Warning kinds (``AuditWarning.kind``):
   ``batch=``) a model output is 16-bit at run time.
 * ``variables_16bit``: 16-bit variables, so no float32 master weights; small
   updates vanish when added to them.
-* ``policy_mismatch``: a layer's policy differs from tfmp's (while enabled; else
-  from the model's own) and tfmp did not set it (typically the model was built
+* ``policy_mismatch``: a layer's policy differs from tfmp's (the policy tfmp
+  attached the model under, else the calling thread's while enabled, else the
+  model's own) and tfmp did not set it (typically the model was built
   before ``tfmp.enable()``).
 * ``tensor_core_dims``: on a Tensor Core GPU (compute capability >= 7.0), a 16-bit
   Dense/Conv dimension or the batch size is not a multiple of 8. Source: NVIDIA,
@@ -121,7 +122,7 @@ def _layer_warnings(path, layer, reason, producers, policy, tensor_cores):
     if not reason and keras.backend.is_float_dtype(compute) and layer.dtype_policy.name != policy:
         yield "policy_mismatch", (
             f"'{path}' uses policy '{layer.dtype_policy.name}' but '{policy}' is expected "
-            "(tfmp's policy while enabled, else the model's); if the model was built "
+            "(tfmp's policy for this model, else the model's); if the model was built "
             "before tfmp.enable(), rebuild it."
         )
     if tensor_cores and compute in _LOW:

@@ -16,6 +16,7 @@ import keras
 import tensorflow as tf
 
 from tfmp._src.float32.audit_report import AuditWarning, GradientRow
+from tfmp._src.keras_hooks import error_texts
 from tfmp._src.keras_hooks.keras_private import build_state_restored_on_error
 
 _FIX = (

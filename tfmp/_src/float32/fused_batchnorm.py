@@ -1,4 +1,4 @@
-"""BatchNormalization on TensorFlow's fused kernel while tfmp is enabled with a mixed policy.
+"""BatchNormalization on TensorFlow's fused kernel for the mixed-policy layers tfmp attached.
 
 Keras 3.15's `keras.layers.BatchNormalization.call` casts 16-bit inputs to
 float32, computes the moments and the normalization with separate ops, and casts

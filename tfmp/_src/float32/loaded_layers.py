@@ -11,12 +11,17 @@ layers pass their policy to their sublayers (``dtype=self.dtype_policy``);
 custom code as the keras.io examples write it does not.
 
 While the calling thread has a session, ``from_config`` (the classmethod every
-layer is made with when loaded: Keras's ``Operation.from_config``, owner
-``"float32.from_config"``) builds a layer whose saved policy computes in float32
-with the global policy set to float32, so sublayers created in its ``__init__``
-compute in float32 as they did when it was saved. Any other layer, and any
-layer made outside a session, is made as Keras makes it. A custom layer whose
-own ``from_config`` does not call ``super().from_config`` is not seen.
+layer is made with from its config, by ``load_model``, ``clone_model`` or
+``deserialize``: Keras's ``Operation.from_config``, owner
+``"float32.from_config"``) builds a custom layer whose saved policy computes in
+float32 with the global policy set to float32, so sublayers created in its
+``__init__`` compute in float32 as they did when it was saved. Left as Keras
+makes them: Keras's own layers (they pass their policy on themselves), a class
+the session excludes (``exclude_float32=[MyBlock]``), any layer made outside a
+session. A custom layer a user set to float32 by hand gets float32 sublayers
+too; to keep one in 16 bits, give it ``dtype=`` explicitly in ``__init__``. A
+custom layer whose own ``from_config`` does not call ``super().from_config`` is
+not seen.
 """
 
 from __future__ import annotations
@@ -49,7 +54,10 @@ def _wrap(original: classmethod) -> classmethod:
     @functools.wraps(from_config)
     def tfmp_from_config(cls: type, config: Any) -> Any:
         global_policy = keras.config.dtype_policy()
-        if (session.current() is None or global_policy.compute_dtype not in LOW_PRECISION
+        current = session.current()
+        if (current is None or global_policy.compute_dtype not in LOW_PRECISION
+                or cls.__module__.split(".")[0] == "keras"
+                or any(isinstance(t, type) and issubclass(cls, t) for t in current.exclude_float32)
                 or not _computes_in_float32(config)):
             return from_config(cls, config)
         keras.config.set_dtype_policy("float32")  # Keras's global policy is per thread

@@ -9,7 +9,8 @@ mixed precision the embedding then looks up rounded ids (1001 -> 1000 in
 bfloat16), silently, or fails for ids rounded past the vocabulary ("indices[0,0]
 = 2000 is not in [0, 2000)").
 
-`keep_exact_ids(model)` (applied by `compile` while enabled) fixes that for every
+`keep_exact_ids(model)` (applied when tfmp attaches a model: compiled or loaded
+while enabled) fixes that for every
 ``Embedding`` under such an autocasting ancestor, without changing what the
 ancestor's code receives (still the 16-bit tensor, as under plain Keras):
 
@@ -25,7 +26,7 @@ ancestor's code receives (still the 16-bit tensor, as under plain Keras):
 Ids that pass through another op first (``x[:, :8]``, ``tf.cast(x, "int32")``)
 were rounded by the ancestor's cast before that op and stay rounded: declare an
 integer input (``keras.Input(shape=(64,), dtype="int32")``) there. All hooks
-have owner ``"float32.ids"`` and stay with the model.
+have owner ``"float32.ids"`` and stay with the model until `tfmp.detach`.
 """
 
 from __future__ import annotations

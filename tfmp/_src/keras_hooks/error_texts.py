@@ -37,6 +37,9 @@ DTYPE_MISMATCH: Dict[str, Tuple[type, "re.Pattern[str]"]] = {
     # tf.concat([bfloat16, float32], 0) in a graph: "Tensors in list passed to
     # 'values' of 'ConcatV2' Op have types [bfloat16, float32] that don't all match."
     "list op": (TypeError, re.compile(r"have types \[([\w, ]+)\] that don't all match")),
+    # A bfloat16 tensor divided by a float32 one (tf.math.truediv, eager or graph):
+    # "`x` and `y` must have the same dtype, got tf.bfloat16 != tf.float32."
+    "division": (TypeError, re.compile(rf"must have the same dtype, got {_NAME} != {_NAME}")),
 }
 
 #: Keras's texts naming the layer that raised: name -> pattern.

@@ -43,14 +43,17 @@ def _wrap_fit(fit: Callable) -> Callable:
             return fit(self, *args, **kwargs)
         except BaseException as error:
             handlers: Dict[Any, Callable] = _HANDLERS.pop(self, {})
-            for handler in handlers.values():
+            for handler in handlers.values():  # each one runs, whatever the others do
                 try:
                     handler(error)
-                except Exception as failure:  # the error out of fit matters more
+                except BaseException as failure:  # the error out of fit matters more
                     _LOG.warning("tfmp: a handler of the error out of fit failed: %r", failure)
             raise
         finally:
-            release_if_unused()
+            try:
+                release_if_unused()
+            except Exception as failure:  # never hides fit's result or error
+                _LOG.warning("tfmp: could not take the fit hook off: %r", failure)
 
     return tfmp_fit
 

@@ -8,6 +8,7 @@ pair setup.cfg admits.
 
 | name used | where in Keras / TF | what tfmp does with it |
 |---|---|---|
+| ``global_state`` attribute ``"current_call_ctx"`` (``CallContext.entry_layer``) | ``keras/src/layers/layer.py`` | `entry_layer`: the outermost layer whose call is running in this thread |
 | ``Layer._flatten_layers`` | ``keras/src/layers/layer.py`` | `child_layers`: the direct sublayers of a layer, tracked attributes included |
 | ``Sequential._functional`` | ``keras/src/models/sequential.py`` | `functional_graph`: a built Sequential's inner graph |
 | the class ``Functional`` (``keras.Model(inputs, outputs)``), not public | ``keras/src/models/functional.py`` | `is_functional`: a graph of layers that computes nothing itself (not a subclass) |
@@ -113,6 +114,13 @@ def functional_graph(model: Any) -> Optional[Any]:
     if hasattr(model, "_nodes_by_depth"):
         return model
     return None
+
+
+def entry_layer() -> Optional[Any]:
+    """The outermost layer (usually the model) whose ``__call__`` runs in this thread, or None."""
+    from keras.src.backend.common import global_state
+
+    return getattr(global_state.get_global_attribute("current_call_ctx"), "entry_layer", None)
 
 
 def is_functional(layer: Any) -> bool:

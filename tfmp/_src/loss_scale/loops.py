@@ -135,6 +135,13 @@ def track(optimizer: Any) -> None:
             _fit_hook = model_hooks.install_make_train_function_hook(_attach, owner="loss_scale.fit_check")
 
 
+def untrack(optimizer: Any) -> None:
+    """Forgets `optimizer` (one made only to check options), then `release_if_unused`."""
+    with _lock:
+        _live.discard(optimizer)
+    release_if_unused()
+
+
 def release_if_unused() -> None:
     """Takes the ``make_train_function`` hook off when no tfmp optimizer is alive."""
     global _fit_hook

@@ -56,7 +56,7 @@ from tfmp._src.policy.policy import PerformanceWarning, PolicyDecision, resolve_
 from tfmp._src.policy.session import Session
 from tfmp._src.float32.registry import targets_from
 
-_session_hooks: List[patches.Hook] = []  # compile and first-step hooks, while a session is open
+_session_hooks: List[patches.Hook] = []  # compile, first-step and from_config hooks, while a session is open
 _warned_compiled_before: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
@@ -64,7 +64,7 @@ def _set_current(state: Optional[Session]) -> None:
     """Makes `state` this thread's session; installs or removes the class-level hooks.
 
     The session hooks (``compile``, ``compile_from_config``,
-    ``make_train_function``) are on while a thread has a session; the
+    ``make_train_function``, ``from_config``) are on while a thread has a session; the
     model-level hooks (`tfmp._src.attachment.hooks`) also while an attached
     model is alive.
 
@@ -73,7 +73,13 @@ def _set_current(state: Optional[Session]) -> None:
     """
     with session.lock:
         before = session.replace(state)
-        if session.any_open() and not _session_hooks:
+        if session.any_open() and _session_hooks:
+            try:
+                attachment_hooks.hold()  # idempotent: back on if a detach took them off meanwhile
+            except BaseException:
+                session.replace(before)
+                raise
+        elif session.any_open():
             try:
                 installed = patches.install_all([  # all or none
                     lambda: model_hooks.install_compile_hook(
@@ -222,8 +228,9 @@ def _checked_loss_scale_options(options: Optional[dict], compute_dtype: str) -> 
         if key not in WRAP_OPTIONS:
             raise unknown_key("loss_scale_options", options, key, WRAP_OPTIONS)
     probe = {key: value for key, value in options.items() if (key, value) != ("guard", "loss")}
-    wrap_optimizer("sgd", "float16", **probe)  # raises on a bad value
-    wrap_optimizer("sgd", compute_dtype, **options)
+    for checked in (wrap_optimizer("sgd", "float16", **probe),  # raises on a bad value
+                    wrap_optimizer("sgd", compute_dtype, **options)):
+        loops.untrack(checked)  # thrown away: no fit hook for it
     return dict(options)
 
 

@@ -12,8 +12,9 @@ Configurations (`CONFIGS`):
   BatchNormalization takes the fused kernel under a mixed policy), and `fit` with
   ``tfmp.LossScaleMonitor(update_freq=100)``.
 * ``fused_bn`` (`BN_CONFIGS`, the "Keras BatchNormalization vs fused" line):
-  ``keras_mixed``, with the train step traced while ``tfmp.enable(policy)`` is in
-  force: only BatchNormalization's kernel differs.
+  ``keras_mixed``, with the model called once inside ``tfmp.policy_scope(policy)``
+  before it is compiled plainly (its BatchNormalization layers attach at that
+  first call): only BatchNormalization's kernel differs.
 
 Side experiments (`benchmarks/side_experiments.py`) vary a configuration with
 `Overrides`: XLA, tfmp's policy, tfmp's guard or monitor on plain Keras, Grappler
@@ -41,6 +42,7 @@ import warnings
 from typing import Callable, Iterator, List, Mapping, Optional, Union
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 import tfmp
@@ -187,11 +189,11 @@ def _build_compile_and_warm_up(
     """Builds and compiles under `config`, runs `warm_up(model)`, then restores the global state.
 
     The warm-up traces the train step, so it runs while the configuration is in
-    force: under ``tfmp`` (and ``fused_bn``) tfmp stays enabled until the step is
-    traced, as in a user's script, so BatchNormalization layers trace the fused
-    kernel where tfmp uses it. ``fused_bn`` compiles plainly under `policy` and
-    enables tfmp only for the trace: it differs from ``keras_mixed`` in the
-    BatchNormalization kernel alone. `overrides` change the policy tfmp enables,
+    force: under ``tfmp`` tfmp stays enabled until the step is traced, as in a
+    user's script. ``fused_bn`` builds under `policy`, calls the model once inside
+    ``tfmp.policy_scope(policy)`` (its BatchNormalization layers attach at that
+    first call and keep the fused kernel) and compiles plainly: it differs from
+    ``keras_mixed`` in the BatchNormalization kernel alone. `overrides` change the policy tfmp enables,
     the optimizer and `jit_compile`.
     """
     previous = keras.config.dtype_policy()
@@ -203,6 +205,10 @@ def _build_compile_and_warm_up(
         else:
             keras.config.set_dtype_policy("float32" if config == "float32" else policy)
         model = workload.build()
+        if config == "fused_bn":  # a first call while enabled attaches the uncompiled model's layers
+            with warnings.catch_warnings(), tfmp.policy_scope(policy):  # 16 bits emulated on some CPUs
+                warnings.simplefilter("ignore")
+                model(workload.inputs(1, np.random.default_rng(0))[0][:1], training=False)
         optimizer = keras.optimizers.Adam(1e-3)
         if overrides.guard:
             optimizer = tfmp.LossScaleOptimizer(optimizer, loss_scaling=False)
@@ -211,11 +217,7 @@ def _build_compile_and_warm_up(
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             jit_compile=overrides.jit_compile,
         )
-        with warnings.catch_warnings():
-            if config == "fused_bn":  # compiled before enable(); 16 bits emulated on some CPUs
-                warnings.simplefilter("ignore")
-                tfmp.enable(policy)
-            warm_up(model)
+        warm_up(model)
     finally:
         tfmp.disable()
         keras.config.set_dtype_policy(previous)

@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import tfmp
-from tfmp._src.keras_hooks import keras_private, model_hooks, patches, train_function
+from tfmp._src.keras_hooks import contracts, keras_private, model_hooks, patches, train_function
 from tfmp._src.monitor.grad_stats import GradientStats
 from _subproc import ROOT, script_env
 
@@ -476,3 +476,26 @@ def test_keras_still_names_the_layer_that_raised():
     assert layer in list(error_texts.call_frame_owners(in_call))
     in_spec = _raised(lambda: _Fails(name="spec")(keras.Input((2,))))  # Functional construction
     assert error_texts.layer_named_by_keras(str(in_spec)) == ("spec", "_Fails")
+
+
+# Contracts with Keras's signatures and call order (keras_hooks/contracts.py) -----------
+
+
+@pytest.mark.parametrize("cls, name, expected", contracts.HOOKED_SIGNATURES,
+                         ids=[f"{cls.__name__}.{name}" for cls, name, _ in contracts.HOOKED_SIGNATURES])
+def test_keras_still_has_each_hooked_signature(cls, name, expected):
+    import inspect
+
+    owner = keras_private.defining_class(cls, name)
+    method = vars(owner)[name]
+    parameters = list(inspect.signature(getattr(method, "__func__", method)).parameters)[1:]
+    assert parameters[:len(expected)] == list(expected)
+
+
+def test_every_call_order_contract_names_a_test_that_exists():
+    import importlib
+
+    for _, node in contracts.CALL_ORDER:
+        path, name = node.split("::")
+        module = importlib.import_module(pathlib.Path(path).stem)
+        assert callable(getattr(module, name, None)), node

@@ -1,0 +1,65 @@
+"""What tfmp assumes of Keras's methods and call order, in one table each, each row tested.
+
+Beside the private names (`keras_private`) and the error texts (`error_texts`),
+tfmp's hooks rest on two kinds of Keras behaviour:
+
+* `HOOKED_SIGNATURES`: the parameters of each Keras method a hook replaces and
+  names (it declares them, passes them on by name or sets one): ``(class, method,
+  parameters)``, the parameters in Keras's order after ``self``/``cls``. A hook
+  passing ``*args, **kwargs`` through unchanged needs no row.
+* `CALL_ORDER`: the order in which Keras calls what tfmp hooks, each with the
+  test that checks it on the installed pair (``tests/<module>::<test>``).
+
+``tests/test_keras_hooks.py`` checks every signature and that every named test
+exists; ``.ci/run`` runs both on the oldest and the newest supported Keras.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import keras
+
+#: (class whose method is hooked, method, the parameters tfmp relies on, in order).
+HOOKED_SIGNATURES: Tuple[Tuple[type, str, Tuple[str, ...]], ...] = (
+    # model_hooks: the optimizer is the first argument or `optimizer=`; loading
+    # sets `auto_scale_loss=False`.
+    (keras.Model, "compile", ("optimizer", "loss")),
+    (keras.Model, "compile_from_config", ("config",)),
+    # model_hooks / train_function: `make_train_function(force=False)`.
+    (keras.Model, "make_train_function", ("force",)),
+    # numerics: `train_step(data)`.
+    (keras.Model, "train_step", ("data",)),
+    # fused_batchnorm: `call(inputs, training=None, mask=None)`.
+    (keras.layers.BatchNormalization, "call", ("inputs", "training", "mask")),
+    # token_ids: `Embedding.call(inputs)`, `DTypePolicy.convert_input(x, autocast, dtype)`.
+    (keras.layers.Embedding, "call", ("inputs",)),
+    (keras.DTypePolicy, "convert_input", ("x", "autocast", "dtype")),
+    # float32.build: `build(input_shape)`; float32.from_config: `from_config(config)`.
+    (keras.layers.Layer, "build", ("input_shape",)),
+    (keras.layers.Layer, "from_config", ("config",)),
+    # numerics, grad_stats, optimizer: `apply(grads, trainable_variables=None)`, `scale_loss(loss)`.
+    (keras.optimizers.Optimizer, "apply", ("grads", "trainable_variables")),
+    (keras.optimizers.LossScaleOptimizer, "scale_loss", ("loss",)),
+    # LossScaleOptimizerBase overrides Keras's stateful branches.
+    (keras.optimizers.LossScaleOptimizer, "_stateful_handle_finite_grads", ("grads", "trainable_variables")),
+    (keras.optimizers.LossScaleOptimizer, "_stateful_handle_non_finite_grads", ()),
+)
+
+#: (what tfmp relies on Keras doing, the test that checks it).
+CALL_ORDER: Tuple[Tuple[str, str], ...] = (
+    ("compute_loss sums `model.losses`, read through the Layer.losses property",
+     "tests/test_attachment.py::test_a_model_compiled_while_enabled_sums_its_16_bit_loss_terms_after_disable"),
+    ("fit calls make_train_function, then model.train_function once per execution",
+     "tests/test_keras_hooks.py::test_train_function_checks_run_in_order_and_come_off_independently"),
+    ("load_model compiles through compile_from_config, which calls compile",
+     "tests/test_invisible.py::test_loading_a_mixed_float16_model_with_overflows_while_enabled_keeps_its_state"),
+    ("load_model makes each layer with from_config before calling it symbolically",
+     "tests/test_attachment.py::test_a_custom_layer_producing_an_output_loads_while_enabled"),
+    ("Layer.__call__ calls the instance's call, inside Keras's call context naming the entry layer",
+     "tests/test_attachment.py::test_a_sublayer_made_after_attaching_takes_its_models_attachment_in_any_thread"),
+    ("fit raises out of itself whatever a callback or the data iterator raises, without on_train_end",
+     "tests/test_monitor.py::test_any_error_out_of_fit_closes_the_monitor_and_the_next_fit_starts_clean"),
+    ("LossScaleOptimizer.apply runs _stateful_handle_finite_grads or _stateful_handle_non_finite_grads",
+     "tests/test_loss_scale.py::test_backoff_sequence_from_400"),
+)

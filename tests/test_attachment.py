@@ -305,3 +305,20 @@ def test_a_custom_layer_producing_an_output_loads_while_enabled(tmp_path):
         assert after.dtype == "float32"
         np.testing.assert_array_equal(keras.ops.convert_to_numpy(after), keras.ops.convert_to_numpy(before))
     assert keras.config.dtype_policy().name == "mixed_bfloat16"  # the global policy is back after loading
+
+
+def test_a_detached_inner_model_stays_detached_inside_an_attached_outer_model():
+    with tfmp.policy_scope("mixed_bfloat16"):
+        inner = cnn()
+        inputs = keras.Input((6, 6, 3))
+        outer = keras.Model(inputs, keras.layers.Softmax()(inner(inputs)))
+        outer.compile("sgd", "mse")
+    tfmp.detach(inner)
+    outer.fit(X, Y, batch_size=4, verbose=0)  # the outer model's step is traced again
+    assert tfmp.attachment(outer) is not None and tfmp.attachment(inner.get_layer("bn")) is None
+    assert fused_batchnorm.last_call_reason(inner.get_layer("bn")) == fused_batchnorm.NOT_ATTACHED
+
+
+def test_a_nested_loss_scale_optimizer_is_refused():
+    with pytest.raises(ValueError, match="Invalid `inner_optimizer` argument"):
+        tfmp.LossScaleOptimizer(tfmp.LossScaleOptimizer(keras.optimizers.SGD()))

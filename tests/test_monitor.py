@@ -784,3 +784,17 @@ def test_update_ratio_exact(tmp_path):
 def test_bad_log_dir(bad):
     with pytest.raises(ValueError, match=r"Invalid `log_dir` argument.*non-empty folder path"):
         tfmp.LossScaleMonitor(bad)
+
+
+def test_a_monitor_made_in_the_fit_call_gets_its_note_while_tfmp_is_enabled(tmp_path):
+    """`model.fit` is looked up before its arguments are made: the fit hook must be on already."""
+    gc.collect()  # no monitor of another test keeps the fit hook on
+    tfmp.disable()
+    model = tiny_model()
+    model.compile(optimizer=tfmp.LossScaleOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+    x, y = data(16)
+    with tfmp.policy_scope("float32"):
+        with pytest.raises(RuntimeError):
+            model.fit(x, y, batch_size=4, verbose=0, callbacks=[
+                tfmp.LossScaleMonitor(tmp_path, update_freq="batch"), RaiseAt(RuntimeError("late"), batch=1)])
+    assert read_run(tmp_path)["monitor_notes"][-1][1] == "step 2: training stopped by RuntimeError: late"

@@ -93,7 +93,9 @@ def attachment(model: keras.layers.Layer) -> Optional[Attachment]:
 def detach(model: keras.layers.Layer) -> Optional[Attachment]:
     """Takes tfmp's trace-time changes off `model`; the next `fit` traces plain Keras code.
 
-    Removes the model's and its layers' attachment, so that the fused
+    Removes the model's and its layers' attachment, for good (also when the
+    model is a part of an attached model: it no longer takes that model's
+    attachment), so that the fused
     BatchNormalization kernel and the float32 loss-term casts no longer apply;
     the exact-token-id and dtype-error hooks; `tfmp.check_numerics`; and resets
     the model's train, test and predict functions so that they are traced again.
@@ -122,6 +124,6 @@ def detach(model: keras.layers.Layer) -> Optional[Attachment]:
         for hook in patches.installed(obj):
             if hook.owner in DETACHED_OWNERS:
                 hook.remove()
-    record.unmark(objects)
+    record.unmark(objects, detached=True)
     hooks.release_if_unused()
     return found

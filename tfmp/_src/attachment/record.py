@@ -23,6 +23,7 @@ from tfmp._src.keras_hooks.object_state import PerObject
 from tfmp._src.policy import session
 
 _MARK = PerObject("attachment")
+_DETACHED = PerObject("detached")  # `tfmp.detach` took the mark off: no mark comes back by itself
 #: Objects that carry a mark; while one is alive the model-level hooks stay installed.
 _marked: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _lock = threading.RLock()
@@ -80,15 +81,22 @@ def mark(objects: Iterable[Any], record: Attachment) -> None:
     with _lock:
         for obj in objects:
             _MARK[obj] = record
+            _DETACHED.pop(obj, None)
             _marked.add(obj)
 
 
-def unmark(objects: Iterable[Any]) -> None:
-    """Takes the mark off each of `objects` (those without one are skipped)."""
+def unmark(objects: Iterable[Any], *, detached: bool = False) -> None:
+    """Takes the mark off each of `objects` (those without one are skipped).
+
+    With `detached`, they also stay unmarked when called inside an attached model
+    or while a session is open, until `mark` (a compile or load while enabled).
+    """
     with _lock:
         for obj in objects:
             _MARK.pop(obj, None)
             _marked.discard(obj)
+            if detached:
+                _DETACHED[obj] = True
 
 
 def any_marked() -> bool:
@@ -102,7 +110,7 @@ def attached_or_first_use(layer: Any) -> bool:
 
     Called by the model-level hooks as a layer is called (or its losses read):
 
-    * a layer with a mark is attached;
+    * a layer with a mark is attached; one `tfmp.detach` took it off is not;
     * a layer without one, called inside an attached model's call (a sublayer
       the model made after it was attached, e.g. in ``build``), takes the
       model's attachment;
@@ -114,6 +122,8 @@ def attached_or_first_use(layer: Any) -> bool:
     """
     if of(layer) is not None:
         return True
+    if layer in _DETACHED:
+        return False
     entry = entry_layer()
     inherited = of(entry) if entry is not None else None
     if inherited is not None:

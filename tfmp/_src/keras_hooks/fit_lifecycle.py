@@ -10,9 +10,13 @@ model with `on_fit_error` is called with the error, once, and the error then
 propagates unchanged.
 
 The hook is installed while an object that `needs` it is alive (each
-`tfmp.LossScaleMonitor`), and comes off in `release_if_unused`: at the end of
-every ``fit`` call, and from `tfmp.disable()`; never from a garbage-collection
-callback.
+`tfmp.LossScaleMonitor`) and while a thread has a tfmp session, and comes off in
+`release_if_unused`: at the end of every ``fit`` call, and from
+`tfmp.disable()`; never from a garbage-collection callback. A ``fit`` that was
+looked up before the hook came (``model.fit(..., callbacks=[LossScaleMonitor(...)])``
+with neither tfmp enabled nor another monitor alive: Python reads ``model.fit``
+before it makes the arguments) runs unhooked: its step errors still reach the
+monitor (`keras_hooks.train_function`), its callback errors do not.
 """
 
 from __future__ import annotations
@@ -66,6 +70,12 @@ def needs(owner: Any) -> None:
         if _hook is None:
             trainer = defining_class(keras.Model, "fit")
             _hook = patches.install(trainer, "fit", _wrap_fit, owner="fit_lifecycle")
+
+
+def not_needed_by(owner: Any) -> None:
+    """`owner` no longer needs the hook (it may still be alive); see `release_if_unused`."""
+    with _lock:
+        _needed_by.discard(owner)
 
 
 def release_if_unused() -> None:

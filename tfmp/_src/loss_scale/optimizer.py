@@ -188,6 +188,13 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         name: str | None = None,
         **kwargs: Any,
     ) -> None:
+        if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
+            raise invalid_argument(
+                "inner_optimizer", inner_optimizer,
+                "an optimizer that does not scale the loss itself (not a LossScaleOptimizer)",
+                fix="Pass its inner optimizer: tfmp.LossScaleOptimizer(opt.inner_optimizer), or "
+                "keep the one wrapper you have (loss scaling twice scales the loss twice).",
+            )
         for arg, value in (
             ("initial_scale", initial_scale),
             ("min_scale", min_scale),

@@ -363,9 +363,10 @@ class LossScaleMonitor(keras.callbacks.Callback):
                 self._log("batch_")
             else:
                 self._write_events(state)
+            said = str(error)[:500]
             self._note(
                 state.step,
-                f"training stopped by {type(error).__name__}: {str(error)[:500]}",
+                f"training stopped by {type(error).__name__}" + (f": {said}" if said else ""),
             )
         except Exception as failure:  # the training error matters more; keep it
             _LOG.warning("tfmp.LossScaleMonitor could not log the crash: %r", failure)

@@ -57,6 +57,13 @@ from tfmp._src.policy.session import Session
 from tfmp._src.float32.registry import targets_from
 
 _session_hooks: List[patches.Hook] = []  # compile, first-step and from_config hooks, while a session is open
+
+
+class _SessionsOpen:
+    """Stands for "a thread has a session" among what needs the fit hook."""
+
+
+_SESSIONS_OPEN = _SessionsOpen()
 _warned_compiled_before: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
@@ -90,6 +97,7 @@ def _set_current(state: Optional[Session]) -> None:
                 ])
                 try:
                     attachment_hooks.hold()
+                    fit_lifecycle.needs(_SESSIONS_OPEN)  # the error out of fit reaches monitors
                 except BaseException:
                     for hook in reversed(installed):
                         hook.remove()
@@ -102,6 +110,7 @@ def _set_current(state: Optional[Session]) -> None:
             while _session_hooks:
                 _session_hooks[-1].remove()  # kept in the list if removing raises
                 _session_hooks.pop()
+            fit_lifecycle.not_needed_by(_SESSIONS_OPEN)
             _release_unused_hooks()
 
 

@@ -60,7 +60,7 @@ def attach(model: keras.Model, policy: str, *, attached_by: str, exact_ids: int,
     found = Attachment(
         model=model.name, attached_by=attached_by, policy=policy,
         layer_policies={e.path: e.layer.dtype_policy.name for e in entries},
-        forced_float32={e.path: forced_reason(e.layer) for e in entries if forced_reason(e.layer)},
+        forced_float32={e.path: why for e in entries if (why := forced_reason(e.layer))},
         exact_ids=exact_ids, explains_dtype_errors=explains_dtype_errors, check_numerics=numerics,
     )
     record.mark([model, *(e.layer for e in entries)], found)

@@ -17,6 +17,7 @@ PUBLIC_API = {
     "LossScaleMonitor",
     "LossScaleOptimizer",
     "LossScaleWarning",
+    "SkippedStepWarning",
     "MemoryEstimate",
     "NonFiniteError",
     "PerformanceWarning",

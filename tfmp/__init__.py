@@ -34,6 +34,7 @@ _EXPORTS = {
     "LossScaleMonitor": "tfmp._src.monitor.callback",
     "LossScaleOptimizer": "tfmp._src.loss_scale.optimizer",
     "LossScaleWarning": "tfmp._src.loss_scale.guard",
+    "SkippedStepWarning": "tfmp._src.loss_scale.skips",
     "MemoryEstimate": "tfmp._src.advisors.memory",
     "NonFiniteError": "tfmp._src.errors",
     "PerformanceWarning": "tfmp._src.policy.policy",

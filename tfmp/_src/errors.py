@@ -24,8 +24,9 @@ class NonFiniteError(FloatingPointError):
             (e.g. ``"model/dense_1"``), None when the value is not tied to a layer
             (e.g. a non-finite loss seen by the optimizer).
         phase: String or None. ``"forward"`` (layer outputs), ``"backward"``
-            (gradients after unscaling), ``"loss"`` or ``"gradients"`` (seen by the
-            loss-scale optimizer).
+            (gradients after unscaling), or what the loss-scale optimizer saw:
+            ``"batch"``, ``"loss"``, ``"gradients"`` or ``"values"`` (a value
+            the update would write).
         step: Int or None. Zero-based training step at which it was seen.
         kind: String or None. ``"nan"``, ``"inf"`` or ``"nan+inf"``.
         details: Dict. Extra facts for programs (scale, value ranges, trace).

@@ -10,7 +10,9 @@ dtype of ``x``; its gradient is one op too (``FusedBatchNormGradV3``).
 `install` hooks ``BatchNormalization.call`` on the class (owner
 ``"fused_batchnorm"`` in ``keras_hooks.patches.ORDER``), installed while a thread
 is enabled or an attached model is alive (`tfmp._src.attachment`); the class
-itself is unchanged, so a saved model is a plain Keras BatchNormalization. A call
+itself is unchanged, so a saved model is a plain Keras BatchNormalization. Every
+training call of an attached layer, on either path, keeps its moving statistics
+finite and restorable by a skipped step (`tfmp._src.loss_scale.step_state`). A call
 takes the fused kernel when `call_reason` returns ``""``, else Keras's own code:
 
 * the layer is attached to tfmp (its model was compiled or loaded while enabled,
@@ -43,6 +45,7 @@ import tensorflow as tf
 from tfmp._src.attachment import record
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.keras_hooks import patches
+from tfmp._src.loss_scale import step_state
 
 FUSED = "fused"
 NOT_ATTACHED = "not attached to tfmp (compile or first call it while tfmp is enabled)"
@@ -173,9 +176,12 @@ def _wrap(next_call: Callable) -> Callable:
     def call(self, inputs, training=None, mask=None):
         why = call_reason(self, inputs, training, mask)
         _last_call[self] = why
-        if why:
+        if why == NOT_ATTACHED:
             return next_call(self, inputs, training=training, mask=mask)
-        return fused_call(self, inputs, training)
+        with step_state.kept_statistics(self, training):
+            if why:
+                return next_call(self, inputs, training=training, mask=mask)
+            return fused_call(self, inputs, training)
 
     return call
 

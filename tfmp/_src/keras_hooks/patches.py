@@ -52,6 +52,7 @@ ORDER = {
     "float32.ids": 26,  # DTypePolicy.convert_input / Layer.call / Embedding.call: exact float token ids
     "enable.dtype_errors": 28,  # Model.build / call: dtype mismatches explained (models tfmp compiles)
     "numerics": 30,  # Layer.call, train_step, Optimizer.apply / scale_loss
+    "loss_scale.batch": 32,  # Model.train_step (an instance's): the batch for the "batch" guard
     "audit.outputs": 35,  # Layer.call: record output dtypes during tfmp.audit(batch=...)
     "grad_stats": 40,  # Optimizer.apply: gradient statistics for the monitor
     "enable.compile": 50,  # Trainer.compile / compile_from_config while enabled

@@ -2,22 +2,37 @@
 
 Guards (the `guard` argument). A step is skipped, and counted, when its check fails:
 
+- ``"batch"``: what a bad batch does, checked where it is cheap. Every float
+  tensor of the batch `fit` / `train_on_batch` hands to ``train_step`` (inputs,
+  targets, sample weights) is finite, and the loss passed to `scale_loss` in the
+  same step is finite. The batch is checked as the step starts, the loss (one
+  scalar) before the backward pass, so no update waits for the backward pass to
+  end. Catches a NaN or inf in the data even where the forward pass hides it (a
+  ReLU turns NaN into 0, the loss stays finite, the first layer's gradient is NaN)
+  and a diverging run (non-finite loss). Misses an inf or NaN born in the backward
+  pass alone and a step whose finite update overflows the weights (a huge
+  learning rate): ``"values"`` catches those. Only without loss scaling. Cost:
+  `benchmarks/guard_cost.py`.
+- ``"loss"``: the loss alone (the batch is not checked). Only without loss scaling.
 - ``"gradients"``: every gradient finite on every replica. What dynamic loss
   scaling needs (an overflow shows up only in the gradients), and it also
-  catches a finite loss whose backward pass overflows. Its cost: every update
-  waits until all gradients are computed and checked (`benchmarks/guard_cost.py`,
-  MLP of 10.5 M parameters, Adam, batch 256, 2-core AVX512_BF16 CPU,
-  2026-12-01: 1.06x plain Keras's step time in bfloat16, 1.11x in float32).
-- ``"loss"``: the loss passed to `scale_loss` in the same step is finite (one
-  scalar, checked before the backward pass). A bad batch or a diverging run
-  gives a non-finite loss; an inf or NaN born in the backward pass alone is not
-  caught. Only without loss scaling. Same benchmark: 1.00x plain Keras.
-- ``"auto"`` (default): ``"gradients"`` with loss scaling, ``"loss"`` without.
+  catches a finite loss whose backward pass overflows. Every update waits until
+  all gradients are computed and checked (measured in `benchmarks/guard_cost.py`).
+- ``"values"``: ``"gradients"`` (with loss scaling) or ``"batch"`` (without),
+  and then every value the step writes into a trainable variable is finite: the
+  variables and the inner optimizer's variables are read before the update and
+  put back when a new trainable value is not finite, so the step changes
+  nothing. Catches a learning rate that blows the weights up. Costs a pass over
+  the weights and a copy of what the step writes.
+- ``"auto"`` (default): ``"gradients"`` with loss scaling, ``"batch"`` without.
 
-The loss check needs the loss: Keras's `train_step` (hence `fit`) and
-`tfmp.scaled_gradients` pass it to `scale_loss` before taking gradients. A step
-that calls `apply` without a `scale_loss` call recorded for it (see `StepRecord`)
-gets the gradients check instead, so a custom loop is never left unguarded.
+The batch and loss checks need the batch and the loss: Keras's `train_step`
+(hence `fit`) passes the loss to `scale_loss`, and tfmp records the batch of each
+model's ``train_step`` whose optimizer is a tfmp one (`tfmp._src.loss_scale.batch_check`).
+A step that calls `apply` without a `scale_loss` call recorded for it (see
+`StepRecord`) gets the gradients check instead, so a custom loop is never left
+unguarded; a custom loop's batch is not seen (`tfmp.scaled_gradients` records the
+loss only).
 
 Unscaled loss (`LossScaleWarning`): with dynamic loss scaling `apply` divides the
 gradients by the scale, so gradients of a loss that was never multiplied by it
@@ -28,6 +43,7 @@ when gradients arrive and `scale_loss` has never run on it.
 
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 from typing import Any
@@ -37,7 +53,9 @@ import tensorflow as tf
 from tfmp._src.errors import invalid_argument
 
 #: Values of the `guard` argument of `tfmp.LossScaleOptimizer`.
-GUARDS = ("auto", "loss", "gradients")
+GUARDS = ("auto", "batch", "loss", "gradients", "values")
+#: Guards that check the loss (and the batch) instead of the gradients: only without loss scaling.
+LOSS_GUARDS = ("batch", "loss")
 
 
 class LossScaleWarning(UserWarning):
@@ -52,24 +70,36 @@ def check_guard(guard: Any, loss_scaling: bool) -> None:
 
     Raises:
         ValueError: In the project's template, for an unknown guard, or
-            ``"loss"`` together with loss scaling (an overflow shows up only in the
+            ``"batch"`` / ``"loss"`` together with loss scaling (an overflow shows up only in the
             gradients).
     """
     if guard not in GUARDS:
-        raise invalid_argument("guard", guard, "one of 'auto', 'loss', 'gradients'", choices=GUARDS)
-    if guard == "loss" and loss_scaling:
+        raise invalid_argument("guard", guard, "one of " + ", ".join(map(repr, GUARDS)), choices=GUARDS)
+    if guard in LOSS_GUARDS and loss_scaling:
         raise invalid_argument(
-            "guard", guard, "'auto' or 'gradients' with loss_scaling=True",
+            "guard", guard, "'auto', 'gradients' or 'values' with loss_scaling=True",
             fix="Dynamic loss scaling detects overflow in the gradients: keep guard='auto' "
-            "under mixed_float16, or pass loss_scaling=False (bfloat16, float32).",
+            "(or 'values') under mixed_float16, or pass loss_scaling=False (bfloat16, float32).",
         )
 
 
 def resolve(guard: str, loss_scaling: bool) -> str:
-    """String, ``"loss"`` or ``"gradients"``: the check a `guard` value stands for."""
+    """String, ``"batch"``, ``"loss"``, ``"gradients"`` or ``"values"``: what a `guard` value stands for."""
     if guard == "auto":
-        return "gradients" if loss_scaling else "loss"
+        return "gradients" if loss_scaling else "batch"
     return guard
+
+
+def first_check(guard: str, loss_scaling: bool) -> str:
+    """String, ``"batch"``, ``"loss"`` or ``"gradients"``: the check made before the update.
+
+    ``"values"`` checks the batch (or, with loss scaling, the gradients) first and
+    the written values after.
+    """
+    resolved = resolve(guard, loss_scaling)
+    if resolved == "values":
+        return "gradients" if loss_scaling else "batch"
+    return resolved
 
 
 class StepRecord:
@@ -89,8 +119,33 @@ class StepRecord:
     def __init__(self) -> None:
         self._graphs: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._eager_pending = False
+        self._batch = threading.local()  # .noted: (graph or None when eager, status tensor)
         self.ever = False
         self.warned = False
+
+    def note_batch(self, status: Any) -> None:
+        """Called as a train step starts: `status` is the batch's bits (scalar int64 tensor).
+
+        Kept per thread (a `tf.distribute` strategy traces each replica in its
+        own thread) and per graph, for the `scale_loss` of the same step.
+        """
+        self._batch.noted = (None if tf.executing_eagerly() else tf.compat.v1.get_default_graph(), status)
+
+    def take_batch_status(self) -> Any:
+        """The status `note_batch` kept for this step (its graph or one enclosing it), else None."""
+        noted = getattr(self._batch, "noted", None)
+        self._batch.noted = None
+        if noted is None:
+            return None
+        graph, status = noted
+        if tf.executing_eagerly():
+            return status if graph is None else None
+        current = tf.compat.v1.get_default_graph()
+        while current is not None:
+            if current is graph:
+                return status
+            current = getattr(current, "outer_graph", None)
+        return None
 
     def note_scale_loss(self, loss_recorded: bool) -> None:
         """Called by `scale_loss`; `loss_recorded` is whether it stored the loss's status."""

@@ -20,9 +20,9 @@ from typing import Any, Optional
 import keras
 import tensorflow as tf
 
-from tfmp._src.constants import NON_FINITE_KINDS
 from tfmp._src.errors import NonFiniteError, invalid_argument
 from tfmp._src.keras_hooks import model_hooks, patches, train_function
+from tfmp._src.loss_scale import batch_check, skips
 
 #: Default of `max_consecutive_overflows`: more than the 24 halvings that take the
 #: scale from `max_scale` 2**24 down to 1, so a healthy start never trips it.
@@ -35,7 +35,8 @@ MIN_SCALE_PATIENCE = 3
 def check(optimizer: Any) -> None:
     """Raises or warns, per `optimizer.on_stuck`, when the run is stuck.
 
-    Reads one scalar variable on a healthy step (two while overflowing).
+    Reads one scalar variable on a healthy step; after a skipped step, warns
+    early when the skips call for it (`skips.warn_early`).
 
     Args:
         optimizer: `tfmp.LossScaleOptimizer`, built.
@@ -47,6 +48,8 @@ def check(optimizer: Any) -> None:
     """
     limit = optimizer.max_consecutive_overflows
     consecutive = int(optimizer.consecutive_overflows.numpy())
+    if consecutive >= 1:
+        skips.warn_early(optimizer, stacklevel=4)
     if consecutive < min(limit, MIN_SCALE_PATIENCE):
         return
     at_floor = int(optimizer.min_scale_overflows.numpy())
@@ -65,7 +68,7 @@ def _diagnose(optimizer: Any, consecutive: int, at_floor: int) -> NonFiniteError
     """Builds the error: a non-finite loss versus gradient overflow."""
     step = int(optimizer.last_overflow_step.numpy())
     scale = optimizer.loss_scale
-    kind = NON_FINITE_KINDS.get(int(optimizer.last_loss_status.numpy()))
+    phase, kind, cause = skips.cause(int(optimizer.last_loss_status.numpy()), optimizer.loss_scaling)
     if consecutive >= optimizer.max_consecutive_overflows:
         rule = (
             f"{consecutive} non-finite steps in a row "
@@ -74,19 +77,6 @@ def _diagnose(optimizer: Any, consecutive: int, at_floor: int) -> NonFiniteError
     else:
         rule = (
             f"{at_floor} non-finite steps in a row at min_scale={optimizer.min_scale:g}"
-        )
-    if kind:
-        phase = "loss"
-        cause = (
-            f"The loss itself is non-finite ({kind}): it comes from the forward pass, "
-            "the data or the learning rate, and lowering the loss scale cannot help."
-        )
-    else:
-        phase = "gradients"
-        cause = (
-            "The loss is finite but the gradients overflow (float16 holds at most "
-            "65504) even at this scale: look for exploding activations or gradients, "
-            "or lower the learning rate."
         )
     message = (
         f"Training is stuck: {rule}; last skipped step {step}, loss scale {scale:g}. "
@@ -99,7 +89,7 @@ def _diagnose(optimizer: Any, consecutive: int, at_floor: int) -> NonFiniteError
         "consecutive_overflows": consecutive,
         "min_scale_overflows": at_floor,
     }
-    return NonFiniteError(message, phase=phase, step=step, kind=kind, details=details)
+    return NonFiniteError(message, phase=phase, step=step, kind=kind or None, details=details)
 
 
 _live: "weakref.WeakSet[Any]" = weakref.WeakSet()  # tfmp optimizers not yet collected
@@ -152,10 +142,13 @@ def release_if_unused() -> None:
 
 
 def _attach(model: Any) -> None:
-    """Adds the stuck check to `model` when its optimizer is a tfmp one."""
+    """Adds the stuck check and the batch record to `model` when its optimizer is a tfmp one."""
     optimizer = getattr(model, "optimizer", None)
+    if optimizer in _live:
+        skips.start_fit(optimizer)
     if optimizer in _live and not train_function.has_check(model, "stuck"):
         train_function.add_check(model, "stuck", functools.partial(_check_after_step, model))
+        batch_check.watch(model)  # makes the train function again: the check above is kept
     release_if_unused()
 
 

@@ -4,7 +4,7 @@ Keras's `LossScaleOptimizer` halves the scale on every non-finite step without a
 floor, doubles it without a ceiling and counts nothing. The subclass below keeps all
 of Keras's behaviour and adds scale bounds, hysteresis, overflow counters kept as
 optimizer variables (so checkpoints carry them), a fixed-scale guard for bfloat16 and
-float32 runs (skipping a step whose loss is non-finite; see `guard.py`), a warning
+float32 runs (skipping a step whose batch or loss is non-finite; see `guard.py`), a warning
 for gradients of a loss it never scaled, and stuck detection that stops
 `model.fit` with `tfmp.NonFiniteError`.
 
@@ -26,6 +26,7 @@ from keras import ops
 from tfmp._src import distribute as _distribute
 from tfmp._src.loss_scale import guard as _guard
 from tfmp._src.loss_scale import loops as _loops
+from tfmp._src.loss_scale import step_state as _step_state
 from tfmp._src.errors import check_bool, check_positive_int, check_positive_number, invalid_argument
 from tfmp._src.keras_hooks.keras_private import (
     LossScaleOptimizerBase,
@@ -60,6 +61,10 @@ FORWARDED_SETTINGS = (
     "ema_overwrite_frequency",
     "gradient_accumulation_steps",
 )
+#: Bits of `last_loss_status`: what the last step found non-finite.
+STATUS_BITS = {"loss nan": 1, "loss inf": 2, "batch nan": 4, "batch inf": 8, "values": 16}
+_LOSS_BITS = 1 | 2
+_BATCH_BITS = 4 | 8
 #: Length of the overflow history ring buffers (`overflow_history_steps`,
 #: `overflow_history_scales`): how many skipped steps a reader polling between
 #: steps (tfmp.LossScaleMonitor) can itemize; older ones are only counted.
@@ -99,7 +104,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
     On a step with finite gradients the gradients are divided by the scale and handed
     to `inner_optimizer`; after `dynamic_growth_steps` finite steps in a row the scale
     doubles, capped at `max_scale`. On a non-finite step (by default: a non-finite
-    gradient with loss scaling, a non-finite loss without; see `guard`) the update
+    gradient with loss scaling, a non-finite batch or loss without; see `guard`) the update
     is skipped, the counters go up and, once `hysteresis` non-finite steps came in
     a row, the scale halves, never below `min_scale`. The inner optimizer's `iterations` does not
     advance on a skipped step, so learning-rate schedules do not either; `total_steps`
@@ -112,8 +117,12 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
     `total_steps` before the last skipped step, i.e. its zero-based index; -1 if
     none), `total_steps` (int64, every `apply` call), `min_scale_overflows` (int64,
     consecutive skipped steps taken at `min_scale`) and `last_loss_status` (int64,
-    bit 1 = NaN, bit 2 = inf in the last loss passed to `scale_loss`, on any
-    replica). Overflow
+    the last step's findings, on any replica: bit 1 = NaN, bit 2 = inf in the
+    loss passed to `scale_loss`; bit 4 = NaN, bit 8 = inf in the batch of
+    Keras's train step (recorded under every guard; only ``"batch"`` skips by
+    it); bit 16 = a value
+    the step would write into a trainable variable was not finite, with
+    ``"values"``; see `STATUS_BITS`). Overflow
     history, ring buffers indexed by `overflow_count % OVERFLOW_HISTORY` (64): the
     k-th skipped step's zero-based index in `overflow_history_steps` (int64, -1 if
     none) and its scale before and after the step in `overflow_history_scales`
@@ -140,18 +149,18 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
             per stuck run).
         loss_scaling: Bool. False fixes the scale at 1.0 (for bfloat16 or float32
             compute) while non-finite steps are still skipped and counted.
-        guard: String, what a step is checked for before it is applied (see
-            `tfmp._src.loss_scale.guard`): `"gradients"` (every gradient finite;
-            what loss scaling needs, costs a pass over all gradients that every
-            update waits for), `"loss"` (the loss given to `scale_loss` in the
-            same step is finite: one scalar; misses an inf or NaN born in the
-            backward pass; only with `loss_scaling=False`; a step applied without
-            `scale_loss` gets the gradients check), or `"auto"` (default):
-            `"gradients"` with loss scaling, `"loss"` without. Measured by
-            `benchmarks/guard_cost.py` (MLP 1024-2048-2048-2048-10, batch 256,
-            Adam, 2-core AVX512_BF16 CPU, 2026-12-01): step time against plain
-            Keras `"loss"` 1.00x, `"gradients"` 1.06x (`mixed_bfloat16`) and
-            1.11x (`float32`).
+        guard: String, what a step is checked for (see
+            `tfmp._src.loss_scale.guard`; costs in `benchmarks/guard_cost.py`
+            and README): `"batch"` (every float tensor of the train step's batch
+            and the loss given to `scale_loss` are finite; checked as the step
+            starts, no update waits; only with `loss_scaling=False`), `"loss"`
+            (the loss alone; only with `loss_scaling=False`), `"gradients"`
+            (every gradient finite; what loss scaling needs; every update waits
+            for all gradients), `"values"` (the first check, then every value
+            the step writes into a trainable variable is finite, else the
+            step's writes are put back; one replica only), or `"auto"`
+            (default): `"gradients"` with loss scaling, `"batch"` without. A
+            step applied without `scale_loss` gets the gradients check.
         name: String or None. The optimizer's name.
         **kwargs: Keras's backwards-compatibility arguments (`dynamic=True` and the
             base optimizer's defaults); anything else raises ValueError.
@@ -249,8 +258,11 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         self.loss_scaling = loss_scaling
         self.guard = guard
         self._warned_run = None
+        self._warned_fit = None  # the fit (its starting counters) `skips.warn_early` warned about
         self._steps = _guard.StepRecord()  # scale_loss calls, per traced or eager step
-        self._check_loss = False  # True inside an `apply` that checks the loss only
+        self._check_loss = ""  # "batch" or "loss" inside an `apply` checking that, not the gradients
+        self._check_values = False  # True inside an `apply` with the "values" guard
+        self._statistics_before: list = []  # BatchNormalization statistics a skipped step puts back
         # Gradients returned by get_unscaled_gradients, by id: apply does not
         # divide these again (tf.keras 2 code unscales before apply_gradients).
         self._unscaled = weakref.WeakValueDictionary()
@@ -316,21 +328,44 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         """Float. The current loss scale (the initial one before `build`)."""
         return float(self.dynamic_scale.numpy() if self.built else self.initial_scale)
 
+    def record_batch(self, data: Any) -> None:
+        """Records whether the train step's batch is finite, for the ``"batch"`` guard.
+
+        Called by tfmp as Keras's ``train_step(data)`` starts
+        (`tfmp._src.loss_scale.batch_check`); the next `scale_loss` of the same
+        step stores the finding in `last_loss_status` (bits 4 and 8).
+
+        Args:
+            data: The nest ``train_step`` receives (``(x, y, sample_weight)``,
+                dicts...). Its float tensors are checked; other leaves are not.
+        """
+        leaves = [
+            leaf for leaf in tf.nest.flatten(data)
+            if isinstance(leaf, tf.Tensor) and leaf.dtype.is_floating
+        ]
+        if not leaves:
+            return
+        nan = tf.reduce_any([tf.reduce_any(tf.math.is_nan(leaf)) for leaf in leaves])
+        inf = tf.reduce_any([tf.reduce_any(tf.math.is_inf(leaf)) for leaf in leaves])
+        self._steps.note_batch((nan, inf))
+
     def scale_loss(self, loss: Any) -> Any:
-        """Multiplies `loss` by the scale, recording whether the loss is finite.
+        """Multiplies `loss` by the scale, recording whether the loss (and the batch) is finite.
 
         Keras's TF trainer calls this on the unscaled loss before the gradients, so
         stuck detection can tell a non-finite loss from gradient overflow, and
-        the `"loss"` guard skips a step whose loss is non-finite.
+        the ``"batch"`` and ``"loss"`` guards skip a step whose batch or loss is
+        non-finite.
         """
         self._steps.note_scale_loss(self.built)
+        batch = self._steps.take_batch_status()
         if self.built:
             value = ops.convert_to_tensor(loss)
-            nan, inf = _distribute.any_replica(
-                [ops.any(ops.isnan(value)), ops.any(ops.isinf(value))]
-            )
+            flags = [ops.any(ops.isnan(value)), ops.any(ops.isinf(value))]
+            flags += list(batch) if batch is not None else []
+            flags = _distribute.any_replica(flags)
             self.last_loss_status.assign(
-                ops.cast(nan, _INT) + 2 * ops.cast(inf, _INT)
+                sum(ops.cast(flag, _INT) * bit for flag, bit in zip(flags, STATUS_BITS.values()))
             )
         if not self.loss_scaling:
             return loss  # the scale is fixed at 1.0: nothing to multiply (nor divide in apply)
@@ -346,7 +381,8 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         is whether the loss recorded by `scale_loss` was finite on every replica.
         """
         if self._check_loss:
-            return ops.equal(self.last_loss_status, 0)
+            checked = _LOSS_BITS if self._check_loss == "loss" else _LOSS_BITS | _BATCH_BITS
+            return ops.equal(tf.bitwise.bitwise_and(self.last_loss_status.value, checked), 0)
         return _distribute.all_replicas_finite(super().check_finite(grads))
 
     def get_scaled_loss(self, loss: Any) -> Any:
@@ -393,11 +429,16 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         loss_recorded = self._steps.take_loss_recorded()
         from_unscale = any(g is not None and self._unscaled.get(id(g)) is g for g in grads)
         _guard.warn_if_unscaled(self, self._steps, from_unscale)
-        self._check_loss = loss_recorded and _guard.resolve(self.guard, self.loss_scaling) == "loss"
+        first = _guard.first_check(self.guard, self.loss_scaling)
+        self._check_loss = first if loss_recorded and first in _guard.LOSS_GUARDS else ""
+        self._check_values = _guard.resolve(self.guard, self.loss_scaling) == "values"
+        if self._check_values:
+            _distribute.check_one_replica("guard", "values")
+        self._statistics_before = _step_state.take()
         try:
             super().apply(grads, trainable_variables)
         finally:
-            self._check_loss = False
+            self._check_loss, self._check_values, self._statistics_before = "", False, []
         if tf.executing_eagerly():
             self.raise_if_stuck()
 
@@ -435,10 +476,32 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         ]
 
     def _finite_step(self, grads: list, trainable_variables: list | None) -> None:
+        if not self._check_values:
+            self.inner_optimizer.apply(
+                self._unscale(grads, trainable_variables),
+                trainable_variables=trainable_variables,
+            )
+            self._count_finite_step()
+            return
+        # The "values" guard: read what the step may write, write, check, put back.
+        trained = list(trainable_variables or optimizer_variables(self))
+        written = trained + list(self.inner_optimizer.variables)
+        before = [tf.identity(variable) for variable in written]
         self.inner_optimizer.apply(
-            self._unscale(grads, trainable_variables),
-            trainable_variables=trainable_variables,
+            self._unscale(grads, trainable_variables), trainable_variables=trainable_variables
         )
+        finite = ops.all(ops.stack([ops.all(ops.isfinite(variable)) for variable in trained]))
+
+        def put_back() -> None:
+            for variable, value in zip(written, before):
+                variable.assign(value)
+            self.last_loss_status.assign(
+                tf.bitwise.bitwise_or(self.last_loss_status.value, STATUS_BITS["values"]))
+            self._non_finite_step()
+
+        ops.cond(finite, self._count_finite_step, put_back)
+
+    def _count_finite_step(self) -> None:
         self.total_steps.assign_add(1)
         self.consecutive_overflows.assign(0)
         self.min_scale_overflows.assign(0)
@@ -460,6 +523,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         )
 
     def _non_finite_step(self) -> None:
+        _step_state.put_back(self._statistics_before)
         slot = ops.reshape(ops.mod(self.overflow_count, OVERFLOW_HISTORY), (1, 1))
         before = tf.identity(self.dynamic_scale)  # read now, before the update
         self.overflow_count.assign_add(1)

@@ -1,0 +1,233 @@
+"""Never silent: a bad batch never reaches the weights, the optimizer slots or the statistics.
+
+Each fault is injected into a tiny model (a few steps; float16 steps are slow on
+some CPUs) and the outcome asserted exactly: weights and slots bit-identical,
+BatchNormalization statistics unchanged, counters and status bits, the warning.
+"""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from keras import ops
+
+import tfmp
+from tfmp._src.float32 import fused_batchnorm
+from tfmp._src.loss_scale.optimizer import STATUS_BITS
+
+POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
+ROWS, FEATURES = 16, 8
+
+
+def _hide_nan(z):
+    """ReLU written so that NaN becomes 0 on every CPU (oneDNN's relu does so on some)."""
+    return ops.where(z > 0, z, 0.0)
+
+
+@tf.custom_gradient
+def _inf_gradient(x):
+    """Identity forward (finite loss); the gradient flowing back is inf."""
+    return x, lambda dy: dy * float("inf")
+
+
+def _model(policy, *, batch_norm=False, gradient_bomb=False, guard=None, learning_rate=1e-2,
+           optimizer="adam"):
+    """MLP 8-32-4 under `policy`, compiled while tfmp is enabled; float32 gets a tfmp optimizer too."""
+    options = {"loss_scale_options": {"guard": guard}} if guard else {}
+    if policy == "float32" and not guard:
+        options = {"loss_scale_options": {"guard": "auto"}}  # under float32 only asked-for options wrap
+    tfmp.enable(policy=policy, **options)
+    try:
+        keras.utils.set_random_seed(0)
+        layers = [keras.Input((FEATURES,)), keras.layers.Dense(32), keras.layers.Activation(_hide_nan)]
+        if batch_norm:
+            layers.append(keras.layers.BatchNormalization())
+        if gradient_bomb:
+            layers.append(keras.layers.Lambda(_inf_gradient))
+        layers.append(keras.layers.Dense(4))
+        model = keras.Sequential(layers)
+        inner = (keras.optimizers.Adam if optimizer == "adam" else keras.optimizers.SGD)(learning_rate)
+        model.compile(inner, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    finally:
+        tfmp.disable()
+    assert isinstance(model.optimizer, tfmp.LossScaleOptimizer)
+    return model
+
+
+def _data(seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(ROWS, FEATURES)).astype("float32"), rng.integers(0, 4, ROWS)
+
+
+def _state(model):
+    """Copies of every model variable (BatchNormalization statistics too) and optimizer variable."""
+    inner = model.optimizer.inner_optimizer
+    return ([v.numpy().copy() for v in model.variables], [v.numpy().copy() for v in inner.variables])
+
+
+def _assert_same(before, after):
+    for kept, now in zip(before[0] + before[1], after[0] + after[1]):
+        np.testing.assert_array_equal(now, kept)
+
+
+def _fit(model, x, y, **kwargs):
+    return model.fit(x, y, batch_size=ROWS, verbose=0, shuffle=False, **kwargs)
+
+
+def _counters(model):
+    optimizer = model.optimizer
+    return [int(v.numpy()) for v in (optimizer.overflow_count, optimizer.total_steps, optimizer.last_loss_status)]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_one_nan_input_the_forward_pass_hides_is_skipped(policy):
+    model = _model(policy)
+    x, y = _data()
+    _fit(model, x, y)  # builds the slots
+    before = _state(model)
+    x[3, 2] = np.nan
+    with pytest.warns(tfmp.SkippedStepWarning) as record:
+        history = _fit(model, x, y)
+    if policy != "mixed_float16":  # "batch" guard: the loss stays finite, the batch is caught
+        assert np.isfinite(history.history["loss"][0])
+        assert "The batch itself holds nan" in str(record[0].message)
+        assert _counters(model) == [1, 2, STATUS_BITS["batch nan"]]
+    else:  # mixed_float16 checks every gradient: the first layer's is NaN
+        assert _counters(model)[:2] == [1, 2]
+    assert len([w for w in record if w.category is tfmp.SkippedStepWarning]) == 1
+    _assert_same(before, _state(model))
+    x, y = _data(1)
+    _fit(model, x, y)  # the next clean batch is applied
+    assert _counters(model)[:2] == [1, 3]
+
+
+@pytest.mark.parametrize("policy", ("float32", "mixed_bfloat16"))
+def test_every_input_nan_skips_every_step_and_warns_once(policy):
+    model = _model(policy)
+    x, y = _data()
+    before = [v.numpy().copy() for v in model.trainable_variables]
+    with pytest.warns(tfmp.SkippedStepWarning) as record:
+        _fit(model, np.full_like(np.tile(x, (4, 1)), np.nan), np.tile(y, 4))
+    assert len([w for w in record if w.category is tfmp.SkippedStepWarning]) == 1
+    assert "skipped step 0 (1 of the 1 steps" in str(record[0].message)
+    assert _counters(model)[:2] == [4, 4]
+    for kept, variable in zip(before, model.trainable_variables):
+        np.testing.assert_array_equal(variable.numpy(), kept)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_skipped_step_keeps_batchnorm_statistics(policy):
+    model = _model(policy, batch_norm=True)
+    x, y = _data()
+    _fit(model, x, y)
+    before = _state(model)
+    x[5, 1] = np.inf
+    with pytest.warns(tfmp.SkippedStepWarning):
+        _fit(model, x, y)
+    _assert_same(before, _state(model))
+    assert _counters(model)[:2] == [1, 2]
+    assert np.isfinite(model.predict(x[:4] * 0, verbose=0)).all()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_gradient_overflow_skip_puts_the_statistics_back(policy):
+    """The forward pass is finite and moves the statistics; the skip must undo that."""
+    model = _model(policy, batch_norm=True, gradient_bomb=True, guard="gradients")
+    bn = next(layer for layer in model.layers if isinstance(layer, keras.layers.BatchNormalization))
+    x, y = _data()
+    statistics = [bn.moving_mean.numpy().copy(), bn.moving_variance.numpy().copy()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tfmp.SkippedStepWarning)
+        _fit(model, x, y)
+    assert _counters(model)[:2] == [1, 1]
+    np.testing.assert_array_equal(bn.moving_mean.numpy(), statistics[0])
+    np.testing.assert_array_equal(bn.moving_variance.numpy(), statistics[1])
+
+
+def test_batchnorm_of_a_model_tfmp_did_not_attach_is_keras_s():
+    """Invisible: a plain Keras model's statistics follow Keras, NaN included."""
+    model = keras.Sequential([keras.Input((4, 4, 2)), keras.layers.BatchNormalization()])
+    x = np.ones((2, 4, 4, 2), "float32")
+    x[0, 0, 0, 0] = np.nan
+    model(x, training=True)
+    assert np.isnan(model.layers[0].moving_mean.numpy()[0])
+
+
+def test_fused_batchnorm_statistics_survive_an_inf_batch():
+    """The fused kernel's path (4D input, mixed policy, attached) keeps finite statistics too."""
+    with tfmp.policy_scope("mixed_bfloat16"):
+        model = keras.Sequential([keras.Input((4, 4, 2)), keras.layers.BatchNormalization()])
+        x = np.ones((2, 4, 4, 2), "float32")
+        model(x, training=True)
+        bn = model.layers[0]
+        before = [bn.moving_mean.numpy().copy(), bn.moving_variance.numpy().copy()]
+        x[0, 0, 0, 0] = np.inf
+        model(x, training=True)
+    assert fused_batchnorm.last_call_reason(bn) == ""  # the fused kernel ran
+    np.testing.assert_array_equal(bn.moving_mean.numpy(), before[0])
+    np.testing.assert_array_equal(bn.moving_variance.numpy(), before[1])
+
+
+@pytest.mark.parametrize("policy", ("float32", "mixed_bfloat16"))
+def test_values_guard_skips_a_learning_rate_that_blows_the_weights_up(policy):
+    model = _model(policy, guard="values", learning_rate=1e38, optimizer="sgd")
+    x, y = _data()
+    x *= 100.0  # gradients above 3.4: 1e38 * gradient overflows float32
+    before = _state(model)
+    with pytest.warns(tfmp.SkippedStepWarning, match="would have written a non-finite value"):
+        _fit(model, x, y)
+    _assert_same(before, _state(model))
+    assert _counters(model) == [1, 1, STATUS_BITS["values"]]
+    model.optimizer.learning_rate = 1e-2
+    _fit(model, x, y)
+    assert _counters(model)[:2] == [1, 2]
+    assert all(np.isfinite(v.numpy()).all() for v in model.trainable_variables)
+
+
+def test_default_guard_says_at_once_when_a_learning_rate_ruined_the_weights():
+    """The default guard writes the first huge step, then says why every later one is skipped."""
+    model = _model("mixed_bfloat16", learning_rate=1e38, optimizer="sgd")
+    x, y = _data()
+    with pytest.warns(tfmp.SkippedStepWarning, match="The loss itself is non-finite"):
+        _fit(model, np.tile(x, (3, 1)), np.tile(y, 3))
+    assert _counters(model)[0] >= 1
+
+
+def test_a_fit_of_only_skipped_steps_is_said_before_stuck_detection():
+    """Issue 25, fault 4: a float16 logsumexp overflows every step; 12 skips < 32 must not be silent."""
+    tfmp.enable(policy="mixed_float16")
+    try:
+        inputs = keras.Input((64,))
+        logits = keras.layers.Dense(64, kernel_initializer="ones")(inputs)
+        lse = keras.layers.Lambda(lambda z: ops.expand_dims(ops.log(ops.sum(ops.exp(z), -1)), -1))(logits)
+        model = keras.Model(inputs, keras.layers.Dense(1, dtype="float32")(lse))
+        model.compile(keras.optimizers.SGD(1e-3), "mse")
+    finally:
+        tfmp.disable()
+    x = np.full((12 * 4, 64), 2.0, "float32")
+    with pytest.warns(tfmp.SkippedStepWarning, match="The loss itself is non-finite") as record:
+        model.fit(x, np.zeros((48, 1), "float32"), batch_size=4, verbose=0)
+    assert len([w for w in record if w.category is tfmp.SkippedStepWarning]) == 1
+    assert "skipped step 0 (1 of the 1 steps" in str(record[0].message)
+    assert [int(model.optimizer.overflow_count.numpy()), int(model.optimizer.total_steps.numpy())] == [12, 12]
+
+
+def test_gradient_overflow_warns_when_the_first_steps_are_all_skipped():
+    model = _model("mixed_float16", gradient_bomb=True)
+    x, y = _data()
+    with pytest.warns(tfmp.SkippedStepWarning, match="gradients overflow") as record:
+        _fit(model, np.tile(x, (10, 1)), np.tile(y, 10))
+    assert "(8 of the 8 steps of this fit" in str(record[0].message)
+    assert _counters(model)[:2] == [10, 10]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_healthy_training_says_nothing(policy):
+    model = _model(policy, batch_norm=True)
+    x, y = _data()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tfmp.SkippedStepWarning)
+        _fit(model, np.tile(x, (4, 1)), np.tile(y, 4), epochs=2)
+    assert _counters(model)[0] == 0

@@ -1,0 +1,124 @@
+"""Skipped steps said at once: why a step was skipped, and the early warning.
+
+Stuck detection (`loops.check`) raises only after a run of skipped steps
+(`max_consecutive_overflows`, 32 by default). A fit whose 12 steps are all skipped
+would end before it, with nothing said but ``inf`` in the history. So, after a
+skipped step of `model.fit` (or an eager `apply`), `warn_early` warns once per
+`fit` call (`SkippedStepWarning`) when:
+
+- the skip cannot be a loss-scale overflow: the batch or the loss was
+  non-finite, a written value was (the ``"values"`` guard), or the optimizer
+  does not scale the loss (every skip then is a bad batch or a diverging run);
+  warned at the first such skip;
+- with dynamic loss scaling, the first `EARLY_STEPS` (8) steps of the fit were
+  all skipped (a healthy start halves the scale from 2**15 a few times), or more
+  than `EARLY_RATE` (5%) of the fit's steps were skipped, at least 8 of them.
+
+The warning names the step, the counts, the cause as `last_loss_status` records
+it, that nothing was written, and the tool that finds the source
+(`tfmp.check_numerics`, `tfmp.check_dataset`). Healthy steps read one scalar as
+before (`consecutive_overflows`); the others are read after a skipped step only.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Tuple
+
+from tfmp._src.constants import NON_FINITE_KINDS
+
+#: Steps at the start of a fit that, all skipped, are warned about under loss scaling.
+EARLY_STEPS = 8
+#: Share of a fit's steps skipped (with at least `EARLY_STEPS` of them) that is warned about.
+EARLY_RATE = 0.05
+
+
+class SkippedStepWarning(RuntimeWarning):
+    """Steps of a fit were skipped for a cause loss scaling cannot fix, or too many of them.
+
+    Make it an error with ``warnings.simplefilter("error", tfmp.SkippedStepWarning)``.
+    """
+
+
+def cause(status: int, loss_scaling: bool) -> Tuple[str, str, str]:
+    """(phase, kind, sentence): why the last skipped step was skipped, from `last_loss_status`.
+
+    Args:
+        status: Int. The optimizer's `last_loss_status` bits (see `STATUS_BITS`).
+        loss_scaling: Bool. Whether the optimizer scales the loss dynamically.
+
+    Returns:
+        Tuple of strings: the phase (``"batch"``, ``"loss"``, ``"values"`` or
+        ``"gradients"``), the kind (``"nan"``, ``"inf"``, ``"nan+inf"`` or ``""``)
+        and a sentence naming the cause and what to look at.
+    """
+    batch = NON_FINITE_KINDS.get((status >> 2) & 3, "")
+    loss = NON_FINITE_KINDS.get(status & 3, "")
+    if batch:
+        return "batch", batch, (
+            f"The batch itself holds {batch} (its inputs, targets or sample weights): "
+            "the data pipeline produced it; lowering the loss scale cannot help. Find the "
+            "records with tfmp.check_dataset(dataset)."
+        )
+    if loss:
+        return "loss", loss, (
+            f"The loss itself is non-finite ({loss}): it comes from the forward pass "
+            "(a 16-bit overflow: float16 holds at most 65504), the data or the learning "
+            "rate, and lowering the loss scale cannot help."
+        )
+    if status & 16:
+        return "values", "", (
+            "The update would have written a non-finite value into a trainable "
+            "variable although the gradients were finite: the learning rate (or the "
+            "optimizer's epsilon) is too large or too small for these gradients."
+        )
+    if loss_scaling:
+        return "gradients", "", (
+            "The loss is finite but the gradients overflow (float16 holds at most "
+            "65504) even at this scale: look for exploding activations or gradients, "
+            "or lower the learning rate."
+        )
+    return "gradients", "", (
+        "The loss is finite but a gradient is not: an inf or NaN born in the "
+        "backward pass (a custom gradient, a sqrt or log at 0)."
+    )
+
+
+def start_fit(optimizer: Any) -> None:
+    """Remembers the counters at the start of a `fit` (two scalar reads per fit)."""
+    if optimizer.built:
+        optimizer._fit_start = (int(optimizer.total_steps.numpy()), int(optimizer.overflow_count.numpy()))
+
+
+def warn_early(optimizer: Any, stacklevel: int) -> None:
+    """Warns once per fit when its skipped steps call for it (see the module docstring).
+
+    Call after a step of which `consecutive_overflows` is at least 1.
+
+    Warns:
+        tfmp.SkippedStepWarning: naming the step, the counts, the cause and the tool.
+    """
+    start_total, start_skips = getattr(optimizer, "_fit_start", (0, 0))
+    if optimizer._warned_fit == (start_total, start_skips):
+        return
+    status = int(optimizer.last_loss_status.numpy())
+    steps = int(optimizer.total_steps.numpy()) - start_total
+    skips = int(optimizer.overflow_count.numpy()) - start_skips
+    phase, _, sentence = cause(status, optimizer.loss_scaling)
+    not_overflow = phase != "gradients" or not optimizer.loss_scaling
+    all_first = steps >= EARLY_STEPS and skips == steps
+    rate = skips >= EARLY_STEPS and skips > EARLY_RATE * steps
+    if not (not_overflow or all_first or rate):
+        return
+    optimizer._warned_fit = (start_total, start_skips)
+    step = int(optimizer.last_overflow_step.numpy())
+    warnings.warn(
+        f"tfmp skipped step {step} ({skips} of the {steps} steps of this fit so far; "
+        f"loss scale {optimizer.loss_scale:g}): nothing was written (weights, optimizer "
+        f"slots and BatchNormalization statistics keep their values). {sentence} "
+        "Run tfmp.check_numerics(model) to find the first layer that goes non-finite. "
+        "Warned once per fit; stuck detection stops the run after "
+        f"{optimizer.max_consecutive_overflows} skipped steps in a row.",
+        SkippedStepWarning,
+        stacklevel=stacklevel,
+    )

@@ -14,6 +14,7 @@ PUBLIC_API = {
     "DeviceFacts",
     "DoctorReport",
     "GpuFacts",
+    "LoggingWarning",
     "LossScaleMonitor",
     "LossScaleOptimizer",
     "LossScaleWarning",

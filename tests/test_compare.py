@@ -315,6 +315,21 @@ def test_identical_runs_pass_with_a_zero_width_interval():
     assert verdict.status == "pass" and verdict.ci_low == verdict.ci_high == 0.0
 
 
+def test_seeds_bound_accepts_the_limit_and_refuses_one_more():
+    """1000 seeds is the limit (each trains every policy); checked before any training."""
+    from tfmp._src.advisors.compare import MAX_SEEDS, _seed_list
+
+    assert MAX_SEEDS == 1000
+    assert _seed_list(3, 1000) == tuple(range(3, 1003))
+    assert len(_seed_list(0, list(range(1000)))) == 1000
+    x, y = np.zeros((8, 4), "float32"), np.zeros((8,), "int32")
+    for seeds in (1001, list(range(1001)), 10**12):
+        with pytest.raises(ValueError) as info:
+            tfmp.compare(build_digits_model, (x, y), policies=POLICIES, seeds=seeds)
+        assert str(info.value).startswith("Invalid `seeds` argument. Expected ")
+        assert "(at most 1000: each seed trains every policy once)" in str(info.value)
+
+
 @pytest.mark.parametrize("seeds", [0, (1, 1), "3", (1.5,)])
 def test_bad_seeds_use_the_error_template(digits, seeds):
     with pytest.raises(ValueError, match="Invalid `seeds` argument"):

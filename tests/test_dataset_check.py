@@ -116,3 +116,19 @@ def test_invalid_arguments_use_the_error_template(kwargs, text):
     assert text in str(info.value)
     with pytest.raises(ValueError, match="Invalid `dataset` argument"):
         tfmp.check_dataset(42)
+
+
+def test_the_scan_works_in_chunks_with_the_same_counts(monkeypatch):
+    """A large batch needs no more scan memory than `_SCAN_CHUNK` values (issue 25)."""
+    from tfmp._src.numerics import dataset as _dataset
+
+    x = _clean(rows=64, features=4)
+    x[3, 1], x[40, 1], x[41, 2], x[63, 0] = np.nan, np.inf, 1e6, 1e-9
+    expected = tfmp.check_dataset(x, policy="mixed_float16", batch_size=64).issues
+    assert len(expected) == 4
+    seen = []
+    scan_rows = _dataset._scan_rows
+    monkeypatch.setattr(_dataset, "_SCAN_CHUNK", 10)  # 2 rows of 4 features at a time
+    monkeypatch.setattr(_dataset, "_scan_rows", lambda values, limits: seen.append(values.shape) or scan_rows(values, limits))
+    assert tfmp.check_dataset(x, policy="mixed_float16", batch_size=64).issues == expected
+    assert set(seen) == {(2, 4)} and len(seen) == 32

@@ -798,3 +798,156 @@ def test_a_monitor_made_in_the_fit_call_gets_its_note_while_tfmp_is_enabled(tmp_
             model.fit(x, y, batch_size=4, verbose=0, callbacks=[
                 tfmp.LossScaleMonitor(tmp_path, update_freq="batch"), RaiseAt(RuntimeError("late"), batch=1)])
     assert read_run(tmp_path)["monitor_notes"][-1][1] == "step 2: training stopped by RuntimeError: late"
+
+
+# -- write errors never stop training (issue 25) -------------------------------
+
+from tfmp._src.monitor import event_file as _event_file  # noqa: E402
+
+
+def _no_space():
+    return tf.errors.ResourceExhaustedError(None, None, "No space left on device")
+
+
+class FullDisk:
+    """Fault injection on `tf.summary.create_file_writer`: while `full`, creating a
+    writer raises, and a writer in use writes nothing and fails its flush (and stays
+    broken, as a real one may); `attempts` counts creations tried while full."""
+
+    def __init__(self, monkeypatch):
+        self.full, self.attempts = False, 0
+        real, disk = tf.summary.create_file_writer, self
+
+        class Writer:
+            def __init__(self, inner):
+                self.inner, self.broken = inner, False
+
+            def as_default(self, step=None):
+                self.broken = self.broken or disk.full
+                return (tf.summary.create_noop_writer() if self.broken else self.inner).as_default(step=step)
+
+            def flush(self):
+                if self.broken:
+                    raise _no_space()
+                self.inner.flush()
+
+            def close(self):
+                self.inner.close()
+                if self.broken:
+                    raise _no_space()
+
+        def create(*args, **kwargs):
+            if disk.full:
+                disk.attempts += 1
+                raise _no_space()
+            return Writer(real(*args, **kwargs))
+
+        monkeypatch.setattr(tf.summary, "create_file_writer", create)
+
+
+class DiskFullBetween(keras.callbacks.Callback):
+    """Fills the disk at the end of step `first` (one-based) and frees it at the end of
+    step `last` (None: at the end of training). Goes before the monitor in `callbacks`."""
+
+    def __init__(self, disk, first, last=None):
+        super().__init__()
+        self.disk, self.first, self.last, self.step = disk, first, last, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.step += 1
+        self.disk.full = self.first <= self.step and (self.last is None or self.step < self.last)
+
+    def on_train_end(self, logs=None):
+        self.disk.full = False
+
+
+def _fit_float32(tmp_path, callbacks, epochs=3):
+    model = tiny_model()
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = data()  # 32 samples, batch_size 4: 8 steps per epoch
+    return model.fit(x, y, batch_size=4, epochs=epochs, verbose=0, callbacks=callbacks)
+
+
+def _logging_warnings(record):
+    return [w for w in record if issubclass(w.category, tfmp.LoggingWarning)]
+
+
+def test_full_disk_warns_once_and_training_goes_on_and_the_note_follows(tmp_path, monkeypatch):
+    monkeypatch.setattr(_event_file, "RETRY_SECONDS", 0.0)  # retry at every logging point
+    disk = FullDisk(monkeypatch)
+    monitor = tfmp.LossScaleMonitor(tmp_path, update_freq="batch")
+    with pytest.warns(tfmp.LoggingWarning) as record:
+        history = _fit_float32(tmp_path, [DiskFullBetween(disk, 5, 12), monitor])
+    assert history.epoch == [0, 1, 2]
+    (warning,) = _logging_warnings(record)
+    text = str(warning.message)
+    assert f"to '{monitor.train_log_dir}'" in text
+    assert "(ResourceExhaustedError: No space left on device)" in text
+    assert "Events from step 5 on are lost" in text and "Free space on the disk" in text
+    assert warning.filename == __file__  # names the user's fit line
+    assert disk.attempts == 7  # steps 6..11 and the end of epoch 0 retried, each refused
+    run = read_run(tmp_path)
+    # Before the failure and after space returned, every event; none in between.
+    assert steps(run, "batch_loss_scale") == [1, 2, 3, 4, *range(12, 25)]
+    assert steps(run, "epoch_loss_scale") == [1, 2]  # epoch 0 ended at step 8
+    assert (12, "step 12: events from step 5 until before step 12 were not written "
+            "(ResourceExhaustedError: No space left on device). The previous event file in "
+            "this folder may end in a partial record, which TensorBoard skips.") in run["monitor_notes"]
+    assert len(glob.glob(f"{tmp_path}/train/events.out.tfevents.*")) == 2
+    assert not monitor._events.is_open and not monitor._events.failing
+
+
+def test_full_disk_until_the_end_gets_its_note_at_close(tmp_path, monkeypatch):
+    monkeypatch.setattr(_event_file, "RETRY_SECONDS", 3600.0)  # no retry during fit
+    disk = FullDisk(monkeypatch)
+    monitor = tfmp.LossScaleMonitor(tmp_path, update_freq="batch")
+    with pytest.warns(tfmp.LoggingWarning) as record:
+        history = _fit_float32(tmp_path, [DiskFullBetween(disk, 5), monitor], epochs=2)
+    assert history.epoch == [0, 1] and len(_logging_warnings(record)) == 1
+    assert disk.attempts == 0  # not one new file per logging point on a full disk
+    run = read_run(tmp_path)
+    assert steps(run, "batch_loss_scale") == [1, 2, 3, 4]
+    assert run["monitor_notes"][-1] == (16, (
+        "step 16: events from step 5 until step 16 were not written (ResourceExhaustedError: "
+        "No space left on device). The previous event file in this folder may end in a "
+        "partial record, which TensorBoard skips."))
+
+
+def test_disk_still_full_at_close_loses_the_rest_with_the_one_warning(tmp_path, monkeypatch):
+    disk = FullDisk(monkeypatch)
+    events = EventFile(str(tmp_path / "train"))
+    assert events.write(0, {"a": 1.0})
+    disk.full = True
+    with pytest.warns(tfmp.LoggingWarning) as record:
+        assert not events.write(1, {"a": 2.0})
+        assert not events.write(2, {"a": 3.0})
+        events.close()  # retries once, fails: no second warning, nothing raised
+    assert len(_logging_warnings(record)) == 1 and disk.attempts == 1
+    assert not events.is_open and not events.failing
+    disk.full = False
+    assert events.write(3, {"a": 4.0})  # the next run starts afresh
+    events.close()
+    assert read_run(tmp_path)["a"] == [(0, 1.0), (3, 4.0)]
+
+
+def test_train_folder_that_is_a_file_is_refused_at_construction(tmp_path):
+    (tmp_path / "train").write_text("not a folder")
+    path = str(tmp_path / "train")
+    with pytest.raises(ValueError, match=r"Invalid `log_dir` argument\. Expected a folder in which") as info:
+        tfmp.LossScaleMonitor(tmp_path)
+    assert f"{path!r} is a file, not a folder: remove or rename it" in str(info.value)
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        tfmp.LossScaleMonitor(tmp_path / "train" / "deeper")
+
+
+def test_train_folder_turned_into_a_file_after_construction_warns_with_the_path(tmp_path):
+    monitor = tfmp.LossScaleMonitor(tmp_path, update_freq="batch")
+    (tmp_path / "train").write_text("not a folder")
+    with pytest.warns(tfmp.LoggingWarning) as record:
+        history = _fit_float32(tmp_path, [monitor], epochs=2)
+    assert history.epoch == [0, 1]
+    (warning,) = _logging_warnings(record)
+    text = str(warning.message)
+    assert f"to '{monitor.train_log_dir}' (FailedPreconditionError: " in text
+    assert "not a directory" in text.lower() and "Events from step 0 on are lost" in text
+    assert f"'{monitor.train_log_dir}' or a folder above it is a file" in text

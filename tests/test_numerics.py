@@ -287,3 +287,28 @@ def test_benchmark_script_prints_both_ratios(monkeypatch, capsys):
     for model in ("digits MLP", "small CNN"):
         for mode in ("all layers", "loss+gradients"):
             assert any(line.startswith(model) and mode in line and "ratio" in line for line in lines)
+
+
+# -- bounds on the sizes that allocate (issue 25) -------------------------------
+
+
+def test_trace_length_bound_accepts_the_limit_and_refuses_one_more():
+    from tfmp._src.numerics.check import MAX_TRACE_LENGTH
+
+    assert MAX_TRACE_LENGTH == 1024
+    model = _mlp()
+    with tfmp.check_numerics(model, trace_length=1024) as handle:  # 2 x [1024, 6] float32: 48 KiB
+        assert handle.recorder.window.shape == (1024, 6)
+    with pytest.raises(ValueError) as info:
+        tfmp.check_numerics(model, trace_length=1025)  # refused before any variable is made
+    message = str(info.value)
+    assert message.startswith("Invalid `trace_length` argument. Expected an integer >= 1 and <= 1024 (")
+    assert "Received: trace_length=1025 (of type int). Pass e.g. trace_length=8" in message
+    with pytest.raises(ValueError, match=r"Received: trace_length=1000000000 "):
+        tfmp.check_numerics(model, trace_length=10**9)
+
+
+def test_trace_length_bound_is_checked_by_enable_before_any_state_changes():
+    with pytest.raises(ValueError, match=r"Invalid `trace_length` argument.*<= 1024.*Received: trace_length=1025"):
+        tfmp.enable("float32", debug={"trace_length": 1025})
+    assert not tfmp._src.policy.enable.is_enabled()

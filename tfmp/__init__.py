@@ -31,6 +31,7 @@ _EXPORTS = {
     "DeviceFacts": "tfmp._src.policy.hardware",
     "DoctorReport": "tfmp._src.advisors.doctor",
     "GpuFacts": "tfmp._src.policy.hardware",
+    "LoggingWarning": "tfmp._src.monitor.event_file",
     "LossScaleMonitor": "tfmp._src.monitor.callback",
     "LossScaleOptimizer": "tfmp._src.loss_scale.optimizer",
     "LossScaleWarning": "tfmp._src.loss_scale.guard",

@@ -112,14 +112,33 @@ def is_positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def check_positive_int(name: str, value: Any, *, allow_none: bool = False, fix: str = "") -> None:
+def check_positive_int(
+    name: str,
+    value: Any,
+    *,
+    allow_none: bool = False,
+    fix: str = "",
+    maximum: Optional[int] = None,
+    why: str = "",
+) -> None:
     """The project's one check of a count argument.
 
+    Args:
+        maximum: Int or None. Largest value accepted: every count that sizes an
+            allocation has one, so that a typo (``10**9``) is refused instead of
+            allocating gigabytes.
+        why: String. The reason for `maximum`, shown in the message.
+
     Raises:
-        ValueError: (template) `value` is not an int >= 1 (nor None when `allow_none`).
+        ValueError: (template) `value` is not an int >= 1 and <= `maximum` (nor
+            None when `allow_none`).
     """
-    if not (is_positive_int(value) or (allow_none and value is None)):
-        raise invalid_argument(name, value, "an integer >= 1" + (" or None" if allow_none else ""), fix=fix)
+    if allow_none and value is None:
+        return
+    if not is_positive_int(value) or (maximum is not None and value > maximum):
+        expected = "an integer >= 1" + (f" and <= {maximum}" if maximum is not None else "")
+        expected += (" or None" if allow_none else "") + (f" ({why})" if why else "")
+        raise invalid_argument(name, value, expected, fix=fix)
 
 
 def check_positive_number(name: str, value: Any) -> None:

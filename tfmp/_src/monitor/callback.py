@@ -63,6 +63,24 @@ _LOG = logging.getLogger(__name__)
 #: Window scalars that only an optimizer counting overflows can give.
 _OVERFLOW_TAGS = ("overflow_count", "skipped_steps", "overflow_rate", "consecutive_overflows")
 _MIB = 2.0**20
+
+
+def _file_in_the_way(folder: str) -> Optional[str]:
+    """The deepest existing path of `folder` or its parents when it is not a folder, else None.
+
+    Local paths only: a URL (``gs://...``) is left to the writer.
+    """
+    if "://" in folder:
+        return None
+    path = os.path.abspath(folder)
+    while not os.path.lexists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+    return None if os.path.isdir(path) else path
+
+
 class _Window:
     """Counters at the start of a logging window."""
 
@@ -86,7 +104,13 @@ class LossScaleMonitor(keras.callbacks.Callback):
     and when ``fit`` raises (a failing step or input pipeline,
     `tfmp.NonFiniteError`, another callback, Ctrl-C, a full disk) the monitor
     writes the state at that moment, with a note naming the error, and closes
-    its file before the error propagates; the next ``fit`` starts clean. Under a distribution strategy only the chief
+    its file before the error propagates; the next ``fit`` starts clean.
+    Never stops training for its own sake: a failing write (a full disk, a
+    folder made unwritable) gives one `tfmp.LoggingWarning` naming the folder, the
+    step from which events are lost, the cause and the fix; training goes on and
+    the monitor retries in a new event file, which starts with a ``monitor_notes``
+    line naming the lost steps (what the files hold then:
+    `tfmp._src.monitor.event_file.EventFile`). Under a distribution strategy only the chief
     writes. The file is opened at the first write and closed at the end of
     training (a later `fit` opens a new one). Beside the precision panels it
     writes the loss and metrics of Keras's `logs` (``metrics/...`` tags, no
@@ -106,8 +130,10 @@ class LossScaleMonitor(keras.callbacks.Callback):
             between `fit` calls, so repeated `fit` calls do not retrace.
 
     Raises:
-        ValueError: `log_dir` is not a path, or `update_freq` or `grad_stats_freq`
-            is not one of the above.
+        ValueError: `log_dir` is not a path, or a file stands where
+            ``<log_dir>/train`` or a folder above it must be (raised here, before any
+            training: it does not go away by itself), or `update_freq` or
+            `grad_stats_freq` is not one of the above.
 
     Example:
         >>> monitor = LossScaleMonitor("logs/run1", update_freq=100)
@@ -143,6 +169,12 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self.update_freq = update_freq
         self.grad_stats_freq = grad_stats_freq
         self.log_dir = os.fspath(log_dir)
+        blocker = _file_in_the_way(self.train_log_dir)
+        if blocker is not None:
+            raise invalid_argument(
+                "log_dir", self.log_dir, f"a folder in which {self.train_log_dir!r} can be created",
+                fix=f"{blocker!r} is a file, not a folder: remove or rename it, or pass another log_dir.",
+            )
         self._events = EventFile(self.train_log_dir, DESCRIPTIONS)
         self._active = False
         self._layout_written = False
@@ -283,6 +315,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._events.write(
             state.step if epoch is None else epoch,
             {**metrics, **{prefix + tag: value for tag, value in scalars.items()}},
+            batch_step=state.step,
         )
         new_window = _Window(state.step, state.overflow_count, self._samples, clock)
         if epoch is None:
@@ -301,8 +334,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
                 ("epoch_",) if self.update_freq == "epoch" else ("batch_", "epoch_")
             )
             layout = build_layout(prefixes, self._grad_stats is not None, metric_names)
-            self._events.write(0, summaries=[layout_summary(layout)])
-            self._layout_written = True
+            # Written again at the next logging point if the write failed.
+            self._layout_written = self._events.write(
+                0, summaries=[layout_summary(layout)], batch_step=state.step)
         # Lower only if the counters were restored to an earlier state.
         self._itemized = min(self._itemized, state.overflow_count)
         events, lost = read_overflow_events(

@@ -4,7 +4,8 @@ A thin layer over a `tf.summary` file writer that adds what the monitor needs:
 the writer is created on the first write (no empty files from processes that
 never log, e.g. non-chief workers), every `write` is flushed at once so that a
 crash right after it loses nothing (the default writer keeps events queued for
-up to two minutes), and each tag's description is attached.
+up to two minutes), each tag's description is attached, and a write that fails
+never reaches training (see `EventFile`).
 
 Steps and values are handed to TensorFlow as NumPy scalars, never as Python
 numbers: TensorFlow keeps the tensor of every distinct Python int or float it
@@ -16,11 +17,70 @@ grow the process by about 0.2 MiB per 128-step `fit` call.
 
 from __future__ import annotations
 
+import dataclasses
+import errno
+import logging
+import re
+import time
+import warnings
 from typing import Iterable, Mapping, Optional
 
 import numpy as np
 import tensorflow as tf
 from tensorboard.compat.proto import summary_pb2
+
+from tfmp._src.errors import user_stacklevel
+
+_LOG = logging.getLogger(__name__)
+#: Seconds between two attempts to open a new event file after a failed write
+#: (closing always tries once more): on a full disk each attempt may leave an
+#: empty file behind, so a monitor logging every batch does not make one per batch.
+RETRY_SECONDS = 30.0
+#: What a failing file system raises: Python's own I/O, or TensorFlow's ops
+#: (``ResourceExhaustedError: No space left on device``, ``FailedPreconditionError:
+#: Not a directory``, ``PermissionDeniedError``...).
+WRITE_ERRORS = (OSError, tf.errors.OpError)
+
+
+class LoggingWarning(UserWarning):
+    """tfmp could not write its TensorBoard events; training went on without them.
+
+    Issued once per failure (`tfmp.LossScaleMonitor`): the message names the
+    folder, the first step whose events are lost, the cause and the fix. Turn it
+    into an error with ``warnings.simplefilter("error", tfmp.LoggingWarning)`` to
+    stop a run that cannot log.
+    """
+
+
+@dataclasses.dataclass
+class _Failure:
+    """A failed write not yet followed by a successful one."""
+
+    first_step: int  # first step whose events were lost
+    cause: str  # "ResourceExhaustedError: No space left on device"
+    tried: float  # time.monotonic() of the last attempt
+
+
+def describe_error(error: BaseException) -> str:
+    """``"<class>: <message>"`` without TensorFlow's ``{{function_node ...}}`` prefix."""
+    message = str(getattr(error, "message", None) or error)
+    message = re.sub(r"\{\{function_node [^}]*\}\}\s*", "", message)
+    message = re.sub(r"\s*\[Op:\w+\]( name: \S*)?\s*$", "", message).strip()
+    return f"{type(error).__name__}: {message[:300]}" if message else type(error).__name__
+
+
+def _fix(directory: str, error: BaseException) -> str:
+    """How to fix a write error, by its cause."""
+    text = str(error).lower()
+    code = getattr(error, "errno", None)
+    if code == errno.ENOSPC or isinstance(error, tf.errors.ResourceExhaustedError) or "no space" in text:
+        return f"Free space on the disk of '{directory}', or pass another log_dir."
+    if code == errno.ENOTDIR or "not a directory" in text:
+        return (f"'{directory}' or a folder above it is a file: remove or rename that file, "
+                "or pass another log_dir.")
+    if isinstance(error, (PermissionError, tf.errors.PermissionDeniedError)):
+        return f"Make '{directory}' writable, or pass another log_dir."
+    return f"Check that '{directory}' is a writable folder with free space, or pass another log_dir."
 
 
 class EventFile:
@@ -31,24 +91,53 @@ class EventFile:
     the files of other writers in the same directory, such as
     `keras.callbacks.TensorBoard`'s.
 
+    Never raises a write error (`WRITE_ERRORS`: creating the writer, writing,
+    flushing or closing). On the first failure it issues one `LoggingWarning`
+    (folder, step, cause, fix), closes the writer (a writer whose flush failed may
+    stay broken) and drops the events; at later writes, at most every
+    `RETRY_SECONDS`, and at `close` it opens a new writer, hence a new file, whose
+    first event is a note (tag `note_tag`) naming the steps whose events were
+    lost and the cause. What a reader of the folder sees after a failure: the file
+    open at the failure holds every event up to the last successful write,
+    possibly followed by one partial record, which TensorBoard's readers skip as
+    the end of the file (`tf.data.TFRecordDataset` raises `DataLossError` there);
+    no event is written to that file again. The next file, if space came back,
+    starts with the note. If no write succeeds again, the warning is the only
+    record of the loss.
+
     Args:
         directory: String. Folder of the event file (a TensorBoard run); created if
             missing. Any path `tf.summary.create_file_writer` accepts.
         descriptions: Mapping from tag to a sentence TensorBoard shows under the
             chart (Markdown).
+        owner: String. Who writes, as the warning names it.
+        note_tag: String. Text tag of the note about lost events.
     """
 
     def __init__(
-        self, directory: str, descriptions: Optional[Mapping[str, str]] = None
+        self,
+        directory: str,
+        descriptions: Optional[Mapping[str, str]] = None,
+        *,
+        owner: str = "tfmp.LossScaleMonitor",
+        note_tag: str = "monitor_notes",
     ) -> None:
         self.directory = directory
         self.descriptions = dict(descriptions or {})
+        self.owner, self.note_tag = owner, note_tag
         self._writer: Optional[tf.summary.SummaryWriter] = None
+        self._failure: Optional[_Failure] = None
+        self._last_step = 0
 
     @property
     def is_open(self) -> bool:
         """Bool. Whether a writer is open (a write since the last `close`)."""
         return self._writer is not None
+
+    @property
+    def failing(self) -> bool:
+        """Bool. Whether the last write failed (events are being lost)."""
+        return self._failure is not None
 
     def write(
         self,
@@ -56,7 +145,9 @@ class EventFile:
         scalars: Optional[Mapping[str, float]] = None,
         texts: Optional[Mapping[str, str]] = None,
         summaries: Iterable[summary_pb2.Summary] = (),
-    ) -> None:
+        *,
+        batch_step: Optional[int] = None,
+    ) -> bool:
         """Writes scalars, texts and ready-made summaries at `step`, then flushes.
 
         Args:
@@ -64,7 +155,26 @@ class EventFile:
             scalars: Mapping from tag to a float (stored as float32).
             texts: Mapping from tag to a string (Markdown), shown by the Text tab.
             summaries: Further `Summary` protos, e.g. a custom-scalars layout.
+            batch_step: Int or None. The training step these events belong to, as
+                warnings and notes about lost events name it; default `step`.
+
+        Returns:
+            Bool. True when written and flushed; False when the events were lost
+            (see the class docstring: warned once, retried later).
         """
+        at = step if batch_step is None else batch_step
+        self._last_step = at
+        if self._failure is not None:
+            if time.monotonic() - self._failure.tried < RETRY_SECONDS or not self._recover(at):
+                return False
+        try:
+            self._write(step, scalars, texts, summaries)
+        except WRITE_ERRORS as error:
+            self._fail(at, error)
+            return False
+        return True
+
+    def _write(self, step, scalars, texts, summaries) -> None:
         if self._writer is None:
             self._writer = tf.summary.create_file_writer(self.directory)
         # NumPy scalars: see the module docstring (Python numbers are cached forever).
@@ -77,8 +187,65 @@ class EventFile:
                 tf.summary.experimental.write_raw_pb(summary.SerializeToString())
         self._writer.flush()
 
+    def _fail(self, step: int, error: BaseException) -> None:
+        """Drops the writer after `error`; warns if this starts a failure."""
+        self._drop_writer()
+        if self._failure is not None:  # a retry failed: same loss, already warned
+            self._failure.tried = time.monotonic()
+            _LOG.info("%s: still cannot write to %r: %s", self.owner, self.directory, describe_error(error))
+            return
+        self._failure = _Failure(step, describe_error(error), time.monotonic())
+        warnings.warn(
+            f"{self.owner} could not write TensorBoard events to '{self.directory}' "
+            f"({self._failure.cause}). Events from step {step} on are lost until a write "
+            f"succeeds; training goes on. It tries a new event file at later logging "
+            f"points (at most every {RETRY_SECONDS:g} s) and when training ends; that file "
+            f"starts with a '{self.note_tag}' note naming the lost steps. {_fix(self.directory, error)}",
+            LoggingWarning,
+            stacklevel=user_stacklevel(),
+        )
+
+    def _recover(self, step: int, closing: bool = False) -> bool:
+        """Opens a new writer and writes the note about the lost events; True on success."""
+        failure = self._failure
+        until = f"step {step}" if closing else f"before step {step}"
+        note = (
+            f"step {step}: events from step {failure.first_step} until {until} were not "
+            f"written ({failure.cause}). The previous event file in this folder may end in "
+            "a partial record, which TensorBoard skips."
+        )
+        try:
+            self._write(step, texts={self.note_tag: note}, summaries=(), scalars=None)
+        except WRITE_ERRORS as error:
+            self._fail(step, error)
+            return False
+        self._failure = None
+        return True
+
+    def _drop_writer(self) -> None:
+        """Closes the writer, ignoring the errors of a broken one."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            try:
+                writer.close()
+            except WRITE_ERRORS as error:
+                _LOG.info("%s: closing a failed writer: %s", self.owner, describe_error(error))
+
     def close(self) -> None:
-        """Flushes and closes the writer; the next `write` opens a new file."""
+        """Flushes and closes the writer; the next `write` opens a new file.
+
+        After a failure, first tries once more to write the note about the lost
+        events (whatever `RETRY_SECONDS`). Never raises a write error: a failing
+        close warns as a failing write does.
+        """
+        if self._failure is not None:
+            self._recover(self._last_step, closing=True)
         if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+            writer, self._writer = self._writer, None
+            try:
+                writer.close()
+            except WRITE_ERRORS as error:  # events of the last write may be lost
+                self._fail(self._last_step, error)
+                self._recover(self._last_step, closing=True)
+                self._drop_writer()
+        self._failure = None  # the next training run starts afresh (and warns afresh)

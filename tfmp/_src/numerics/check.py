@@ -47,6 +47,25 @@ _ACTIONS = ("raise", "warn", "log")
 _PHASES = ("forward", "backward", "both")
 _ATTR = "_tfmp_numerics"
 _MAX_FAILURES = 100
+#: Largest `trace_length`. The trace is for a person to read (one row per layer
+#: call, in the error's details); 1024 rows cover the forward pass of a model of
+#: 1024 layer calls. Its two float32 [trace_length, 6] variables take 48 bytes per
+#: row: 48 KiB at 1024 (48 GB at 10**9), plus per step under a strategy an
+#: all-reduce of replicas * 6 * (trace_length + 1) float32.
+MAX_TRACE_LENGTH = 1024
+
+
+def check_trace_length(value: Any) -> None:
+    """Checks a `trace_length` argument (of `check_numerics` or `enable(debug=...)`).
+
+    Raises:
+        ValueError: (template) not an int in [1, `MAX_TRACE_LENGTH`].
+    """
+    check_positive_int(
+        "trace_length", value, maximum=MAX_TRACE_LENGTH,
+        why="a trace is read by a person, and each row costs 48 bytes of device memory",
+        fix="Pass e.g. trace_length=8 (the default).",
+    )
 #: Key of the failure flag the hooked train step adds to its logs; the train function
 #: wrapper removes it before Keras (callbacks, history) sees the logs.
 _FLAG = "_tfmp_numerics_failed"
@@ -272,8 +291,10 @@ def check_numerics(
         layers: Which layers to check in the forward phase: None (every layer that
             computes something), a sequence of layer names, paths, Layer classes or
             Layer instances, or a callable `layer -> bool`.
-        trace_length: Int >= 1. Layer calls before the failure whose |value| range is
-            attached to the error (`error.details["trace"]`). Default 8.
+        trace_length: Int in [1, 1024]. Layer calls before the failure whose |value|
+            range is attached to the error (`error.details["trace"]`). Default 8.
+            Allocates two float32 `[trace_length, 6]` variables (48 bytes per
+            row, 48 KiB at 1024).
         enabled: Bool. False removes hooks installed earlier and returns None.
 
     Returns:
@@ -295,7 +316,7 @@ def check_numerics(
         raise invalid_argument("action", action, "one of 'raise', 'warn', 'log'", choices=_ACTIONS)
     if phase not in _PHASES:
         raise invalid_argument("phase", phase, "one of 'forward', 'backward', 'both'", choices=_PHASES)
-    check_positive_int("trace_length", trace_length)
+    check_trace_length(trace_length)
     check_bool("enabled", enabled)
     previous = vars(model).get(_ATTR)
     if previous is not None:

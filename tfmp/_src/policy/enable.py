@@ -50,7 +50,7 @@ from tfmp._src.policy.hardware import DeviceFacts
 from tfmp._src.loss_scale import loops
 from tfmp._src.loss_scale.optimizer import WRAP_OPTIONS
 from tfmp._src.loss_scale.optimizer import wrap_optimizer
-from tfmp._src.numerics.check import check_numerics
+from tfmp._src.numerics.check import check_numerics, check_trace_length
 from tfmp._src.policy import session
 from tfmp._src.policy.policy import PerformanceWarning, PolicyDecision, resolve_policy
 from tfmp._src.policy.session import Session
@@ -257,6 +257,8 @@ def _check_debug(debug: Union[bool, dict]) -> None:
     for key in debug:
         if key not in allowed:
             raise unknown_key("debug", debug, key, allowed)
+    if "trace_length" in debug:  # sizes an allocation: refused here, not at compile
+        check_trace_length(debug["trace_length"])
 
 
 def disable() -> None:

@@ -238,9 +238,10 @@ def test_guard_cost_pairs_each_repeat_with_plain_keras():
     assert guard_cost.fastest_ratios(times) == {"guard=loss fastest": 1.0,
                                                 "guard=gradients fastest": 1.5}
     before = keras.config.dtype_policy().name
-    results = guard_cost.main(["--repeats", "1", "--steps", "2", "--inputs", "4", "--width", "8",
-                               "--batch-size", "4", "--policies", "float32"])
-    assert set(results) == {"float32 wall", "float32 cpu"}
+    results = guard_cost.main(["--repeats", "1", "--steps", "2", "--size", "quick", "--workloads", "mlp", "cnn",
+                               "--policies", "float32"])
+    assert set(results) == {"mlp float32 wall", "mlp float32 cpu", "cnn float32 wall", "cnn float32 cpu"}
+    assert {"guard=batch", "guard=gradients", "guard=values"} <= set(results["cnn float32 wall"])
     assert all(value > 0 for row in results.values() for value in row.values())
     assert keras.config.dtype_policy().name == before
 

@@ -41,6 +41,8 @@ HOOKED_SIGNATURES: Tuple[Tuple[type, str, Tuple[str, ...]], ...] = (
     # numerics, grad_stats, optimizer: `apply(grads, trainable_variables=None)`, `scale_loss(loss)`.
     (keras.optimizers.Optimizer, "apply", ("grads", "trainable_variables")),
     (keras.optimizers.LossScaleOptimizer, "scale_loss", ("loss",)),
+    # custom_optimizers: Layer.__setattr__ calls `_setattr_hook(name, value)`, which returns both.
+    (keras.Model, "_setattr_hook", ("name", "value")),
     # LossScaleOptimizerBase overrides Keras's stateful branches.
     (keras.optimizers.LossScaleOptimizer, "_stateful_handle_finite_grads", ("grads", "trainable_variables")),
     (keras.optimizers.LossScaleOptimizer, "_stateful_handle_non_finite_grads", ()),
@@ -60,6 +62,8 @@ CALL_ORDER: Tuple[Tuple[str, str], ...] = (
      "tests/test_attachment.py::test_a_sublayer_made_after_attaching_takes_its_models_attachment_in_any_thread"),
     ("fit raises out of itself whatever a callback or the data iterator raises, without on_train_end",
      "tests/test_monitor.py::test_any_error_out_of_fit_closes_the_monitor_and_the_next_fit_starts_clean"),
+    ("Layer.__setattr__ passes each assignment on a model through the instance's _setattr_hook",
+     "tests/test_custom_compile.py::test_optimizers_set_before_super_compile_or_after_it_are_wrapped_and_lists_warned_about"),
     ("LossScaleOptimizer.apply runs _stateful_handle_finite_grads or _stateful_handle_non_finite_grads",
      "tests/test_loss_scale.py::test_backoff_sequence_from_400"),
 )

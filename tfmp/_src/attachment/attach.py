@@ -26,7 +26,7 @@ from tfmp._src.numerics.check import check_numerics
 #: Owners of the per-object hooks an attachment brings and `detach` takes off.
 #: Float32 forcing's hooks (cast-back, output casts) stay: they go with the layer
 #: policies forcing set, which are the model's own and saved with it.
-DETACHED_OWNERS = ("float32.ids", "enable.dtype_errors")
+DETACHED_OWNERS = ("float32.ids", "enable.dtype_errors", "custom_optimizers")
 
 
 def _check_model(model: Any) -> None:
@@ -97,7 +97,8 @@ def detach(model: keras.layers.Layer) -> Optional[Attachment]:
     model is a part of an attached model: it no longer takes that model's
     attachment), so that the fused
     BatchNormalization kernel and the float32 loss-term casts no longer apply;
-    the exact-token-id and dtype-error hooks; `tfmp.check_numerics`; and resets
+    the exact-token-id and dtype-error hooks; the hook wrapping optimizers stored
+    on the model (those wrapped stay); `tfmp.check_numerics`; and resets
     the model's train, test and predict functions so that they are traced again.
     Kept: the layers' dtype policies (float32 forcing's, saved with the model) and
     the optimizer: to train with another one, compile the model again after

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import weakref
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 from tfmp._src.keras_hooks.keras_private import entry_layer
 from tfmp._src.keras_hooks.object_state import PerObject
@@ -57,6 +57,10 @@ class Attachment:
         check_numerics: Bool. `tfmp.check_numerics` was installed (``debug``).
         loss_terms_in_float32: Bool. ``model.losses`` hands back 16-bit loss terms
             cast to float32 (always True for an attached model).
+        custom_optimizers: List of strings. Attributes of the model, besides
+            ``optimizer``, whose optimizer tfmp wrapped in a `tfmp.LossScaleOptimizer`
+            (optimizers a custom ``compile`` keeps, e.g. ``["d_optimizer",
+            "g_optimizer"]``; see `tfmp._src.loss_scale.custom_optimizers`).
     """
 
     model: str
@@ -69,6 +73,7 @@ class Attachment:
     explains_dtype_errors: bool = False
     check_numerics: bool = False
     loss_terms_in_float32: bool = True
+    custom_optimizers: List[str] = dataclasses.field(default_factory=list)
 
 
 def of(obj: Any) -> Optional[Attachment]:

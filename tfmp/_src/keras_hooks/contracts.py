@@ -41,6 +41,8 @@ HOOKED_SIGNATURES: Tuple[Tuple[type, str, Tuple[str, ...]], ...] = (
     # numerics, grad_stats, optimizer: `apply(grads, trainable_variables=None)`, `scale_loss(loss)`.
     (keras.optimizers.Optimizer, "apply", ("grads", "trainable_variables")),
     (keras.optimizers.LossScaleOptimizer, "scale_loss", ("loss",)),
+    # custom_optimizers: Layer.__setattr__ calls `_setattr_hook(name, value)`, which returns both.
+    (keras.Model, "_setattr_hook", ("name", "value")),
     # LossScaleOptimizerBase overrides Keras's stateful branches.
     (keras.optimizers.LossScaleOptimizer, "_stateful_handle_finite_grads", ("grads", "trainable_variables")),
     (keras.optimizers.LossScaleOptimizer, "_stateful_handle_non_finite_grads", ()),
@@ -64,6 +66,8 @@ CALL_ORDER: Tuple[Tuple[str, str], ...] = (
      "tests/test_safety.py::test_one_nan_input_the_forward_pass_hides_is_skipped"),
     ("BatchNormalization.call writes the moving statistics during a training call, before optimizer.apply",
      "tests/test_safety.py::test_a_gradient_overflow_skip_puts_the_statistics_back"),
+    ("Layer.__setattr__ passes each assignment on a model through the instance's _setattr_hook",
+     "tests/test_custom_compile.py::test_optimizers_set_before_super_compile_or_after_it_are_wrapped_and_lists_warned_about"),
     ("LossScaleOptimizer.apply runs _stateful_handle_finite_grads or _stateful_handle_non_finite_grads",
      "tests/test_loss_scale.py::test_backoff_sequence_from_400"),
 )

@@ -160,6 +160,12 @@ def autocasts_inputs(layer: Any) -> bool:
     return bool(isinstance(layer, keras.layers.Layer) and layer._convert_input_args and layer.autocast)
 
 
+#: The method ``Layer.__setattr__`` calls first, with ``(name, value)``, storing
+#: the pair it returns (Keras's per-backend hook; ``Operation``'s returns both
+#: unchanged). `tfmp._src.loss_scale.custom_optimizers` hooks it per model.
+SETATTR_HOOK = "_setattr_hook"
+
+
 def loss_tracker(model: Any) -> Optional[Any]:
     """The `keras.metrics.Mean` a compiled model updates with each batch's loss, or None."""
     return getattr(model, "_loss_tracker", None)

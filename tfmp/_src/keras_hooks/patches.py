@@ -51,6 +51,7 @@ ORDER = {
     "float32.cast_back": 25,  # Layer.call / compute_output_spec: forced layer hands back its parent's dtype
     "float32.ids": 26,  # DTypePolicy.convert_input / Layer.call / Embedding.call: exact float token ids
     "enable.dtype_errors": 28,  # Model.build / call: dtype mismatches explained (models tfmp compiles)
+    "custom_optimizers": 27,  # Model._setattr_hook, Optimizer.apply / scale_loss: optimizers a custom compile keeps
     "numerics": 30,  # Layer.call, train_step, Optimizer.apply / scale_loss
     "loss_scale.batch": 32,  # Model.train_step (an instance's): the batch for the "batch" guard
     "audit.outputs": 35,  # Layer.call: record output dtypes during tfmp.audit(batch=...)

@@ -7,7 +7,8 @@ there, on the host, between steps:
 1. ``"numerics"``: `tfmp.check_numerics` reads the failure flag its step wrote and
    raises `tfmp.NonFiniteError` naming the layer;
 2. ``"stuck"``: `tfmp.LossScaleOptimizer.raise_if_stuck` stops a run that keeps
-   skipping steps;
+   skipping steps (``"stuck.custom_optimizers"``: the same for the optimizers a
+   custom ``compile`` keeps, `tfmp._src.loss_scale.custom_optimizers`);
 3. on any exception from the step or from 1-2 (not end of data), ``"monitor"``:
    each `tfmp.LossScaleMonitor` of the model writes what training did up to it,
    then the exception propagates unchanged.
@@ -29,7 +30,7 @@ import tensorflow as tf
 from tfmp._src.keras_hooks import patches
 
 #: Order in which checks run after a step.
-CHECK_ORDER = ("numerics", "stuck")
+CHECK_ORDER = ("numerics", "stuck", "stuck.custom_optimizers")
 #: Errors that end an epoch, not training: Keras's epoch iterator catches them.
 END_OF_DATA = (StopIteration, tf.errors.OutOfRangeError)
 _ATTR = "_tfmp_train_function"

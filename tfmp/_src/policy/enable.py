@@ -48,6 +48,7 @@ from tfmp._src.float32.force import force_float32, force_loaded
 from tfmp._src.float32.token_ids import exact_id_embeddings, keep_exact_ids
 from tfmp._src.policy.hardware import DeviceFacts
 from tfmp._src.loss_scale import loops
+from tfmp._src.loss_scale import custom_optimizers
 from tfmp._src.loss_scale.optimizer import WRAP_OPTIONS
 from tfmp._src.loss_scale.optimizer import wrap_optimizer
 from tfmp._src.numerics.check import check_numerics, check_trace_length
@@ -384,6 +385,9 @@ def _compile_with_tfmp(compile: Callable, model: keras.Model, args: tuple, kwarg
     (`tfmp._src.float32.token_ids`) and, for a 16-bit model, hooks its ``build``
     and ``call`` to explain dtype mismatches (`tfmp._src.float32.dtype_errors`).
 
+    Optimizers a custom ``compile`` stores in other attributes of the model are
+    wrapped too (`tfmp._src.loss_scale.custom_optimizers`).
+
     Under a multi-replica `tf.distribute` strategy an explicit ``jit_compile=True``
     is turned off with a warning (see `tfmp._src.distribute`).
     """
@@ -394,11 +398,13 @@ def _compile_with_tfmp(compile: Callable, model: keras.Model, args: tuple, kwarg
     optimizer = args.pop(0) if args else kwargs.pop("optimizer", "rmsprop")
     _warn_if_built_before_enable(model, state.decision.policy)
     force_float32(model, keep=state.keep_float32, exclude=state.exclude_float32)
-    if optimizer is not None and _wants_optimizer_wrapper(model, state):
-        options = state.loss_scale_options
+    wrap_options = None
+    if _wants_optimizer_wrapper(model, state):
+        wrap_options = state.loss_scale_options
         if state.debug:
-            options = {"guard": "gradients", **options}
-        optimizer = wrap_optimizer(optimizer, model.dtype_policy.compute_dtype, **options)
+            wrap_options = {"guard": "gradients", **wrap_options}
+    if optimizer is not None and wrap_options is not None:
+        optimizer = wrap_optimizer(optimizer, model.dtype_policy.compute_dtype, **wrap_options)
     result = compile(model, optimizer, *args, **kwargs)
     model_hooks.mark_compiled_by_tfmp(model)
     turn_off_xla_if_replicated(model)
@@ -406,4 +412,5 @@ def _compile_with_tfmp(compile: Callable, model: keras.Model, args: tuple, kwarg
         options = {} if state.debug is True else state.debug
         check_numerics(model, **options)
     _fix_and_attach(model, state, "compile")
+    custom_optimizers.adopt(model, model.dtype_policy.compute_dtype, wrap_options)  # a custom compile's own
     return result

@@ -1,0 +1,269 @@
+"""Optimizers a custom ``compile`` keeps on the model: wrapped, and safe without loss scaling.
+
+A model class may override ``compile`` to take optimizers of its own and keep
+them as attributes, applying their gradients in its ``train_step`` (the keras.io
+DCGAN: ``compile(d_optimizer, g_optimizer, loss_fn)`` calls ``super().compile()``
+and then sets ``self.d_optimizer = d_optimizer``). Keras knows only
+``model.optimizer``; tfmp's compile handler (`tfmp._src.policy.enable`) calls
+`adopt`, which wraps every optimizer held in an attribute of the model when
+Keras's ``compile`` returns, and hooks the model's ``_setattr_hook`` (Keras's
+per-backend hook of ``Layer.__setattr__``, `keras_private.SETATTR_HOOK`) so
+that one assigned afterwards, as in the DCGAN, is wrapped as it is stored.
+Each is `wrap_optimizer`'s `tfmp.LossScaleOptimizer` with the session's
+options: dynamic loss scaling under float16, a fixed scale of 1.0 and the step
+check otherwise; settings such as ``learning_rate`` read and write through to
+the optimizer the user gave. An optimizer stored under two names, or also
+passed as ``optimizer=``, gets one wrapper. Kept as it
+is: ``model.optimizer`` (Keras's own compile argument, wrapped by the handler),
+an optimizer already a `tfmp.LossScaleOptimizer`, and optimizers inside a list,
+tuple or dict, which cannot be replaced safely: those are warned about with the
+fix when stored.
+
+Such a ``train_step`` seldom scales its loss. Under dynamic loss scaling, a
+wrapped optimizer whose ``apply`` runs (or is traced) in a step where its
+``scale_loss`` did not run takes the gradients as they are, without dividing
+them by the scale (which would make every update 32768x too small); every
+gradient is still checked, and a non-finite step is skipped and counted (the
+``"gradients"`` guard of `tfmp._src.loss_scale.guard`); `model.fit` stops a
+run that keeps skipping steps (`tfmp.LossScaleOptimizer.raise_if_stuck` after
+every step, as for ``model.optimizer``). It warns once
+(`tfmp.LossScaleWarning`) that float16 gradients below float16's smallest
+subnormal (2**-24, about 6e-8) flush to zero, with the fix:
+``grads = tfmp.scaled_gradients(tape, loss, variables, self.d_optimizer)``. In a
+step that does call ``scale_loss`` (``tfmp.scaled_gradients``,
+``get_scaled_loss``) it is an ordinary dynamic `tfmp.LossScaleOptimizer`.
+
+"The step" is the graph being traced (or one enclosing it) for a `tf.function`
+step, and "since the previous eager ``apply``" for an eager one, as in
+`guard.StepRecord`; a loss scaled in one `tf.function` and applied in another
+counts as not scaled.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+import weakref
+from typing import Any, Callable, Dict
+
+import keras
+import tensorflow as tf
+
+from tfmp._src.attachment import record
+from tfmp._src.errors import user_stacklevel
+from tfmp._src.keras_hooks import patches, train_function
+from tfmp._src.keras_hooks.keras_private import SETATTR_HOOK
+from tfmp._src.keras_hooks.object_state import PerObject
+from tfmp._src.loss_scale.guard import LossScaleWarning
+from tfmp._src.loss_scale.optimizer import LossScaleOptimizer, wrap_optimizer
+
+#: The hook owner (a key of `patches.ORDER`) of the model's and the optimizers' hooks.
+OWNER = "custom_optimizers"
+#: The attribute Keras's own ``compile`` sets; the compile handler wraps it.
+KERAS_ATTRIBUTE = "optimizer"
+_ADOPTED = PerObject("custom_optimizer")  # wrapper -> name of the attribute it was stored under
+_STORED = PerObject("custom_optimizers")  # model -> WeakSet of the wrappers stored on it
+_STUCK = "stuck.custom_optimizers"  # the model's check after each train step
+
+
+def adopt(model: keras.Model, compute_dtype: str, options: Dict[str, Any] | None) -> None:
+    """Wraps the optimizers `model` holds in attributes now and those stored on it later.
+
+    Called by tfmp's compile handler after Keras's ``compile`` and after the
+    model is attached; a later compile replaces the hook. The attributes whose
+    optimizer was wrapped are listed in the model's
+    `tfmp.Attachment.custom_optimizers`; `tfmp.detach` takes the hook off (the
+    wrappers stay, as ``model.optimizer`` does).
+
+    Args:
+        model: `keras.Model` tfmp just compiled.
+        compute_dtype: String. The model's compute dtype, e.g. ``"float16"``.
+        options: Dict of `tfmp.LossScaleOptimizer` keyword options (the
+            session's), or None: the model keeps its optimizers as they are
+            (a float32 model without ``debug`` or ``loss_scale_options``).
+
+    Raises:
+        ValueError: from `wrap_optimizer`, for options it refuses (the session
+            checked them already).
+    """
+    for hook in patches.installed(model, SETATTR_HOOK):
+        if hook.owner == OWNER:
+            hook.remove()
+    if options is None:
+        return
+    wrap = _wrap_setattr_hook(model, compute_dtype, dict(options))
+    patches.install(model, SETATTR_HOOK, wrap, owner=OWNER)
+    for name, value in list(vars(model).items()):
+        if name == KERAS_ATTRIBUTE:
+            continue
+        if isinstance(value, keras.optimizers.Optimizer) and not isinstance(value, LossScaleOptimizer):
+            setattr(model, name, value)  # through the hook, which wraps it
+        elif isinstance(value, LossScaleOptimizer) and _ADOPTED.get(value) is not None:
+            _record(model, name)  # wrapped at an earlier compile: on the new attachment too
+
+
+def _record(model: keras.Model, name: str) -> None:
+    found = record.of(model)
+    if found is not None and name not in found.custom_optimizers:
+        found.custom_optimizers.append(name)
+
+
+def _wrap_setattr_hook(model: keras.Model, compute_dtype: str, options: Dict[str, Any]) -> Callable:
+    model_ref = weakref.ref(model)
+    wrappers: "weakref.WeakKeyDictionary[Any, LossScaleOptimizer]" = weakref.WeakKeyDictionary()
+
+    def wrap(setattr_hook: Callable) -> Callable:
+        @functools.wraps(setattr_hook)
+        def wrapping_setattr_hook(name: Any, value: Any) -> Any:
+            name, value = setattr_hook(name, value)
+            owner = model_ref()
+            if owner is None or name == KERAS_ATTRIBUTE:
+                return name, value
+            if isinstance(value, keras.optimizers.Optimizer) and not isinstance(value, LossScaleOptimizer):
+                known = wrappers.get(value)
+                value = known if known is not None else _wrapped(owner, name, value, compute_dtype, options)
+                wrappers[value.inner_optimizer] = value
+                _record(owner, name)
+            elif _holds_plain_optimizer(value):
+                _warn_container(owner, name, compute_dtype)
+            return name, value
+
+        return wrapping_setattr_hook
+
+    return wrap
+
+
+def _wrapped(model: keras.Model, name: str, optimizer: Any, compute_dtype: str,
+             options: Dict[str, Any]) -> LossScaleOptimizer:
+    """The `tfmp.LossScaleOptimizer` to store under `name` for a plain `optimizer`."""
+    keras_wrapped = vars(model).get(KERAS_ATTRIBUTE)
+    if isinstance(keras_wrapped, LossScaleOptimizer) and keras_wrapped.inner_optimizer is optimizer:
+        return keras_wrapped  # also passed as compile's `optimizer=`: one wrapper, one scale
+    wrapped = wrap_optimizer(optimizer, compute_dtype, **options)
+    _ADOPTED[wrapped] = name
+    _check_when_stuck(model, wrapped)
+    if wrapped.loss_scaling:
+        _apply_unscaled_gradients_as_given(wrapped, model.name, name)
+    return wrapped
+
+
+def _check_when_stuck(model: keras.Model, optimizer: LossScaleOptimizer) -> None:
+    """Makes `model.fit` call `optimizer.raise_if_stuck()` after every step.
+
+    `tfmp._src.loss_scale.loops` does so for ``model.optimizer`` only.
+    """
+    stored = _STORED.get(model)
+    if stored is None:
+        stored = _STORED[model] = weakref.WeakSet()
+    stored.add(optimizer)
+    if not train_function.has_check(model, _STUCK):
+        train_function.add_check(model, _STUCK, functools.partial(_raise_if_stuck, weakref.ref(model)))
+
+
+def _raise_if_stuck(model_ref: Callable, logs: Any) -> Any:
+    model = model_ref()
+    for optimizer in list(_STORED.get(model, ())) if model is not None else ():
+        if optimizer.built:
+            optimizer.raise_if_stuck()
+    return logs
+
+
+def _holds_plain_optimizer(value: Any) -> bool:
+    if isinstance(value, dict):
+        value = list(value.values())
+    return isinstance(value, (list, tuple)) and any(
+        isinstance(v, keras.optimizers.Optimizer) and not isinstance(v, LossScaleOptimizer) for v in value
+    )
+
+
+def _warn_container(model: keras.Model, name: str, compute_dtype: str) -> None:
+    if compute_dtype == "float16":
+        fix = ("wrap each by hand, `tfmp.LossScaleOptimizer(opt)`, and compute its gradients "
+               "with `grads = tfmp.scaled_gradients(tape, loss, variables, opt)`")
+    else:
+        fix = "wrap each by hand, `tfmp.LossScaleOptimizer(opt, loss_scaling=False)`"
+    warnings.warn(
+        f"Model {model.name!r} stores plain optimizers inside `{name}` (a list, tuple or dict): tfmp "
+        f"cannot replace them there, so under {compute_dtype} they apply gradients without loss "
+        "scaling, step checks or counters. Store each optimizer in an attribute of its own "
+        f"(tfmp wraps those), or {fix}.",
+        LossScaleWarning,
+        stacklevel=user_stacklevel(),
+    )
+
+
+class _StepRecord:
+    """Whether `scale_loss` ran on one optimizer in the step now traced or run.
+
+    Like `guard.StepRecord`, whatever the optimizer was built or the replicas:
+    a graph set for traced steps, a flag for eager ones.
+    """
+
+    def __init__(self) -> None:
+        self._graphs: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self._eager = False
+        self.warned = False
+
+    def note(self) -> None:
+        if tf.executing_eagerly():
+            self._eager = True
+        else:
+            self._graphs.add(tf.compat.v1.get_default_graph())
+
+    def take(self) -> bool:
+        if tf.executing_eagerly():
+            scaled, self._eager = self._eager, False
+            return scaled
+        graph = tf.compat.v1.get_default_graph()
+        while graph is not None:
+            if graph in self._graphs:
+                return True
+            graph = getattr(graph, "outer_graph", None)
+        return False
+
+
+def _apply_unscaled_gradients_as_given(optimizer: LossScaleOptimizer, model_name: str, name: str) -> None:
+    """Hooks `optimizer`'s ``scale_loss`` and ``apply`` (see the module docstring)."""
+    steps = _StepRecord()
+
+    def wrap_scale_loss(scale_loss: Callable) -> Callable:
+        @functools.wraps(scale_loss)
+        def noting_scale_loss(loss: Any) -> Any:
+            steps.note()
+            return scale_loss(loss)
+
+        return noting_scale_loss
+
+    def wrap_apply(apply: Callable) -> Callable:
+        @functools.wraps(apply)
+        def apply_unscaled_as_given(grads: Any, trainable_variables: Any = None) -> Any:
+            grads = list(grads)
+            if not steps.take():
+                _warn_unscaled(optimizer, model_name, name, steps)
+                for g in grads:  # as get_unscaled_gradients' tensors: not divided by the scale
+                    if g is not None:
+                        optimizer._unscaled[id(g)] = g
+            return apply(grads, trainable_variables)
+
+        return apply_unscaled_as_given
+
+    patches.install(optimizer, "scale_loss", wrap_scale_loss, owner=OWNER)
+    patches.install(optimizer, "apply", wrap_apply, owner=OWNER)
+
+
+def _warn_unscaled(optimizer: LossScaleOptimizer, model_name: str, name: str, steps: _StepRecord) -> None:
+    if steps.warned:
+        return
+    steps.warned = True
+    warnings.warn(
+        f"`{name}` of model {model_name!r} ({type(optimizer.inner_optimizer).__name__}, wrapped by tfmp in a "
+        "tfmp.LossScaleOptimizer) applies gradients of a loss that was not scaled: float16 "
+        "gradients below float16's smallest subnormal (~6e-8) flush to zero, so small updates "
+        "are lost. tfmp applies these gradients as they are (not divided by the loss scale), "
+        "checks every one and skips and counts a step with an inf or NaN. Fix: in train_step, "
+        f"`grads = tfmp.scaled_gradients(tape, loss, variables, self.{name})`, then "
+        f"`self.{name}.apply_gradients(zip(grads, variables))` as before. Warned once per "
+        "optimizer; make it an error with warnings.simplefilter('error', tfmp.LossScaleWarning).",
+        LossScaleWarning,
+        stacklevel=user_stacklevel(),
+    )

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import weakref
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 from tfmp._src.keras_hooks.keras_private import entry_layer
 from tfmp._src.keras_hooks.object_state import PerObject
@@ -103,6 +103,12 @@ def any_marked() -> bool:
     """Bool. Whether an object with a mark is still alive (not yet garbage-collected)."""
     with _lock:
         return len(_marked) > 0
+
+
+def marked_objects() -> List[Any]:
+    """The live objects (models and layers) that carry a mark."""
+    with _lock:
+        return list(_marked)
 
 
 def attached_or_first_use(layer: Any) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Tuple
 
 import keras
+import tensorflow as tf
 
 #: (class whose method is hooked, method, the parameters tfmp relies on, in order).
 HOOKED_SIGNATURES: Tuple[Tuple[type, str, Tuple[str, ...]], ...] = (
@@ -44,6 +45,8 @@ HOOKED_SIGNATURES: Tuple[Tuple[type, str, Tuple[str, ...]], ...] = (
     # LossScaleOptimizerBase overrides Keras's stateful branches.
     (keras.optimizers.LossScaleOptimizer, "_stateful_handle_finite_grads", ("grads", "trainable_variables")),
     (keras.optimizers.LossScaleOptimizer, "_stateful_handle_non_finite_grads", ()),
+    # gradient_errors: `GradientTape.gradient(target, sources, ...)`, the sources read.
+    (tf.GradientTape, "gradient", ("target", "sources")),
 )
 
 #: (what tfmp relies on Keras doing, the test that checks it).
@@ -60,6 +63,11 @@ CALL_ORDER: Tuple[Tuple[str, str], ...] = (
      "tests/test_attachment.py::test_a_sublayer_made_after_attaching_takes_its_models_attachment_in_any_thread"),
     ("fit raises out of itself whatever a callback or the data iterator raises, without on_train_end",
      "tests/test_monitor.py::test_any_error_out_of_fit_closes_the_monitor_and_the_next_fit_starts_clean"),
+    ("train_step calls tf.GradientTape.gradient with the model's trainable weights as sources; "
+     "a built-in op's gradient runs in error_texts.GRADIENT_FRAME, naming the forward layer's scope",
+     "tests/test_user_code_dtypes.py::test_a_float32_gradient_returned_under_bfloat16_is_named_where_it_arrives"),
+    ("tape.gradient calls a tf.custom_gradient function below itself, in a frame of its own",
+     "tests/test_user_code_dtypes.py::test_backward_error_in_fit_names_layer_dtypes_and_fix"),
     ("LossScaleOptimizer.apply runs _stateful_handle_finite_grads or _stateful_handle_non_finite_grads",
      "tests/test_loss_scale.py::test_backoff_sequence_from_400"),
 )

@@ -4,7 +4,7 @@ Every method tfmp replaces on a Keras class or object (``compile``,
 ``compile_from_config``, ``make_train_function``, ``train_step``, ``Layer.call``,
 ``Layer.compute_output_spec``, ``Layer.build``,
 ``BatchNormalization.call``, ``Optimizer.apply``,
-``Optimizer.scale_loss``, the ``Layer.losses`` property, the
+``Optimizer.scale_loss``, ``tf.GradientTape.gradient``, the ``Layer.losses`` property, the
 ``Operation.from_config`` classmethod) goes through `install`. Per method of an object there is one *slot* holding the method as it was
 and a stack of hooks; the attribute is the composition of the stack, innermost
 first in the order of `ORDER`. Removing a hook rebuilds the composition from the
@@ -51,6 +51,7 @@ ORDER = {
     "float32.cast_back": 25,  # Layer.call / compute_output_spec: forced layer hands back its parent's dtype
     "float32.ids": 26,  # DTypePolicy.convert_input / Layer.call / Embedding.call: exact float token ids
     "enable.dtype_errors": 28,  # Model.build / call: dtype mismatches explained (models tfmp compiles)
+    "enable.gradient_errors": 29,  # tf.GradientTape.gradient: backward-pass dtype mismatches explained
     "numerics": 30,  # Layer.call, train_step, Optimizer.apply / scale_loss
     "audit.outputs": 35,  # Layer.call: record output dtypes during tfmp.audit(batch=...)
     "grad_stats": 40,  # Optimizer.apply: gradient statistics for the monitor

@@ -399,8 +399,7 @@ def test_a_float32_gradient_returned_under_bfloat16_is_named_where_it_arrives():
     with pytest.raises(TypeError) as info:
         model.fit(_X, _Y, verbose=0)
     text = _text(info.value)
-    assert "Layer 'dense' (Dense) received a float32 gradient for its bfloat16 output" in text.replace(
-        "layer 'dense'", "Layer 'dense'")
+    assert "layer 'dense' (Dense) received a float32 gradient for its bfloat16 output" in text
     assert "a layer after it returns its gradient in the wrong dtype" in text
     assert "ops.cast(self.kernel, dy.dtype)" in text and text.count("tfmp:") == 1
 
@@ -452,3 +451,34 @@ def test_other_backward_errors_and_models_tfmp_does_not_explain_pass_unchanged()
     with pytest.raises(TypeError) as info:
         plain.fit(_X, _Y, verbose=0)
     assert "tfmp:" not in _text(info.value)
+
+
+class ReadsSelf(keras.layers.Layer):
+    """Its gradient function reads the float32 ``self.kernel`` (called eagerly only:
+    a traced one would stay in TensorFlow's gradient registry, holding the layer)."""
+
+    def build(self, shape):
+        self.kernel = self.add_weight(shape=(shape[-1], 4), name="kernel")
+
+    def call(self, x):
+        @tf.custom_gradient
+        def matmul(x, kernel):
+            def grad(dy):
+                return tf.matmul(dy, self.kernel, transpose_b=True), tf.matmul(x, dy, transpose_a=True)
+
+            return tf.matmul(x, kernel), grad
+
+        return matmul(x, keras.ops.cast(self.kernel, x.dtype))
+
+
+def test_the_layer_a_gradient_function_holds_is_named_among_layers_of_its_class():
+    _quiet_enable("mixed_float16")
+    model = keras.Sequential([keras.Input((3,)), ReadsSelf(name="first"), ReadsSelf(name="second"),
+                              keras.layers.Dense(1, name="out")])
+    model.compile("sgd", "mse")
+    with pytest.raises(tf.errors.InvalidArgumentError) as info:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.cast(model(_X, training=True), "float32"))
+        tape.gradient(loss, model.trainable_variables)
+    assert "The backward pass of layer 'second' (ReadsSelf) mixes float16 and float32" in _text(info.value)
+    tfmp.detach(model)  # TensorFlow keeps the layers of a failed eager custom gradient alive (without tfmp too)

@@ -66,6 +66,8 @@ CALL_ORDER: Tuple[Tuple[str, str], ...] = (
     ("train_step calls tf.GradientTape.gradient with the model's trainable weights as sources; "
      "a built-in op's gradient runs in error_texts.GRADIENT_FRAME, naming the forward layer's scope",
      "tests/test_user_code_dtypes.py::test_a_float32_gradient_returned_under_bfloat16_is_named_where_it_arrives"),
+    ("tf.GradientTape.gradient runs a built-in op's gradient in error_texts.GRADIENT_FRAME",
+     "tests/test_keras_hooks.py::test_tensorflow_still_runs_an_op_gradient_in_the_gradient_frame"),
     ("tape.gradient calls a tf.custom_gradient function below itself, in a frame of its own",
      "tests/test_user_code_dtypes.py::test_backward_error_in_fit_names_layer_dtypes_and_fix"),
     ("LossScaleOptimizer.apply runs _stateful_handle_finite_grads or _stateful_handle_non_finite_grads",

@@ -110,7 +110,8 @@ def call_frame_owners(error: BaseException) -> Iterator[Any]:
 #: ``backprop._gradient_function``, whose locals name the forward op's name scope
 #: (e.g. ``"sequential_1/dense_1/MatMul"``, Keras's layer scopes with TensorFlow's
 #: ``_1`` suffixes inside a traced function) and hold the incoming gradients.
-#: Run eagerly, the scope is None. A ``tf.custom_gradient`` function is called by
+#: Run eagerly, the scope is None. Read where the error is caught: TensorFlow's
+#: traceback filter later drops these frames from the same exception. A ``tf.custom_gradient`` function is called by
 #: the tape directly, not here.
 GRADIENT_FRAME = ("_gradient_function", "forward_pass_name_scope", "out_grads")
 

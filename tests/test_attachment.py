@@ -225,9 +225,9 @@ def test_the_model_level_hooks_stay_while_an_attached_model_lives():
     model.compile("sgd", "mse")
     tfmp.disable()
     owners = sorted(hook.owner for hook in attachment_hooks.installed())
-    assert owners == ["enable.losses", "fused_batchnorm"]
+    assert owners == ["enable.gradient_errors", "enable.losses", "fused_batchnorm"]
     tfmp.disable()  # the model is alive: they stay
-    assert len(attachment_hooks.installed()) == 2
+    assert len(attachment_hooks.installed()) == 3
     del model
     gc.collect()
     tfmp.disable()

@@ -414,7 +414,8 @@ def test_the_leak_guard_sees_enabled_threads_and_class_hooks():
         threads, hooks = tfmp_leftovers()
         assert threads == ["tfmp enabled in MainThread"]
         assert {hook.owner for hook in hooks} == {
-            "enable.compile", "enable.first_step", "enable.losses", "fused_batchnorm", "float32.from_config"}
+            "enable.compile", "enable.first_step", "enable.losses", "fused_batchnorm", "float32.from_config",
+            "enable.gradient_errors"}
     assert tfmp_leftovers() == ([], [])
 
 
@@ -499,3 +500,28 @@ def test_every_call_order_contract_names_a_test_that_exists():
         path, name = node.split("::")
         module = importlib.import_module(pathlib.Path(path).stem)
         assert callable(getattr(module, name, None)), node
+
+
+def test_tensorflow_still_runs_an_op_gradient_in_the_gradient_frame():
+    """`error_texts.GRADIENT_FRAME`: read where tfmp's tape hook catches (before TF filters the traceback)."""
+    from tfmp._src.keras_hooks import error_texts
+
+    seen = []
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            with tf.name_scope("outer"):
+                y = tf.matmul(x, x)
+        try:  # a float32 gradient reaching a bfloat16 op's built-in gradient
+            return tape.gradient(y, x, output_gradients=tf.ones((2, 2), tf.float32))
+        except (TypeError, tf.errors.OpError) as error:
+            seen.append((error_texts.is_dtype_mismatch(error, _first_line(error)),
+                         list(error_texts.gradient_frames(error))[:1]))
+            raise
+
+    with pytest.raises(TypeError):
+        tf.function(step, autograph=False)(tf.ones((2, 2), tf.bfloat16))
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        step(tf.ones((2, 2), tf.bfloat16))  # eagerly: no scope recorded
+    assert seen == [(True, [("outer/MatMul", ("float32",))]), (True, [("", ("float32",))])]

@@ -7,7 +7,9 @@
    custom layer exactly, although the custom layer autocasts them to 16 bits.
 3. A layer mixing a float32 tensor it created with its 16-bit inputs fails with
    the same exception type and text, plus the layer's path, both dtypes and the
-   remedies.
+   remedies; so does a layer whose ``tf.custom_gradient`` gradient function mixes a
+   float32 tensor with the 16-bit upstream gradient (backward pass), in ``fit`` and
+   in a custom training loop.
 """
 
 import gc
@@ -310,3 +312,173 @@ def test_mismatch_texts_are_recognised():
     assert mismatched_dtypes("cannot compute Mul as input #1(zero-based) was expected to be a half tensor but is a float tensor") == ("float16", "float32")
     assert mismatched_dtypes("Tensor conversion requested dtype bfloat16 for Tensor with dtype float32") == ("bfloat16", "float32")
     assert mismatched_dtypes("has type int32 that does not match type float32") is None
+
+
+# Backward-pass dtype errors (float32/gradient_errors.py) ------------------------------
+
+BACKWARD_FIX = ("ops.cast(self.kernel, dy.dtype)", "return each gradient in the dtype of its input",
+                "keep_float32=['block/scaled']", "tfmp.register_float32(Scaled)")
+
+
+class Scaled(keras.layers.Layer):
+    """x @ kernel with its own gradient; `bad` picks how the gradient function goes wrong.
+
+    ``"kernel"`` reads the float32 kernel variable directly (as ``self.kernel``),
+    ``"constant"`` multiplies by a float32 ``tf.constant`` without naming the layer,
+    ``None`` casts everything to ``dy.dtype`` (works).
+    """
+
+    def __init__(self, bad=None, **kwargs):
+        super().__init__(**kwargs)
+        self.bad = bad
+
+    def build(self, shape):
+        self.kernel = self.add_weight(shape=(shape[-1], 4), name="kernel")
+
+    def call(self, x):
+        # Not `self` in the gradient function: TensorFlow's gradient registry keeps
+        # each traced gradient function, and with it the layer, for good.
+        bad, variable = self.bad, self.kernel
+
+        @tf.custom_gradient
+        def matmul(x, kernel):
+            def grad(dy):
+                if bad == "kernel":
+                    return tf.matmul(dy, variable, transpose_b=True), tf.matmul(x, dy, transpose_a=True)
+                if bad == "constant":
+                    return tf.matmul(dy, kernel, transpose_b=True) * tf.constant(1.0), tf.matmul(x, dy, transpose_a=True)
+                return tf.matmul(dy, kernel, transpose_b=True), tf.matmul(x, dy, transpose_a=True)
+
+            return tf.matmul(x, kernel), grad
+
+        return matmul(x, keras.ops.cast(self.kernel, x.dtype))
+
+
+class ScaledBlock(keras.layers.Layer):
+    def __init__(self, bad=None, **kwargs):
+        super().__init__(**kwargs)
+        self.scaled = Scaled(bad, name="scaled")
+
+    def call(self, x):
+        return self.scaled(x)
+
+
+def _scaled_model(bad):
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(3, name="dense"),
+                             ScaledBlock(bad, name="block"), keras.layers.Dense(1, name="out")])
+
+
+_X, _Y = np.ones((2, 3), "float32"), np.ones((2, 1), "float32")
+
+
+@pytest.mark.parametrize("policy, bad", [("mixed_float16", "kernel"), ("mixed_float16", "constant"),
+                                         ("mixed_bfloat16", "constant")])
+def test_backward_error_in_fit_names_layer_dtypes_and_fix(policy, bad):
+    _quiet_enable(policy)
+    model = _scaled_model(bad)
+    model.compile("sgd", "mse")
+    with pytest.raises(TypeError) as info:  # raised while Keras traces the train step
+        model.fit(_X, _Y, verbose=0)
+    text, low = _text(info.value), policy.split("_")[1]
+    assert "that does not match type" in text  # TF's text kept
+    assert f"The backward pass of layer 'block/scaled' (Scaled) mixes {low} and float32 tensors" in text
+    assert all(fix in text for fix in BACKWARD_FIX)
+    assert text.count("tfmp:") == 1
+    # Same type; the original is chained (Keras's traceback filter re-raises `from None`,
+    # which clears __cause__ and keeps __context__).
+    original = _original(info.value)
+    assert type(info.value) is TypeError and type(original) is TypeError
+    assert "tfmp:" not in str(original) and str(original) in str(info.value)
+
+
+def test_a_float32_gradient_returned_under_bfloat16_is_named_where_it_arrives():
+    """tf.matmul(bfloat16 dy, float32 self.kernel) gives float32: the Dense below fails."""
+    _quiet_enable("mixed_bfloat16")
+    model = _scaled_model("kernel")
+    model.compile("sgd", "mse")
+    with pytest.raises(TypeError) as info:
+        model.fit(_X, _Y, verbose=0)
+    text = _text(info.value)
+    assert "layer 'dense' (Dense) received a float32 gradient for its bfloat16 output" in text
+    assert "a layer after it returns its gradient in the wrong dtype" in text
+    assert "ops.cast(self.kernel, dy.dtype)" in text and text.count("tfmp:") == 1
+
+
+def test_backward_error_in_a_custom_training_loop_keeps_the_type_and_cause():
+    _quiet_enable("mixed_float16")
+    model = _scaled_model("kernel")
+    model.compile("sgd", "mse")  # compiled while enabled: attached; trained by hand
+    with pytest.raises(tf.errors.InvalidArgumentError) as info:  # eager: TF's eager-op text
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(tf.cast(model(_X, training=True), "float32") - _Y))
+        tape.gradient(loss, model.trainable_variables)
+    assert "The backward pass of layer 'block/scaled' (Scaled) mixes float16 and float32" in _text(info.value)
+    assert type(info.value.__cause__) is tf.errors.InvalidArgumentError
+    assert info.value.op is info.value.__cause__.op and "tfmp:" not in str(info.value.__cause__)
+
+
+def test_working_custom_gradient_layer_trains_unchanged():
+    _quiet_enable("mixed_float16")
+    model = _scaled_model(None)
+    model.compile("sgd", "mse")
+    kernel = model.get_layer("block").scaled.kernel
+    before = kernel.numpy()
+    history = model.fit(_X, _Y, verbose=0, epochs=2)
+    assert np.isfinite(history.history["loss"]).all()
+    assert not np.array_equal(before, kernel.numpy())  # its gradient reached the kernel
+
+
+def test_other_backward_errors_and_models_tfmp_does_not_explain_pass_unchanged():
+    _quiet_enable("mixed_bfloat16")
+    x = tf.Variable(1.0)
+
+    @tf.custom_gradient
+    def broken(v):
+        def grad(dy):
+            raise ValueError("broken on purpose")
+
+        return v * 1.0, grad
+
+    with tf.GradientTape() as tape:
+        y = broken(x)
+    with pytest.raises(ValueError) as info:
+        tape.gradient(y, x)
+    assert str(info.value) == "broken on purpose" and info.value.__cause__ is None
+    tfmp.disable()
+    keras.config.set_dtype_policy("mixed_float16")  # restored by the conftest fixture
+    plain = _scaled_model("kernel")  # compiled without tfmp: Keras's own mixed policy
+    plain.compile("sgd", "mse")
+    with pytest.raises(TypeError) as info:
+        plain.fit(_X, _Y, verbose=0)
+    assert "tfmp:" not in _text(info.value)
+
+
+class ReadsSelf(keras.layers.Layer):
+    """Its gradient function reads the float32 ``self.kernel`` (called eagerly only:
+    a traced one would stay in TensorFlow's gradient registry, holding the layer)."""
+
+    def build(self, shape):
+        self.kernel = self.add_weight(shape=(shape[-1], 4), name="kernel")
+
+    def call(self, x):
+        @tf.custom_gradient
+        def matmul(x, kernel):
+            def grad(dy):
+                return tf.matmul(dy, self.kernel, transpose_b=True), tf.matmul(x, dy, transpose_a=True)
+
+            return tf.matmul(x, kernel), grad
+
+        return matmul(x, keras.ops.cast(self.kernel, x.dtype))
+
+
+def test_the_layer_a_gradient_function_holds_is_named_among_layers_of_its_class():
+    _quiet_enable("mixed_float16")
+    model = keras.Sequential([keras.Input((3,)), ReadsSelf(name="first"), ReadsSelf(name="second"),
+                              keras.layers.Dense(1, name="out")])
+    model.compile("sgd", "mse")
+    with pytest.raises(tf.errors.InvalidArgumentError) as info:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.cast(model(_X, training=True), "float32"))
+        tape.gradient(loss, model.trainable_variables)
+    assert "The backward pass of layer 'second' (ReadsSelf) mixes float16 and float32" in _text(info.value)
+    tfmp.detach(model)  # TensorFlow keeps the layers of a failed eager custom gradient alive (without tfmp too)

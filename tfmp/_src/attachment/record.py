@@ -110,6 +110,12 @@ def any_marked() -> bool:
         return len(_marked) > 0
 
 
+def marked_objects() -> List[Any]:
+    """The live objects (models and layers) that carry a mark."""
+    with _lock:
+        return list(_marked)
+
+
 def attached_or_first_use(layer: Any) -> bool:
     """Bool. Whether tfmp treats `layer` as attached, attaching it on first use.
 

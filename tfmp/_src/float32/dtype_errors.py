@@ -12,7 +12,8 @@ a mismatch between a 16-bit and a wider float dtype is raised again as the same
 type, with Keras's/TensorFlow's text followed by the failing layer's path, the
 two dtypes and the remedies, and the original chained as ``__cause__``. Any other
 exception passes unchanged. The error is raised while tracing, so a working model
-pays nothing per step.
+pays nothing per step. Errors of the backward pass (a ``tf.custom_gradient``
+function mixing dtypes) are explained by `tfmp._src.float32.gradient_errors`.
 
 The failing layer is the innermost frame of the traceback running a layer's
 ``call``; when Keras filtered that frame out (a ``Lambda``), the layer named in
@@ -114,10 +115,23 @@ def annotate(model: Any, error: BaseException) -> BaseException:
     """
     message = error.message if isinstance(error, tf.errors.OpError) else str(error)
     dtypes = mismatched_dtypes(message)
-    if dtypes is None or getattr(error, _MARK, False):
+    if dtypes is None or explained(error):
         return error
     path, layer = _failing_layer(model, error, message)
-    text = explanation(path, layer, *dtypes)
+    return with_explanation(error, explanation(path, layer, *dtypes))
+
+
+def explained(error: BaseException) -> bool:
+    """Bool. Whether tfmp already added its explanation to `error` (or built it)."""
+    return bool(getattr(error, _MARK, False))
+
+
+def with_explanation(error: BaseException, text: str) -> BaseException:
+    """A new exception of `error`'s type, its text followed by `text`, chained to `error`.
+
+    When the type cannot be rebuilt, `error` itself with `text` as a note.
+    Either is marked as explained (`explained`).
+    """
     new = _rebuilt(error, text)
     if new is None:
         if hasattr(error, "add_note"):

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Tuple
 
 import keras
+import tensorflow as tf
 
 #: (class whose method is hooked, method, the parameters tfmp relies on, in order).
 HOOKED_SIGNATURES: Tuple[Tuple[type, str, Tuple[str, ...]], ...] = (
@@ -46,6 +47,8 @@ HOOKED_SIGNATURES: Tuple[Tuple[type, str, Tuple[str, ...]], ...] = (
     # LossScaleOptimizerBase overrides Keras's stateful branches.
     (keras.optimizers.LossScaleOptimizer, "_stateful_handle_finite_grads", ("grads", "trainable_variables")),
     (keras.optimizers.LossScaleOptimizer, "_stateful_handle_non_finite_grads", ()),
+    # gradient_errors: `GradientTape.gradient(target, sources, ...)`, the sources read.
+    (tf.GradientTape, "gradient", ("target", "sources")),
 )
 
 #: (what tfmp relies on Keras doing, the test that checks it).
@@ -68,6 +71,13 @@ CALL_ORDER: Tuple[Tuple[str, str], ...] = (
      "tests/test_safety.py::test_a_gradient_overflow_skip_puts_the_statistics_back"),
     ("Layer.__setattr__ passes each assignment on a model through the instance's _setattr_hook",
      "tests/test_custom_compile.py::test_optimizers_set_before_super_compile_or_after_it_are_wrapped_and_lists_warned_about"),
+    ("train_step calls tf.GradientTape.gradient with the model's trainable weights as sources; "
+     "a built-in op's gradient runs in error_texts.GRADIENT_FRAME, naming the forward layer's scope",
+     "tests/test_user_code_dtypes.py::test_a_float32_gradient_returned_under_bfloat16_is_named_where_it_arrives"),
+    ("tf.GradientTape.gradient runs a built-in op's gradient in error_texts.GRADIENT_FRAME",
+     "tests/test_keras_hooks.py::test_tensorflow_still_runs_an_op_gradient_in_the_gradient_frame"),
+    ("tape.gradient calls a tf.custom_gradient function below itself, in a frame of its own",
+     "tests/test_user_code_dtypes.py::test_backward_error_in_fit_names_layer_dtypes_and_fix"),
     ("LossScaleOptimizer.apply runs _stateful_handle_finite_grads or _stateful_handle_non_finite_grads",
      "tests/test_loss_scale.py::test_backoff_sequence_from_400"),
 )

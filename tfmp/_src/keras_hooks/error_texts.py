@@ -104,3 +104,27 @@ def call_frame_owners(error: BaseException) -> Iterator[Any]:
     for frame in reversed(frames):
         if frame.f_code.co_name == "call" and "self" in frame.f_locals:
             yield frame.f_locals["self"]
+
+
+#: TensorFlow's frame that runs a registered (built-in) op gradient for a tape:
+#: ``backprop._gradient_function``, whose locals name the forward op's name scope
+#: (e.g. ``"sequential_1/dense_1/MatMul"``, Keras's layer scopes with TensorFlow's
+#: ``_1`` suffixes inside a traced function) and hold the incoming gradients.
+#: Run eagerly, the scope is None. Read where the error is caught: TensorFlow's
+#: traceback filter later drops these frames from the same exception. A ``tf.custom_gradient`` function is called by
+#: the tape directly, not here.
+GRADIENT_FRAME = ("_gradient_function", "forward_pass_name_scope", "out_grads")
+
+
+def gradient_frames(error: BaseException) -> Iterator[Tuple[str, Tuple[str, ...]]]:
+    """(forward op's name scope, incoming gradients' dtype names) of each `GRADIENT_FRAME`, innermost first."""
+    function, scope_name, grads_name = GRADIENT_FRAME
+    frames = []
+    tb = error.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        if frame.f_code.co_name == function and grads_name in frame.f_locals:
+            grads = frame.f_locals.get(grads_name) or ()
+            yield frame.f_locals.get(scope_name) or "", tuple(getattr(getattr(g, "dtype", None), "name", "") for g in grads)

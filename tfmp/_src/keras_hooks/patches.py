@@ -4,7 +4,7 @@ Every method tfmp replaces on a Keras class or object (``compile``,
 ``compile_from_config``, ``make_train_function``, ``train_step``, ``Layer.call``,
 ``Layer.compute_output_spec``, ``Layer.build``,
 ``BatchNormalization.call``, ``Optimizer.apply``,
-``Optimizer.scale_loss``, the ``Layer.losses`` property, the
+``Optimizer.scale_loss``, ``tf.GradientTape.gradient``, the ``Layer.losses`` property, the
 ``Operation.from_config`` classmethod) goes through `install`. Per method of an object there is one *slot* holding the method as it was
 and a stack of hooks; the attribute is the composition of the stack, innermost
 first in the order of `ORDER`. Removing a hook rebuilds the composition from the
@@ -52,6 +52,7 @@ ORDER = {
     "float32.ids": 26,  # DTypePolicy.convert_input / Layer.call / Embedding.call: exact float token ids
     "enable.dtype_errors": 28,  # Model.build / call: dtype mismatches explained (models tfmp compiles)
     "custom_optimizers": 27,  # Model._setattr_hook, Optimizer.apply / scale_loss: optimizers a custom compile keeps
+    "enable.gradient_errors": 29,  # tf.GradientTape.gradient: backward-pass dtype mismatches explained
     "numerics": 30,  # Layer.call, train_step, Optimizer.apply / scale_loss
     "loss_scale.batch": 32,  # Model.train_step (an instance's): the batch for the "batch" guard
     "audit.outputs": 35,  # Layer.call: record output dtypes during tfmp.audit(batch=...)

@@ -149,8 +149,8 @@ def test_overflow_on_one_replica_skips_the_step_on_all(mirrored):
     assert skipped["weights"] == before["weights"]  # both replicas' copies
     assert after["weights"] != skipped["weights"]
     assert [b["iterations"] for b in result["batches"]] == [1, 1, 2, 3]
-    # The loss was inf on replica 1 only; both copies of the status say so.
-    assert skipped["state"]["last_loss_status"] == [2, 2]
+    # The loss and the batch were inf on replica 1 only; both copies of the status say so.
+    assert skipped["state"]["last_loss_status"] == [2 + 8, 2 + 8]
 
 
 def test_overflow_count_counts_each_skipped_step_once(mirrored):

@@ -193,6 +193,7 @@ def test_model_checkpoint_keras_file_restores_class_scale_and_counters(tmp_path)
     }
     expected.update(last_overflow_step=1, total_steps=4, min_scale_overflows=0)
     expected.update(last_loss_status=0)  # the last loss was finite
+    expected.update(last_overflow_status=1 + 4)  # the skipped step: NaN loss, NaN batch
     assert _state(model.optimizer) == expected
     loaded = keras.models.load_model(path)
     assert type(loaded.optimizer) is tfmp.LossScaleOptimizer

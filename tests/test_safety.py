@@ -231,3 +231,126 @@ def test_healthy_training_says_nothing(policy):
         warnings.simplefilter("error", tfmp.SkippedStepWarning)
         _fit(model, np.tile(x, (4, 1)), np.tile(y, 4), epochs=2)
     assert _counters(model)[0] == 0
+
+
+def test_a_skip_inside_one_execution_of_several_steps_is_said():
+    """steps_per_execution=2: a skipped step followed by a clean one in the same execution."""
+    model = _model("mixed_bfloat16")
+    model.compile(model.optimizer, model.loss, steps_per_execution=2)
+    x, y = _data()
+    x = np.tile(x, (2, 1))
+    x[0, 0] = np.nan  # the first of the execution's two steps
+    with pytest.warns(tfmp.SkippedStepWarning, match="The batch itself holds nan"):
+        _fit(model, x, np.tile(y, 2))
+    assert _counters(model)[:2] == [1, 2]
+
+
+def test_a_batchnorm_layer_called_twice_in_a_skipped_step_gets_its_first_value_back():
+    keras.utils.set_random_seed(0)
+    tfmp.enable(policy="mixed_float16")
+    try:
+        inputs = keras.Input((FEATURES,))
+        shared = keras.layers.BatchNormalization()
+        hidden = shared(keras.layers.Dense(FEATURES)(inputs))
+        outputs = keras.layers.Dense(4)(keras.layers.Lambda(_inf_gradient)(shared(hidden)))
+        model = keras.Model(inputs, outputs)
+        model.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    finally:
+        tfmp.disable()
+    x, y = _data()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tfmp.SkippedStepWarning)
+        _fit(model, x * 10 + 3, y)
+    assert _counters(model)[:2] == [1, 1]
+    np.testing.assert_array_equal(shared.moving_mean.numpy(), np.zeros(FEATURES, "float32"))
+    np.testing.assert_array_equal(shared.moving_variance.numpy(), np.ones(FEATURES, "float32"))
+
+
+def test_a_skipped_step_never_puts_back_another_models_statistics():
+    """Model A recalibrates its BatchNormalization eagerly; model B's skipped eager step leaves A's alone."""
+    with tfmp.policy_scope("mixed_bfloat16"):
+        a = keras.Sequential([keras.Input((FEATURES,)), keras.layers.BatchNormalization()])
+        b = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(4)])
+        x, _ = _data()
+        for _ in range(3):
+            a(x + 5.0, training=True)
+        calibrated = a.layers[0].moving_mean.numpy().copy()
+        optimizer = tfmp.LossScaleOptimizer(keras.optimizers.SGD(0.1), loss_scaling=False)
+        optimizer.build(b.trainable_variables)
+        with tf.GradientTape() as tape:
+            loss = ops.sum(b(x)) * float("nan")
+        grads = tfmp.scaled_gradients(tape, loss, b.trainable_variables, optimizer)
+        optimizer.apply(grads, b.trainable_variables)
+    assert int(optimizer.overflow_count.numpy()) == 1
+    np.testing.assert_array_equal(a.layers[0].moving_mean.numpy(), calibrated)
+    assert not np.array_equal(calibrated, np.zeros(FEATURES, "float32"))
+
+
+def test_values_guard_checks_the_optimizer_slots_too():
+    """Adam's second moment overflows (gradient 2e20, finite) while the weights stay finite."""
+    variable = keras.Variable(np.ones(2, "float32"))
+    optimizer = tfmp.LossScaleOptimizer(keras.optimizers.Adam(1e-3), loss_scaling=False, guard="values")
+    optimizer.build([variable])
+    with pytest.warns(tfmp.SkippedStepWarning, match="non-finite value"):
+        optimizer.apply([tf.constant([2e20, 1.0])], [variable])
+    assert [int(optimizer.overflow_count.numpy()), int(optimizer.inner_optimizer.iterations.numpy())] == [1, 0]
+    np.testing.assert_array_equal(variable.numpy(), [1.0, 1.0])
+    assert all(np.isfinite(v.numpy()).all() for v in optimizer.inner_optimizer.variables)
+
+
+def test_values_guard_is_refused_under_a_distribution_strategy():
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    with strategy.scope():
+        variable = keras.Variable(np.ones(2, "float32"))
+        optimizer = tfmp.LossScaleOptimizer(keras.optimizers.SGD(0.1), loss_scaling=False, guard="values")
+        optimizer.build([variable])
+
+    @tf.function
+    def step():
+        optimizer.apply([tf.ones(2)], [variable])
+
+    with pytest.raises(ValueError, match="Invalid `guard` argument.*outside tf.distribute strategies"):
+        strategy.run(step)
+
+
+def test_a_model_that_masks_nan_inputs_itself_trains_as_under_plain_keras():
+    """Invisible: NaN as a missing value, replaced by the model; the "batch" guard then checks the gradients."""
+
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((FEATURES,))
+        masked = keras.layers.Lambda(lambda t: ops.where(ops.isnan(t), 0.0, t))(inputs)
+        return keras.Model(inputs, keras.layers.Dense(4)(keras.layers.Dense(16, activation="relu")(masked)))
+
+    x, y = _data()
+    x[::2, 0] = np.nan
+    losses = {}
+    for name in ("keras", "tfmp"):
+        if name == "tfmp":
+            tfmp.enable(policy="mixed_bfloat16")
+        else:
+            keras.config.set_dtype_policy("mixed_bfloat16")
+        try:
+            model = build()
+            model.compile(keras.optimizers.Adam(1e-2), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        finally:
+            tfmp.disable() if name == "tfmp" else keras.config.set_dtype_policy("float32")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", tfmp.SkippedStepWarning)
+            losses[name] = _fit(model, np.tile(x, (4, 1)), np.tile(y, 4), epochs=3).history["loss"]
+        if name == "tfmp":
+            assert _counters(model)[:2] == [0, 12]
+    np.testing.assert_allclose(losses["tfmp"], losses["keras"], rtol=0.05)
+    assert losses["tfmp"][-1] < losses["tfmp"][0]
+
+
+def test_train_on_batch_warns_at_most_once_per_eight_steps():
+    model = _model("mixed_bfloat16")
+    x, y = _data()
+    x[0, 0] = np.nan
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(16):
+            model.train_on_batch(x, y)
+    assert len([w for w in record if w.category is tfmp.SkippedStepWarning]) == 2
+    assert _counters(model)[:2] == [16, 16]

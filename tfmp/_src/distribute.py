@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import tensorflow as tf
 
-from tfmp._src.errors import invalid_argument, user_stacklevel
+from tfmp._src.errors import user_stacklevel
 from tfmp._src.keras_hooks.keras_private import in_xla_context
 from tfmp._src.policy.policy import PerformanceWarning
 
@@ -206,22 +206,6 @@ def turn_off_xla_if_replicated(model: Any) -> bool:
     )
     model.jit_compile = False
     return True
-
-
-def check_one_replica(argument: str, value: Any) -> None:
-    """Refuses an option that works with one replica in sync only.
-
-    Raises:
-        ValueError: In the project's template, in a replica context of a
-            strategy with more than one replica.
-    """
-    context = tf.distribute.get_replica_context()
-    replicas = 1 if context is None else context.num_replicas_in_sync
-    if replicas > 1:
-        raise invalid_argument(
-            argument, value, f"an option for one replica (this step runs on {replicas})",
-            fix="Use guard='auto' or 'gradients' under a multi-replica tf.distribute strategy.",
-        )
 
 
 def check_not_xla_replicated() -> None:

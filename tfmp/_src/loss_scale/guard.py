@@ -2,10 +2,11 @@
 
 Guards (the `guard` argument). A step is skipped, and counted, when its check fails:
 
-- ``"batch"``: what a bad batch does, checked where it is cheap. Every float
-  tensor of the batch `fit` / `train_on_batch` hands to ``train_step`` (inputs,
-  targets, sample weights) is finite, and the loss passed to `scale_loss` in the
-  same step is finite. The batch is checked as the step starts, the loss (one
+- ``"batch"``: what a bad batch does, checked where it is cheap. The loss
+  passed to `scale_loss` is finite, and every float tensor of the batch `fit` /
+  `train_on_batch` hands to ``train_step`` (inputs, targets, sample weights) is
+  finite or, when one is not (a model may mask NaN inputs itself), every
+  gradient is finite: the gradients are checked on such steps only. The batch is checked as the step starts, the loss (one
   scalar) before the backward pass, so no update waits for the backward pass to
   end. Catches a NaN or inf in the data even where the forward pass hides it (a
   ReLU turns NaN into 0, the loss stays finite, the first layer's gradient is NaN)
@@ -22,8 +23,9 @@ Guards (the `guard` argument). A step is skipped, and counted, when its check fa
   and then every value the step writes into a trainable variable is finite: the
   variables and the inner optimizer's variables are read before the update and
   put back when a new trainable value is not finite, so the step changes
-  nothing. Catches a learning rate that blows the weights up. Costs a pass over
-  the weights and a copy of what the step writes.
+  nothing (the optimizer's float slots are checked too). Catches a learning
+  rate that blows the weights up. Costs a pass over the weights and slots and a
+  copy of what the step writes; not under a `tf.distribute` strategy.
 - ``"auto"`` (default): ``"gradients"`` with loss scaling, ``"batch"`` without.
 
 The batch and loss checks need the batch and the loss: Keras's `train_step`

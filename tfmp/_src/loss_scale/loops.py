@@ -46,10 +46,14 @@ def check(optimizer: Any) -> None:
             reached `max_consecutive_overflows` or `min_scale_overflows` reached
             `MIN_SCALE_PATIENCE`.
     """
+    overflows = int(optimizer.overflow_count.numpy())
+    if overflows == optimizer._checked_overflows:
+        return  # no step skipped since the last check: the last step was finite
+    skips.warn_early(optimizer, stacklevel=4)
     limit = optimizer.max_consecutive_overflows
     consecutive = int(optimizer.consecutive_overflows.numpy())
-    if consecutive >= 1:
-        skips.warn_early(optimizer, stacklevel=4)
+    # Nothing to check again until a step is skipped, unless the run is overflowing.
+    optimizer._checked_overflows = overflows if consecutive == 0 else None
     if consecutive < min(limit, MIN_SCALE_PATIENCE):
         return
     at_floor = int(optimizer.min_scale_overflows.numpy())
@@ -68,7 +72,7 @@ def _diagnose(optimizer: Any, consecutive: int, at_floor: int) -> NonFiniteError
     """Builds the error: a non-finite loss versus gradient overflow."""
     step = int(optimizer.last_overflow_step.numpy())
     scale = optimizer.loss_scale
-    phase, kind, cause = skips.cause(int(optimizer.last_loss_status.numpy()), optimizer.loss_scaling)
+    phase, kind, cause = skips.cause(int(optimizer.last_overflow_status.numpy()), optimizer.loss_scaling)
     if consecutive >= optimizer.max_consecutive_overflows:
         rule = (
             f"{consecutive} non-finite steps in a row "

@@ -45,6 +45,7 @@ _COUNTERS = (
     "total_steps",
     "min_scale_overflows",
     "last_loss_status",
+    "last_overflow_status",
 )
 #: Names of the scalar state variables: Keras's two, then tfmp's counters.
 STATE_VARIABLES = ("dynamic_scale", "step_counter") + _COUNTERS
@@ -122,7 +123,9 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
     Keras's train step (recorded under every guard; only ``"batch"`` skips by
     it); bit 16 = a value
     the step would write into a trainable variable was not finite, with
-    ``"values"``; see `STATUS_BITS`). Overflow
+    ``"values"``; see `STATUS_BITS`) and `last_overflow_status` (int64, the same
+    bits as they were at the last skipped step: what the warnings explain).
+    Overflow
     history, ring buffers indexed by `overflow_count % OVERFLOW_HISTORY` (64): the
     k-th skipped step's zero-based index in `overflow_history_steps` (int64, -1 if
     none) and its scale before and after the step in `overflow_history_scales`
@@ -158,7 +161,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
             (every gradient finite; what loss scaling needs; every update waits
             for all gradients), `"values"` (the first check, then every value
             the step writes into a trainable variable is finite, else the
-            step's writes are put back; one replica only), or `"auto"`
+            step's writes are put back; not under a tf.distribute strategy), or `"auto"`
             (default): `"gradients"` with loss scaling, `"batch"` without. A
             step applied without `scale_loss` gets the gradients check.
         name: String or None. The optimizer's name.
@@ -259,6 +262,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         self.guard = guard
         self._warned_run = None
         self._warned_fit = None  # the fit (its starting counters) `skips.warn_early` warned about
+        self._checked_overflows = 0  # overflow_count at the last `raise_if_stuck` (None: check again)
         self._steps = _guard.StepRecord()  # scale_loss calls, per traced or eager step
         self._check_loss = ""  # "batch" or "loss" inside an `apply` checking that, not the gradients
         self._check_values = False  # True inside an `apply` with the "values" guard
@@ -377,12 +381,30 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         Keras checks only this replica's gradients and, under `MirroredStrategy`,
         keeps replica 0's answer; here the answer is combined over all replicas in
         sync (see `tfmp._src.distribute`), so all of them skip the same steps.
-        Inside an `apply` checking the loss only (the `"loss"` guard), the answer
-        is whether the loss recorded by `scale_loss` was finite on every replica.
+        Inside an `apply` checking the loss (the ``"loss"`` guard), the answer
+        is whether the loss recorded by `scale_loss` was finite on every replica;
+        with the ``"batch"`` guard, also whether the batch was finite, or else
+        every gradient (computed on such steps only).
         """
         if self._check_loss:
-            checked = _LOSS_BITS if self._check_loss == "loss" else _LOSS_BITS | _BATCH_BITS
-            return ops.equal(tf.bitwise.bitwise_and(self.last_loss_status.value, checked), 0)
+            status = self.last_loss_status.value
+            loss_finite = ops.equal(tf.bitwise.bitwise_and(status, _LOSS_BITS), 0)
+            if self._check_loss == "loss":
+                return loss_finite
+            # "batch": a clean batch needs no more; a non-finite one (which the model
+            # may mask itself) is applied only when every gradient is finite. The
+            # batch bits agree on every replica; the one all-reduce stays outside
+            # the cond (a cross-replica sync inside control flow is refused).
+            this_replica = super().check_finite
+            grads_finite = ops.cond(
+                ops.equal(tf.bitwise.bitwise_and(status, _BATCH_BITS), 0),
+                lambda: tf.constant(True),
+                lambda: this_replica(grads),
+            )
+            return ops.logical_and(loss_finite, _distribute.all_replicas_finite(grads_finite))
+        return self._gradients_finite(grads)
+
+    def _gradients_finite(self, grads: list) -> Any:
         return _distribute.all_replicas_finite(super().check_finite(grads))
 
     def get_scaled_loss(self, loss: Any) -> Any:
@@ -432,9 +454,13 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         first = _guard.first_check(self.guard, self.loss_scaling)
         self._check_loss = first if loss_recorded and first in _guard.LOSS_GUARDS else ""
         self._check_values = _guard.resolve(self.guard, self.loss_scaling) == "values"
-        if self._check_values:
-            _distribute.check_one_replica("guard", "values")
-        self._statistics_before = _step_state.take()
+        if self._check_values and tf.distribute.has_strategy():
+            raise invalid_argument(
+                "guard", self.guard, "'values' outside tf.distribute strategies (its put-back writes run "
+                "in a replica context, which a distributed variable refuses)",
+                fix="Use guard='auto' or 'gradients' under a tf.distribute strategy.",
+            )
+        self._statistics_before = _step_state.take(list(trainable_variables or optimizer_variables(self)))
         try:
             super().apply(grads, trainable_variables)
         finally:
@@ -490,7 +516,8 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         self.inner_optimizer.apply(
             self._unscale(grads, trainable_variables), trainable_variables=trainable_variables
         )
-        finite = ops.all(ops.stack([ops.all(ops.isfinite(variable)) for variable in trained]))
+        checked = trained + [v for v in self.inner_optimizer.variables if "float" in str(v.dtype)]
+        finite = ops.all(ops.stack([ops.all(ops.isfinite(variable)) for variable in checked]))
 
         def put_back() -> None:
             for variable, value in zip(written, before):
@@ -524,6 +551,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
 
     def _non_finite_step(self) -> None:
         _step_state.put_back(self._statistics_before)
+        self.last_overflow_status.assign(self.last_loss_status)
         slot = ops.reshape(ops.mod(self.overflow_count, OVERFLOW_HISTORY), (1, 1))
         before = tf.identity(self.dynamic_scale)  # read now, before the update
         self.overflow_count.assign_add(1)

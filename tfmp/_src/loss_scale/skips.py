@@ -2,9 +2,10 @@
 
 Stuck detection (`loops.check`) raises only after a run of skipped steps
 (`max_consecutive_overflows`, 32 by default). A fit whose 12 steps are all skipped
-would end before it, with nothing said but ``inf`` in the history. So, after a
-skipped step of `model.fit` (or an eager `apply`), `warn_early` warns once per
-`fit` call (`SkippedStepWarning`) when:
+would end before it, with nothing said but ``inf`` in the history. So, after an
+execution of `model.fit`'s train function (or an eager `apply`) that skipped a
+step (`overflow_count` moved, whatever `steps_per_execution` is), `warn_early`
+warns once per window (`SkippedStepWarning`) when:
 
 - the skip cannot be a loss-scale overflow: the batch or the loss was
   non-finite, a written value was (the ``"values"`` guard), or the optimizer
@@ -14,16 +15,21 @@ skipped step of `model.fit` (or an eager `apply`), `warn_early` warns once per
   all skipped (a healthy start halves the scale from 2**15 a few times), or more
   than `EARLY_RATE` (5%) of the fit's steps were skipped, at least 8 of them.
 
-The warning names the step, the counts, the cause as `last_loss_status` records
-it, that nothing was written, and the tool that finds the source
-(`tfmp.check_numerics`, `tfmp.check_dataset`). Healthy steps read one scalar as
-before (`consecutive_overflows`); the others are read after a skipped step only.
+A window starts at a `fit` (or `train_on_batch`) call that comes at least
+`EARLY_STEPS` steps after the window before it began: one warning per `fit`,
+at most one per 8 steps of a `train_on_batch` loop. The warning names the step,
+the counts, the cause as `last_overflow_status` records it, what was kept, and
+the tool that finds the source (`tfmp.check_numerics`, `tfmp.check_dataset`).
+Healthy steps read one scalar as before (`overflow_count`); the others are read
+after a skipped step only.
 """
 
 from __future__ import annotations
 
 import warnings
 from typing import Any, Tuple
+
+import tensorflow as tf
 
 from tfmp._src.constants import NON_FINITE_KINDS
 
@@ -44,7 +50,7 @@ def cause(status: int, loss_scaling: bool) -> Tuple[str, str, str]:
     """(phase, kind, sentence): why the last skipped step was skipped, from `last_loss_status`.
 
     Args:
-        status: Int. The optimizer's `last_loss_status` bits (see `STATUS_BITS`).
+        status: Int. The optimizer's `last_overflow_status` bits (see `STATUS_BITS`).
         loss_scaling: Bool. Whether the optimizer scales the loss dynamically.
 
     Returns:
@@ -85,9 +91,14 @@ def cause(status: int, loss_scaling: bool) -> Tuple[str, str, str]:
 
 
 def start_fit(optimizer: Any) -> None:
-    """Remembers the counters at the start of a `fit` (two scalar reads per fit)."""
-    if optimizer.built:
-        optimizer._fit_start = (int(optimizer.total_steps.numpy()), int(optimizer.overflow_count.numpy()))
+    """At a `fit` or `train_on_batch` call: a new window when the last began `EARLY_STEPS` steps ago."""
+    start = getattr(optimizer, "_fit_start", None)
+    if not optimizer.built:
+        optimizer._fit_start = start or (0, 0)  # built by the first step: counters at 0
+        return
+    total = int(optimizer.total_steps.numpy())
+    if start is None or total - start[0] >= EARLY_STEPS:
+        optimizer._fit_start = (total, int(optimizer.overflow_count.numpy()))
 
 
 def warn_early(optimizer: Any, stacklevel: int) -> None:
@@ -101,9 +112,11 @@ def warn_early(optimizer: Any, stacklevel: int) -> None:
     start_total, start_skips = getattr(optimizer, "_fit_start", (0, 0))
     if optimizer._warned_fit == (start_total, start_skips):
         return
-    status = int(optimizer.last_loss_status.numpy())
     steps = int(optimizer.total_steps.numpy()) - start_total
     skips = int(optimizer.overflow_count.numpy()) - start_skips
+    if skips <= 0:
+        return
+    status = int(optimizer.last_overflow_status.numpy())
     phase, _, sentence = cause(status, optimizer.loss_scaling)
     not_overflow = phase != "gradients" or not optimizer.loss_scaling
     all_first = steps >= EARLY_STEPS and skips == steps
@@ -112,10 +125,12 @@ def warn_early(optimizer: Any, stacklevel: int) -> None:
         return
     optimizer._warned_fit = (start_total, start_skips)
     step = int(optimizer.last_overflow_step.numpy())
+    kept = "weights and optimizer slots keep their values"
+    if tf.distribute.get_strategy().num_replicas_in_sync == 1:  # see step_state
+        kept = "weights, optimizer slots and BatchNormalization statistics keep their values"
     warnings.warn(
         f"tfmp skipped step {step} ({skips} of the {steps} steps of this fit so far; "
-        f"loss scale {optimizer.loss_scale:g}): nothing was written (weights, optimizer "
-        f"slots and BatchNormalization statistics keep their values). {sentence} "
+        f"loss scale {optimizer.loss_scale:g}): nothing was written ({kept}). {sentence} "
         "Run tfmp.check_numerics(model) to find the first layer that goes non-finite. "
         "Warned once per fit; stuck detection stops the run after "
         f"{optimizer.max_consecutive_overflows} skipped steps in a row.",

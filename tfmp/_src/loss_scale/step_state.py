@@ -14,10 +14,13 @@ after it:
 
 1. writes back the values read before when a new value is not finite (this
    layer alone, at once: with a tfmp optimizer or without one);
-2. notes the values read before for this thread's step; a tfmp optimizer that
-   skips the step (`take` as `apply` starts, `put_back` in the skip branch) writes
-   them back, so a step skipped for a gradient overflow leaves the statistics
-   as they were too.
+2. notes the values read before, with the model the call runs in (Keras's
+   entry layer), for this thread's step; a tfmp optimizer that skips the step
+   (`take` as `apply` starts, `put_back` in the skip branch) writes back the
+   first value noted for each statistic of the models whose variables it
+   updates, so a step skipped for a gradient overflow leaves the statistics as
+   they were too (a layer called twice in the step included), and never touches
+   another model's.
 
 With several replicas in sync (`tf.distribute`) only 1 applies. Other state a
 step changes is left as Keras has it: the compiled metrics see the skipped
@@ -30,17 +33,20 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Any, Iterator, List, Tuple
 
 import tensorflow as tf
 
-_ATTR = "_tfmp_statistics_before"  # on a graph: its noted (variable, value before) pairs
+from tfmp._src.keras_hooks.keras_private import entry_layer
+
+_ATTR = "_tfmp_statistics_before"  # on a graph: its noted (model, variable, value before), weakly
 _eager = threading.local()  # .noted: this thread's eager pairs since the last `take`
 #: Eager pairs kept at most (the oldest go first): eager training calls that no
 #: tfmp optimizer follows (a loop with a plain optimizer) must not grow memory.
 EAGER_LIMIT = 1024
 
-Noted = List[Tuple[Any, Any]]
+Noted = List[Tuple[Any, Any, Any]]
 
 
 def _noted_here() -> Noted:
@@ -77,38 +83,52 @@ def kept_statistics(layer: Any, training: Any) -> Iterator[None]:
     after = [tf.identity(variable) for variable in variables]
     finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(value)) for value in after])
     noted = _noted_here()
+    model = weakref.ref(entry_layer() or layer)  # a note never keeps a model alive
     for variable, old, new in zip(variables, before, after):
         variable.assign(tf.where(finite, new, old))
-        noted.append((variable, old))
+        noted.append((model, weakref.ref(variable), old))
 
 
-def take() -> Noted:
-    """The (variable, value before) pairs noted for the step now traced or run; forgets all.
+def take(trained: List[Any]) -> List[Tuple[Any, Any]]:
+    """The (variable, value before) pairs a skipped step of `trained` must write back.
 
-    Called as `apply` starts: the pairs of this graph and of the graphs
-    enclosing it, or this thread's eager pairs when eager. A step whose forward
-    pass was traced in another function than its `apply` is not tied to them
-    (only the layer's own guard, 1 above, applies).
+    Called as `apply` starts, with the variables it updates: the pairs noted in
+    this graph and the graphs enclosing it (this thread's eager pairs when
+    eager) whose model has one of `trained` among its trainable variables. They
+    are taken out; other models' pairs stay for their own optimizer (a GAN's
+    two). A step whose forward pass was traced in another function than its
+    `apply` is not tied to them (only the layer's own guard, 1 above, applies).
     """
-    if tf.executing_eagerly():
-        noted, _eager.noted = getattr(_eager, "noted", None) or [], []
-        return noted
-    taken: Noted = []
-    current = tf.compat.v1.get_default_graph()
+    ids = {id(variable) for variable in trained}
+    lists = [getattr(_eager, "noted", None) or []] if tf.executing_eagerly() else []
+    current = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
     while current is not None:
-        taken += getattr(current, _ATTR, None) or []
-        if getattr(current, _ATTR, None):
-            setattr(current, _ATTR, [])
+        lists.append(getattr(current, _ATTR, None) or [])
         current = getattr(current, "outer_graph", None)
+    taken: List[Tuple[Any, Any]] = []
+    verdicts: dict = {}
+    for noted in lists:
+        kept = []
+        for model_ref, variable_ref, old in noted:
+            model, variable = model_ref(), variable_ref()
+            if model is None or variable is None:
+                continue  # gone: nothing to put back
+            if id(model) not in verdicts:
+                verdicts[id(model)] = any(id(v) in ids for v in model.trainable_variables)
+            if verdicts[id(model)]:
+                taken.append((variable, old))
+            else:
+                kept.append((model_ref, variable_ref, old))
+        noted[:] = kept
     return taken
 
 
-def put_back(noted: Noted) -> None:
+def put_back(noted: List[Tuple[Any, Any]]) -> None:
     """Writes the noted values back (a skipped step's branch); nothing with several replicas."""
     context = tf.distribute.get_replica_context()
     if context is not None and context.num_replicas_in_sync > 1:
         return
     if context is None and tf.distribute.get_strategy().num_replicas_in_sync > 1:
         return
-    for variable, old in noted:
+    for variable, old in reversed(noted):  # the first value noted for a variable is written last
         variable.assign(old)

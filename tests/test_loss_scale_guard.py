@@ -73,7 +73,7 @@ def test_guide_train_step_warns_once_and_the_fix_trains_like_float32():
     assert (len(silent), len(warned), len(quiet)) == (0, 1, 0)  # once over 20 steps, 2 fits
     message = str(warned[0].message)
     assert "32768x too small" in message
-    assert "loss = self.optimizer.scale_loss(loss)" in message and "tfmp.scaled_gradients" in message
+    assert "scaled_loss = self.optimizer.scale_loss(loss)" in message and "tfmp.scaled_gradients" in message
     # From an mse of 2.260 at the start, 20 steps reach 0.717 in float32 and with
     # the fix under mixed_float16; unscaled, each update is 2**15 times too small
     # and the loss stays at 2.260.

@@ -21,6 +21,7 @@ POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 ROWS, FEATURES = 16, 8
 
 
+@keras.saving.register_keras_serializable(package="tfmp_tests")
 def _hide_nan(z):
     """ReLU written so that NaN becomes 0 on every CPU (oneDNN's relu does so on some)."""
     return ops.where(z > 0, z, 0.0)
@@ -111,7 +112,7 @@ def test_every_input_nan_skips_every_step_and_warns_once(policy):
     with pytest.warns(tfmp.SkippedStepWarning) as record:
         _fit(model, np.full_like(np.tile(x, (4, 1)), np.nan), np.tile(y, 4))
     assert len([w for w in record if w.category is tfmp.SkippedStepWarning]) == 1
-    assert "skipped step 0 (1 of the 1 steps" in str(record[0].message)
+    assert "skipped step 0 (1 of the 1 steps since step 0" in str(record[0].message)
     assert _counters(model)[:2] == [4, 4]
     for kept, variable in zip(before, model.trainable_variables):
         np.testing.assert_array_equal(variable.numpy(), kept)
@@ -210,7 +211,7 @@ def test_a_fit_of_only_skipped_steps_is_said_before_stuck_detection():
     with pytest.warns(tfmp.SkippedStepWarning, match="The loss itself is non-finite") as record:
         model.fit(x, np.zeros((48, 1), "float32"), batch_size=4, verbose=0)
     assert len([w for w in record if w.category is tfmp.SkippedStepWarning]) == 1
-    assert "skipped step 0 (1 of the 1 steps" in str(record[0].message)
+    assert "skipped step 0 (1 of the 1 steps since step 0" in str(record[0].message)
     assert [int(model.optimizer.overflow_count.numpy()), int(model.optimizer.total_steps.numpy())] == [12, 12]
 
 
@@ -219,7 +220,7 @@ def test_gradient_overflow_warns_when_the_first_steps_are_all_skipped():
     x, y = _data()
     with pytest.warns(tfmp.SkippedStepWarning, match="gradients overflow") as record:
         _fit(model, np.tile(x, (10, 1)), np.tile(y, 10))
-    assert "(8 of the 8 steps of this fit" in str(record[0].message)
+    assert "(8 of the 8 steps since step 0" in str(record[0].message)
     assert _counters(model)[:2] == [10, 10]
 
 
@@ -354,3 +355,49 @@ def test_train_on_batch_warns_at_most_once_per_eight_steps():
             model.train_on_batch(x, y)
     assert len([w for w in record if w.category is tfmp.SkippedStepWarning]) == 2
     assert _counters(model)[:2] == [16, 16]
+
+
+@pytest.mark.parametrize("policy", ("mixed_bfloat16", "mixed_float16"))
+def test_a_batchnorm_model_saves_and_loads_its_loss_scale_and_counters(policy, tmp_path):
+    """The statistics a skipped step may put back are never optimizer variables."""
+    model = _model(policy, batch_norm=True)
+    x, y = _data()
+    x[2, 0] = np.nan
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tfmp.SkippedStepWarning)
+        _fit(model, x, y)
+    assert not [v.path for v in model.optimizer.variables if "moving" in v.path]
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert _counters(loaded) == _counters(model) and _counters(model)[:2] == [1, 1]
+    assert loaded.optimizer.loss_scale == model.optimizer.loss_scale
+
+
+def test_enable_accepts_the_batch_guard_it_documents():
+    tfmp.enable(policy="mixed_bfloat16", loss_scale_options={"guard": "batch"})
+    tfmp.disable()
+    with pytest.raises(ValueError, match="Invalid `guard` argument"):
+        tfmp.enable(policy="mixed_float16", loss_scale_options={"guard": "batch"})
+
+
+def test_a_custom_train_step_without_scale_loss_still_names_the_bad_batch():
+    class CustomModel(keras.Model):  # as the keras.io guide writes it
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = self.compute_loss(y=y, y_pred=self(x, training=True))
+            self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+            return {"loss": loss}
+
+    tfmp.enable(policy="mixed_bfloat16")
+    try:
+        inputs = keras.Input((FEATURES,))
+        model = CustomModel(inputs, keras.layers.Dense(1)(keras.layers.Dense(16, activation="relu")(inputs)))
+        model.compile(keras.optimizers.Adam(1e-2), "mse")
+    finally:
+        tfmp.disable()
+    x, _ = _data()
+    x[0, 0] = np.nan
+    with pytest.warns(tfmp.SkippedStepWarning, match="The batch itself holds nan"):
+        _fit(model, x, np.zeros((ROWS, 1), "float32"))
+    assert _counters(model) == [1, 1, STATUS_BITS["batch nan"]]

@@ -195,8 +195,9 @@ def warn_if_unscaled(optimizer: Any, record: StepRecord, from_unscale: bool) -> 
         f"scaling, scale {scale:g}), but no loss was scaled by it: `apply` divides the "
         f"gradients by the scale, so each update is {scale:g}x too small and training "
         "barely moves. Scale the loss inside the GradientTape, before tape.gradient: "
-        "`loss = self.optimizer.scale_loss(loss)` (or `grads = tfmp.scaled_gradients(tape, "
-        "loss, variables, optimizer)`). Warned once per optimizer; make it an error with "
+        "`scaled_loss = self.optimizer.scale_loss(loss)`, then take the gradients of "
+        "`scaled_loss` (keep `loss` for the metrics), or `grads = tfmp.scaled_gradients(tape, "
+        "loss, variables, optimizer)`. Warned once per optimizer; make it an error with "
         "warnings.simplefilter('error', tfmp.LossScaleWarning).",
         LossScaleWarning,
         stacklevel=4,

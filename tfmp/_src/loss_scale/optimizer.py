@@ -266,7 +266,9 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         self._steps = _guard.StepRecord()  # scale_loss calls, per traced or eager step
         self._check_loss = ""  # "batch" or "loss" inside an `apply` checking that, not the gradients
         self._check_values = False  # True inside an `apply` with the "values" guard
-        self._statistics_before: list = []  # BatchNormalization statistics a skipped step puts back
+        # BatchNormalization statistics a skipped step puts back; set past Keras's
+        # tracking, which would make the statistics optimizer variables (saved with it).
+        object.__setattr__(self, "_statistics_before", ())
         # Gradients returned by get_unscaled_gradients, by id: apply does not
         # divide these again (tf.keras 2 code unscales before apply_gradients).
         self._unscaled = weakref.WeakValueDictionary()
@@ -352,6 +354,14 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         nan = tf.reduce_any([tf.reduce_any(tf.math.is_nan(leaf)) for leaf in leaves])
         inf = tf.reduce_any([tf.reduce_any(tf.math.is_inf(leaf)) for leaf in leaves])
         self._steps.note_batch((nan, inf))
+
+    def _record_unscaled_batch(self) -> None:
+        """A step without `scale_loss` (a custom ``train_step``): its batch's bits still explain a skip."""
+        batch = self._steps.take_batch_status()
+        if batch is not None and self.built:
+            nan, inf = _distribute.any_replica(list(batch))
+            self.last_loss_status.assign(
+                ops.cast(nan, _INT) * STATUS_BITS["batch nan"] + ops.cast(inf, _INT) * STATUS_BITS["batch inf"])
 
     def scale_loss(self, loss: Any) -> Any:
         """Multiplies `loss` by the scale, recording whether the loss (and the batch) is finite.
@@ -460,11 +470,15 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
                 "in a replica context, which a distributed variable refuses)",
                 fix="Use guard='auto' or 'gradients' under a tf.distribute strategy.",
             )
-        self._statistics_before = _step_state.take(list(trainable_variables or optimizer_variables(self)))
+        object.__setattr__(self, "_statistics_before", tuple(
+            _step_state.take(list(trainable_variables or optimizer_variables(self)))))
+        if not loss_recorded:
+            self._record_unscaled_batch()
         try:
             super().apply(grads, trainable_variables)
         finally:
-            self._check_loss, self._check_values, self._statistics_before = "", False, []
+            self._check_loss, self._check_values = "", False
+            object.__setattr__(self, "_statistics_before", ())
         if tf.executing_eagerly():
             self.raise_if_stuck()
 

@@ -129,7 +129,7 @@ def warn_early(optimizer: Any, stacklevel: int) -> None:
     if tf.distribute.get_strategy().num_replicas_in_sync == 1:  # see step_state
         kept = "weights, optimizer slots and BatchNormalization statistics keep their values"
     warnings.warn(
-        f"tfmp skipped step {step} ({skips} of the {steps} steps of this fit so far; "
+        f"tfmp skipped step {step} ({skips} of the {steps} steps since step {start_total}; "
         f"loss scale {optimizer.loss_scale:g}): nothing was written ({kept}). {sentence} "
         "Run tfmp.check_numerics(model) to find the first layer that goes non-finite. "
         "Warned once per fit; stuck detection stops the run after "

@@ -48,6 +48,7 @@ from tfmp._src.float32.force import force_float32, force_loaded
 from tfmp._src.float32.token_ids import exact_id_embeddings, keep_exact_ids
 from tfmp._src.policy.hardware import DeviceFacts
 from tfmp._src.loss_scale import loops
+from tfmp._src.loss_scale.guard import LOSS_GUARDS
 from tfmp._src.loss_scale import custom_optimizers
 from tfmp._src.loss_scale.optimizer import WRAP_OPTIONS
 from tfmp._src.loss_scale.optimizer import wrap_optimizer
@@ -224,8 +225,8 @@ def _checked_loss_scale_options(options: Optional[dict], compute_dtype: str) -> 
     """Validates `loss_scale_options` by building throwaway optimizers with them.
 
     Once as for float16 (every bound is checked with loss scaling on; a
-    ``guard="loss"``, valid only without it, is left out there) and once for the
-    policy's `compute_dtype` (``guard="loss"`` under float16 raises).
+    ``guard="batch"`` or ``"loss"``, valid only without it, is left out there) and
+    once for the policy's `compute_dtype` (either under float16 raises).
     """
     if options is None:
         return {}
@@ -237,7 +238,8 @@ def _checked_loss_scale_options(options: Optional[dict], compute_dtype: str) -> 
     for key in options:
         if key not in WRAP_OPTIONS:
             raise unknown_key("loss_scale_options", options, key, WRAP_OPTIONS)
-    probe = {key: value for key, value in options.items() if (key, value) != ("guard", "loss")}
+    probe = {key: value for key, value in options.items()
+             if not (key == "guard" and value in LOSS_GUARDS)}
     for checked in (wrap_optimizer("sgd", "float16", **probe),  # raises on a bad value
                     wrap_optimizer("sgd", compute_dtype, **options)):
         loops.untrack(checked)  # thrown away: no fit hook for it

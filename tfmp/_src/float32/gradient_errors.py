@@ -93,16 +93,6 @@ def _explaining_models() -> List[Any]:
     return sorted(models, key=lambda m: -len(walk(m)))
 
 
-def _frames(error: BaseException) -> List[Any]:
-    """The frames of `error`'s traceback, innermost first."""
-    frames = []
-    tb = error.__traceback__
-    while tb is not None:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
-    return frames[::-1]
-
-
 def _held_layers(frames: List[Any]) -> Iterator[Any]:
     """Each layer a frame holds (``self`` first, then its other locals and free variables)."""
     for frame in frames:
@@ -168,7 +158,7 @@ def _failing_layer(error: BaseException, sources: Any) -> Optional[Tuple[str, An
     models = _explaining_models()
     if not models:
         return None
-    frames = _frames(error)
+    frames = error_texts.frames_innermost_first(error)
     for layer in _held_layers(frames):
         for model in models:
             path = _path_in(model, layer)

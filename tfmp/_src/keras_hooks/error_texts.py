@@ -12,7 +12,7 @@ Keras/TensorFlow), so a reworded message fails by name there.
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import tensorflow as tf
 
@@ -96,14 +96,19 @@ def call_frame_owners(error: BaseException) -> Iterator[Any]:
     Keras's traceback filter keeps the frames of user code (a layer's ``call``);
     it drops its own and TensorFlow's.
     """
+    for frame in frames_innermost_first(error):
+        if frame.f_code.co_name == "call" and "self" in frame.f_locals:
+            yield frame.f_locals["self"]
+
+
+def frames_innermost_first(error: BaseException) -> List[Any]:
+    """The frames of `error`'s traceback, the innermost first."""
     frames = []
     tb = error.__traceback__
     while tb is not None:
         frames.append(tb.tb_frame)
         tb = tb.tb_next
-    for frame in reversed(frames):
-        if frame.f_code.co_name == "call" and "self" in frame.f_locals:
-            yield frame.f_locals["self"]
+    return frames[::-1]
 
 
 #: TensorFlow's frame that runs a registered (built-in) op gradient for a tape:
@@ -119,12 +124,7 @@ GRADIENT_FRAME = ("_gradient_function", "forward_pass_name_scope", "out_grads")
 def gradient_frames(error: BaseException) -> Iterator[Tuple[str, Tuple[str, ...]]]:
     """(forward op's name scope, incoming gradients' dtype names) of each `GRADIENT_FRAME`, innermost first."""
     function, scope_name, grads_name = GRADIENT_FRAME
-    frames = []
-    tb = error.__traceback__
-    while tb is not None:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
-    for frame in reversed(frames):
+    for frame in frames_innermost_first(error):
         if frame.f_code.co_name == function and grads_name in frame.f_locals:
             grads = frame.f_locals.get(grads_name) or ()
             yield frame.f_locals.get(scope_name) or "", tuple(getattr(getattr(g, "dtype", None), "name", "") for g in grads)

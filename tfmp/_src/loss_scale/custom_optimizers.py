@@ -54,7 +54,7 @@ from tfmp._src.errors import user_stacklevel
 from tfmp._src.keras_hooks import patches, train_function
 from tfmp._src.keras_hooks.keras_private import SETATTR_HOOK
 from tfmp._src.keras_hooks.object_state import PerObject
-from tfmp._src.loss_scale.guard import LossScaleWarning
+from tfmp._src.loss_scale.guard import LossScaleWarning, graph_lineage
 from tfmp._src.loss_scale.optimizer import LossScaleOptimizer, wrap_optimizer
 
 #: The hook owner (a key of `patches.ORDER`) of the model's and the optimizers' hooks.
@@ -214,12 +214,7 @@ class _StepRecord:
         if tf.executing_eagerly():
             scaled, self._eager = self._eager, False
             return scaled
-        graph = tf.compat.v1.get_default_graph()
-        while graph is not None:
-            if graph in self._graphs:
-                return True
-            graph = getattr(graph, "outer_graph", None)
-        return False
+        return any(graph in self._graphs for graph in graph_lineage())
 
 
 def _apply_unscaled_gradients_as_given(optimizer: LossScaleOptimizer, model_name: str, name: str) -> None:

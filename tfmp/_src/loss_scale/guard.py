@@ -85,6 +85,21 @@ def check_guard(guard: Any, loss_scaling: bool) -> None:
         )
 
 
+def graph_lineage() -> list:
+    """The graph being traced and every graph enclosing it, innermost first ([] when eager).
+
+    "This step" for a `tf.function` step: `scale_loss` may run in the train
+    function's graph and `apply` in a `cond` branch or a nested function inside it.
+    """
+    if tf.executing_eagerly():
+        return []
+    lineage, graph = [], tf.compat.v1.get_default_graph()
+    while graph is not None:
+        lineage.append(graph)
+        graph = getattr(graph, "outer_graph", None)
+    return lineage
+
+
 def resolve(guard: str, loss_scaling: bool) -> str:
     """String, ``"batch"``, ``"loss"``, ``"gradients"`` or ``"values"``: what a `guard` value stands for."""
     if guard == "auto":
@@ -142,12 +157,7 @@ class StepRecord:
         graph, status = noted
         if tf.executing_eagerly():
             return status if graph is None else None
-        current = tf.compat.v1.get_default_graph()
-        while current is not None:
-            if current is graph:
-                return status
-            current = getattr(current, "outer_graph", None)
-        return None
+        return status if any(graph is g for g in graph_lineage()) else None
 
     def note_scale_loss(self, loss_recorded: bool) -> None:
         """Called by `scale_loss`; `loss_recorded` is whether it stored the loss's status."""
@@ -165,12 +175,7 @@ class StepRecord:
             recorded, self._eager_pending = self._eager_pending, False
             context = tf.distribute.get_replica_context()  # None in a cross-replica context
             return recorded and context is not None and context.num_replicas_in_sync == 1
-        graph = tf.compat.v1.get_default_graph()
-        while graph is not None:
-            if graph in self._graphs:
-                return True
-            graph = getattr(graph, "outer_graph", None)
-        return False
+        return any(graph in self._graphs for graph in graph_lineage())
 
 
 def warn_if_unscaled(optimizer: Any, record: StepRecord, from_unscale: bool) -> None:

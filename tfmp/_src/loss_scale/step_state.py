@@ -39,6 +39,7 @@ from typing import Any, Iterator, List, Tuple
 import tensorflow as tf
 
 from tfmp._src.keras_hooks.keras_private import entry_layer
+from tfmp._src.loss_scale.guard import graph_lineage
 
 _ATTR = "_tfmp_statistics_before"  # on a graph: its noted (model, variable, value before), weakly
 _eager = threading.local()  # .noted: this thread's eager pairs since the last `take`
@@ -101,10 +102,7 @@ def take(trained: List[Any]) -> List[Tuple[Any, Any]]:
     """
     ids = {id(variable) for variable in trained}
     lists = [getattr(_eager, "noted", None) or []] if tf.executing_eagerly() else []
-    current = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-    while current is not None:
-        lists.append(getattr(current, _ATTR, None) or [])
-        current = getattr(current, "outer_graph", None)
+    lists += [getattr(graph, _ATTR, None) or [] for graph in graph_lineage()]
     taken: List[Tuple[Any, Any]] = []
     verdicts: dict = {}
     for noted in lists:

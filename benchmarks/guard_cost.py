@@ -1,6 +1,6 @@
 """What tfmp's non-finite-step guards cost: plain Keras versus each guard, side by side.
 
-    python benchmarks/guard_cost.py                    # the suite's sizes, ~15 min on 2 cores
+    python benchmarks/guard_cost.py                    # full sizes, ~40 min on 2 cores (AVX2 EPYC)
     python benchmarks/guard_cost.py --workloads mlp --policies float32 --repeats 9
 
 Each workload of `benchmarks/workloads.py` (MLP, CNN with BatchNormalization,
@@ -30,7 +30,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tfmp  # noqa: E402
 from benchmarks import workloads  # noqa: E402
 
-CONFIGS = ("keras", "guard=batch", "guard=gradients", "guard=values")
+GUARDS = ("batch", "gradients", "values")
 POLICIES = ("float32", "mixed_bfloat16")
 WORKLOADS = ("mlp", "cnn", "transformer")
 
@@ -54,6 +54,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="workload sizes of benchmarks/workloads.py (default full; quick: tests)")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    parser.add_argument("--guards", nargs="+", default=list(GUARDS), choices=GUARDS,
+                        help="guards timed beside plain Keras (default all three)")
     return parser.parse_args(argv)
 
 
@@ -69,18 +71,24 @@ def build(config: str, workload: workloads.Workload) -> keras.Model:
     return model
 
 
+def configurations(args: argparse.Namespace) -> Tuple[str, ...]:
+    """Plain Keras first, then one configuration per chosen guard."""
+    return ("keras",) + tuple(f"guard={guard}" for guard in args.guards)
+
+
 def measure(workload: workloads.Workload, policy: str, args: argparse.Namespace) -> Dict[str, Dict[str, List[float]]]:
     """Seconds per step of each configuration, one entry per repeat, by clock ("wall", "cpu")."""
+    configs = configurations(args)
     dataset = workload.dataset()
     previous = keras.config.dtype_policy()
     keras.config.set_dtype_policy(policy)
     try:
-        models = {config: build(config, workload) for config in CONFIGS}
+        models = {config: build(config, workload) for config in configs}
     finally:
         keras.config.set_dtype_policy(previous)
 
     times: Dict[str, Dict[str, List[float]]] = {
-        clock: {config: [] for config in CONFIGS} for clock in ("wall", "cpu")
+        clock: {config: [] for config in configs} for clock in ("wall", "cpu")
     }
 
     def fit(config: str) -> None:
@@ -89,16 +97,16 @@ def measure(workload: workloads.Workload, policy: str, args: argparse.Namespace)
         times["wall"][config].append((time.perf_counter() - wall) / args.steps)
         times["cpu"][config].append((time.process_time() - cpu) / args.steps)
 
-    for config in CONFIGS:
+    for config in configs:
         fit(config)  # traces the train function; not kept
     for clock in times.values():
         for kept in clock.values():
             kept.clear()
     for repeat in range(args.repeats):
-        shift = repeat % len(CONFIGS)
-        for config in CONFIGS[shift:] + CONFIGS[:shift]:
+        shift = repeat % len(configs)
+        for config in configs[shift:] + configs[:shift]:
             fit(config)
-    for config in CONFIGS[1:]:
+    for config in configs[1:]:
         optimizer = models[config].optimizer
         if int(optimizer.overflow_count.numpy()) != 0:
             raise RuntimeError(f"{config}: a timed step of {workload.name} was skipped")
@@ -132,7 +140,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, float]]:
     args = parse_args(argv)
     chosen = workloads.workloads(quick=args.size == "quick")
     print(f"{args.repeats} repeats of {args.steps} steps, {args.size} sizes; AVX512_BF16: {has_avx512_bf16()}")
-    guards = CONFIGS[1:]
+    configs = configurations(args)
+    guards = configs[1:]
     print(f"{'workload':<13}{'policy':<16}{'clock':<6}{'keras ms':>10}"
           + "".join(f"{c.split('=')[1] + '/keras':>16}" for c in guards)
           + "".join(f"{'fastest ' + c.split('=')[1]:>18}" for c in guards))
@@ -141,7 +150,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, float]]:
         for policy in args.policies:
             for clock, times in measure(chosen[name], policy, args).items():
                 ratios = {**paired_ratios(times), **fastest_ratios(times)}
-                ms = {config: 1000 * statistics.median(times[config]) for config in CONFIGS}
+                ms = {config: 1000 * statistics.median(times[config]) for config in configs}
                 print(f"{name:<13}{policy:<16}{clock:<6}{ms['keras']:>10.1f}"
                       + "".join(f"{ratios[c]:>16.3f}" for c in guards)
                       + "".join(f"{ratios[c + ' fastest']:>18.3f}" for c in guards))

@@ -34,8 +34,8 @@ step that does call ``scale_loss`` (``tfmp.scaled_gradients``,
 ``get_scaled_loss``) it is an ordinary dynamic `tfmp.LossScaleOptimizer`.
 
 "The step" is the graph being traced (or one enclosing it) for a `tf.function`
-step, and "since the previous eager ``apply``" for an eager one, as in
-`guard.StepRecord`; a loss scaled in one `tf.function` and applied in another
+step, and "since the previous eager ``apply``" for an eager one
+(`guard.ScaleLossCalls`); a loss scaled in one `tf.function` and applied in another
 counts as not scaled.
 """
 
@@ -54,7 +54,7 @@ from tfmp._src.errors import user_stacklevel
 from tfmp._src.keras_hooks import patches, train_function
 from tfmp._src.keras_hooks.keras_private import SETATTR_HOOK
 from tfmp._src.keras_hooks.object_state import PerObject
-from tfmp._src.loss_scale.guard import LossScaleWarning, graph_lineage
+from tfmp._src.loss_scale.guard import LossScaleWarning, ScaleLossCalls
 from tfmp._src.loss_scale.optimizer import LossScaleOptimizer, wrap_optimizer
 
 #: The hook owner (a key of `patches.ORDER`) of the model's and the optimizers' hooks.
@@ -192,34 +192,10 @@ def _warn_container(model: keras.Model, name: str, compute_dtype: str) -> None:
     )
 
 
-class _StepRecord:
-    """Whether `scale_loss` ran on one optimizer in the step now traced or run.
-
-    Like `guard.StepRecord`, whatever the optimizer was built or the replicas:
-    a graph set for traced steps, a flag for eager ones.
-    """
-
-    def __init__(self) -> None:
-        self._graphs: "weakref.WeakSet[Any]" = weakref.WeakSet()
-        self._eager = False
-        self.warned = False
-
-    def note(self) -> None:
-        if tf.executing_eagerly():
-            self._eager = True
-        else:
-            self._graphs.add(tf.compat.v1.get_default_graph())
-
-    def take(self) -> bool:
-        if tf.executing_eagerly():
-            scaled, self._eager = self._eager, False
-            return scaled
-        return any(graph in self._graphs for graph in graph_lineage())
-
-
 def _apply_unscaled_gradients_as_given(optimizer: LossScaleOptimizer, model_name: str, name: str) -> None:
     """Hooks `optimizer`'s ``scale_loss`` and ``apply`` (see the module docstring)."""
-    steps = _StepRecord()
+    steps = ScaleLossCalls()
+    warned = False  # one LossScaleWarning per optimizer
 
     def wrap_scale_loss(scale_loss: Callable) -> Callable:
         @functools.wraps(scale_loss)
@@ -232,9 +208,12 @@ def _apply_unscaled_gradients_as_given(optimizer: LossScaleOptimizer, model_name
     def wrap_apply(apply: Callable) -> Callable:
         @functools.wraps(apply)
         def apply_unscaled_as_given(grads: Any, trainable_variables: Any = None) -> Any:
+            nonlocal warned
             grads = list(grads)
             if not steps.take():
-                _warn_unscaled(optimizer, model_name, name, steps)
+                if not warned:
+                    warned = True
+                    _warn_unscaled(optimizer, model_name, name)
                 for g in grads:  # as get_unscaled_gradients' tensors: not divided by the scale
                     if g is not None:
                         optimizer._unscaled[id(g)] = g
@@ -246,10 +225,7 @@ def _apply_unscaled_gradients_as_given(optimizer: LossScaleOptimizer, model_name
     patches.install(optimizer, "apply", wrap_apply, owner=OWNER)
 
 
-def _warn_unscaled(optimizer: LossScaleOptimizer, model_name: str, name: str, steps: _StepRecord) -> None:
-    if steps.warned:
-        return
-    steps.warned = True
+def _warn_unscaled(optimizer: LossScaleOptimizer, model_name: str, name: str) -> None:
     warnings.warn(
         f"`{name}` of model {model_name!r} ({type(optimizer.inner_optimizer).__name__}, wrapped by tfmp in a "
         "tfmp.LossScaleOptimizer) applies gradients of a loss that was not scaled: float16 "

@@ -119,6 +119,33 @@ def first_check(guard: str, loss_scaling: bool) -> str:
     return resolved
 
 
+class ScaleLossCalls:
+    """Whether `scale_loss` ran on one optimizer in the step now traced or run.
+
+    A `tf.function` step is traced once, so for a traced step this means "in the
+    graph now being traced, or one enclosing it" (a set of graphs, held weakly);
+    for an eager step, "since the previous `take`" (a flag).
+    """
+
+    def __init__(self) -> None:
+        self._graphs: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self._eager = False
+
+    def note(self) -> None:
+        """Called by `scale_loss`."""
+        if tf.executing_eagerly():
+            self._eager = True
+        else:
+            self._graphs.add(tf.compat.v1.get_default_graph())
+
+    def take(self) -> bool:
+        """Bool. Called by `apply`: whether `note` was called in this step (eager: clears it)."""
+        if tf.executing_eagerly():
+            noted, self._eager = self._eager, False
+            return noted
+        return any(graph in self._graphs for graph in graph_lineage())
+
+
 class StepRecord:
     """Python-side record of `scale_loss` calls on one optimizer (nothing runs per step).
 
@@ -134,8 +161,7 @@ class StepRecord:
     """
 
     def __init__(self) -> None:
-        self._graphs: "weakref.WeakSet[Any]" = weakref.WeakSet()
-        self._eager_pending = False
+        self._scaled = ScaleLossCalls()
         self._batch = threading.local()  # .noted: (graph or None when eager, status tensor)
         self.ever = False
         self.warned = False
@@ -162,20 +188,16 @@ class StepRecord:
     def note_scale_loss(self, loss_recorded: bool) -> None:
         """Called by `scale_loss`; `loss_recorded` is whether it stored the loss's status."""
         self.ever = True
-        if not loss_recorded:
-            return
-        if tf.executing_eagerly():
-            self._eager_pending = True
-        else:
-            self._graphs.add(tf.compat.v1.get_default_graph())
+        if loss_recorded:
+            self._scaled.note()
 
     def take_loss_recorded(self) -> bool:
         """Bool. Called by `apply`: whether this step's loss status was recorded."""
+        recorded = self._scaled.take()
         if tf.executing_eagerly():
-            recorded, self._eager_pending = self._eager_pending, False
             context = tf.distribute.get_replica_context()  # None in a cross-replica context
             return recorded and context is not None and context.num_replicas_in_sync == 1
-        return any(graph in self._graphs for graph in graph_lineage())
+        return recorded
 
 
 def warn_if_unscaled(optimizer: Any, record: StepRecord, from_unscale: bool) -> None:

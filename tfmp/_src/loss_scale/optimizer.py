@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from typing import Any
+from typing import Any, Dict
 
 import keras
 import tensorflow as tf
@@ -70,6 +70,11 @@ _BATCH_BITS = 4 | 8
 #: `overflow_history_scales`): how many skipped steps a reader polling between
 #: steps (tfmp.LossScaleMonitor) can itemize; older ones are only counted.
 OVERFLOW_HISTORY = 64
+
+
+def _status(flags: Dict[str, Any]) -> Any:
+    """Int64 scalar tensor: the `STATUS_BITS` of the names whose bool tensor in `flags` is True."""
+    return sum(ops.cast(flag, _INT) * STATUS_BITS[name] for name, flag in flags.items())
 
 
 def _forwarded(name: str) -> property:
@@ -360,8 +365,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         batch = self._steps.take_batch_status()
         if batch is not None and self.built:
             nan, inf = _distribute.any_replica(list(batch))
-            self.last_loss_status.assign(
-                ops.cast(nan, _INT) * STATUS_BITS["batch nan"] + ops.cast(inf, _INT) * STATUS_BITS["batch inf"])
+            self.last_loss_status.assign(_status({"batch nan": nan, "batch inf": inf}))
 
     def scale_loss(self, loss: Any) -> Any:
         """Multiplies `loss` by the scale, recording whether the loss (and the batch) is finite.
@@ -377,10 +381,8 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
             value = ops.convert_to_tensor(loss)
             flags = [ops.any(ops.isnan(value)), ops.any(ops.isinf(value))]
             flags += list(batch) if batch is not None else []
-            flags = _distribute.any_replica(flags)
-            self.last_loss_status.assign(
-                sum(ops.cast(flag, _INT) * bit for flag, bit in zip(flags, STATUS_BITS.values()))
-            )
+            names = ("loss nan", "loss inf", "batch nan", "batch inf")
+            self.last_loss_status.assign(_status(dict(zip(names, _distribute.any_replica(flags)))))
         if not self.loss_scaling:
             return loss  # the scale is fixed at 1.0: nothing to multiply (nor divide in apply)
         return super().scale_loss(loss)

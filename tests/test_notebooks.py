@@ -1,5 +1,7 @@
-"""Every notebook in notebooks/ runs top to bottom, twice in one folder; a cell error fails
-the suite. The notebooks are committed with their outputs: those are checked too."""
+"""Every notebook in notebooks/ runs top to bottom; a cell error fails the suite. A second
+run in the same folder logs to a folder of its own (every notebook names its log folder
+with `example_utils.new_run_dir`; 05, the quickest, is run twice). The notebooks are
+committed with their outputs: those are checked too."""
 
 import hashlib
 import os
@@ -19,13 +21,10 @@ MAX_NOTEBOOK_BYTES = 1_000_000  # committed with outputs: still reads on GitHub
 MACHINE_PATH = re.compile(r"(/home/|/work/|/tmp/|/Users/|site-packages|[A-Z]:\\\\)")
 
 
-# The second run of a notebook uses the small settings its knobs allow where the full
-# run is slow (02's A/B timing and its 5-seed tfmp.compare; 04's two trainings, whose
-# checks hold from the first epoch). 02's second run also stops float16 after its
-# second step (TOO_SLOW = 0), so the path a CPU with a crawling float16 takes is run
-# on every CPU.
-SECOND_RUN = {"02_precision_comparison": "EPOCHS, WIDTH, SEEDS, TOO_SLOW = 4, 256, 2, 0",
-              "04_custom_training_loop": "BATCH, EPOCHS, ACCUMULATE = 32, 1, 4"}
+# 02 run again with small settings (its A/B timing and 5-seed tfmp.compare are slow)
+# that stop float16 after its second step (TOO_SLOW = 0): the path a CPU with a
+# crawling float16 takes is run on every CPU.
+CRAWLING_FLOAT16 = "EPOCHS, WIDTH, SEEDS, TOO_SLOW = 4, 256, 2, 0"
 KNOBS = re.compile(r"^[A-Z_, ]*\bEPOCHS\b[A-Z_, ]*=", re.M)
 
 
@@ -79,24 +78,36 @@ def test_notebooks_exist():
     assert [p.name for p in NOTEBOOKS][:1] == ["01_quickstart.ipynb"]
 
 
+def run_folders(workdir):
+    """{topic: number of run folders} below ``workdir/logs``."""
+    logs = workdir / "logs"
+    return {topic.name: len(list(topic.iterdir())) for topic in logs.iterdir()} if logs.exists() else {}
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs_twice_in_one_folder(path, tmp_path):
-    """A second run in the same folder finds the first run's logs there and must not read them."""
+def test_notebook_runs_top_to_bottom(path, tmp_path):
     committed = hashlib.sha256(path.read_bytes()).hexdigest()
-    first = run_notebook(path, tmp_path)
-    assert not errors_in(first)
-    second = run_notebook(path, tmp_path, SECOND_RUN.get(path.stem))
-    assert not errors_in(second)
-    if path.stem == "02_precision_comparison":  # TOO_SLOW = 0: float16 stopped, bfloat16 not
-        assert "mixed_float16 stopped after 2 steps: " in stdout_of(second)
-        table = markdown_of(second)
-        assert "| `mixed_float16` | stopped after 2 steps |" in table
-        assert "| `mixed_bfloat16` | " in table and "| `float32` | " in table
+    notebook = run_notebook(path, tmp_path)
+    assert not errors_in(notebook)
     assert hashlib.sha256(path.read_bytes()).hexdigest() == committed  # the file is untouched
-    logs = tmp_path / "logs"
-    if logs.exists():  # each run logged to a folder of its own below logs/<topic>/
-        for topic in logs.iterdir():
-            assert len(list(topic.iterdir())) == 2, sorted(topic.iterdir())
+    assert set(run_folders(tmp_path).values()) <= {1}  # one folder per run below logs/<topic>/
+
+
+def test_a_second_run_in_the_same_folder_logs_to_a_folder_of_its_own(tmp_path):
+    """The second run finds the first run's logs there and must not read them."""
+    path = ROOT / "notebooks" / "05_loss_scale_dynamics.ipynb"
+    assert not errors_in(run_notebook(path, tmp_path))
+    assert not errors_in(run_notebook(path, tmp_path))
+    assert run_folders(tmp_path) == {"dynamics": 2}
+
+
+def test_precision_comparison_stops_a_crawling_float16(tmp_path):
+    notebook = run_notebook(ROOT / "notebooks" / "02_precision_comparison.ipynb", tmp_path, CRAWLING_FLOAT16)
+    assert not errors_in(notebook)
+    assert "mixed_float16 stopped after 2 steps: " in stdout_of(notebook)
+    table = markdown_of(notebook)
+    assert "| `mixed_float16` | stopped after 2 steps |" in table
+    assert "| `mixed_bfloat16` | " in table and "| `float32` | " in table
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])

@@ -34,6 +34,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 if __name__ == "__main__":
     parse_args()  # --help and usage errors answer here, before TensorFlow loads
+    example_args.require("sklearn", example_args.DIGITS_DATA)  # and a missing scikit-learn
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 

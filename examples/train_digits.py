@@ -35,7 +35,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    parse_args()  # --help and usage errors answer here, before TensorFlow loads
+    # --help, usage errors and a missing scikit-learn answer here, before TensorFlow loads
+    if parse_args().dataset == "digits":
+        example_args.require("sklearn", example_args.DIGITS_DATA)
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -72,7 +74,12 @@ def load_digits_arrays(
     Returns:
         ``((x_train, y_train), (x_test, y_test))``: images of shape (n, 8, 8, 1),
         dtype float32; labels of shape (n,), dtype int32.
+
+    Raises:
+        SystemExit: scikit-learn cannot be imported (`example_args.require`:
+            the message names the ``examples`` extra).
     """
+    example_args.require("sklearn", example_args.DIGITS_DATA)
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 

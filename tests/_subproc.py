@@ -34,6 +34,49 @@ def script_env(extra: Optional[dict] = None) -> dict:
     return env
 
 
+#: The examples' message when scikit-learn is missing (examples/example_args.py).
+MISSING_SKLEARN = (
+    "Missing optional package 'scikit-learn' (module 'sklearn'). Expected it "
+    "installed: the digits data set (scikit-learn's bundled handwritten digits) "
+    "needs it, and tfmp's 'examples' extra installs it. Received: "
+    "ModuleNotFoundError: No module named 'sklearn'. Install it with: "
+    'pip install "tfmp[examples]" (from a checkout of tfmp: pip install ".[examples]").'
+)
+
+_NOT_INSTALLED = """import sys
+
+
+class NotInstalled:
+    \"\"\"Ends the search for {module!r} as the import system does when it is not installed.\"\"\"
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == {module!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, NotInstalled())
+"""
+
+
+def without_module(folder: pathlib.Path, module: str) -> str:
+    """A folder whose ``sitecustomize`` makes ``import <module>`` fail at start-up.
+
+    Put it first on `PYTHONPATH` of a new interpreter: every import of `module`
+    (or of a submodule) then raises the ModuleNotFoundError Python raises for a
+    package that is not installed, whichever folder would have provided it.
+
+    Args:
+        folder: `pathlib.Path`. An empty folder to write ``sitecustomize.py`` into.
+        module: String. Top-level module name, e.g. ``"sklearn"``.
+
+    Returns:
+        String. `folder`, for `PYTHONPATH`.
+    """
+    (folder / "sitecustomize.py").write_text(_NOT_INSTALLED.format(module=module))
+    return str(folder)
+
+
 def free_ports(count: int) -> list:
     """`count` distinct TCP ports on 127.0.0.1 that were free a moment ago."""
     with contextlib.ExitStack() as stack:

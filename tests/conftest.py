@@ -18,10 +18,11 @@ import pytest  # noqa: E402
 
 #: Test modules whose module fixtures take tens of seconds: MirroredStrategy
 #: subprocesses (distribute), trained models and TFLite files (deployment), policy
-#: comparisons (compare), benchmark and side-experiment runs.
+#: comparisons (compare), benchmark and side-experiment runs, the wheel built and
+#: installed (packaging).
 ONE_WORKER_MODULES = frozenset({
     "test_benchmarks.py", "test_compare.py", "test_deployment.py", "test_distribute.py",
-    "test_side_experiments.py",
+    "test_packaging.py", "test_side_experiments.py",
 })
 
 

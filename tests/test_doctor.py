@@ -18,6 +18,8 @@ from tfmp._src.advisors import doctor as _doctor
 from tfmp._src.policy.hardware import DeviceFacts, GpuFacts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: Where the messages' troubleshooting guide lies in this checkout (package data).
+GUIDE = os.path.join(ROOT, "tfmp", "docs", "troubleshooting.md")
 T4 = DeviceFacts(gpus=(GpuFacts("Tesla T4", (7, 5)),), cpu_name="Intel Xeon")
 A100 = DeviceFacts(gpus=(GpuFacts("NVIDIA A100-SXM4-40GB", (8, 0)),), cpu_name="AMD EPYC")
 P100 = DeviceFacts(gpus=(GpuFacts("Tesla P100-PCIE-16GB", (6, 0)),))
@@ -170,16 +172,26 @@ def _slug(heading):
 
 
 def test_troubleshooting_links_point_to_existing_sections():
-    with open(os.path.join(ROOT, "docs", "troubleshooting.md"), encoding="utf-8") as f:
+    with open(GUIDE, encoding="utf-8") as f:
         doc = f.read()
     sections = {_slug(line[3:]) for line in doc.splitlines() if line.startswith("## ")}
     assert {"nan-or-inf-loss", "gradients-stuck-at-zero", "no-speed-up",
             "no-memory-saving", "accuracy-drop-versus-float32"} <= sections
-    anchors = set(re.findall(r"\]\(#([\w-]+)\)", doc))
-    package = os.path.join(ROOT, "tfmp")
-    for name in os.listdir(package):
-        if name.endswith(".py"):
-            with open(os.path.join(package, name), encoding="utf-8") as f:
-                anchors |= set(re.findall(
-                    r"(?:troubleshooting\.md|\{TROUBLESHOOTING\})#([\w-]+)", f.read()))
-    assert anchors and anchors <= sections
+    linked = set()
+    for folder, _, files in os.walk(os.path.join(ROOT, "tfmp")):
+        for name in files:
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    linked |= set(re.findall(
+                        r"(?:troubleshooting\.md|\{TROUBLESHOOTING_GUIDE\})#([\w-]+)", f.read()))
+    assert {"no-speed-up", "no-memory-saving", "accuracy-drop-versus-float32"} <= linked
+    anchors = linked | set(re.findall(r"\]\(#([\w-]+)\)", doc))
+    assert anchors <= sections, sorted(anchors - sections)
+
+
+def test_report_names_the_troubleshooting_guide_of_this_installation():
+    """The package's own copy (package data), here the checkout's file."""
+    report = tfmp.doctor(T4, file=None)
+    assert report.data["troubleshooting"] == GUIDE
+    assert f"troubleshooting guide: {GUIDE}" in str(report).splitlines()
+    assert os.path.isfile(GUIDE)

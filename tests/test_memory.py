@@ -2,6 +2,7 @@
 
 import doctest
 import json
+import pathlib
 
 import keras
 import numpy as np
@@ -104,6 +105,9 @@ def test_report_renders_and_serializes():
     est = tfmp.estimate_memory(_model(), 16, policy="mixed_bfloat16", optimizer="adam")
     text = str(est)
     assert "activations" in text and "float32" in text and "saving" in text
+    guide = pathlib.Path(__file__).resolve().parents[1] / "tfmp" / "docs" / "troubleshooting.md"
+    [saving] = [line for line in text.splitlines() if line.startswith("saving: ")]
+    assert saving.endswith(f"; activations are an estimate, see {guide}#no-memory-saving")
     data = json.loads(json.dumps(est.to_dict()))
     assert data["total_bytes"] == est.total_bytes
     assert data["saving_bytes"] == est.float32_total_bytes - est.total_bytes

@@ -147,7 +147,7 @@ def _repository_paths():
 def test_every_path_the_readme_names_exists():
     paths = _repository_paths()
     assert {"examples/train_digits.py", "tfmp/_src/keras_hooks/", ".ci/run",
-            "docs/troubleshooting.md", "train_digits.py"} <= paths
+            "tfmp/docs/troubleshooting.md", "train_digits.py"} <= paths
     missing = []
     for path in sorted(paths):
         if "/" in path:  # from the repository root, or from notebooks/ ("../examples")

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from _subproc import ROOT, script_env
+from _subproc import MISSING_SKLEARN, ROOT, script_env, without_module
 
 EXAMPLES = sorted(
     path.name for path in (ROOT / "examples").glob("*.py")
@@ -31,10 +31,10 @@ def imported_modules(importtime_stderr):
     return names
 
 
-def run_importtime(args):
+def run_importtime(args, env=None):
     result = subprocess.run(
         [sys.executable, "-X", "importtime", *args],
-        capture_output=True, text=True, timeout=120, env=script_env(), cwd=ROOT,
+        capture_output=True, text=True, timeout=120, env=env or script_env(), cwd=ROOT,
     )
     return result, imported_modules(result.stderr)
 
@@ -62,6 +62,21 @@ def test_example_usage_error_before_tensorflow():
     assert result.returncode == 2
     assert "expected a whole number >= 1, received '0'" in result.stderr
     assert not modules & set(HEAVY)
+
+
+@pytest.mark.parametrize("script", ["train_digits.py", "custom_training_loop.py",
+                                    "export_model.py"])
+def test_missing_scikit_learn_stops_before_tensorflow(script, tmp_path):
+    """The digits scripts without the `examples` extra: the fix at once, no traceback."""
+    env = script_env()
+    env["PYTHONPATH"] = os.pathsep.join([without_module(tmp_path, "sklearn"), env["PYTHONPATH"]])
+    result, modules = run_importtime([str(ROOT / "examples" / script), "--epochs", "1"], env)
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr.splitlines()[-1] == MISSING_SKLEARN
+    assert "Traceback" not in result.stderr
+    assert "argparse" in modules  # the report is read
+    assert not modules & set(HEAVY), sorted(modules & set(HEAVY))
 
 
 CONSOLE_SCRIPT = """import re, sys

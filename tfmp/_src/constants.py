@@ -8,6 +8,8 @@ high performance on Cloud TPUs").
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 #: IEEE 754 binary16: the largest finite value (65504).
@@ -21,3 +23,9 @@ LOW_PRECISION = ("float16", "bfloat16")
 #: Names of non-finite kinds by bits (1 = NaN, 2 = inf), as the loss-scale
 #: optimizer's `last_loss_status` and the numerics recorder store them.
 NON_FINITE_KINDS = {1: "nan", 2: "inf", 3: "nan+inf"}
+#: String. Absolute path of the troubleshooting guide in this installation
+#: (``<site-packages>/tfmp/docs/troubleshooting.md``, package data of setup.cfg;
+#: in a checkout, the file in the checkout). Messages name a section of it as
+#: ``f"{TROUBLESHOOTING_GUIDE}#no-speed-up"``.
+TROUBLESHOOTING_GUIDE = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "troubleshooting.md")

@@ -10,7 +10,7 @@ policies) and judges the confidence interval of the paired differences
 verdict can be re-judged at another tolerance without training again.
 
 Troubleshooting (accuracy drop versus float32):
-docs/troubleshooting.md#accuracy-drop-versus-float32.
+tfmp/docs/troubleshooting.md#accuracy-drop-versus-float32.
 """
 
 from __future__ import annotations

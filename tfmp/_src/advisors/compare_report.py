@@ -15,13 +15,14 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from tfmp._src.advisors import compare_stats
+from tfmp._src.constants import TROUBLESHOOTING_GUIDE
 from tfmp._src.errors import invalid_argument
 from tfmp._src.policy.policy import FLOAT32
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-ACCURACY_SECTION = "docs/troubleshooting.md#accuracy-drop-versus-float32"
+ACCURACY_SECTION = f"{TROUBLESHOOTING_GUIDE}#accuracy-drop-versus-float32"
 _ACCURACY_WORDS = ("acc", "auc", "precision", "recall")
 
 

@@ -24,11 +24,11 @@ from typing import Any, Dict, List, Optional, TextIO
 import keras
 import tensorflow as tf
 
+from tfmp._src.constants import TROUBLESHOOTING_GUIDE
 from tfmp._src.policy.hardware import DeviceFacts, GpuFacts, detect_device_facts
 from tfmp._src.policy.policy import recommend_policy, slower_than_float32
 from tfmp._version import __version__
 
-TROUBLESHOOTING = "docs/troubleshooting.md"
 _YES = {True: "yes", False: "no", None: "n/a"}
 
 
@@ -82,7 +82,7 @@ def _notes(data: Dict[str, Any], facts: DeviceFacts) -> List[str]:
         slow = slower_than_float32(current, facts)
         if slow:
             notes.append(f"The global policy {current!r} is slower than float32 here: "
-                         f"{slow}. See {TROUBLESHOOTING}#no-speed-up")
+                         f"{slow}. See {TROUBLESHOOTING_GUIDE}#no-speed-up")
     if data["tf32_enabled"] and any(d.get("tf32") for d in data["devices"]):
         notes.append("TF32 is on: float32 matmuls on compute capability >= 8.0 keep only "
                      "10 mantissa bits. For full float32 precision call "
@@ -91,7 +91,7 @@ def _notes(data: Dict[str, Any], facts: DeviceFacts) -> List[str]:
     if data["xla"]["auto_jit"] != "off" and cpu_bf16:
         notes.append("XLA auto-clustering is on for a CPU with bfloat16: XLA's CPU matmuls "
                      "do not use the bfloat16 units (measured 0.94x float32 instead of "
-                     f"2.0x). See {TROUBLESHOOTING}#no-speed-up")
+                     f"2.0x). See {TROUBLESHOOTING_GUIDE}#no-speed-up")
     return notes
 
 
@@ -117,7 +117,9 @@ class DoctorReport:
             or not applicable), ``tf32_enabled``, ``xla``, ``global_policy``,
             ``recommendation`` (``policy``, ``reason``, ``device``, ``tf32``,
             ``compute_dtype``, ``loss_scaling``), ``facts`` (``"detected"`` or
-            ``"injected"``) and ``notes`` (list of strings).
+            ``"injected"``), ``troubleshooting`` (string: the path of the
+            troubleshooting guide in this installation) and ``notes`` (list of
+            strings).
     """
 
     data: Dict[str, Any]
@@ -161,6 +163,7 @@ class DoctorReport:
             f"  {rec['reason']}"
             + (" Needs dynamic loss scaling." if rec["loss_scaling"] else ""),
         ]
+        lines.append(f"troubleshooting guide: {d['troubleshooting']}")
         if d["notes"]:
             lines += ["notes:"] + [f"  - {n}" for n in d["notes"]]
         return "\n".join(lines)
@@ -208,6 +211,7 @@ def collect(device_facts: Optional[DeviceFacts] = None) -> DoctorReport:
             "loss_scaling": decision.loss_scaling,
         },
         "facts": "detected" if device_facts is None else "injected",
+        "troubleshooting": TROUBLESHOOTING_GUIDE,
     }
     data["notes"] = _notes(data, facts)
     return DoctorReport(data)

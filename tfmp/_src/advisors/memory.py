@@ -22,7 +22,7 @@ exact for the built objects; activation bytes are an estimate. Assumptions:
   some of them, so read the number as an order of magnitude, not a peak.
 
 Troubleshooting (mixed policy but no memory saving):
-docs/troubleshooting.md#no-memory-saving.
+tfmp/docs/troubleshooting.md#no-memory-saving.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from typing import Any, Iterable, List, Optional, Tuple, Union
 import keras
 import tensorflow as tf
 
+from tfmp._src.constants import TROUBLESHOOTING_GUIDE
 from tfmp._src.errors import check_positive_int, invalid_argument
 
 
@@ -158,8 +159,7 @@ class MemoryEstimate:
                   for n, a, b in rows]
         share = self.saving_bytes / max(self.float32_total_bytes, 1)
         lines.append(f"saving: {format_bytes(self.saving_bytes)} ({share:.1%} of float32); "
-                     "activations are an estimate, see "
-                     "docs/troubleshooting.md#no-memory-saving")
+                     f"activations are an estimate, see {TROUBLESHOOTING_GUIDE}#no-memory-saving")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -233,7 +233,7 @@ def estimate_memory(
     """Estimates training memory of `model` under `policy` and under float32.
 
     Assumptions are listed in this module's docstring and in
-    docs/troubleshooting.md#no-memory-saving.
+    tfmp/docs/troubleshooting.md#no-memory-saving.
 
     Args:
         model: Built `keras.Model` (Functional or Sequential for activations, so

@@ -57,7 +57,11 @@ def train_and_evaluate(
         loss: String. A Keras loss name.
         loss_scale_options: Dict or None. `tfmp.enable`'s `loss_scale_options`
             (with them a float32 model also gets `tfmp.LossScaleOptimizer`, which
-            skips and counts non-finite steps at a fixed scale of 1).
+            skips and counts non-finite steps at a fixed scale of 1). Settings
+            such as ``initial_scale`` are meant for the float16 run: they are
+            passed with ``loss_scaling`` said explicitly (True under
+            ``mixed_float16`` only), so bfloat16 and float32 runs keep the fixed
+            scale without `tfmp.LossScaleWarning`.
         grad_stats_freq: Int or None. The monitor's `grad_stats_freq`: gradient
             norm and update ratio every N steps.
 
@@ -65,6 +69,9 @@ def train_and_evaluate(
         Float in [0, 1]: the test accuracy.
     """
     keras.utils.set_random_seed(args.seed)
+    if loss_scale_options:
+        policy = tfmp.recommend_policy().policy if args.policy == "auto" else args.policy
+        loss_scale_options = {"loss_scaling": policy == "mixed_float16", **loss_scale_options}
     decision = tfmp.enable(args.policy, loss_scale_options=loss_scale_options)
     try:
         print(decision)

@@ -171,6 +171,25 @@ def test_no_policy_mismatch_after_disable():
     assert "policy_mismatch" not in {w.kind for w in report.warnings}
 
 
+def test_first_line_names_the_policy_by_where_it_comes_from():
+    """Never "global policy": the policy checked is the attachment's, enable()'s or the model's."""
+    with tfmp.policy_scope("mixed_bfloat16"):
+        attached = digits_model()
+        attached.compile(optimizer="sgd", loss="mse")
+        built_before = tfmp.audit(digits_model(), tensor_cores=False)  # not compiled: enable()'s
+    keras.config.set_dtype_policy("mixed_float16")  # the fixture restores it
+    own = digits_model()
+    keras.config.set_dtype_policy("float32")  # the global policy moves on; the model's stays
+    reports = [tfmp.audit(attached, tensor_cores=False), built_before, tfmp.audit(own, tensor_cores=False)]
+    assert [(r.policy, r.policy_source) for r in reports] == [
+        ("mixed_bfloat16", "attachment"), ("mixed_bfloat16", "enable"), ("mixed_float16", "model")]
+    assert [str(r).splitlines()[0] for r in reports] == [
+        "tfmp audit (policy tfmp attached the model under: mixed_bfloat16)",
+        "tfmp audit (policy of tfmp.enable(): mixed_bfloat16)",
+        "tfmp audit (model policy: mixed_float16)",
+    ]
+
+
 def test_tensor_core_dims_and_batch_size():
     keras.config.set_dtype_policy("mixed_float16")
     inputs = keras.Input((12, 12, 3))

@@ -49,13 +49,51 @@ def test_enable_twice_is_idempotent_and_disable_restores_first_policy():
     keras.config.set_dtype_policy("float32")
     first = tfmp.enable("mixed_bfloat16", device_facts=A100)
     hooked = keras.Model.compile
-    assert tfmp.enable("mixed_bfloat16", device_facts=A100) == first
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same policy again: nothing to say
+        assert tfmp.enable("mixed_bfloat16", device_facts=A100) == first
     assert keras.Model.compile is hooked  # not wrapped twice
-    tfmp.enable("mixed_float16", device_facts=V100)
+    with pytest.warns(UserWarning, match="replaces the policy 'mixed_bfloat16'"):
+        tfmp.enable("mixed_float16", device_facts=V100)
     assert keras.config.dtype_policy().name == "mixed_float16"
     tfmp.disable()
     assert keras.config.dtype_policy().name == "float32"
     assert keras.Model.compile is ORIGINAL_COMPILE
+
+
+def test_enable_with_another_policy_warns_naming_both_and_the_explicit_way():
+    keras.config.set_dtype_policy("float32")
+    tfmp.enable("mixed_bfloat16", device_facts=A100)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        tfmp.enable("mixed_float16", device_facts=V100)
+    assert [(w.category, str(w.message), w.filename) for w in record] == [(
+        UserWarning,
+        "tfmp.enable() replaces the policy 'mixed_bfloat16' of the earlier tfmp.enable() in "
+        "this thread by 'mixed_float16': models built and compiled from now on get "
+        "'mixed_float16', models compiled before keep 'mixed_bfloat16', and tfmp.disable() "
+        "still restores 'float32', the policy in force before the first enable(). To switch "
+        "on purpose, call tfmp.disable() first, then tfmp.enable('mixed_float16'); for a "
+        "block, use `with tfmp.policy_scope('mixed_float16'):`.",
+        __file__,
+    )]
+    tfmp.disable()
+    assert keras.config.dtype_policy().name == "float32"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the explicit ways say nothing
+        tfmp.enable("mixed_float16", device_facts=V100)
+        tfmp.disable()
+        tfmp.enable("mixed_bfloat16", device_facts=A100)
+        with tfmp.policy_scope("mixed_float16", device_facts=V100):
+            assert keras.config.dtype_policy().name == "mixed_float16"
+    assert keras.config.dtype_policy().name == "mixed_bfloat16"
+
+
+def test_policy_scope_refuses_an_unknown_option_like_enable():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'keep_fp32'"):
+        with tfmp.policy_scope("float32", keep_fp32=["head"]):
+            pass
+    assert not tfmp._src.policy.enable.is_enabled()
 
 
 def test_disable_without_enable_does_nothing():

@@ -3,6 +3,7 @@
 import pathlib
 import subprocess
 import sys
+import warnings
 
 import keras
 import numpy as np
@@ -53,7 +54,10 @@ def assert_monitor_logged(run, policy):
 
 
 def test_main_job_trains_digits_with_auto_policy(tmp_path, capsys):
-    accuracy = train_digits.main(["--log-dir", str(tmp_path)])
+    with warnings.catch_warnings():
+        # Its loss-scale options are for the float16 run; it says loss_scaling itself.
+        warnings.simplefilter("error", tfmp.LossScaleWarning)
+        accuracy = train_digits.main(["--log-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert accuracy >= 0.9
     assert "tfmp policy:" in out

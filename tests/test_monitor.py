@@ -210,6 +210,84 @@ def test_float32_model_with_its_own_optimizer_gets_a_note_not_a_warning(tmp_path
     assert "leaves a float32 model's optimizer alone" in note
 
 
+def _sgd_model_scaling_at_16():
+    """A float32 model with tfmp's optimizer at a scale of 16 that cannot move in a short run."""
+    model = tiny_model()
+    optimizer = tfmp.LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=16.0, dynamic_growth_steps=1000)
+    model.compile(optimizer=optimizer, loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("epoch_calls", ["none", "end_only", "begin_and_end"])
+def test_driven_by_hand_through_a_callback_list(tmp_path, epoch_calls):
+    """A custom loop's calls, with or without epoch calls; the batch index counts from train begin
+    (or from the epoch's begin), as `fit` passes it."""
+    model = _sgd_model_scaling_at_16()
+    x, y = data(8)
+    callbacks = keras.callbacks.CallbackList([tfmp.LossScaleMonitor(tmp_path, update_freq="batch")], model=model)
+    callbacks.on_train_begin()
+    if epoch_calls == "begin_and_end":
+        callbacks.on_epoch_begin(0)
+    for step in range(3):
+        model.train_on_batch(x, y)
+        callbacks.on_train_batch_end(step)
+    if epoch_calls != "none":
+        callbacks.on_epoch_end(0)
+    callbacks.on_train_end()
+    run = read_run(tmp_path)
+    assert run["batch_loss_scale"] == [(1, 16.0), (2, 16.0), (3, 16.0)]
+    assert run["batch_overflow_count"] == [(1, 0.0), (2, 0.0), (3, 0.0)]
+    if epoch_calls == "none":
+        assert "epoch_loss_scale" not in run
+    else:
+        assert run["epoch_loss_scale"] == [(0, 16.0)]
+        assert run["epoch_skipped_steps"] == [(0, 0.0)]
+
+
+def test_hooks_outside_a_training_run_raise_naming_the_missing_call(tmp_path):
+    model = _sgd_model_scaling_at_16()
+    monitor = tfmp.LossScaleMonitor(tmp_path)
+    with pytest.raises(ValueError) as no_model:
+        monitor.on_train_begin()
+    assert str(no_model.value) == (
+        "LossScaleMonitor.on_train_begin() needs the model it monitors. Expected a "
+        "keras.Model set on the monitor. Received: no model (set_model was never "
+        "called). Call monitor.set_model(model), or make the list with "
+        "keras.callbacks.CallbackList([monitor], model=model); model.fit does it itself.")
+    monitor.set_model(model)
+    expected = (
+        "LossScaleMonitor.{call}() was called outside a training run. Expected "
+        "on_train_begin() first, then batch and epoch calls, then on_train_end(). "
+        "Received: {call}() with no on_train_begin() since the monitor was made or "
+        "since the last on_train_end(). Call callbacks.on_train_begin() before the "
+        "first step of the loop (and again before each new run).")
+    for call, args in (("on_train_batch_end", (0,)), ("on_epoch_begin", (0,)), ("on_epoch_end", (0,))):
+        with pytest.raises(RuntimeError) as caught:
+            getattr(monitor, call)(*args)
+        assert str(caught.value) == expected.format(call=call)
+    monitor.on_train_begin()
+    monitor.on_train_end()
+    with pytest.raises(RuntimeError) as after_end:
+        monitor.on_train_batch_end(0)
+    assert str(after_end.value) == expected.format(call="on_train_batch_end")
+    monitor.on_test_begin()  # evaluate(callbacks=[monitor]) outside fit: nothing to write, no error
+    assert not glob.glob(f"{tmp_path}/train/events.out.tfevents.*")
+
+
+def test_later_fits_continue_the_epoch_axis_and_initial_epoch_keeps_keras_numbers(tmp_path):
+    model = _sgd_model_scaling_at_16()
+    x, y = data(8)
+    monitor = tfmp.LossScaleMonitor(tmp_path)
+    model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[monitor])
+    model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[monitor])
+    model.fit(x, y, batch_size=4, epochs=7, initial_epoch=5, verbose=0, callbacks=[monitor])
+    run = read_run(tmp_path)  # one event file per fit, read in file-name order
+    assert sorted(steps(run, "epoch_loss_scale")) == [0, 1, 2, 3, 5, 6]
+    # Each epoch's point is written after its 2 steps: batches 2, 4, ..., 12.
+    assert values(run, "epoch_loss_scale") == [16.0] * 6
+    assert int(model.optimizer.total_steps.numpy()) == 12
+
+
 @pytest.mark.parametrize("bad", ["step", 0, -3, 1.5, True])
 def test_bad_update_freq(bad):
     with pytest.raises(
@@ -549,11 +627,11 @@ def test_throughput_and_gpu_memory(tmp_path, monkeypatch):
     model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[monitor])
     run = read_run(tmp_path)
     assert steps(run, "batch_samples_per_second") == list(range(2, 25, 2))
-    assert steps(run, "epoch_samples_per_second") == [0, 1, 0]
+    assert sorted(steps(run, "epoch_samples_per_second")) == [0, 1, 2]  # the second fit's epoch 0 is 2
     assert all(v > 0 for v in values(run, "batch_samples_per_second"))
     assert len(run["monitor_notes"]) == 1  # first fit only: no GPU there
     assert run["batch_gpu0_memory_mib"] == [(s, 3.0) for s in range(18, 25, 2)]
-    assert run["epoch_gpu0_memory_peak_mib"] == [(0, 5.0)]
+    assert run["epoch_gpu0_memory_peak_mib"] == [(2, 5.0)]
 
 
 def test_device_memory_reads_each_gpu(monkeypatch):

@@ -5,9 +5,12 @@ import configparser
 import inspect
 import pathlib
 import re
+import warnings
 
 import keras
+import numpy as np
 import pytest
+import tensorflow as tf
 from _events import read_run
 from _events import steps
 from _events import values
@@ -55,6 +58,53 @@ def test_quickstart_snippet_runs_and_logs_every_batch(machine, tmp_path, monkeyp
         assert values(run, "batch_overflow_count") == [0.0] * 58
     if decision.policy in ("float32", "mixed_bfloat16"):
         assert set(values(run, "batch_loss_scale")) == {1.0}  # no loss scaling
+
+
+def _custom_loop_snippet():
+    """The "Distributed training" section's loop driving the monitor: a bare ``` block
+    (not the quickstart's ```python), since it uses names the section describes
+    in prose: `model`, `dist_dataset` and `train_step`."""
+    [snippet] = [code for code in CODE_BLOCKS if "callbacks.on_train_begin()" in code]
+    return snippet
+
+
+def test_custom_loop_snippet_runs_as_written_and_logs_its_epoch(tmp_path, monkeypatch):
+    """Run with the default strategy: the loop is the same code under MirroredStrategy
+    (tests/test_distribute.py runs such loops on two logical CPUs)."""
+    monkeypatch.chdir(tmp_path)
+    strategy = tf.distribute.get_strategy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tfmp.PerformanceWarning)  # float16 on a CPU
+        tfmp.enable("mixed_float16", loss_scale_options={"initial_scale": 2.0**4, "dynamic_growth_steps": 1000})
+    try:
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.01), "mse")
+        model.optimizer.build(model.trainable_variables)
+        rng = np.random.default_rng(0)
+        x, y = rng.random((32, 4), dtype="float32"), rng.random((32, 1), dtype="float32")
+        dist_dataset = strategy.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensor_slices((x, y)).batch(8))
+
+        def replica_fn(x, y):
+            with tf.GradientTape() as tape:
+                per_example = keras.losses.mean_squared_error(y, model(x, training=True))
+                loss = tf.nn.compute_average_loss(per_example, global_batch_size=8)
+            grads = tfmp.scaled_gradients(tape, loss, model.trainable_variables, model.optimizer)
+            model.optimizer.apply(grads, model.trainable_variables)
+
+        @tf.function
+        def train_step(x, y):
+            strategy.run(replica_fn, args=(x, y))
+
+        namespace = {"keras": keras, "tfmp": tfmp, "model": model,
+                     "dist_dataset": dist_dataset, "train_step": train_step}
+        exec(compile(_custom_loop_snippet(), "README.md", "exec"), namespace)
+    finally:
+        tfmp.disable()
+    run = read_run(tmp_path / "logs" / "run")
+    assert run["epoch_loss_scale"] == [(0, 16.0)]
+    assert run["epoch_overflow_count"] == [(0, 0.0)]
+    assert int(model.optimizer.total_steps.numpy()) == 4
 
 
 def _tfmp_references():

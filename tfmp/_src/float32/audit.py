@@ -89,14 +89,21 @@ def _has_tensor_cores() -> bool:
     return capability is not None and capability >= (7, 0)
 
 
-def _expected_policy(model: keras.Model) -> str:
-    """The policy the model's layers should have: the one tfmp attached it under,
-    else the calling thread's session's, else the model's."""
+def _expected_policy(model: keras.Model) -> Tuple[str, str]:
+    """The policy the model's layers should have, and where it comes from.
+
+    Returns:
+        Tuple (policy name, source): the one tfmp attached the model under
+        (``"attachment"``), else the calling thread's session's (``"enable"``),
+        else the model's own (``"model"``); see `AuditReport.policy_source`.
+    """
     attached = _record.of(model)
     current = session.current()
     if attached is not None:
-        return attached.policy
-    return current.decision.policy if current is not None else model.dtype_policy.name
+        return attached.policy, "attachment"
+    if current is not None:
+        return current.decision.policy, "enable"
+    return model.dtype_policy.name, "model"
 
 
 def _layer_warnings(path, layer, reason, producers, policy, tensor_cores):
@@ -264,7 +271,7 @@ def audit(
     """
     if not isinstance(model, keras.Model):
         raise invalid_argument("model", model, "a keras.Model")
-    policy = _expected_policy(model)
+    policy, policy_source = _expected_policy(model)
     tensor_cores = _has_tensor_cores() if tensor_cores is None else tensor_cores
     producers = {id(layer) for layer in _float32.output_producers(model)[0]}
     entries = walk(model)
@@ -325,4 +332,4 @@ def audit(
         found.append(AuditWarning("float32_heavy", "<model>", (
             f"{fraction:.0%} of parameters are in float32-forced layers; mixed "
             "precision will speed up little. Consider exclude= for large layers.")))
-    return AuditReport(policy, tuple(rows), tuple(found), fraction, gradients)
+    return AuditReport(policy, tuple(rows), tuple(found), fraction, gradients, policy_source)

@@ -12,6 +12,14 @@ from typing import List, Optional, Sequence, Tuple
 from tfmp._src.float32 import fused_batchnorm as _fused_batchnorm
 
 
+#: The table's first line names the policy by its source (`AuditReport.policy_source`).
+POLICY_LABELS = {
+    "attachment": "policy tfmp attached the model under",
+    "enable": "policy of tfmp.enable()",
+    "model": "model policy",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class AuditWarning:
     """One finding. ``kind`` is one of the module's warning kinds; ``path`` the layer."""
@@ -73,11 +81,18 @@ class AuditReport:
     """Result of :func:`audit`; ``str(report)`` is an aligned table.
 
     Attributes:
-        policy: String. Name of the Keras global dtype policy.
+        policy: String. Name of the dtype policy the model's layers are checked
+            against (``policy_mismatch``), from `policy_source`.
         rows: Tuple of :class:`AuditRow`, parents before children.
         warnings: Tuple of :class:`AuditWarning`.
         float32_fraction: Float in [0, 1]. Share of parameters in forced layers.
         gradients: Tuple of :class:`GradientRow`, empty unless ``batch`` was given.
+        policy_source: String. Where `policy` comes from: ``"attachment"`` (the
+            policy tfmp attached the model under, `tfmp.attachment`),
+            ``"enable"`` (this thread's `tfmp.enable()`, for a model tfmp did not
+            attach) or ``"model"`` (the model's own ``dtype_policy``, tfmp not
+            involved). Never Keras's global policy, which may have changed since
+            the model was built.
     """
 
     policy: str
@@ -85,6 +100,7 @@ class AuditReport:
     warnings: Tuple[AuditWarning, ...]
     float32_fraction: float
     gradients: Tuple[GradientRow, ...] = ()
+    policy_source: str = "model"
 
     @property
     def kinds(self) -> frozenset:
@@ -99,7 +115,7 @@ class AuditReport:
              r.why or "-", f"{r.params:,}", ",".join(r.warnings) or "-")
             for r in self.rows
         ]
-        lines = [f"tfmp audit (global policy: {self.policy})"] + _table(header, body)
+        lines = [f"tfmp audit ({POLICY_LABELS[self.policy_source]}: {self.policy})"] + _table(header, body)
         if any(r.output_from == "rule" for r in self.rows):
             lines.append("* output dtype from tfmp's rule (layer inside custom code); "
                          "pass batch= to measure it.")

@@ -61,7 +61,13 @@ LOSS_GUARDS = ("batch", "loss")
 
 
 class LossScaleWarning(UserWarning):
-    """Gradients reached a loss-scaling optimizer from a loss it did not scale.
+    """Loss scaling is not what the code asked for.
+
+    Warned when gradients reach a loss-scaling optimizer from a loss it did not
+    scale; when tfmp replaces a Keras `keras.optimizers.LossScaleOptimizer` given
+    to ``compile()`` by its own (`tfmp._src.loss_scale.user_settings`); and when
+    loss-scaling settings are given for a model that computes without loss
+    scaling (bfloat16, float32), where the scale stays 1.0.
 
     Make it an error with ``warnings.simplefilter("error", tfmp.LossScaleWarning)``.
     """

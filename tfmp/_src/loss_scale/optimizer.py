@@ -27,6 +27,7 @@ from tfmp._src import distribute as _distribute
 from tfmp._src.loss_scale import guard as _guard
 from tfmp._src.loss_scale import loops as _loops
 from tfmp._src.loss_scale import step_state as _step_state
+from tfmp._src.loss_scale import user_settings as _user_settings
 from tfmp._src.errors import check_bool, check_positive_int, check_positive_number, invalid_argument
 from tfmp._src.keras_hooks.keras_private import (
     LossScaleOptimizerBase,
@@ -630,6 +631,8 @@ del _setting
 #: Keyword options of `wrap_optimizer` (those of `LossScaleOptimizer`).
 WRAP_OPTIONS = tuple(inspect.signature(LossScaleOptimizer).parameters)[1:-1]
 _COMPUTE_DTYPES = ("float16", "bfloat16", "float32", "float64")
+_DEFAULT_BOUNDS = {name: inspect.signature(LossScaleOptimizer).parameters[name].default
+                   for name in ("min_scale", "max_scale")}
 
 
 def wrap_optimizer(
@@ -649,7 +652,9 @@ def wrap_optimizer(
         optimizer: `keras.optimizers.Optimizer`, string (e.g. `"adam"`) or config
             dict. A `tfmp.LossScaleOptimizer` is returned unchanged; a Keras
             `LossScaleOptimizer` is unwrapped and rewrapped, keeping its
-            `initial_scale` and `dynamic_growth_steps` unless options set them.
+            `initial_scale` and `dynamic_growth_steps` unless options set them
+            (the default bounds widen to hold that `initial_scale`), with one
+            warning (`tfmp._src.loss_scale.user_settings`).
         compute_dtype: String. The layers' compute dtype, one of `"float16"`,
             `"bfloat16"`, `"float32"`, `"float64"`.
         **options: Keyword arguments of `tfmp.LossScaleOptimizer`.
@@ -659,6 +664,11 @@ def wrap_optimizer(
 
     Raises:
         ValueError: In the project's template, for an unknown option or dtype.
+
+    Warns:
+        tfmp.LossScaleWarning: once per Keras `LossScaleOptimizer` replaced,
+            naming its settings, what the replacement changes (a scale fixed at
+            1.0 when `compute_dtype` is not float16) and how to keep Keras's.
     """
     for key in options:
         if key not in WRAP_OPTIONS:
@@ -677,9 +687,11 @@ def wrap_optimizer(
         )
     if isinstance(optimizer, LossScaleOptimizer):
         return optimizer
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        options.setdefault("initial_scale", optimizer.initial_scale)
-        options.setdefault("dynamic_growth_steps", optimizer.dynamic_growth_steps)
-        optimizer = optimizer.inner_optimizer
     options.setdefault("loss_scaling", compute_dtype == "float16")
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        keras_optimizer, optimizer = optimizer, optimizer.inner_optimizer
+        options = _user_settings.take_keras_settings(keras_optimizer, options, _DEFAULT_BOUNDS)
+        wrapped = LossScaleOptimizer(optimizer, **options)  # raises before any warning
+        _user_settings.warn_keras_optimizer_replaced(keras_optimizer, options, compute_dtype)
+        return wrapped
     return LossScaleOptimizer(keras.optimizers.get(optimizer), **options)

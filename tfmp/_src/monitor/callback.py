@@ -116,6 +116,20 @@ class LossScaleMonitor(keras.callbacks.Callback):
     writes the loss and metrics of Keras's `logs` (``metrics/...`` tags, no
     extra device read) and, when the scale cannot move, a Text-tab note saying why.
 
+    Driven by hand (a custom loop calling the hooks itself or through
+    `keras.callbacks.CallbackList`): `on_train_begin` is required, before the
+    first step (it reads the optimizer's starting state; any other training
+    hook before it raises `RuntimeError` naming it); the epoch calls are
+    optional: without `on_epoch_begin`, the `batch` given to
+    `on_train_batch_end` counts from `on_train_begin`, and `on_epoch_end(i)`
+    writes epoch `i`. `on_train_end` closes the file.
+
+    Epoch axis: it continues over every run of one monitor. A `fit` whose
+    first epoch is 0 after earlier runs of this monitor logged epochs writes
+    after them (two `fit(epochs=2)` calls: epochs 0, 1, 2, 3); a `fit` with
+    ``initial_epoch=k`` > 0 keeps Keras's numbers (k, k + 1, ...), as
+    Keras's own callbacks and `History` do.
+
     Args:
         log_dir: String or path-like. Root folder of the run; events go to
             ``<log_dir>/train`` (shareable with `keras.callbacks.TensorBoard`).
@@ -180,6 +194,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._layout_written = False
         self._memory_noted = False
         self._grad_stats: Optional[GradientStats] = None
+        self._training = False  # between on_train_begin and on_train_end (or a crash)
+        self._next_epoch = 0  # the epoch axis after the epochs logged so far, over every fit
+        self._epoch_offset: Optional[int] = None  # added to Keras's epoch index in this fit
         fit_lifecycle.needs(self)
 
     @property
@@ -190,14 +207,28 @@ class LossScaleMonitor(keras.callbacks.Callback):
     # -- Keras callback hooks -------------------------------------------------
 
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        """Starts a training run: reads the optimizer's starting state.
+
+        `fit` calls it; a custom loop calls it (directly or through
+        `keras.callbacks.CallbackList`) before its first step.
+
+        Raises:
+            ValueError: (template) no model was set: call `set_model(model)` or
+                make the `CallbackList` with ``model=model`` first.
+        """
         self._finish()  # a fit this monitor was in ended without on_train_end: start clean
-        model = self.model
+        model = self._model_or_raise()
+        self._training = True
+        self._epoch_offset = None
         self._active = _distribute.is_chief(model.distribute_strategy)
         if not self._active:
             return
         state = read_state(model.optimizer)
         now = time.perf_counter()
         self._step = state.step  # batches trained, estimated between reads
+        # Batch indices count from here until an epoch begins (custom loops may
+        # never call on_epoch_begin; their batch index is then the run's step).
+        self._epoch_base = state.step
         self._itemized = state.overflow_count
         self._last_grad_step = -1
         self._samples, self._epoch_samples_read = 0, 0
@@ -225,8 +256,15 @@ class LossScaleMonitor(keras.callbacks.Callback):
         fit_lifecycle.on_fit_error(model, self, self._on_crash)
 
     def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+        """Starts epoch `epoch` (Int, Keras's index); optional in a custom loop.
+
+        Raises:
+            RuntimeError: (template) called before `on_train_begin`.
+        """
+        self._require_training("on_epoch_begin")
         if not self._active:
             return
+        self._epoch_step(epoch)
         self._epoch_base = self._step
         self._epoch_samples_read = 0  # fit reset the metrics, loss tracker included
         self._train_clock = None
@@ -236,6 +274,13 @@ class LossScaleMonitor(keras.callbacks.Callback):
         )
 
     def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+        """After batch `batch` (Int, zero-based, counted from the epoch's start, or
+        from `on_train_begin` when no epoch began).
+
+        Raises:
+            RuntimeError: (template) called before `on_train_begin`.
+        """
+        self._require_training("on_train_batch_end")
         if not self._active:
             return
         # With steps_per_execution > 1, Keras calls this once per execution, with
@@ -252,8 +297,57 @@ class LossScaleMonitor(keras.callbacks.Callback):
             self._train_clock = time.perf_counter()
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        """Writes the epoch's scalars at its step on the epoch axis (see `_epoch_step`).
+
+        Raises:
+            RuntimeError: (template) called before `on_train_begin`.
+        """
+        self._require_training("on_epoch_end")
         if self._active:
-            self._log("epoch_", epoch, logs)
+            self._log("epoch_", self._epoch_step(epoch), logs)
+
+    # -- the run and the epoch axis -------------------------------------------
+
+    def _model_or_raise(self) -> keras.Model:
+        model = getattr(self, "_model", None)
+        if model is None:
+            raise ValueError(
+                "LossScaleMonitor.on_train_begin() needs the model it monitors. Expected a "
+                "keras.Model set on the monitor. Received: no model (set_model was never "
+                "called). Call monitor.set_model(model), or make the list with "
+                "keras.callbacks.CallbackList([monitor], model=model); model.fit does it itself."
+            )
+        return model
+
+    def _require_training(self, call: str) -> None:
+        """Raises when `call` comes outside a training run.
+
+        Raises:
+            RuntimeError: (template) no `on_train_begin` since the monitor was
+                made or since the last `on_train_end`: it alone reads the
+                optimizer's starting state, so nothing after it can be written.
+        """
+        if not self._training:
+            raise RuntimeError(
+                f"LossScaleMonitor.{call}() was called outside a training run. Expected "
+                "on_train_begin() first, then batch and epoch calls, then on_train_end(). "
+                f"Received: {call}() with no on_train_begin() since the monitor was made or "
+                f"since the last on_train_end(). Call callbacks.on_train_begin() before the "
+                f"first step of the loop (and again before each new run)."
+            )
+
+    def _epoch_step(self, epoch: int) -> int:
+        """Int. Where Keras's `epoch` lies on the monitor's epoch axis.
+
+        The axis continues over every run of this monitor: a `fit` (or custom
+        loop) whose first epoch is 0 after earlier runs logged epochs continues
+        after them (epochs 0, 1 then 2, 3), while a first epoch above 0 (`fit`'s
+        ``initial_epoch``, a resumed run) keeps Keras's numbers. Decided at the
+        first epoch call of each run.
+        """
+        if self._epoch_offset is None:
+            self._epoch_offset = self._next_epoch if epoch == 0 else 0
+        return self._epoch_offset + epoch
 
     def on_train_end(self, logs: Optional[dict] = None) -> None:
         self._finish()
@@ -312,6 +406,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
             self._memory_noted = True
         for tag in metrics.keys() - self._events.descriptions.keys():
             self._events.descriptions[tag] = _metrics.describe_metric(tag)
+        if epoch is not None:
+            self._next_epoch = max(self._next_epoch, epoch + 1)
         self._events.write(
             state.step if epoch is None else epoch,
             {**metrics, **{prefix + tag: value for tag, value in scalars.items()}},
@@ -408,6 +504,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
             self._finish()
 
     def _finish(self) -> None:
+        self._training = False
         if self._active:
             self._active = False
             train_function.remove_error_handler(self.model, self)

@@ -50,6 +50,7 @@ from tfmp._src.policy.hardware import DeviceFacts
 from tfmp._src.loss_scale import loops
 from tfmp._src.loss_scale.guard import LOSS_GUARDS
 from tfmp._src.loss_scale import custom_optimizers
+from tfmp._src.loss_scale import user_settings
 from tfmp._src.loss_scale.optimizer import WRAP_OPTIONS
 from tfmp._src.loss_scale.optimizer import wrap_optimizer
 from tfmp._src.numerics.check import check_numerics, check_trace_length
@@ -147,9 +148,12 @@ def enable(
     """Sets the Keras global dtype policy and makes every model compiled use tfmp.
 
     Call it before building the model: layers take the global policy when they are
-    created. Calling it again replaces the policy and options; the policy restored
-    by `disable()` stays the one in force before the first call. Like Keras's
-    global policy, it applies to the calling thread.
+    created. Calling it again with the same policy changes nothing but the
+    options; with another policy it replaces the first, with a `UserWarning`
+    naming both (models compiled before keep theirs): call `tfmp.disable()`
+    first to switch on purpose, or use `tfmp.policy_scope` for a block. The
+    policy restored by `disable()` stays the one in force before the first
+    call. Like Keras's global policy, it applies to the calling thread.
 
     Models compiled while enabled get float32 forcing; a `tfmp.LossScaleOptimizer`
     when they compute in float16 or bfloat16, or under float32 when `debug` or
@@ -196,7 +200,33 @@ def enable(
 
     Warns:
         tfmp.PerformanceWarning: an explicit policy slower than float32 here.
+        UserWarning: this thread is already enabled with another policy, which
+            this call replaces (the old and new policy and the fix).
+        tfmp.LossScaleWarning: `loss_scale_options` set loss-scaling settings
+            (``initial_scale``, ``dynamic_growth_steps``, ``min_scale``,
+            ``max_scale``, ``hysteresis``) without ``loss_scaling`` while the
+            policy computes in bfloat16 or float32, where the scale stays 1.0.
     """
+    return _start(
+        policy, say_replaced=True, keep_float32=keep_float32, exclude_float32=exclude_float32,
+        loss_scale_options=loss_scale_options, allow_pure_16bit=allow_pure_16bit, tf32=tf32,
+        debug=debug, device_facts=device_facts,
+    )
+
+
+def _start(
+    policy: Union[str, keras.DTypePolicy],
+    *,
+    say_replaced: bool,
+    keep_float32: Any,
+    exclude_float32: Any,
+    loss_scale_options: Optional[dict],
+    allow_pure_16bit: bool,
+    tf32: Optional[bool],
+    debug: Union[bool, dict],
+    device_facts: Optional[DeviceFacts],
+) -> PolicyDecision:
+    """`enable()` itself; `say_replaced` is False for `policy_scope`, which nests by design."""
     # Every argument is checked before any state changes: a bad call leaves
     # tfmp (and Keras) exactly as they were.
     check_bool("tf32", tf32, allow_none=True)
@@ -208,6 +238,9 @@ def enable(
     )
     loss_scale_options = _checked_loss_scale_options(loss_scale_options, decision.compute_dtype)
     state = session.current()
+    if say_replaced and state is not None and state.decision.policy != decision.policy:
+        _warn_replaced(state, decision)
+    user_settings.warn_unused_scaling_options(loss_scale_options, decision.policy, decision.compute_dtype)
     previous = state.previous_policy if state else keras.config.dtype_policy()
     previous_tf32 = state.previous_tf32 if state else None
     if tf32 is not None and previous_tf32 is None:
@@ -219,6 +252,21 @@ def enable(
         tf.config.experimental.enable_tensor_float_32_execution(tf32)
     keras.config.set_dtype_policy(decision.policy)
     return decision
+
+
+def _warn_replaced(state: Session, decision: PolicyDecision) -> None:
+    """Warns that a second `enable()` replaces this thread's policy by another."""
+    old, new = state.decision.policy, decision.policy
+    warnings.warn(
+        f"tfmp.enable() replaces the policy {old!r} of the earlier tfmp.enable() in this thread "
+        f"by {new!r}: models built and compiled from now on get {new!r}, models compiled "
+        f"before keep {old!r}, and tfmp.disable() still restores "
+        f"{state.previous_policy.name!r}, the policy in force before the first enable(). To "
+        f"switch on purpose, call tfmp.disable() first, then tfmp.enable({new!r}); for a "
+        f"block, use `with tfmp.policy_scope({new!r}):`.",
+        UserWarning,
+        stacklevel=user_stacklevel(),
+    )
 
 
 def _checked_loss_scale_options(options: Optional[dict], compute_dtype: str) -> dict:
@@ -300,13 +348,16 @@ def policy_scope(
         `PolicyDecision` in force inside the block.
 
     The previous global policy (and any enclosing `enable()` with its options) is
-    back on exit, also when the block raises.
+    back on exit, also when the block raises. A scope inside `enable()` with
+    another policy does not warn: it replaces nothing for good.
     """
     saved_state = session.current()
     saved_policy = keras.config.dtype_policy()
     saved_tf32 = tf.config.experimental.tensor_float_32_execution_enabled()
+    arguments = inspect.signature(enable).bind(policy, **options)  # TypeError for an unknown option
+    arguments.apply_defaults()
     try:
-        yield enable(policy, **options)
+        yield _start(say_replaced=False, **arguments.arguments)
     finally:
         _set_current(saved_state)
         tf.config.experimental.enable_tensor_float_32_execution(saved_tf32)

@@ -1,0 +1,153 @@
+"""Loss-scaling settings a user gave that tfmp changes or does not use: said, once.
+
+Two cases, each a `tfmp.LossScaleWarning` naming what changed and the fix:
+
+- a Keras `keras.optimizers.LossScaleOptimizer` handed to ``compile()`` while
+  tfmp is enabled becomes a `tfmp.LossScaleOptimizer` around the same inner
+  optimizer, keeping its ``initial_scale`` and ``dynamic_growth_steps`` (Keras's
+  own checks each replica's gradients apart under `tf.distribute`; see README,
+  "Distributed training"); warned once per Keras optimizer;
+- settings that only matter with loss scaling (``initial_scale``,
+  ``dynamic_growth_steps``, ``min_scale``, ``max_scale``, ``hysteresis``), given
+  for a model that computes in bfloat16 or float32, where tfmp fixes the scale
+  at 1.0 unless ``loss_scaling=True`` is asked for.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any, Dict, Mapping
+
+import keras
+
+from tfmp._src.errors import user_stacklevel
+from tfmp._src.loss_scale.guard import LossScaleWarning
+
+#: Options of `tfmp.LossScaleOptimizer` that do nothing with ``loss_scaling=False``.
+SCALING_SETTINGS = ("initial_scale", "dynamic_growth_steps", "min_scale", "max_scale", "hysteresis")
+#: The settings of a Keras `LossScaleOptimizer` that tfmp's wrapper takes over.
+KERAS_SETTINGS = ("initial_scale", "dynamic_growth_steps")
+
+_warned_keras_optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _listed(settings: Mapping[str, Any]) -> str:
+    return ", ".join(f"{name}={value!r}" for name, value in settings.items())
+
+
+def _no_scaling_reason(compute_dtype: str) -> str:
+    if compute_dtype == "bfloat16":
+        return "the model computes in bfloat16, which has float32's exponent range and needs no loss scaling"
+    return f"the model computes in {compute_dtype}, which needs no loss scaling"
+
+
+def keras_settings(optimizer: keras.optimizers.LossScaleOptimizer) -> Dict[str, Any]:
+    """Dict. The `KERAS_SETTINGS` of a Keras `LossScaleOptimizer`, as Python numbers."""
+    return {"initial_scale": float(optimizer.initial_scale),
+            "dynamic_growth_steps": int(optimizer.dynamic_growth_steps)}
+
+
+def take_keras_settings(
+    optimizer: keras.optimizers.LossScaleOptimizer,
+    options: Mapping[str, Any],
+    default_bounds: Mapping[str, float],
+) -> Dict[str, Any]:
+    """The options of the `tfmp.LossScaleOptimizer` that replaces `optimizer`.
+
+    Args:
+        optimizer: The Keras `LossScaleOptimizer` the user gave.
+        options: Dict. `tfmp.LossScaleOptimizer` options already chosen (they win).
+        default_bounds: Dict. The defaults of ``min_scale`` and ``max_scale``.
+
+    Returns:
+        Dict: `options`, plus the Keras optimizer's `KERAS_SETTINGS` for the keys
+        they leave out, and, when its ``initial_scale`` lies outside the default
+        bounds (Keras has none, e.g. ``2.0**30``), the bound it passes set to it,
+        so that the user's scale is kept instead of refused.
+    """
+    chosen = dict(options)
+    for key, value in keras_settings(optimizer).items():
+        chosen.setdefault(key, value)
+    initial = chosen["initial_scale"]
+    if "max_scale" not in chosen and initial > default_bounds["max_scale"]:
+        chosen["max_scale"] = initial
+    if "min_scale" not in chosen and initial < default_bounds["min_scale"]:
+        chosen["min_scale"] = initial
+    return chosen
+
+
+def warn_keras_optimizer_replaced(
+    optimizer: keras.optimizers.LossScaleOptimizer,
+    options: Mapping[str, Any],
+    compute_dtype: str,
+) -> None:
+    """Warns once per `optimizer` that tfmp's wrapper takes the place of Keras's.
+
+    Args:
+        optimizer: The Keras `LossScaleOptimizer` the user gave.
+        options: Dict. The options the replacement is built with (the session's
+            `loss_scale_options`, then the Keras optimizer's settings for the
+            keys they leave out, and ``loss_scaling``).
+        compute_dtype: String. The model's compute dtype.
+
+    Warns:
+        tfmp.LossScaleWarning: naming the Keras optimizer's settings, what the
+            replacement uses instead when it differs (a fixed scale of 1.0 without
+            loss scaling, or `loss_scale_options` that set the same keys), and how
+            to keep Keras's optimizer (compile after `tfmp.disable()`).
+    """
+    if optimizer in _warned_keras_optimizers:
+        return
+    _warned_keras_optimizers.add(optimizer)
+    given = keras_settings(optimizer)
+    inner = type(optimizer.inner_optimizer).__name__
+    text = (f"compile() received keras.optimizers.LossScaleOptimizer({inner}, {_listed(given)}); "
+            f"tfmp replaced it with tfmp.LossScaleOptimizer around the same {inner}")
+    if options["loss_scaling"]:
+        overridden = {key: options[key] for key in KERAS_SETTINGS if options[key] != given[key]}
+        text += ", keeping its settings"
+        if overridden:
+            text += f" except {_listed(overridden)} (from tfmp.enable(loss_scale_options=...))"
+        text += (", and adding overflow counters, scale bounds, stuck detection and one "
+                 "skip verdict across tf.distribute replicas.")
+    else:
+        text += (f" with the scale fixed at 1.0 (loss_scaling=False): {_no_scaling_reason(compute_dtype)}, "
+                 f"so {_listed(given)} are not used; non-finite steps are still skipped and "
+                 "counted. To scale anyway, call tfmp.enable(..., loss_scale_options="
+                 "{'loss_scaling': True}).")
+    text += (" To keep Keras's own optimizer, compile the model after tfmp.disable() (plain "
+             "Keras: no float32 forcing either); to silence this, pass tfmp.LossScaleOptimizer("
+             f"{inner}(...), ...) or the {inner} alone.")
+    warnings.warn(text, LossScaleWarning, stacklevel=user_stacklevel())
+
+
+def warn_unused_scaling_options(options: Mapping[str, Any], policy: str, compute_dtype: str) -> None:
+    """Warns when `loss_scale_options` set scaling settings that a fixed scale of 1.0 ignores.
+
+    Args:
+        options: Dict. The `loss_scale_options` given to `tfmp.enable`.
+        policy: String. The policy `tfmp.enable` put in force, for the message.
+        compute_dtype: String. Its compute dtype; only ``"float16"`` scales by default.
+
+    Warns:
+        tfmp.LossScaleWarning: `options` hold any of `SCALING_SETTINGS` without a
+            ``loss_scaling`` key while `compute_dtype` is not float16: they are
+            kept in the optimizer's config but the scale stays 1.0. An explicit
+            ``loss_scaling`` (True: scale anyway; False: fixed scale) is the fix
+            and silences it.
+    """
+    if compute_dtype == "float16" or "loss_scaling" in options:
+        return
+    given = {key: options[key] for key in SCALING_SETTINGS if key in options}
+    if not given:
+        return
+    warnings.warn(
+        f"tfmp.enable(loss_scale_options=...) sets {_listed(given)}, but under the policy "
+        f"{policy!r} {_no_scaling_reason(compute_dtype)}: tfmp.LossScaleOptimizer fixes the "
+        "scale at 1.0 (loss_scaling=False) and these settings are not used; non-finite steps "
+        "are still skipped and counted. Add 'loss_scaling': True to loss_scale_options to "
+        "scale anyway, or 'loss_scaling': False to keep the fixed scale without this warning.",
+        LossScaleWarning,
+        stacklevel=user_stacklevel(),
+    )

@@ -21,8 +21,8 @@ step not clearly slower than float32's), float16 never.
 
 Its time is TensorFlow's import (which imports Keras): gathering the facts takes
 milliseconds and the speed probe a few tenths of a second (on a 2-core AMD EPYC
-Zen 3 shared with other processes, 9-10 s of a 12-14 s ``python -m tfmp doctor``
-were ``import tensorflow``, 0.2-0.4 s the probe).
+Zen 3 shared with other processes, ``import tensorflow`` alone took 9-27 s and as
+long as a whole ``python -m tfmp doctor``; the probe 0.2-0.7 s of it).
 """
 
 from __future__ import annotations

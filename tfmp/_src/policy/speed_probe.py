@@ -31,7 +31,8 @@ float16 crawls at 500x float32 (float32 steps of 0.5-1 ms) it costs one step of
 TensorFlow 2.21 runs the fused float16 MatMul+BiasAdd at 10-15 ns per multiply-add,
 see examples/train_digits.py, the 8.4 million forward multiply-adds take 0.08-0.13
 s); where every dtype runs well, the probe takes 0.2-0.3 s, tracing included
-(measured on an AMD EPYC Zen 3 with 2 cores). It runs once per process:
+(measured on a 2-core AMD EPYC Zen 3 at a load average of 3 from other processes;
+up to 0.7 s at a load average of 5). It runs once per process:
 `measure_speed` is cached, `clear_cache` forgets. Its inputs come from stateless
 random ops, so the process's random streams (TensorFlow's global seed, Keras's
 seed generator) are left as they were.

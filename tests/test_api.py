@@ -19,6 +19,7 @@ PUBLIC_API = {
     "LossScaleOptimizer",
     "LossScaleWarning",
     "SkippedStepWarning",
+    "SpeedProbe",
     "MemoryEstimate",
     "NonFiniteError",
     "PerformanceWarning",

@@ -195,3 +195,73 @@ def test_report_names_the_troubleshooting_guide_of_this_installation():
     assert report.data["troubleshooting"] == GUIDE
     assert f"troubleshooting guide: {GUIDE}" in str(report).splitlines()
     assert os.path.isfile(GUIDE)
+
+
+# Only what applies to the devices present; the CPU's measured step -------------------
+
+BF16_CPU = DeviceFacts(cpu_name="Intel Xeon Platinum 8480+",
+                       cpu_flags=frozenset({"avx512_bf16", "amx_bf16", "avx512_fp16"}))
+PROBE = tfmp.SpeedProbe(float32_ms=2.0, bfloat16_ms=1.0, float16_ms=200.0,
+                        repeats=(5, 5, 0), wall_ms=640.0)
+
+
+@pytest.mark.parametrize("facts", [PLAIN_CPU, BF16_CPU], ids=["plain", "bf16"])
+def test_cpu_only_text_has_no_tf32_and_no_cuda_build(facts):
+    text = str(tfmp.doctor(facts, file=None))
+    assert "TF32" not in text
+    cuda_lines = [line for line in text.splitlines() if "CUDA" in line]
+    # The one place CUDA is named: the note on a CUDA build without a visible GPU.
+    assert all(line.startswith("  - No GPU visible: TensorFlow runs on the CPU.")
+               for line in cuda_lines)
+    assert len(cuda_lines) == int(bool(tf.sysconfig.get_build_info().get("is_cuda_build")))
+    assert not any(line.startswith("  build:") for line in text.splitlines())
+
+
+def test_gpu_text_still_shows_tf32_and_the_build():
+    lines = str(tfmp.doctor(A100, file=None)).splitlines()
+    assert "      float16: yes   bfloat16: yes   TF32: yes" in lines
+    assert any(line.startswith("TF32 execution: ") for line in lines)
+    assert any(line.startswith("  build:     ") for line in lines)
+
+
+def test_json_keys_are_stable_and_the_probe_is_none_for_injected_facts():
+    data = tfmp.doctor(PLAIN_CPU, file=None).to_dict()
+    assert set(data) == {"versions", "build", "devices", "tf32_enabled", "xla",
+                         "global_policy", "recommendation", "facts", "speed_probe",
+                         "troubleshooting", "notes"}
+    assert data["speed_probe"] is None and data["devices"][0]["tf32"] is None
+    assert "training step" not in str(tfmp.doctor(PLAIN_CPU, file=None))
+
+
+def test_an_injected_probe_is_printed_and_decides():
+    report = tfmp.doctor(BF16_CPU, speed_probe=PROBE, file=None)
+    assert report.data["speed_probe"] == PROBE.to_dict()
+    lines = str(report).splitlines()
+    at = lines.index("      float16: no   bfloat16: yes")
+    assert lines[at + 1:at + 3] == [
+        "      training step (MatMul 128x256 @ 256x256 + bias + ReLU, forward and backward, "
+        "probe 0.64 s):",
+        "        float32 2.00 ms; bfloat16 1.00 ms (2.0x); float16 200 ms (0.01x)",
+    ]
+    assert "measured here: a bfloat16 training step runs 2.0x float32's speed" in (
+        report.data["recommendation"]["reason"])
+
+
+def test_global_float16_note_quotes_the_probe():
+    keras.config.set_dtype_policy("mixed_float16")
+    report = tfmp.doctor(BF16_CPU, speed_probe=PROBE, file=None)
+    [note] = [n for n in report.data["notes"] if n.startswith("The global policy 'mixed_float16'")]
+    assert "a float16 training step measured 0.01x float32's speed on this CPU" in note
+    assert "TensorFlow has no fast float16 CPU kernels for training" in note
+    assert "no float16 arithmetic" not in note
+
+
+def test_this_machine_reports_its_probe_when_the_cpu_decides():
+    report = tfmp.doctor(file=None)
+    probe = report.data["speed_probe"]
+    if tf.config.list_physical_devices("GPU") or tf.config.list_physical_devices("TPU"):
+        assert probe is None
+        return
+    assert probe["factor"]["float32"] == 1.0
+    assert all(ms > 0 for ms in probe["step_ms"].values())
+    assert "      training step (MatMul 128x256 @ 256x256" in str(report)

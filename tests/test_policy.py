@@ -7,6 +7,7 @@ import pytest
 
 import tfmp
 from tfmp import DeviceFacts, GpuFacts
+from tfmp._src.policy import policy as _policy
 from tfmp._src.policy.policy import resolve_policy
 
 P100 = DeviceFacts(gpus=(GpuFacts("Tesla P100-PCIE-16GB", (6, 0)),))
@@ -142,3 +143,120 @@ def test_gpu_with_unknown_compute_capability_gets_float32():
     assert "Mystery GPU" in decision.device
     with pytest.warns(tfmp.PerformanceWarning, match="compute capability is unknown"):
         resolve_policy("mixed_bfloat16", device_facts=facts)
+
+
+# The CPU's measured step (tfmp.SpeedProbe) --------------------------------------------
+
+FAST_BF16 = tfmp.SpeedProbe(float32_ms=2.0, bfloat16_ms=1.0, float16_ms=100.0)  # 2.0x, 0.02x
+SLOW_BF16 = tfmp.SpeedProbe(float32_ms=1.0, bfloat16_ms=2.0, float16_ms=50.0)  # 0.5x, 0.02x
+
+
+def test_an_injected_probe_is_quoted_with_its_factor():
+    decision = tfmp.recommend_policy(CPU_AVX512_BF16, speed_probe=FAST_BF16)
+    assert decision.policy == "mixed_bfloat16"
+    assert decision.reason == (
+        "The CPU has AVX512_BF16, so oneDNN runs bfloat16 matmuls in hardware (measured "
+        "here: a bfloat16 training step runs 2.0x float32's speed).")
+
+
+def test_bf16_flags_with_a_slow_measured_bfloat16_step_get_float32():
+    decision = tfmp.recommend_policy(CPU_AMX_BF16, speed_probe=SLOW_BF16)
+    assert decision.policy == "float32"
+    assert decision.reason == (
+        "The CPU has AMX_BF16, but a bfloat16 training step measured 0.5x float32's speed "
+        "here (below 0.9x), so float32 is faster.")
+    with pytest.warns(tfmp.PerformanceWarning) as caught:
+        resolve_policy("mixed_bfloat16", device_facts=CPU_AMX_BF16, speed_probe=SLOW_BF16)
+    [message] = [str(w.message) for w in caught]
+    assert "a bfloat16 training step measured 0.5x float32's speed on this CPU" in message
+    assert "(which picks 'float32')" in message
+
+
+def test_injected_facts_without_a_probe_quote_no_figure():
+    for facts in (CPU_AVX512_BF16, CPU_PLAIN):
+        reason = tfmp.recommend_policy(facts).reason
+        assert "measured" not in reason and "Zen 4" not in reason and "1.88" not in reason
+
+
+def test_plain_cpu_reason_quotes_the_measured_bfloat16_factor():
+    decision = tfmp.recommend_policy(CPU_PLAIN, speed_probe=SLOW_BF16)
+    assert decision.policy == "float32"
+    assert "(measured here: a bfloat16 training step runs 0.5x float32's speed)" in decision.reason
+
+
+@pytest.mark.parametrize("facts", [A100, V100, TPU], ids=["A100", "V100", "TPU"])
+def test_gpu_and_tpu_rules_ignore_a_probe(facts):
+    assert tfmp.recommend_policy(facts, speed_probe=SLOW_BF16) == tfmp.recommend_policy(facts)
+
+
+def test_float16_warning_quotes_the_factor_and_the_kernels():
+    with pytest.warns(tfmp.PerformanceWarning) as caught:
+        decision = resolve_policy("mixed_float16", device_facts=CPU_AVX512_BF16,
+                                  speed_probe=SLOW_BF16)
+    [message] = [str(w.message) for w in caught]
+    assert message == (
+        "Policy 'mixed_float16' is slower than float32 here: a float16 training step measured "
+        "0.02x float32's speed on this CPU (CPU 'AMD EPYC' (avx512_bf16)): TensorFlow has no "
+        "fast float16 CPU kernels for training. Use tfmp.enable('auto') (which picks "
+        "'float32') or 'float32'.")
+    assert "no float16 arithmetic" not in decision.reason
+
+
+def test_float16_warning_without_a_probe_names_the_kernels_not_the_instructions():
+    sapphire_rapids = DeviceFacts(cpu_name="Intel Xeon Platinum 8480+",
+                                  cpu_flags=frozenset({"avx512_fp16", "amx_bf16", "avx512_bf16"}))
+    slow = _policy.slower_than_float32("mixed_float16", sapphire_rapids)
+    assert slow == ("TensorFlow has no fast float16 CPU kernels for training "
+                    "(CPU 'Intel Xeon Platinum 8480+' (avx512_bf16, amx_bf16))")
+
+
+def test_float16_warning_at_break_even_still_names_the_kernels():
+    even = tfmp.SpeedProbe(float32_ms=2.0, bfloat16_ms=2.0, float16_ms=2.0)
+    slow = _policy.slower_than_float32("mixed_float16", CPU_PLAIN, even)
+    assert slow == ("TensorFlow has no fast float16 CPU kernels for training (a float16 "
+                    "training step measured 1.0x float32's speed on this CPU (CPU 'Intel "
+                    "Core i7-8700' (no bfloat16 flags))), and float16 needs loss scaling at "
+                    "every step")
+
+
+def test_float16_slow_path_clause_is_appended():
+    slow = _policy.slower_than_float32("mixed_float16", CPU_PLAIN, SLOW_BF16,
+                                       float16_slow_path="the slow path")
+    assert slow.endswith("TensorFlow has no fast float16 CPU kernels for training; the slow path")
+
+
+def test_a_probe_that_is_not_a_speed_probe_is_refused():
+    with pytest.raises(ValueError, match=r"Invalid `speed_probe` argument. Expected None or a "
+                                         r"tfmp.SpeedProbe. Received: speed_probe=1.5"):
+        tfmp.recommend_policy(CPU_PLAIN, speed_probe=1.5)
+
+
+@pytest.fixture
+def this_machine_is(monkeypatch):
+    """Makes `facts` this machine's detected facts and counts the probe's measurements."""
+    measured = []
+
+    def install(facts, probe=FAST_BF16):
+        monkeypatch.setattr(_policy, "detect_device_facts", lambda: facts)
+        monkeypatch.setattr(_policy, "measure_speed", lambda: measured.append(probe) or probe)
+        return measured
+
+    return install
+
+
+def test_this_cpu_is_measured_and_injected_facts_are_not(this_machine_is):
+    measured = this_machine_is(CPU_AVX512_BF16, SLOW_BF16)
+    decision = tfmp.recommend_policy()
+    assert decision.policy == "float32" and "0.5x" in decision.reason
+    assert len(measured) == 1
+    tfmp.recommend_policy(CPU_AVX512_BF16)
+    resolve_policy("auto", device_facts=CPU_AVX512_BF16)
+    assert len(measured) == 1  # injected facts: nothing measured
+
+
+def test_a_gpu_machine_and_float32_are_not_measured(this_machine_is):
+    measured = this_machine_is(A100)
+    assert tfmp.recommend_policy().policy == "mixed_bfloat16"
+    this_machine_is(CPU_PLAIN)
+    assert resolve_policy("float32").policy == "float32"
+    assert measured == []

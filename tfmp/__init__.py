@@ -36,6 +36,7 @@ _EXPORTS = {
     "LossScaleOptimizer": "tfmp._src.loss_scale.optimizer",
     "LossScaleWarning": "tfmp._src.loss_scale.guard",
     "SkippedStepWarning": "tfmp._src.loss_scale.skips",
+    "SpeedProbe": "tfmp._src.policy.speed_probe",
     "MemoryEstimate": "tfmp._src.advisors.memory",
     "NonFiniteError": "tfmp._src.errors",
     "PerformanceWarning": "tfmp._src.policy.policy",

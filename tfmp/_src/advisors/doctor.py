@@ -1,16 +1,28 @@
 """`tfmp doctor`: what this machine offers for mixed precision, in one report.
 
 Gathers what practitioners otherwise check by hand (nvidia-smi, nvcc, listing
-devices): TensorFlow and Keras versions, the CUDA/cuDNN build
-(`tf.sysconfig.get_build_info()`), each device with its compute capability and
-whether it runs float16, bfloat16 and TF32 in hardware, whether TF32 is switched
-on, XLA, the CPU's bfloat16 flags, the current global policy, and the policy "auto"
-would pick with its reason. Device facts can be injected (`DeviceFacts`), so the
-report can be produced for a GPU this machine does not have.
+devices): TensorFlow and Keras versions, each device with its compute capability and
+whether it runs float16 and bfloat16 (and, on a GPU, TF32) in hardware, the CPU's
+bfloat16 flags and its measured training step in each dtype
+(`tfmp._src.policy.speed_probe`, when the CPU decides "auto"), XLA, the current
+global policy, and the policy "auto" would pick with its reason. Device facts can
+be injected (`DeviceFacts`, and a `SpeedProbe`), so the report can be produced
+for a machine this one is not.
+
+The text shows what applies to the devices present: the CUDA/cuDNN build
+(`tf.sysconfig.get_build_info()`), TF32 and its switch only with a GPU; on a
+machine without one, CUDA is named once, in the note on a CUDA build that sees no
+GPU. The JSON (`DoctorReport.to_dict`) always has every key.
 
 Per-device support follows the same rules as "auto" (`tfmp._src.policy.policy`): float16
 Tensor Cores from compute capability 7.0, bfloat16 Tensor Cores and TF32 from 8.0;
-on a CPU, bfloat16 with AVX512_BF16, AMX-BF16 or Arm BF16 and float16 never.
+on a CPU, bfloat16 with AVX512_BF16, AMX-BF16 or Arm BF16 (and a measured bfloat16
+step not clearly slower than float32's), float16 never.
+
+Its time is TensorFlow's import (which imports Keras): gathering the facts takes
+milliseconds and the speed probe a few tenths of a second (on a 2-core AMD EPYC
+Zen 3 shared with other processes, ``import tensorflow`` alone took 9-27 s and as
+long as a whole ``python -m tfmp doctor``; the probe 0.2-0.7 s of it).
 """
 
 from __future__ import annotations
@@ -25,16 +37,17 @@ import keras
 import tensorflow as tf
 
 from tfmp._src.constants import TROUBLESHOOTING_GUIDE
-from tfmp._src.policy.hardware import DeviceFacts, GpuFacts, detect_device_facts
-from tfmp._src.policy.policy import recommend_policy, slower_than_float32
+from tfmp._src.policy.hardware import DeviceFacts, GpuFacts
+from tfmp._src.policy.policy import _facts_and_probe, recommend_policy, slower_than_float32
+from tfmp._src.policy.speed_probe import DTYPES, SpeedProbe, format_factor, format_ms
 from tfmp._version import __version__
 
 _YES = {True: "yes", False: "no", None: "n/a"}
 
 
-def _fast(policy: str, facts: DeviceFacts) -> bool:
+def _fast(policy: str, facts: DeviceFacts, probe: Optional[SpeedProbe] = None) -> bool:
     """True when `policy`'s 16-bit compute runs in hardware on `facts`."""
-    return slower_than_float32(policy, facts) is None
+    return slower_than_float32(policy, facts, probe) is None
 
 
 def _gpu_entry(index: int, gpu: GpuFacts) -> Dict[str, Any]:
@@ -51,7 +64,7 @@ def _gpu_entry(index: int, gpu: GpuFacts) -> Dict[str, Any]:
     }
 
 
-def _cpu_entry(facts: DeviceFacts) -> Dict[str, Any]:
+def _cpu_entry(facts: DeviceFacts, probe: Optional[SpeedProbe]) -> Dict[str, Any]:
     cpu = dataclasses.replace(facts, gpus=(), tpu=False)
     return {
         "type": "CPU",
@@ -59,12 +72,13 @@ def _cpu_entry(facts: DeviceFacts) -> Dict[str, Any]:
         "bf16_flags": list(facts.cpu_bf16_flags),
         "onednn": facts.onednn,
         "float16": False,
-        "bfloat16": _fast("mixed_bfloat16", cpu),
+        "bfloat16": _fast("mixed_bfloat16", cpu, probe),
         "tf32": None,
     }
 
 
-def _notes(data: Dict[str, Any], facts: DeviceFacts) -> List[str]:
+def _notes(data: Dict[str, Any], facts: DeviceFacts,
+           probe: Optional[SpeedProbe]) -> List[str]:
     """Plain-language remarks on what the report shows, each with a fix."""
     notes, rec, build = [], data["recommendation"], data["build"]
     if not facts.gpus and not facts.tpu:
@@ -79,7 +93,7 @@ def _notes(data: Dict[str, Any], facts: DeviceFacts) -> List[str]:
         notes.append(f"The global policy is {current!r}; tfmp.enable() would set "
                      f"{rec['policy']!r}.")
     if current in ("mixed_float16", "mixed_bfloat16", "float16", "bfloat16"):
-        slow = slower_than_float32(current, facts)
+        slow = slower_than_float32(current, facts, probe)
         if slow:
             notes.append(f"The global policy {current!r} is slower than float32 here: "
                          f"{slow}. See {TROUBLESHOOTING_GUIDE}#no-speed-up")
@@ -90,8 +104,9 @@ def _notes(data: Dict[str, Any], facts: DeviceFacts) -> List[str]:
     cpu_bf16 = not facts.gpus and rec["compute_dtype"] == "bfloat16"
     if data["xla"]["auto_jit"] != "off" and cpu_bf16:
         notes.append("XLA auto-clustering is on for a CPU with bfloat16: XLA's CPU matmuls "
-                     "do not use the bfloat16 units (measured 0.94x float32 instead of "
-                     f"2.0x). See {TROUBLESHOOTING_GUIDE}#no-speed-up")
+                     "do not use the bfloat16 units (a 1024x1024 matmul measured 0.94x "
+                     "float32 instead of 2.0x on a Zen 4 CPU). "
+                     f"See {TROUBLESHOOTING_GUIDE}#no-speed-up")
     return notes
 
 
@@ -106,6 +121,18 @@ def _device_name(dev: Dict[str, Any]) -> str:
     return dev["name"]
 
 
+def _probe_lines(probe: Dict[str, Any]) -> List[str]:
+    """The CPU's measured step (`SpeedProbe.to_dict`), as two lines of the device list."""
+    times = "; ".join(
+        f"{dtype} {format_ms(probe['step_ms'][dtype])} ms"
+        + ("" if dtype == "float32" else f" ({format_factor(probe['factor'][dtype])}x)")
+        for dtype in DTYPES)
+    size = f"{probe['batch']}x{probe['units']} @ {probe['units']}x{probe['units']}"
+    took = f", probe {probe['wall_ms'] / 1e3:.2f} s" if probe["wall_ms"] is not None else ""
+    return [f"      training step (MatMul {size} + bias + ReLU, forward and backward{took}):",
+            f"        {times}"]
+
+
 @dataclasses.dataclass(frozen=True)
 class DoctorReport:
     """The facts `doctor` gathered.
@@ -117,9 +144,12 @@ class DoctorReport:
             or not applicable), ``tf32_enabled``, ``xla``, ``global_policy``,
             ``recommendation`` (``policy``, ``reason``, ``device``, ``tf32``,
             ``compute_dtype``, ``loss_scaling``), ``facts`` (``"detected"`` or
-            ``"injected"``), ``troubleshooting`` (string: the path of the
-            troubleshooting guide in this installation) and ``notes`` (list of
-            strings).
+            ``"injected"``), ``speed_probe`` (`SpeedProbe.to_dict` of the CPU's
+            measured step: ``step_ms`` and ``factor`` by dtype, sizes,
+            ``repeats``, ``wall_ms``; None with injected facts and no probe, or
+            when a GPU or TPU decides), ``troubleshooting`` (string: the path of
+            the troubleshooting guide in this installation) and ``notes`` (list
+            of strings).
     """
 
     data: Dict[str, Any]
@@ -135,27 +165,33 @@ class DoctorReport:
     def __str__(self) -> str:
         d = self.data
         v, b, rec = d["versions"], d["build"], d["recommendation"]
-        cuda = (f"CUDA {b['cuda_version']}, cuDNN {b['cudnn_version']}, compiled for "
-                f"{', '.join(b['cuda_compute_capabilities']) or '-'}"
-                if b["cuda_build"] else "no CUDA")
+        gpus = any(dev["type"] == "GPU" for dev in d["devices"])
         lines = [
             "tfmp doctor",
             f"  versions:  tfmp {v['tfmp']}, TensorFlow {v['tensorflow']}, "
             f"Keras {v['keras']}, Python {v['python']}",
-            f"  build:     {cuda}; ROCm {_YES[b['rocm_build']]}; "
-            f"TensorRT {_YES[b['tensorrt_build']]}",
-            f"devices ({d['facts']}):",
         ]
+        if gpus:
+            cuda = (f"CUDA {b['cuda_version']}, cuDNN {b['cudnn_version']}, compiled for "
+                    f"{', '.join(b['cuda_compute_capabilities']) or '-'}"
+                    if b["cuda_build"] else "no CUDA")
+            lines.append(f"  build:     {cuda}; ROCm {_YES[b['rocm_build']]}; "
+                         f"TensorRT {_YES[b['tensorrt_build']]}")
+        lines.append(f"devices ({d['facts']}):")
         for dev in d["devices"]:
             word = {**_YES, None: "unknown" if dev["type"] == "GPU" else "n/a"}
-            lines += [f"  {_device_name(dev)}",
-                      f"      float16: {word[dev['float16']]}   bfloat16: "
-                      f"{word[dev['bfloat16']]}   TF32: {word[dev['tf32']]}"]
-        if not any(dev["type"] == "GPU" for dev in d["devices"]):
+            support = f"float16: {word[dev['float16']]}   bfloat16: {word[dev['bfloat16']]}"
+            if dev["type"] == "GPU":
+                support += f"   TF32: {word[dev['tf32']]}"
+            lines += [f"  {_device_name(dev)}", f"      {support}"]
+            if dev["type"] == "CPU" and d["speed_probe"] is not None:
+                lines += _probe_lines(d["speed_probe"])
+        if not gpus:
             lines.append("  no GPU")
+        else:
+            lines.append(f"TF32 execution: {'on' if d['tf32_enabled'] else 'off'} "
+                         "(takes effect on compute capability >= 8.0 only)")
         lines += [
-            f"TF32 execution: {'on' if d['tf32_enabled'] else 'off'} "
-            "(takes effect on compute capability >= 8.0 only)",
             f"XLA: {'built in' if d['xla']['built_with_xla'] else 'not built'}; "
             f"auto-clustering {d['xla']['auto_jit']}",
             f"global policy: {d['global_policy']}",
@@ -169,21 +205,31 @@ class DoctorReport:
         return "\n".join(lines)
 
 
-def collect(device_facts: Optional[DeviceFacts] = None) -> DoctorReport:
+def collect(
+    device_facts: Optional[DeviceFacts] = None,
+    *,
+    speed_probe: Optional[SpeedProbe] = None,
+) -> DoctorReport:
     """Gathers the report without printing it.
 
     Args:
         device_facts: `DeviceFacts` or None. Devices to report on; None detects
             this machine's. Versions, build and settings always come from this
             process.
+        speed_probe: `SpeedProbe` or None. The CPU's measured step; None measures
+            this CPU (once per process) when `device_facts` is None and there is
+            no GPU or TPU, and reports none otherwise.
 
     Returns:
         `DoctorReport`.
+
+    Raises:
+        ValueError: (template) `speed_probe` is neither None nor a `SpeedProbe`.
     """
-    facts = device_facts if device_facts is not None else detect_device_facts()
+    facts, probe = _facts_and_probe(device_facts, speed_probe)
     info = dict(tf.sysconfig.get_build_info())
-    decision = recommend_policy(facts)
-    devices = [_cpu_entry(facts)]
+    decision = recommend_policy(facts, speed_probe=probe)
+    devices = [_cpu_entry(facts, probe)]
     devices += [_gpu_entry(i, g) for i, g in enumerate(facts.gpus)]
     if facts.tpu:
         devices.append({"type": "TPU", "name": "TPU", "float16": False,
@@ -211,15 +257,17 @@ def collect(device_facts: Optional[DeviceFacts] = None) -> DoctorReport:
             "loss_scaling": decision.loss_scaling,
         },
         "facts": "detected" if device_facts is None else "injected",
+        "speed_probe": probe.to_dict() if probe is not None else None,
         "troubleshooting": TROUBLESHOOTING_GUIDE,
     }
-    data["notes"] = _notes(data, facts)
+    data["notes"] = _notes(data, facts, probe)
     return DoctorReport(data)
 
 
 def doctor(
     device_facts: Optional[DeviceFacts] = None,
     *,
+    speed_probe: Optional[SpeedProbe] = None,
     as_json: bool = False,
     file: Optional[TextIO] = sys.stdout,
 ) -> DoctorReport:
@@ -227,6 +275,7 @@ def doctor(
 
     Args:
         device_facts: `DeviceFacts` or None (detect this machine's devices).
+        speed_probe: `SpeedProbe` or None (see `collect`).
         as_json: Bool. Print JSON instead of text.
         file: Writable text stream or None (do not print). Default stdout.
 
@@ -239,7 +288,7 @@ def doctor(
         >>> doctor(t4, file=None).data["recommendation"]["policy"]
         'mixed_float16'
     """
-    report = collect(device_facts)
+    report = collect(device_facts, speed_probe=speed_probe)
     if file is not None:
         print(report.to_json() if as_json else str(report), file=file)
     return report

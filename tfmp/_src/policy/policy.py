@@ -1,7 +1,7 @@
 """Choosing a Keras dtype policy: the hardware rules for "auto" and checks of explicit ones.
 
 Rules (NVIDIA "Train With Mixed Precision" guide and the TensorFlow mixed-precision
-guide; CPU figures measured on a Zen 4 CPU with TF 2.21):
+guide; on a CPU, the flags and a measurement on the CPU itself):
 
 | hardware                                   | policy           |
 |--------------------------------------------|------------------|
@@ -13,10 +13,17 @@ guide; CPU figures measured on a Zen 4 CPU with TF 2.21):
 | any other CPU                              | float32          |
 
 CPU flags as `tfmp._src.policy.hardware.CPU_BF16_FLAGS` lists them (sources there);
-Arm BF16 (Neoverse V1/V2/N2) is not measured by tfmp.
+bfloat16 needs TensorFlow's oneDNN kernels too. On this machine's CPU the decision
+also rests on `tfmp._src.policy.speed_probe`, which times a small training step in
+each dtype: the reason quotes its factors, and a CPU with bfloat16 flags whose
+bfloat16 step measures below `MIN_BFLOAT16_FACTOR` of float32's gets float32, so
+"auto" never picks a policy slower than float32. Device facts given by the caller
+(another machine, tests) are decided by the flags alone, or with the `SpeedProbe`
+given with them; GPUs and TPUs by the vendors' rules, without a probe.
 
-float16 is never chosen on a CPU: no CPU arithmetic for it, measured 0.59x of
-float32 on an MLP. Tensor Cores arrived with compute capability 7.0 (Volta);
+float16 is never chosen on a CPU: TensorFlow has no fast float16 CPU kernels for
+training (AVX512_FP16 included: on Sapphire Rapids a float16 step runs 100-500x
+slower than float32). Tensor Cores arrived with compute capability 7.0 (Volta);
 bfloat16 Tensor Cores and TF32 with 8.0 (Ampere).
 """
 
@@ -24,18 +31,23 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import keras
 
 from tfmp._src.errors import check_bool, invalid_argument
 from tfmp._src.policy.hardware import ONEDNN_ENV, DeviceFacts, detect_device_facts
+from tfmp._src.policy.speed_probe import SpeedProbe, format_factor, measure_speed
 
 MIXED_FLOAT16 = "mixed_float16"
 MIXED_BFLOAT16 = "mixed_bfloat16"
 FLOAT32 = "float32"
 POLICY_CHOICES = ("auto", MIXED_FLOAT16, MIXED_BFLOAT16, FLOAT32)
 PURE_16BIT = ("float16", "bfloat16")
+#: Float. On a CPU with bfloat16 flags, a measured bfloat16 step below this factor
+#: of float32's speed (`SpeedProbe.factor`) makes "auto" choose float32: clearly
+#: slower, beyond the probe's noise.
+MIN_BFLOAT16_FACTOR = 0.9
 
 # Common spellings that are not Keras policy names, mapped to the one meant.
 _ALIASES = {
@@ -120,24 +132,37 @@ def describe_device(facts: DeviceFacts) -> str:
     return f"CPU '{facts.cpu_name}' ({flags})"
 
 
-def recommend_policy(device_facts: Optional[DeviceFacts] = None) -> PolicyDecision:
+def recommend_policy(
+    device_facts: Optional[DeviceFacts] = None,
+    *,
+    speed_probe: Optional[SpeedProbe] = None,
+) -> PolicyDecision:
     """The policy "auto" picks for this machine, without side effects.
 
     Args:
         device_facts: `tfmp.DeviceFacts` or None. Facts to decide for; None reads
             this machine's (cached after the first call).
+        speed_probe: `tfmp.SpeedProbe` or None. Measured step times of the CPU the
+            facts describe. None measures this CPU (once per process, a few
+            tenths of a second) when `device_facts` is None and the CPU decides
+            (no GPU or TPU); with given facts, None decides by the flags alone.
 
     Returns:
         `PolicyDecision` with `.policy`, `.reason`, `.device` and `.tf32`.
 
     Raises:
         ValueError: (template) `device_facts` is neither None nor a
-            `tfmp.DeviceFacts` (a policy name belongs to `tfmp.enable`).
+            `tfmp.DeviceFacts` (a policy name belongs to `tfmp.enable`), or
+            `speed_probe` is neither None nor a `tfmp.SpeedProbe`.
 
     Example:
-        >>> from tfmp import DeviceFacts, GpuFacts
+        >>> from tfmp import DeviceFacts, GpuFacts, SpeedProbe
         >>> recommend_policy(DeviceFacts(gpus=(GpuFacts("Tesla V100", (7, 0)),))).policy
         'mixed_float16'
+        >>> cpu = DeviceFacts(cpu_name="AMD EPYC", cpu_flags=frozenset({"avx512_bf16"}))
+        >>> slow = SpeedProbe(float32_ms=1.0, bfloat16_ms=2.0, float16_ms=50.0)
+        >>> recommend_policy(cpu, speed_probe=slow).policy
+        'float32'
     """
     if device_facts is not None and not isinstance(device_facts, DeviceFacts):
         raise invalid_argument(
@@ -145,7 +170,38 @@ def recommend_policy(device_facts: Optional[DeviceFacts] = None) -> PolicyDecisi
             fix="Call tfmp.recommend_policy() for this machine; to set a policy, "
             "call tfmp.enable(policy).",
         )
+    facts, probe = _facts_and_probe(device_facts, speed_probe)
+    return _recommend(facts, probe)
+
+
+def _facts_and_probe(
+    device_facts: Optional[DeviceFacts],
+    speed_probe: Optional[SpeedProbe],
+    measure: bool = True,
+) -> Tuple[DeviceFacts, Optional[SpeedProbe]]:
+    """The facts to decide for and the probe to decide with (measured only for this CPU)."""
+    if speed_probe is not None and not isinstance(speed_probe, SpeedProbe):
+        raise invalid_argument(
+            "speed_probe", speed_probe, "None or a tfmp.SpeedProbe",
+            fix="Pass e.g. tfmp.SpeedProbe(float32_ms=2.0, bfloat16_ms=1.0, "
+            "float16_ms=200.0), or None to measure this CPU.",
+        )
     facts = device_facts if device_facts is not None else detect_device_facts()
+    cpu_decides = not facts.gpus and not facts.tpu
+    if measure and speed_probe is None and device_facts is None and cpu_decides:
+        speed_probe = measure_speed()
+    return facts, speed_probe
+
+
+def _measured(dtype: str, probe: Optional[SpeedProbe]) -> str:
+    """`` (measured here: ...)`` with `dtype`'s factor, or ``""`` without a probe."""
+    if probe is None:
+        return ""
+    return (f" (measured here: a {dtype} training step runs "
+            f"{format_factor(probe.factor(dtype))}x float32's speed)")
+
+
+def _recommend(facts: DeviceFacts, probe: Optional[SpeedProbe]) -> PolicyDecision:
     device = describe_device(facts)
     if facts.tpu:
         return PolicyDecision(
@@ -158,21 +214,30 @@ def recommend_policy(device_facts: Optional[DeviceFacts] = None) -> PolicyDecisi
     if gpu is not None:
         return _gpu_decision(gpu.compute_capability, gpu.cc_string, device)
     if facts.cpu_bf16_flags and not facts.onednn:
-        return PolicyDecision(FLOAT32, _onednn_off(facts), device)
+        return PolicyDecision(FLOAT32, _onednn_off(facts, probe), device)
+    flags = "/".join(facts.cpu_bf16_flags).upper()
+    if facts.cpu_bf16_flags and probe is not None and (
+            probe.factor("bfloat16") < MIN_BFLOAT16_FACTOR):
+        return PolicyDecision(
+            FLOAT32,
+            f"The CPU has {flags}, but a bfloat16 training step measured "
+            f"{format_factor(probe.factor('bfloat16'))}x float32's speed here (below "
+            f"{MIN_BFLOAT16_FACTOR}x), so float32 is faster.",
+            device,
+        )
     if facts.cpu_bf16_flags:
-        measured = ("measured 1.88x float32 on a Zen 4 CPU"
-                    if set(facts.cpu_bf16_flags) - {"bf16"}
-                    else "Arm BF16 through the Arm Compute Library; not measured by tfmp")
+        measured = _measured("bfloat16", probe)
+        if not measured and not set(facts.cpu_bf16_flags) - {"bf16"}:
+            measured = " (Arm BF16 through the Arm Compute Library; not measured by tfmp)"
         return PolicyDecision(
             MIXED_BFLOAT16,
-            f"The CPU has {'/'.join(facts.cpu_bf16_flags).upper()}, so oneDNN runs "
-            f"bfloat16 matmuls in hardware ({measured}).",
+            f"The CPU has {flags}, so oneDNN runs bfloat16 matmuls in hardware{measured}.",
             device,
         )
     return PolicyDecision(
         FLOAT32,
-        "The CPU has none of AVX512_BF16, AMX-BF16 (x86) or BF16 (Arm), so 16-bit "
-        "compute would be emulated and slower than float32.",
+        "The CPU has none of AVX512_BF16, AMX-BF16 (x86) or BF16 (Arm), so it has no "
+        f"hardware bfloat16 matmuls and float32 is kept{_measured('bfloat16', probe)}.",
         device,
     )
 
@@ -211,17 +276,33 @@ def _gpu_decision(cc, cc_string: str, device: str) -> PolicyDecision:
     )
 
 
-def slower_than_float32(policy: str, facts: DeviceFacts) -> Optional[str]:
+def slower_than_float32(
+    policy: str,
+    facts: DeviceFacts,
+    speed_probe: Optional[SpeedProbe] = None,
+    *,
+    float16_slow_path: Optional[str] = None,
+) -> Optional[str]:
     """Why `policy` runs slower than float32 on `facts`' hardware, or None.
 
     Args:
         policy: String. A Keras policy name.
         facts: `DeviceFacts`.
+        speed_probe: `SpeedProbe` or None. Measured step times of that CPU; its
+            factor is quoted, and decides bfloat16 on a CPU (see below).
+        float16_slow_path: String or None. A clause naming the kernel path that
+            makes float16 slow on that CPU, when one is known (e.g. a fusion
+            TensorFlow sends to a slow kernel); appended to the float16-on-CPU
+            explanation after a semicolon.
 
     Returns:
-        String explanation when the policy's 16-bit dtype has no hardware support
-        there (float16 on a CPU or below compute capability 7.0; bfloat16 on a
-        CPU without bfloat16 flags or below compute capability 8.0), else None.
+        String explanation, or None when the policy is not slower. Slower are:
+        float16 on a CPU (always: TensorFlow has no fast float16 CPU kernels for
+        training) or below compute capability 7.0; bfloat16 below compute
+        capability 8.0, on a CPU without bfloat16 flags, or on a CPU with them
+        whose oneDNN is off or whose measured bfloat16 factor is below
+        `MIN_BFLOAT16_FACTOR`. On a CPU the measured factor is quoted when
+        `speed_probe` is given.
     """
     compute = keras.DTypePolicy(policy).compute_dtype
     if compute == "float32" or facts.tpu:
@@ -237,12 +318,29 @@ def slower_than_float32(policy: str, facts: DeviceFacts) -> Optional[str]:
             f"{compute} Tensor Cores need compute capability >= {needed[0]}.0, "
             f"this GPU has {facts.weakest_gpu.cc_string}"
         )
-    if compute == "bfloat16" and facts.cpu_bf16_flags:
-        return None if facts.onednn else _onednn_off(facts)
-    return f"this CPU has no {compute} arithmetic ({describe_device(facts)})"
+    device = describe_device(facts)
+    factor = speed_probe.factor(compute) if speed_probe is not None else None
+    measured = (f"a {compute} training step measured {format_factor(factor)}x float32's "
+                f"speed on this CPU ({device})" if factor is not None else "")
+    if compute == "float16":
+        text = "TensorFlow has no fast float16 CPU kernels for training"
+        if factor is None:
+            text = f"{text} ({device})"
+        elif factor < 1.0:
+            text = f"{measured}: {text}"
+        else:  # a small step can break even; a model's step adds loss scaling
+            text = f"{text} ({measured}), and float16 needs loss scaling at every step"
+        return f"{text}; {float16_slow_path}" if float16_slow_path else text
+    if facts.cpu_bf16_flags:
+        if not facts.onednn:
+            return _onednn_off(facts, speed_probe)
+        return measured if factor is not None and factor < MIN_BFLOAT16_FACTOR else None
+    text = ("this CPU has none of AVX512_BF16, AMX-BF16 or Arm BF16, so TensorFlow has no "
+            "hardware bfloat16 matmuls here")
+    return f"{measured}: {text}" if factor is not None and factor < 1.0 else f"{text} ({device})"
 
 
-def _onednn_off(facts: DeviceFacts) -> str:
+def _onednn_off(facts: DeviceFacts, probe: Optional[SpeedProbe] = None) -> str:
     """Why a CPU with bfloat16 instructions still gets float32: TensorFlow's oneDNN is off."""
     why = (f"{ONEDNN_ENV}={facts.onednn_env}" if facts.onednn_env
            else f"TensorFlow's default on {facts.system} for this CPU")
@@ -250,7 +348,8 @@ def _onednn_off(facts: DeviceFacts) -> str:
         f"The CPU has {'/'.join(facts.cpu_bf16_flags).upper()}, but TensorFlow's oneDNN "
         f"kernels are off ({why}; TensorFlow 2.21 turns them on by default only on "
         "Linux for x86 and Arm Neoverse V1, and on Windows x86): bfloat16 would run on "
-        "Eigen's kernels, which convert to float32 and back, slower than float32. "
+        "Eigen's kernels, which convert to float32 and back, slower than float32"
+        f"{_measured('bfloat16', probe)}. "
         f"Set {ONEDNN_ENV}=1 before TensorFlow starts to use oneDNN."
     )
 
@@ -260,6 +359,7 @@ def resolve_policy(
     *,
     allow_pure_16bit: bool = False,
     device_facts: Optional[DeviceFacts] = None,
+    speed_probe: Optional[SpeedProbe] = None,
 ) -> PolicyDecision:
     """Validates a requested policy and returns the decision to apply.
 
@@ -269,13 +369,16 @@ def resolve_policy(
         allow_pure_16bit: Bool. Accept ``"float16"``/``"bfloat16"`` (16-bit
             variables, so no float32 master weights). Default False.
         device_facts: `DeviceFacts` or None (this machine).
+        speed_probe: `SpeedProbe` or None, as `recommend_policy` takes it; this
+            CPU is measured only for "auto" or a 16-bit policy.
 
     Returns:
         `PolicyDecision`.
 
     Raises:
-        ValueError: unknown policy name or type, or a pure 16-bit policy without
-            ``allow_pure_16bit=True``.
+        ValueError: (template) unknown policy name or type, a pure 16-bit policy
+            without ``allow_pure_16bit=True``, or a `speed_probe` that is not a
+            `SpeedProbe`.
 
     Warns:
         PerformanceWarning: an explicit policy that is slower than float32 here.
@@ -287,9 +390,8 @@ def resolve_policy(
             "policy", policy, "a policy name string or a keras.DTypePolicy",
             fix="Pass e.g. policy='auto'.",
         )
-    facts = device_facts if device_facts is not None else detect_device_facts()
     if name == "auto":
-        return recommend_policy(facts)
+        return recommend_policy(device_facts, speed_probe=speed_probe)
     if name in PURE_16BIT and not allow_pure_16bit:
         raise invalid_argument(
             "policy", policy, "a mixed policy ('mixed_float16', 'mixed_bfloat16')",
@@ -305,8 +407,10 @@ def resolve_policy(
             "policy", policy, "one of " + ", ".join(repr(c) for c in POLICY_CHOICES),
             fix=fix, choices=POLICY_CHOICES,
         )
-    auto = recommend_policy(facts)
-    slow = slower_than_float32(name, facts)
+    # float32 is never slower than itself: nothing to measure for it
+    facts, probe = _facts_and_probe(device_facts, speed_probe, measure=name != FLOAT32)
+    auto = _recommend(facts, probe)
+    slow = slower_than_float32(name, facts, probe)
     if slow:
         warnings.warn(
             f"Policy {name!r} is slower than float32 here: {slow}. "

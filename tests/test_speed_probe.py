@@ -1,0 +1,144 @@
+"""The CPU speed probe: its measurement on this CPU, its cache, its bounds and its checks."""
+
+import doctest
+import math
+import time
+
+import pytest
+
+import tfmp
+from tfmp._src.policy import speed_probe as _speed
+
+
+@pytest.fixture
+def own_cache():
+    """Starts with an empty probe cache and puts the process's measurement back after."""
+    before = _speed._cached
+    _speed.clear_cache()
+    yield
+    _speed._cached = before
+
+
+@pytest.fixture
+def counted_steps(monkeypatch):
+    """Counts the probe's timed calls (warm-ups included)."""
+    calls = []
+    real = _speed._time_step
+
+    def counting(*args):
+        calls.append(args[0])
+        return real(*args)
+
+    monkeypatch.setattr(_speed, "_time_step", counting)
+    return calls
+
+
+def test_this_cpu_is_measured_once_per_process(own_cache, counted_steps):
+    probe = _speed.measure_speed()
+    for dtype in _speed.DTYPES:
+        assert math.isfinite(probe.step_ms(dtype)) and probe.step_ms(dtype) > 0
+    assert probe.factor("float32") == 1.0
+    assert (probe.batch, probe.units) == (128, 256)
+    assert all(0 <= n <= 5 for n in probe.repeats) and probe.repeats[0] >= 1
+    assert math.isfinite(probe.wall_ms) and probe.wall_ms > 0
+    # One untimed warm-up per dtype besides the timed steps.
+    measured = len(counted_steps)
+    assert measured == 3 + sum(probe.repeats)
+    assert _speed.measure_speed() is probe and tfmp.SpeedProbe is _speed.SpeedProbe
+    assert len(counted_steps) == measured  # cached: nothing run again
+    _speed.clear_cache()
+    again = _speed.measure_speed()
+    assert again is not probe and len(counted_steps) > measured
+
+
+class _FakeStep:
+    """Stands for a traced step taking `seconds` a call; counts its calls.
+
+    Each takes 1 ms at least, so that scheduling noise (tenths of a millisecond)
+    cannot make one step 20x another's.
+    """
+
+    def __init__(self, seconds):
+        self.seconds, self.calls = seconds, 0
+
+    def get_concrete_function(self, *args):
+        return self
+
+    def __call__(self, *args):
+        self.calls += 1
+        time.sleep(self.seconds)
+        return (self,)
+
+    def numpy(self):
+        return 0.0
+
+
+def _fake_probe(monkeypatch, seconds):
+    steps = {dtype: _FakeStep(seconds[dtype]) for dtype in _speed.DTYPES}
+    monkeypatch.setattr(_speed, "_train_step", lambda dtype: steps[dtype])
+    return _speed.measure_speed(), steps
+
+
+def test_a_crawling_dtype_runs_its_warm_up_only(own_cache, monkeypatch):
+    """float16 0.15 s a step (over the 100 ms budget, far over float32's): no timed step."""
+    probe, steps = _fake_probe(monkeypatch, {"float32": 0.001, "bfloat16": 0.001, "float16": 0.15})
+    assert probe.repeats == (5, 5, 0)
+    assert steps["float16"].calls == 1 and steps["float32"].calls == 6
+    assert probe.float16_ms >= 150.0  # the warm-up's time, an upper bound of the step
+
+
+def test_a_far_slower_dtype_stops_after_one_timed_step(own_cache, monkeypatch):
+    """float16 0.07 s a step: its warm-up is within the budget, then one step, far slower."""
+    probe, steps = _fake_probe(monkeypatch, {"float32": 0.001, "bfloat16": 0.001, "float16": 0.07})
+    assert probe.repeats == (5, 5, 1) and steps["float16"].calls == 2
+    assert probe.float16_ms >= 70.0
+
+
+def test_each_dtype_stops_at_its_time_budget(own_cache, monkeypatch):
+    """float32 and bfloat16 0.06 s a step: not far slower, but two steps pass the 100 ms budget."""
+    probe, _ = _fake_probe(monkeypatch, {"float32": 0.06, "bfloat16": 0.06, "float16": 0.001})
+    assert probe.repeats == (2, 2, 5)
+
+
+def test_factors_come_from_the_step_times():
+    probe = tfmp.SpeedProbe(float32_ms=2.0, bfloat16_ms=1.0, float16_ms=100.0)
+    assert (probe.factor("float32"), probe.factor("bfloat16"), probe.factor("float16")) == (
+        1.0, 2.0, 0.02)
+    assert probe.to_dict() == {
+        "step_ms": {"float32": 2.0, "bfloat16": 1.0, "float16": 100.0},
+        "factor": {"float32": 1.0, "bfloat16": 2.0, "float16": 0.02},
+        "batch": 128, "units": 256, "repeats": None, "wall_ms": None,
+    }
+    with_counts = tfmp.SpeedProbe(2.0, 1.0, 100.0, repeats=(5, 4, 1), wall_ms=250.0)
+    assert with_counts.to_dict()["repeats"] == {"float32": 5, "bfloat16": 4, "float16": 1}
+
+
+@pytest.mark.parametrize("factor, text", [
+    (2.0, "2.0"), (1.88, "1.9"), (0.5, "0.5"), (0.82, "0.82"), (0.02, "0.02"), (0.0065, "0.0065"),
+])
+def test_factor_format(factor, text):
+    assert _speed.format_factor(factor) == text
+
+
+@pytest.mark.parametrize("value", [0, -1.0, math.nan, math.inf, "1.5", True, None])
+def test_bad_step_times_are_refused_with_the_template(value):
+    with pytest.raises(ValueError) as info:
+        tfmp.SpeedProbe(float32_ms=1.0, bfloat16_ms=value, float16_ms=1.0)
+    assert str(info.value).startswith(
+        "Invalid `bfloat16_ms` argument. Expected a positive finite number of milliseconds. "
+        f"Received: bfloat16_ms={value!r}")
+
+
+def test_bad_sizes_and_dtypes_are_refused_with_the_template():
+    with pytest.raises(ValueError, match=r"Invalid `units` argument. Expected an integer >= 1. "
+                                         r"Received: units=0 \(of type int\)"):
+        tfmp.SpeedProbe(1.0, 1.0, 1.0, units=0)
+    with pytest.raises(ValueError, match=r"Invalid `repeats` argument. .*Received: repeats=\[5, 5, 5\]"):
+        tfmp.SpeedProbe(1.0, 1.0, 1.0, repeats=[5, 5, 5])
+    with pytest.raises(ValueError, match=r"Received: dtype='bfloat' .*Did you mean 'bfloat16'\?"):
+        tfmp.SpeedProbe(1.0, 1.0, 1.0).factor("bfloat")
+
+
+def test_docstring_examples_run():
+    result = doctest.testmod(_speed)
+    assert result.attempted > 0 and result.failed == 0

@@ -1,0 +1,279 @@
+"""How fast this CPU runs a small training step in float32, bfloat16 and float16.
+
+CPU flags say which instructions a CPU has, not how fast TensorFlow's kernels use
+them: a Sapphire Rapids CPU has AVX512_FP16, yet TensorFlow 2.21 has no fast float16
+CPU kernels for training, and a float16 step there runs 100-500x slower than
+float32. The probe measures instead of guessing, on the running CPU.
+
+What it measures: one Dense-like training step inside a `tf.function` (so Grappler
+optimizes it as it does Keras's train step, with ``jit_compile=False`` as Keras's
+``"auto"`` is on a CPU), on the ``/CPU:0`` device, with TensorFlow's threads as the
+process has them:
+
+- inputs: ``x`` of shape ``(BATCH, UNITS)`` = (128, 256); float32 master weights
+  ``w`` of shape ``(UNITS, UNITS)`` = (256, 256) and ``b`` of shape ``(UNITS,)``;
+- forward, in the compute dtype: ``relu(bias_add(matmul(x, cast(w)), cast(b)))``,
+  the MatMul + BiasAdd + ReLU that a Keras Dense layer is and that Grappler's
+  remapper fuses; the loss ``mean(y**2)`` in float32, as Keras's mixed policies
+  compute it;
+- backward: the gradients of the float32 ``w`` and ``b`` through the casts, as
+  `tf.GradientTape` gives them to an optimizer.
+
+About 34 million floating point operations per step (forward and weight gradient).
+Each dtype is traced, run once untimed (warm-up: Grappler, kernel set-up and one
+step), then timed up to `REPEATS` times in rounds over the dtypes; the fastest step
+counts, so a burst of load from other processes does not. A dtype stops repeating
+once its timed steps took `BUDGET_MS`, or once one step took more than `FAR_SLOWER`
+times float32's; a dtype whose warm-up alone took longer than both is not run again,
+its warm-up time (set-up included, an upper bound) standing for its step. So where
+float16 crawls at 500x float32 (float32 steps of 0.5-1 ms) it costs one step of
+0.25-0.5 s and the probe stays under about a second (on Sapphire Rapids, where
+TensorFlow 2.21 runs the fused float16 MatMul+BiasAdd at 10-15 ns per multiply-add,
+see examples/train_digits.py, the 8.4 million forward multiply-adds take 0.08-0.13
+s); where every dtype runs well, the probe takes 0.2-0.3 s, tracing included
+(measured on a 2-core AMD EPYC Zen 3 at a load average of 3 from other processes;
+up to 0.7 s at a load average of 5). It runs once per process:
+`measure_speed` is cached, `clear_cache` forgets. Its inputs come from stateless
+random ops, so the process's random streams (TensorFlow's global seed, Keras's
+seed generator) are left as they were.
+
+Why it predicts a training step: a Keras model's step on a CPU is mostly its
+layers' matmuls and their gradients, in the compute dtype, on the kernels Grappler
+picks for them (a Dense layer's MatMul + BiasAdd + ReLU is fused the same way); the
+probe is the smallest such step, and tells a dtype that has fast kernels here (a factor near
+or above 1) from one that does not (a factor far below 1). At this size the
+per-step overhead (about 0.3-0.5 ms) weighs more than in a large model, so a
+factor above 1 understates the matmul speed-up (measured elsewhere: bfloat16
+matmuls 2.4-4.2x float32 with AMX) while a factor far below 1 is exact enough.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import time
+from typing import Any, Dict, Optional, Tuple
+
+from tfmp._src.errors import invalid_argument, is_positive_int
+
+#: The dtypes measured, in the order of `SpeedProbe`'s fields.
+DTYPES = ("float32", "bfloat16", "float16")
+#: Int. Rows of the probe's input batch.
+BATCH = 128
+#: Int. Features in and out of the probe's Dense-like layer.
+UNITS = 256
+#: Int. Most timed steps per dtype.
+REPEATS = 5
+#: Float, milliseconds. Timed steps of one dtype stop once they took this long.
+BUDGET_MS = 100.0
+#: Float. A dtype stops repeating once one of its steps took this many times float32's.
+FAR_SLOWER = 20.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeedProbe:
+    """Measured step times of a small training step in each dtype, on one CPU.
+
+    Built by `measure_speed` (this CPU), or by hand to decide for another machine
+    (`tfmp.recommend_policy(facts, speed_probe=...)`) or in tests.
+
+    Attributes:
+        float32_ms: Float, milliseconds. Fastest float32 step.
+        bfloat16_ms: Float, milliseconds. Fastest bfloat16 step.
+        float16_ms: Float, milliseconds. Fastest float16 step.
+        batch: Int. Rows of the input batch (`BATCH` when measured).
+        units: Int. Features in and out of the layer (`UNITS` when measured).
+        repeats: Tuple of three ints (float32, bfloat16, float16) or None. Timed
+            steps of each dtype; None when not measured here.
+        wall_ms: Float, milliseconds, or None. Wall time of the whole probe,
+            tracing included; None when not measured here.
+
+    Raises:
+        ValueError: (template) a step time that is not a positive finite number,
+            a size that is not an integer >= 1, or `repeats` that is not None or
+            three integers >= 0.
+
+    Example:
+        >>> probe = SpeedProbe(float32_ms=2.0, bfloat16_ms=1.0, float16_ms=200.0)
+        >>> probe.factor("bfloat16"), probe.factor("float16"), probe.factor("float32")
+        (2.0, 0.01, 1.0)
+    """
+
+    float32_ms: float
+    bfloat16_ms: float
+    float16_ms: float
+    batch: int = BATCH
+    units: int = UNITS
+    repeats: Optional[Tuple[int, int, int]] = None
+    wall_ms: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        for dtype in DTYPES:
+            _check_ms(f"{dtype}_ms", getattr(self, f"{dtype}_ms"))
+        for name in ("batch", "units"):
+            if not is_positive_int(getattr(self, name)):
+                raise invalid_argument(name, getattr(self, name), "an integer >= 1",
+                                       fix="Pass the probe's sizes, e.g. 128 and 256.")
+        if self.wall_ms is not None:
+            _check_ms("wall_ms", self.wall_ms)
+        counts = self.repeats
+        if counts is not None and not (
+                isinstance(counts, tuple) and len(counts) == len(DTYPES)
+                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                        for n in counts)):
+            raise invalid_argument("repeats", counts, "None or a tuple of three integers >= 0",
+                                   fix="Pass the timed steps of float32, bfloat16 and "
+                                   "float16, e.g. (5, 5, 1).")
+
+    def step_ms(self, dtype: str) -> float:
+        """Float, milliseconds. The fastest step in `dtype`.
+
+        Raises:
+            ValueError: (template) `dtype` is not one of `DTYPES`.
+        """
+        if dtype not in DTYPES:
+            raise invalid_argument("dtype", dtype, "one of " + ", ".join(map(repr, DTYPES)),
+                                   choices=DTYPES)
+        return getattr(self, f"{dtype}_ms")
+
+    def factor(self, dtype: str) -> float:
+        """Float. Speed of a `dtype` step against float32's: float32 time / `dtype` time.
+
+        Above 1 the dtype is faster than float32; float32's own factor is 1.0.
+
+        Raises:
+            ValueError: (template) `dtype` is not one of `DTYPES`.
+        """
+        return self.float32_ms / self.step_ms(dtype)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Returns the probe as a JSON-serializable dict.
+
+        Keys: ``step_ms``, ``factor`` and ``repeats`` (dicts by dtype; ``repeats``
+        None when not measured here), ``batch``, ``units``, ``wall_ms``.
+        """
+        return {
+            "step_ms": {dtype: self.step_ms(dtype) for dtype in DTYPES},
+            "factor": {dtype: self.factor(dtype) for dtype in DTYPES},
+            "batch": self.batch,
+            "units": self.units,
+            "repeats": dict(zip(DTYPES, self.repeats)) if self.repeats else None,
+            "wall_ms": self.wall_ms,
+        }
+
+
+def _check_ms(name: str, value: Any) -> None:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value <= 0:
+        raise invalid_argument(name, value, "a positive finite number of milliseconds",
+                               fix="Pass the measured step time, e.g. 1.5.")
+
+
+def format_ms(ms: float) -> str:
+    """String. A step time in milliseconds: ``"1.52"``, ``"1552"`` (from 100 ms on)."""
+    return f"{ms:.2f}" if ms < 100 else f"{ms:.0f}"
+
+
+def format_factor(factor: float) -> str:
+    """String. A speed factor to two significant digits: ``"1.9"``, ``"0.82"``, ``"0.02"``."""
+    text = f"{factor:.2g}"
+    return text if "." in text or "e" in text else text + ".0"
+
+
+_lock = threading.Lock()
+_cached: Optional[SpeedProbe] = None
+
+
+def measure_speed() -> SpeedProbe:
+    """Measures this CPU's training step in each dtype, once per process.
+
+    The first call measures (a few tenths of a second, about a second where
+    float16 crawls); later calls return the same `SpeedProbe` until
+    `clear_cache`. Thread-safe: concurrent first calls measure once.
+
+    Returns:
+        `SpeedProbe` with `repeats` and `wall_ms` set.
+    """
+    global _cached
+    with _lock:
+        if _cached is None:
+            _cached = _measure()
+        return _cached
+
+
+def clear_cache() -> None:
+    """Forgets the measurement, so that the next `measure_speed` call measures again."""
+    global _cached
+    with _lock:
+        _cached = None
+
+
+def _measure() -> SpeedProbe:
+    import tensorflow as tf
+
+    start = time.perf_counter()
+    with tf.device("/CPU:0"):
+        x = tf.random.stateless_uniform((BATCH, UNITS), seed=(1, 2), minval=-1.0, maxval=1.0)
+        w = tf.random.stateless_uniform((UNITS, UNITS), seed=(3, 4), minval=-1.0,
+                                        maxval=1.0) * (1.0 / UNITS) ** 0.5
+        b = tf.zeros((UNITS,))
+        steps = {}
+        for dtype in DTYPES:
+            inputs = tf.cast(x, dtype)
+            step = _train_step(dtype)
+            step.get_concrete_function(inputs, w, b)  # traced here, so not in the warm-up
+            steps[dtype] = (step, inputs)
+        best = {dtype: math.inf for dtype in DTYPES}
+        spent = {dtype: 0.0 for dtype in DTYPES}
+        count = {dtype: 0 for dtype in DTYPES}
+        active = list(DTYPES)
+        for dtype in DTYPES:  # warm-up: Grappler, kernel set-up and one step
+            warm_up = _time_step(*steps[dtype], w, b)
+            if dtype == "float32":
+                best[dtype] = _time_step(*steps[dtype], w, b)
+                spent[dtype], count[dtype] = best[dtype], 1
+            elif warm_up > max(BUDGET_MS, FAR_SLOWER * best["float32"]):
+                best[dtype] = warm_up  # an upper bound, set-up included: not run again
+                active.remove(dtype)
+        for _ in range(REPEATS):
+            for dtype in list(active):
+                if count[dtype] >= REPEATS:
+                    active.remove(dtype)
+                    continue
+                took = _time_step(*steps[dtype], w, b)
+                best[dtype] = min(best[dtype], took)
+                spent[dtype] += took
+                count[dtype] += 1
+                far = dtype != "float32" and took > FAR_SLOWER * best["float32"]
+                if far or spent[dtype] >= BUDGET_MS:
+                    active.remove(dtype)
+    return SpeedProbe(
+        float32_ms=best["float32"], bfloat16_ms=best["bfloat16"], float16_ms=best["float16"],
+        batch=BATCH, units=UNITS, repeats=tuple(count[dtype] for dtype in DTYPES),
+        wall_ms=(time.perf_counter() - start) * 1e3,
+    )
+
+
+def _time_step(step: Any, inputs: Any, w: Any, b: Any) -> float:
+    """Float, milliseconds. Wall time of one call of `step`, its result fetched."""
+    began = time.perf_counter()
+    step(inputs, w, b)[0].numpy()
+    return (time.perf_counter() - began) * 1e3
+
+
+def _train_step(dtype: str) -> Any:
+    """A `tf.function`: loss and float32 gradients of a Dense + ReLU layer computing in `dtype`."""
+    import tensorflow as tf
+
+    @tf.function(jit_compile=False, autograph=False)  # no Python control flow to convert
+    def step(x, w, b):
+        with tf.device("/CPU:0"):
+            with tf.GradientTape() as tape:
+                tape.watch([w, b])
+                y = tf.nn.relu(tf.nn.bias_add(tf.matmul(x, tf.cast(w, dtype)), tf.cast(b, dtype)))
+                loss = tf.reduce_mean(tf.square(tf.cast(y, tf.float32)))
+            grad_w, grad_b = tape.gradient(loss, [w, b])
+        return loss, grad_w, grad_b
+
+    return step

@@ -29,6 +29,7 @@ from typing import Optional, Union
 import keras
 
 from tfmp._src.errors import check_bool, invalid_argument
+from tfmp._src.policy import float16_fusion
 from tfmp._src.policy.hardware import ONEDNN_ENV, DeviceFacts, detect_device_facts
 
 MIXED_FLOAT16 = "mixed_float16"
@@ -310,7 +311,8 @@ def resolve_policy(
     if slow:
         warnings.warn(
             f"Policy {name!r} is slower than float32 here: {slow}. "
-            f"Use tfmp.enable('auto') (which picks {auto.policy!r}) or 'float32'.",
+            f"Use tfmp.enable('auto') (which picks {auto.policy!r}) or 'float32'."
+            + float16_fusion.warning_clause(keras.DTypePolicy(name).compute_dtype, facts),
             PerformanceWarning,
             stacklevel=3,
         )

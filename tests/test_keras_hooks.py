@@ -1,6 +1,7 @@
 """The one owner of hooks into Keras (tfmp/_src/keras_hooks): private names, patches, the step wrapper."""
 
 import ast
+import inspect
 import json
 import pathlib
 import subprocess
@@ -51,6 +52,28 @@ def test_private_accessors_work_on_this_keras():
     assert not keras_private.overwrites_with_gradient(model.optimizer, dense.kernel)
     assert keras_private.defining_class(keras.Sequential, "compile").__name__ == "Trainer"
     assert not keras_private.in_xla_context()
+
+
+def test_tensorflow_function_call_options_are_a_settable_per_thread_config():
+    """`keras_private.function_call_config` rests on these (tensorflow/python/eager/context.py)."""
+    from tensorflow.python.eager import context
+
+    fix = ("update keras_private.function_call_config (checked on TensorFlow "
+           f"{keras_private.CHECKED_ON[1]})")
+    attribute = vars(type(context.context())).get("function_call_options")
+    assert isinstance(attribute, property) and attribute.fset is not None, fix
+    assert "function_call_options" in inspect.getsource(context.Context.call_function), fix
+    options = context.FunctionCallOptions(executor_type="", config_proto=tf.compat.v1.ConfigProto())
+    assert isinstance(options.config_proto_serialized, bytes), fix
+    off = type(tf.compat.v1.ConfigProto().graph_options.rewrite_options).OFF
+
+    def remapping_off(config):
+        config.graph_options.rewrite_options.remapping = off
+
+    before = context.context().function_call_options
+    with keras_private.function_call_config(remapping_off):
+        assert keras_private.function_call_config_now().graph_options.rewrite_options.remapping == off
+    assert context.context().function_call_options is before
 
 
 def _private_names() -> set:

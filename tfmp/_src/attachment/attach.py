@@ -3,7 +3,8 @@
 `attach` runs when a model is compiled or loaded while tfmp is enabled
 (`tfmp._src.policy.enable`): the decisions made then (policies, float32
 forcing, the BatchNormalization kernel, exact token ids, dtype-error
-explanations, `tfmp.check_numerics`) are recorded in one `Attachment` carried
+explanations, `tfmp.check_numerics`, Grappler's remapper for a float16 model
+on a CPU where the fused float16 matmul is slow) are recorded in one `Attachment` carried
 by the model and every layer in it. What a model keeps after `tfmp.disable()` is
 exactly that: its attachment, its layers' policies and its optimizer.
 """
@@ -19,9 +20,10 @@ from tfmp._src.attachment.record import Attachment
 from tfmp._src.errors import invalid_argument
 from tfmp._src.float32 import fused_batchnorm
 from tfmp._src.float32.force import forced_reason
-from tfmp._src.keras_hooks import patches
+from tfmp._src.keras_hooks import patches, step_scope
 from tfmp._src.layer_tree import walk
 from tfmp._src.numerics.check import check_numerics
+from tfmp._src.policy import float16_fusion
 
 #: Owners of the per-object hooks an attachment brings and `detach` takes off.
 #: Float32 forcing's hooks (cast-back, output casts) stay: they go with the layer
@@ -56,12 +58,14 @@ def attach(model: keras.Model, policy: str, *, attached_by: str, exact_ids: int,
         Whatever installing the model-level hooks raises; nothing is marked then.
     """
     hooks.hold()
+    remapper = _remapper_decision(model)
     entries = walk(model)
     found = Attachment(
         model=model.name, attached_by=attached_by, policy=policy,
         layer_policies={e.path: e.layer.dtype_policy.name for e in entries},
         forced_float32={e.path: why for e in entries if (why := forced_reason(e.layer))},
         exact_ids=exact_ids, explains_dtype_errors=explains_dtype_errors, check_numerics=numerics,
+        remapper=remapper,
     )
     record.mark([model, *(e.layer for e in entries)], found)
     found.batchnorm_kernel = {
@@ -69,6 +73,27 @@ def attach(model: keras.Model, policy: str, *, attached_by: str, exact_ids: int,
         for e in entries if isinstance(e.layer, keras.layers.BatchNormalization)
     }
     return found
+
+
+def _remapper_decision(model: Any) -> str:
+    """Scopes `model`'s functions without Grappler's remapper when its float16 steps need it.
+
+    Decided once, here: a model computing in float16 on a machine without GPUs
+    where `float16_fusion.probe` found the fused float16 matmul slow runs its
+    train, test and predict functions inside `float16_fusion.remapper_off`;
+    any other model has no wrapper (one from an earlier attach comes off).
+
+    Returns:
+        String for ``Attachment.remapper``: ``"on"`` or ``"off: <measurement>"``.
+    """
+    trap = None
+    if isinstance(model, keras.Model):
+        trap = float16_fusion.remapper_trap(model.dtype_policy.compute_dtype)
+    if trap is None:
+        step_scope.remove(model)
+        return "on"
+    step_scope.install(model, float16_fusion.remapper_off, name="remapper off")
+    return f"off: {trap.describe()}"
 
 
 def attachment(model: keras.layers.Layer) -> Optional[Attachment]:
@@ -120,6 +145,7 @@ def detach(model: keras.layers.Layer) -> Optional[Attachment]:
     objects = [model, *(e.layer for e in walk(model))]
     if isinstance(model, keras.Model):
         check_numerics(model, enabled=False)
+        step_scope.remove(model)
         model.train_function = model.test_function = model.predict_function = None
     for obj in objects + [obj.dtype_policy for obj in objects]:
         for hook in patches.installed(obj):

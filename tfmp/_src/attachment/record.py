@@ -61,6 +61,11 @@ class Attachment:
             ``optimizer``, whose optimizer tfmp wrapped in a `tfmp.LossScaleOptimizer`
             (optimizers a custom ``compile`` keeps, e.g. ``["d_optimizer",
             "g_optimizer"]``; see `tfmp._src.loss_scale.custom_optimizers`).
+        remapper: String. ``"on"``: the model's train, test and predict
+            functions run with Grappler's remapper as TensorFlow configures it;
+            ``"off: <measurement>"``: without it (in the calling thread only),
+            because the model computes in float16 on a CPU where the fused
+            float16 matmul measured slow (`tfmp._src.policy.float16_fusion`).
     """
 
     model: str
@@ -74,6 +79,7 @@ class Attachment:
     check_numerics: bool = False
     loss_terms_in_float32: bool = True
     custom_optimizers: List[str] = dataclasses.field(default_factory=list)
+    remapper: str = "on"
 
 
 def of(obj: Any) -> Optional[Attachment]:

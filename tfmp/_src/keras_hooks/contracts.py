@@ -29,6 +29,9 @@ HOOKED_SIGNATURES: Tuple[Tuple[type, str, Tuple[str, ...]], ...] = (
     (keras.Model, "compile_from_config", ("config",)),
     # model_hooks / train_function: `make_train_function(force=False)`.
     (keras.Model, "make_train_function", ("force",)),
+    # step_scope: `make_test_function(force=False)`, `make_predict_function(force=False)`.
+    (keras.Model, "make_test_function", ("force",)),
+    (keras.Model, "make_predict_function", ("force",)),
     # numerics: `train_step(data)`.
     (keras.Model, "train_step", ("data",)),
     # fused_batchnorm: `call(inputs, training=None, mask=None)`.
@@ -80,4 +83,10 @@ CALL_ORDER: Tuple[Tuple[str, str], ...] = (
      "tests/test_user_code_dtypes.py::test_backward_error_in_fit_names_layer_dtypes_and_fix"),
     ("LossScaleOptimizer.apply runs _stateful_handle_finite_grads or _stateful_handle_non_finite_grads",
      "tests/test_loss_scale.py::test_backoff_sequence_from_400"),
+    ("an eager tf.function call takes the calling thread's function_call_options as its Grappler "
+     "config, and the runtime instantiates the function again for another config",
+     "tests/test_float16_fusion.py::test_a_plain_tf_function_is_instantiated_with_and_without_the_remapper"),
+    ("fit, evaluate and predict call make_train/test/predict_function, then the model's "
+     "train/test/predict_function, in the calling thread",
+     "tests/test_float16_fusion.py::test_with_the_trap_a_float16_model_steps_without_fused_matmuls_and_a_float32_model_keeps_them"),
 )

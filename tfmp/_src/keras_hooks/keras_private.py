@@ -25,6 +25,7 @@ pair setup.cfg admits.
 | ``keras.src.utils.tracking.no_automatic_dependency_tracking`` | ``keras/src/utils/tracking.py`` | `no_automatic_dependency_tracking`: tfmp's optimizer variables stored as attributes |
 | ``control_flow_util.GraphOrParentsInXlaContext`` | ``tensorflow/python/ops/control_flow_util.py`` | `in_xla_context`: refuse XLA steps under several replicas |
 | ``convert_phase.ConverterError`` | ``tensorflow/lite/python/convert_phase.py`` | `tflite_converter_error`: the one error type `TFLiteConverter.convert` raises, caught by `tfmp.export` |
+| ``context.context().function_call_options`` (thread-local property with a setter) and ``context.FunctionCallOptions(executor_type, config_proto)`` | ``tensorflow/python/eager/context.py`` (read by ``Context.call_function`` and ``AtomicFunction`` at every call) | `function_call_config`: this thread's tf.function calls run with an edited Grappler config (`tfmp._src.policy.float16_fusion` turns the remapper off) |
 """
 
 from __future__ import annotations
@@ -265,6 +266,48 @@ class LossScaleOptimizerBase(keras.optimizers.LossScaleOptimizer):
 
     def _non_finite_step(self) -> None:
         super()._stateful_handle_non_finite_grads()
+
+
+@contextlib.contextmanager
+def function_call_config(edit: Callable[[Any], None]) -> Iterator[None]:
+    """Runs the block's tf.function calls, in this thread only, with an edited config.
+
+    TensorFlow hands each eager call of a `tf.function` the calling thread's
+    ``FunctionCallOptions``; their ``config_proto`` is the config Grappler
+    optimizes the function with, and the runtime instantiates a function once
+    per distinct config. A copy of the thread's config, changed by `edit`, is
+    set for the block; on exit the options in force before are put back, unless
+    TensorFlow dropped the block's own meanwhile (a ``tf.config`` setter resets
+    them), whose reset then stands. Other threads never see the change.
+
+    Args:
+        edit: Callable taking a `tf.compat.v1.ConfigProto` (a copy) and changing
+            it in place, e.g. setting
+            ``config.graph_options.rewrite_options.remapping``.
+    """
+    from tensorflow.python.eager import context
+
+    eager = context.context()
+    previous = eager.function_call_options
+    config = tf.compat.v1.ConfigProto()
+    config.ParseFromString(previous.config_proto_serialized)
+    edit(config)
+    options = context.FunctionCallOptions(executor_type=previous.executor_type, config_proto=config)
+    eager.function_call_options = options
+    try:
+        yield
+    finally:
+        if eager.function_call_options is options:
+            eager.function_call_options = previous
+
+
+def function_call_config_now() -> Any:
+    """`tf.compat.v1.ConfigProto`: a copy of the config this thread's tf.function calls get now."""
+    from tensorflow.python.eager import context
+
+    config = tf.compat.v1.ConfigProto()
+    config.ParseFromString(context.context().function_call_options.config_proto_serialized)
+    return config
 
 
 def tflite_converter_error() -> type:

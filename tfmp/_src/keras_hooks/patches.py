@@ -1,7 +1,8 @@
 """Method hooks: installed, composed and removed in one place.
 
 Every method tfmp replaces on a Keras class or object (``compile``,
-``compile_from_config``, ``make_train_function``, ``train_step``, ``Layer.call``,
+``compile_from_config``, ``make_train_function`` (and ``make_test_function``,
+``make_predict_function`` of a model), ``train_step``, ``Layer.call``,
 ``Layer.compute_output_spec``, ``Layer.build``,
 ``BatchNormalization.call``, ``Optimizer.apply``,
 ``Optimizer.scale_loss``, ``tf.GradientTape.gradient``, the ``Layer.losses`` property, the
@@ -62,6 +63,7 @@ ORDER = {
     "loss_scale.fit_check": 55,  # Trainer.make_train_function while tfmp optimizers exist
     "enable.first_step": 60,  # Trainer.make_train_function while enabled
     "fit_lifecycle": 65,  # Trainer.fit while a LossScaleMonitor is alive: handlers of an error out of fit
+    "step_scope": 68,  # model.make_{train,test,predict}_function: the model's functions run in a scope
     "train_function": 70,  # Model.make_train_function: the per-model step wrapper
 }
 _INSTANCE_SLOTS = PerObject("hook_slots")

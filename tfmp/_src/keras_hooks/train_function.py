@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, Optional
 import tensorflow as tf
 
 from tfmp._src.keras_hooks import patches
+from tfmp._src.keras_hooks.step_scope import wraps
 
 #: Order in which checks run after a step.
 CHECK_ORDER = ("numerics", "stuck", "stuck.custom_optimizers")
@@ -60,9 +61,13 @@ class _StepHooks:
         return make_train_function
 
     def _wrap_current(self) -> None:
-        """Wraps the model's train function unless it is already this wrapper."""
+        """Wraps the model's train function unless this wrapper is already in it.
+
+        In it: the function itself, or under another tfmp wrapper on top
+        (`step_scope`'s, through ``tfmp_inner``).
+        """
         current = getattr(self.model, "train_function", None)
-        if current is None or current is self.wrapper:
+        if current is None or wraps(current, self.wrapper):
             return
         self.inner = inner = current
 

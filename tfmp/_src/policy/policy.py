@@ -36,6 +36,7 @@ from typing import Optional, Tuple, Union
 import keras
 
 from tfmp._src.errors import check_bool, invalid_argument
+from tfmp._src.policy import float16_fusion
 from tfmp._src.policy.hardware import ONEDNN_ENV, DeviceFacts, detect_device_facts
 from tfmp._src.policy.speed_probe import SpeedProbe, format_factor, measure_speed
 
@@ -46,8 +47,9 @@ POLICY_CHOICES = ("auto", MIXED_FLOAT16, MIXED_BFLOAT16, FLOAT32)
 PURE_16BIT = ("float16", "bfloat16")
 #: Float. On a CPU with bfloat16 flags, a measured bfloat16 step below this factor
 #: of float32's speed (`SpeedProbe.factor`) makes "auto" choose float32: clearly
-#: slower, beyond the probe's noise.
-MIN_BFLOAT16_FACTOR = 0.9
+#: slower, beyond the probe's noise (its small step scatters by about 20%: 0.82-1.1x
+#: for emulated bfloat16 on a 2-core AMD EPYC Zen 3).
+MIN_BFLOAT16_FACTOR = 0.7
 
 # Common spellings that are not Keras policy names, mapped to the one meant.
 _ALIASES = {
@@ -410,7 +412,9 @@ def resolve_policy(
     # float32 is never slower than itself: nothing to measure for it
     facts, probe = _facts_and_probe(device_facts, speed_probe, measure=name != FLOAT32)
     auto = _recommend(facts, probe)
-    slow = slower_than_float32(name, facts, probe)
+    compute = keras.DTypePolicy(name).compute_dtype
+    slow = slower_than_float32(name, facts, probe,
+                               float16_slow_path=float16_fusion.warning_clause(compute, facts))
     if slow:
         warnings.warn(
             f"Policy {name!r} is slower than float32 here: {slow}. "

@@ -1,0 +1,137 @@
+"""A context manager around each call of one model's train, test and predict functions.
+
+Keras builds ``model.train_function`` (``fit``, ``train_on_batch``),
+``model.test_function`` (``evaluate``, validation, ``test_on_batch``) and
+``model.predict_function`` (``predict``, ``predict_on_batch``) in its
+``make_*_function`` methods and calls them once per execution. `install` puts
+one wrapper on each that enters a scope (a callable returning a context
+manager, e.g. `tfmp._src.policy.float16_fusion.remapper_off`) around the call,
+so that everything the function runs (tracing, Grappler, the step) runs inside
+it, on the calling thread. The wrapper is installed through `patches` on the
+model's own ``make_*_function`` (a function Keras builds later is wrapped too);
+`remove` takes it off. A model without a scope has no wrapper at all.
+
+The scope sits below `tfmp._src.keras_hooks.train_function`'s wrapper (owner
+``"step_scope"`` is inner to ``"train_function"`` in `patches.ORDER`): the
+per-step checks run on the host after the scoped call. Each wrapper carries the
+function it wraps as ``tfmp_inner``; a wrapper already anywhere in that chain is
+not put on again.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, ContextManager, Dict, Optional
+
+from tfmp._src.keras_hooks import patches
+from tfmp._src.keras_hooks.object_state import PerObject
+
+#: The model functions a scope covers, as ``<kind>_function`` / ``make_<kind>_function``.
+KINDS = ("train", "test", "predict")
+_STATE = PerObject("step_scope")
+_LOCK = threading.RLock()
+
+Scope = Callable[[], ContextManager[Any]]
+
+
+def wraps(function: Any, wrapper: Any) -> bool:
+    """Bool. Whether `wrapper` is `function` or below it in its ``tfmp_inner`` chain."""
+    while function is not None:
+        if function is wrapper:
+            return True
+        function = getattr(function, "tfmp_inner", None)
+    return False
+
+
+class _ModelScope:
+    """The scope of one model, its three wrappers and its ``make_*_function`` hooks."""
+
+    def __init__(self, model: Any, scope: Scope, name: str) -> None:
+        self.model, self.scope, self.name, self.active = model, scope, name, True
+        self.wrappers: Dict[str, Callable] = {}
+        self.inners: Dict[str, Callable] = {}
+        self.hooks = patches.install_all([
+            (lambda kind=kind: patches.install(
+                model, f"make_{kind}_function", self._wrap_make(kind), owner="step_scope"))
+            for kind in KINDS
+        ])
+        for kind in KINDS:
+            self._wrap_current(kind)
+
+    def _wrap_make(self, kind: str) -> Callable[[Callable], Callable]:
+        def wrap(make: Callable) -> Callable:
+            def make_function(force: bool = False) -> Any:
+                result = make(force)
+                self._wrap_current(kind)
+                return None if result is None else getattr(self.model, f"{kind}_function")
+
+            return make_function
+
+        return wrap
+
+    def _wrap_current(self, kind: str) -> None:
+        """Wraps the model's `kind` function unless this scope's wrapper is in it."""
+        attribute = f"{kind}_function"
+        current = getattr(self.model, attribute, None)
+        if current is None or wraps(current, self.wrappers.get(kind)):
+            return
+        inner, state = current, self
+
+        def scoped_function(*args: Any, **kwargs: Any) -> Any:
+            if not state.active:  # removed while another wrapper sits on top
+                return inner(*args, **kwargs)
+            with state.scope():
+                return inner(*args, **kwargs)
+
+        scoped_function.tfmp_inner = inner
+        scoped_function.tfmp_scope = self.name
+        self.wrappers[kind], self.inners[kind] = scoped_function, inner
+        object.__setattr__(self.model, attribute, scoped_function)
+
+    def remove(self) -> None:
+        """Takes the hooks off and puts back each function this scope wrapped.
+
+        A wrapper under another one (the train-step checks') cannot be taken
+        out of the chain; it stays there as a pass-through.
+        """
+        self.active = False
+        for hook in reversed(self.hooks):
+            hook.remove()
+        for kind, wrapper in self.wrappers.items():
+            attribute = f"{kind}_function"
+            if getattr(self.model, attribute, None) is wrapper:
+                object.__setattr__(self.model, attribute, self.inners[kind])
+
+
+def install(model: Any, scope: Scope, *, name: str) -> None:
+    """Runs every call of `model`'s train, test and predict functions inside `scope()`.
+
+    Args:
+        model: `keras.Model`.
+        scope: Callable without arguments returning a context manager, entered
+            around each call (in the calling thread).
+        name: String. What the scope is (``scope_of`` returns it), e.g.
+            ``"remapper off"``.
+
+    A second `install` on the same model replaces the first scope.
+
+    Raises:
+        Whatever installing a hook raises; the model is then as before.
+    """
+    with _LOCK:
+        remove(model)
+        _STATE[model] = _ModelScope(model, scope, name)
+
+
+def remove(model: Any) -> None:
+    """Takes `model`'s scope off (nothing when it has none); Keras's functions are back."""
+    with _LOCK:
+        state = _STATE.pop(model, None)
+        if state is not None:
+            state.remove()
+
+
+def scope_of(model: Any) -> Optional[str]:
+    """The name of the scope `model`'s functions run in, or None."""
+    state = _STATE.get(model)
+    return None if state is None else state.name

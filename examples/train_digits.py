@@ -6,6 +6,7 @@ images, no network needed). With a network, ``--dataset mnist`` or
 
     python examples/train_digits.py                 # digits, policy "auto"
     python examples/train_digits.py --policy float32 --epochs 5
+    python examples/train_digits.py --policy mixed_float16 --filters 4 --units 16
     tensorboard --logdir logs/digits                # view loss scale and overflows
 """
 
@@ -31,6 +32,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     example_args.add_data_dir_arg(parser)
     example_args.add_training_args(parser, epochs=15, batch_size=64,
                                    log_dir=os.path.join("logs", "digits"))
+    parser.add_argument("--filters", type=example_args.positive_int, default=32,
+                        help="filters of the 3x3 convolution (default 32)")
+    parser.add_argument("--units", type=example_args.positive_int, default=128,
+                        help="units of the hidden Dense layer (default 128); "
+                        "--filters 4 --units 16 keeps a float16 run on a CPU short")
     return parser.parse_args(argv)
 
 
@@ -147,16 +153,17 @@ def make_datasets(
     )
 
 
-#: Widths of `build_model` for float16 demos on a CPU (notebooks 01 and 04): a
-#: float16 training step on a CPU is emulated, and on Sapphire Rapids TensorFlow
-#: 2.21 fuses float16 MatMul+BiasAdd into a oneDNN kernel that takes 10-15 ns per
-#: multiply-add (measured there: a 1024-1024-1024-10 MLP at batch 256 steps in 17 s
-#: against 35 ms in float32; notebook 05's two runs of 180 steps of this model's
-#: default widths took 137 s). Eight filters and 32 units cut the default 280,000
-#: multiply-adds per image to 21,000: at 15 ns (forward and backward, three
-#: multiply-adds per weight and image) 200 float16 steps of 32 images take about
-#: 6 s there instead of 80 s.
-FLOAT16_DEMO_WIDTHS = {"filters": 8, "units": 32}
+#: Widths of `build_model` for float16 demos on a CPU (notebooks 01, 04 and 05,
+#: README's screenshot run): a float16 training step on a CPU is emulated, and on
+#: Sapphire Rapids TensorFlow 2.21 fuses float16 MatMul+BiasAdd into a oneDNN
+#: kernel that takes 10-20 ns per multiply-add (measured there: a 1024-1024-1024-10
+#: MLP at batch 256 steps in 17 s against 35 ms in float32, notebook 02's 64-1024-
+#: 1024-10 MLP in 16 s against 29 ms; notebook 05's two runs of 180 steps of this
+#: model's default widths took 137 s). Four filters and 16 units (4,338 weights)
+#: cut the default 280,000 multiply-adds per image to 6,560: at 20 ns (forward and
+#: backward, three multiply-adds per weight and image) 200 float16 steps of 64
+#: images take about 5 s there instead of 215 s.
+FLOAT16_DEMO_WIDTHS = {"filters": 4, "units": 16}
 
 
 def build_model(
@@ -190,7 +197,7 @@ def main(argv: Optional[Sequence[str]] = None) -> float:
     return example_utils.train_and_evaluate(
         args,
         lambda: make_datasets(args.dataset, args.batch_size, args.seed, args.data_dir),
-        build_model,
+        lambda input_shape: build_model(input_shape, args.filters, args.units),
         loss_scale_options=LOSS_SCALE_OPTIONS,
         grad_stats_freq=GRAD_STATS_FREQ,
     )

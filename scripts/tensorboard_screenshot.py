@@ -10,7 +10,8 @@ switches off "Ignore outliers in chart scaling" (a setting TensorBoard keeps in
 the browser's local storage), so every logged value is inside the charts.
 The README's picture of the main job comes from:
 
-    python examples/train_digits.py --policy mixed_float16 --log-dir logs/digits_fp16
+    python examples/train_digits.py --policy mixed_float16 --filters 4 --units 16 \\
+        --log-dir logs/digits_fp16
     python scripts/tensorboard_screenshot.py logs/digits_fp16 \\
         --output docs/images/tensorboard_main_job.png
 

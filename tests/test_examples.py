@@ -87,7 +87,8 @@ def test_main_job_trains_digits_with_auto_policy(tmp_path, capsys):
 @SKIP_FP16_WARNING
 def test_main_job_digits_mixed_float16_scale_backs_off_and_grows(tmp_path):
     """The README's float16 run, shortened to 2 epochs (46 steps): the scale moves both ways."""
-    train_digits.main(["--policy", "mixed_float16", "--epochs", "2", "--log-dir", str(tmp_path)])
+    train_digits.main(["--policy", "mixed_float16", "--filters", "4", "--units", "16",
+                       "--epochs", "2", "--log-dir", str(tmp_path)])
     run = read_run(the_run(tmp_path))
     scales = np.array([v for _, v in run["batch_loss_scale"]])
     assert len(scales) == 46
@@ -154,7 +155,8 @@ def test_unknown_dataset_message():
 # The other example scripts and the shared helpers ------------------------------------
 
 SCRIPTS = {
-    train_digits: ("--dataset", "--data-dir", "--policy", "--epochs", "--steps", "--log-dir"),
+    train_digits: ("--dataset", "--data-dir", "--policy", "--epochs", "--steps", "--log-dir",
+                   "--filters", "--units"),
     train_image_classifier: ("--dataset", "cifar10", "mnist", "--data-dir", "--policy", "--epochs",
                              "--steps", "--batch-size", "--log-dir", "--seed"),
     train_text_transformer: ("imdb_reviews", "--data-dir", "--policy", "--epochs", "--steps",

@@ -266,5 +266,6 @@ def test_main_job_screenshot_is_in_the_repository_with_its_command():
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(data) < 300 * 1024
     # The README says how to make it again: the main job's run, then the script on its logs.
-    assert "python examples/train_digits.py --policy mixed_float16 --log-dir logs/digits_fp16" in README
+    assert ("python examples/train_digits.py --policy mixed_float16 --filters 4 --units 16 "
+            "--log-dir logs/digits_fp16") in README
     assert f"python scripts/tensorboard_screenshot.py logs/digits_fp16 --output {image}" in README

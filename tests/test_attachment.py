@@ -1,12 +1,12 @@
 """Tests for tfmp/_src/attachment: a model keeps what tfmp decided when it attached it."""
 
-import gc
 import threading
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _collect import collect_everything
 
 import tfmp
 from tfmp._src.attachment import hooks as attachment_hooks
@@ -212,7 +212,7 @@ def test_detach_gives_the_model_back_to_keras():
         model.fit(X, Y, batch_size=4, verbose=0)
     assert tfmp.detach(model) is None  # detaching twice changes nothing
     del model, found
-    gc.collect()
+    collect_everything()
     tfmp.disable()
     assert attachment_hooks.installed() == []
     assert vars(keras.layers.BatchNormalization)["call"] is original_call
@@ -229,7 +229,7 @@ def test_the_model_level_hooks_stay_while_an_attached_model_lives():
     tfmp.disable()  # the model is alive: they stay
     assert len(attachment_hooks.installed()) == 3
     del model
-    gc.collect()
+    collect_everything()
     tfmp.disable()
     assert attachment_hooks.installed() == []
 

@@ -6,6 +6,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _collect import collect_everything
 
 import tfmp
 from tfmp import DeviceFacts, GpuFacts
@@ -303,9 +304,7 @@ def test_enable_with_loss_scale_options_alone_leaves_keras_unhooked_after_disabl
     from tfmp._src.keras_hooks import patches
     from tfmp._src.keras_hooks.keras_private import defining_class
 
-    import gc
-
-    gc.collect()
+    collect_everything()
     tfmp.disable()  # not enabled: takes off the hooks of optimizers other tests left to the collector
     trainer = defining_class(keras.Model, "make_train_function")
     assert patches.installed(trainer, "make_train_function") == []

@@ -5,6 +5,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
+from _collect import collect_everything
 
 import tfmp
 from tfmp._src.keras_hooks.keras_private import keras_at_least
@@ -414,7 +415,6 @@ def _compiled_with_a_forced_middle_softmax():
 
 def test_a_forced_layer_goes_with_its_model():
     """tfmp's state on a forced layer (its cast-back hooks) does not keep it alive."""
-    import gc
     import weakref
 
     from tfmp._src.float32 import cast_back
@@ -425,5 +425,5 @@ def test_a_forced_layer_goes_with_its_model():
     layer_ref, model_ref = weakref.ref(softmax), weakref.ref(model)
     del model, softmax
     keras.backend.clear_session()
-    gc.collect()
+    collect_everything()
     assert model_ref() is None and layer_ref() is None

@@ -6,6 +6,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _collect import collect_everything
 
 import tfmp
 from tfmp._src.float32 import fused_batchnorm
@@ -131,8 +132,6 @@ def test_mask_takes_keras_path_and_audit_shows_the_last_call(disabled):
 
 
 def test_float32_policy_takes_keras_path_and_the_hook_goes_with_the_last_attached_layer(disabled):
-    import gc
-
     original = vars(keras.layers.BatchNormalization)["call"]
     unattached = keras.layers.BatchNormalization()
     tfmp.enable("float32")
@@ -146,7 +145,7 @@ def test_float32_policy_takes_keras_path_and_the_hook_goes_with_the_last_attache
     assert fused_batchnorm.audit_note(unattached) == f"keras: {fused_batchnorm.NOT_ATTACHED}"
     assert len(patches.installed(keras.layers.BatchNormalization, "call")) == 1  # `layer` is attached
     del layer
-    gc.collect()
+    collect_everything()
     tfmp.disable()  # not enabled: takes off the hooks no live attached layer needs
     assert patches.installed(keras.layers.BatchNormalization, "call") == []
     assert vars(keras.layers.BatchNormalization)["call"] is original

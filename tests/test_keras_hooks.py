@@ -12,6 +12,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _collect import collect_everything
 
 import tfmp
 from tfmp._src.keras_hooks import contracts, keras_private, model_hooks, patches, train_function
@@ -333,11 +334,9 @@ def test_monitor_and_check_numerics_leave_each_other_installed(tmp_path):
 
 
 def test_stuck_check_is_attached_without_enable_and_comes_off_after_the_last_optimizer():
-    import gc
-
     from tfmp._src.loss_scale import loops
 
-    gc.collect()
+    collect_everything()
     before = len(loops._live)  # tfmp optimizers other tests may still hold
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.compile(tfmp.LossScaleOptimizer(keras.optimizers.SGD(0.1)), "mse")
@@ -348,7 +347,7 @@ def test_stuck_check_is_attached_without_enable_and_comes_off_after_the_last_opt
     assert len(loops._live) == before + 1
     del model
     keras.backend.clear_session()
-    gc.collect()
+    collect_everything()
     assert len(loops._live) == before
     # Not from the garbage collector: at the next make_train_function (or disable()).
     assert [h.owner for h in patches.installed(trainer, "make_train_function")] == ["loss_scale.fit_check"]

@@ -7,7 +7,6 @@ non-finite gradients (with a finite loss) and are skipped.
 """
 
 import doctest
-import gc
 import glob
 import pathlib
 import sys
@@ -21,6 +20,7 @@ import tensorflow as tf
 from _events import read_run
 from _events import steps
 from _events import values
+from _collect import collect_everything
 
 import tfmp
 from tfmp._src import distribute as _distribute
@@ -699,12 +699,12 @@ def test_event_file_does_not_grow_with_distinct_steps_and_values(tmp_path):
     measure = heap_bytes if heap_bytes() is not None else rss_bytes
     events = EventFile(str(tmp_path / "train"))
     events.write(0, {"a": 0.5, "b": -0.5})  # opens the file, warms up the writer
-    gc.collect()
+    collect_everything()
     before = measure()
     for step in range(1, 1001):
         events.write(step, {"a": step + 0.5, "b": -step - 0.25})
     events.close()
-    gc.collect()
+    collect_everything()
     assert (measure() - before) / _MIB < 0.5
     run = read_run(tmp_path)
     assert run["a"][-1] == (1000, 1000.5) and run["b"][-1] == (1000, -1000.25)
@@ -749,7 +749,7 @@ def test_repeated_fits_trace_once_and_do_not_grow(tmp_path):
     rss, heap = [], []
     for index in range(1, 100):
         if index == 49:
-            gc.collect()
+            collect_everything()
         fit(index)
         if index >= 49:
             rss.append(rss_bytes() / _MIB)
@@ -866,7 +866,7 @@ def test_bad_log_dir(bad):
 
 def test_a_monitor_made_in_the_fit_call_gets_its_note_while_tfmp_is_enabled(tmp_path):
     """`model.fit` is looked up before its arguments are made: the fit hook must be on already."""
-    gc.collect()  # no monitor of another test keeps the fit hook on
+    collect_everything()  # no monitor of another test keeps the fit hook on
     tfmp.disable()
     model = tiny_model()
     model.compile(optimizer=tfmp.LossScaleOptimizer(keras.optimizers.SGD(0.01)), loss="mse")

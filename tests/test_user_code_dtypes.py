@@ -12,13 +12,13 @@
    in a custom training loop.
 """
 
-import gc
 import warnings
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _collect import collect_everything
 
 import tfmp
 
@@ -30,7 +30,7 @@ ORIGINAL_LOSSES = keras.layers.Layer.__dict__["losses"]
 def always_disable():
     yield
     tfmp.disable()
-    gc.collect()  # the test's models are gone: nothing keeps the losses hook
+    collect_everything()  # the test's models are gone: nothing keeps the losses hook
     tfmp.disable()
     assert keras.layers.Layer.__dict__["losses"] is ORIGINAL_LOSSES
 

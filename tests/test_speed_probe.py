@@ -23,13 +23,13 @@ def own_cache():
 def counted_steps(monkeypatch):
     """Counts the probe's timed calls (warm-ups included)."""
     calls = []
-    real = _speed._time_step
+    real = _speed.time_step
 
     def counting(*args):
         calls.append(args[0])
         return real(*args)
 
-    monkeypatch.setattr(_speed, "_time_step", counting)
+    monkeypatch.setattr(_speed, "time_step", counting)
     return calls
 
 
@@ -75,7 +75,7 @@ class _FakeStep:
 
 def _fake_probe(monkeypatch, seconds):
     steps = {dtype: _FakeStep(seconds[dtype]) for dtype in _speed.DTYPES}
-    monkeypatch.setattr(_speed, "_train_step", lambda dtype: steps[dtype])
+    monkeypatch.setattr(_speed, "train_step", lambda dtype: steps[dtype])
     return _speed.measure_speed(), steps
 
 

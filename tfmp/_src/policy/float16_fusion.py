@@ -41,6 +41,7 @@ from typing import Any, Iterator, List, Optional
 
 from tfmp._src.keras_hooks.keras_private import function_call_config
 from tfmp._src.policy.hardware import DeviceFacts, detect_device_facts
+from tfmp._src.policy.speed_probe import time_step, train_step
 
 #: The fused step counts as the slow one above this on/off time ratio.
 SLOW_RATIO = 3.0
@@ -122,11 +123,10 @@ def measure(budget_s: float = BUDGET_S, repeats: int = REPEATS) -> FusionProbe:
         return FusionProbe(math.nan, math.nan, False, "failed: called while tracing")
     with tf.device("/CPU:0"):
         try:
-            fused, unfused = _probe_step(), _probe_step()
+            fused, unfused = train_step("float16"), train_step("float16")
             args = _probe_inputs()
-            fused(*args).numpy()
-            with remapper_off():
-                unfused(*args).numpy()
+            for name, step in (("fused", fused), ("unfused", unfused)):
+                _timed(step, args, name)  # tracing and Grappler: not timed
             times = {"fused": [], "unfused": []}
             start = time.perf_counter()
             for index in range(max(1, repeats)):
@@ -142,37 +142,20 @@ def measure(budget_s: float = BUDGET_S, repeats: int = REPEATS) -> FusionProbe:
 
 
 def _probe_inputs() -> tuple:
+    """``x`` in float16, float32 master weights: the inputs of `speed_probe.train_step`."""
     import tensorflow as tf
 
     x = tf.random.stateless_normal((BATCH, UNITS), seed=(29, 1), dtype=tf.float16)
-    kernel = tf.random.stateless_normal((UNITS, UNITS), seed=(29, 2), stddev=0.05, dtype=tf.float16)
-    bias = tf.zeros((UNITS,), tf.float16)
+    kernel = tf.random.stateless_normal((UNITS, UNITS), seed=(29, 2), stddev=0.05)
+    bias = tf.zeros((UNITS,))
     return x, kernel, bias
-
-
-def _probe_step() -> Any:
-    """A new `tf.function`: a float16 Dense layer's forward and backward pass."""
-    import tensorflow as tf
-
-    @tf.function
-    def float16_dense_step(x: Any, kernel: Any, bias: Any) -> Any:
-        with tf.GradientTape() as tape:
-            tape.watch([kernel, bias])
-            y = tf.nn.relu(tf.nn.bias_add(tf.matmul(x, kernel), bias))
-            loss = tf.reduce_sum(tf.cast(y, tf.float32))
-        d_kernel, d_bias = tape.gradient(loss, [kernel, bias])
-        return tf.reduce_sum(tf.cast(d_kernel, tf.float32)) + tf.reduce_sum(tf.cast(d_bias, tf.float32))
-
-    return float16_dense_step
 
 
 def _timed(step: Any, args: tuple, name: str) -> float:
     """Milliseconds of one call of `step` (``"unfused"``: inside `remapper_off`)."""
     scope = remapper_off() if name == "unfused" else contextlib.nullcontext()
     with scope:
-        begin = time.perf_counter()
-        step(*args).numpy()
-        return (time.perf_counter() - begin) * 1000.0
+        return time_step(step, *args)
 
 
 def probe() -> FusionProbe:

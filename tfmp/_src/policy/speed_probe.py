@@ -221,7 +221,7 @@ def _measure() -> SpeedProbe:
         steps = {}
         for dtype in DTYPES:
             inputs = tf.cast(x, dtype)
-            step = _train_step(dtype)
+            step = train_step(dtype)
             step.get_concrete_function(inputs, w, b)  # traced here, so not in the warm-up
             steps[dtype] = (step, inputs)
         best = {dtype: math.inf for dtype in DTYPES}
@@ -229,9 +229,9 @@ def _measure() -> SpeedProbe:
         count = {dtype: 0 for dtype in DTYPES}
         active = list(DTYPES)
         for dtype in DTYPES:  # warm-up: Grappler, kernel set-up and one step
-            warm_up = _time_step(*steps[dtype], w, b)
+            warm_up = time_step(*steps[dtype], w, b)
             if dtype == "float32":
-                best[dtype] = _time_step(*steps[dtype], w, b)
+                best[dtype] = time_step(*steps[dtype], w, b)
                 spent[dtype], count[dtype] = best[dtype], 1
             elif warm_up > max(BUDGET_MS, FAR_SLOWER * best["float32"]):
                 best[dtype] = warm_up  # an upper bound, set-up included: not run again
@@ -241,7 +241,7 @@ def _measure() -> SpeedProbe:
                 if count[dtype] >= REPEATS:
                     active.remove(dtype)
                     continue
-                took = _time_step(*steps[dtype], w, b)
+                took = time_step(*steps[dtype], w, b)
                 best[dtype] = min(best[dtype], took)
                 spent[dtype] += took
                 count[dtype] += 1
@@ -255,15 +255,21 @@ def _measure() -> SpeedProbe:
     )
 
 
-def _time_step(step: Any, inputs: Any, w: Any, b: Any) -> float:
-    """Float, milliseconds. Wall time of one call of `step`, its result fetched."""
+def time_step(step: Any, inputs: Any, w: Any, b: Any) -> float:
+    """Float, milliseconds. Wall time of one call of a `train_step` function, its loss fetched."""
     began = time.perf_counter()
     step(inputs, w, b)[0].numpy()
     return (time.perf_counter() - began) * 1e3
 
 
-def _train_step(dtype: str) -> Any:
-    """A `tf.function`: loss and float32 gradients of a Dense + ReLU layer computing in `dtype`."""
+def train_step(dtype: str) -> Any:
+    """A new `tf.function` ``step(x, w, b) -> (loss, grad_w, grad_b)``.
+
+    The loss and float32 gradients of a Dense + ReLU layer computing in `dtype`:
+    ``x`` in `dtype`, of shape (batch, units); float32 master weights ``w`` of
+    shape (units, units) and ``b`` of shape (units,), cast to `dtype` as a Keras
+    mixed policy casts them. Also the step of `tfmp._src.policy.float16_fusion`.
+    """
     import tensorflow as tf
 
     @tf.function(jit_compile=False, autograph=False)  # no Python control flow to convert

@@ -9,6 +9,14 @@ import keras
 import tfmp
 
 PUBLIC_API = {
+    "AuditReport",
+    "NumericsHandle",
+    "DatasetReport",
+    "ExportReport",
+    "Float32Rules",
+    "Registration",
+    "MetricSummary",
+    "Verdict",
     "Attachment",
     "CompareReport",
     "DeviceFacts",

@@ -26,6 +26,14 @@ from tfmp._version import __version__ as __version__
 
 # Public name -> the module that defines it (the one place each name is exported).
 _EXPORTS = {
+    "AuditReport": "tfmp._src.float32.audit_report",
+    "NumericsHandle": "tfmp._src.numerics.check",
+    "DatasetReport": "tfmp._src.numerics.dataset",
+    "ExportReport": "tfmp._src.deployment.report",
+    "Float32Rules": "tfmp._src.float32.registry",
+    "Registration": "tfmp._src.float32.registry",
+    "MetricSummary": "tfmp._src.advisors.compare_report",
+    "Verdict": "tfmp._src.advisors.compare_report",
     "Attachment": "tfmp._src.attachment.record",
     "CompareReport": "tfmp._src.advisors.compare_report",
     "DeviceFacts": "tfmp._src.policy.hardware",

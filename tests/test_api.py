@@ -123,3 +123,27 @@ def test_every_package_folder_is_installed():
     packaged = set(setuptools.find_packages(str(root), include=["tfmp", "tfmp.*"]))
     assert "tfmp._src.keras_hooks" in folders
     assert folders <= packaged, f"not packaged: {sorted(folders - packaged)}"
+
+
+def test_every_public_name_is_imported_explicitly_for_type_checkers():
+    """``from module import name as name``, one a name: what IDEs and type checkers read.
+
+    The explicit ``as`` re-export is what strict type checkers (mypy
+    ``--no-implicit-reexport``, pyright) count as public; `tfmp/py.typed` marks the
+    package as typed (PEP 561).
+    """
+    import ast
+
+    init = pathlib.Path(tfmp.__file__)
+    imported = {}
+    for node in ast.walk(ast.parse(init.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                if alias.asname == alias.name:
+                    imported.setdefault(alias.name, []).append(node.module)
+    public = set(PUBLIC_API)
+    assert set(imported) == public
+    for name, modules in imported.items():
+        assert len(modules) == 1, (name, modules)  # one door per name
+        assert getattr(tfmp, name).__module__ in (modules[0], "tfmp._version"), name
+    assert (init.parent / "py.typed").is_file()

@@ -6,14 +6,18 @@
     model.compile("adam", loss=...)   # float32 forcing + loss-scale optimizer
     model.fit(ds, callbacks=[tfmp.LossScaleMonitor("logs/run1")])
 
-`import tfmp` imports every public name below (and so TensorFlow and Keras,
-checking their versions, and registering `LossScaleOptimizer` with Keras
+The public names are imported below, one a line, grouped by concern: the core
+(policy, float32, loss scaling, numerics, TensorBoard, the per-model attachment),
+then the tooling (deployment and the advisors). Each is defined in one private
+module under `tfmp/_src/`. `import tfmp` imports them all (and so TensorFlow and
+Keras, checking their versions, and registering `LossScaleOptimizer` with Keras
 serialization), except while Python starts ``python -m tfmp ...`` (the `tfmp`
-command, see `_tfmp_command`): then the names are imported on first use (a module
-``__getattr__``, PEP 562), so ``--help`` answers without TensorFlow's start-up
-(about 6 s). Which module ``-m`` runs is read from ``sys.orig_argv``, the
-interpreter's own command line, so a program started as ``python -m mypkg.train``
-that imports tfmp gets everything at once.
+command, see `_tfmp_command`): then they are imported on first use (a module
+``__getattr__``, PEP 562, that executes this file again with the imports on), so
+``--help`` answers without TensorFlow's start-up (about 10 s). Which module
+``-m`` runs is read from ``sys.orig_argv``, the interpreter's own command line,
+so a program started as ``python -m mypkg.train`` that imports tfmp gets
+everything at once.
 """
 
 from __future__ import annotations
@@ -24,71 +28,29 @@ from typing import Any, List, Optional
 
 from tfmp._version import __version__ as __version__
 
-# Public name -> the module that defines it (the one place each name is exported).
-_EXPORTS = {
-    "AuditReport": "tfmp._src.float32.audit_report",
-    "NumericsHandle": "tfmp._src.numerics.check",
-    "DatasetReport": "tfmp._src.numerics.dataset",
-    "ExportReport": "tfmp._src.deployment.report",
-    "Float32Rules": "tfmp._src.float32.registry",
-    "Registration": "tfmp._src.float32.registry",
-    "MetricSummary": "tfmp._src.advisors.compare_report",
-    "Verdict": "tfmp._src.advisors.compare_report",
-    "Attachment": "tfmp._src.attachment.record",
-    "CompareReport": "tfmp._src.advisors.compare_report",
-    "DeviceFacts": "tfmp._src.policy.hardware",
-    "DoctorReport": "tfmp._src.advisors.doctor",
-    "GpuFacts": "tfmp._src.policy.hardware",
-    "LoggingWarning": "tfmp._src.monitor.event_file",
-    "LossScaleMonitor": "tfmp._src.monitor.callback",
-    "LossScaleOptimizer": "tfmp._src.loss_scale.optimizer",
-    "LossScaleWarning": "tfmp._src.loss_scale.guard",
-    "SkippedStepWarning": "tfmp._src.loss_scale.skips",
-    "SpeedProbe": "tfmp._src.policy.speed_probe",
-    "MemoryEstimate": "tfmp._src.advisors.memory",
-    "NonFiniteError": "tfmp._src.errors",
-    "PerformanceWarning": "tfmp._src.policy.policy",
-    "PolicyDecision": "tfmp._src.policy.policy",
-    "attachment": "tfmp._src.attachment.attach",
-    "audit": "tfmp._src.float32.audit",
-    "check_dataset": "tfmp._src.numerics.dataset",
-    "check_numerics": "tfmp._src.numerics.check",
-    "compare": "tfmp._src.advisors.compare",
-    "detach": "tfmp._src.attachment.attach",
-    "disable": "tfmp._src.policy.enable",
-    "doctor": "tfmp._src.advisors.doctor",
-    "enable": "tfmp._src.policy.enable",
-    "estimate_kv_cache": "tfmp._src.advisors.memory",
-    "estimate_memory": "tfmp._src.advisors.memory",
-    "export": "tfmp._src.deployment.export",
-    "float32_layers": "tfmp._src.float32.registry",
-    "force_float32": "tfmp._src.float32.force",
-    "policy_scope": "tfmp._src.policy.enable",
-    "recommend_policy": "tfmp._src.policy.policy",
-    "register_float32": "tfmp._src.float32.registry",
-    "scaled_gradients": "tfmp._src.loss_scale.loops",
-    "to_float32": "tfmp._src.deployment.to_float32",
-    "unregister_float32": "tfmp._src.float32.registry",
-}
-
-__all__ = sorted([*_EXPORTS, "__version__"])
-
-
-def _import_public_names() -> None:
-    for name, module in _EXPORTS.items():
-        globals()[name] = getattr(importlib.import_module(module), name)
-
-
-def __getattr__(name: str) -> Any:
-    """Imports the public names on first use; other names raise AttributeError."""
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'tfmp' has no attribute {name!r}")
-    _import_public_names()
-    return globals()[name]
-
-
-def __dir__() -> List[str]:
-    return sorted(set(globals()) | set(__all__))
+__all__ = [
+    "__version__",
+    # Policy: choosing and setting the dtype policy
+    "enable", "disable", "policy_scope", "recommend_policy", "PolicyDecision",
+    "PerformanceWarning",
+    # Float32 where 16 bits break numerics
+    "force_float32", "register_float32", "unregister_float32", "float32_layers", "Float32Rules",
+    "Registration", "audit", "AuditReport",
+    # Loss scaling
+    "LossScaleOptimizer", "scaled_gradients", "LossScaleWarning", "SkippedStepWarning",
+    # Finding the first non-finite value
+    "check_numerics", "NumericsHandle", "NonFiniteError", "check_dataset", "DatasetReport",
+    # TensorBoard
+    "LossScaleMonitor", "LoggingWarning",
+    # What tfmp decided for one model
+    "attachment", "detach", "Attachment",
+    # Tooling, deployment: a float32 copy, SavedModel and TFLite
+    "to_float32", "export", "ExportReport",
+    # Tooling, advisors: the machine, a policy comparison, memory
+    "doctor", "DoctorReport", "DeviceFacts", "GpuFacts", "SpeedProbe", "compare",
+    "CompareReport", "MetricSummary", "Verdict", "estimate_memory", "estimate_kv_cache",
+    "MemoryEstimate",
+]
 
 
 def _module_run_by_python(command_line: List[str]) -> Optional[str]:
@@ -123,5 +85,77 @@ def _module_run_by_python(command_line: List[str]) -> Optional[str]:
     return None
 
 
-if _module_run_by_python(list(getattr(sys, "orig_argv", []))) != "tfmp":
-    _import_public_names()
+#: True while ``python -m tfmp`` starts and nothing public has been used yet.
+_IMPORTS_DEFERRED = (not globals().get("_IMPORTING_ON_FIRST_USE", False)
+                     and _module_run_by_python(list(getattr(sys, "orig_argv", []))) == "tfmp")
+
+if not _IMPORTS_DEFERRED:
+    # Policy: choosing and setting the dtype policy (tfmp/_src/policy)
+    from tfmp._src.policy.enable import enable as enable
+    from tfmp._src.policy.enable import disable as disable
+    from tfmp._src.policy.enable import policy_scope as policy_scope
+    from tfmp._src.policy.policy import recommend_policy as recommend_policy
+    from tfmp._src.policy.policy import PolicyDecision as PolicyDecision
+    from tfmp._src.policy.policy import PerformanceWarning as PerformanceWarning
+    # Float32 where 16 bits break numerics (tfmp/_src/float32)
+    from tfmp._src.float32.force import force_float32 as force_float32
+    from tfmp._src.float32.registry import register_float32 as register_float32
+    from tfmp._src.float32.registry import unregister_float32 as unregister_float32
+    from tfmp._src.float32.registry import float32_layers as float32_layers
+    from tfmp._src.float32.registry import Float32Rules as Float32Rules
+    from tfmp._src.float32.registry import Registration as Registration
+    from tfmp._src.float32.audit import audit as audit
+    from tfmp._src.float32.audit_report import AuditReport as AuditReport
+    # Loss scaling (tfmp/_src/loss_scale)
+    from tfmp._src.loss_scale.optimizer import LossScaleOptimizer as LossScaleOptimizer
+    from tfmp._src.loss_scale.loops import scaled_gradients as scaled_gradients
+    from tfmp._src.loss_scale.guard import LossScaleWarning as LossScaleWarning
+    from tfmp._src.loss_scale.skips import SkippedStepWarning as SkippedStepWarning
+    # Finding the first non-finite value (tfmp/_src/numerics, tfmp/_src/errors.py)
+    from tfmp._src.numerics.check import check_numerics as check_numerics
+    from tfmp._src.numerics.check import NumericsHandle as NumericsHandle
+    from tfmp._src.errors import NonFiniteError as NonFiniteError
+    from tfmp._src.numerics.dataset import check_dataset as check_dataset
+    from tfmp._src.numerics.dataset import DatasetReport as DatasetReport
+    # TensorBoard (tfmp/_src/monitor)
+    from tfmp._src.monitor.callback import LossScaleMonitor as LossScaleMonitor
+    from tfmp._src.monitor.event_file import LoggingWarning as LoggingWarning
+    # What tfmp decided for one model (tfmp/_src/attachment)
+    from tfmp._src.attachment.attach import attachment as attachment
+    from tfmp._src.attachment.attach import detach as detach
+    from tfmp._src.attachment.record import Attachment as Attachment
+    # Tooling, deployment: a float32 copy, SavedModel and TFLite (tfmp/_src/deployment)
+    from tfmp._src.deployment.to_float32 import to_float32 as to_float32
+    from tfmp._src.deployment.export import export as export
+    from tfmp._src.deployment.report import ExportReport as ExportReport
+    # Tooling, advisors: the machine, a policy comparison, memory
+    # (tfmp/_src/advisors, tfmp/_src/policy)
+    from tfmp._src.advisors.doctor import doctor as doctor
+    from tfmp._src.advisors.doctor import DoctorReport as DoctorReport
+    from tfmp._src.policy.hardware import DeviceFacts as DeviceFacts
+    from tfmp._src.policy.hardware import GpuFacts as GpuFacts
+    from tfmp._src.policy.speed_probe import SpeedProbe as SpeedProbe
+    from tfmp._src.advisors.compare import compare as compare
+    from tfmp._src.advisors.compare_report import CompareReport as CompareReport
+    from tfmp._src.advisors.compare_report import MetricSummary as MetricSummary
+    from tfmp._src.advisors.compare_report import Verdict as Verdict
+    from tfmp._src.advisors.memory import estimate_memory as estimate_memory
+    from tfmp._src.advisors.memory import estimate_kv_cache as estimate_kv_cache
+    from tfmp._src.advisors.memory import MemoryEstimate as MemoryEstimate
+
+
+def __getattr__(name: str) -> Any:
+    """Imports the public names on first use (``python -m tfmp``).
+
+    Raises:
+        AttributeError: `name` is not public, or the names are already imported.
+    """
+    if name not in __all__ or not _IMPORTS_DEFERRED:
+        raise AttributeError(f"module 'tfmp' has no attribute {name!r}")
+    globals()["_IMPORTING_ON_FIRST_USE"] = True
+    importlib.reload(sys.modules[__name__])
+    return globals()[name]
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -24,7 +24,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp._src.advisors import compare_runs
+from tfmp._src.advisors import compare_runs, compare_stats
 from tfmp._src.advisors.compare_report import CompareReport, RunResult
 from tfmp._src.errors import invalid_argument
 from tfmp._src.policy.enable import policy_scope
@@ -193,6 +193,8 @@ def compare(
             resolve to the same one on this machine (e.g. "auto" is float32 on a
             CPU without bfloat16: there is nothing to compare), bad sizes, seeds or
             data, or `build_model` not returning a compiled model.
+        ModuleNotFoundError: scipy (the ``compare`` extra) is not installed; said
+            before any model is trained.
 
     Example:
         ``report = tfmp.compare(build, (x, y), (x_val, y_val), epochs=5, seeds=5)``
@@ -239,6 +241,7 @@ def compare(
         labels = compare_runs.class_labels(val_data)
         if labels is not None:
             val = (val_kwargs["x"], batch_size, len(labels))
+    compare_stats.scipy_stats()  # a missing optional dependency said before any training
     runs, speed = [], {}
     for s in seed_list:
         models = {}

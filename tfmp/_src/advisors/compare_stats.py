@@ -17,6 +17,9 @@ pairs (`scipy.stats.binomtest` with p = 0.5). The chi-square form with continuit
 correction approximates it only when the discordant count is large (about 25 or
 more); on a few hundred validation examples two close policies disagree on a
 handful, where the approximation is poor, and the exact test costs nothing.
+
+scipy is an optional dependency (the ``compare`` extra): it is imported on the
+first statistic, not with tfmp, and `scipy_stats` says the fix when it is missing.
 """
 
 from __future__ import annotations
@@ -26,10 +29,31 @@ import math
 from typing import Optional, Sequence
 
 import numpy as np
-from scipy import stats
 
 PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"
 MAX_SEEDS = 1000  # beyond this, `seeds_needed` says more seeds will not decide
+#: The install command that brings `tfmp.compare`'s optional dependencies.
+COMPARE_EXTRA = 'pip install "tfmp[compare]"'
+
+
+def scipy_stats():
+    """The `scipy.stats` module, imported on first use.
+
+    Returns:
+        Module `scipy.stats`.
+
+    Raises:
+        ModuleNotFoundError: scipy is not installed; the message names the extra
+            that installs it.
+    """
+    try:
+        from scipy import stats
+    except ModuleNotFoundError as error:
+        raise ModuleNotFoundError(
+            "tfmp.compare needs scipy (scipy.stats: Student t intervals and McNemar's exact "
+            f"test). Expected scipy to be importable. Received: {error}. "
+            f"Install tfmp's `compare` extra: {COMPARE_EXTRA}", name="scipy") from error
+    return stats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +122,7 @@ def paired_interval(differences: Sequence[float], confidence: float = 0.95) -> I
     if values.size == 1:
         return Interval(mean, mean, mean, None, 1, confidence)
     std = float(values.std(ddof=1))
-    half = float(stats.t.ppf((1 + confidence) / 2, values.size - 1)) * std / math.sqrt(values.size)
+    half = float(scipy_stats().t.ppf((1 + confidence) / 2, values.size - 1)) * std / math.sqrt(values.size)
     return Interval(mean, mean - half, mean + half, std, int(values.size), confidence)
 
 
@@ -162,7 +186,7 @@ def seeds_needed(interval: Interval, tolerance: float) -> Optional[int]:
         return None
     q = (1 + interval.confidence) / 2
     for n in range(2, MAX_SEEDS + 1):
-        if stats.t.ppf(q, n - 1) * interval.std / math.sqrt(n) < margin:
+        if scipy_stats().t.ppf(q, n - 1) * interval.std / math.sqrt(n) < margin:
             return n
     return None
 
@@ -208,7 +232,7 @@ def mcnemar(correct_reference: Sequence[bool], correct_other: Sequence[bool]) ->
             "Invalid correctness vectors. Expected two non-empty sequences of equal "
             f"length. Received: lengths {ref.size} and {other.size}.")
     b, c = int(np.sum(ref & ~other)), int(np.sum(~ref & other))
-    p = 1.0 if b + c == 0 else float(stats.binomtest(b, b + c, 0.5).pvalue)
+    p = 1.0 if b + c == 0 else float(scipy_stats().binomtest(b, b + c, 0.5).pvalue)
     return McNemar(b, c, min(p, 1.0))
 
 
@@ -240,5 +264,5 @@ def examples_needed(correct_reference: Sequence[bool], correct_other: Sequence[b
     margin = _margin(mean_pp, tolerance_pp) / 100
     if variance <= 0 or margin == 0:
         return None
-    z = float(stats.norm.ppf((1 + confidence) / 2))
+    z = float(scipy_stats().norm.ppf((1 + confidence) / 2))
     return int(math.ceil(z * z * variance / (margin * margin)))

@@ -99,6 +99,27 @@ def test_wheel_holds_the_license_and_the_troubleshooting_guide(installed):
     assert "Provides-Extra: notebooks" in metadata.splitlines()
 
 
+def test_plain_install_pulls_no_optional_dependency_and_is_typed(installed):
+    """``pip install tfmp`` brings TensorFlow, Keras and what every run needs, no more."""
+    with zipfile.ZipFile(installed["wheel"]) as wheel:
+        names = wheel.namelist()
+        [metadata] = [n for n in names if n.endswith(".dist-info/METADATA")]
+        requires = [line.split(":", 1)[1].strip()
+                    for line in wheel.read(metadata).decode("utf-8").splitlines()
+                    if line.startswith("Requires-Dist:")]
+    plain = sorted(r.split(">")[0].split("<")[0].split("=")[0].split(";")[0].strip()
+                   for r in requires if "extra ==" not in r)
+    assert plain == ["archspec", "keras", "numpy", "tensorboard", "tensorflow"]
+    by_extra = {}
+    for requirement in requires:
+        if "extra ==" in requirement:
+            name, marker = requirement.split(";", 1)
+            by_extra.setdefault(marker.split("==")[1].strip(" '\""), set()).add(name.strip())
+    assert {"scipy", "matplotlib"} <= by_extra["compare"]
+    assert {"tensorflow-datasets", "scikit-learn"} <= by_extra["examples"]
+    assert "tfmp/py.typed" in names  # PEP 561
+
+
 def test_installed_tfmp_doctor_names_the_installed_guide(installed):
     result = _run([installed["scripts"] / "tfmp", "doctor"], cwd=installed["outside"],
                   env=_clean_env())

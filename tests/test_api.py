@@ -135,8 +135,12 @@ def test_every_public_name_is_imported_explicitly_for_type_checkers():
     import ast
 
     init = pathlib.Path(tfmp.__file__)
+    tree = ast.parse(init.read_text(encoding="utf-8"))
+    # The deferred-import `__getattr__` is hidden from type checkers (it would make
+    # every misspelt `tfmp.name` valid to them): no module-level definition of it.
+    assert "__getattr__" not in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
     imported = {}
-    for node in ast.walk(ast.parse(init.read_text(encoding="utf-8"))):
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             for alias in node.names:
                 if alias.asname == alias.name:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 from tfmp._version import __version__ as __version__
 
@@ -144,17 +144,19 @@ if not _IMPORTS_DEFERRED:
     from tfmp._src.advisors.memory import MemoryEstimate as MemoryEstimate
 
 
-def __getattr__(name: str) -> Any:
-    """Imports the public names on first use (``python -m tfmp``).
+if not TYPE_CHECKING:  # a type checker sees the imports above, and no catch-all
 
-    Raises:
-        AttributeError: `name` is not public, or the names are already imported.
-    """
-    if name not in __all__ or not _IMPORTS_DEFERRED:
-        raise AttributeError(f"module 'tfmp' has no attribute {name!r}")
-    globals()["_IMPORTING_ON_FIRST_USE"] = True
-    importlib.reload(sys.modules[__name__])
-    return globals()[name]
+    def __getattr__(name: str) -> Any:
+        """Imports the public names on first use (``python -m tfmp``).
+
+        Raises:
+            AttributeError: `name` is not public, or the names are already imported.
+        """
+        if name not in __all__ or not _IMPORTS_DEFERRED:
+            raise AttributeError(f"module 'tfmp' has no attribute {name!r}")
+        globals()["_IMPORTING_ON_FIRST_USE"] = True
+        importlib.reload(sys.modules[__name__])
+        return globals()[name]
 
 
 def __dir__() -> List[str]:

@@ -49,6 +49,7 @@ BOOL = Kind("True or False", lambda value: isinstance(value, bool))
 REAL = Kind("a number", _is_real)
 FINITE = Kind("a finite number", lambda value: _is_real(value) and math.isfinite(value))
 COUNT = Kind("an integer >= 0", _is_count)
+POSITIVE_INT = Kind("an integer >= 1", lambda value: _is_count(value) and value >= 1)
 ANY = Kind("any value", lambda value: True)
 INT = Kind("an integer", lambda value: isinstance(value, numbers.Integral) and not isinstance(value, bool))
 

@@ -165,6 +165,19 @@ def _activation_bytes(
     return counted, baseline, notes
 
 
+_ACCEPTED = {
+    "optimizer": ("None, a keras.optimizers.Optimizer or its name",
+                  "Pass e.g. optimizer='adam' or keras.optimizers.Adam()."),
+    "policy": ("None, a Keras policy name or a keras.DTypePolicy", "Pass e.g. policy='mixed_bfloat16'."),
+}
+
+
+def _refused(name: str, value: Any) -> ValueError:
+    """The template error for `estimate_memory`'s `optimizer` or `policy`."""
+    expected, fix = _ACCEPTED[name]
+    return invalid_argument(name, value, expected, fix=fix)
+
+
 def _built_optimizer(model: keras.Model, optimizer: Any) -> Optional[Any]:
     """The optimizer to count, built on the model's trainable variables."""
     if optimizer is None:
@@ -175,13 +188,9 @@ def _built_optimizer(model: keras.Model, optimizer: Any) -> Optional[Any]:
         try:
             optimizer = keras.optimizers.get(optimizer)
         except (ValueError, TypeError) as error:
-            raise invalid_argument(
-                "optimizer", optimizer, "None, a keras.optimizers.Optimizer or its name",
-                fix="Pass e.g. optimizer='adam' or keras.optimizers.Adam().") from error
+            raise _refused("optimizer", optimizer) from error
     elif not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise invalid_argument(
-            "optimizer", optimizer, "None, a keras.optimizers.Optimizer or its name",
-            fix="Pass e.g. optimizer='adam' or keras.optimizers.Adam().")
+        raise _refused("optimizer", optimizer)
     elif not optimizer.built:
         # Count a fresh copy so the caller's optimizer is not built here.
         optimizer = optimizer.__class__.from_config(optimizer.get_config())
@@ -236,18 +245,15 @@ def estimate_memory(
             fix="Build it first, e.g. start it with keras.Input(shape) or call "
                 "model.build(input_shape).")
     check_positive_int("batch_size", batch_size, fix="Pass e.g. batch_size=32.")
-    if policy is not None and not isinstance(policy, (str, keras.DTypePolicy)):
-        raise invalid_argument("policy", policy, "None, a Keras policy name or a keras.DTypePolicy",
-                               fix="Pass e.g. policy='mixed_bfloat16'.")
     if policy is None:
         compute_dtype, label = None, f"as built ({model.dtype_policy.name})"
     else:
+        if not isinstance(policy, (str, keras.DTypePolicy)):
+            raise _refused("policy", policy)
         try:
             dtype_policy = keras.dtype_policies.get(policy)
         except (ValueError, TypeError) as error:
-            raise invalid_argument(
-                "policy", policy, "None, a Keras policy name or a keras.DTypePolicy",
-                fix="Pass e.g. policy='mixed_bfloat16'.") from error
+            raise _refused("policy", policy) from error
         compute_dtype, label = dtype_policy.compute_dtype, dtype_policy.name
     opt = _built_optimizer(model, optimizer)
     opt_vars = unique(opt.variables) if opt is not None else []

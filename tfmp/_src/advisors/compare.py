@@ -16,6 +16,7 @@ tfmp/docs/troubleshooting.md#accuracy-drop-versus-float32.
 from __future__ import annotations
 
 import gc
+import math
 import statistics
 import time
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
@@ -34,17 +35,35 @@ Data = Union[Tuple[Any, Any], tf.data.Dataset]
 
 
 def _fit_arguments(data: Data, name: str, batch_size: int) -> Tuple[dict, int]:
-    """Keyword arguments for `Model.fit` and the number of samples per step."""
+    """Keyword arguments for `Model.fit` and the number of samples per step.
+
+    Checks the data before any training: a dataset that yields a batch, or
+    arrays of numbers with the same number (>= 1) of rows in x and y.
+    """
     if isinstance(data, tf.data.Dataset):
-        first = keras.tree.flatten(next(iter(data.take(1))))[0]
+        first = next(iter(data.take(1)), None)
+        if first is None:
+            raise invalid_argument(name, data, "a tf.data.Dataset that yields at least one batch",
+                                   fix="It is empty; check its source and filters.")
         # A dataset brings its own order (shuffle it there, with a seed).
-        return {"x": data, "shuffle": False}, int(tf.shape(first)[0])
-    if isinstance(data, (tuple, list)) and len(data) == 2:
+        return {"x": data, "shuffle": False}, int(tf.shape(keras.tree.flatten(first)[0])[0])
+    if isinstance(data, (tuple, list)) and len(data) == 2 and _same_rows(data):
         return {"x": data[0], "y": data[1], "batch_size": batch_size,
                 "shuffle": True}, batch_size
     raise invalid_argument(
         name, data, "a tuple (x, y) of arrays or a batched tf.data.Dataset",
-        fix=f"Pass e.g. {name}=(x_train, y_train).")
+        fix=f"Pass e.g. {name}=(x_train, y_train): arrays of numbers with one row per example, "
+        "as many rows in x as in y.")
+
+
+def _same_rows(data: Sequence[Any]) -> bool:
+    """True when every array of x and y holds numbers and the same number (>= 1) of rows."""
+    try:
+        leaves = [np.asarray(leaf) for leaf in keras.tree.flatten(list(data))]
+    except (ValueError, TypeError):
+        return False
+    numeric = all(leaf.dtype.kind in "biuf" and leaf.ndim >= 1 for leaf in leaves)
+    return bool(leaves) and numeric and len({len(leaf) for leaf in leaves}) == 1 and len(leaves[0]) >= 1
 
 
 def _weights_checksum(model: keras.Model) -> float:
@@ -189,10 +208,17 @@ def compare(
         Python values.
 
     Raises:
-        ValueError: unknown policy name, no float32 reference, two policies that
+        ValueError: (template, before any training) `policies` not a list or
+            tuple of at least two distinct policy names or `keras.DTypePolicy`,
+            an unknown policy name, no float32 reference, two policies that
             resolve to the same one on this machine (e.g. "auto" is float32 on a
-            CPU without bfloat16: there is nothing to compare), bad sizes, seeds or
-            data, or `build_model` not returning a compiled model.
+            CPU without bfloat16: there is nothing to compare); `epochs`,
+            `batch_size` or `timing_rounds` not an int >= 1; `seed` not an int;
+            bad `seeds`; `tolerance` not a finite number >= 0; `build_model` not
+            callable; `train_data` or `val_data` neither a dataset that yields a
+            batch nor ``(x, y)`` arrays of numbers with as many rows (>= 1) in x
+            as in y. Also, before the first fit, `build_model` not returning a
+            compiled model.
         ModuleNotFoundError: scipy (the ``compare`` extra) is not installed; said
             before any model is trained.
 
@@ -205,21 +231,30 @@ def compare(
                         ("timing_rounds", timing_rounds)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise invalid_argument(name, value, "a positive int")
-    seed_list = _seed_list(seed, seeds)
     if not callable(build_model) or isinstance(build_model, keras.Model):
         raise invalid_argument(
             "build_model", build_model, "a callable returning a compiled keras.Model",
             fix="Pass the function that builds and compiles the model (each policy "
             "needs a model of its own), e.g. compare(make_model, data), not make_model().",
         )
-    distinct = not isinstance(policies, str) and len(set(policies)) == len(policies)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise invalid_argument("seed", seed, "an int", fix="Pass e.g. seed=0.")
+    seed_list = _seed_list(seed, seeds)
+    named = isinstance(policies, (list, tuple)) and all(
+        isinstance(p, (str, keras.DTypePolicy)) for p in policies)
+    distinct = named and len({getattr(p, "name", p) for p in policies}) == len(policies)
     if not distinct or len(policies) < 2:
         raise invalid_argument(
             "policies", policies, "a sequence of at least two distinct policy names",
             fix="Pass e.g. policies=('float32', 'auto').")
-    if not tolerance >= 0:
-        raise invalid_argument("tolerance", tolerance, "a float >= 0 (percentage points)")
-    resolved = [(getattr(p, "name", p), resolve_policy(p).policy) for p in policies]
+    real = isinstance(tolerance, (int, float)) and not isinstance(tolerance, bool)
+    if not (real and math.isfinite(tolerance) and tolerance >= 0):
+        raise invalid_argument("tolerance", tolerance, "a finite float >= 0 (percentage points)")
+    try:
+        resolved = [(getattr(p, "name", p), resolve_policy(p).policy) for p in policies]
+    except ValueError as error:
+        raise invalid_argument("policies", policies, "names of policies tfmp knows",
+                               fix=str(error)) from error
     names = [policy for _, policy in resolved]
     if len(set(names)) < len(names):
         raise invalid_argument(

@@ -18,6 +18,10 @@ from tfmp._src.advisors import compare_stats
 from tfmp._src.constants import TROUBLESHOOTING_GUIDE
 from tfmp._src.errors import invalid_argument
 from tfmp._src.policy.policy import FLOAT32
+from tfmp._src.report_fields import (
+    ANY, BOOL, INT, POSITIVE_INT, REAL, STRING, Kind, check_fields, dict_of, instance_of, list_of,
+    one_of, optional, tuple_of,
+)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -89,6 +93,10 @@ class MetricSummary:
         per_seed: List of floats. The difference at each seed, in seed order.
         unit: String. ``"pp"`` or ``"%"``.
         interval: `compare_stats.Interval` the bounds come from.
+
+    Raises:
+        ValueError: (template) a bound not a number, `per_seed` not a list of
+            numbers, `unit` not ``"pp"`` or ``"%"``, `interval` not an Interval.
     """
 
     mean: float
@@ -98,6 +106,11 @@ class MetricSummary:
     per_seed: List[float]
     unit: str
     interval: compare_stats.Interval
+
+    def __post_init__(self) -> None:
+        check_fields(self, mean=REAL, ci_low=REAL, ci_high=REAL, noise_floor=optional(REAL),
+                     per_seed=list_of(REAL), unit=_UNIT,
+                     interval=instance_of(compare_stats.Interval, "a compare_stats.Interval"))
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain values: mean, ci_low, ci_high, noise_floor, n_seeds, unit, per_seed."""
@@ -131,6 +144,10 @@ class Verdict:
         examples_needed: Int or None. When inconclusive on a validation accuracy of
             a classifier: validation examples per seed for which the part of the
             spread due to the choice of examples would be narrow enough.
+
+    Raises:
+        ValueError: (template) a field of another type than the one above, or a
+            `status` other than "pass", "fail" and "inconclusive".
     """
 
     status: str
@@ -146,6 +163,12 @@ class Verdict:
     noise_floor: Optional[float] = None
     seeds_needed: Optional[int] = None
     examples_needed: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        check_fields(self, status=one_of(*_SEVERITY), passed=BOOL, metric=STRING, policy=STRING,
+                     difference=REAL, ci_low=REAL, ci_high=REAL, tolerance=REAL, unit=_UNIT,
+                     n_seeds=POSITIVE_INT, noise_floor=optional(REAL), seeds_needed=optional(INT),
+                     examples_needed=optional(INT))
 
     def __bool__(self) -> bool:
         return self.passed
@@ -172,6 +195,10 @@ class Verdict:
 
 
 _SEVERITY = {compare_stats.PASS: 0, compare_stats.INCONCLUSIVE: 1, compare_stats.FAIL: 2}
+_UNIT = one_of("pp", "%")
+_RUNS = Kind("a tuple of RunResult including a float32 run (the baseline)",
+             lambda runs: tuple_of(instance_of(RunResult, "")).accepts(runs)
+             and any(run.policy == FLOAT32 for run in runs))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +216,11 @@ class CompareReport:
             faster). Empty when not timed.
         val_labels: Tuple of ints or None. Validation class labels, for the
             per-example statistics.
+
+    Raises:
+        ValueError: (template) `runs` not a tuple of `RunResult` with a float32
+            run, `tolerance` not a number, `settings` or `speed` not a dict with
+            string keys, `val_labels` not None or a tuple of ints.
     """
 
     runs: Tuple[RunResult, ...]
@@ -196,6 +228,10 @@ class CompareReport:
     settings: Dict[str, Any]
     speed: Dict[str, Dict[str, Any]] = dataclasses.field(default_factory=dict)
     val_labels: Optional[Tuple[int, ...]] = None
+
+    def __post_init__(self) -> None:
+        check_fields(self, runs=_RUNS, tolerance=REAL, settings=dict_of(STRING, ANY),
+                     speed=dict_of(STRING, ANY), val_labels=optional(tuple_of(INT)))
 
     @property
     def seeds(self) -> List[int]:

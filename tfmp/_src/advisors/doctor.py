@@ -37,12 +37,18 @@ import keras
 import tensorflow as tf
 
 from tfmp._src.constants import TROUBLESHOOTING_GUIDE
+from tfmp._src.errors import check_bool, invalid_argument
 from tfmp._src.policy.hardware import DeviceFacts, GpuFacts
 from tfmp._src.policy.policy import _facts_and_probe, recommend_policy, slower_than_float32
 from tfmp._src.policy.speed_probe import DTYPES, SpeedProbe, format_factor, format_ms
+from tfmp._src.report_fields import Kind, check_fields
 from tfmp._version import __version__
 
 _YES = {True: "yes", False: "no", None: "n/a"}
+_REPORT_KEYS = ("versions", "build", "devices", "tf32_enabled", "xla", "global_policy",
+                "recommendation", "facts", "speed_probe", "troubleshooting", "notes")
+_REPORT_DATA = Kind("a dict with the keys " + ", ".join(_REPORT_KEYS),
+                    lambda data: isinstance(data, dict) and set(_REPORT_KEYS) <= set(data))
 
 
 def _fast(policy: str, facts: DeviceFacts, probe: Optional[SpeedProbe] = None) -> bool:
@@ -150,9 +156,15 @@ class DoctorReport:
             when a GPU or TPU decides), ``troubleshooting`` (string: the path of
             the troubleshooting guide in this installation) and ``notes`` (list
             of strings).
+
+    Raises:
+        ValueError: (template) `data` is not a dict with (at least) the keys above.
     """
 
     data: Dict[str, Any]
+
+    def __post_init__(self) -> None:
+        check_fields(self, data=_REPORT_DATA)
 
     def to_dict(self) -> Dict[str, Any]:
         """Returns a deep copy of `data`."""
@@ -224,8 +236,14 @@ def collect(
         `DoctorReport`.
 
     Raises:
-        ValueError: (template) `speed_probe` is neither None nor a `SpeedProbe`.
+        ValueError: (template) `device_facts` is neither None nor a `DeviceFacts`,
+            or `speed_probe` neither None nor a `SpeedProbe`.
     """
+    if device_facts is not None and not isinstance(device_facts, DeviceFacts):
+        raise invalid_argument(
+            "device_facts", device_facts, "None or a tfmp.DeviceFacts",
+            fix="Pass e.g. tfmp.DeviceFacts(gpus=(tfmp.GpuFacts('Tesla T4', (7, 5)),)), "
+            "or None to detect this machine's devices.")
     facts, probe = _facts_and_probe(device_facts, speed_probe)
     info = dict(tf.sysconfig.get_build_info())
     decision = recommend_policy(facts, speed_probe=probe)
@@ -282,12 +300,23 @@ def doctor(
     Returns:
         `DoctorReport`; ``report.to_dict()`` for programs.
 
+    Raises:
+        ValueError: (template, before anything is gathered) `device_facts` or
+            `speed_probe` as `collect` says; `as_json` not True or False; `file`
+            neither None nor an open stream with a ``write`` method.
+
     Example:
         >>> from tfmp._src.policy.hardware import DeviceFacts, GpuFacts
         >>> t4 = DeviceFacts(gpus=(GpuFacts("Tesla T4", (7, 5)),))
         >>> doctor(t4, file=None).data["recommendation"]["policy"]
         'mixed_float16'
     """
+    check_bool("as_json", as_json)
+    if file is not None and (not callable(getattr(file, "write", None)) or getattr(file, "closed", False) is True):
+        raise invalid_argument(
+            "file", file, "None or an open, writable text stream (with a write method)",
+            fix="Pass e.g. file=sys.stdout or an open(path, 'w') file; to write to a path, "
+            "open it first.")
     report = collect(device_facts, speed_probe=speed_probe)
     if file is not None:
         print(report.to_json() if as_json else str(report), file=file)

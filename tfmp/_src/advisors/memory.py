@@ -28,62 +28,15 @@ tfmp/docs/troubleshooting.md#no-memory-saving.
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any, Iterable, List, Optional, Tuple, Union
+from typing import Any, List, Optional, Tuple, Union
 
 import keras
 import tensorflow as tf
 
+from tfmp._src.advisors.memory_bytes import dtype_bytes, format_bytes, tensor_bytes, unique, variables_bytes
 from tfmp._src.constants import TROUBLESHOOTING_GUIDE
 from tfmp._src.errors import check_positive_int, invalid_argument
-
-
-def format_bytes(n: int) -> str:
-    """Human-readable size in binary units: ``1536`` -> ``"1.50 KiB"``."""
-    size, unit = float(n), "B"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or unit == "TiB":
-            break
-        size /= 1024
-    return f"{int(size)} B" if unit == "B" else f"{size:.2f} {unit}"
-
-
-def dtype_bytes(dtype: Any) -> int:
-    """Bytes per element of `dtype` (``"bfloat16"`` -> 2, ``"int64"`` -> 8)."""
-    return tf.as_dtype(keras.backend.standardize_dtype(dtype)).size
-
-
-def _tensor_bytes(shape: Iterable[int], dtype: Any) -> int:
-    return int(math.prod(int(d) for d in shape)) * dtype_bytes(dtype)
-
-
-def _unique(variables: Iterable[Any]) -> List[Any]:
-    seen, out = set(), []
-    for v in variables:
-        if id(v) not in seen:
-            seen.add(id(v))
-            out.append(v)
-    return out
-
-
-def variables_bytes(variables: Iterable[Any], float_dtype: Optional[str] = None) -> int:
-    """Bytes held by `variables` (each counted once).
-
-    Args:
-        variables: Iterable of Keras or TF variables.
-        float_dtype: String or None. When given, floating-point variables are counted
-            at this dtype instead of their own (e.g. ``"float32"`` for a baseline).
-
-    Returns:
-        Int, bytes.
-    """
-    total = 0
-    for v in _unique(variables):
-        dtype = keras.backend.standardize_dtype(v.dtype)
-        if float_dtype and keras.backend.is_float_dtype(dtype):
-            dtype = float_dtype
-        total += _tensor_bytes(v.shape, dtype)
-    return total
+from tfmp._src.report_fields import COUNT, POSITIVE_INT, STRING, check_fields, tuple_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +57,10 @@ class MemoryEstimate:
         float32_gradient_bytes: Int. `gradient_bytes` with float variables at 4 bytes.
         float32_activation_bytes: Int. `activation_bytes` with float outputs at 4 bytes.
         notes: Tuple of strings. Layers skipped and other caveats.
+
+    Raises:
+        ValueError: (template) `policy` not a string, `batch_size` not an integer
+            >= 1, a byte count not an integer >= 0, `notes` not a tuple of strings.
     """
 
     policy: str
@@ -117,6 +74,10 @@ class MemoryEstimate:
     float32_gradient_bytes: int
     float32_activation_bytes: int
     notes: Tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        counts = {field.name: COUNT for field in dataclasses.fields(self) if field.name.endswith("_bytes")}
+        check_fields(self, policy=STRING, batch_size=POSITIVE_INT, notes=tuple_of(STRING), **counts)
 
     @property
     def total_bytes(self) -> int:
@@ -198,10 +159,23 @@ def _activation_bytes(
             shape = [batch_size] + [int(d) for d in dims[1:]]
             dtype = keras.backend.standardize_dtype(out.dtype)
             is_float = keras.backend.is_float_dtype(dtype)
-            counted += _tensor_bytes(shape, compute_dtype if (is_float and compute_dtype)
+            counted += tensor_bytes(shape, compute_dtype if (is_float and compute_dtype)
                                      else dtype)
-            baseline += _tensor_bytes(shape, "float32" if is_float else dtype)
+            baseline += tensor_bytes(shape, "float32" if is_float else dtype)
     return counted, baseline, notes
+
+
+_ACCEPTED = {
+    "optimizer": ("None, a keras.optimizers.Optimizer or its name",
+                  "Pass e.g. optimizer='adam' or keras.optimizers.Adam()."),
+    "policy": ("None, a Keras policy name or a keras.DTypePolicy", "Pass e.g. policy='mixed_bfloat16'."),
+}
+
+
+def _refused(name: str, value: Any) -> ValueError:
+    """The template error for `estimate_memory`'s `optimizer` or `policy`."""
+    expected, fix = _ACCEPTED[name]
+    return invalid_argument(name, value, expected, fix=fix)
 
 
 def _built_optimizer(model: keras.Model, optimizer: Any) -> Optional[Any]:
@@ -211,11 +185,12 @@ def _built_optimizer(model: keras.Model, optimizer: Any) -> Optional[Any]:
         if optimizer is None:
             return None
     if isinstance(optimizer, (str, dict)):
-        optimizer = keras.optimizers.get(optimizer)
+        try:
+            optimizer = keras.optimizers.get(optimizer)
+        except (ValueError, TypeError) as error:
+            raise _refused("optimizer", optimizer) from error
     elif not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise invalid_argument(
-            "optimizer", optimizer, "None, a keras.optimizers.Optimizer or its name",
-            fix="Pass e.g. optimizer='adam' or keras.optimizers.Adam().")
+        raise _refused("optimizer", optimizer)
     elif not optimizer.built:
         # Count a fresh copy so the caller's optimizer is not built here.
         optimizer = optimizer.__class__.from_config(optimizer.get_config())
@@ -252,8 +227,10 @@ def estimate_memory(
         `MemoryEstimate` (bytes, ints).
 
     Raises:
-        ValueError: `model` is not a built Keras model, `batch_size` is not a
-            positive int, or `policy`/`optimizer` is not understood.
+        ValueError: (template) `model` is not a built Keras model, `batch_size` is
+            not a positive int, `policy` is not None, a Keras policy name or a
+            `keras.DTypePolicy`, or `optimizer` is not None, an optimizer or the
+            name (or config dict) of one.
 
     Example:
         >>> model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
@@ -271,15 +248,15 @@ def estimate_memory(
     if policy is None:
         compute_dtype, label = None, f"as built ({model.dtype_policy.name})"
     else:
+        if not isinstance(policy, (str, keras.DTypePolicy)):
+            raise _refused("policy", policy)
         try:
             dtype_policy = keras.dtype_policies.get(policy)
         except (ValueError, TypeError) as error:
-            raise invalid_argument(
-                "policy", policy, "None, a Keras policy name or a keras.DTypePolicy",
-                fix="Pass e.g. policy='mixed_bfloat16'.") from error
+            raise _refused("policy", policy) from error
         compute_dtype, label = dtype_policy.compute_dtype, dtype_policy.name
     opt = _built_optimizer(model, optimizer)
-    opt_vars = _unique(opt.variables) if opt is not None else []
+    opt_vars = unique(opt.variables) if opt is not None else []
     activations, float32_activations, notes = _activation_bytes(
         model, batch_size, compute_dtype)
     if opt is None:
@@ -326,7 +303,8 @@ def estimate_kv_cache(
         Int, bytes.
 
     Raises:
-        ValueError: a size is not a positive int, or `dtype` is unknown.
+        ValueError: (template) a size is not a positive int, or `dtype` is not
+            the name of a floating-point or integer dtype (or of a mixed policy).
 
     Example:
         >>> estimate_kv_cache(32, 4096, seq_len=1, batch_size=1, dtype="float16")
@@ -339,7 +317,11 @@ def estimate_kv_cache(
     if isinstance(dtype, str) and dtype.startswith("mixed_"):
         dtype = dtype[len("mixed_"):]
     try:
+        if not isinstance(dtype, str):
+            raise TypeError(dtype)
         per_element = dtype_bytes(dtype)
+        if not tf.as_dtype(dtype).is_floating and not tf.as_dtype(dtype).is_integer:
+            raise TypeError(dtype)
     except (ValueError, TypeError) as error:
         raise invalid_argument(
             "dtype", dtype, "a dtype name such as 'float16', 'bfloat16' or 'float32'",

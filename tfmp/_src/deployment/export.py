@@ -18,19 +18,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp._src.deployment import artifacts
-from tfmp._src.deployment.report import ExportReport
+from tfmp._src.deployment import artifacts, export_checks
+from tfmp._src.deployment.report import FORMATS, WEIGHTS, ExportReport
 from tfmp._src.deployment.to_float32 import to_float32
 from tfmp._src.errors import invalid_argument
 from tfmp._src.keras_hooks.keras_private import functional_graph, tflite_converter_error
 from tfmp._src.layer_tree import walk
 
-FORMATS = ("tf_saved_model", "tflite")
-WEIGHTS = ("float32", "float16")
-
-#: Rows of the sample batch made when none is given, and the seed of its values.
-SAMPLE_BATCH = 4
-SAMPLE_SEED = 0
 
 
 def export(
@@ -62,7 +56,9 @@ def export(
         model: A built `keras.Model`, as `tfmp.to_float32` accepts. Not changed.
         path: String or path-like. For ``"tf_saved_model"`` a folder; for
             ``"tflite"`` a file (conventionally ending in ``.tflite``). Parent
-            folders are created.
+            folders are created. A SavedModel folder must be new or empty (an
+            old export is never mixed with the new one); a TFLite file that
+            exists is replaced.
         format: String. ``"tf_saved_model"`` (Keras's ``model.export``) or
             ``"tflite"`` (``tf.lite.TFLiteConverter`` from that SavedModel).
         weights: String. ``"float32"``, or ``"float16"`` (TFLite only): weights
@@ -70,19 +66,28 @@ def export(
             the interpreter loads them; larger differences.
         sample: The inputs to check with, as the model takes them (an array, or a
             list/dict of arrays for several inputs), or None: then a batch of
-            `SAMPLE_BATCH` rows made from the artifact's input signature, standard
-            normal floats and zeros for integer inputs, seed `SAMPLE_SEED`.
+            `SAMPLE_BATCH` rows made from the model's input signature, standard
+            normal floats and zeros for integer inputs, seed `SAMPLE_SEED`
+            (export_checks.py). A sample has at least one row, each input's
+            shape past the batch, finite values, and integers (not floats) for
+            an integer input.
 
     Returns:
         `ExportReport` with the path, format, weights, file size, output shapes and
         dtypes, and ``max_abs_diff`` / ``max_rel_diff`` (the latter relative to the
         largest magnitude of the trained model's output).
 
+    Every argument is checked before anything is written: a refused call leaves
+    the file system as it was.
+
     Raises:
-        ValueError: `format` or `weights` is not one of the accepted values;
-            ``weights="float16"`` with ``format="tf_saved_model"``; `model` cannot
-            be copied (see `tfmp.to_float32`); `sample` does not fit the inputs;
-            or TFLite cannot convert an op of the float32 copy (the message names
+        ValueError: (template) `format` or `weights` is not one of the accepted
+            values; ``weights="float16"`` with ``format="tf_saved_model"``; `path`
+            is empty, not a string or path-like, under an existing file, an
+            existing file or non-empty folder for a SavedModel, or a folder for
+            TFLite; `model` is not a built, called `keras.Model` or cannot be
+            copied (see `tfmp.to_float32`); `sample` does not fit the inputs
+            (count, shape, dtype, finite values). Also, after writing, when TFLite cannot convert an op of the float32 copy (the message names
             the op, the layer when the converter's message reveals it, and the
             converter's own words; the converter's error is chained as the cause).
     """
@@ -94,13 +99,17 @@ def export(
             fix="Float16 weight quantization is a TFLite option: pass format='tflite', "
             "or weights='float32'.",
         )
-    path = os.fspath(path)
-    copy = to_float32(model)
+    path = export_checks.checked_path(path, format)
+    copy = to_float32(model)  # refuses anything but a built keras.Model
+    specs = export_checks.input_specs(copy)
+    if len(specs) > 1 and functional_graph(copy) is None:
+        raise _signature_mismatch(copy, [spec.name for spec in specs])
+    flat = export_checks.checked_sample(sample, specs)
     with tempfile.TemporaryDirectory(prefix="tfmp_export_") as scratch:
         saved_model = path if format == "tf_saved_model" else os.path.join(scratch, "saved_model")
         _make_parent(saved_model)
         copy.export(saved_model, format="tf_saved_model", verbose=False)
-        specs = artifacts.saved_model_inputs(saved_model)
+        names = _input_names(copy, artifacts.saved_model_inputs(saved_model))
         if format == "tflite":
             _make_parent(path)
             with open(path, "wb") as file:
@@ -108,8 +117,6 @@ def export(
             run = artifacts.run_tflite
         else:
             run = artifacts.run_saved_model
-        names = _input_names(copy, specs)
-        flat = _flat_sample(model, sample, names, specs)
         produced = run(path, dict(zip(names, flat)))
     expected = _trained_outputs(model, flat)
     return _report(path, format, weights, expected, produced)
@@ -176,42 +183,15 @@ def _input_names(copy: keras.Model, specs: Dict[str, tf.TensorSpec]) -> List[str
         names = [tensor.name for tensor in tf.nest.flatten(copy.input)]
         if sorted(names) == sorted(specs):
             return names
-    raise invalid_argument(
+    raise _signature_mismatch(copy, sorted(specs))
+
+
+def _signature_mismatch(copy: keras.Model, names: List[str]) -> ValueError:
+    return invalid_argument(
         "model", copy, "a model whose serving signature's inputs match its inputs",
-        fix=f"The signature takes {sorted(specs)}; export a Functional model with "
+        fix=f"The signature takes {names}; export a Functional model with "
         "these inputs, or a model with a single input.",
     )
-
-
-def _flat_sample(
-    model: keras.Model, sample: Any, names: List[str], specs: Dict[str, tf.TensorSpec]
-) -> List[np.ndarray]:
-    """The sample as a list of arrays in `names`' order, each in its spec's dtype."""
-    if sample is None:
-        rng = np.random.default_rng(SAMPLE_SEED)
-        flat = []
-        for name in names:
-            spec = specs[name]
-            shape = [SAMPLE_BATCH] + list(spec.shape[1:])
-            if None in shape:
-                raise invalid_argument(
-                    "sample", None, "a batch of inputs when an input has an unknown "
-                    f"dimension (input {name!r} has shape {tuple(spec.shape)})",
-                    fix="Pass sample=<array of the model's input shape>.",
-                )
-            if spec.dtype.is_floating:
-                flat.append(rng.standard_normal(shape).astype(spec.dtype.as_numpy_dtype))
-            else:
-                flat.append(np.zeros(shape, dtype=spec.dtype.as_numpy_dtype))
-        return flat
-    flat = [np.asarray(x) for x in tf.nest.flatten(sample)]
-    if len(flat) != len(names):
-        raise invalid_argument(
-            "sample", type(sample).__name__,
-            f"{len(names)} input array(s), as the model takes them",
-            fix=f"Received {len(flat)} array(s); pass one per model input.",
-        )
-    return [x.astype(specs[n].dtype.as_numpy_dtype) for x, n in zip(flat, names)]
 
 
 def _trained_outputs(model: keras.Model, flat: List[np.ndarray]) -> List[np.ndarray]:

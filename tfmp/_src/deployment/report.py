@@ -5,6 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Tuple
 
+from tfmp._src.report_fields import COUNT, REAL, STRING, check_fields, one_of, tuple_of
+
+FORMATS = ("tf_saved_model", "tflite")
+WEIGHTS = ("float32", "float16")
+
 
 @dataclasses.dataclass(frozen=True)
 class ExportReport:
@@ -25,6 +30,11 @@ class ExportReport:
         output_dtypes: Tuple of strings. Dtype of each artifact output.
         size_bytes: Int. Bytes on disk (the whole folder for a SavedModel).
         sample_rows: Int. Rows of the sample batch compared.
+
+    Raises:
+        ValueError: (template) a field of the wrong type: a format or weights
+            dtype not named above, sizes that are not integers >= 0, differences
+            that are not numbers.
     """
 
     path: str
@@ -36,6 +46,14 @@ class ExportReport:
     output_dtypes: Tuple[str, ...]
     size_bytes: int
     sample_rows: int
+
+    def __post_init__(self) -> None:
+        check_fields(
+            self, path=STRING, format=one_of(*FORMATS),
+            weights=one_of(*WEIGHTS), max_abs_diff=REAL, max_rel_diff=REAL,
+            output_shapes=tuple_of(tuple_of(COUNT)), output_dtypes=tuple_of(STRING),
+            size_bytes=COUNT, sample_rows=COUNT,
+        )
 
     def __str__(self) -> str:
         outputs = ", ".join(

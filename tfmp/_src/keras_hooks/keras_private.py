@@ -24,6 +24,7 @@ pair setup.cfg admits.
 | ``LossScaleOptimizer._stateful_handle_finite_grads`` / ``_stateful_handle_non_finite_grads`` | ``keras/src/optimizers/loss_scale_optimizer.py`` | overridden by `LossScaleOptimizerBase` only |
 | ``keras.src.utils.tracking.no_automatic_dependency_tracking`` | ``keras/src/utils/tracking.py`` | `no_automatic_dependency_tracking`: tfmp's optimizer variables stored as attributes |
 | ``control_flow_util.GraphOrParentsInXlaContext`` | ``tensorflow/python/ops/control_flow_util.py`` | `in_xla_context`: refuse XLA steps under several replicas |
+| ``keras.src.export.export_utils.get_input_signature`` | ``keras/src/export/export_utils.py`` | `export_input_specs`: the inputs `Model.export` gives the serving signature, checked by `tfmp.export` before it writes |
 | ``convert_phase.ConverterError`` | ``tensorflow/lite/python/convert_phase.py`` | `tflite_converter_error`: the one error type `TFLiteConverter.convert` raises, caught by `tfmp.export` |
 | ``context.context().function_call_options`` (thread-local property with a setter) and ``context.FunctionCallOptions(executor_type, config_proto)`` | ``tensorflow/python/eager/context.py`` (read by ``Context.call_function`` and ``AtomicFunction`` at every call) | `function_call_config`: this thread's tf.function calls run with an edited Grappler config (`tfmp._src.policy.float16_fusion` turns the remapper off) |
 """
@@ -315,3 +316,14 @@ def tflite_converter_error() -> type:
     from tensorflow.lite.python.convert_phase import ConverterError
 
     return ConverterError
+
+
+def export_input_specs(model: Any) -> List[Any]:
+    """The `keras.InputSpec` of each input `model.export` writes into the serving signature.
+
+    Flattened as `tf.nest.flatten` flattens the model's inputs. Raises Keras's
+    ValueError for a subclassed model that was built but never called.
+    """
+    from keras.src.export.export_utils import get_input_signature
+
+    return keras.tree.flatten(get_input_signature(model))

@@ -22,6 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmp._src.errors import check_positive_int, invalid_argument
+from tfmp._src.report_fields import COUNT, REAL, STRING, check_fields, instance_of, list_of
 
 _COMPONENTS = ("x", "y", "sample_weight")
 _PROBLEMS = {
@@ -69,6 +70,10 @@ class DatasetReport:
         smallest_subnormal: Float. Its smallest positive value (2**-24 for float16).
         batches_checked: Int. Batches scanned.
         issues: List of `DatasetIssue`, in batch order.
+
+    Raises:
+        ValueError: (template) `compute_dtype` not a string, a limit not a
+            number, `batches_checked` not an integer >= 0, `issues` not a list.
     """
 
     compute_dtype: str
@@ -76,6 +81,10 @@ class DatasetReport:
     smallest_subnormal: float
     batches_checked: int = 0
     issues: list = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        check_fields(self, compute_dtype=STRING, max_value=REAL, smallest_subnormal=REAL,
+                     batches_checked=COUNT, issues=list_of(instance_of(DatasetIssue, "a DatasetIssue")))
 
     @property
     def ok(self) -> bool:
@@ -119,6 +128,10 @@ def _batches(data: Any, max_batches: Optional[int], batch_size: int) -> Iterator
             raise invalid_argument("max_batches", max_batches, "an integer >= 1 for a PyDataset without a length")
         count = max_batches if count is None else min(count, max_batches or count)
         return (data[index] for index in range(count))
+    if isinstance(data, (str, bytes, bytearray)):
+        raise invalid_argument(
+            "dataset", data, "a tf.data.Dataset, keras.utils.PyDataset, arrays (x or (x, y)) or an iterable of batches",
+            fix="A string is not data: load the file it names first (e.g. with np.load or tf.data).")
     leaves = keras.tree.flatten(data) if isinstance(data, (dict, tuple, np.ndarray, tf.Tensor)) else []
     if leaves and all(isinstance(leaf, (np.ndarray, tf.Tensor)) for leaf in leaves):
         size = len(leaves[0])
@@ -214,7 +227,10 @@ def check_dataset(
         lists the issues by batch, component and feature.
 
     Raises:
-        ValueError: In the project's template, for an invalid argument.
+        ValueError: (template) `dataset` is a string or of no supported kind, or
+            yields no batch; `policy` is not one of those above; `max_batches` is
+            not None or an int >= 1 (or None for an infinite data set);
+            `batch_size` is not an int >= 1.
 
     Example:
         >>> x = np.ones((64, 3), "float32"); x[40, 2] = np.nan
@@ -243,4 +259,8 @@ def check_dataset(
                             int(per_feature[feature]),
                         )
                     )
+    if report.batches_checked == 0:
+        raise invalid_argument(
+            "dataset", dataset, "a data set that yields at least one batch",
+            fix="It yielded none: check that it is not empty and that a generator was not already consumed.")
     return report

@@ -17,6 +17,8 @@ import os
 import platform
 from typing import Any, Optional, Tuple
 
+from tfmp._src.report_fields import BOOL, COUNT, STRING, Kind, check_fields, instance_of, optional, tuple_of
+
 # CPU feature flags (as Linux spells them in /proc/cpuinfo, and archspec on every
 # system) that give hardware bfloat16 matrix arithmetic:
 # - avx512_bf16: AVX512_BF16 (VDPBF16PS; Intel Cooper Lake and Sapphire Rapids+,
@@ -65,6 +67,12 @@ def onednn_enabled(system: str, env_value: Optional[str], x86: bool, cpu_target:
     return False
 
 
+_CAPABILITY = Kind("None or a tuple (major, minor) of two integers >= 0, e.g. (8, 0)",
+                  lambda value: value is None or (tuple_of(COUNT).accepts(value) and len(value) == 2))
+_FLAGS = Kind("a frozenset of lowercase flag strings, e.g. frozenset({'avx512_bf16'})",
+              lambda value: isinstance(value, frozenset) and all(isinstance(f, str) for f in value))
+
+
 @dataclasses.dataclass(frozen=True)
 class GpuFacts:
     """One GPU as TensorFlow reports it.
@@ -73,10 +81,17 @@ class GpuFacts:
         name: String. Device name, e.g. ``"NVIDIA A100-SXM4-40GB"``.
         compute_capability: Tuple ``(major, minor)`` of ints, e.g. ``(8, 0)``;
             None when TensorFlow does not report it.
+
+    Raises:
+        ValueError: (template) `name` is not a string, or `compute_capability`
+            not None or a tuple of two integers >= 0.
     """
 
     name: str
     compute_capability: Optional[Tuple[int, int]]
+
+    def __post_init__(self) -> None:
+        check_fields(self, name=STRING, compute_capability=_CAPABILITY)
 
     @property
     def cc_string(self) -> str:
@@ -103,6 +118,9 @@ class DeviceFacts:
             ``"Darwin"`` (macOS).
         onednn_env: String or None. The value of ``TF_ENABLE_ONEDNN_OPTS``.
 
+    Raises:
+        ValueError: (template) a field of another type than the one above.
+
     Example:
         >>> a100 = DeviceFacts(gpus=(GpuFacts("NVIDIA A100", (8, 0)),))
         >>> a100.min_compute_capability
@@ -116,6 +134,11 @@ class DeviceFacts:
     cpu_target: str = ""
     system: str = "Linux"
     onednn_env: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        check_fields(self, gpus=tuple_of(instance_of(GpuFacts, "a tfmp.GpuFacts")), tpu=BOOL,
+                     cpu_name=STRING, cpu_flags=_FLAGS, cpu_target=STRING, system=STRING,
+                     onednn_env=optional(STRING))
 
     @property
     def cpu_bf16_flags(self) -> Tuple[str, ...]:

@@ -77,16 +77,16 @@ def test_export_refuses_a_path_that_is_no_path(model, in_tmp, bad):
 
 
 @covers("export")
-def test_export_refuses_a_path_under_a_file_or_onto_an_old_export(model, in_tmp):
+def test_export_refuses_a_path_under_a_file_or_a_folder_of_other_files(model, in_tmp):
     (in_tmp / "file").write_text("x")
-    (in_tmp / "old").mkdir()
-    (in_tmp / "old" / "saved_model.pb").write_text("old")
+    (in_tmp / "notes").mkdir()
+    (in_tmp / "notes" / "todo.txt").write_text("mine")
     assert_refused(lambda: tfmp.export(model, in_tmp / "file" / "model"), "path")
     assert_refused(lambda: tfmp.export(model, "file"), "path")
-    assert_refused(lambda: tfmp.export(model, "old"), "path")
-    assert_refused(lambda: tfmp.export(model, "old", format="tflite"), "path")
-    assert sorted(os.listdir(in_tmp)) == ["file", "old"]
-    assert os.listdir(in_tmp / "old") == ["saved_model.pb"]
+    assert_refused(lambda: tfmp.export(model, "notes"), "path")
+    assert_refused(lambda: tfmp.export(model, "notes", format="tflite"), "path")
+    assert sorted(os.listdir(in_tmp)) == ["file", "notes"]
+    assert os.listdir(in_tmp / "notes") == ["todo.txt"]
 
 
 @covers("export")
@@ -114,6 +114,12 @@ def test_export_with_a_fitting_sample_writes_and_reports(model, in_tmp):
     assert (report.path, report.format, report.sample_rows) == ("out", "tf_saved_model", 2)
     assert report.output_shapes == ((2, 4),) and report.max_abs_diff == 0.0
     assert os.listdir(in_tmp) == ["out"]
+    # A second export to the same folder replaces the first, as a TFLite file is replaced.
+    (in_tmp / "out" / "stale.txt").write_text("from the first export")
+    again = tfmp.export(model, "out", sample=np.ones((2, 3), "int64"))
+    assert again.max_abs_diff == 0.0 and os.listdir(in_tmp) == ["out"]
+    assert "saved_model.pb" in os.listdir(in_tmp / "out")
+    assert "stale.txt" not in os.listdir(in_tmp / "out")
 
 
 @covers("ExportReport")

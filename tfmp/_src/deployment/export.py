@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import tempfile
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -84,8 +85,9 @@ def export(
         ValueError: (template) `format` or `weights` is not one of the accepted
             values; ``weights="float16"`` with ``format="tf_saved_model"``; `path`
             is empty, not a string or path-like, under an existing file, an
-            existing file or non-empty folder for a SavedModel, or a folder for
-            TFLite; `model` is not a built, called `keras.Model` or cannot be
+            existing file or a non-empty folder that holds no earlier SavedModel
+            (one that does is replaced, once the new export is written) for a
+            SavedModel, or a folder for TFLite; `model` is not a built, called `keras.Model` or cannot be
             copied (see `tfmp.to_float32`); `sample` does not fit the inputs
             (count, shape, dtype, finite values). Also, after writing, when TFLite cannot convert an op of the float32 copy (the message names
             the op, the layer when the converter's message reveals it, and the
@@ -106,16 +108,19 @@ def export(
         raise _signature_mismatch(copy, [spec.name for spec in specs])
     flat = export_checks.checked_sample(sample, specs)
     with tempfile.TemporaryDirectory(prefix="tfmp_export_") as scratch:
-        saved_model = path if format == "tf_saved_model" else os.path.join(scratch, "saved_model")
-        _make_parent(saved_model)
+        # Written beside first: an earlier export at `path` stays whole until the new one is.
+        saved_model = os.path.join(scratch, "saved_model")
         copy.export(saved_model, format="tf_saved_model", verbose=False)
         names = _input_names(copy, artifacts.saved_model_inputs(saved_model))
+        _make_parent(path)
         if format == "tflite":
-            _make_parent(path)
             with open(path, "wb") as file:
                 file.write(_convert(copy, saved_model, weights))
             run = artifacts.run_tflite
         else:
+            if os.path.isdir(path):
+                shutil.rmtree(path)  # empty, or an earlier SavedModel (export_checks)
+            shutil.move(saved_model, path)
             run = artifacts.run_saved_model
         produced = run(path, dict(zip(names, flat)))
     expected = _trained_outputs(model, flat)

@@ -28,8 +28,9 @@ def checked_path(path: Any, format: str) -> str:  # noqa: A002 (export's argumen
 
     Raises:
         ValueError: (template) `path` is not a non-empty string or path-like, lies
-            under an existing file, or is an existing file or non-empty folder for
-            ``"tf_saved_model"``, an existing folder for ``"tflite"``.
+            under an existing file, or is an existing file, or a non-empty folder
+            without ``saved_model.pb``, for ``"tf_saved_model"``; an existing folder
+            for ``"tflite"``.
     """
     kind = "folder" if format == "tf_saved_model" else "file"
     expected = f"a non-empty string or path-like naming the {kind} to write"
@@ -46,15 +47,21 @@ def checked_path(path: Any, format: str) -> str:  # noqa: A002 (export's argumen
     if not os.path.isdir(parent):
         raise invalid_argument("path", path, "a path whose existing parents are folders",
                                fix=f"{parent!r} is a file, not a folder: choose another path.")
-    if format == "tf_saved_model" and os.path.exists(text):
-        if not os.path.isdir(text) or os.listdir(text):
-            raise invalid_argument(
-                "path", path, "a new or empty folder for format='tf_saved_model'",
-                fix="It already holds files; choose another path, or delete the old export first.")
+    if format == "tf_saved_model" and os.path.exists(text) and not _replaceable_folder(text):
+        raise invalid_argument(
+            "path", path, "a new folder, an empty one, or one holding an earlier SavedModel "
+            "(replaced) for format='tf_saved_model'",
+            fix="It holds files that are not a SavedModel; choose another path.")
     if format == "tflite" and os.path.isdir(text):
         raise invalid_argument("path", path, "a file path for format='tflite', not a folder",
                                fix=f"Pass e.g. path={os.path.join(text, 'model.tflite')!r}.")
     return text
+
+
+def _replaceable_folder(path: str) -> bool:
+    """True for a folder `export` may replace: empty, or an earlier SavedModel's."""
+    return os.path.isdir(path) and (
+        not os.listdir(path) or os.path.isfile(os.path.join(path, "saved_model.pb")))
 
 
 def input_specs(copy: Any) -> List[Any]:

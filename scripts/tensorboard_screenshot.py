@@ -8,12 +8,16 @@ own front end, and Chromium resolves every host but 127.0.0.1 to "not found".
 Chromium reaches TensorBoard through a small same-origin relay whose first page
 switches off "Ignore outliers in chart scaling" (a setting TensorBoard keeps in
 the browser's local storage), so every logged value is inside the charts.
-The README's picture of the main job comes from:
+The README's pictures of the main job come from:
 
+    python examples/train_digits.py --policy mixed_bfloat16 --filters 4 --units 16 \\
+        --log-dir logs/digits_bf16
+    python scripts/tensorboard_screenshot.py logs/digits_bf16 \\
+        --output docs/images/tensorboard_main_job.png --window-size 1400,1650
     python examples/train_digits.py --policy mixed_float16 --filters 4 --units 16 \\
         --log-dir logs/digits_fp16
     python scripts/tensorboard_screenshot.py logs/digits_fp16 \\
-        --output docs/images/tensorboard_main_job.png
+        --output docs/images/tensorboard_main_job_fp16.png
 
 Needs TensorBoard (a dependency of tfmp) and Chromium (Debian: ``apt-get
 install chromium``). With Pillow installed the PNG is stored with a 256-colour

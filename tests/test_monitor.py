@@ -552,14 +552,17 @@ def test_next_to_keras_tensorboard_and_layout(tmp_path):
     assert steps(run, "batch_loss_scale") == list(range(1, 9))  # ours
     assert run["epoch_overflow_count"] == [(0, 0.0), (1, 0.0)]
     [(_, layout)] = run["custom_scalars__config__"]
-    first = layout.category[0]
-    assert first.title == "loss scaling (batch)"
-    assert [chart.multiline.tag[0] for chart in first.chart] == [
+    # No loss scaling: the loss first, the pairs of the fixed scale after it.
+    assert [c.title for c in layout.category][:3] == [
+        "training",
+        "loss scale (batch, fixed at 1: no loss scaling under float32)",
+        "loss scale (epoch, fixed at 1: no loss scaling under float32)",
+    ]
+    assert [chart.multiline.tag[0] for chart in layout.category[1].chart] == [
         "^batch_loss_scale$",
         "^batch_overflow_count$",
     ]
-    assert layout.category[1].title == "loss scaling (epoch)"
-    for category in layout.category[:2]:
+    for category in layout.category[1:3]:
         for chart in category.chart:
             for regex in chart.multiline.tag:
                 assert regex[1:-1] in run, regex

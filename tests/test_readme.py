@@ -260,12 +260,19 @@ def test_modules_with_expensive_fixtures_are_one_unit_of_work():
         name for name in ONE_WORKER_MODULES if (ROOT / "tests" / name).is_file())
 
 
-def test_main_job_screenshot_is_in_the_repository_with_its_command():
-    [image] = re.findall(r"!\[[^\]]*\]\((docs/images/[\w.]+\.png)\)", README)
-    data = (ROOT / image).read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    assert len(data) < 300 * 1024
-    # The README says how to make it again: the main job's run, then the script on its logs.
-    assert ("python examples/train_digits.py --policy mixed_float16 --filters 4 --units 16 "
-            "--log-dir logs/digits_fp16") in README
-    assert f"python scripts/tensorboard_screenshot.py logs/digits_fp16 --output {image}" in README
+def test_main_job_screenshots_are_in_the_repository_with_their_commands():
+    images = re.findall(r"!\[[^\]]*\]\((docs/images/[\w.]+\.png)\)", README)
+    assert images == ["docs/images/tensorboard_main_job.png",
+                      "docs/images/tensorboard_main_job_fp16.png"]
+    for image in images:
+        data = (ROOT / image).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n"
+        assert len(data) < 300 * 1024
+    # The README says how to make each again: the main job's run, then the script on its logs.
+    for policy, logs, image, options in [
+        ("mixed_bfloat16", "logs/digits_bf16", images[0], " --window-size 1400,1650"),
+        ("mixed_float16", "logs/digits_fp16", images[1], ""),
+    ]:
+        assert (f"python examples/train_digits.py --policy {policy} --filters 4 --units 16 "
+                f"--log-dir {logs}") in README
+        assert f"python scripts/tensorboard_screenshot.py {logs} --output {image}{options}\n" in README

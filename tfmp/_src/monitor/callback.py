@@ -240,6 +240,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         if not self._counts_overflows:
             self._warn_no_counters(state.step)
         note = _metrics.flat_scale_note(model.optimizer, model.dtype_policy.compute_dtype)
+        self._fixed_scale = _metrics.fixed_scale_reason(model.optimizer, model.dtype_policy.name)
         if note is not None:
             self._events.write(state.step, texts={_metrics.NOTE_TAG: note})
         if self.grad_stats_freq:
@@ -423,13 +424,15 @@ class LossScaleMonitor(keras.callbacks.Callback):
         """Writes skipped steps and gradient statistics not yet written.
 
         The first call also writes the custom-scalars layout, with a chart per
-        name in `metric_names` (the training metrics in Keras's logs).
+        name in `metric_names` (the training metrics in Keras's logs), the loss
+        and metrics first when the loss scale is fixed.
         """
         if not self._layout_written:
             prefixes = (
                 ("epoch_",) if self.update_freq == "epoch" else ("batch_", "epoch_")
             )
-            layout = build_layout(prefixes, self._grad_stats is not None, metric_names)
+            layout = build_layout(prefixes, self._grad_stats is not None, metric_names,
+                                  fixed_scale=self._fixed_scale)
             # Written again at the next logging point if the write failed.
             self._layout_written = self._events.write(
                 0, summaries=[layout_summary(layout)], batch_step=state.step)

@@ -2,19 +2,28 @@
 
 TensorBoard's Custom Scalars tab (`tensorboard.plugins.custom_scalar`) lays out
 charts from a `Layout` proto found in the run's event files under the tag
-``custom_scalars__config__``. The first categories put the loss scale and the
-cumulative overflow count side by side, one category per logging level (batch,
-epoch), so a halving of the scale lines up with the overflow that caused it; the
-next holds the training loss and metrics from Keras's logs (a loss curve beside the
-precision panels), then, when enabled, the gradient statistics and update ratio, and
-last the finer loss-scaling signals. Each chart matches its tags exactly (the tags are listed in
-`tfmp._src.monitor.callback`).
+``custom_scalars__config__``. The first screen shows what can move:
+
+- Under dynamic loss scaling (mixed_float16), the first categories put the loss
+  scale and the cumulative overflow count side by side, one category per logging
+  level (batch, epoch), so a halving of the scale lines up with the overflow that
+  caused it; next come the training loss and metrics from Keras's logs, then,
+  when enabled, the gradient statistics and update ratio, and the finer
+  loss-scaling signals.
+- Without loss scaling (mixed_bfloat16, float32: the scale stays 1, the overflow
+  count 0 unless a step goes non-finite), the loss and metrics come first, then
+  the gradient statistics and update ratio; the loss-scale pairs follow, closed,
+  their titles saying the scale is fixed and why ("loss scale (batch, fixed at 1:
+  no loss scaling under mixed_bfloat16)"), and the finer signals, closed too.
+
+Throughput is last and closed. Each chart matches its tags exactly (the tags are
+listed in `tfmp._src.monitor.callback`).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from typing import Optional, Sequence
 
 from tensorboard.compat.proto import summary_pb2
 from tensorboard.plugins.custom_scalar import layout_pb2
@@ -63,12 +72,26 @@ def _pattern_chart(title: str, patterns: Sequence[str]) -> layout_pb2.Chart:
     )
 
 
+#: The charts of gradient statistics (``grad_stats_freq``) and the update ratio.
+_GRADIENTS = (
+    _chart("global gradient norm (unscaled)", ["grad_norm"]),
+    _chart(
+        "update / weight (global norms) vs bfloat16's 2**-8",
+        ["update_ratio", "bfloat16_relative_precision"],
+    ),
+    _chart(
+        "float16 underflow / overflow / zero fractions",
+        ["grad_underflow_fraction", "grad_overflow_fraction", "grad_zero_fraction"],
+    ),
+)
+
+
 def _training_charts(prefixes: Sequence[str], metrics: Sequence[str]) -> list:
-    """Per level, one chart per metric; epoch charts add its ``val_`` twin."""
+    """Per level, one chart per metric, the loss first; epoch charts add its ``val_`` twin."""
     charts = []
     for prefix in prefixes:
         level = prefix.rstrip("_")
-        for name in metrics:
+        for name in sorted(metrics, key=lambda name: name != "loss"):  # stable: loss first
             val = "(val_)?" if prefix == "epoch_" else ""
             pattern = f"^{re.escape(METRICS_GROUP + prefix)}{val}{re.escape(name)}$"
             charts.append(_pattern_chart(f"{name} ({level})", [pattern]))
@@ -76,7 +99,10 @@ def _training_charts(prefixes: Sequence[str], metrics: Sequence[str]) -> list:
 
 
 def build_layout(
-    prefixes: Sequence[str], grad_stats: bool, metrics: Sequence[str] = ()
+    prefixes: Sequence[str],
+    grad_stats: bool,
+    metrics: Sequence[str] = (),
+    fixed_scale: Optional[str] = None,
 ) -> layout_pb2.Layout:
     """Builds the layout for the tags a monitor writes.
 
@@ -86,26 +112,44 @@ def build_layout(
         grad_stats: Bool. Whether gradient statistics are written.
         metrics: Sequence of strings. Names of the training metrics in Keras's
             logs (e.g. ``("loss", "accuracy")``), without ``val_`` ones.
+        fixed_scale: String or None. Why the loss scale stays at 1 (e.g.
+            ``"no loss scaling under mixed_bfloat16"``, from
+            `tfmp._src.monitor.metrics.fixed_scale_reason`); None under loss
+            scaling.
 
     Returns:
-        `layout_pb2.Layout`: per level a category "loss scaling (batch)" /
-        "loss scaling (epoch)" holding exactly the loss scale and the overflow
-        count (a category is one grid, so the two charts sit side by side), then
-        "training" (per level one chart per metric, the epoch ones with their
-        validation values; left out without `metrics`), with `grad_stats`
-        "gradients and updates", then "loss scaling: details" and
-        "throughput".
+        `layout_pb2.Layout`. Under loss scaling: per level a category "loss
+        scaling (batch)" / "loss scaling (epoch)" holding exactly the loss scale
+        and the overflow count (a category is one grid, so the two charts sit
+        side by side), then "training" (per level one chart per metric, the
+        loss first, the epoch ones with their validation values; left out without `metrics`),
+        with `grad_stats` "gradients and updates", then "loss scaling: details"
+        and "throughput" (closed). With `fixed_scale`: "training" and "gradients
+        and updates" first, then the per-level pairs, titled e.g. "loss scale
+        (batch, fixed at 1: no loss scaling under mixed_bfloat16)", and
+        "loss scaling: details", all three closed when a category is open
+        above them, and "throughput" (closed).
     """
-    categories, details, speed = [], [], []
+    learning = []
+    if metrics:
+        learning.append(
+            layout_pb2.Category(title="training", chart=_training_charts(prefixes, metrics))
+        )
+    if grad_stats:
+        learning.append(layout_pb2.Category(title="gradients and updates", chart=_GRADIENTS))
+    # A fixed scale draws flat lines: they follow, closed, the charts that move.
+    closed = bool(fixed_scale and learning)
+    pairs, details, speed = [], [], []
     for prefix in prefixes:
         level = prefix.rstrip("_")
+        scale_title = f"loss scale ({level}, fixed at 1)" if fixed_scale else f"loss scale ({level})"
         pair = [
-            _chart(f"loss scale ({level})", [f"{prefix}loss_scale"]),
+            _chart(scale_title, [f"{prefix}loss_scale"]),
             _chart(f"overflow count ({level})", [f"{prefix}overflow_count"]),
         ]
-        categories.append(
-            layout_pb2.Category(title=f"loss scaling ({level})", chart=pair)
-        )
+        title = (f"loss scale ({level}, fixed at 1: {fixed_scale})" if fixed_scale
+                 else f"loss scaling ({level})")
+        pairs.append(layout_pb2.Category(title=title, chart=pair, closed=closed))
         details += [
             _chart(f"overflow rate ({level})", [f"{prefix}overflow_rate"]),
             _chart(
@@ -120,33 +164,9 @@ def build_layout(
     details.append(
         _chart("overflow events (scale that overflowed)", ["overflow_scale"])
     )
-    if metrics:
-        categories.append(
-            layout_pb2.Category(title="training", chart=_training_charts(prefixes, metrics))
-        )
-    if grad_stats:
-        categories.append(
-            layout_pb2.Category(
-                title="gradients and updates",
-                chart=[
-                    _chart("global gradient norm (unscaled)", ["grad_norm"]),
-                    _chart(
-                        "update / weight (global norms) vs bfloat16's 2**-8",
-                        ["update_ratio", "bfloat16_relative_precision"],
-                    ),
-                    _chart(
-                        "float16 underflow / overflow / zero fractions",
-                        [
-                            "grad_underflow_fraction",
-                            "grad_overflow_fraction",
-                            "grad_zero_fraction",
-                        ],
-                    ),
-                ],
-            )
-        )
+    categories = learning + pairs if fixed_scale else pairs + learning
     categories += [
-        layout_pb2.Category(title="loss scaling: details", chart=details),
+        layout_pb2.Category(title="loss scaling: details", chart=details, closed=closed),
         layout_pb2.Category(title="throughput", chart=speed, closed=True),
     ]
     return layout_pb2.Layout(category=categories)

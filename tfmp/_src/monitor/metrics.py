@@ -71,21 +71,52 @@ def describe_metric(tag: str) -> str:
     return f"Training {metric}, Keras's running mean over the epoch so far, at each {level} logging point."
 
 
-def flat_scale_note(optimizer: Any, compute_dtype: str) -> Optional[str]:
-    """Why the loss-scale chart stays at 1, or None when the scale can move.
+def scales_loss(optimizer: Any) -> bool:
+    """Whether `optimizer` scales the loss, so that its scale can move.
 
     Args:
         optimizer: The model's optimizer. A Keras (or tfmp) `LossScaleOptimizer`
             scales the loss unless built with ``loss_scaling=False`` (tfmp's
-            fixed-scale guard for bfloat16 and float32).
+            fixed-scale guard for bfloat16 and float32); any other optimizer
+            does not.
+
+    Returns:
+        Bool.
+    """
+    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and bool(
+        getattr(optimizer, "loss_scaling", True)
+    )
+
+
+def fixed_scale_reason(optimizer: Any, policy_name: str) -> Optional[str]:
+    """Why the loss scale stays at 1, for chart titles; None when it can move.
+
+    Args:
+        optimizer: The model's optimizer (see `scales_loss`).
+        policy_name: String. The model's dtype policy, e.g. ``"mixed_bfloat16"``.
+
+    Returns:
+        String such as ``"no loss scaling under mixed_bfloat16"``, or None
+        under loss scaling.
+
+    Example:
+        >>> fixed_scale_reason(keras.optimizers.SGD(), "float32")
+        'no loss scaling under float32'
+    """
+    return None if scales_loss(optimizer) else f"no loss scaling under {policy_name}"
+
+
+def flat_scale_note(optimizer: Any, compute_dtype: str) -> Optional[str]:
+    """Why the loss-scale chart stays at 1, or None when the scale can move.
+
+    Args:
+        optimizer: The model's optimizer (see `scales_loss`).
         compute_dtype: String. The model's compute dtype, e.g. ``"bfloat16"``.
 
     Returns:
         One line of Markdown, or None under dynamic loss scaling.
     """
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and getattr(
-        optimizer, "loss_scaling", True
-    ):
+    if scales_loss(optimizer):
         return None
     if compute_dtype == "float16":
         why = ("this float16 model's optimizer does not scale the loss, so small "

@@ -28,6 +28,7 @@ the TF32 setting, and takes off every class-level hook nothing needs any more.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 import weakref
 from typing import Any, Callable, Iterator, List, Optional, Union
@@ -52,7 +53,7 @@ from tfmp._src.loss_scale import user_settings
 from tfmp._src.loss_scale.optimizer import wrap_optimizer
 from tfmp._src.numerics.check import check_numerics
 from tfmp._src.policy import session
-from tfmp._src.policy.enable_options import bind_scope_options, check_debug, checked_loss_scale_options
+from tfmp._src.policy.enable_options import check_debug, checked_loss_scale_options
 from tfmp._src.policy.policy import PerformanceWarning, PolicyDecision, resolve_policy
 from tfmp._src.policy.session import Session
 from tfmp._src.float32.registry import targets_from
@@ -314,16 +315,18 @@ def policy_scope(
     another policy does not warn: it replaces nothing for good.
 
     Raises:
-        ValueError: (template) on entering the block, before any state changes:
-            an option `enable()` does not take (named by itself, e.g. `keep`),
-            or any value `enable()` refuses.
+        TypeError: on entering the block, an option `enable()` does not take
+            (Python's message, as `enable()` itself gives it).
+        ValueError: (template) on entering the block, before any state
+            changes: any value `enable()` refuses.
     """
     saved_state = session.current()
     saved_policy = keras.config.dtype_policy()
     saved_tf32 = tf.config.experimental.tensor_float_32_execution_enabled()
-    arguments = bind_scope_options(enable, policy, options)
+    arguments = inspect.signature(enable).bind(policy, **options)  # TypeError for an unknown option
+    arguments.apply_defaults()
     try:
-        yield _start(say_replaced=False, **arguments)
+        yield _start(say_replaced=False, **arguments.arguments)
     finally:
         _set_current(saved_state)
         tf.config.experimental.enable_tensor_float_32_execution(saved_tf32)

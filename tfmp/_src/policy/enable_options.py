@@ -7,7 +7,7 @@ bad call leaves tfmp and Keras exactly as they were.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Dict, Optional, Union
+from typing import Optional, Union
 
 from tfmp._src.errors import invalid_argument, unknown_key
 from tfmp._src.loss_scale import loops
@@ -71,20 +71,3 @@ def check_debug(debug: Union[bool, dict]) -> None:
     options = {name: parameters[name].default for name in allowed}
     check_options(**{**options, **debug})
 
-
-def bind_scope_options(enable: Callable, policy: Any, options: Dict[str, Any]) -> Dict[str, Any]:
-    """The arguments of `enable()` that `policy_scope(policy, **options)` stands for.
-
-    Raises:
-        ValueError: (template) an option `enable()` does not take, named by itself.
-    """
-    allowed = [name for name in inspect.signature(enable).parameters if name != "policy"]
-    for key, value in options.items():
-        if key not in allowed:
-            raise invalid_argument(
-                key, value, "an option of tfmp.enable(): one of " + ", ".join(allowed),
-                fix=f"Unknown option {key!r}.", choices=allowed,
-            )
-    arguments = inspect.signature(enable).bind(policy, **options)
-    arguments.apply_defaults()
-    return dict(arguments.arguments)

@@ -321,7 +321,7 @@ def test_loss_scale_optimizer_names_unknown_and_misplaced_keywords(key, value):
     assert_refused(lambda: tfmp.LossScaleOptimizer(inner, **{key: value}), key)
     assert_refused(lambda: tfmp.LossScaleOptimizer(inner, dynamic=False), "dynamic")
     error = assert_refused(lambda: tfmp.LossScaleOptimizer(inner, clipnorm=1.0), "clipnorm")
-    assert "inner optimizer" in str(error)
+    assert "on the `inner_optimizer`" in str(error)
     assert tfmp.LossScaleOptimizer(inner, dynamic=True, clipnorm=None, initial_scale=2.0**10).loss_scale == 1024.0
 
 

@@ -102,14 +102,15 @@ def check_keras_kwargs(kwargs: Dict[str, Any]) -> None:
             if value is not True:
                 raise invalid_argument(
                     "dynamic", value, "True (Keras's old flag; the scale is always dynamic)",
-                    fix="For a fixed scale of 1.0 pass loss_scaling=False.",
+                    fix="For a fixed scale of 1.0 pass loss_scaling=False, or set `loss_scale_factor` on "
+                    "the `inner_optimizer` and use it without the wrapper.",
                 )
         elif key in KERAS_COMPAT_DEFAULTS:
             default = KERAS_COMPAT_DEFAULTS[key]
             if value is not default and value != default:
                 raise invalid_argument(
                     key, value, f"{default!r} (the base optimizer's default) on the wrapper",
-                    fix=f"Set {key} on the inner optimizer, e.g. keras.optimizers.SGD({key}=...).",
+                    fix=f"Set `{key}` on the `inner_optimizer` instead, e.g. keras.optimizers.SGD({key}=...).",
                 )
         else:
             raise invalid_argument(

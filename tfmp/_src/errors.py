@@ -30,6 +30,14 @@ class NonFiniteError(FloatingPointError):
         step: Int or None. Zero-based training step at which it was seen.
         kind: String or None. ``"nan"``, ``"inf"`` or ``"nan+inf"``.
         details: Dict. Extra facts for programs (scale, value ranges, trace).
+
+    The message may be any object, as for any exception; the keyword fields are
+    checked, so that a handler reading them never meets another type.
+
+    Raises:
+        ValueError: (template) `layer`, `phase` or `kind` is neither None nor a
+            string, `step` neither None nor an int, `details` neither None nor
+            a dict.
     """
 
     def __init__(
@@ -42,6 +50,10 @@ class NonFiniteError(FloatingPointError):
         kind: Optional[str] = None,
         details: Optional[dict] = None,
     ) -> None:
+        for name, value in (("layer", layer), ("phase", phase), ("kind", kind)):
+            check_type(name, value, str, "a string", allow_none=True)
+        check_type("step", step, int, "an int", allow_none=True)
+        check_type("details", details, dict, "a dict", allow_none=True)
         super().__init__(message)
         self.layer = layer
         self.phase = phase
@@ -180,3 +192,69 @@ def user_stacklevel() -> int:
     while frame.f_back is not None and os.path.normcase(os.path.abspath(frame.f_code.co_filename)).startswith(libraries):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def check_type(
+    name: str,
+    value: Any,
+    types: Any,
+    expected: str,
+    *,
+    items: Any = None,
+    allow_none: bool = False,
+    fix: str = "",
+) -> None:
+    """The project's one check of an argument's type (and of its elements' type).
+
+    Args:
+        name: String. The argument's name.
+        value: The value given.
+        types: A type or tuple of types. A bool is taken as an int or a float
+            only when `bool` itself is listed.
+        expected: String. What is accepted, as a phrase (``"a tuple of AuditRow"``).
+        items: A type, tuple of types or None. When given, every element of
+            `value` (every value, for a dict) must be one.
+        allow_none: Bool. Accept None too.
+        fix: String. How to fix it.
+
+    Raises:
+        ValueError: (template) `value` or one of its elements has another type.
+    """
+    if allow_none and value is None:
+        return
+    types = types if isinstance(types, tuple) else (types,)
+    accepted = isinstance(value, types) and (bool in types or not isinstance(value, bool))
+    if accepted and items is not None:
+        elements = value.values() if isinstance(value, dict) else value
+        accepted = all(isinstance(element, items) for element in elements)
+    if not accepted:
+        raise invalid_argument(name, value, expected + (" or None" if allow_none else ""), fix=fix)
+
+
+def check_model(name: str, model: Any, *, expected: str = "a keras.Model", fix: str = "") -> None:
+    """The project's one check of a model argument: a `keras.Model` that has layers.
+
+    A Sequential, or a built or Functional model, without any layer besides its
+    inputs is refused: there is nothing to compute, force or check. An unbuilt
+    subclassed model without layers yet is accepted (its ``build`` may create them).
+
+    Args:
+        name: String. The argument's name, e.g. ``"model"``.
+        model: The value given.
+        expected: String. What is accepted, as a phrase, for a value that is not a model.
+        fix: String. How to fix a value that is not a model.
+
+    Raises:
+        ValueError: (template) `model` is not a `keras.Model`, or has no layer.
+    """
+    import keras  # imported here: the rest of this module does without Keras
+
+    if not isinstance(model, keras.Model):
+        raise invalid_argument(name, model, expected, fix=fix)
+    layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
+    could_be_lazy = not model.built and not isinstance(model, keras.Sequential)
+    if not layers and not could_be_lazy:
+        raise invalid_argument(
+            name, model, "a keras.Model with at least one layer",
+            fix="Add the model's layers first, e.g. keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]).",
+        )

@@ -18,6 +18,7 @@ import threading
 import weakref
 from typing import Any, Dict, Iterable, List, Optional
 
+from tfmp._src.errors import check_bool, check_type, invalid_argument
 from tfmp._src.keras_hooks.keras_private import entry_layer
 from tfmp._src.keras_hooks.object_state import PerObject
 from tfmp._src.policy import session
@@ -80,6 +81,23 @@ class Attachment:
     loss_terms_in_float32: bool = True
     custom_optimizers: List[str] = dataclasses.field(default_factory=list)
     remapper: str = "on"
+
+    def __post_init__(self) -> None:
+        """Checks the fields' types (a record made by hand fails here, not when read).
+
+        Raises:
+            ValueError: (template) a field of another type than documented.
+        """
+        for name in ("model", "attached_by", "policy", "remapper"):
+            check_type(name, getattr(self, name), str, "a string")
+        for name in ("layer_policies", "forced_float32", "batchnorm_kernel"):
+            check_type(name, getattr(self, name), dict, "a dict of layer path -> string", items=str)
+        check_type("exact_ids", self.exact_ids, int, "an int >= 0")
+        if self.exact_ids < 0:
+            raise invalid_argument("exact_ids", self.exact_ids, "an int >= 0")
+        for name in ("explains_dtype_errors", "check_numerics", "loss_terms_in_float32"):
+            check_bool(name, getattr(self, name))
+        check_type("custom_optimizers", self.custom_optimizers, list, "a list of attribute names", items=str)
 
 
 def of(obj: Any) -> Optional[Attachment]:

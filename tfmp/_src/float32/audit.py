@@ -55,9 +55,9 @@ import keras
 
 from tfmp._src.attachment import record as _record
 from tfmp._src.constants import LOW_PRECISION
-from tfmp._src.errors import invalid_argument
+from tfmp._src.errors import check_bool, check_model, check_positive_int
 from tfmp._src.float32 import force as _float32
-from tfmp._src.float32.audit_batch import gradient_check
+from tfmp._src.float32.audit_batch import check_batch, gradient_check
 from tfmp._src.float32.audit_report import AuditReport, AuditRow, AuditWarning
 from tfmp._src.float32 import fused_batchnorm as _fused_batchnorm
 from tfmp._src.float32.cast_back import handed_back_dtype
@@ -256,7 +256,11 @@ def audit(
         :class:`AuditReport`.
 
     Raises:
-        ValueError: (project template) ``model`` is not a ``keras.Model``.
+        ValueError: (project template) ``model`` is not a ``keras.Model`` or has
+            no layer; ``batch`` is not an array, tensor or structure of them
+            with at least one example, or does not match a graph model's input
+            shapes; ``batch_size`` is neither None nor an int >= 1;
+            ``tensor_cores`` is neither None nor a bool.
         Exceptions of the forward pass propagate unchanged unless the failing op
             itself said that two dtypes do not match (TensorFlow's TypeError,
             InvalidArgumentError or tensor-conversion ValueError, see
@@ -269,8 +273,12 @@ def audit(
         >>> [(row.path, row.compute_dtype) for row in tfmp.audit(model).rows]
         [('logits', 'float32')]
     """
-    if not isinstance(model, keras.Model):
-        raise invalid_argument("model", model, "a keras.Model")
+    check_model("model", model)
+    if batch is not None:
+        check_batch(model, batch)
+    check_positive_int("batch_size", batch_size, allow_none=True,
+                       fix="Pass the batch size training uses, e.g. batch_size=32, or None.")
+    check_bool("tensor_cores", tensor_cores, allow_none=True)
     policy, policy_source = _expected_policy(model)
     tensor_cores = _has_tensor_cores() if tensor_cores is None else tensor_cores
     producers = {id(layer) for layer in _float32.output_producers(model)[0]}

@@ -15,6 +15,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 import keras
 import tensorflow as tf
 
+from tfmp._src.errors import invalid_argument
 from tfmp._src.float32.audit_report import AuditWarning, GradientRow
 from tfmp._src.keras_hooks import error_texts
 from tfmp._src.keras_hooks.keras_private import build_state_restored_on_error
@@ -99,6 +100,43 @@ def _variables_restored(model: keras.Model) -> Iterator[None]:
     finally:
         for variable, value in list(saved.values()) + created:
             variable.assign(value)
+
+
+def _input_specs(model: keras.Model) -> Optional[list]:
+    """The shapes of a built graph model's inputs, or None (subclassed, unbuilt)."""
+    try:
+        return [tuple(spec.shape) for spec in keras.tree.flatten(model.inputs)]
+    except (AttributeError, ValueError):  # Keras: a model without a graph has no `inputs`
+        return None
+
+
+def check_batch(model: keras.Model, batch: Any) -> None:
+    """Checks `tfmp.audit`'s `batch` before the pass: arrays, and the inputs' shapes where known.
+
+    Raises:
+        ValueError: (template) `batch` (or its ``x``, for a tuple) is not made of
+            arrays or tensors with a non-empty leading (batch) axis, or does not
+            match the shapes of a graph model's inputs (rank and known sizes).
+    """
+    x = batch[0] if isinstance(batch, tuple) and batch else batch
+    leaves = keras.tree.flatten(x)
+    expected = "an input batch: an array or tensor (or a tuple (x, y, ...), or a structure of them as the model takes)"
+    if not leaves or not all(hasattr(leaf, "shape") and hasattr(leaf, "dtype") for leaf in leaves):
+        raise invalid_argument("batch", batch, expected, fix="Pass e.g. batch=x_train[:8].")
+    shapes = [tuple(leaf.shape) for leaf in leaves]
+    if any(not shape or not shape[0] for shape in shapes):
+        raise invalid_argument("batch", batch, expected + " with at least one example",
+                               fix="Pass e.g. batch=x_train[:8].")
+    specs = _input_specs(model)
+    if specs is None or len(specs) != len(shapes):
+        return
+    for shape, spec in zip(shapes, specs):
+        if len(shape) != len(spec) or any(want is not None and got != want
+                                           for got, want in zip(shape[1:], spec[1:])):
+            raise invalid_argument(
+                "batch", batch, f"inputs of the shapes model {model.name!r} takes: {specs}",
+                fix=f"Received shapes {shapes}; pass a batch of the model's inputs.",
+            )
 
 
 def gradient_check(model, batch, entries):

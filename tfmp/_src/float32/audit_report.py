@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional, Sequence, Tuple
 
+from tfmp._src.errors import check_type, invalid_argument
 from tfmp._src.float32 import fused_batchnorm as _fused_batchnorm
 
 
@@ -101,6 +102,23 @@ class AuditReport:
     float32_fraction: float
     gradients: Tuple[GradientRow, ...] = ()
     policy_source: str = "model"
+
+    def __post_init__(self) -> None:
+        """Checks the fields (a report made by hand fails here, not when printed).
+
+        Raises:
+            ValueError: (template) a field of another type, `float32_fraction`
+                outside [0, 1] or `policy_source` not a key of `POLICY_LABELS`.
+        """
+        check_type("policy", self.policy, str, "a dtype policy name string")
+        for name, kind in (("rows", AuditRow), ("warnings", AuditWarning), ("gradients", GradientRow)):
+            check_type(name, getattr(self, name), tuple, f"a tuple of {kind.__name__}", items=kind)
+        fraction = self.float32_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+            raise invalid_argument("float32_fraction", fraction, "a number in [0, 1]")
+        if not isinstance(self.policy_source, str) or self.policy_source not in POLICY_LABELS:
+            raise invalid_argument("policy_source", self.policy_source,
+                                   "one of " + ", ".join(map(repr, POLICY_LABELS)), choices=POLICY_LABELS)
 
     @property
     def kinds(self) -> frozenset:

@@ -61,7 +61,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import keras
 
 from tfmp._src.constants import LOW_PRECISION
-from tfmp._src.errors import invalid_argument
+from tfmp._src.errors import check_model
 from tfmp._src.float32 import cast_back as _cast_back
 from tfmp._src.float32 import registry as _registry
 from tfmp._src.float32.cast_back import casts_back
@@ -345,8 +345,11 @@ def force_float32(model: keras.Model, *, keep=(), exclude=()) -> keras.Model:
         which layers were forced and why.
 
     Raises:
-        ValueError: (project template) ``model`` is not a ``keras.Model``, or a
-            ``keep``/``exclude`` element is not a Layer class or pattern.
+        ValueError: (project template) ``model`` is not a ``keras.Model`` or has
+            no layer (an unbuilt model with layers is fine: its layers are
+            forced as they are built), or ``keep``/``exclude`` is None (``()``
+            means none) or holds an element that is not a Layer class or a
+            non-empty pattern.
 
     Example:
         >>> import keras, tfmp
@@ -358,13 +361,8 @@ def force_float32(model: keras.Model, *, keep=(), exclude=()) -> keras.Model:
         ('float32', 'float16')
         >>> keras.config.set_dtype_policy("float32")
     """
-    if not isinstance(model, keras.Model):
-        raise invalid_argument(
-            "model",
-            model,
-            "a keras.Model (Sequential, Functional or subclassed)",
-            fix="Wrap a single layer in keras.Sequential([layer]) first.",
-        )
+    check_model("model", model, expected="a keras.Model (Sequential, Functional or subclassed)",
+                fix="Wrap a single layer in keras.Sequential([layer]) first.")
     return _force(model, _registry.targets_from("keep", keep), _registry.targets_from("exclude", exclude))
 
 

@@ -47,7 +47,7 @@ from typing import Iterable, List, Optional, Tuple, Type, Union
 
 import keras
 
-from tfmp._src.errors import invalid_argument
+from tfmp._src.errors import check_bool, check_type, invalid_argument
 from tfmp._src.keras_hooks.keras_private import keras_at_least
 
 Target = Union[Type[keras.layers.Layer], str]
@@ -122,6 +122,21 @@ class Float32Rules:
     known_broken: Tuple[KerasLayerNote, ...] = KNOWN_BROKEN
     float32_inside_keras: Tuple[KerasLayerNote, ...] = FLOAT32_INSIDE_KERAS
 
+    def __post_init__(self) -> None:
+        """Checks the fields' forms (a snapshot made by hand fails here, not when read).
+
+        Raises:
+            ValueError: (template) `builtin` is not a tuple of classes, `keep` or
+                `exclude` not a tuple of targets (`targets_from`), a note table
+                not a tuple of `KerasLayerNote`.
+        """
+        check_type("builtin", self.builtin, tuple, "a tuple of keras.layers.Layer classes", items=type)
+        for name in ("keep", "exclude"):
+            check_type(name, getattr(self, name), tuple, "a tuple of Layer classes and pattern strings")
+            targets_from(name, getattr(self, name))
+        for name in ("known_broken", "float32_inside_keras"):
+            check_type(name, getattr(self, name), tuple, "a tuple of KerasLayerNote", items=KerasLayerNote)
+
 
 class Registration:
     """Handle returned by :func:`register_float32`; a ``with`` block undoes it.
@@ -131,6 +146,19 @@ class Registration:
     """
 
     def __init__(self, added: List[Target], exclude: bool) -> None:
+        """Made by `register_float32`.
+
+        Args:
+            added: List or tuple of targets (`targets_from`): those this call added.
+            exclude: Bool. Whether they were added as exclusions.
+
+        Raises:
+            ValueError: (template) `added` is not a list or tuple of targets, or
+                `exclude` not a bool.
+        """
+        check_type("added", added, (list, tuple), "a list of Layer classes and pattern strings")
+        targets_from("added", added)
+        check_bool("exclude", exclude)
         self.added = tuple(added)
         self.exclude = exclude
 
@@ -153,19 +181,23 @@ def targets_from(name: str, targets: Union[Target, Iterable[Target], None]) -> T
 
     Args:
         name: String. Argument name used in error messages, e.g. ``"keep"``.
-        targets: A layer class, a glob pattern string, a list, tuple or set of
-            those, or None (no targets). Any other single value is checked as one
+        targets: A layer class, a glob pattern string, or a list, tuple or set of
+            those (empty: no targets). Any other single value is checked as one
             target.
 
     Returns:
         Tuple of layer classes and pattern strings.
 
     Raises:
-        ValueError: (project template) an element is neither a subclass of
-            ``keras.layers.Layer`` nor a non-empty string.
+        ValueError: (project template) `targets` is None (``()`` means none), or
+            an element is neither a subclass of ``keras.layers.Layer`` nor a
+            non-empty string.
     """
     if targets is None:
-        return ()
+        raise invalid_argument(
+            name, targets, "a Layer class, a pattern string, or a list of them",
+            fix=f"Pass {name}=() for no targets.",
+        )
     if not isinstance(targets, (list, tuple, set, frozenset)):
         targets = (targets,)
     result = []
@@ -198,8 +230,9 @@ def register_float32(*targets: Target, exclude: bool = False) -> Registration:
         A :class:`Registration`; use it as a context manager to undo on exit.
 
     Raises:
-        ValueError: (project template) a target is neither a Layer subclass nor a
-            non-empty string.
+        ValueError: (project template) no target given, a target is neither a
+            Layer subclass nor a non-empty string (a list is refused: unpack it,
+            ``register_float32(*targets)``), or `exclude` is not a bool.
 
     Example:
         >>> import tfmp, keras
@@ -207,6 +240,8 @@ def register_float32(*targets: Target, exclude: bool = False) -> Registration:
         ...     keras.layers.Dense in tfmp.float32_layers().keep
         True
     """
+    check_bool("exclude", exclude)
+    _check_some("register_float32", targets)
     table = _exclude if exclude else _keep
     added = [t for t in targets_from("targets", targets) if t not in table]
     table.extend(added)
@@ -217,9 +252,11 @@ def unregister_float32(*targets: Target) -> None:
     """Removes targets added by :func:`register_float32` (keep or exclude).
 
     Raises:
-        ValueError: (project template) a target was never registered; the message
-            lists the registered ones.
+        ValueError: (project template) no target given, a target is neither a
+            Layer subclass nor a non-empty string, or was never registered (the
+            message lists the registered ones).
     """
+    _check_some("unregister_float32", targets)
     for target in targets_from("targets", targets):
         if target not in _keep and target not in _exclude:
             registered = [_describe(t) for t in _keep + _exclude]
@@ -232,6 +269,15 @@ def unregister_float32(*targets: Target) -> None:
         for table in (_keep, _exclude):
             if target in table:
                 table.remove(target)
+
+
+def _check_some(function: str, targets: Tuple[Target, ...]) -> None:
+    """Refuses a call of `function` without targets: it would change nothing."""
+    if not targets:
+        raise invalid_argument(
+            "targets", targets, "at least one Layer class or pattern string",
+            fix=f"Pass the targets themselves, e.g. tfmp.{function}('head/*').",
+        )
 
 
 def float32_layers() -> Float32Rules:

@@ -22,7 +22,7 @@ import tensorflow as tf
 
 from tfmp._src.errors import NonFiniteError, invalid_argument
 from tfmp._src.keras_hooks import model_hooks, patches, train_function
-from tfmp._src.loss_scale import batch_check, skips
+from tfmp._src.loss_scale import arguments, batch_check, skips
 
 #: Default of `max_consecutive_overflows`: more than the 24 halvings that take the
 #: scale from `max_scale` 2**24 down to 1, so a healthy start never trips it.
@@ -196,13 +196,19 @@ def scaled_gradients(
         by the loss scale.
 
     Raises:
-        ValueError: (template) `tape` is not a `tf.GradientTape`.
+        ValueError: (template) `tape` is not a `tf.GradientTape`; `loss` is not
+            a scalar float tensor (a Python number or list, which the tape did
+            not record, or a vector loss, which needs a reduction first);
+            `variables` is not a non-empty list or tuple of variables or
+            tensors; `optimizer` is not a `keras.optimizers.Optimizer`.
+            Checked in Python: once per trace inside a `tf.function`.
     """
     if not isinstance(tape, tf.GradientTape):
         raise invalid_argument(
             "tape", tape, "the tf.GradientTape that recorded the loss",
             fix="Compute the loss inside `with tf.GradientTape() as tape:` and pass that tape.",
         )
+    variables = arguments.check_gradient_arguments(loss, variables, optimizer)
     with tape:
         scaled_loss = optimizer.scale_loss(loss)
-    return tape.gradient(scaled_loss, list(variables))
+    return tape.gradient(scaled_loss, variables)

@@ -24,11 +24,12 @@ import tensorflow as tf
 from keras import ops
 
 from tfmp._src import distribute as _distribute
+from tfmp._src.loss_scale import arguments as _arguments
 from tfmp._src.loss_scale import guard as _guard
 from tfmp._src.loss_scale import loops as _loops
 from tfmp._src.loss_scale import step_state as _step_state
 from tfmp._src.loss_scale import user_settings as _user_settings
-from tfmp._src.errors import check_bool, check_positive_int, check_positive_number, invalid_argument
+from tfmp._src.errors import invalid_argument
 from tfmp._src.keras_hooks.keras_private import (
     LossScaleOptimizerBase,
     no_automatic_dependency_tracking,
@@ -37,7 +38,6 @@ from tfmp._src.keras_hooks.keras_private import (
 )
 from tfmp._src.loss_scale.loops import DEFAULT_MAX_CONSECUTIVE_OVERFLOWS
 
-_ON_STUCK = ("raise", "warn")
 _INT = "int64"
 _COUNTERS = (
     "overflow_count",
@@ -182,7 +182,14 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
     Setting `loss_scale_factor` on the wrapper raises: the wrapper does the scaling.
 
     Raises:
-        ValueError: In the project's template, for an invalid argument.
+        ValueError: (template, naming the argument) see
+            `tfmp._src.loss_scale.arguments.check_arguments`. An
+            `inner_optimizer` that is itself a loss-scale optimizer (tfmp's or
+            Keras's) is refused, not unwrapped: its settings (scale, bounds,
+            guard) would have to be merged with this call's or silently
+            dropped, and code that kept a reference to it would keep training
+            with a second, stale scale; the message names the fix,
+            ``LossScaleOptimizer(opt.inner_optimizer, ...)``.
 
     Example:
         >>> opt = LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0**10)
@@ -206,49 +213,11 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         name: str | None = None,
         **kwargs: Any,
     ) -> None:
-        if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
-            raise invalid_argument(
-                "inner_optimizer", inner_optimizer,
-                "an optimizer that does not scale the loss itself (not a LossScaleOptimizer)",
-                fix="Pass its inner optimizer: tfmp.LossScaleOptimizer(opt.inner_optimizer), or "
-                "keep the one wrapper you have (loss scaling twice scales the loss twice).",
-            )
-        for arg, value in (
-            ("initial_scale", initial_scale),
-            ("min_scale", min_scale),
-            ("max_scale", max_scale),
-        ):
-            check_positive_number(arg, value)
-        for arg, value in (
-            ("dynamic_growth_steps", dynamic_growth_steps),
-            ("hysteresis", hysteresis),
-            ("max_consecutive_overflows", max_consecutive_overflows),
-        ):
-            check_positive_int(arg, value)
-        if min_scale > max_scale:
-            raise invalid_argument(
-                "min_scale", min_scale, f"a value <= max_scale={max_scale!r}"
-            )
-        if loss_scaling and not min_scale <= initial_scale <= max_scale:
-            raise invalid_argument(
-                "initial_scale",
-                initial_scale,
-                f"a value in [min_scale, max_scale] = [{min_scale!r}, {max_scale!r}]",
-            )
-        if on_stuck not in _ON_STUCK:
-            raise invalid_argument(
-                "on_stuck", on_stuck, "one of 'raise', 'warn'", choices=_ON_STUCK
-            )
-        check_bool("loss_scaling", loss_scaling)
-        _guard.check_guard(guard, loss_scaling)
-        if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
-            raise invalid_argument(
-                "inner_optimizer",
-                inner_optimizer,
-                "a keras.optimizers.Optimizer instance",
-                "Pass an optimizer instance, e.g. "
-                "tfmp.LossScaleOptimizer(keras.optimizers.get('adam')).",
-            )
+        _arguments.check_arguments(
+            inner_optimizer, initial_scale, dynamic_growth_steps, min_scale=min_scale,
+            max_scale=max_scale, hysteresis=hysteresis, max_consecutive_overflows=max_consecutive_overflows,
+            on_stuck=on_stuck, loss_scaling=loss_scaling, guard=guard, name=name, kwargs=kwargs,
+        )
         # Keras's build and scale_loss read `initial_scale`: without loss scaling it
         # is 1.0 while get_config keeps the value the caller gave.
         super().__init__(

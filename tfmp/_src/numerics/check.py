@@ -36,10 +36,10 @@ from typing import Any, Callable, Optional
 import keras
 import tensorflow as tf
 
-from tfmp._src.errors import NonFiniteError, check_bool, check_positive_int, invalid_argument
+from tfmp._src.errors import NonFiniteError, check_bool, check_model, check_positive_int, invalid_argument
 from tfmp._src.keras_hooks import patches, train_function
 from tfmp._src.keras_hooks.keras_private import optimizer_variables
-from tfmp._src.numerics.layers import LayerSpec, layer_paths, scale_and_counts, select_layers
+from tfmp._src.numerics.layers import LayerSpec, check_layer_spec, layer_paths, scale_and_counts, select_layers
 from tfmp._src.numerics.record import LOSS_ENTRY, FailureRecorder, StepTrace, entry_row
 from tfmp._src.numerics.report import build_error
 
@@ -66,6 +66,23 @@ def check_trace_length(value: Any) -> None:
         why="a trace is read by a person, and each row costs 48 bytes of device memory",
         fix="Pass e.g. trace_length=8 (the default).",
     )
+
+
+def check_options(action: Any, phase: Any, layers: Any, trace_length: Any) -> None:
+    """Checks the options of `check_numerics` (also those of `enable(debug={...})`).
+
+    Raises:
+        ValueError: (template) an unknown `action` or `phase`, a `layers` of
+            another form (`check_layer_spec`) or a `trace_length` out of range.
+    """
+    if not isinstance(action, str) or action not in _ACTIONS:
+        raise invalid_argument("action", action, "one of 'raise', 'warn', 'log'", choices=_ACTIONS)
+    if not isinstance(phase, str) or phase not in _PHASES:
+        raise invalid_argument("phase", phase, "one of 'forward', 'backward', 'both'", choices=_PHASES)
+    check_layer_spec(layers)
+    check_trace_length(trace_length)
+
+
 #: Key of the failure flag the hooked train step adds to its logs; the train function
 #: wrapper removes it before Keras (callbacks, history) sees the logs.
 _FLAG = "_tfmp_numerics_failed"
@@ -100,6 +117,13 @@ class NumericsHandle:
     """
 
     def __init__(self, model: keras.Model, action: str, phase: str, layers: LayerSpec, trace_length: int) -> None:
+        """Selects the layers to hook; `tfmp.check_numerics` installs the hooks.
+
+        Raises:
+            ValueError: (template) an argument `tfmp.check_numerics` refuses.
+        """
+        check_model("model", model, expected="a keras.Model instance")
+        check_options(action, phase, layers, trace_length)
         self.model, self.action, self.phase = model, action, phase
         selected = [] if phase == "backward" else select_layers(model, layers)
         self.layers = [layer for layer, _ in selected]
@@ -302,7 +326,12 @@ def check_numerics(
         when `enabled` is False.
 
     Raises:
-        ValueError: In the project's template, for an invalid argument.
+        ValueError: (template, naming the argument) `model` is not a
+            `keras.Model` or has no layer (an unbuilt model with layers is
+            fine); `action` or `phase` is not one of its choices; `layers` is
+            not None, a callable, or a layer name, path, class or instance or a
+            non-empty list of them, or names no layer of `model`;
+            `trace_length` is not an int in [1, 1024]; `enabled` is not a bool.
 
     Example:
         >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
@@ -310,13 +339,8 @@ def check_numerics(
         >>> handle = check_numerics(model)
         >>> handle.remove()
     """
-    if not isinstance(model, keras.Model):
-        raise invalid_argument("model", model, "a keras.Model instance")
-    if action not in _ACTIONS:
-        raise invalid_argument("action", action, "one of 'raise', 'warn', 'log'", choices=_ACTIONS)
-    if phase not in _PHASES:
-        raise invalid_argument("phase", phase, "one of 'forward', 'backward', 'both'", choices=_PHASES)
-    check_trace_length(trace_length)
+    check_model("model", model, expected="a keras.Model instance")
+    check_options(action, phase, layers, trace_length)
     check_bool("enabled", enabled)
     previous = vars(model).get(_ATTR)
     if previous is not None:

@@ -21,9 +21,31 @@ def layer_paths(model: keras.Model) -> list[tuple[keras.layers.Layer, str]]:
     return [(entry.layer, entry.path) for entry in walk(model)]
 
 
+def check_layer_spec(layers: Any) -> None:
+    """Checks the form of a `layers` argument of `tfmp.check_numerics` (not which layers exist).
+
+    Raises:
+        ValueError: (template) `layers` is not None, a callable, a layer name,
+            class or instance, nor a non-empty list, tuple or set of those.
+    """
+    if layers is None or isinstance(layers, (str, type, keras.layers.Layer)):
+        return
+    if callable(layers):
+        return
+    expected = ("None (every layer), a callable layer -> bool, or a non-empty list of layer "
+                "names, paths, Layer classes or Layer instances")
+    fix = "For no forward check at all, pass phase='backward'."
+    if not isinstance(layers, (list, tuple, set, frozenset)) or not layers:
+        raise invalid_argument("layers", layers, expected, fix=fix)
+    for spec in layers:
+        if not isinstance(spec, (str, type, keras.layers.Layer)) or spec == "":
+            raise invalid_argument("layers", spec, "layer names, paths, Layer classes or Layer instances")
+
+
 def select_layers(model: keras.Model, layers: LayerSpec) -> list[tuple[keras.layers.Layer, str]]:
     """The layers to hook with their paths, validated (see `check_numerics`)."""
     candidates = [(layer, path) for layer, path in layer_paths(model) if not is_wiring(layer)]
+    check_layer_spec(layers)
     if layers is None:
         return candidates
     if callable(layers) and not isinstance(layers, type):
@@ -36,10 +58,8 @@ def select_layers(model: keras.Model, layers: LayerSpec) -> list[tuple[keras.lay
             found = [(layer, path) for layer, path in candidates if spec in (layer.name, path)]
         elif isinstance(spec, type):
             found = [(layer, path) for layer, path in candidates if isinstance(layer, spec)]
-        elif isinstance(spec, keras.layers.Layer):
+        else:  # a Layer instance (`check_layer_spec`)
             found = [(layer, path) for layer, path in candidates if layer is spec]
-        else:
-            raise invalid_argument("layers", spec, "layer names, paths, Layer classes or Layer instances")
         if not found:
             names = [layer.name for layer, _ in candidates]
             raise invalid_argument(

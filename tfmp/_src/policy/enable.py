@@ -40,7 +40,7 @@ from tfmp._src.attachment import hooks as attachment_hooks
 from tfmp._src.attachment.attach import attach
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.distribute import turn_off_xla_if_replicated
-from tfmp._src.errors import check_bool, invalid_argument, unknown_key, user_stacklevel
+from tfmp._src.errors import check_bool, user_stacklevel
 from tfmp._src.keras_hooks import fit_lifecycle, model_hooks, patches
 from tfmp._src.float32.dtype_errors import explain_dtype_errors
 from tfmp._src.float32 import loaded_layers
@@ -48,13 +48,12 @@ from tfmp._src.float32.force import force_float32, force_loaded
 from tfmp._src.float32.token_ids import exact_id_embeddings, keep_exact_ids
 from tfmp._src.policy.hardware import DeviceFacts
 from tfmp._src.loss_scale import loops
-from tfmp._src.loss_scale.guard import LOSS_GUARDS
 from tfmp._src.loss_scale import custom_optimizers
 from tfmp._src.loss_scale import user_settings
-from tfmp._src.loss_scale.optimizer import WRAP_OPTIONS
 from tfmp._src.loss_scale.optimizer import wrap_optimizer
-from tfmp._src.numerics.check import check_numerics, check_trace_length
+from tfmp._src.numerics.check import check_numerics
 from tfmp._src.policy import session
+from tfmp._src.policy.enable_options import check_debug, checked_loss_scale_options
 from tfmp._src.policy.policy import PerformanceWarning, PolicyDecision, resolve_policy
 from tfmp._src.policy.session import Session
 from tfmp._src.float32.registry import targets_from
@@ -195,8 +194,15 @@ def enable(
         `PolicyDecision`: `.policy` (Keras policy name) and `.reason`.
 
     Raises:
-        ValueError: an unknown or unsafe policy, or a bad option (the message says
-            what was received and how to fix it).
+        ValueError: (template, naming the argument; nothing changes) an unknown
+            or unsafe policy; `keep_float32`/`exclude_float32` not a Layer class,
+            a non-empty pattern or a list, tuple or set of those (None included:
+            pass ``()`` for none); `loss_scale_options` not a dict or None, with
+            an unknown key or a value `tfmp.LossScaleOptimizer` refuses;
+            `allow_pure_16bit` not a bool; `tf32` neither None nor a bool;
+            `debug` neither a bool nor a dict of `tfmp.check_numerics` options
+            with values it accepts (an unknown ``action`` is named as `action`);
+            `device_facts` neither None nor a `tfmp.DeviceFacts`.
 
     Warns:
         tfmp.PerformanceWarning: an explicit policy slower than float32 here.
@@ -232,11 +238,11 @@ def _start(
     check_bool("tf32", tf32, allow_none=True)
     keep_float32 = targets_from("keep_float32", keep_float32)
     exclude_float32 = targets_from("exclude_float32", exclude_float32)
-    _check_debug(debug)
+    check_debug(debug)
     decision = resolve_policy(
         policy, allow_pure_16bit=allow_pure_16bit, device_facts=device_facts
     )
-    loss_scale_options = _checked_loss_scale_options(loss_scale_options, decision.compute_dtype)
+    loss_scale_options = checked_loss_scale_options(loss_scale_options, decision.compute_dtype)
     state = session.current()
     if say_replaced and state is not None and state.decision.policy != decision.policy:
         _warn_replaced(state, decision)
@@ -267,49 +273,6 @@ def _warn_replaced(state: Session, decision: PolicyDecision) -> None:
         UserWarning,
         stacklevel=user_stacklevel(),
     )
-
-
-def _checked_loss_scale_options(options: Optional[dict], compute_dtype: str) -> dict:
-    """Validates `loss_scale_options` by building throwaway optimizers with them.
-
-    Once as for float16 (every bound is checked with loss scaling on; a
-    ``guard="batch"`` or ``"loss"``, valid only without it, is left out there) and
-    once for the policy's `compute_dtype` (either under float16 raises).
-    """
-    if options is None:
-        return {}
-    if not isinstance(options, dict):
-        raise invalid_argument(
-            "loss_scale_options", options, "a dict of tfmp.LossScaleOptimizer arguments",
-            fix="Pass e.g. loss_scale_options={'initial_scale': 2.0**15}.",
-        )
-    for key in options:
-        if key not in WRAP_OPTIONS:
-            raise unknown_key("loss_scale_options", options, key, WRAP_OPTIONS)
-    probe = {key: value for key, value in options.items()
-             if not (key == "guard" and value in LOSS_GUARDS)}
-    for checked in (wrap_optimizer("sgd", "float16", **probe),  # raises on a bad value
-                    wrap_optimizer("sgd", compute_dtype, **options)):
-        loops.untrack(checked)  # thrown away: no fit hook for it
-    return dict(options)
-
-
-def _check_debug(debug: Union[bool, dict]) -> None:
-    """Validates the `debug` option of `enable()` against `tfmp.check_numerics`."""
-    if isinstance(debug, bool):
-        return
-    if not isinstance(debug, dict):
-        raise invalid_argument(
-            "debug", debug, "a bool or a dict of tfmp.check_numerics options",
-            fix="Pass debug=True, or e.g. debug={'action': 'warn'}.",
-        )
-    allowed = [name for name in inspect.signature(check_numerics).parameters
-               if name not in ("model", "enabled")]
-    for key in debug:
-        if key not in allowed:
-            raise unknown_key("debug", debug, key, allowed)
-    if "trace_length" in debug:  # sizes an allocation: refused here, not at compile
-        check_trace_length(debug["trace_length"])
 
 
 def disable() -> None:
@@ -350,6 +313,12 @@ def policy_scope(
     The previous global policy (and any enclosing `enable()` with its options) is
     back on exit, also when the block raises. A scope inside `enable()` with
     another policy does not warn: it replaces nothing for good.
+
+    Raises:
+        TypeError: on entering the block, an option `enable()` does not take
+            (Python's message, as `enable()` itself gives it).
+        ValueError: (template) on entering the block, before any state
+            changes: any value `enable()` refuses.
     """
     saved_state = session.current()
     saved_policy = keras.config.dtype_policy()

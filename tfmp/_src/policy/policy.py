@@ -35,7 +35,7 @@ from typing import Optional, Tuple, Union
 
 import keras
 
-from tfmp._src.errors import check_bool, invalid_argument
+from tfmp._src.errors import check_bool, check_type, invalid_argument
 from tfmp._src.policy import float16_fusion
 from tfmp._src.policy.hardware import ONEDNN_ENV, DeviceFacts, detect_device_facts
 from tfmp._src.policy.speed_probe import SpeedProbe, format_factor, measure_speed
@@ -91,6 +91,21 @@ class PolicyDecision:
     reason: str
     device: str
     tf32: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        """Checks the fields, so that a hand-made decision fails here, not when read.
+
+        Raises:
+            ValueError: (template) `policy` is not a policy name tfmp applies,
+                `reason` or `device` not a string, `tf32` neither None nor a bool.
+        """
+        names = (MIXED_FLOAT16, MIXED_BFLOAT16, FLOAT32, *PURE_16BIT)
+        if not (isinstance(self.policy, str) and self.policy in names):
+            raise invalid_argument("policy", self.policy, "one of " + ", ".join(map(repr, names)),
+                                   choices=names)
+        check_type("reason", self.reason, str, "a string")
+        check_type("device", self.device, str, "a string")
+        check_bool("tf32", self.tf32, allow_none=True)
 
     @property
     def compute_dtype(self) -> str:
@@ -166,12 +181,6 @@ def recommend_policy(
         >>> recommend_policy(cpu, speed_probe=slow).policy
         'float32'
     """
-    if device_facts is not None and not isinstance(device_facts, DeviceFacts):
-        raise invalid_argument(
-            "device_facts", device_facts, "None (this machine) or a tfmp.DeviceFacts",
-            fix="Call tfmp.recommend_policy() for this machine; to set a policy, "
-            "call tfmp.enable(policy).",
-        )
     facts, probe = _facts_and_probe(device_facts, speed_probe)
     return _recommend(facts, probe)
 
@@ -181,7 +190,18 @@ def _facts_and_probe(
     speed_probe: Optional[SpeedProbe],
     measure: bool = True,
 ) -> Tuple[DeviceFacts, Optional[SpeedProbe]]:
-    """The facts to decide for and the probe to decide with (measured only for this CPU)."""
+    """The facts to decide for and the probe to decide with (measured only for this CPU).
+
+    Raises:
+        ValueError: (template) `device_facts` is neither None nor a `DeviceFacts`,
+            or `speed_probe` neither None nor a `SpeedProbe`.
+    """
+    if device_facts is not None and not isinstance(device_facts, DeviceFacts):
+        raise invalid_argument(
+            "device_facts", device_facts, "None (this machine) or a tfmp.DeviceFacts",
+            fix="Pass None for this machine, or e.g. tfmp.DeviceFacts(cpu_name='CPU'); "
+            "a policy name goes in tfmp.enable(policy).",
+        )
     if speed_probe is not None and not isinstance(speed_probe, SpeedProbe):
         raise invalid_argument(
             "speed_probe", speed_probe, "None or a tfmp.SpeedProbe",
@@ -379,8 +399,8 @@ def resolve_policy(
 
     Raises:
         ValueError: (template) unknown policy name or type, a pure 16-bit policy
-            without ``allow_pure_16bit=True``, or a `speed_probe` that is not a
-            `SpeedProbe`.
+            without ``allow_pure_16bit=True``, a `device_facts` that is not a
+            `DeviceFacts` or a `speed_probe` that is not a `SpeedProbe`.
 
     Warns:
         PerformanceWarning: an explicit policy that is slower than float32 here.

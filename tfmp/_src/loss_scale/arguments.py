@@ -1,0 +1,157 @@
+"""The arguments of `tfmp.LossScaleOptimizer` and `tfmp.scaled_gradients`, checked up front.
+
+Each check raises the project's template error (`tfmp._src.errors`) naming the
+argument, at the public call: never inside a traced training step, so a step
+costs nothing more. `scaled_gradients` runs its checks once per trace when its
+step is a `tf.function`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import keras
+import tensorflow as tf
+
+from tfmp._src.errors import (
+    check_bool,
+    check_positive_int,
+    check_positive_number,
+    check_type,
+    did_you_mean,
+    invalid_argument,
+)
+from tfmp._src.loss_scale import guard as _guard
+
+ON_STUCK = ("raise", "warn")
+#: Keras's backwards-compatibility arguments: the base optimizer's settings a
+#: `LossScaleOptimizer` config of older Keras versions carries, at their defaults.
+KERAS_COMPAT_DEFAULTS = {
+    "weight_decay": None, "clipnorm": None, "global_clipnorm": None, "clipvalue": None,
+    "use_ema": False, "ema_momentum": 0.99, "ema_overwrite_frequency": None,
+    "loss_scale_factor": None, "gradient_accumulation_steps": None,
+}
+_ARGUMENTS = ("inner_optimizer", "initial_scale", "dynamic_growth_steps", "min_scale", "max_scale",
+              "hysteresis", "max_consecutive_overflows", "on_stuck", "loss_scaling", "guard", "name")
+
+
+def check_arguments(
+    inner_optimizer: Any, initial_scale: Any, dynamic_growth_steps: Any, *, min_scale: Any,
+    max_scale: Any, hysteresis: Any, max_consecutive_overflows: Any, on_stuck: Any,
+    loss_scaling: Any, guard: Any, name: Any, kwargs: Dict[str, Any],
+) -> None:
+    """Checks every argument of `tfmp.LossScaleOptimizer` (see its docstring).
+
+    Raises:
+        ValueError: (template, naming the argument) `inner_optimizer` is not a
+            Keras optimizer, or is a loss-scale optimizer itself; a scale not a
+            finite number > 0, `min_scale` > `max_scale`, `initial_scale`
+            outside [`min_scale`, `max_scale`] with loss scaling; a count not an
+            int >= 1; `on_stuck` or `guard` not one of their choices;
+            `loss_scaling` not a bool; `name` neither None nor a non-empty
+            string without ``/``; a keyword argument it does not take (named by
+            itself), ``dynamic=False``, or a base optimizer setting (e.g.
+            ``clipnorm``) away from its default (it belongs on the inner optimizer).
+    """
+    if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
+        raise invalid_argument(
+            "inner_optimizer", inner_optimizer,
+            "an optimizer that does not scale the loss itself (not a LossScaleOptimizer)",
+            fix="Pass its inner optimizer: tfmp.LossScaleOptimizer(opt.inner_optimizer), or "
+            "keep the one wrapper you have (loss scaling twice scales the loss twice).",
+        )
+    for arg, value in (("initial_scale", initial_scale), ("min_scale", min_scale), ("max_scale", max_scale)):
+        check_positive_number(arg, value)
+    for arg, value in (
+        ("dynamic_growth_steps", dynamic_growth_steps),
+        ("hysteresis", hysteresis),
+        ("max_consecutive_overflows", max_consecutive_overflows),
+    ):
+        check_positive_int(arg, value)
+    if min_scale > max_scale:
+        raise invalid_argument("min_scale", min_scale, f"a value <= max_scale={max_scale!r}")
+    if loss_scaling and not min_scale <= initial_scale <= max_scale:
+        raise invalid_argument(
+            "initial_scale", initial_scale,
+            f"a value in [min_scale, max_scale] = [{min_scale!r}, {max_scale!r}]",
+        )
+    if not isinstance(on_stuck, str) or on_stuck not in ON_STUCK:
+        raise invalid_argument("on_stuck", on_stuck, "one of 'raise', 'warn'", choices=ON_STUCK)
+    check_bool("loss_scaling", loss_scaling)
+    _guard.check_guard(guard, loss_scaling)
+    if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+        raise invalid_argument(
+            "inner_optimizer", inner_optimizer, "a keras.optimizers.Optimizer instance",
+            "Pass an optimizer instance, e.g. tfmp.LossScaleOptimizer(keras.optimizers.get('adam')).",
+        )
+    check_name(name)
+    check_keras_kwargs(kwargs)
+
+
+def check_name(name: Any) -> None:
+    """Raises the template error unless `name` is None or a non-empty string without ``/``."""
+    if name is not None and not (isinstance(name, str) and name and "/" not in name):
+        raise invalid_argument("name", name, "None or a non-empty string without '/'",
+                               fix="Pass e.g. name='loss_scale_optimizer'.")
+
+
+def check_keras_kwargs(kwargs: Dict[str, Any]) -> None:
+    """Accepts only Keras's backwards-compatibility keyword arguments, at their defaults."""
+    for key, value in kwargs.items():
+        if key == "dynamic":
+            if value is not True:
+                raise invalid_argument(
+                    "dynamic", value, "True (Keras's old flag; the scale is always dynamic)",
+                    fix="For a fixed scale of 1.0 pass loss_scaling=False, or set `loss_scale_factor` on "
+                    "the `inner_optimizer` and use it without the wrapper.",
+                )
+        elif key in KERAS_COMPAT_DEFAULTS:
+            default = KERAS_COMPAT_DEFAULTS[key]
+            if value is not default and value != default:
+                raise invalid_argument(
+                    key, value, f"{default!r} (the base optimizer's default) on the wrapper",
+                    fix=f"Set `{key}` on the `inner_optimizer` instead, e.g. keras.optimizers.SGD({key}=...).",
+                )
+        else:
+            raise invalid_argument(
+                key, value, "an argument of tfmp.LossScaleOptimizer: one of " + ", ".join(_ARGUMENTS),
+                fix=f"Unknown argument {key!r}. {did_you_mean(key, _ARGUMENTS, cutoff=0.6)}".rstrip(),
+            )
+
+
+def _is_float_tensor(value: Any) -> bool:
+    return (tf.is_tensor(value) or isinstance(value, (tf.Variable, keras.Variable))) and \
+        tf.as_dtype(value.dtype).is_floating
+
+
+def check_gradient_arguments(loss: Any, variables: Any, optimizer: Any) -> list:
+    """Checks `tfmp.scaled_gradients`'s `loss`, `variables` and `optimizer`.
+
+    Returns:
+        List of the variables.
+
+    Raises:
+        ValueError: (template) `loss` is not a scalar float tensor (a Python
+            number or list was not recorded by the tape; a vector loss needs a
+            reduction first); `variables` is not a non-empty list or tuple of
+            variables or tensors; `optimizer` is not a Keras optimizer.
+    """
+    rank: Optional[int] = loss.shape.rank if tf.is_tensor(loss) else None
+    if not _is_float_tensor(loss) or rank not in (0, None):
+        raise invalid_argument(
+            "loss", loss, "a scalar float tensor computed inside the tape",
+            fix="Compute the loss inside `with tf.GradientTape() as tape:` and reduce it to a "
+            "scalar, e.g. keras.ops.mean(per_example_loss).",
+        )
+    expected = "a non-empty list or tuple of variables, e.g. model.trainable_variables"
+    check_type("variables", variables, (list, tuple), expected,
+               items=(tf.Variable, keras.Variable, tf.Tensor))
+    if not variables:
+        raise invalid_argument("variables", variables, expected,
+                               fix="Build the model first (call it once) so that it has variables.")
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise invalid_argument(
+            "optimizer", optimizer, "a keras.optimizers.Optimizer instance (the one that applies them)",
+            fix="Pass the optimizer object, e.g. model.optimizer, not its name.",
+        )
+    return list(variables)

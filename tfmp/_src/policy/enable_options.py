@@ -1,0 +1,73 @@
+"""The options of `tfmp.enable()` and `tfmp.policy_scope()`, checked before any state changes.
+
+Every check here raises the project's template error (`tfmp._src.errors`), so a
+bad call leaves tfmp and Keras exactly as they were.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Optional, Union
+
+from tfmp._src.errors import invalid_argument, unknown_key
+from tfmp._src.loss_scale import loops
+from tfmp._src.loss_scale.guard import LOSS_GUARDS
+from tfmp._src.loss_scale.optimizer import WRAP_OPTIONS, wrap_optimizer
+from tfmp._src.numerics.check import check_numerics, check_options
+
+
+def checked_loss_scale_options(options: Optional[dict], compute_dtype: str) -> dict:
+    """Validates `loss_scale_options` by building throwaway optimizers with them.
+
+    Once as for float16 (every bound is checked with loss scaling on; a
+    ``guard="batch"`` or ``"loss"``, valid only without it, is left out there) and
+    once for the policy's `compute_dtype` (either under float16 raises).
+
+    Raises:
+        ValueError: (template) not a dict or None, an unknown key, or a value
+            `tfmp.LossScaleOptimizer` refuses.
+    """
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise invalid_argument(
+            "loss_scale_options", options, "a dict of tfmp.LossScaleOptimizer arguments",
+            fix="Pass e.g. loss_scale_options={'initial_scale': 2.0**15}.",
+        )
+    for key in options:
+        if key not in WRAP_OPTIONS:
+            raise unknown_key("loss_scale_options", options, key, WRAP_OPTIONS)
+    probe = {key: value for key, value in options.items()
+             if not (key == "guard" and value in LOSS_GUARDS)}
+    for checked in (wrap_optimizer("sgd", "float16", **probe),  # raises on a bad value
+                    wrap_optimizer("sgd", compute_dtype, **options)):
+        loops.untrack(checked)  # thrown away: no fit hook for it
+    return dict(options)
+
+
+def check_debug(debug: Union[bool, dict]) -> None:
+    """Validates the `debug` option of `enable()` as `tfmp.check_numerics` checks its own.
+
+    Every value is checked here, not when a model is compiled: the action, the
+    phase, the form of ``layers`` (which layer names exist is checked at compile,
+    against the model) and ``trace_length``.
+
+    Raises:
+        ValueError: (template) not a bool or dict, an unknown key, or a value
+            `tfmp.check_numerics` refuses (named by its key, e.g. `action`).
+    """
+    if isinstance(debug, bool):
+        return
+    if not isinstance(debug, dict):
+        raise invalid_argument(
+            "debug", debug, "a bool or a dict of tfmp.check_numerics options",
+            fix="Pass debug=True, or e.g. debug={'action': 'warn'}.",
+        )
+    parameters = inspect.signature(check_numerics).parameters
+    allowed = [name for name in parameters if name not in ("model", "enabled")]
+    for key in debug:
+        if key not in allowed:
+            raise unknown_key("debug", debug, key, allowed)
+    options = {name: parameters[name].default for name in allowed}
+    check_options(**{**options, **debug})
+

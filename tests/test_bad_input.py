@@ -422,6 +422,17 @@ def test_model_functions_refuse_a_model_without_layers_or_no_model(value):
     assert_refused(lambda: tfmp.audit(value), "model")
 
 
+def test_compiling_an_empty_sequential_under_enable_works_as_in_plain_keras():
+    """Only the explicit calls refuse a model without layers; compile() stays Keras's."""
+    with tfmp.policy_scope("mixed_bfloat16"):
+        model = keras.Sequential()
+        model.compile("sgd", "mse")  # plain Keras compiles it too
+        model.add(keras.Input((3,)))
+        model.add(keras.layers.Dense(2))
+    assert model.layers[0].compute_dtype == "bfloat16"
+    assert model.compiled
+
+
 @covers("check_numerics", "NumericsHandle")
 @given(action=st.one_of(st.text(max_size=6).filter(lambda s: s not in ("raise", "warn", "log")), NON_STRINGS),
        phase=st.one_of(st.text(max_size=6).filter(lambda s: s not in ("forward", "backward", "both")), NON_STRINGS),

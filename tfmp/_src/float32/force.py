@@ -366,6 +366,17 @@ def force_float32(model: keras.Model, *, keep=(), exclude=()) -> keras.Model:
     return _force(model, _registry.targets_from("keep", keep), _registry.targets_from("exclude", exclude))
 
 
+def force_compiled(model: keras.Model, *, keep=(), exclude=()) -> keras.Model:
+    """`force_float32` as ``compile()`` under `tfmp.enable` calls it.
+
+    A model without layers yet (an empty Sequential) is left as it is: plain
+    Keras compiles it, and `force_float32` would refuse it.
+    """
+    if not [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]:
+        return model
+    return force_float32(model, keep=keep, exclude=exclude)
+
+
 def force_loaded(model: keras.Model, *, keep=(), exclude=()) -> keras.Model:
     """`force_float32` for a model Keras is loading (called as it compiles it).
 

@@ -9,6 +9,9 @@ Built-in rules (why: 16 bits cannot hold the numbers these layers produce):
   value above 256 squared overflows float16).
 * Layers with a fused ``softmax``/``log_softmax`` activation (e.g.
   ``Dense(10, activation="softmax")``), anywhere in the model.
+* Attention layers whose softmax is inside their own ``call`` (``Attention``,
+  ``AdditiveAttention``: `SOFTMAX_INSIDE`); their scores are dot products that
+  exceed 65504 long before the softmax's ``exp`` sees them.
 * Layers that produce a model output (handled in ``tfmp._src.float32.force``), which also
   covers a fused ``sigmoid`` in output position. Keras's own mixed-precision guide
   asks for float32 outputs for the same reason.
@@ -95,7 +98,13 @@ KNOWN_BROKEN: Tuple[KerasLayerNote, ...] = (
         "float32 random noise times the 16-bit input"),
 )
 
-BUILTIN_CLASSES: Tuple[type, ...] = (keras.layers.Softmax, keras.layers.UnitNormalization)
+#: Layers whose ``call`` takes a softmax of scores it computes itself, with no
+#: Softmax sublayer for the rule above to reach: forced whole (tensorflow#46064:
+#: masked dot-product scores near 1e5 overflow float16, and ``predict`` returns NaN).
+#: MultiHeadAttention is not among them: its softmax is a Softmax sublayer.
+SOFTMAX_INSIDE: Tuple[type, ...] = (keras.layers.Attention, keras.layers.AdditiveAttention)
+BUILTIN_CLASSES: Tuple[type, ...] = (
+    keras.layers.Softmax, keras.layers.UnitNormalization, *SOFTMAX_INSIDE)
 SOFTMAX_ACTIVATIONS = frozenset({"softmax", "log_softmax"})
 
 _keep: List[Target] = []
@@ -331,13 +340,16 @@ def builtin_reason(layer: keras.layers.Layer) -> Optional[str]:
 
     Returns:
         ``"softmax"``, ``"known fix: <why>"`` (a `KNOWN_BROKEN` layer),
-        ``"normalization"`` or ``"fused <activation>"``, or None.
+        ``"softmax inside"`` (a `SOFTMAX_INSIDE` layer), ``"normalization"`` or
+        ``"fused <activation>"``, or None.
     """
     if isinstance(layer, keras.layers.Softmax):
         return "softmax"
     note = _note(layer, KNOWN_BROKEN)
     if note is not None:
         return f"known fix: {note.why}"
+    if isinstance(layer, SOFTMAX_INSIDE):
+        return "softmax inside"
     if isinstance(layer, BUILTIN_CLASSES):
         return "normalization"
     if _note(layer, FLOAT32_INSIDE_KERAS) is not None and keras_float32_reason(layer) is None:

@@ -44,7 +44,7 @@ from tfmp._src.errors import check_bool, user_stacklevel
 from tfmp._src.keras_hooks import fit_lifecycle, model_hooks, patches
 from tfmp._src.float32.dtype_errors import explain_dtype_errors
 from tfmp._src.float32 import loaded_layers
-from tfmp._src.float32.force import force_float32, force_loaded
+from tfmp._src.float32.force import force_compiled, force_loaded
 from tfmp._src.float32.token_ids import exact_id_embeddings, keep_exact_ids
 from tfmp._src.policy.hardware import DeviceFacts
 from tfmp._src.loss_scale import loops
@@ -419,7 +419,7 @@ def _compile_with_tfmp(compile: Callable, model: keras.Model, args: tuple, kwarg
     args = list(args)
     optimizer = args.pop(0) if args else kwargs.pop("optimizer", "rmsprop")
     _warn_if_built_before_enable(model, state.decision.policy)
-    force_float32(model, keep=state.keep_float32, exclude=state.exclude_float32)
+    force_compiled(model, keep=state.keep_float32, exclude=state.exclude_float32)
     wrap_options = None
     if _wants_optimizer_wrapper(model, state):
         wrap_options = state.loss_scale_options

@@ -409,12 +409,3 @@ def test_keras_file_loads_for_float32_inference_without_tfmp(trained, tmp_path):
     # keeps computing in bfloat16: what the float32 copy is for.
     assert "bfloat16" in result["mixed"]["compute_dtypes"]
     np.testing.assert_allclose(result["mixed"]["prediction"], outputs(model, x), atol=1e-6)
-
-
-def test_to_float32_docstring_example_runs():
-    import doctest
-
-    from tfmp._src.deployment import to_float32 as module
-
-    result = doctest.testmod(module, extraglobs={}, optionflags=doctest.ELLIPSIS)
-    assert result.attempted >= 4 and result.failed == 0

@@ -93,7 +93,11 @@ def train(kind, policy, steps=4):
 
 @pytest.fixture(scope="module")
 def trained():
-    """{(kind, policy): model}, built lazily once per module."""
+    """{(kind, policy): model}, built lazily once per module.
+
+    The models are let go at the module's end: the module's last test still holds
+    `get` while the module-end check (conftest.py) looks for live attached models.
+    """
     cache = {}
 
     def get(kind, policy):
@@ -101,7 +105,8 @@ def trained():
             cache[kind, policy] = train(kind, policy)
         return cache[kind, policy]
 
-    return get
+    yield get
+    cache.clear()
 
 
 def sample(kind):

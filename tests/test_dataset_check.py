@@ -125,7 +125,10 @@ def test_the_scan_works_in_chunks_with_the_same_counts(monkeypatch):
     x = _clean(rows=64, features=4)
     x[3, 1], x[40, 1], x[41, 2], x[63, 0] = np.nan, np.inf, 1e6, 1e-9
     expected = tfmp.check_dataset(x, policy="mixed_float16", batch_size=64).issues
-    assert len(expected) == 4
+    # One batch of 64 rows; float16's range is 2**-24 (5.96e-8) to 65504.
+    assert {(i.batch, i.component, i.feature, i.problem, i.count) for i in expected} == {
+        (0, "x", 1, "nan", 1), (0, "x", 1, "inf", 1), (0, "x", 2, "overflow", 1),
+        (0, "x", 0, "underflow", 1)}
     seen = []
     scan_rows = _dataset._scan_rows
     monkeypatch.setattr(_dataset, "_SCAN_CHUNK", 10)  # 2 rows of 4 features at a time

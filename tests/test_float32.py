@@ -370,17 +370,6 @@ def test_unrefreshable_spec_warns_but_runtime_is_float32():
     assert model(np.ones((1, 4))).dtype == "float32"
 
 
-def test_docstring_examples_run():
-    import doctest
-
-    from tfmp._src.float32 import audit as _audit
-    from tfmp._src.float32 import force as _float32
-
-    for module in (_float32, _registry, _audit):
-        result = doctest.testmod(module)
-        assert result.attempted > 0 and result.failed == 0, (module.__name__, result)
-
-
 class Attention(keras.Model):
     """Subclassed model around an unbuilt MultiHeadAttention."""
 

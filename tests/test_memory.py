@@ -1,6 +1,5 @@
 """Tests for tfmp.estimate_memory and tfmp.estimate_kv_cache."""
 
-import doctest
 import json
 import pathlib
 
@@ -144,11 +143,6 @@ def test_kv_cache_rejects_bad_sizes_and_dtypes():
         tfmp.estimate_kv_cache(2, 8, seq_len=0, batch_size=1)
     with pytest.raises(ValueError, match="Received: dtype='fp8'"):
         tfmp.estimate_kv_cache(2, 8, seq_len=1, batch_size=1, dtype="fp8")
-
-
-def test_docstring_examples_run():
-    result = doctest.testmod(_memory, extraglobs={"keras": keras})
-    assert result.attempted > 0 and result.failed == 0
 
 
 def test_format_bytes_uses_binary_units():

@@ -1,6 +1,5 @@
 """The CPU speed probe: its measurement on this CPU, its cache, its bounds and its checks."""
 
-import doctest
 import math
 import time
 
@@ -137,8 +136,3 @@ def test_bad_sizes_and_dtypes_are_refused_with_the_template():
         tfmp.SpeedProbe(1.0, 1.0, 1.0, repeats=[5, 5, 5])
     with pytest.raises(ValueError, match=r"Received: dtype='bfloat' .*Did you mean 'bfloat16'\?"):
         tfmp.SpeedProbe(1.0, 1.0, 1.0).factor("bfloat")
-
-
-def test_docstring_examples_run():
-    result = doctest.testmod(_speed)
-    assert result.attempted > 0 and result.failed == 0

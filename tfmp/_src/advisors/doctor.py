@@ -239,12 +239,7 @@ def collect(
         ValueError: (template) `device_facts` is neither None nor a `DeviceFacts`,
             or `speed_probe` neither None nor a `SpeedProbe`.
     """
-    if device_facts is not None and not isinstance(device_facts, DeviceFacts):
-        raise invalid_argument(
-            "device_facts", device_facts, "None or a tfmp.DeviceFacts",
-            fix="Pass e.g. tfmp.DeviceFacts(gpus=(tfmp.GpuFacts('Tesla T4', (7, 5)),)), "
-            "or None to detect this machine's devices.")
-    facts, probe = _facts_and_probe(device_facts, speed_probe)
+    facts, probe = _facts_and_probe(device_facts, speed_probe)  # checks both
     info = dict(tf.sysconfig.get_build_info())
     decision = recommend_policy(facts, speed_probe=probe)
     devices = [_cpu_entry(facts, probe)]

@@ -63,6 +63,7 @@ import keras
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.errors import check_model
 from tfmp._src.float32 import cast_back as _cast_back
+from tfmp._src.float32 import exact_layers as _exact
 from tfmp._src.float32 import registry as _registry
 from tfmp._src.float32.cast_back import casts_back
 from tfmp._src.keras_hooks import patches
@@ -87,7 +88,10 @@ _DEFERRED = PerObject("deferred_forcing")  # unbuilt layer -> [build hook, rules
 
 def forced_reason(layer: keras.layers.Layer) -> Optional[str]:
     """Why tfmp set ``layer`` to float32 (``"output"``, ``"softmax"``...), or None."""
-    return _FORCED.get(layer)
+    reason = _FORCED.get(layer)
+    if reason is None and _exact.forced_when_created(layer):
+        return _registry.EXACT
+    return reason
 
 
 def excluded_by_user(layer: keras.layers.Layer) -> bool:
@@ -165,10 +169,16 @@ def _set_float32(layer: keras.layers.Layer, reason: str, parent=None, adopt: boo
         _cast_back.remove(layer)
         _FORCED[layer] = reason
         return True
+    if layer not in _FORCED and _exact.forced_when_created(layer):  # float32 since made
+        _FORCED[layer] = reason
+        if reason != "output":
+            _cast_back.install(layer, parent)
+        return True
     policy = layer.dtype_policy
     if layer.compute_dtype not in LOW_PRECISION or policy.quantization_mode:
         return False
     layer.dtype_policy = "float32"
+    _exact.refresh_state(layer)
     _FORCED[layer] = reason
     if reason != "output":
         _cast_back.install(layer, parent)
@@ -193,6 +203,8 @@ def _apply_rules(
     for path, layer, parent in entries:
         if _registry.is_excluded(layer, path, exclude):
             _EXCLUDED.add(layer)
+            if layer not in _FORCED and _exact.unforce(layer):
+                changed.add(id(layer))
             continue
         _EXCLUDED.discard(layer)
         reason = _registry.decide(

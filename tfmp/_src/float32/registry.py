@@ -12,6 +12,13 @@ Built-in rules (why: 16 bits cannot hold the numbers these layers produce):
 * Attention layers whose softmax is inside their own ``call`` (``Attention``,
   ``AdditiveAttention``: `SOFTMAX_INSIDE`); their scores are dot products that
   exceed 65504 long before the softmax's ``exp`` sees them.
+* Preprocessing layers whose result must be exact (`EXACT_PREPROCESSING`:
+  ``Discretization``, ``CategoryEncoding``, ``Normalization``): Keras casts their
+  inputs (and their stored statistics) to the compute dtype, so a value near
+  1,000 lands in the wrong bucket, id 1999 is encoded as 2000 under bfloat16 and
+  10000.3 becomes 10048. They are forced when created while tfmp is enabled
+  (`tfmp._src.float32.exact_layers`), so they stay exact wherever they run, and
+  at ``compile`` when created before.
 * Layers that produce a model output (handled in ``tfmp._src.float32.force``), which also
   covers a fused ``sigmoid`` in output position. Keras's own mixed-precision guide
   asks for float32 outputs for the same reason.
@@ -102,9 +109,27 @@ KNOWN_BROKEN: Tuple[KerasLayerNote, ...] = (
 #: Softmax sublayer for the rule above to reach: forced whole (tensorflow#46064:
 #: masked dot-product scores near 1e5 overflow float16, and ``predict`` returns NaN).
 #: MultiHeadAttention is not among them: its softmax is a Softmax sublayer.
+#: Preprocessing layers whose result is exact in float32 and wrong in 16 bits, wherever
+#: they run (in a model, in a ``tf.data`` map): forced, reason ``"exact preprocessing"``.
+EXACT_PREPROCESSING: Tuple[KerasLayerNote, ...] = (
+    KerasLayerNote(
+        "keras.src.layers.preprocessing.discretization.Discretization", "3.12",
+        "digitize() of inputs cast to the compute dtype (tensorflow#43502: values near "
+        "1,000 fall in the wrong one of 256 buckets)"),
+    KerasLayerNote(
+        "keras.src.layers.preprocessing.category_encoding.CategoryEncoding", "3.12",
+        "integer ids cast to the compute dtype in a traced call (keras#19583: id 1999 "
+        "encoded as 2000 under bfloat16)"),
+    KerasLayerNote(
+        "keras.src.layers.preprocessing.normalization.Normalization", "3.12",
+        "inputs, mean and variance cast to the compute dtype (keras-core#412: 10000.3 "
+        "becomes 10048 under bfloat16)"),
+)
 SOFTMAX_INSIDE: Tuple[type, ...] = (keras.layers.Attention, keras.layers.AdditiveAttention)
 BUILTIN_CLASSES: Tuple[type, ...] = (
     keras.layers.Softmax, keras.layers.UnitNormalization, *SOFTMAX_INSIDE)
+#: The reason `tfmp.audit` shows for an `EXACT_PREPROCESSING` layer.
+EXACT = "exact preprocessing"
 SOFTMAX_ACTIVATIONS = frozenset({"softmax", "log_softmax"})
 
 _keep: List[Target] = []
@@ -123,6 +148,8 @@ class Float32Rules:
             fail under mixed policies (`KNOWN_BROKEN`).
         float32_inside_keras: Tuple of `KerasLayerNote`: Keras layers left in 16
             bits because Keras computes them in float32 (`FLOAT32_INSIDE_KERAS`).
+        exact_preprocessing: Tuple of `KerasLayerNote`: Keras preprocessing layers
+            forced because their result must be exact (`EXACT_PREPROCESSING`).
     """
 
     builtin: Tuple[type, ...]
@@ -130,6 +157,7 @@ class Float32Rules:
     exclude: Tuple[Target, ...]
     known_broken: Tuple[KerasLayerNote, ...] = KNOWN_BROKEN
     float32_inside_keras: Tuple[KerasLayerNote, ...] = FLOAT32_INSIDE_KERAS
+    exact_preprocessing: Tuple[KerasLayerNote, ...] = EXACT_PREPROCESSING
 
     def __post_init__(self) -> None:
         """Checks the fields' forms (a snapshot made by hand fails here, not when read).
@@ -143,7 +171,7 @@ class Float32Rules:
         for name in ("keep", "exclude"):
             check_type(name, getattr(self, name), tuple, "a tuple of Layer classes and pattern strings")
             targets_from(name, getattr(self, name))
-        for name in ("known_broken", "float32_inside_keras"):
+        for name in ("known_broken", "float32_inside_keras", "exact_preprocessing"):
             check_type(name, getattr(self, name), tuple, "a tuple of KerasLayerNote", items=KerasLayerNote)
 
 
@@ -327,6 +355,11 @@ def _note(layer: keras.layers.Layer, table: Tuple[KerasLayerNote, ...]) -> Optio
     return next((note for note in table if note.class_path == path), None)
 
 
+def exact_reason(layer: keras.layers.Layer) -> Optional[str]:
+    """``"exact preprocessing"`` for an `EXACT_PREPROCESSING` layer, else None."""
+    return EXACT if _note(layer, EXACT_PREPROCESSING) is not None else None
+
+
 def keras_float32_reason(layer: keras.layers.Layer) -> Optional[str]:
     """``"float32 inside Keras <version>"`` for a `FLOAT32_INSIDE_KERAS` layer, else None."""
     note = _note(layer, FLOAT32_INSIDE_KERAS)
@@ -340,11 +373,14 @@ def builtin_reason(layer: keras.layers.Layer) -> Optional[str]:
 
     Returns:
         ``"softmax"``, ``"known fix: <why>"`` (a `KNOWN_BROKEN` layer),
-        ``"softmax inside"`` (a `SOFTMAX_INSIDE` layer), ``"normalization"`` or
-        ``"fused <activation>"``, or None.
+        ``"softmax inside"`` (a `SOFTMAX_INSIDE` layer), ``"exact preprocessing"``
+        (an `EXACT_PREPROCESSING` layer), ``"normalization"`` or ``"fused
+        <activation>"``, or None.
     """
     if isinstance(layer, keras.layers.Softmax):
         return "softmax"
+    if exact_reason(layer):
+        return EXACT
     note = _note(layer, KNOWN_BROKEN)
     if note is not None:
         return f"known fix: {note.why}"

@@ -86,6 +86,15 @@ CALL_ORDER: Tuple[Tuple[str, str], ...] = (
     ("an eager tf.function call takes the calling thread's function_call_options as its Grappler "
      "config, and the runtime instantiates the function again for another config",
      "tests/test_float16_fusion.py::test_a_plain_tf_function_is_instantiated_with_and_without_the_remapper"),
+    ("Normalization casts its mean and variance to the compute dtype in build (given) or "
+     "finalize_state (adapted, from float32 variables); calling them again after a policy "
+     "change casts them again (exact_layers.refresh_state)",
+     "tests/test_public_bug_kinds_exact.py::"
+     "test_exact_layers_made_before_enable_are_forced_at_compile_with_their_state_cast_again"),
+    ("Operation.__new__ reads a layer class's __init__ signature (getfullargspec), which a "
+     "hooked __init__'s pass-through carries as __signature__",
+     "tests/test_public_bug_kinds_exact.py::"
+     "test_the_rule_forces_exact_layers_made_while_enabled_unless_excluded"),
     ("fit, evaluate and predict call make_train/test/predict_function, then the model's "
      "train/test/predict_function, in the calling thread",
      "tests/test_float16_fusion.py::test_with_the_trap_a_float16_model_steps_without_fused_matmuls_and_a_float32_model_keeps_them"),

@@ -47,6 +47,7 @@ from tfmp._src.keras_hooks.object_state import PerObject
 ORDER = {
     "fused_batchnorm": 5,  # BatchNormalization.call: the fused kernel for attached layers
     "float32.build": 10,  # Layer.build: force sublayers created at build time
+    "float32.exact": 11,  # Discretization / CategoryEncoding / Normalization.__init__ while enabled: float32
     "float32.from_config": 12,  # Operation.from_config (classmethod) while enabled: a float32 layer's sublayers
     "float32.outputs": 20,  # Model.call: cast a subclassed model's outputs to float32
     "float32.cast_back": 25,  # Layer.call / compute_output_spec: forced layer hands back its parent's dtype
@@ -201,8 +202,10 @@ class _Slot:
 def _pass_through(slot: _Slot, original: Any) -> Any:
     """The attribute tfmp writes once per slot: it calls `slot.composed`.
 
-    It carries the original's name, docstring and (through ``__wrapped__``) its
-    signature, which Keras inspects (e.g. whether ``call`` takes ``training``).
+    It carries the original's name, docstring and its signature, which Keras
+    inspects (whether ``call`` takes ``training``, through ``__wrapped__``; a
+    layer's ``__init__`` parameters, through ``inspect.getfullargspec`` in
+    ``Operation.__new__``, which reads ``__signature__`` but not ``__wrapped__``).
     """
     if isinstance(original, property):
         return property(lambda obj: slot.composed.__get__(obj, type(obj)), doc=original.__doc__)
@@ -215,7 +218,10 @@ def _pass_through(slot: _Slot, original: Any) -> Any:
     def pass_through(*args: Any, **kwargs: Any) -> Any:
         return slot.composed(*args, **kwargs)
 
-    return functools.update_wrapper(pass_through, original)
+    functools.update_wrapper(pass_through, original)
+    with contextlib.suppress(TypeError, ValueError):  # a callable without a signature
+        pass_through.__signature__ = inspect.signature(original)
+    return pass_through
 
 
 def _set(target: Any, name: str, value: Any, is_class: bool) -> None:

@@ -15,7 +15,8 @@ Class-level hooks into Keras, all through `tfmp._src.keras_hooks.patches`:
   ``compile_from_config`` (`keras_hooks.model_hooks`; a model Keras loads is
   attached as saved), ``make_train_function`` (warns about a model compiled
   before `enable()`), ``from_config`` (a layer saved in float32 makes its
-  sublayers in float32, `tfmp._src.float32.loaded_layers`);
+  sublayers in float32, `tfmp._src.float32.loaded_layers`), the ``__init__`` of
+  the exact preprocessing layers (made in float32, `tfmp._src.float32.exact_layers`);
 - model-level hooks, on while a session is open or an attached model is alive
   (`tfmp._src.attachment.hooks`): ``Layer.losses`` and
   ``BatchNormalization.call``. They decide by the model's attachment, so a model
@@ -43,7 +44,7 @@ from tfmp._src.distribute import turn_off_xla_if_replicated
 from tfmp._src.errors import check_bool, user_stacklevel
 from tfmp._src.keras_hooks import fit_lifecycle, model_hooks, patches
 from tfmp._src.float32.dtype_errors import explain_dtype_errors
-from tfmp._src.float32 import loaded_layers
+from tfmp._src.float32 import exact_layers, loaded_layers
 from tfmp._src.float32.force import force_compiled, force_loaded
 from tfmp._src.float32.token_ids import exact_id_embeddings, keep_exact_ids
 from tfmp._src.policy.hardware import DeviceFacts
@@ -73,8 +74,8 @@ def _set_current(state: Optional[Session]) -> None:
     """Makes `state` this thread's session; installs or removes the class-level hooks.
 
     The session hooks (``compile``, ``compile_from_config``,
-    ``make_train_function``, ``from_config``) are on while a thread has a session; the
-    model-level hooks (`tfmp._src.attachment.hooks`) also while an attached
+    ``make_train_function``, ``from_config``, the exact layers' ``__init__``) are
+    on while a thread has a session; the model-level hooks (`tfmp._src.attachment.hooks`) also while an attached
     model is alive.
 
     Raises:
@@ -96,6 +97,7 @@ def _set_current(state: Optional[Session]) -> None:
                     lambda: model_hooks.install_make_train_function_hook(
                         _warn_if_compiled_before_enable, owner="enable.first_step"),
                     loaded_layers.install,
+                    exact_layers.install,
                 ])
                 try:
                     attachment_hooks.hold()

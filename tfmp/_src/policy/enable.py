@@ -42,6 +42,7 @@ from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.distribute import turn_off_xla_if_replicated
 from tfmp._src.errors import check_bool, user_stacklevel
 from tfmp._src.keras_hooks import fit_lifecycle, model_hooks, patches
+from tfmp._src.float32 import build_errors
 from tfmp._src.float32.dtype_errors import explain_dtype_errors
 from tfmp._src.float32 import loaded_layers
 from tfmp._src.float32.force import force_compiled, force_loaded
@@ -96,6 +97,7 @@ def _set_current(state: Optional[Session]) -> None:
                     lambda: model_hooks.install_make_train_function_hook(
                         _warn_if_compiled_before_enable, owner="enable.first_step"),
                     loaded_layers.install,
+                    build_errors.install,
                 ])
                 try:
                     attachment_hooks.hold()

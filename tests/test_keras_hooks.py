@@ -437,7 +437,7 @@ def test_the_leak_guard_sees_enabled_threads_and_class_hooks():
         assert threads == ["tfmp enabled in MainThread"]
         assert {hook.owner for hook in hooks} == {
             "enable.compile", "enable.first_step", "enable.losses", "fused_batchnorm", "float32.from_config",
-            "float32.exact", "enable.gradient_errors"}
+            "float32.exact", "enable.gradient_errors", "enable.build_errors"}
     assert tfmp_leftovers() == ([], [])
 
 
@@ -499,6 +499,17 @@ def test_keras_still_names_the_layer_that_raised():
     assert layer in list(error_texts.call_frame_owners(in_call))
     in_spec = _raised(lambda: _Fails(name="spec")(keras.Input((2,))))  # Functional construction
     assert error_texts.layer_named_by_keras(str(in_spec)) == ("spec", "_Fails")
+
+
+def test_keras_still_refuses_int8_for_float16_with_the_text_tfmp_reads():
+    """`error_texts.QUANTIZE_FLOAT16`: read by tfmp's ``quantize`` hint (float16 models)."""
+    from tfmp._src.keras_hooks import error_texts
+
+    layer = keras.layers.Dense(2, dtype="mixed_float16")
+    layer.build((None, 3))
+    refused = _raised(lambda: layer.quantize("int8"))
+    assert isinstance(refused, ValueError)
+    assert error_texts.QUANTIZE_FLOAT16.search(str(refused)).group(1) == "int8"
 
 
 # Contracts with Keras's signatures and call order (keras_hooks/contracts.py) -----------

@@ -28,7 +28,7 @@ from tfmp._src.policy import float16_fusion
 #: Owners of the per-object hooks an attachment brings and `detach` takes off.
 #: Float32 forcing's hooks (cast-back, output casts) stay: they go with the layer
 #: policies forcing set, which are the model's own and saved with it.
-DETACHED_OWNERS = ("float32.ids", "enable.dtype_errors", "custom_optimizers")
+DETACHED_OWNERS = ("float32.ids", "enable.dtype_errors", "enable.quantize_hint", "custom_optimizers")
 
 
 def _check_model(model: Any) -> None:

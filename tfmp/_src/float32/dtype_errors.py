@@ -73,19 +73,39 @@ def _failing_layer(model: Any, error: BaseException, message: str) -> Tuple[str,
     return "", None
 
 
-def explanation(path: str, layer: Any, low: str, wide: str) -> str:
-    """The text tfmp appends: the layer, both dtypes and the remedies."""
+def explanation(path: str, layer: Any, low: str, wide: str, *, at_build: bool = False) -> str:
+    """The text tfmp appends: the layer, both dtypes and the remedies.
+
+    Args:
+        path: String. The layer's path (`tfmp._src.layer_tree`); "" when unknown.
+        layer: The failing `keras.layers.Layer`, or None when unknown.
+        low: String. The 16-bit dtype, "float16" or "bfloat16".
+        wide: String. The other float dtype, e.g. "float32".
+        at_build: Bool. The error came while a Functional model was being built
+            (before ``compile``): tfmp's forcing does not apply yet, so the float32
+            remedy is the layer's own ``dtype="float32"``.
+
+    Returns:
+        String, starting with "tfmp: ".
+    """
     cls = type(layer).__name__ if layer is not None else "its layer class"
     where = f"Layer '{path}' ({cls})" if path else "A layer of this model"
     target = repr(path) if path else "'<layer path>'"
+    register = f"tfmp.register_float32({cls if layer is not None else target})"
+    if at_build:
+        in_float32 = (
+            f"create the layer with dtype=\"float32\" ({cls}(..., dtype=\"float32\")); "
+            f"tfmp.enable(..., keep_float32=[{target}]) and {register} force a layer "
+            "when the model is compiled, after this build")
+    else:
+        in_float32 = f"tfmp.enable(..., keep_float32=[{target}]) or {register} before compile"
     return (
         f"tfmp: {where} mixes {low} and {wide} tensors. Under the mixed policy its "
         f"inputs arrive in {low} (its compute dtype), while a tensor it creates "
-        f"itself (tf.random.*, tf.constant, tf.ones, a raw TF op) is {wide} by "
-        f"default. Fix: create such tensors with dtype=self.compute_dtype (in a "
+        f"itself (tf.random.*, keras.random.*, tf.constant, tf.ones, a raw TF op, a weight "
+        f"read without autocast) is {wide} by default. Fix: create such tensors with dtype=self.compute_dtype (in a "
         f"Lambda or plain function: tf.cast(t, x.dtype)); or compute the layer in "
-        f"float32: tfmp.enable(..., keep_float32=[{target}]) or "
-        f"tfmp.register_float32({cls if layer is not None else target}) before compile."
+        f"float32: {in_float32}."
     )
 
 

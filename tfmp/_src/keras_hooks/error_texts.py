@@ -53,6 +53,13 @@ KERAS_TEXTS: Dict[str, "re.Pattern[str]"] = {
     "output spec": re.compile(r"of '([^']+)' \(of type (\w+)\)"),
 }
 
+#: Keras's refusal of ``model.quantize("int8")`` for a layer computing in float16
+#: (``Layer._check_quantize_args``): "Quantization mode='int8' doesn't work well
+#: with compute_dtype='float16'. Consider loading model/layer with another dtype
+#: policy such as 'mixed_bfloat16' or 'mixed_float16' before calling `quantize()`."
+#: Raised as ValueError. Measured on Keras 3.15.
+QUANTIZE_FLOAT16 = re.compile(r"Quantization mode='(\w+)' doesn't work well with compute_dtype='float16'")
+
 
 def mismatched_dtypes(message: str) -> Optional[Tuple[str, str]]:
     """The two float dtypes (Keras names) a TensorFlow dtype-mismatch text names, or None.

@@ -56,6 +56,8 @@ ORDER = {
     "custom_optimizers": 27,  # Model._setattr_hook, Optimizer.apply / scale_loss: optimizers a custom compile keeps
     "enable.gradient_errors": 29,  # tf.GradientTape.gradient: backward-pass dtype mismatches explained
     "numerics": 30,  # Layer.call, train_step, Optimizer.apply / scale_loss
+    "enable.build_errors": 31,  # Layer.compute_output_spec while enabled: build-time dtype mismatches explained
+    "enable.quantize_hint": 33,  # model.quantize (a float16 model tfmp attached): the working int8 route
     "loss_scale.batch": 32,  # Model.train_step (an instance's): the batch for the "batch" guard
     "audit.outputs": 35,  # Layer.call: record output dtypes during tfmp.audit(batch=...)
     "grad_stats": 40,  # Optimizer.apply: gradient statistics for the monitor

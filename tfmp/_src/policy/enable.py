@@ -43,8 +43,10 @@ from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.distribute import turn_off_xla_if_replicated
 from tfmp._src.errors import check_bool, user_stacklevel
 from tfmp._src.keras_hooks import fit_lifecycle, model_hooks, patches
+from tfmp._src.deployment.quantize_hint import explain_quantize
+from tfmp._src.float32 import build_errors, exact_layers, loaded_layers
 from tfmp._src.float32.dtype_errors import explain_dtype_errors
-from tfmp._src.float32 import exact_layers, loaded_layers
+from tfmp._src.float32.xla_bilinear import turn_off_xla_for_bilinear
 from tfmp._src.float32.force import force_compiled, force_loaded
 from tfmp._src.float32.token_ids import exact_id_embeddings, keep_exact_ids
 from tfmp._src.policy.hardware import DeviceFacts
@@ -98,6 +100,7 @@ def _set_current(state: Optional[Session]) -> None:
                         _warn_if_compiled_before_enable, owner="enable.first_step"),
                     loaded_layers.install,
                     exact_layers.install,
+                    build_errors.install,
                 ])
                 try:
                     attachment_hooks.hold()
@@ -384,6 +387,8 @@ def _fix_and_attach(model: keras.Model, state: Session, attached_by: str) -> Non
     explains = model.dtype_policy.compute_dtype in LOW_PRECISION
     if explains:
         explain_dtype_errors(model)
+    if model.dtype_policy.compute_dtype == "float16":
+        explain_quantize(model)
     attach(model, state.decision.policy, attached_by=attached_by,
            exact_ids=exact_id_embeddings(model), explains_dtype_errors=explains,
            numerics=bool(state.debug) and attached_by == "compile")
@@ -413,7 +418,10 @@ def _compile_with_tfmp(compile: Callable, model: keras.Model, args: tuple, kwarg
     wrapped too (`tfmp._src.loss_scale.custom_optimizers`).
 
     Under a multi-replica `tf.distribute` strategy an explicit ``jit_compile=True``
-    is turned off with a warning (see `tfmp._src.distribute`).
+    is turned off with a warning (see `tfmp._src.distribute`), and so is one on
+    the CPU for 16-bit bilinear ``UpSampling2D`` layers XLA cannot train
+    (`tfmp._src.float32.xla_bilinear`). A float16 model's ``quantize`` names the
+    float32-copy route when Keras refuses int8 (`tfmp._src.deployment.quantize_hint`).
     """
     state = session.current()
     if state is None:
@@ -431,7 +439,7 @@ def _compile_with_tfmp(compile: Callable, model: keras.Model, args: tuple, kwarg
         optimizer = wrap_optimizer(optimizer, model.dtype_policy.compute_dtype, **wrap_options)
     result = compile(model, optimizer, *args, **kwargs)
     model_hooks.mark_compiled_by_tfmp(model)
-    turn_off_xla_if_replicated(model)
+    turn_off_xla_if_replicated(model) or turn_off_xla_for_bilinear(model)
     if state.debug:
         options = {} if state.debug is True else state.debug
         check_numerics(model, **options)

@@ -1,0 +1,60 @@
+"""``model.quantize("int8")`` on a float16 model: the route that works, named.
+
+Keras quantizes a layer to int8 only when it does not compute in float16
+(``Layer._check_quantize_args``), and its refusal suggests loading the model
+"with another dtype policy such as 'mixed_bfloat16' or 'mixed_float16'": for a
+model trained under ``mixed_float16`` the second is the very policy in use. The
+working route is a float32 copy: ``tfmp.to_float32(model)`` keeps the trained
+weights and quantizes to int8.
+
+For every model tfmp attaches with a float16 compute dtype, `explain_quantize`
+hooks the model's ``quantize`` (owner ``"enable.quantize_hint"``, taken off by
+`tfmp.detach`): Keras's ValueError (`error_texts.QUANTIZE_FLOAT16`) is raised
+again as a ValueError, Keras's text followed by tfmp's, the original chained as
+``__cause__``. Any other exception passes unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import keras
+
+from tfmp._src.float32.dtype_errors import with_explanation
+from tfmp._src.keras_hooks import error_texts, patches
+
+
+def hint(model: Any, mode: str) -> str:
+    """The text tfmp appends to Keras's refusal to quantize `model` in `mode`."""
+    policy = model.dtype_policy.name
+    return (
+        f"tfmp: model {model.name!r} computes in float16 (dtype policy {policy!r}), so "
+        f"Keras refuses quantize({mode!r}); the policies it suggests do not help a "
+        "model trained under 'mixed_float16'. Quantize a float32 copy with the same "
+        f"weights instead: quantized = tfmp.to_float32(model); quantized.quantize({mode!r})."
+    )
+
+
+def _wrap(model: Any) -> Callable[[Callable], Callable]:
+    def wrap(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def tfmp_quantize(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(*args, **kwargs)
+            except ValueError as error:
+                refused = error_texts.QUANTIZE_FLOAT16.search(str(error))
+                if refused is None:
+                    raise
+                raise with_explanation(error, hint(model, refused.group(1))) from error
+
+        return tfmp_quantize
+
+    return wrap
+
+
+def explain_quantize(model: keras.Model) -> None:
+    """Hooks `model`'s ``quantize`` to name the float32-copy route (idempotent)."""
+    if any(h.owner == "enable.quantize_hint" for h in patches.installed(model, "quantize")):
+        return
+    patches.install(model, "quantize", _wrap(model), owner="enable.quantize_hint")

@@ -1,0 +1,89 @@
+"""Dtype-mismatch errors while a Functional model is built, explained while enabled.
+
+Calling a layer on ``keras.Input`` tensors makes Keras infer its output by
+tracing its ``call`` (``Layer.compute_output_spec``). A layer that mixes its
+16-bit inputs with a float32 tensor it creates itself (the keras.io VAE's
+``Sampling`` layer: ``z_mean + ops.exp(0.5 * z_log_var) * keras.random.normal(...)``)
+fails there, under any mixed policy, with Keras's "Could not automatically infer
+the output shape / dtype of 'sampling' (of type Sampling)" wrapped around
+TensorFlow's mismatch text. That is before ``compile``, so the per-model hooks of
+`tfmp._src.float32.dtype_errors` are not on yet.
+
+While a session is open, `install` hooks ``keras.layers.Layer.compute_output_spec``
+(owner ``"enable.build_errors"``): in a thread with a session, such an error is
+raised again as the same type, Keras's text followed by tfmp's (the failing
+layer's path, both dtypes, the remedies that work before ``compile``), the
+original chained as ``__cause__``. Any other exception passes unchanged; a layer
+that builds pays one ``try`` per symbolic call.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import keras
+import tensorflow as tf
+
+from tfmp._src.float32 import dtype_errors
+from tfmp._src.keras_hooks import error_texts, patches
+from tfmp._src.layer_tree import walk
+from tfmp._src.policy import session
+
+
+def _failing_layer(root: Any, error: BaseException, message: str) -> tuple:
+    """(path, layer) of the layer whose ``call`` raised inside `root`'s symbolic call.
+
+    `root` is the layer Keras is inferring the output of: a layer called on
+    ``keras.Input`` tensors, so its path is its name (no model exists yet). A
+    sublayer it calls is named below it (``"block/noise"``).
+    """
+    entries = [(root.name, root)] + [(entry.path, entry.layer) for entry in walk(root, root.name)]
+    by_id = {id(layer): path for path, layer in entries}
+    for owner in error_texts.call_frame_owners(error):
+        if id(owner) in by_id:
+            return by_id[id(owner)], owner
+    return root.name, root
+
+
+def annotate(layer: Any, error: BaseException) -> BaseException:
+    """The exception to raise for `error` met inferring `layer`'s output: explained, or `error`.
+
+    Args:
+        layer: `keras.layers.Layer` whose ``compute_output_spec`` raised.
+        error: The exception it raised.
+
+    Returns:
+        `error` itself unless its text is a 16-bit/wider float mismatch
+        (`dtype_errors.mismatched_dtypes`) not explained yet; else a new exception
+        of the same type (`dtype_errors.with_explanation`).
+    """
+    message = error.message if isinstance(error, tf.errors.OpError) else str(error)
+    dtypes = dtype_errors.mismatched_dtypes(message)
+    if dtypes is None or dtype_errors.explained(error) or "\n\ntfmp: " in message:
+        return error
+    path, failing = _failing_layer(layer, error, message)
+    return dtype_errors.with_explanation(
+        error, dtype_errors.explanation(path, failing, *dtypes, at_build=True))
+
+
+def _wrap(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def tfmp_compute_output_spec(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, *args, **kwargs)
+        except Exception as error:
+            if session.current() is None:
+                raise
+            new = annotate(self, error)
+            if new is error:
+                raise
+            raise new from error
+
+    return tfmp_compute_output_spec
+
+
+def install() -> patches.Hook:
+    """Hooks ``keras.layers.Layer.compute_output_spec``; remove the `Hook` to undo."""
+    return patches.install(keras.layers.Layer, "compute_output_spec", _wrap,
+                           owner="enable.build_errors")

@@ -1,0 +1,79 @@
+"""16-bit bilinear ``UpSampling2D`` under XLA on the CPU: compiled without XLA, with a warning.
+
+A model with ``UpSampling2D(interpolation="bilinear")`` computing in bfloat16 or
+float16, compiled with ``jit_compile=True`` on a machine without an accelerator,
+cannot train, plain Keras included (openxla/xla#43052): the resize's gradient
+(``ResizeBilinearGrad``) comes out in float32 and meets the 16-bit gradient of the
+op before it (``TanhGrad``, ``ReluGrad``, ``SigmoidGrad``, a GELU's ``Mul``), and
+XLA's CPU compiler stops the first step with ``InternalError: Seen floating point
+types of different precisions in %TanhGrad ... but mixed precision is disallowed``.
+
+`turn_off_xla_for_bilinear` runs in tfmp's compile handler, after Keras's
+``compile``, before any train function exists: for such a model it sets
+``model.jit_compile = False`` and warns once, naming the layers and both ways to
+choose otherwise. The layer kept in float32 (``keep_float32``) trains under XLA;
+a model whose bilinear layers already compute in float32 is left alone, and so
+is any model when a GPU or TPU is visible (Keras's own test for "auto").
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, List
+
+import keras
+import tensorflow as tf
+
+from tfmp._src.constants import LOW_PRECISION
+from tfmp._src.errors import user_stacklevel
+from tfmp._src.layer_tree import walk
+from tfmp._src.policy.policy import PerformanceWarning
+
+
+def bilinear_16bit_layers(model: Any) -> List[str]:
+    """Paths of `model`'s ``UpSampling2D(interpolation="bilinear")`` layers computing in 16 bits."""
+    return [entry.path for entry in walk(model)
+            if isinstance(entry.layer, keras.layers.UpSampling2D)
+            and entry.layer.interpolation == "bilinear"
+            and entry.layer.compute_dtype in LOW_PRECISION]
+
+
+def _cpu_only() -> bool:
+    return all(device.device_type == "CPU" for device in tf.config.list_physical_devices())
+
+
+def turn_off_xla_for_bilinear(model: keras.Model) -> bool:
+    """Switches `model.jit_compile` off when XLA on the CPU cannot train its 16-bit bilinear resizes.
+
+    Args:
+        model: `keras.Model`, compiled.
+
+    Returns:
+        Bool. True when XLA was turned off.
+
+    Warns:
+        tfmp.PerformanceWarning: when XLA was turned off, naming the layers, the
+            failure and the two fixes (``keep_float32`` to keep XLA,
+            ``jit_compile=False`` to compile without it and without the warning).
+    """
+    if model.jit_compile is not True or not _cpu_only():
+        return False
+    paths = bilinear_16bit_layers(model)
+    if not paths:
+        return False
+    compute = model.dtype_policy.compute_dtype
+    warnings.warn(
+        f"XLA (jit_compile=True) on the CPU cannot train {compute} "
+        f"UpSampling2D(interpolation='bilinear') layers {paths} of model {model.name!r}: "
+        f"the resize's gradient comes out in float32 and meets the {compute} gradient of "
+        "the op before it, and XLA stops the first step with 'Seen floating point types "
+        "of different precisions ... but mixed precision is disallowed' "
+        f"(openxla/xla#43052). tfmp compiled the model with jit_compile=False instead; "
+        f"the step runs as a tf.function graph. To keep XLA, compute these layers in "
+        f"float32: tfmp.enable(..., keep_float32={paths}); to compile without XLA and "
+        "without this warning, pass jit_compile=False.",
+        PerformanceWarning,
+        stacklevel=user_stacklevel(),  # the caller of Model.compile
+    )
+    model.jit_compile = False
+    return True

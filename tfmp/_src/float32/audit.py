@@ -22,8 +22,9 @@ Warning kinds (``AuditWarning.kind``):
 
 * ``sensitive_16bit``: a softmax/normalization layer (``tfmp._src.float32.registry`` rules)
   computes in float16/bfloat16, unless a user exclusion keeps it there.
-* ``output_16bit``: a layer producing a model output computes in 16 bits, or (with
-  ``batch=``) a model output is 16-bit at run time.
+* ``output_16bit``: a layer producing a model output computes in 16 bits (not a
+  block whose output tfmp casts to float32), or (with ``batch=``) a model output
+  is 16-bit at run time.
 * ``variables_16bit``: 16-bit variables, so no float32 master weights; small
   updates vanish when added to them.
 * ``policy_mismatch``: a layer's policy differs from tfmp's (the policy tfmp

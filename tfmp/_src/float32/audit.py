@@ -22,8 +22,9 @@ Warning kinds (``AuditWarning.kind``):
 
 * ``sensitive_16bit``: a softmax/normalization layer (``tfmp._src.float32.registry`` rules)
   computes in float16/bfloat16, unless a user exclusion keeps it there.
-* ``output_16bit``: a layer producing a model output computes in 16 bits, or (with
-  ``batch=``) a model output is 16-bit at run time.
+* ``output_16bit``: a layer producing a model output computes in 16 bits (not a
+  block whose output tfmp casts to float32), or (with ``batch=``) a model output
+  is 16-bit at run time.
 * ``variables_16bit``: 16-bit variables, so no float32 master weights; small
   updates vanish when added to them.
 * ``policy_mismatch``: a layer's policy differs from tfmp's (the policy tfmp
@@ -115,7 +116,7 @@ def _layer_warnings(path, layer, reason, producers, policy, tensor_cores):
             f"'{path}' ({type(layer).__name__}) computes in {compute}; "
             "call tfmp.force_float32(model) or keep it float32 explicitly."
         )
-    if compute in _LOW and id(layer) in producers:
+    if compute in _LOW and id(layer) in producers and reason != _registry.OUTPUT_CAST:
         yield "output_16bit", (
             f"'{path}' produces a model output in {compute}; outputs (and the loss) "
             "should be float32. Call tfmp.force_float32(model)."
@@ -200,7 +201,7 @@ def _record_outputs(layers: Sequence[keras.layers.Layer]) -> Tuple[Dict[int, Lis
 
 def _rule_dtype(layer: keras.layers.Layer, forced: str) -> str:
     """tfmp's output-dtype rule: float32 for an output producer, else what the layer hands back."""
-    if forced == "output":
+    if forced in ("output", _registry.OUTPUT_CAST):
         return "float32"
     return handed_back_dtype(layer) or layer.compute_dtype
 
@@ -316,7 +317,7 @@ def audit(
         weights = own_weights(layer)
         params = sum(int(w.numpy().size) for w in weights)
         total += params
-        forced_params += params if reason else 0
+        forced_params += params if reason and reason != _registry.OUTPUT_CAST else 0
         kinds = []
         consumers = graph_consumers.get(id(layer)) if output_from == "graph" else None
         for kind, message in [

@@ -43,7 +43,8 @@ class AuditRow:
         variable_dtype: String. Dtype of its own weights (else its policy's).
         forced: String. tfmp's reason for forcing it to float32 (``"output"``,
             ``"softmax"``, ``"known fix: ..."``, ``"user rule"``, ``"inside <path>"``...)
-            or ``""``.
+            or ``""``; for a block producing a model output, ``"output cast to
+            float32 (body 16-bit)"``: it computes in 16 bits, its output is cast.
         why: String. ``forced``, or ``"float32 inside Keras >= 3.12"`` for a layer
             Keras itself computes in float32, or ``""``.
         params: Int. Its own parameter count.

@@ -6,9 +6,11 @@ installs the two hooks that make the dtypes around them match plain Keras:
 * ``"float32.cast_back"`` on a forced layer's ``call`` and ``compute_output_spec``:
   floating outputs are cast to the compute dtype of its parent (the enclosing
   layer, or the model) when that is float16/bfloat16, read at each call.
-* ``"float32.outputs"`` on a subclassed model's ``call``: 16-bit floating outputs
+* ``"float32.outputs"`` on a subclassed model's ``call``, and on the ``call`` and
+  ``compute_output_spec`` of a block producing a model output (its body computes
+  in 16 bits, `tfmp._src.float32.registry.is_block`): 16-bit floating outputs
   are cast to float32. An output that is exactly what a forced direct sublayer of
-  the model handed back (``return self.head(x)``, ``head`` a forced softmax) is
+  the model (or block) handed back (``return self.head(x)``, ``head`` a forced softmax) is
   replaced by that sublayer's float32 result, so the probabilities the loss sees
   are not rounded to 16 bits and back. The model's own code still receives the
   16-bit tensor, as under plain Keras. The match is by tensor identity within one
@@ -125,8 +127,14 @@ def remove(layer: keras.layers.Layer) -> None:
         hook.remove()
 
 
-def cast_outputs(model: keras.Model) -> bool:
-    """Hooks a subclassed model's ``call`` to return float32 outputs; False if already hooked."""
+def cast_outputs(model: keras.layers.Layer) -> bool:
+    """Hooks ``model.call`` to return float32 outputs; False if already hooked.
+
+    Args:
+        model: A subclassed ``keras.Model``, or a block (a layer that is not a
+            model) whose output is a model output: its ``compute_output_spec`` is
+            hooked too, so the symbolic graph shows float32.
+    """
     if any(hook.owner == "float32.outputs" for hook in patches.installed(model, "call")):
         return False
     model_ref = weakref.ref(model)
@@ -146,4 +154,6 @@ def cast_outputs(model: keras.Model) -> bool:
         return call
 
     patches.install(model, "call", wrap, owner="float32.outputs")
+    if not isinstance(model, keras.Model):
+        patches.install(model, "compute_output_spec", wrap, owner="float32.outputs")
     return True

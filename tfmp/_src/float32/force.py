@@ -13,6 +13,14 @@ layer of a Functional/Sequential graph):
 
 * Layers producing the model's outputs return float32 (the loss is computed in
   float32); no cast back.
+* A block producing an output (`registry.is_block`: sublayers of its own, a
+  ``call`` that is not Keras's, e.g. a transformer block whose result is returned
+  beside the logits) is not forced: forcing it would run its whole body in
+  float32. It keeps its 16-bit policy, its sublayers follow the rules, and its
+  ``call`` and ``compute_output_spec`` get the ``"float32.outputs"`` hook that
+  subclassed models get (`cast_back.cast_outputs`): it returns float32 (reason
+  ``registry.OUTPUT_CAST``). A built-in or user rule selecting the block still
+  forces it whole.
 * Every other forced layer gets a hook (owner ``"float32.cast_back"``) on its
   ``call`` and ``compute_output_spec`` that casts floating outputs to its parent's
   compute dtype when that is 16-bit. So ``norm(x) + y`` and
@@ -210,6 +218,13 @@ def _apply_rules(
         reason = _registry.decide(
             layer, path, is_output=id(layer) in outputs, keep=keep, exclude=exclude
         )
+        if reason == _registry.OUTPUT_CAST and layer.compute_dtype not in LOW_PRECISION:
+            reason = "output"  # float32 already (forced earlier, or loaded so): stays whole
+        if reason == _registry.OUTPUT_CAST:
+            _FORCED[layer] = reason
+            if _cast_back.cast_outputs(layer):
+                changed.add(id(layer))
+            continue  # its sublayers follow their own rules
         if reason is not None:
             inherited[id(layer)] = path
         elif id(parent) in inherited:
@@ -333,7 +348,8 @@ def force_float32(model: keras.Model, *, keep=(), exclude=()) -> keras.Model:
     """Computes precision-sensitive layers in float32 and returns float32 model outputs.
 
     Sets a float32 ``DTypePolicy`` (float32 compute and variables) on: layers
-    producing model outputs; Softmax layers and normalization layers Keras
+    producing model outputs (a custom block producing one keeps its 16-bit
+    policy and only its output is cast to float32); Softmax layers and normalization layers Keras
     computes in 16 bits (UnitNormalization); layers with a fused
     softmax/log_softmax activation; known-broken Keras layers
     (``registry.KNOWN_BROKEN``); registered and ``keep`` targets; and all

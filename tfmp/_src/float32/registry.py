@@ -21,7 +21,11 @@ Built-in rules (why: 16 bits cannot hold the numbers these layers produce):
   at ``compile`` when created before.
 * Layers that produce a model output (handled in ``tfmp._src.float32.force``), which also
   covers a fused ``sigmoid`` in output position. Keras's own mixed-precision guide
-  asks for float32 outputs for the same reason.
+  asks for float32 outputs for the same reason. A *block* producing an output (a
+  layer with sublayers whose ``call`` is not Keras's own, such as a custom
+  transformer block; `is_block`) is not forced whole: its sublayers follow the
+  rules above and only its output is cast to float32 (reason `OUTPUT_CAST`),
+  unless a built-in or user rule selects the block itself.
 
 Two tables name Keras layers by the class whose ``call`` runs (module and class
 name, so a subclass that keeps Keras's ``call`` matches and one that overrides
@@ -58,7 +62,7 @@ from typing import Iterable, List, Optional, Tuple, Type, Union
 import keras
 
 from tfmp._src.errors import check_bool, check_type, invalid_argument
-from tfmp._src.keras_hooks.keras_private import keras_at_least
+from tfmp._src.keras_hooks.keras_private import child_layers, keras_at_least
 
 Target = Union[Type[keras.layers.Layer], str]
 
@@ -131,6 +135,8 @@ BUILTIN_CLASSES: Tuple[type, ...] = (
 #: The reason `tfmp.audit` shows for an `EXACT_PREPROCESSING` layer.
 EXACT = "exact preprocessing"
 SOFTMAX_ACTIVATIONS = frozenset({"softmax", "log_softmax"})
+#: Why an output-producing block keeps its 16-bit policy and returns float32 (`decide`).
+OUTPUT_CAST = "output cast to float32 (body 16-bit)"
 
 _keep: List[Target] = []
 _exclude: List[Target] = []
@@ -368,6 +374,17 @@ def keras_float32_reason(layer: keras.layers.Layer) -> Optional[str]:
     return f"float32 inside Keras >= {note.keras_version}"
 
 
+def is_block(layer: keras.layers.Layer) -> bool:
+    """True for a layer with sublayers of its own whose ``call`` is not Keras's.
+
+    Such a block (a custom transformer block, a residual stage) does most of a
+    model's work when it produces an output; a Keras layer with sublayers
+    (MultiHeadAttention, TimeDistributed, Bidirectional, an RNN and its cell) is
+    one computation and counts as a leaf.
+    """
+    return bool(child_layers(layer)) and not _call_class_path(layer).startswith("keras.")
+
+
 def builtin_reason(layer: keras.layers.Layer) -> Optional[str]:
     """Why a built-in rule keeps ``layer`` in float32, or None.
 
@@ -407,18 +424,20 @@ def decide(
     """Reason to keep ``layer`` in float32 under all rules, or None.
 
     Order: any exclusion (call or registry) wins; then output position; then
-    built-in rules; then user keep targets (call or registry).
+    built-in rules; then user keep targets (call or registry). An output-producing
+    block (`is_block`) is ``"output"`` (forced whole) only when a built-in or keep
+    rule selects it, else `OUTPUT_CAST`: its output is cast, its body stays 16-bit.
     """
     if matches(layer, path, exclude + tuple(_exclude)):
         return None
-    if is_output:
+    if is_output and not is_block(layer):
         return "output"
     reason = builtin_reason(layer)
-    if reason:
-        return reason
-    if matches(layer, path, keep + tuple(_keep)):
-        return "user rule"
-    return None
+    if not reason and matches(layer, path, keep + tuple(_keep)):
+        reason = "user rule"
+    if is_output:
+        return "output" if reason else OUTPUT_CAST
+    return reason
 
 
 def is_excluded(layer: keras.layers.Layer, path: str, exclude: Tuple[Target, ...]) -> bool:

@@ -49,7 +49,7 @@ ORDER = {
     "float32.build": 10,  # Layer.build: force sublayers created at build time
     "float32.exact": 11,  # Discretization / CategoryEncoding / Normalization.__init__ while enabled: float32
     "float32.from_config": 12,  # Operation.from_config (classmethod) while enabled: a float32 layer's sublayers
-    "float32.outputs": 20,  # Model.call: cast a subclassed model's outputs to float32
+    "float32.outputs": 20,  # Model.call, an output block's call / compute_output_spec: outputs to float32
     "float32.cast_back": 25,  # Layer.call / compute_output_spec: forced layer hands back its parent's dtype
     "float32.ids": 26,  # DTypePolicy.convert_input / Layer.call / Embedding.call: exact float token ids
     "enable.dtype_errors": 28,  # Model.build / call: dtype mismatches explained (models tfmp compiles)

@@ -187,12 +187,12 @@ def test_compare_refuses_a_build_model_that_is_not_callable(bad, model):
 
 
 @covers("compare")
+@pytest.mark.filterwarnings("ignore::tfmp.PerformanceWarning")  # 16-bit policies emulated on some CPUs
 def test_compare_refuses_an_empty_dataset_before_training():
     import tensorflow as tf
 
     empty = tf.data.Dataset.from_tensor_slices(XY).batch(4).take(0)
-    with pytest.warns(tfmp.PerformanceWarning):
-        assert_refused(lambda: tfmp.compare(build_never_called, empty, policies=POLICIES), "train_data")
+    assert_refused(lambda: tfmp.compare(build_never_called, empty, policies=POLICIES), "train_data")
 
 
 # -- the compare report types -----------------------------------------------------------------

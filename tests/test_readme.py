@@ -138,7 +138,8 @@ def _tfmp_calls():
         except SyntaxError:  # prose in backticks, bash lines
             continue
         for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and ast.unparse(node.func).startswith("tfmp."):
+            # tfmp.f(...) and tfmp.a.f(...), not a method of what a tfmp call returns
+            if isinstance(node, ast.Call) and re.fullmatch(r"tfmp(\.\w+)+", ast.unparse(node.func)):
                 keywords = [k.arg for k in node.keywords if k.arg is not None]
                 calls.append((ast.unparse(node.func)[len("tfmp."):], keywords, len(node.args)))
     return calls
@@ -180,7 +181,7 @@ def test_defaults_the_readme_states_are_the_real_ones():
 # Paths the README names that are not in the repository: what runs write, and a
 # folder made by the set-up line.
 # Folders a run writes (logs, exported artifacts, the venv) and layer paths ("encoder/...").
-NOT_IN_THE_REPOSITORY = ("logs/", ".venv/", "exported/", "encoder/")
+NOT_IN_THE_REPOSITORY = ("logs/", ".venv/", "exported/", "encoder/", "block/")  # outputs, layer paths
 
 
 def _repository_paths():

@@ -37,10 +37,10 @@ import keras
 import tensorflow as tf
 
 from tfmp._src.errors import NonFiniteError, check_bool, check_model, check_positive_int, invalid_argument
-from tfmp._src.float32.reductions import wide_reduction
 from tfmp._src.keras_hooks import patches, train_function
 from tfmp._src.keras_hooks.keras_private import optimizer_variables
-from tfmp._src.numerics.layers import LayerSpec, check_layer_spec, layer_paths, scale_and_counts, select_layers
+from tfmp._src.numerics.layers import (LayerSpec, check_layer_spec, layer_paths, reduction_hint,
+                                       scale_and_counts, select_layers)
 from tfmp._src.numerics.record import LOSS_ENTRY, FailureRecorder, StepTrace, entry_row
 from tfmp._src.numerics.report import build_error
 
@@ -251,18 +251,6 @@ class NumericsHandle:
                     owners[id(variable)] = (path, type(layer).__name__)
         return owners
 
-    def _hint(self, path: str) -> Optional[str]:
-        """The cause and fix of a float16 reduction that can overflow in the layer at `path`.
-
-        The layers enclosing it are asked first: a sublayer of a custom block is
-        seen in its block's trace (`tfmp._src.float32.reductions`).
-        """
-        found = None
-        for layer, where in layer_paths(self.model):
-            if path == where or path.startswith(where + "/"):
-                found = wide_reduction(layer)  # pre-order: the layer itself comes last
-        return None if found is None else found.advice(path)
-
     def check(self) -> None:
         """Reads the recorded failure after a step and acts on it.
 
@@ -278,7 +266,8 @@ class NumericsHandle:
         optimizer = getattr(self.model, "optimizer", None)
         scaling = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
         scaling = scaling and getattr(optimizer, "loss_scaling", True)
-        error = build_error(self.recorder, self._owners(), scaling, self._hint)
+        error = build_error(self.recorder, self._owners(), scaling,
+                            functools.partial(reduction_hint, self.model))
         if error is None:
             return
         if len(self.failures) < _MAX_FAILURES:

@@ -46,6 +46,9 @@ def test_private_accessors_work_on_this_keras():
     history = keras_private.keras_history(model.outputs[0])
     node = keras_private.inbound_node(history.operation, history.node_index)
     assert keras_private.keras_history(node.input_tensors[0]).operation is dense
+    args, kwargs = keras_private.first_call_arguments(dense)
+    assert len(args) == 1 and args[0] is inputs and kwargs == {}
+    assert keras_private.first_call_arguments(keras.layers.Dense(2)) is None
     assert sum(len(nodes) for nodes in keras_private.nodes_by_depth(model).values()) == 3
     assert keras_private.autocasts_inputs(dense)
     assert int(keras_private.loss_tracker(model).count.numpy()) == 2

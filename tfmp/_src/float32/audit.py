@@ -21,7 +21,9 @@ TensorFlow's fused kernel (``"fused"``) or Keras's path and why
 Warning kinds (``AuditWarning.kind``):
 
 * ``sensitive_16bit``: a softmax/normalization layer (``tfmp._src.float32.registry`` rules)
-  computes in float16/bfloat16, unless a user exclusion keeps it there.
+  computes in float16/bfloat16, unless a user exclusion keeps it there; for a
+  layer whose float16 reduction can exceed 65504 (`tfmp._src.float32.reductions`),
+  the message says which reduction, over how many values, and the fix.
 * ``output_16bit``: a layer producing a model output computes in 16 bits (not a
   block whose output tfmp casts to float32), or (with ``batch=``) a model output
   is 16-bit at run time.
@@ -62,6 +64,7 @@ from tfmp._src.float32.audit_batch import check_batch, gradient_check
 from tfmp._src.float32.audit_report import AuditReport, AuditRow, AuditWarning
 from tfmp._src.float32 import fused_batchnorm as _fused_batchnorm
 from tfmp._src.float32.cast_back import handed_back_dtype
+from tfmp._src.float32 import reductions as _reductions
 from tfmp._src.float32 import registry as _registry
 from tfmp._src.keras_hooks import patches
 from tfmp._src.keras_hooks.keras_private import functional_graph, nodes_by_depth
@@ -111,10 +114,12 @@ def _layer_warnings(path, layer, reason, producers, policy, tensor_cores):
     """Yields ``(kind, message)`` pairs for one layer."""
     compute = layer.compute_dtype
     excluded = _float32.excluded_by_user(layer) or _registry.is_excluded(layer, path, ())
-    if compute in _LOW and _registry.builtin_reason(layer) and not excluded:
+    if compute in _LOW and not excluded and _registry.builtin_reason(layer):
+        reduction = _reductions.wide_reduction(layer)
         yield "sensitive_16bit", (
             f"'{path}' ({type(layer).__name__}) computes in {compute}; "
-            "call tfmp.force_float32(model) or keep it float32 explicitly."
+            + (reduction.advice(path) if reduction else
+               "call tfmp.force_float32(model) or keep it float32 explicitly.")
         )
     if compute in _LOW and id(layer) in producers and reason != _registry.OUTPUT_CAST:
         yield "output_16bit", (

@@ -42,7 +42,8 @@ class AuditRow:
             when they differ; ``"-"`` when it never ran in the ``batch=`` pass).
         variable_dtype: String. Dtype of its own weights (else its policy's).
         forced: String. tfmp's reason for forcing it to float32 (``"output"``,
-            ``"softmax"``, ``"known fix: ..."``, ``"user rule"``, ``"inside <path>"``...)
+            ``"softmax"``, ``"known fix: ..."``, ``"float16 reduction: logsumexp over
+            76,800 values"``, ``"user rule"``, ``"inside <path>"``...)
             or ``""``; for a block producing a model output, ``"output cast to
             float32 (body 16-bit)"``: it computes in 16 bits, its output is cast.
         why: String. ``forced``, or ``"float32 inside Keras >= 3.12"`` for a layer

@@ -3,8 +3,9 @@
 Under a mixed policy every layer computes in 16 bits unless told otherwise. This
 module sets a float32 ``DTypePolicy`` on the layers chosen by
 ``tfmp._src.float32.registry`` (softmax, fused softmax, normalization that Keras
-computes in 16 bits, known-broken Keras layers, user targets) and on the layers
-producing the model's outputs, then makes the model's symbolic graph agree.
+computes in 16 bits, known-broken Keras layers, float16 reductions past 65504,
+user targets) and on the layers producing the model's outputs, then makes the
+model's symbolic graph agree.
 
 The output-dtype rule. Forcing makes a layer *compute* in float32 (``Layer.__call__``
 casts its float inputs up); the dtype it hands back is the one the code around it
@@ -352,8 +353,9 @@ def force_float32(model: keras.Model, *, keep=(), exclude=()) -> keras.Model:
     policy and only its output is cast to float32); Softmax layers and normalization layers Keras
     computes in 16 bits (UnitNormalization); layers with a fused
     softmax/log_softmax activation; known-broken Keras layers
-    (``registry.KNOWN_BROKEN``); registered and ``keep`` targets; and all
-    sublayers of those. Output producers return float32; every other forced
+    (``registry.KNOWN_BROKEN``); layers whose own float16 ``logsumexp`` or sum
+    can exceed 65504 (``tfmp._src.float32.reductions``); registered and
+    ``keep`` targets; and all sublayers of those. Output producers return float32; every other forced
     layer hands back its parent's 16-bit compute dtype, so the code around it
     sees the dtypes it sees under plain Keras. Only layers computing in
     float16/bfloat16 are touched; nothing else changes. Idempotent. Works before or after build and for

@@ -19,6 +19,10 @@ Built-in rules (why: 16 bits cannot hold the numbers these layers produce):
   10000.3 becomes 10048. They are forced when created while tfmp is enabled
   (`tfmp._src.float32.exact_layers`), so they stay exact wherever they run, and
   at ``compile`` when created before.
+* Layers whose own code reduces float16 values past 65504 (`tfmp._src.float32.reductions`:
+  a ``logsumexp`` or sum over more than 65504 values, a sum of unshifted
+  exponentials; google-research/last#43), seen by tracing user-code layers of a
+  graph; reason ``"float16 reduction: <kind> over <N> values"``.
 * Layers that produce a model output (handled in ``tfmp._src.float32.force``), which also
   covers a fused ``sigmoid`` in output position. Keras's own mixed-precision guide
   asks for float32 outputs for the same reason. A *block* producing an output (a
@@ -62,6 +66,7 @@ from typing import Iterable, List, Optional, Tuple, Type, Union
 import keras
 
 from tfmp._src.errors import check_bool, check_type, invalid_argument
+from tfmp._src.float32 import reductions as _reductions
 from tfmp._src.keras_hooks.keras_private import child_layers, keras_at_least
 
 Target = Union[Type[keras.layers.Layer], str]
@@ -391,8 +396,8 @@ def builtin_reason(layer: keras.layers.Layer) -> Optional[str]:
     Returns:
         ``"softmax"``, ``"known fix: <why>"`` (a `KNOWN_BROKEN` layer),
         ``"softmax inside"`` (a `SOFTMAX_INSIDE` layer), ``"exact preprocessing"``
-        (an `EXACT_PREPROCESSING` layer), ``"normalization"`` or ``"fused
-        <activation>"``, or None.
+        (an `EXACT_PREPROCESSING` layer), ``"normalization"``, ``"fused
+        <activation>"`` or ``"float16 reduction: ..."`` (`reductions.reason`), or None.
     """
     if isinstance(layer, keras.layers.Softmax):
         return "softmax"
@@ -410,7 +415,7 @@ def builtin_reason(layer: keras.layers.Layer) -> Optional[str]:
     name = activation_name(layer)
     if name in SOFTMAX_ACTIVATIONS:
         return "softmax" if isinstance(layer, keras.layers.Activation) else f"fused {name}"
-    return None
+    return _reductions.reason(layer)
 
 
 def decide(

@@ -14,7 +14,7 @@ pair setup.cfg admits.
 | the class ``Functional`` (``keras.Model(inputs, outputs)``), not public | ``keras/src/models/functional.py`` | `is_functional`: a graph of layers that computes nothing itself (not a subclass) |
 | ``Functional._nodes_by_depth`` | ``keras/src/ops/function.py`` | `nodes_by_depth`: the graph's nodes, to refresh symbolic dtypes |
 | ``KerasTensor._keras_history`` | ``keras/src/backend/common/keras_tensor.py`` | `keras_history`: the operation that made a symbolic tensor |
-| ``Operation._inbound_nodes`` | ``keras/src/ops/operation.py`` | `inbound_node`: the node of a raw op, to walk back to output layers |
+| ``Operation._inbound_nodes`` | ``keras/src/ops/operation.py`` | `inbound_node`: the node of a raw op, to walk back to output layers; `first_call_arguments`: a layer's first call in a graph (``Node.arguments``), traced by `tfmp._src.float32.reductions` |
 | ``KerasTensor._dtype`` | ``keras/src/backend/common/keras_tensor.py`` | `set_symbolic_dtype`: a forced layer's new output dtype in the graph |
 | ``Layer._convert_input_args`` | ``keras/src/layers/layer.py`` | `autocasts_inputs`: whether ``__call__`` casts float inputs |
 | ``Trainer._loss_tracker`` | ``keras/src/trainers/trainer.py`` | `loss_tracker`: samples seen this epoch (the monitor's throughput) |
@@ -145,6 +145,14 @@ def keras_history(tensor: Any) -> Optional[Any]:
 def inbound_node(operation: Any, node_index: int) -> Any:
     """The `Node` at `node_index` among the calls of `operation` (a layer or raw op)."""
     return operation._inbound_nodes[node_index]
+
+
+def first_call_arguments(layer: Any) -> Optional[tuple]:
+    """``(args, kwargs)`` (of `KerasTensor`s) of `layer`'s first call in a Functional graph, or None."""
+    nodes = getattr(layer, "_inbound_nodes", None) or []
+    if not nodes:
+        return None
+    return tuple(nodes[0].arguments.args), dict(nodes[0].arguments.kwargs)
 
 
 def set_symbolic_dtype(tensor: Any, dtype: str) -> None:

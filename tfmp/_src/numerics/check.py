@@ -39,7 +39,8 @@ import tensorflow as tf
 from tfmp._src.errors import NonFiniteError, check_bool, check_model, check_positive_int, invalid_argument
 from tfmp._src.keras_hooks import patches, train_function
 from tfmp._src.keras_hooks.keras_private import optimizer_variables
-from tfmp._src.numerics.layers import LayerSpec, check_layer_spec, layer_paths, scale_and_counts, select_layers
+from tfmp._src.numerics.layers import (LayerSpec, check_layer_spec, layer_paths, reduction_hint,
+                                       scale_and_counts, select_layers)
 from tfmp._src.numerics.record import LOSS_ENTRY, FailureRecorder, StepTrace, entry_row
 from tfmp._src.numerics.report import build_error
 
@@ -265,7 +266,8 @@ class NumericsHandle:
         optimizer = getattr(self.model, "optimizer", None)
         scaling = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
         scaling = scaling and getattr(optimizer, "loss_scaling", True)
-        error = build_error(self.recorder, self._owners(), scaling)
+        error = build_error(self.recorder, self._owners(), scaling,
+                            functools.partial(reduction_hint, self.model))
         if error is None:
             return
         if len(self.failures) < _MAX_FAILURES:

@@ -1,16 +1,17 @@
-"""Which layers `tfmp.check_numerics` hooks, their paths, and the loss-scale rule.
+"""Which layers `tfmp.check_numerics` hooks, their paths and float16 hazards, and the loss-scale rule.
 
 The hooks themselves go through `tfmp._src.keras_hooks.patches`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import keras
 import tensorflow as tf
 
 from tfmp._src.errors import invalid_argument
+from tfmp._src.float32.reductions import wide_reduction
 from tfmp._src.layer_tree import is_wiring, walk
 
 LayerSpec = Union[None, Sequence[Union[str, type, keras.layers.Layer]], Callable[[keras.layers.Layer], bool]]
@@ -19,6 +20,19 @@ LayerSpec = Union[None, Sequence[Union[str, type, keras.layers.Layer]], Callable
 def layer_paths(model: keras.Model) -> list[tuple[keras.layers.Layer, str]]:
     """(layer, path) of every layer of `model`, pre-order, paths as `layer_tree` makes them."""
     return [(entry.layer, entry.path) for entry in walk(model)]
+
+
+def reduction_hint(model: keras.Model, path: str) -> Optional[str]:
+    """The cause and fix of a float16 reduction that can overflow in the layer at `path`, or None.
+
+    The layers enclosing it are asked first: a sublayer of a custom block is
+    seen in its block's trace (`tfmp._src.float32.reductions`).
+    """
+    found = None
+    for layer, where in layer_paths(model):
+        if path == where or path.startswith(where + "/"):
+            found = wide_reduction(layer)  # pre-order: the layer itself comes last
+    return None if found is None else found.advice(path)
 
 
 def check_layer_spec(layers: Any) -> None:

@@ -7,7 +7,7 @@ largest finite value is 65504 and its smallest subnormal 2**-24 (about 6e-8), IE
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -79,8 +79,12 @@ def format_trace(trace: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _forward_message(item: dict, kind: str, step: int, trace: list[dict]) -> str:
-    """Names the layer and says whether its inputs were already bad, or float16 overflowed."""
+def _forward_message(item: dict, kind: str, step: int, hint: Optional[str]) -> str:
+    """Names the layer and says whether its inputs were already bad, or float16 overflowed.
+
+    `hint` is the cause and fix of a layer's known float16 hazard
+    (`tfmp._src.float32.reductions`), said instead of the generic float16 advice.
+    """
     if item["layer"] == LOSS_ENTRY:
         return (
             f"The loss is {kind} at train step {step} while every checked layer output before it "
@@ -101,6 +105,8 @@ def _forward_message(item: dict, kind: str, step: int, trace: list[dict]) -> str
             " The inputs were already non-finite: the bad values came in with the data (check it with "
             "tfmp.check_dataset) or from an unchecked operation before this layer."
         )
+    elif item["dtype"] == "float16" and "inf" in kind and hint:
+        text += f" The likely cause: {hint}"
     elif item["dtype"] == "float16" and "inf" in kind:
         text += (
             f" float16 holds at most {FLOAT16_MAX:g}: if this layer computes large values "
@@ -110,7 +116,8 @@ def _forward_message(item: dict, kind: str, step: int, trace: list[dict]) -> str
     return text
 
 
-def build_error(recorder: FailureRecorder, owners: dict, loss_scaling: bool) -> Optional[NonFiniteError]:
+def build_error(recorder: FailureRecorder, owners: dict, loss_scaling: bool,
+                hints: Callable[[str], Optional[str]] = lambda path: None) -> Optional[NonFiniteError]:
     """Reads the recorded failure; None when nothing was recorded.
 
     Args:
@@ -118,6 +125,8 @@ def build_error(recorder: FailureRecorder, owners: dict, loss_scaling: bool) -> 
         owners: Dict from `id(variable)` to `(layer path, layer class)`.
         loss_scaling: Bool. Whether the optimizer scales the loss dynamically (only
             changes the wording for gradients).
+        hints: Callable, layer path -> the cause and fix of that layer's known
+            float16 hazard (a sentence), or None. Asked only for the failing layer.
 
     Returns:
         `tfmp.NonFiniteError` or None.
@@ -132,7 +141,8 @@ def build_error(recorder: FailureRecorder, owners: dict, loss_scaling: bool) -> 
     if state[PHASE] == FORWARD and index < len(recorder.names):
         trace = _trace(recorder, index + 1, step)
         item = trace[-1]
-        message = _forward_message(item, kind, step, trace)
+        hint = None if item["layer"] == LOSS_ENTRY else hints(item["layer"])
+        message = _forward_message(item, kind, step, hint)
         is_loss = item["layer"] == LOSS_ENTRY
         layer, phase = (None, "loss") if is_loss else (item["layer"], "forward")
         details.update(layer_class=item["layer_class"], input_range=item["input_range"], dtype=item["dtype"])

@@ -1,0 +1,209 @@
+"""The wide float16 reduction rule: a layer whose own code sums float16 values past 65504.
+
+IEEE 754 binary16 holds at most 65504 (`FLOAT16_MAX`), and ``exp(x)`` exceeds it
+for ``x > ln 65504 = 11.09`` (`EXP_LIMIT`). TensorFlow's ``Sum`` and ``Mean`` return
+float16 for float16 inputs, so a sum beyond 65504 is inf however it is
+accumulated (``tf.reduce_sum`` of 76,800 float16 ones is inf, ``tf.reduce_mean``
+of them NaN; ``keras.ops.mean`` casts to float32 first and gives 1). A sum of
+``N`` terms of magnitude at most ``M`` can reach ``N * M``:
+
+* ``logsumexp`` (``keras.ops.logsumexp`` calls TensorFlow's ``reduce_logsumexp``):
+  a ``Sum`` of ``Exp(x - max(x))``, terms at most 1, so it reaches ``N`` when the
+  values are equal: inf for ``N > 65504``, although the result, ``max + log N``, is
+  small (google-research/last#43: 65,536 zeros give inf instead of
+  ``log 65536 = 11.09``).
+* A ``Sum``/``Mean`` of ``Exp`` of a value not shifted by its maximum: one term alone
+  is inf for ``x > 11.09``, so it is flagged at any extent (``sum of exp``).
+* Any other float16 ``Sum``/``Mean``: terms of unit scale (probabilities, masks,
+  normalized activations) reach ``N``: flagged for ``N > 65504``. Values of
+  magnitude ``M`` overflow from ``N > 65504 / M`` on; that depends on data tfmp
+  has not seen, and `tfmp.check_numerics` names the layer when it happens.
+
+The extent ``N`` is the product of the reduced axes' static sizes (an axis of
+unknown size, such as the batch, counts as 1). What tfmp sees: layers computing
+in float16 that have a call in a Functional or Sequential graph (which gives
+their input shapes) and whose ``call`` is user code (a custom layer, a
+``Lambda``). Each is traced once on float16 placeholders, under
+``keras.StatelessScope`` (no variable changes); an op inside a sublayer's name
+scope is that sublayer's (so a ``Lambda`` inside a custom block is found, and a
+block is not forced whole for it). Keras's own layers are not traced on their
+own: each trace costs tens of milliseconds at ``compile``, and their 16-bit
+behaviour is the registry's tables. A subclassed model called on data only (no
+graph call, so no known input shapes) is not traced. Under bfloat16 (largest value about 3.4e38) a sum does not
+overflow: nothing is flagged.
+
+`registry.builtin_reason` returns the reason (``"float16 reduction: logsumexp over
+76,800 values"``), so tfmp forces such a layer to float32 like a softmax: its
+reduction then computes in float32, and its result is cast back to its parent's
+float16. ``log N`` fits there; a sum that is itself beyond 65504 does not, and
+needs a float32 consumer (or be a model output, which is float32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import weakref
+from typing import Any, Optional
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfmp._src.constants import FLOAT16_MAX
+from tfmp._src.keras_hooks.keras_private import child_layers, first_call_arguments
+from tfmp._src.layer_tree import walk
+
+#: ``ln 65504``: ``exp(x)`` is inf in float16 above it (IEEE 754 binary16).
+EXP_LIMIT = math.log(FLOAT16_MAX)
+#: The start of the reason `tfmp.audit` shows for a layer this rule forces.
+REDUCTION = "float16 reduction"
+_SUMS = ("Sum", "Mean")
+#: Ops between ``max(x)`` and the ``x - max`` of TensorFlow's ``reduce_logsumexp``.
+_PASS_THROUGH = ("StopGradient", "SelectV2", "Select", "Identity", "Cast")
+
+
+@dataclasses.dataclass(frozen=True)
+class WideReduction:
+    """A float16 reduction in a layer's own code whose result can exceed 65504.
+
+    Attributes:
+        kind: String. ``"logsumexp"``, ``"sum of exp"``, ``"sum"`` or ``"mean"``.
+        extent: Int. Number of values reduced into each result.
+    """
+
+    kind: str
+    extent: int
+
+    @property
+    def reason(self) -> str:
+        """The reason `tfmp.audit` shows, e.g. ``"float16 reduction: logsumexp over 76,800 values"``."""
+        return f"{REDUCTION}: {self.kind} over {self.extent:,} values"
+
+    def advice(self, path: str) -> str:
+        """The cause and the fix, said for the layer at ``path``."""
+        cause = (f"exp of a value above {EXP_LIMIT:.2f} is inf already" if self.kind == "sum of exp"
+                 else f"summing {self.extent:,} values of magnitude 1 gives {self.extent:,}")
+        return (f"its float16 {self.kind} over {self.extent:,} values can exceed {FLOAT16_MAX:g}, "
+                f"the float16 maximum ({cause}). Compute it in float32: tfmp.force_float32(model) "
+                f"(the layer not excluded) or tfmp.register_float32('{path}'), or cast its input "
+                "to float32 before reducing.")
+
+
+_FOUND: "weakref.WeakKeyDictionary[keras.layers.Layer, Optional[WideReduction]]" = (
+    weakref.WeakKeyDictionary())
+
+
+def wide_reduction(layer: keras.layers.Layer) -> Optional[WideReduction]:
+    """The widest overflowing float16 reduction in ``layer``'s own code, or None.
+
+    Traces the layer once (see the module docstring for which layers); the
+    findings are kept for the layers' life, so a layer forced since keeps its
+    finding. A trace also decides for every layer inside it: a sublayer has no
+    call of its own in a graph, so ask for its parents first (a pre-order walk).
+    """
+    if layer not in _FOUND:
+        _analyze(layer)
+    return _FOUND.get(layer)
+
+
+def reason(layer: keras.layers.Layer) -> Optional[str]:
+    """`WideReduction.reason` of ``layer``, or None."""
+    found = wide_reduction(layer)
+    return None if found is None else found.reason
+
+
+def _runs_user_code(layer: keras.layers.Layer) -> bool:
+    """True for a ``Lambda`` and for a layer whose ``call`` is not defined in Keras."""
+    module = getattr(type(layer).call, "__module__", "") or ""
+    return isinstance(layer, keras.layers.Lambda) or not module.startswith("keras.")
+
+
+def _analyze(layer: keras.layers.Layer) -> None:
+    """Traces ``layer`` and records the widest overflowing reduction of it and each sublayer."""
+    if layer.compute_dtype != "float16" or not _runs_user_code(layer):
+        return
+    arguments = first_call_arguments(layer)
+    graph = None if arguments is None else _trace(layer, *arguments)
+    if graph is None:
+        return
+    for entry in walk(layer):
+        _FOUND.setdefault(entry.layer, None)
+    _FOUND[layer] = None
+    for op in graph.get_operations():
+        if op.type not in _SUMS or op.inputs[0].dtype != tf.float16:
+            continue
+        extent, kind = _extent(op), _kind(op)
+        if kind == "sum of exp" or (extent is not None and extent > FLOAT16_MAX):
+            owner, found = _owner(layer, op.name), WideReduction(kind, extent or 1)
+            if _FOUND.get(owner) is None or _FOUND[owner].extent < found.extent:
+                _FOUND[owner] = found
+
+
+def _trace(layer: keras.layers.Layer, args: tuple, kwargs: dict) -> Optional[tf.Graph]:
+    """The graph of ``layer(*args, **kwargs)`` on placeholders of the recorded shapes, or None.
+
+    None when an argument is not a dense tensor spec or the trace fails: the
+    rule then cannot see the layer, and nothing else changes.
+    """
+    def spec(x: Any) -> Any:
+        if isinstance(x, keras.KerasTensor):
+            if x.sparse or x.ragged:
+                raise TypeError("sparse input")
+            return tf.TensorSpec(x.shape, x.dtype)
+        return x
+
+    try:
+        args, kwargs = keras.tree.map_structure(spec, (tuple(args), dict(kwargs)))
+        with keras.StatelessScope():
+            function = tf.function(lambda *a, **k: layer(*a, **k), autograph=False)
+            return function.get_concrete_function(*args, **kwargs).graph
+    except Exception:  # any failure of user code: the layer is not checked
+        return None
+
+
+def _owner(layer: keras.layers.Layer, op_name: str) -> keras.layers.Layer:
+    """The innermost layer whose ``__call__`` made the op ``op_name`` in ``layer``'s trace.
+
+    Each ``__call__`` opens a name scope named after its layer (TensorFlow adds
+    ``_1``, ``_2``... to a scope used twice): ``"block_1/dense_2/MatMul"``.
+    """
+    owner = layer
+    for scope in op_name.split("/")[1:-1]:
+        child = next((c for c in child_layers(owner)
+                      if re.fullmatch(re.escape(c.name) + r"(?:_\d+)?", scope)), None)
+        if child is None:
+            break
+        owner = child
+    return owner
+
+
+def _extent(op: tf.Operation) -> Optional[int]:
+    """Values reduced into each result: the product of the reduced axes' known sizes."""
+    axes = tf.get_static_value(op.inputs[1])
+    shape = op.inputs[0].shape
+    if axes is None or shape.rank is None:
+        return None
+    sizes = [shape[int(a) % shape.rank] for a in np.asarray(axes).ravel()]
+    return math.prod(size for size in sizes if size is not None)
+
+
+def _kind(op: tf.Operation) -> str:
+    """``logsumexp`` (Sum of Exp of x - max), ``sum of exp``, ``sum`` or ``mean``."""
+    source = op.inputs[0].op
+    if source.type != "Exp":
+        return op.type.lower()
+    shifted = source.inputs[0].op
+    if shifted.type == "Sub" and _from_max(shifted.inputs[1].op):
+        return "logsumexp"
+    return "sum of exp"
+
+
+def _from_max(op: tf.Operation, depth: int = 4) -> bool:
+    """True when ``op`` is a ``Max`` reduction, through a few pass-through ops."""
+    if op.type == "Max":
+        return True
+    if depth == 0 or op.type not in _PASS_THROUGH:
+        return False
+    return any(_from_max(x.op, depth - 1) for x in op.inputs)

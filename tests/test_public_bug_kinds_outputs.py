@@ -137,7 +137,8 @@ def test_miniature_gpt_block_body_computes_in_bfloat16_keras_io_gpt(gpt):
 def test_miniature_gpt_audit_shows_16bit_sublayers_and_the_cast_keras_io_gpt(gpt):
     """keras.io miniature GPT: `tfmp.audit` (with a batch: measured output dtypes)
     shows the block 16-bit with its output cast, its attention projections and FFN
-    Dense layers 16-bit, the attention's softmax forced, the logits Dense forced."""
+    Dense layers 16-bit, the attention's softmax forced, the logits Dense 16-bit
+    with its output cast (its loss is a from-logits cross-entropy)."""
     report = tfmp.audit(gpt.model, batch=gpt.tokens)
     rows = {row.path: row for row in report.rows}
     got = {path: (rows[path].compute_dtype, rows[path].output_dtype, rows[path].why) for path in (
@@ -151,7 +152,7 @@ def test_miniature_gpt_audit_shows_16bit_sublayers_and_the_cast_keras_io_gpt(gpt
         "block/att/attention_output": ("bfloat16", "bfloat16", ""),
         "block/ffn/ffn_in": ("bfloat16", "bfloat16", ""),
         "block/ffn/ffn_out": ("bfloat16", "bfloat16", ""),
-        "logits": ("float32", "float32", "output"),
+        "logits": ("bfloat16", "float32", "logits cast to float32 (16-bit matmul, float32 cross-entropy)"),
     }
     [softmax] = [row for row in report.rows if row.class_name == "Softmax"]
     assert (softmax.compute_dtype, softmax.why) == ("float32", "softmax")
@@ -168,14 +169,13 @@ def _cross_entropy(logits, targets):
 
 
 def test_miniature_gpt_loss_is_16bit_within_bfloat16_tolerance_keras_io_gpt(gpt):
-    """keras.io miniature GPT: the loss under tfmp is the float32 logits head applied
-    to the 16-bit block output of plain Keras (computed here in NumPy), so it differs
-    from float32's; it stays within bfloat16's tolerance: 2**-8 (bfloat16's relative
-    step) of the loss."""
-    kernel, bias = gpt.plain.get_layer("logits").get_weights()
-    head = gpt.plain_out[1].astype("float64") @ kernel + bias
+    """keras.io miniature GPT: the logits under tfmp are plain Keras's 16-bit logits
+    exactly, handed over in float32 (the vocabulary projection keeps its 16-bit
+    matmul, as the Keras mixed-precision guide and PyTorch autocast run it), so
+    the loss differs from float32's; it stays within bfloat16's tolerance: 2**-8
+    (bfloat16's relative step) of the loss."""
+    np.testing.assert_array_equal(gpt.got[0], gpt.plain_out[0].astype("float32"))
     got = float(_loss()(gpt.targets, gpt.got[0]))
-    assert got == pytest.approx(_cross_entropy(head, gpt.targets), rel=1e-6)
     expected = _cross_entropy(gpt.expected[0], gpt.targets)
     assert abs(got - expected) > 1e-5  # not float32's loss
     assert abs(got - expected) <= 2**-8 * expected
@@ -191,6 +191,23 @@ def test_miniature_gpt_trains_keras_io_gpt(gpt):
     losses = model.fit(gpt.tokens, gpt.targets, batch_size=16, epochs=5, verbose=0).history["loss"]
     assert np.isfinite(losses).all()
     assert all(later < earlier for earlier, later in zip(losses, losses[1:])), losses
+
+
+def test_a_16_bit_logits_head_is_kept_through_saving_and_loading_keras_io_gpt(gpt, tmp_path):
+    """keras.io miniature GPT saved and loaded while enabled: the logits Dense keeps
+    its 16-bit policy and float32 output (the saved loss is read again), and the
+    loaded model predicts what the trained one does."""
+    path = str(tmp_path / "gpt.keras")
+    gpt.model.save(path)
+    with tfmp.policy_scope("mixed_bfloat16"):
+        loaded = keras.models.load_model(path, custom_objects={
+            "TransformerBlock": TransformerBlock, "TokenAndPositionEmbedding": TokenAndPositionEmbedding})
+    assert loaded.get_layer("logits").compute_dtype == "bfloat16"
+    assert {row.path: row.why for row in tfmp.audit(loaded).rows}["logits"] == (
+        "logits cast to float32 (16-bit matmul, float32 cross-entropy)")
+    got = loaded.predict(gpt.tokens, verbose=0)
+    assert [a.dtype for a in got] == [np.float32, np.float32]
+    np.testing.assert_array_equal(got[0], gpt.got[0])
 
 
 def test_block_declaring_its_output_shape_keeps_a_float32_symbolic_output_keras_io_gpt(gpt):
@@ -214,6 +231,16 @@ def test_leaf_and_keras_output_layers_and_selected_blocks_stay_float32_keras_io_
         model.compile("sgd", "mse")
     assert (attention.compute_dtype, attention._query_dense.compute_dtype) == ("float32", "float32")
     assert tfmp.audit(model).rows[0].why == "output"
+    # A final Dense stays float32 unless its loss is a from-logits cross-entropy object:
+    # a regression loss, a loss given by name, a softmax head or a kept head.
+    for loss, activation, keep in [("mse", None, ()), ("sparse_categorical_crossentropy", None, ()),
+                                   (_loss(), "softmax", ()), (_loss(), None, ("head",))]:
+        with tfmp.policy_scope("mixed_bfloat16", keep_float32=keep):
+            inputs = layers.Input((EMBED,))
+            head = layers.Dense(VOCAB, activation=activation, name="head")
+            model = keras.Model(inputs, head(layers.Dense(EMBED)(inputs)))
+            model.compile("sgd", loss)
+        assert head.compute_dtype == "float32", (loss, activation, keep)
     with tfmp.policy_scope("mixed_bfloat16"):
         kept = _gpt()
     tfmp.force_float32(kept, keep=[TransformerBlock])

@@ -121,7 +121,7 @@ def _layer_warnings(path, layer, reason, producers, policy, tensor_cores):
             + (reduction.advice(path) if reduction else
                "call tfmp.force_float32(model) or keep it float32 explicitly.")
         )
-    if compute in _LOW and id(layer) in producers and reason != _registry.OUTPUT_CAST:
+    if compute in _LOW and id(layer) in producers and reason not in _registry.CAST_ONLY:
         yield "output_16bit", (
             f"'{path}' produces a model output in {compute}; outputs (and the loss) "
             "should be float32. Call tfmp.force_float32(model)."
@@ -206,7 +206,7 @@ def _record_outputs(layers: Sequence[keras.layers.Layer]) -> Tuple[Dict[int, Lis
 
 def _rule_dtype(layer: keras.layers.Layer, forced: str) -> str:
     """tfmp's output-dtype rule: float32 for an output producer, else what the layer hands back."""
-    if forced in ("output", _registry.OUTPUT_CAST):
+    if forced == "output" or forced in _registry.CAST_ONLY:
         return "float32"
     return handed_back_dtype(layer) or layer.compute_dtype
 
@@ -322,7 +322,7 @@ def audit(
         weights = own_weights(layer)
         params = sum(int(w.numpy().size) for w in weights)
         total += params
-        forced_params += params if reason and reason != _registry.OUTPUT_CAST else 0
+        forced_params += params if reason and reason not in _registry.CAST_ONLY else 0
         kinds = []
         consumers = graph_consumers.get(id(layer)) if output_from == "graph" else None
         for kind, message in [

@@ -22,6 +22,9 @@ layer of a Functional/Sequential graph):
   subclassed models get (`cast_back.cast_outputs`): it returns float32 (reason
   ``registry.OUTPUT_CAST``). A built-in or user rule selecting the block still
   forces it whole.
+* Likewise, under ``compile`` (the ``loss`` known), a linear output layer whose
+  outputs are all logits of a from-logits cross-entropy keeps its 16-bit matmul
+  and returns float32 (``logits.LOGITS_CAST``; `tfmp._src.float32.logits`).
 * Every other forced layer gets a hook (owner ``"float32.cast_back"``) on its
   ``call`` and ``compute_output_spec`` that casts floating outputs to its parent's
   compute dtype when that is 16-bit. So ``norm(x) + y`` and
@@ -75,6 +78,7 @@ from tfmp._src.float32 import cast_back as _cast_back
 from tfmp._src.float32 import exact_layers as _exact
 from tfmp._src.float32 import registry as _registry
 from tfmp._src.float32.cast_back import casts_back
+from tfmp._src.float32.logits import logits_layers
 from tfmp._src.keras_hooks import patches
 from tfmp._src.keras_hooks.object_state import PerObject
 from tfmp._src.keras_hooks.keras_private import (
@@ -195,7 +199,8 @@ def _set_float32(layer: keras.layers.Layer, reason: str, parent=None, adopt: boo
 
 
 def _apply_rules(
-    entries, outputs: Set[int], keep, exclude, inherited: Dict[int, str], adopt: bool = False
+    entries, outputs: Set[int], keep, exclude, inherited: Dict[int, str], adopt: bool = False,
+    logits: Set[int] = frozenset(),
 ) -> Set[int]:
     """Forces every entry some rule selects; returns ids of changed layers.
 
@@ -207,6 +212,8 @@ def _apply_rules(
         inherited: Dict, layer id -> path of the forced layer it sits in; updated
             so that sublayers of a forced layer are forced too.
         adopt: Bool. The model is being loaded (see :func:`_set_float32`).
+        logits: Set of ids of output layers producing only logits
+            (`tfmp._src.float32.logits.logits_layers`).
     """
     changed: Set[int] = set()
     for path, layer, parent in entries:
@@ -217,11 +224,12 @@ def _apply_rules(
             continue
         _EXCLUDED.discard(layer)
         reason = _registry.decide(
-            layer, path, is_output=id(layer) in outputs, keep=keep, exclude=exclude
+            layer, path, is_output=id(layer) in outputs, keep=keep, exclude=exclude,
+            logits=id(layer) in logits,
         )
-        if reason == _registry.OUTPUT_CAST and layer.compute_dtype not in LOW_PRECISION:
+        if reason in _registry.CAST_ONLY and layer.compute_dtype not in LOW_PRECISION:
             reason = "output"  # float32 already (forced earlier, or loaded so): stays whole
-        if reason == _registry.OUTPUT_CAST:
+        if reason in _registry.CAST_ONLY:
             _FORCED[layer] = reason
             if _cast_back.cast_outputs(layer):
                 changed.add(id(layer))
@@ -362,7 +370,10 @@ def force_float32(model: keras.Model, *, keep=(), exclude=()) -> keras.Model:
     Sequential, Functional, nested and multi-output models. A subclassed model has
     no graph that tells which layers produce its outputs: its sensitive layers are
     forced and its ``call`` casts 16-bit outputs to float32, but its last layer
-    keeps its 16-bit policy.
+    keeps its 16-bit policy. Called by hand it knows no loss, so a layer
+    producing logits is forced like any output layer; ``compile`` under
+    `tfmp.enable` keeps one whose loss is a from-logits cross-entropy 16-bit,
+    its output cast to float32 (`tfmp._src.float32.logits`).
 
     Args:
         model: ``keras.Model``. Changed in place.
@@ -396,18 +407,23 @@ def force_float32(model: keras.Model, *, keep=(), exclude=()) -> keras.Model:
     return _force(model, _registry.targets_from("keep", keep), _registry.targets_from("exclude", exclude))
 
 
-def force_compiled(model: keras.Model, *, keep=(), exclude=()) -> keras.Model:
-    """`force_float32` as ``compile()`` under `tfmp.enable` calls it.
+def force_compiled(model: keras.Model, *, keep=(), exclude=(), loss=None) -> keras.Model:
+    """`force_float32` as ``compile()`` under `tfmp.enable` calls it, with its ``loss``.
 
     A model without layers yet (an empty Sequential) is left as it is: plain
-    Keras compiles it, and `force_float32` would refuse it.
+    Keras compiles it, and `force_float32` would refuse it. An output layer
+    whose outputs are all logits of a from-logits cross-entropy in ``loss``
+    keeps its 16-bit policy, its output cast to float32 (`tfmp._src.float32.logits`).
     """
     if not [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]:
         return model
-    return force_float32(model, keep=keep, exclude=exclude)
+    check_model("model", model, expected="a keras.Model (Sequential, Functional or subclassed)",
+                fix="Wrap a single layer in keras.Sequential([layer]) first.")
+    return _force(model, _registry.targets_from("keep", keep), _registry.targets_from("exclude", exclude),
+                  loss=loss)
 
 
-def force_loaded(model: keras.Model, *, keep=(), exclude=()) -> keras.Model:
+def force_loaded(model: keras.Model, *, keep=(), exclude=(), loss=None) -> keras.Model:
     """`force_float32` for a model Keras is loading (called as it compiles it).
 
     A saved model keeps its layers' policies, but not tfmp's hooks: without
@@ -417,18 +433,19 @@ def force_loaded(model: keras.Model, *, keep=(), exclude=()) -> keras.Model:
     parent, is taken as forced: it gets its cast-back hook and its reason in
     `tfmp.audit`. A model none of whose layers computes in 16 bits (a plain
     float32 model) is left as it is. Same arguments and return value as
-    `force_float32`.
+    `force_compiled` (``loss`` is the saved compile config's).
     """
     if not any(entry.layer.compute_dtype in LOW_PRECISION for entry in walk(model)):
         return model
     return _force(model, _registry.targets_from("keep", keep),
-                  _registry.targets_from("exclude", exclude), adopt=True)
+                  _registry.targets_from("exclude", exclude), adopt=True, loss=loss)
 
 
-def _force(model: keras.Model, keep, exclude, adopt: bool = False) -> keras.Model:
+def _force(model: keras.Model, keep, exclude, adopt: bool = False, loss=None) -> keras.Model:
     entries = walk(model)
     producers, subclassed = output_producers(model)
-    changed = _apply_rules(entries, {id(x) for x in producers}, keep, exclude, {}, adopt)
+    changed = _apply_rules(entries, {id(x) for x in producers}, keep, exclude, {}, adopt,
+                           logits_layers(model, loss))
     if not model.built and not functional_graph(model):
         _defer(model, "", keep, exclude, None)
     for sub in subclassed:

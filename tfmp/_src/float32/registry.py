@@ -67,6 +67,7 @@ import keras
 
 from tfmp._src.errors import check_bool, check_type, invalid_argument
 from tfmp._src.float32 import reductions as _reductions
+from tfmp._src.float32.logits import LOGITS_CAST
 from tfmp._src.keras_hooks.keras_private import child_layers, keras_at_least
 
 Target = Union[Type[keras.layers.Layer], str]
@@ -142,6 +143,8 @@ EXACT = "exact preprocessing"
 SOFTMAX_ACTIVATIONS = frozenset({"softmax", "log_softmax"})
 #: Why an output-producing block keeps its 16-bit policy and returns float32 (`decide`).
 OUTPUT_CAST = "output cast to float32 (body 16-bit)"
+#: Reasons of output producers that keep their 16-bit policy: only their outputs are cast.
+CAST_ONLY = (OUTPUT_CAST, LOGITS_CAST)
 
 _keep: List[Target] = []
 _exclude: List[Target] = []
@@ -425,6 +428,7 @@ def decide(
     is_output: bool,
     keep: Tuple[Target, ...] = (),
     exclude: Tuple[Target, ...] = (),
+    logits: bool = False,
 ) -> Optional[str]:
     """Reason to keep ``layer`` in float32 under all rules, or None.
 
@@ -432,16 +436,19 @@ def decide(
     built-in rules; then user keep targets (call or registry). An output-producing
     block (`is_block`) is ``"output"`` (forced whole) only when a built-in or keep
     rule selects it, else `OUTPUT_CAST`: its output is cast, its body stays 16-bit.
+    So is an output layer producing only logits (``logits``, see
+    `tfmp._src.float32.logits`), with `LOGITS_CAST`.
     """
     if matches(layer, path, exclude + tuple(_exclude)):
         return None
-    if is_output and not is_block(layer):
+    block = is_block(layer)
+    if is_output and not block and not logits:
         return "output"
     reason = builtin_reason(layer)
     if not reason and matches(layer, path, keep + tuple(_keep)):
         reason = "user rule"
     if is_output:
-        return "output" if reason else OUTPUT_CAST
+        return "output" if reason else (OUTPUT_CAST if block else LOGITS_CAST)
     return reason
 
 

@@ -51,7 +51,7 @@ def install_compile_hook(
     handler: CompileHandler,
     *,
     keep_saved: Callable[[], bool] = lambda: True,
-    on_load: Callable[[Any], None] = lambda model: None,
+    on_load: Callable[[Any, Any], None] = lambda model, loss: None,
 ) -> List[patches.Hook]:
     """Routes ``Model.compile`` to ``handler(compile, model, args, kwargs)``.
 
@@ -65,8 +65,9 @@ def install_compile_hook(
             Keras compiles a model it is loading: True turns Keras's
             ``auto_scale_loss`` off for that compile, so the saved optimizer is
             kept as it is (see the module docstring). Default: always.
-        on_load: Callable taking the model, called in the loading thread just
-            before Keras compiles a model it is loading (the layers are built,
+        on_load: Callable taking the model and the ``loss`` it is compiled
+            with, called in the loading thread just before Keras compiles a
+            model it is loading (the layers are built,
             the weights not loaded yet), e.g. to put back per-layer hooks that
             saving does not keep. Default: nothing.
 
@@ -79,7 +80,7 @@ def install_compile_hook(
         def tfmp_compile(self: Any, *args: Any, **kwargs: Any) -> Any:
             if _restoring():
                 _RESTORED.add(self)
-                on_load(self)
+                on_load(self, kwargs.get("loss", args[1] if len(args) > 1 else None))
                 if keep_saved():
                     kwargs.setdefault("auto_scale_loss", False)
                 return compile(self, *args, **kwargs)

@@ -394,7 +394,7 @@ def _fix_and_attach(model: keras.Model, state: Session, attached_by: str) -> Non
            numerics=bool(state.debug) and attached_by == "compile")
 
 
-def _attach_loaded(model: keras.Model) -> None:
+def _attach_loaded(model: keras.Model, loss: Any = None) -> None:
     """While enabled, puts tfmp's per-model changes back on a model Keras is loading.
 
     Saving keeps the layers' policies, not tfmp's hooks: float32 forcing's
@@ -403,7 +403,7 @@ def _attach_loaded(model: keras.Model) -> None:
     """
     state = session.current()
     if state is not None:
-        force_loaded(model, keep=state.keep_float32, exclude=state.exclude_float32)
+        force_loaded(model, keep=state.keep_float32, exclude=state.exclude_float32, loss=loss)
         _fix_and_attach(model, state, "load")
 
 
@@ -429,7 +429,8 @@ def _compile_with_tfmp(compile: Callable, model: keras.Model, args: tuple, kwarg
     args = list(args)
     optimizer = args.pop(0) if args else kwargs.pop("optimizer", "rmsprop")
     _warn_if_built_before_enable(model, state.decision.policy)
-    force_compiled(model, keep=state.keep_float32, exclude=state.exclude_float32)
+    loss = args[0] if args else kwargs.get("loss")
+    force_compiled(model, keep=state.keep_float32, exclude=state.exclude_float32, loss=loss)
     wrap_options = None
     if _wants_optimizer_wrapper(model, state):
         wrap_options = state.loss_scale_options

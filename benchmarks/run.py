@@ -12,7 +12,7 @@ each configuration. Then the "Keras BatchNormalization vs fused" line: the CNN
 (and ResNet50 at full size) under plain Keras with a mixed policy, Keras's
 BatchNormalization against the same model traced with tfmp's fused kernel.
 
-    python benchmarks/run.py                       # full suite, a few minutes
+    python benchmarks/run.py                       # full suite, about 12 minutes
     python benchmarks/run.py --json results.json   # also write every number
     python benchmarks/run.py --quick               # tiny sizes: checks it runs
     python benchmarks/run.py --batchnorm-only --models cnn resnet50

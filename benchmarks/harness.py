@@ -214,7 +214,7 @@ def _build_compile_and_warm_up(
             optimizer = tfmp.LossScaleOptimizer(optimizer, loss_scaling=False)
         model.compile(
             optimizer=optimizer,
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            loss=workload.compile_loss(),
             jit_compile=overrides.jit_compile,
         )
         warm_up(model)

@@ -1,16 +1,18 @@
 """Benchmark suite: float32, plain Keras mixed precision and tfmp, side by side.
 
-For each workload (MLP, CNN, Transformer encoder, and ResNet50 at full size; see
-`benchmarks.workloads`) the
+For each workload (MLP, CNN, Transformer encoder, a keras.io ViT and GPT-style
+decoder, and ResNet50 at full size; see `benchmarks.workloads`) the
 three configurations of `benchmarks.harness` are built and warmed up, then timed
 alternately over several repeats in this one process; medians of samples/s and
-their ratios are printed with the issue-9 targets, next to the hardware ceiling
-(``tf.matmul`` in float32 vs the recommended 16-bit dtype), and the memory of
+their ratios (median of the paired per-repeat ratios and ratio of the fastest
+repeats) are printed with the targets of issues 9, 15 and 27, next to the
+hardware ceiling (``tf.matmul`` in float32 vs the recommended 16-bit dtype) and
+each model's tfmp / float32 as a fraction of it, the CPU and its flags, and the memory of
 each configuration. Then the "Keras BatchNormalization vs fused" line: the CNN
 (and ResNet50 at full size) under plain Keras with a mixed policy, Keras's
 BatchNormalization against the same model traced with tfmp's fused kernel.
 
-    python benchmarks/run.py                       # full suite, a few minutes
+    python benchmarks/run.py                       # full suite, about 12 minutes
     python benchmarks/run.py --json results.json   # also write every number
     python benchmarks/run.py --quick               # tiny sizes: checks it runs
     python benchmarks/run.py --batchnorm-only --models cnn resnet50
@@ -28,7 +30,6 @@ import gc
 import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -68,6 +69,7 @@ def machine() -> dict:
     return {
         "cpu": facts.cpu_name,
         "cpu_bf16_flags": list(facts.cpu_bf16_flags),
+        "cpu_flags": [flag for flag in report.CPU_FLAGS if flag in facts.cpu_flags],
         "cores": os.cpu_count(),
         "gpus": [f"{g.name} (cc {g.cc_string})" for g in facts.gpus],
         "python": platform.python_version(),
@@ -94,15 +96,11 @@ def bench_matmul(dtype: str, sizes: dict) -> dict:
         d: {"gflops": g, "median_gflops": report.summarize_config(g)["median_samples_per_s"]}
         for d, g in gflops.items()
     }
-    paired = [a / b for a, b in zip(gflops[dtype], gflops["float32"])]
     return {
         "size": sizes["matmul_size"],
         "dtype": dtype,
         "configs": configs,
-        "ratio": {
-            "value": configs[dtype]["median_gflops"] / configs["float32"]["median_gflops"],
-            "paired": statistics.median(paired),
-        },
+        "ratio": report.ratio_forms(gflops[dtype], gflops["float32"]),
     }
 
 
@@ -226,9 +224,11 @@ def run_suite(
             results["batchnorm"]["models"][name] = bench_workload(
                 chosen[name], bn_policy, sizes, log_dir or tmp, configs=harness.BN_CONFIGS)
             gc.collect()
-    auto = policy == "auto"
-    bf16_cpu = auto and decision.compute_dtype == "bfloat16" and not detect_device_facts().gpus
-    results["targets"] = report.verdicts(results["models"], bf16_cpu, auto)
+    report.add_ceiling_fractions(results["models"], results["matmul"]["ratio"])
+    cpu_only = policy == "auto" and not detect_device_facts().gpus
+    results["targets"] = report.verdicts(
+        results["models"], cpu_only and decision.compute_dtype == "bfloat16", policy == "auto",
+        float32_cpu=cpu_only and decision.policy == "float32")
     results["machine"]["load_average_end"] = list(os.getloadavg())
     results["suite"]["duration_s"] = time.perf_counter() - start
     return results

@@ -1,7 +1,7 @@
 """The models the suite trains and their in-memory input pipelines.
 
-Three workloads, each with a full size (the one the targets of issue 9 refer to)
-and a tiny "quick" size that only checks the suite still runs:
+Six workloads, each with a full size (the one the targets of issues 9 and 27
+refer to) and a tiny "quick" size that only checks the suite still runs:
 
 | name        | full size                                                         |
 |-------------|-------------------------------------------------------------------|
@@ -9,6 +9,12 @@ and a tiny "quick" size that only checks the suite still runs:
 | cnn         | 4 Conv2D 64-64-128-128 + BatchNormalization, 32x32x3, batch 128   |
 | transformer | 2 encoder blocks, d_model 128, 4 heads, FFN 512, 128 tokens, batch 64 |
 | resnet50    | `keras.applications.ResNet50`, no weights, 64x64x3, 10 classes, batch 32 (full size only) |
+| vit         | keras.io ViT, 32x32x3, patch 4, d 64, 4 heads, 4 blocks, head 2048-1024, batch 64 |
+| decoder     | keras.io miniature GPT, 80 tokens, vocabulary 2000, d 128, 2 heads, FFN 128, batch 32 |
+
+The ViT and the decoder are written as keras.io writes them
+(`benchmarks.real_models`); the decoder has two outputs, ``[logits, x]``, and a
+loss on the logits only (`Workload.loss`).
 
 Inputs are synthetic (fixed seed): the suite measures speed, not accuracy, and
 needs no download. A few distinct batches are cached in memory and repeated, so
@@ -19,7 +25,7 @@ data.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import keras
 import numpy as np
@@ -41,6 +47,8 @@ class Workload:
             under the global dtype policy in force when it is called.
         inputs: Callable ``(batch_size, rng) -> (x, y)`` of NumPy arrays holding
             `DISTINCT_BATCHES` batches.
+        loss: Callable returning `compile`'s ``loss``, or None: sparse
+            categorical cross-entropy on logits (see `compile_loss`).
     """
 
     name: str
@@ -48,6 +56,13 @@ class Workload:
     batch_size: int
     build: Callable[[], keras.Model]
     inputs: Callable[[int, np.random.Generator], Tuple[np.ndarray, np.ndarray]]
+    loss: Optional[Callable[[], Any]] = None
+
+    def compile_loss(self) -> Any:
+        """A new ``loss`` for `compile`: the workload's own, else cross-entropy on logits."""
+        if self.loss is not None:
+            return self.loss()
+        return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     def dataset(self, seed: int = 0) -> tf.data.Dataset:
         """Cached, repeated, prefetched batches of synthetic data.
@@ -68,8 +83,9 @@ class Workload:
         )
 
 
-def _classes(rng: np.random.Generator, n: int, classes: int) -> np.ndarray:
-    return rng.integers(0, classes, size=(n,), dtype=np.int32)
+def sparse_labels(rng: np.random.Generator, shape: Tuple[int, ...], classes: int) -> np.ndarray:
+    """Int32 class ids in [0, classes) of `shape` (labels, or token ids)."""
+    return rng.integers(0, classes, size=shape, dtype=np.int32)
 
 
 def mlp(features: int, hidden: int, depth: int, classes: int, batch_size: int) -> Workload:
@@ -94,7 +110,7 @@ def mlp(features: int, hidden: int, depth: int, classes: int, batch_size: int) -
 
     def inputs(batch: int, rng: np.random.Generator):
         n = batch * DISTINCT_BATCHES
-        return rng.standard_normal((n, features), dtype=np.float32), _classes(rng, n, classes)
+        return rng.standard_normal((n, features), dtype=np.float32), sparse_labels(rng, (n,), classes)
 
     widths = "-".join([str(features)] + [str(hidden)] * depth + [str(classes)])
     return Workload("mlp", f"MLP {widths}, batch {batch_size}", batch_size, build, inputs)
@@ -133,7 +149,7 @@ def cnn(
     def inputs(batch: int, rng: np.random.Generator):
         n = batch * DISTINCT_BATCHES
         images = rng.uniform(0.0, 1.0, (n, size, size, 3)).astype(np.float32)
-        return images, _classes(rng, n, classes)
+        return images, sparse_labels(rng, (n,), classes)
 
     widths = "-".join(map(str, filters))
     return Workload(
@@ -192,7 +208,7 @@ def transformer(
     def inputs(batch: int, rng: np.random.Generator):
         n = batch * DISTINCT_BATCHES
         ids = rng.integers(0, vocab, size=(n, seq_len), dtype=np.int32)
-        return ids, _classes(rng, n, classes)
+        return ids, sparse_labels(rng, (n,), classes)
 
     return Workload(
         "transformer",
@@ -223,7 +239,7 @@ def resnet50(size: int, classes: int, batch_size: int) -> Workload:
     def inputs(batch: int, rng: np.random.Generator):
         n = batch * DISTINCT_BATCHES
         images = rng.uniform(0.0, 1.0, (n, size, size, 3)).astype(np.float32)
-        return images, _classes(rng, n, classes)
+        return images, sparse_labels(rng, (n,), classes)
 
     return Workload("resnet50", f"ResNet50 {size}x{size}x3, batch {batch_size}", batch_size,
                     build, inputs)
@@ -237,14 +253,18 @@ def workloads(quick: bool = False, batch_norm: bool = True) -> Dict[str, Workloa
         batch_norm: Bool. False: the CNN without its BatchNormalization layers.
 
     Returns:
-        Dict mapping ``"mlp"``, ``"cnn"``, ``"transformer"`` and, at full size
-        only, ``"resnet50"`` to `Workload`.
+        Dict mapping ``"mlp"``, ``"cnn"``, ``"transformer"``, ``"vit"``,
+        ``"decoder"`` and, at full size only, ``"resnet50"`` to `Workload`.
     """
+    from benchmarks import real_models  # it builds on this module's Workload
+
     if quick:
         chosen = (
             mlp(32, 32, 3, 10, batch_size=16),
             cnn(8, (4, 4, 8, 8), 10, batch_size=8, batch_norm=batch_norm),
             transformer(8, 50, 16, 2, 32, 1, 2, batch_size=8),
+            real_models.vit(8, 4, 8, 2, 1, (16, 8), 10, batch_size=8),
+            real_models.decoder(8, 50, 16, 2, 16, batch_size=8),
         )
     else:
         chosen = (
@@ -252,5 +272,7 @@ def workloads(quick: bool = False, batch_norm: bool = True) -> Dict[str, Workloa
             cnn(32, (64, 64, 128, 128), 10, batch_size=128, batch_norm=batch_norm),
             transformer(128, 2000, 128, 4, 512, 2, 2, batch_size=64),
             resnet50(64, 10, batch_size=32),
+            real_models.vit(32, 4, 64, 4, 4, (2048, 1024), 10, batch_size=64),
+            real_models.decoder(80, 2000, 128, 2, 128, batch_size=32),
         )
     return {w.name: w for w in chosen}

@@ -39,7 +39,7 @@ import dataclasses
 import os
 import time
 import warnings
-from typing import Callable, Iterator, List, Mapping, Optional, Union
+from typing import Callable, Iterator, List, Mapping, Optional, Tuple, Union
 
 import keras
 import numpy as np
@@ -77,6 +77,9 @@ class Overrides:
         grappler: Dict of option name -> bool, or None. Grappler options
             (`tf.config.optimizer.set_experimental_options`) in force around each
             call of the model (warm-up included), previous values restored after.
+        exclude_float32: Tuple of layer path patterns (strings, so that the
+            report's JSON holds them). Under ``tfmp``, layers tfmp must not force
+            (`tfmp.enable`'s ``exclude_float32``).
     """
 
     jit_compile: Union[bool, str] = "auto"
@@ -84,6 +87,7 @@ class Overrides:
     guard: bool = False
     monitor: Optional[bool] = None
     grappler: Optional[Mapping[str, bool]] = None
+    exclude_float32: Tuple[str, ...] = ()
 
 
 @contextlib.contextmanager
@@ -164,6 +168,7 @@ class ConfiguredRun:
     memory: dict
     fused_batchnorm: List[int] = dataclasses.field(default_factory=lambda: [0, 0])
     grappler: Optional[Mapping[str, bool]] = None
+    exclude_float32: Tuple[str, ...] = ()
 
     def train(self, steps: int) -> float:
         """Trains `steps` + 1 steps and returns the seconds per step after the first.
@@ -201,7 +206,7 @@ def _build_compile_and_warm_up(
         if config == "tfmp":
             with warnings.catch_warnings():  # an explicit policy may be emulated on this CPU
                 warnings.simplefilter("ignore", tfmp.PerformanceWarning)
-                tfmp.enable(overrides.tfmp_policy)
+                tfmp.enable(overrides.tfmp_policy, exclude_float32=overrides.exclude_float32)
         else:
             keras.config.set_dtype_policy("float32" if config == "float32" else policy)
         model = workload.build()

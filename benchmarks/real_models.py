@@ -23,7 +23,7 @@ import keras
 import numpy as np
 from keras import layers, ops
 
-from benchmarks.workloads import DISTINCT_BATCHES, Workload, sparse_labels
+from benchmarks.workloads import DISTINCT_BATCHES, Workload, image_inputs, sparse_labels
 
 
 def mlp(x, hidden_units: Sequence[int], dropout_rate: float):
@@ -114,10 +114,7 @@ def vit(
         logits = layers.Dense(classes)(features)
         return keras.Model(inputs=inputs, outputs=logits, name="vit")
 
-    def inputs(batch: int, rng: np.random.Generator):
-        n = batch * DISTINCT_BATCHES
-        images = rng.uniform(0.0, 1.0, (n, image_size, image_size, 3)).astype(np.float32)
-        return images, sparse_labels(rng, (n,), classes)
+    inputs = image_inputs(image_size, classes)
 
     head = "-".join(map(str, mlp_head_units))
     return Workload(

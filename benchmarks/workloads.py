@@ -88,6 +88,23 @@ def sparse_labels(rng: np.random.Generator, shape: Tuple[int, ...], classes: int
     return rng.integers(0, classes, size=shape, dtype=np.int32)
 
 
+def image_inputs(size: int, classes: int) -> Callable[[int, np.random.Generator], Tuple[np.ndarray, np.ndarray]]:
+    """A `Workload.inputs` for an image classifier.
+
+    Returns:
+        Callable ``(batch, rng) -> (images, labels)``: `DISTINCT_BATCHES` batches of
+        float32 images uniform in [0, 1) of shape ``(size, size, 3)``, and int32
+        class ids in [0, classes).
+    """
+
+    def inputs(batch: int, rng: np.random.Generator) -> Tuple[np.ndarray, np.ndarray]:
+        n = batch * DISTINCT_BATCHES
+        images = rng.uniform(0.0, 1.0, (n, size, size, 3)).astype(np.float32)
+        return images, sparse_labels(rng, (n,), classes)
+
+    return inputs
+
+
 def mlp(features: int, hidden: int, depth: int, classes: int, batch_size: int) -> Workload:
     """A multi-layer perceptron on dense float features.
 
@@ -146,10 +163,7 @@ def cnn(
         x = keras.layers.GlobalAveragePooling2D()(x)
         return keras.Model(inputs, keras.layers.Dense(classes)(x), name="cnn")
 
-    def inputs(batch: int, rng: np.random.Generator):
-        n = batch * DISTINCT_BATCHES
-        images = rng.uniform(0.0, 1.0, (n, size, size, 3)).astype(np.float32)
-        return images, sparse_labels(rng, (n,), classes)
+    inputs = image_inputs(size, classes)
 
     widths = "-".join(map(str, filters))
     return Workload(
@@ -236,10 +250,7 @@ def resnet50(size: int, classes: int, batch_size: int) -> Workload:
         return keras.applications.ResNet50(
             weights=None, input_shape=(size, size, 3), classes=classes, classifier_activation=None)
 
-    def inputs(batch: int, rng: np.random.Generator):
-        n = batch * DISTINCT_BATCHES
-        images = rng.uniform(0.0, 1.0, (n, size, size, 3)).astype(np.float32)
-        return images, sparse_labels(rng, (n,), classes)
+    inputs = image_inputs(size, classes)
 
     return Workload("resnet50", f"ResNet50 {size}x{size}x3, batch {batch_size}", batch_size,
                     build, inputs)

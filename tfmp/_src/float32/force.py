@@ -402,9 +402,7 @@ def force_float32(model: keras.Model, *, keep=(), exclude=()) -> keras.Model:
         ('float32', 'float16')
         >>> keras.config.set_dtype_policy("float32")
     """
-    check_model("model", model, expected="a keras.Model (Sequential, Functional or subclassed)",
-                fix="Wrap a single layer in keras.Sequential([layer]) first.")
-    return _force(model, _registry.targets_from("keep", keep), _registry.targets_from("exclude", exclude))
+    return _checked_force(model, keep, exclude)
 
 
 def force_compiled(model: keras.Model, *, keep=(), exclude=(), loss=None) -> keras.Model:
@@ -417,6 +415,11 @@ def force_compiled(model: keras.Model, *, keep=(), exclude=(), loss=None) -> ker
     """
     if not [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]:
         return model
+    return _checked_force(model, keep, exclude, loss)
+
+
+def _checked_force(model: keras.Model, keep, exclude, loss=None) -> keras.Model:
+    """`_force` after the argument checks `force_float32` documents."""
     check_model("model", model, expected="a keras.Model (Sequential, Functional or subclassed)",
                 fix="Wrap a single layer in keras.Sequential([layer]) first.")
     return _force(model, _registry.targets_from("keep", keep), _registry.targets_from("exclude", exclude),

@@ -69,15 +69,13 @@ def logits_layers(model: keras.Model, loss: Any) -> Set[int]:
     if loss is None or graph is None:
         return set()
     per_output = _per_output(loss, list(getattr(model, "output_names", None) or []), len(graph.outputs))
-    verdicts: Dict[int, List[bool]] = {}
-    layers = {}
+    verdicts: Dict[keras.layers.Layer, List[bool]] = {}  # producer -> does each of its outputs take logits
     for tensor, output_loss in zip(graph.outputs, per_output):
         history = keras_history(tensor)
         layer = None if history is None else history.operation
         if isinstance(layer, keras.layers.Layer) and not isinstance(layer, keras.Model):
-            layers[id(layer)] = layer
-            verdicts.setdefault(id(layer), []).append(takes_logits(output_loss))
-    return {key for key, logits in verdicts.items() if all(logits) and _linear_leaf(layers[key])}
+            verdicts.setdefault(layer, []).append(takes_logits(output_loss))
+    return {id(layer) for layer, logits in verdicts.items() if all(logits) and _linear_leaf(layer)}
 
 
 def _per_output(loss: Any, names: List[str], count: int) -> List[Any]:

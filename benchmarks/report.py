@@ -30,8 +30,9 @@ Targets (`TARGETS`), judged on the paired form, each where it applies:
   ResNet50 (issue 27);
 * where tfmp ran "auto" (``auto``): ``tfmp_vs_float32`` >= 1.0 on every model
   ("auto" never picks a policy slower than float32);
-* where "auto" keeps float32 on a CPU (``float32_cpu``): tfmp costs nothing,
-  step-time ratio <= 1.01 (issue 27).
+* where tfmp runs float32 on a CPU (``float32_cpu``: "auto" kept it, or
+  ``run.py --policy float32``): tfmp costs nothing, step-time ratio <= 1.01
+  (issue 27).
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ def verdicts(
         bf16_cpu: Bool. tfmp ran "auto" and it picked mixed_bfloat16 on a CPU.
         auto: Bool. tfmp ran ``enable("auto")`` (False when ``--policy`` chose
             the policy: then "not slower than float32" does not apply).
-        float32_cpu: Bool. tfmp ran "auto" and it kept float32 on a CPU.
+        float32_cpu: Bool. tfmp ran float32 on a CPU ("auto" kept it, or it was asked for).
 
     Returns:
         List of dicts: ``model``, ``ratio``, ``op``, ``limit``, ``what``,

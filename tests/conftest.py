@@ -23,7 +23,7 @@ import pytest  # noqa: E402
 #: installed (packaging).
 ONE_WORKER_MODULES = frozenset({
     "test_benchmarks.py", "test_compare.py", "test_deployment.py", "test_distribute.py",
-    "test_packaging.py", "test_side_experiments.py",
+    "test_packaging.py", "test_side_experiments.py", "test_softmax_precision.py",
 })
 
 

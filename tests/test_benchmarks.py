@@ -348,3 +348,17 @@ def test_explicit_policy_runs_keras_and_tfmp_under_it():
     verdicts = {(t["ratio"], t["limit"]): t["met"] for t in results["targets"]}
     assert verdicts[("tfmp_vs_float32", 1.0)] is None  # not "auto"
     assert verdicts[("tfmp_vs_float32", 1.8)] is None
+
+
+def test_float32_policy_measures_what_tfmp_costs_where_auto_keeps_float32():
+    results = run.run_suite(quick=True, repeats=1, models=["mlp"], policy="float32")
+    assert results["decision"]["run"] == "float32"
+    mlp = results["models"]["mlp"]["configs"]
+    assert {c: mlp[c]["policy"] for c in harness.CONFIGS} == {
+        "float32": "float32", "keras_mixed": "float32", "tfmp": "float32"}
+    assert results["matmul"]["dtype"] == "float32"
+    verdicts = {(t["what"], t["model"]): t for t in results["targets"]}
+    costs_nothing = verdicts[("costs nothing where auto is float32", "mlp")]
+    assert costs_nothing["met"] == (costs_nothing["value"] <= 1.01)  # judged, not "n/a"
+    assert verdicts[("at or ahead of plain Keras on a bf16 CPU", "mlp")]["met"] is None
+    assert verdicts[("auto not slower than float32", "mlp")]["met"] is None

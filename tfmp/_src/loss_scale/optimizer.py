@@ -36,6 +36,7 @@ from tfmp._src.keras_hooks.keras_private import (
     optimizer_variables,
     overwrites_with_gradient,
 )
+from tfmp._src.loss_scale.fused_adam import fused_updates
 from tfmp._src.loss_scale.loops import DEFAULT_MAX_CONSECUTIVE_OVERFLOWS
 
 _INT = "int64"
@@ -487,21 +488,24 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
             for g, v in zip(grads, variables)
         ]
 
+    def _apply_inner(self, grads: list, trainable_variables: list | None) -> None:
+        """The inner optimizer's `apply` of the unscaled gradients (Adam's on one kernel,
+        `tfmp._src.loss_scale.fused_adam`)."""
+        with fused_updates(self.inner_optimizer):
+            self.inner_optimizer.apply(
+                self._unscale(grads, trainable_variables), trainable_variables=trainable_variables
+            )
+
     def _finite_step(self, grads: list, trainable_variables: list | None) -> None:
         if not self._check_values:
-            self.inner_optimizer.apply(
-                self._unscale(grads, trainable_variables),
-                trainable_variables=trainable_variables,
-            )
+            self._apply_inner(grads, trainable_variables)
             self._count_finite_step()
             return
         # The "values" guard: read what the step may write, write, check, put back.
         trained = list(trainable_variables or optimizer_variables(self))
         written = trained + list(self.inner_optimizer.variables)
         before = [tf.identity(variable) for variable in written]
-        self.inner_optimizer.apply(
-            self._unscale(grads, trainable_variables), trainable_variables=trainable_variables
-        )
+        self._apply_inner(grads, trainable_variables)
         checked = trained + [v for v in self.inner_optimizer.variables if "float" in str(v.dtype)]
         finite = ops.all(ops.stack([ops.all(ops.isfinite(variable)) for variable in checked]))
 

@@ -1,0 +1,153 @@
+"""Adam's update on TensorFlow's fused kernel (tfmp._src.loss_scale.fused_adam)."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmp
+from tfmp._src.loss_scale import fused_adam
+
+SHAPES = [(33, 17), (17,), (5,)]
+
+
+def _variables():
+    rng = np.random.default_rng(0)
+    return [keras.Variable(rng.normal(size=s).astype("float32"), name=f"w{i}")
+            for i, s in enumerate(SHAPES)]
+
+
+def _gradient_steps(steps=5):
+    rng = np.random.default_rng(1)
+    return [[tf.constant(rng.normal(size=s).astype("float32")) for s in SHAPES] for _ in range(steps)]
+
+
+def _train(make_optimizer, fused):
+    """Applies the same gradients with `make_optimizer()`, fused or not; returns
+    (variables, optimizer, op types of the traced apply)."""
+    variables = _variables()
+    optimizer = make_optimizer()
+    optimizer.build(variables)
+
+    @tf.function
+    def apply(grads):
+        if fused:
+            with fused_adam.fused_updates(optimizer):
+                optimizer.apply(grads, variables)
+        else:
+            optimizer.apply(grads, variables)
+
+    steps = _gradient_steps()
+    for grads in steps:
+        apply(grads)
+    graph = apply.get_concrete_function(steps[0]).graph
+    op_types = {op.type for op in graph.get_operations()}
+    for function in graph._functions.values():  # the branches of Keras's conds
+        op_types |= {op.type for op in function.graph.get_operations()}
+    return variables, optimizer, op_types
+
+
+ADAM_KINDS = {
+    "adam": lambda: keras.optimizers.Adam(1e-2),
+    "adamw": lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.05),
+    "clipnorm and ema": lambda: keras.optimizers.Adam(1e-2, clipnorm=0.5, use_ema=True,
+                                                      ema_overwrite_frequency=2),
+    "schedule": lambda: keras.optimizers.Adam(
+        keras.optimizers.schedules.ExponentialDecay(1e-2, decay_steps=2, decay_rate=0.5)),
+    "gradient accumulation": lambda: keras.optimizers.Adam(1e-2, gradient_accumulation_steps=2),
+}
+
+
+@pytest.mark.parametrize("kind", list(ADAM_KINDS))
+def test_fused_update_runs_one_kernel_and_matches_keras_adam(kind):
+    expected, keras_optimizer, keras_ops = _train(ADAM_KINDS[kind], fused=False)
+    got, optimizer, fused_ops = _train(ADAM_KINDS[kind], fused=True)
+    assert "ResourceApplyAdam" in fused_ops and "ResourceApplyAdam" not in keras_ops
+    assert int(optimizer.iterations) == int(keras_optimizer.iterations)
+    # Same formula; Keras rounds 1 - beta in double precision, the kernel in float32:
+    # the weights differ by at most 1e-5 of their total update (5 steps of lr 1e-2).
+    for a, b in zip(got + optimizer.variables[1:], expected + keras_optimizer.variables[1:]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=5e-7, err_msg=a.path)
+    assert "update_step" not in vars(optimizer)
+
+
+class OwnUpdate(keras.optimizers.Adam):
+    def update_step(self, gradient, variable, learning_rate):
+        super().update_step(gradient * 0.5, variable, learning_rate)
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda: keras.optimizers.Adam(1e-2, amsgrad=True), lambda: OwnUpdate(1e-2),
+    lambda: keras.optimizers.SGD(1e-2, momentum=0.9)], ids=["amsgrad", "own update_step", "sgd"])
+def test_other_optimizers_keep_keras_update(make_optimizer):
+    expected, _, _ = _train(make_optimizer, fused=False)
+    got, _, fused_ops = _train(make_optimizer, fused=True)
+    assert "ResourceApplyAdam" not in fused_ops
+    for a, b in zip(got, expected):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_sparse_gradient_takes_keras_update_and_dense_ones_the_kernel():
+    table = keras.Variable(np.ones((6, 3), "float32"))
+    dense = keras.Variable(np.ones((3,), "float32"))
+    optimizer = keras.optimizers.Adam(0.1)
+    optimizer.build([table, dense])
+    sparse = tf.IndexedSlices(tf.ones((2, 3)), tf.constant([1, 4]), tf.constant([6, 3]))
+
+    @tf.function
+    def apply():
+        with fused_adam.fused_updates(optimizer):
+            optimizer.apply([sparse, tf.ones(3)], [table, dense])
+
+    apply()
+    rows = np.asarray(table)
+    assert (rows[[1, 4]] < 1).all() and (rows[[0, 2, 3, 5]] == 1).all()  # only the rows seen
+    assert "ResourceApplyAdam" in {op.type for op in apply.get_concrete_function().graph.get_operations()}
+    np.testing.assert_allclose(np.asarray(dense), 1 - 0.1, rtol=1e-6)  # Adam's first step: lr * sign
+
+
+def test_the_switch_goes_when_the_block_raises():
+    optimizer = keras.optimizers.Adam()
+    with pytest.raises(RuntimeError):
+        with fused_adam.fused_updates(optimizer):
+            assert "update_step" in vars(optimizer)
+            raise RuntimeError("inside")
+    assert "update_step" not in vars(optimizer)
+    assert not fused_adam.fusable(keras.optimizers.Adam(amsgrad=True))
+
+
+def test_fit_under_tfmp_updates_every_variable_on_the_kernel(monkeypatch):
+    calls = []
+    fused = fused_adam._fused_update_step
+    monkeypatch.setattr(fused_adam, "_fused_update_step",
+                        lambda *args: calls.append(args[2].name) or fused(*args))
+    with tfmp.policy_scope("mixed_bfloat16"):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.Adam(1e-3), "mse")
+    assert isinstance(model.optimizer, tfmp.LossScaleOptimizer)
+    x = np.ones((8, 4), "float32")
+    model.fit(x, np.ones((8, 1), "float32"), batch_size=4, epochs=1, verbose=0)
+    names = [v.value.name for v in model.trainable_variables]
+    assert calls[:len(names)] == names  # each variable of each trace of the step
+    assert len(calls) % len(names) == 0 and set(calls) == set(names)
+    assert "update_step" not in vars(model.optimizer.inner_optimizer)
+    assert int(model.optimizer.iterations) == 2
+
+
+def test_benchmark_script_times_both_updates_on_each_models_weights(tmp_path):
+    import json
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    from benchmarks import fused_adam as bench
+
+    path = tmp_path / "adam.json"
+    bench.main(["--quick", "--models", "mlp", "vit", "--json", str(path)])
+    results = json.loads(path.read_text())
+    assert list(results["models"]) == ["mlp", "vit"]
+    for name, m in results["models"].items():
+        model = bench.workloads(True)[name].build()
+        assert m["parameters"] == sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+        assert all(len(m["ms"][v]) == 2 for v in ("keras", "fused"))
+        assert 0 < m["largest_difference"] <= 1e-4 * m["largest_change"]

@@ -10,7 +10,10 @@ only in the optimizer: plain Keras (Adam alone) and
 (tfmp's default without loss scaling: the batch and the loss checked as the step
 starts), ``"gradients"`` (every gradient checked before any update) and
 ``"values"`` (the batch, then every written value, with the step's writes put
-back on failure). So each ratio is the guard's cost alone. Each repeat runs one
+back on failure). Until 2026-12-03 each ratio was the guard's cost alone; since
+then tfmp's optimizer also runs Adam's update on TensorFlow's fused kernel
+(`tfmp._src.loss_scale.fused_adam`, timed alone by ``benchmarks/fused_adam.py``),
+so each ratio is the guard's cost net of that gain. Each repeat runs one
 ``fit`` of ``--steps`` steps per configuration, rotating their order, in one
 process; a first untimed fit traces each train function. Reported per workload
 and policy: the median step time of each configuration, the median over repeats

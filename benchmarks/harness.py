@@ -71,7 +71,8 @@ class Overrides:
         tfmp_policy: String. The policy ``tfmp`` enables (the suite: ``"auto"``).
         guard: Bool. Under a plain configuration, wrap Adam in
             ``tfmp.LossScaleOptimizer(loss_scaling=False)`` (its default guard):
-            tfmp's guard without the rest of tfmp.
+            tfmp's optimizer (its guard, Adam's update on the fused kernel)
+            without the rest of tfmp.
         monitor: Bool or None. Train with ``tfmp.LossScaleMonitor(update_freq=
             MONITOR_UPDATE_FREQ)``; None: only under ``tfmp``.
         grappler: Dict of option name -> bool, or None. Grappler options

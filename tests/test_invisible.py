@@ -709,3 +709,37 @@ def test_float32_wraps_when_debug_or_loss_scale_options_ask(options):
     assert type(model.optimizer) is tfmp.LossScaleOptimizer
     assert model.optimizer.inner_optimizer is adam
     assert model.optimizer.loss_scale == 1.0  # float32 compute: no scaling
+
+
+def _train_step_op_types(model, x, y):
+    """Op types (with counts) of ``model.train_step`` traced on one batch, nested
+    function bodies (cond branches) included."""
+    import collections
+
+    concrete = tf.function(model.train_step).get_concrete_function((tf.constant(x), tf.constant(y)))
+    counts = collections.Counter(op.type for op in concrete.graph.get_operations())
+    for function in concrete.graph._functions.values():
+        counts.update(op.type for op in function.graph.get_operations())
+    return counts
+
+
+def test_where_auto_keeps_float32_the_train_step_is_plain_keras_op_for_op():
+    """Where "auto" picks float32 (a CPU without bfloat16), tfmp may cost nothing:
+    the traced training step holds the same ops as plain Keras's, one for one."""
+    x = np.random.default_rng(0).normal(size=(16, 8)).astype("float32")
+    y = np.random.default_rng(1).normal(size=(16, 1)).astype("float32")
+
+    def build():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.LayerNormalization(), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.Adam(1e-3), "mse")
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)  # builds the optimizer
+        return model
+
+    plain = _train_step_op_types(build(), x, y)
+    with tfmp.policy_scope("float32"):
+        model = build()
+        assert not isinstance(model.optimizer, tfmp.LossScaleOptimizer)
+        with_tfmp = _train_step_op_types(model, x, y)
+    assert with_tfmp == plain
+    assert plain["AssignVariableOp"] + plain["AssignAddVariableOp"] + plain["AssignSubVariableOp"] > 0

@@ -54,6 +54,11 @@ def test_private_accessors_work_on_this_keras():
     assert int(keras_private.loss_tracker(model).count.numpy()) == 2
     assert len(keras_private.optimizer_variables(model.optimizer)) == 2
     assert not keras_private.overwrites_with_gradient(model.optimizer, dense.kernel)
+    adam = keras.optimizers.Adam()
+    adam.build([dense.kernel, dense.bias])
+    momentum, velocity = keras_private.adam_slots(adam, dense.bias)
+    assert momentum.shape == velocity.shape == dense.bias.shape and momentum is not velocity
+    assert "momentum" in momentum.path and "velocity" in velocity.path
     assert keras_private.defining_class(keras.Sequential, "compile").__name__ == "Trainer"
     assert not keras_private.in_xla_context()
 

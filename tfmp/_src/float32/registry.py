@@ -7,9 +7,9 @@ Built-in rules (why: 16 bits cannot hold the numbers these layers produce):
   Under bfloat16 too, though TensorFlow's oneDNN CPU kernel already computes the
   forward pass in float32: the gradient ``y * (g - sum(g * y))`` rounds the sum
   to 8 bits before subtracting, so on peaked rows (logits spread over tens, as in
-  trained attention) half the rows' gradients are off by 4-5% and the worst by
-  more than their own size, where the forced layer's float32 gradient is rounded
-  once (``benchmarks/softmax_precision.py``).
+  trained attention) half the rows' gradients are off by 3-6% and one in a
+  hundred by more than its own size, where the forced layer's float32 gradient
+  is off by 0.15% (median; ``benchmarks/softmax_precision.py``, Zen 4).
 * Normalization layers whose Keras code computes in the layer's own dtype
   (``UnitNormalization``: ``ops.normalize`` squares and sums in 16 bits, and a
   value above 256 squared overflows float16).

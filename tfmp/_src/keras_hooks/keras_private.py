@@ -21,6 +21,7 @@ pair setup.cfg admits.
 | ``Trainer.compile`` identity in ``compile_from_config`` | ``keras/src/trainers/trainer.py`` | the compile hook is set on the class that defines ``compile`` (`defining_class`), so loading still compiles |
 | ``Optimizer._trainable_variables`` | ``keras/src/optimizers/base_optimizer.py`` | `optimizer_variables`: variables ``apply`` defaults to |
 | ``Optimizer._overwrite_variable_with_gradient`` | same | `overwrites_with_gradient`: variables whose "gradient" is a new value, never unscaled |
+| ``Optimizer._get_variable_index``, ``Adam._momentums`` / ``_velocities`` | ``keras/src/optimizers/base_optimizer.py``, ``keras/src/optimizers/adam.py`` | `adam_slots`: a variable's first and second moments, updated by `tfmp._src.loss_scale.fused_adam` |
 | ``LossScaleOptimizer._stateful_handle_finite_grads`` / ``_stateful_handle_non_finite_grads`` | ``keras/src/optimizers/loss_scale_optimizer.py`` | overridden by `LossScaleOptimizerBase` only |
 | ``keras.src.utils.tracking.no_automatic_dependency_tracking`` | ``keras/src/utils/tracking.py`` | `no_automatic_dependency_tracking`: tfmp's optimizer variables stored as attributes |
 | ``control_flow_util.GraphOrParentsInXlaContext`` | ``tensorflow/python/ops/control_flow_util.py`` | `in_xla_context`: refuse XLA steps under several replicas |
@@ -92,6 +93,7 @@ check_versions(keras.__version__, tf.__version__)
 REQUIRED_ATTRIBUTES = (
     (keras.layers.Layer, "_flatten_layers"),
     (keras.optimizers.Optimizer, "_overwrite_variable_with_gradient"),
+    (keras.optimizers.Optimizer, "_get_variable_index"),
     (keras.optimizers.LossScaleOptimizer, "_stateful_handle_finite_grads"),
     (keras.optimizers.LossScaleOptimizer, "_stateful_handle_non_finite_grads"),
 )
@@ -193,6 +195,12 @@ def overwrites_with_gradient(optimizer: Any, variable: Any) -> bool:
     gradient must not be unscaled.
     """
     return bool(optimizer._overwrite_variable_with_gradient(variable))
+
+
+def adam_slots(optimizer: Any, variable: Any) -> tuple:
+    """(first moment, second moment): the `keras.Variable` slots a built Adam keeps for `variable`."""
+    index = optimizer._get_variable_index(variable)
+    return optimizer._momentums[index], optimizer._velocities[index]
 
 
 def no_automatic_dependency_tracking(function: Callable) -> Callable:

@@ -37,6 +37,8 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from tfmp._src.keras_hooks.keras_private import adam_slots
+
 #: Variable dtypes updated by the fused kernel (others take Keras's own update).
 FUSED_DTYPES = (tf.float32, tf.float64)
 
@@ -69,14 +71,14 @@ def _fused_update_step(optimizer: Any, gradient: Any, variable: Any, learning_ra
         keras.optimizers.Adam.update_step(optimizer, gradient, variable, learning_rate)
         return
     dtype = variable.dtype
-    index = optimizer._get_variable_index(variable)
+    momentum, velocity = adam_slots(optimizer, variable)
     step = ops.cast(optimizer.iterations + 1, dtype)
     beta_1 = ops.cast(optimizer.beta_1, dtype)
     beta_2 = ops.cast(optimizer.beta_2, dtype)
     tf.raw_ops.ResourceApplyAdam(
         var=_handle(variable),
-        m=_handle(optimizer._momentums[index]),
-        v=_handle(optimizer._velocities[index]),
+        m=_handle(momentum),
+        v=_handle(velocity),
         beta1_power=ops.power(beta_1, step),
         beta2_power=ops.power(beta_2, step),
         lr=ops.cast(learning_rate, dtype),

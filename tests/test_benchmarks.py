@@ -331,12 +331,19 @@ def test_guard_cost_pairs_each_repeat_with_plain_keras():
     assert keras.config.dtype_policy().name == before
 
 
+def _run_under(policy, model):
+    """A quick run of `model` with ``--policy policy``: the results and the model's configs,
+    checked to run plain Keras and tfmp under `policy`."""
+    results = run.run_suite(quick=True, repeats=1, models=[model], policy=policy)
+    assert results["decision"]["run"] == policy
+    configs = results["models"][model]["configs"]
+    assert {c: configs[c]["policy"] for c in harness.CONFIGS} == {
+        "float32": "float32", "keras_mixed": policy, "tfmp": policy}
+    return results, configs
+
+
 def test_explicit_policy_runs_keras_and_tfmp_under_it():
-    results = run.run_suite(quick=True, repeats=1, models=["cnn"], policy="mixed_bfloat16")
-    assert results["decision"]["run"] == "mixed_bfloat16"
-    cnn = results["models"]["cnn"]["configs"]
-    assert {c: cnn[c]["policy"] for c in harness.CONFIGS} == {
-        "float32": "float32", "keras_mixed": "mixed_bfloat16", "tfmp": "mixed_bfloat16"}
+    results, cnn = _run_under("mixed_bfloat16", "cnn")
     assert cnn["tfmp"]["fused_batchnorm"] == [4, 4]
     assert cnn["keras_mixed"]["fused_batchnorm"] == [0, 4]
     # BatchNormalization keeps the 16-bit policy under tfmp: activations as plain Keras's
@@ -351,11 +358,7 @@ def test_explicit_policy_runs_keras_and_tfmp_under_it():
 
 
 def test_float32_policy_measures_what_tfmp_costs_where_auto_keeps_float32():
-    results = run.run_suite(quick=True, repeats=1, models=["mlp"], policy="float32")
-    assert results["decision"]["run"] == "float32"
-    mlp = results["models"]["mlp"]["configs"]
-    assert {c: mlp[c]["policy"] for c in harness.CONFIGS} == {
-        "float32": "float32", "keras_mixed": "float32", "tfmp": "float32"}
+    results, _ = _run_under("float32", "mlp")
     assert results["matmul"]["dtype"] == "float32"
     verdicts = {(t["what"], t["model"]): t for t in results["targets"]}
     costs_nothing = verdicts[("costs nothing where auto is float32", "mlp")]

@@ -303,7 +303,7 @@ def test_seeded_verdict_matches_its_interval_and_rejudges(seeded):
                for m, s in d.items() if "acc" in m)
     assert seeded.verdict(tolerance=wide).status == "pass"
     data = json.loads(json.dumps(seeded.to_dict()))
-    stats_ = data["statistics"]["mixed_bfloat16"]["val_accuracy"]
+    stats_ = data["statistics"][verdict.policy][verdict.metric]  # the metric that decided
     assert set(stats_) >= {"mean", "ci_low", "ci_high", "noise_floor"}
     assert stats_["mean"] == summary.mean and stats_["noise_floor"] == summary.noise_floor
     assert data["verdict"]["status"] == verdict.status

@@ -12,8 +12,8 @@ TensorFlow's ``ResourceApplyAdam`` kernel computes the same formula,
 
 in one pass, sharded over the CPU's threads (``ApplyAdamNonCuda`` in
 ``tensorflow/core/kernels/training_ops.cc``; the update tf.keras 2's Adam ran).
-On the benchmark MLP's 10.5 million float32 master weights the update takes about
-a third of the time (``benchmarks/fused_adam.py``). The two differ only in
+On the benchmark MLP's 10.5 million float32 master weights the update runs 3.6x
+faster, on ResNet50's 2.4x (AMD Zen 4, 2 cores; ``benchmarks/fused_adam.py``). The two differ only in
 rounding: Keras computes ``1 - beta_1`` in double precision before casting it,
 the kernel in the variable's dtype, so ``m`` and ``v`` move by a few float32 ulps.
 

@@ -4,7 +4,7 @@ Every method tfmp replaces on a Keras class or object (``compile``,
 ``compile_from_config``, ``make_train_function`` (and ``make_test_function``,
 ``make_predict_function`` of a model), ``train_step``, ``Layer.call``,
 ``Layer.compute_output_spec``, ``Layer.build``,
-``BatchNormalization.call``, ``Optimizer.apply``,
+``BatchNormalization.call``, ``Optimizer.apply``, ``Adam.update_step``,
 ``Optimizer.scale_loss``, ``tf.GradientTape.gradient``, the ``Layer.losses`` property, the
 ``Operation.from_config`` classmethod) goes through `install`. Per method of an object there is one *slot* holding the method as it was
 and a stack of hooks; the attribute is the composition of the stack, innermost
@@ -61,6 +61,7 @@ ORDER = {
     "loss_scale.batch": 32,  # Model.train_step (an instance's): the batch for the "batch" guard
     "audit.outputs": 35,  # Layer.call: record output dtypes during tfmp.audit(batch=...)
     "grad_stats": 40,  # Optimizer.apply: gradient statistics for the monitor
+    "fused_adam": 42,  # an Adam's update_step, during tfmp.LossScaleOptimizer's apply: one kernel
     "enable.compile": 50,  # Trainer.compile / compile_from_config while enabled
     "enable.losses": 52,  # Layer.losses (property): 16-bit loss terms of attached models cast to float32
     "loss_scale.fit_check": 55,  # Trainer.make_train_function while tfmp optimizers exist

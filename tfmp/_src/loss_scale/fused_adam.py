@@ -24,19 +24,23 @@ Per variable it falls back to Keras's own update for a sparse gradient
 (``tf.IndexedSlices``), a variable that is not float32/float64, and under a
 ``tf.distribute`` strategy. Everything else of ``apply`` stays Keras's: weight
 decay, clipping, gradient accumulation, EMA, the learning-rate schedule and the
-``iterations`` count. The switch lasts for the ``apply`` call only (its trace,
-under ``tf.function``), so nothing stays on the user's optimizer.
+``iterations`` count. The switch is a hook on the optimizer's ``update_step``
+through `tfmp._src.keras_hooks.patches` (owner ``"fused_adam"``) that lasts for
+the ``apply`` call only (its trace, under ``tf.function``), so nothing stays on
+the user's optimizer.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+import functools
+from typing import Any, Callable, Iterator
 
 import keras
 import tensorflow as tf
 from keras import ops
 
+from tfmp._src.keras_hooks import patches
 from tfmp._src.keras_hooks.keras_private import adam_slots
 
 #: Variable dtypes updated by the fused kernel (others take Keras's own update).
@@ -64,11 +68,13 @@ def _handle(variable: Any) -> tf.Tensor:
     return variable.value.handle if isinstance(variable, keras.Variable) else variable.handle
 
 
-def _fused_update_step(optimizer: Any, gradient: Any, variable: Any, learning_rate: Any) -> None:
-    """`keras.optimizers.Adam.update_step`, on ``ResourceApplyAdam`` where it applies."""
+def _fused_update_step(optimizer: Any, keras_update: Callable, gradient: Any, variable: Any,
+                       learning_rate: Any) -> None:
+    """`keras.optimizers.Adam.update_step` on ``ResourceApplyAdam`` where it applies, else
+    ``keras_update`` (the update below the hook: Keras's own)."""
     if (isinstance(gradient, tf.IndexedSlices) or variable.dtype not in FUSED_DTYPES
             or tf.distribute.has_strategy()):
-        keras.optimizers.Adam.update_step(optimizer, gradient, variable, learning_rate)
+        keras_update(gradient, variable, learning_rate)
         return
     dtype = variable.dtype
     momentum, velocity = adam_slots(optimizer, variable)
@@ -94,6 +100,9 @@ def _fused_update_step(optimizer: Any, gradient: Any, variable: Any, learning_ra
 def fused_updates(optimizer: Any) -> Iterator[None]:
     """Within the block, `optimizer`'s ``update_step`` runs on the fused kernel (if `fusable`).
 
+    The switch is a hook on this optimizer's ``update_step`` (owner
+    ``"fused_adam"``, `tfmp._src.keras_hooks.patches`), taken off on leaving.
+
     Args:
         optimizer: A Keras optimizer.
 
@@ -104,11 +113,11 @@ def fused_updates(optimizer: Any) -> Iterator[None]:
         yield
         return
 
-    def update_step(gradient: Any, variable: Any, learning_rate: Any) -> None:
-        _fused_update_step(optimizer, gradient, variable, learning_rate)
+    def wrap(keras_update: Callable) -> Callable:
+        return functools.partial(_fused_update_step, optimizer, keras_update)
 
-    object.__setattr__(optimizer, "update_step", update_step)
+    hook = patches.install(optimizer, "update_step", wrap, owner="fused_adam")
     try:
         yield
     finally:
-        object.__delattr__(optimizer, "update_step")
+        hook.remove()

@@ -18,12 +18,13 @@ updates (largest difference, as a fraction of the largest total change).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's tfmp
@@ -32,7 +33,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from benchmarks import report, run  # noqa: E402
+from benchmarks import harness, report, run  # noqa: E402
 from benchmarks.workloads import workloads  # noqa: E402
 from tfmp._src.loss_scale.fused_adam import fused_updates  # noqa: E402
 
@@ -71,14 +72,8 @@ def bench_model(name: str, quick: bool, repeats: int, calls: int) -> dict:
     runs = {"keras": _updater(shapes, False), "fused": _updater(shapes, True)}
     for _, update in runs.values():
         update(grads)  # trace outside the timing
-    ms: Dict[str, List[float]] = {v: [] for v in VARIANTS}
-    for repeat in range(repeats):
-        for variant in VARIANTS[repeat % 2:] + VARIANTS[: repeat % 2]:
-            _, update = runs[variant]
-            began = time.perf_counter()
-            for _ in range(calls):
-                update(grads)
-            ms[variant].append(1e3 * (time.perf_counter() - began) / calls)
+    ms = harness.time_alternately(
+        {v: functools.partial(runs[v][1], grads) for v in VARIANTS}, repeats, calls)
     keras_weights = [np.asarray(v) for v in runs["keras"][0]]
     fused_weights = [np.asarray(v) for v in runs["fused"][0]]
     change = max(float(np.abs(k - s).max()) for k, s in zip(keras_weights, start))

@@ -30,7 +30,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Callable, Dict, Optional, Sequence
@@ -42,6 +41,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfmp  # noqa: E402
+from benchmarks import harness  # noqa: E402
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -121,22 +121,6 @@ def layernorm_steps(dtype: str, shape: Sequence[int]) -> Dict[str, Callable[[], 
     return steps, gap
 
 
-def time_alternately(steps: Dict[str, Callable], repeats: int, iterations: int) -> Dict[str, list]:
-    """Milliseconds per call of each step, alternated, `repeats` samples each."""
-    names = list(steps)
-    for step in steps.values():
-        step()  # warm-up (oneDNN primitives)
-    samples: Dict[str, list] = {n: [] for n in names}
-    for repeat in range(repeats):
-        for name in names[repeat % len(names):] + names[: repeat % len(names)]:
-            start = time.perf_counter()
-            for _ in range(iterations):
-                out = steps[name]()
-            float(tf.reduce_sum(tf.cast(out[1], "float32")))  # results ready before the clock stops
-            samples[name].append((time.perf_counter() - start) / iterations * 1e3)
-    return samples
-
-
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     """Command line; prints a Markdown table of median ms and ratios; returns every sample."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -154,7 +138,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     for dtype in ("bfloat16", "float16"):
         ln_steps, gaps[dtype] = layernorm_steps(dtype, args.ln_shape)
         steps.update(ln_steps)
-    samples = time_alternately(steps, args.repeats, args.iterations)
+    for step in steps.values():
+        step()  # warm-up (oneDNN primitives)
+    # results ready before the clock stops
+    samples = harness.time_alternately(steps, args.repeats, args.iterations,
+                                       finish=lambda out: float(tf.reduce_sum(tf.cast(out[1], "float32"))))
     median = {name: statistics.median(s) for name, s in samples.items()}
     base = median["keras_float32"]
     print(f"\nBatchNormalization {'x'.join(map(str, args.shape))}, LayerNormalization "

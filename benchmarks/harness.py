@@ -303,6 +303,34 @@ def calibrate_steps(
     return max(min_steps, min(max_steps, wanted))
 
 
+def time_alternately(
+    steps: Mapping[str, Callable[[], object]], repeats: int, calls: int,
+    finish: Callable[[object], object] = lambda out: None,
+) -> dict:
+    """Milliseconds per call of each step, the steps alternated, the order rotated each repeat.
+
+    Args:
+        steps: Dict name -> callable without arguments (traced and warmed up already).
+        repeats: Int >= 1. Samples per step.
+        calls: Int >= 1. Calls per sample.
+        finish: Callable given the last call's result of each sample before the
+            clock stops (e.g. to wait for the results).
+
+    Returns:
+        Dict name -> list of `repeats` floats, ms per call.
+    """
+    names = list(steps)
+    samples: dict = {name: [] for name in names}
+    for repeat in range(repeats):
+        for name in names[repeat % len(names):] + names[: repeat % len(names)]:
+            start = time.perf_counter()
+            for _ in range(calls):
+                out = steps[name]()
+            finish(out)
+            samples[name].append(1e3 * (time.perf_counter() - start) / calls)
+    return samples
+
+
 def matmul_gflops(dtype: str, size: int, iterations: int) -> Callable[[], float]:
     """A timer of ``tf.matmul`` on two `size` x `size` matrices of `dtype`.
 

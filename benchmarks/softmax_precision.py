@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from benchmarks import report, run  # noqa: E402
+from benchmarks import harness, report, run  # noqa: E402
 
 #: Logit spreads (standard deviation of the scores) and row lengths of the precision table.
 SPREADS = (1.0, 5.0, 30.0)
@@ -160,16 +160,10 @@ def cost(shape: Sequence[int], repeats: int, calls: int, seed: int = 1) -> dict:
 
     steps = {"16-bit": step(_sixteen_bit), "forced": step(_forced),
              "forced + XLA": step(tf.function(_forced, jit_compile=True))}
-    for fn in steps.values():
-        fn(scores, upstream).numpy()  # trace (and compile) outside the timing
-    names = list(steps)
-    ms: Dict[str, list] = {name: [] for name in names}
-    for repeat in range(repeats):
-        for name in names[repeat % len(names):] + names[: repeat % len(names)]:
-            start = time.perf_counter()
-            for _ in range(calls):
-                steps[name](scores, upstream).numpy()
-            ms[name].append(1e3 * (time.perf_counter() - start) / calls)
+    calls_of = {name: (lambda fn=fn: fn(scores, upstream).numpy()) for name, fn in steps.items()}
+    for call in calls_of.values():
+        call()  # trace (and compile) outside the timing
+    ms = harness.time_alternately(calls_of, repeats, calls)
     speed = {name: [1.0 / t for t in times] for name, times in ms.items()}
     return {"shape": list(shape), "ms": ms,
             "median_ms": {name: statistics.median(times) for name, times in ms.items()},

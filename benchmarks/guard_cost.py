@@ -12,7 +12,7 @@ starts), ``"gradients"`` (every gradient checked before any update) and
 ``"values"`` (the batch, then every written value, with the step's writes put
 back on failure). Until 2026-12-03 each ratio was the guard's cost alone; since
 then tfmp's optimizer also runs Adam's update on TensorFlow's fused kernel
-(`tfmp._src.loss_scale.fused_adam`, timed alone by ``benchmarks/fused_adam.py``),
+(`tfmp._src.loss_scale.fused_update`, timed alone by ``benchmarks/fused_update.py``),
 so each ratio is the guard's cost net of that gain. Each repeat runs one
 ``fit`` of ``--steps`` steps per configuration, rotating their order, in one
 process; a first untimed fit traces each train function. Reported per workload

@@ -711,16 +711,16 @@ def test_float32_wraps_when_debug_or_loss_scale_options_ask(options):
     assert model.optimizer.loss_scale == 1.0  # float32 compute: no scaling
 
 
-def _train_step_op_types(model, x, y):
-    """Op types (with counts) of ``model.train_step`` traced on one batch, nested
-    function bodies (cond branches) included."""
+def _op_counts(function, *args, dtypes=False):
+    """Op types (with counts) of ``function`` traced on ``args``, nested function bodies
+    (cond branches) included; with ``dtypes``, keyed ``"type:dtype of first output"``."""
     import collections
 
-    concrete = tf.function(model.train_step).get_concrete_function((tf.constant(x), tf.constant(y)))
-    counts = collections.Counter(op.type for op in concrete.graph.get_operations())
-    for function in concrete.graph._functions.values():
-        counts.update(op.type for op in function.graph.get_operations())
-    return counts
+    concrete = tf.function(function).get_concrete_function(*args)
+    graphs = [concrete.graph] + [f.graph for f in concrete.graph._functions.values()]
+    return collections.Counter(
+        op.type + (f":{op.outputs[0].dtype.name}" if dtypes and op.outputs else "")
+        for graph in graphs for op in graph.get_operations())
 
 
 def test_where_auto_keeps_float32_the_train_step_is_plain_keras_op_for_op():
@@ -736,10 +736,50 @@ def test_where_auto_keeps_float32_the_train_step_is_plain_keras_op_for_op():
         model.fit(x, y, batch_size=16, epochs=1, verbose=0)  # builds the optimizer
         return model
 
-    plain = _train_step_op_types(build(), x, y)
+    batch = (tf.constant(x), tf.constant(y))
+    plain = _op_counts(build().train_step, batch)
     with tfmp.policy_scope("float32"):
         model = build()
         assert not isinstance(model.optimizer, tfmp.LossScaleOptimizer)
-        with_tfmp = _train_step_op_types(model, x, y)
+        with_tfmp = _op_counts(model.train_step, batch)
     assert with_tfmp == plain
     assert plain["AssignVariableOp"] + plain["AssignAddVariableOp"] + plain["AssignSubVariableOp"] > 0
+
+
+def test_attention_block_forward_and_backward_are_plain_kerass_op_for_op_under_bfloat16():
+    """A Transformer block as keras.io writes one (MultiHeadAttention without dropout,
+    whose softmax Keras already computes in float32, LayerNormalization, a GELU Dense,
+    logits for a from-logits loss): under mixed_bfloat16, tfmp adds no op and no cast to
+    its forward and backward passes; it differs from plain Keras in the optimizer and
+    the guard only."""
+    rng = np.random.default_rng(0)
+    tokens = tf.constant(rng.integers(0, 50, size=(4, 12)), tf.int32)
+    labels = tf.constant(rng.integers(0, 3, size=(4,)), tf.int32)
+
+    def build():
+        inputs = keras.Input((12,), dtype="int32")
+        x = keras.layers.Embedding(50, 16)(inputs)
+        x = keras.layers.LayerNormalization()(x + keras.layers.MultiHeadAttention(2, 8)(x, x))
+        x = keras.layers.GlobalAveragePooling1D()(keras.layers.Dense(32, activation="gelu")(x))
+        model = keras.Model(inputs, keras.layers.Dense(3)(x))
+        model.compile(keras.optimizers.Adam(1e-3),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    def forward_and_backward(model):
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = model.compute_loss(x, y, model(x, training=True), training=True)
+            return tape.gradient(loss, model.trainable_variables)
+        return _op_counts(step, tokens, labels, dtypes=True)
+
+    keras.config.set_dtype_policy("mixed_bfloat16")  # restored by the conftest fixture
+    plain = forward_and_backward(build())
+    keras.config.set_dtype_policy("float32")
+    with tfmp.policy_scope("mixed_bfloat16"):
+        model = build()
+        assert isinstance(model.optimizer, tfmp.LossScaleOptimizer)
+        with_tfmp = forward_and_backward(model)
+    assert with_tfmp == plain
+    assert plain["Softmax:float32"] == 1 and plain["Softmax:bfloat16"] == 0
+    assert plain["BatchMatMulV2:bfloat16"] + plain["Einsum:bfloat16"] > 0 and plain["Cast:float32"] > 0

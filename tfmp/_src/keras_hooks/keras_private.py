@@ -21,7 +21,7 @@ pair setup.cfg admits.
 | ``Trainer.compile`` identity in ``compile_from_config`` | ``keras/src/trainers/trainer.py`` | the compile hook is set on the class that defines ``compile`` (`defining_class`), so loading still compiles |
 | ``Optimizer._trainable_variables`` | ``keras/src/optimizers/base_optimizer.py`` | `optimizer_variables`: variables ``apply`` defaults to |
 | ``Optimizer._overwrite_variable_with_gradient`` | same | `overwrites_with_gradient`: variables whose "gradient" is a new value, never unscaled |
-| ``Optimizer._get_variable_index``, ``Adam._momentums`` / ``_velocities`` | ``keras/src/optimizers/base_optimizer.py``, ``keras/src/optimizers/adam.py`` | `adam_slots`: a variable's first and second moments, updated by `tfmp._src.loss_scale.fused_adam` |
+| ``Optimizer._get_variable_index``, ``Adam._momentums`` / ``_velocities`` | ``keras/src/optimizers/base_optimizer.py``, ``keras/src/optimizers/adam.py`` | `adam_slots`, `sgd_momentum_slot`: a variable's slots (Adam's first and second moments, SGD's momentum), updated by `tfmp._src.loss_scale.fused_update` |
 | ``LossScaleOptimizer._stateful_handle_finite_grads`` / ``_stateful_handle_non_finite_grads`` | ``keras/src/optimizers/loss_scale_optimizer.py`` | overridden by `LossScaleOptimizerBase` only |
 | ``keras.src.utils.tracking.no_automatic_dependency_tracking`` | ``keras/src/utils/tracking.py`` | `no_automatic_dependency_tracking`: tfmp's optimizer variables stored as attributes |
 | ``control_flow_util.GraphOrParentsInXlaContext`` | ``tensorflow/python/ops/control_flow_util.py`` | `in_xla_context`: refuse XLA steps under several replicas |
@@ -201,6 +201,11 @@ def adam_slots(optimizer: Any, variable: Any) -> tuple:
     """(first moment, second moment): the `keras.Variable` slots a built Adam keeps for `variable`."""
     index = optimizer._get_variable_index(variable)
     return optimizer._momentums[index], optimizer._velocities[index]
+
+
+def sgd_momentum_slot(optimizer: Any, variable: Any) -> Any:
+    """The `keras.Variable` momentum slot a built SGD (``momentum > 0``) keeps for `variable`."""
+    return optimizer.momentums[optimizer._get_variable_index(variable)]
 
 
 def no_automatic_dependency_tracking(function: Callable) -> Callable:

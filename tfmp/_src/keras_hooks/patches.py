@@ -61,7 +61,7 @@ ORDER = {
     "loss_scale.batch": 32,  # Model.train_step (an instance's): the batch for the "batch" guard
     "audit.outputs": 35,  # Layer.call: record output dtypes during tfmp.audit(batch=...)
     "grad_stats": 40,  # Optimizer.apply: gradient statistics for the monitor
-    "fused_adam": 42,  # an Adam's update_step, during tfmp.LossScaleOptimizer's apply: one kernel
+    "fused_update": 42,  # an Adam's or SGD's update_step, during tfmp.LossScaleOptimizer's apply: one kernel
     "enable.compile": 50,  # Trainer.compile / compile_from_config while enabled
     "enable.losses": 52,  # Layer.losses (property): 16-bit loss terms of attached models cast to float32
     "loss_scale.fit_check": 55,  # Trainer.make_train_function while tfmp optimizers exist

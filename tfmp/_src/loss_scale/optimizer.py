@@ -36,7 +36,7 @@ from tfmp._src.keras_hooks.keras_private import (
     optimizer_variables,
     overwrites_with_gradient,
 )
-from tfmp._src.loss_scale.fused_adam import fused_updates
+from tfmp._src.loss_scale.fused_update import fused_updates
 from tfmp._src.loss_scale.loops import DEFAULT_MAX_CONSECUTIVE_OVERFLOWS
 
 _INT = "int64"
@@ -489,8 +489,8 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         ]
 
     def _apply_inner(self, grads: list, trainable_variables: list | None) -> None:
-        """The inner optimizer's `apply` of the unscaled gradients (Adam's on one kernel,
-        `tfmp._src.loss_scale.fused_adam`)."""
+        """The inner optimizer's `apply` of the unscaled gradients (Adam's and SGD's on one
+        kernel, `tfmp._src.loss_scale.fused_update`)."""
         with fused_updates(self.inner_optimizer):
             self.inner_optimizer.apply(
                 self._unscale(grads, trainable_variables), trainable_variables=trainable_variables

@@ -1,4 +1,4 @@
-"""Adam's update on TensorFlow's fused kernel (tfmp._src.loss_scale.fused_adam)."""
+"""Adam's and SGD's updates on TensorFlow's fused kernels (tfmp._src.loss_scale.fused_update)."""
 
 import keras
 import numpy as np
@@ -7,7 +7,7 @@ import tensorflow as tf
 
 import tfmp
 from tfmp._src.keras_hooks import patches
-from tfmp._src.loss_scale import fused_adam
+from tfmp._src.loss_scale import fused_update
 
 SHAPES = [(33, 17), (17,), (5,)]
 
@@ -33,7 +33,7 @@ def _train(make_optimizer, fused):
     @tf.function
     def apply(grads):
         if fused:
-            with fused_adam.fused_updates(optimizer):
+            with fused_update.fused_updates(optimizer):
                 optimizer.apply(grads, variables)
         else:
             optimizer.apply(grads, variables)
@@ -77,13 +77,43 @@ class OwnUpdate(keras.optimizers.Adam):
         super().update_step(gradient * 0.5, variable, learning_rate)
 
 
+SGD_KINDS = {
+    "no momentum": (lambda: keras.optimizers.SGD(1e-2), "ResourceApplyGradientDescent"),
+    "momentum": (lambda: keras.optimizers.SGD(1e-2, momentum=0.9), "ResourceApplyKerasMomentum"),
+    "nesterov": (lambda: keras.optimizers.SGD(1e-2, momentum=0.9, nesterov=True),
+                 "ResourceApplyKerasMomentum"),
+    "weight decay, clipnorm and a schedule": (lambda: keras.optimizers.SGD(
+        keras.optimizers.schedules.ExponentialDecay(1e-2, decay_steps=2, decay_rate=0.5),
+        momentum=0.5, weight_decay=0.05, clipnorm=0.5), "ResourceApplyKerasMomentum"),
+}
+
+
+@pytest.mark.parametrize("kind", list(SGD_KINDS))
+def test_fused_sgd_runs_one_kernel_and_gives_kerass_weights_bit_for_bit(kind):
+    make_optimizer, kernel = SGD_KINDS[kind]
+    expected, keras_optimizer, keras_ops = _train(make_optimizer, fused=False)
+    got, optimizer, fused_ops = _train(make_optimizer, fused=True)
+    assert kernel in fused_ops and kernel not in keras_ops
+    # The same float32 operations in the same order: weights and momentum slots equal.
+    for a, b in zip(got + optimizer.variables, expected + keras_optimizer.variables):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=a.path)
+    assert int(optimizer.iterations) == 5 and "update_step" not in vars(optimizer)
+
+
+class OwnUpdate(keras.optimizers.Adam):
+    def update_step(self, gradient, variable, learning_rate):
+        super().update_step(gradient * 0.5, variable, learning_rate)
+
+
 @pytest.mark.parametrize("make_optimizer", [
     lambda: keras.optimizers.Adam(1e-2, amsgrad=True), lambda: OwnUpdate(1e-2),
-    lambda: keras.optimizers.SGD(1e-2, momentum=0.9)], ids=["amsgrad", "own update_step", "sgd"])
+    lambda: keras.optimizers.RMSprop(1e-2, momentum=0.9), lambda: keras.optimizers.Adamax(1e-2)],
+    ids=["amsgrad", "own update_step", "rmsprop", "adamax"])
 def test_other_optimizers_keep_keras_update(make_optimizer):
     expected, _, _ = _train(make_optimizer, fused=False)
-    got, _, fused_ops = _train(make_optimizer, fused=True)
-    assert "ResourceApplyAdam" not in fused_ops
+    got, optimizer, fused_ops = _train(make_optimizer, fused=True)
+    assert not fused_update.fusable(optimizer)
+    assert not {"ResourceApplyAdam", "ResourceApplyKerasMomentum", "ResourceApplyGradientDescent"} & fused_ops
     for a, b in zip(got, expected):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -97,7 +127,7 @@ def test_a_sparse_gradient_takes_keras_update_and_dense_ones_the_kernel():
 
     @tf.function
     def apply():
-        with fused_adam.fused_updates(optimizer):
+        with fused_update.fused_updates(optimizer):
             optimizer.apply([sparse, tf.ones(3)], [table, dense])
 
     apply()
@@ -110,21 +140,25 @@ def test_a_sparse_gradient_takes_keras_update_and_dense_ones_the_kernel():
 def test_the_switch_goes_when_the_block_raises():
     optimizer = keras.optimizers.Adam()
     with pytest.raises(RuntimeError):
-        with fused_adam.fused_updates(optimizer):
-            assert [h.owner for h in patches.installed(optimizer, "update_step")] == ["fused_adam"]
+        with fused_update.fused_updates(optimizer):
+            assert [h.owner for h in patches.installed(optimizer, "update_step")] == ["fused_update"]
             raise RuntimeError("inside")
     assert "update_step" not in vars(optimizer) and not patches.installed(optimizer)
-    assert not fused_adam.fusable(keras.optimizers.Adam(amsgrad=True))
+    assert not fused_update.fusable(keras.optimizers.Adam(amsgrad=True))
+    assert fused_update.fusable(keras.optimizers.SGD()) and fused_update.fusable(keras.optimizers.AdamW())
 
 
-def test_fit_under_tfmp_updates_every_variable_on_the_kernel(monkeypatch):
+@pytest.mark.parametrize("make_optimizer", [
+    lambda: keras.optimizers.Adam(1e-3), lambda: keras.optimizers.SGD(1e-2, momentum=0.9)],
+    ids=["adam", "sgd"])
+def test_fit_under_tfmp_updates_every_variable_on_the_kernel(monkeypatch, make_optimizer):
     calls = []
-    fused = fused_adam._fused_update_step
-    monkeypatch.setattr(fused_adam, "_fused_update_step",
-                        lambda *args: calls.append(args[3].name) or fused(*args))
+    fused = fused_update._fused_update_step
+    monkeypatch.setattr(fused_update, "_fused_update_step",
+                        lambda *args: calls.append(args[4].name) or fused(*args))
     with tfmp.policy_scope("mixed_bfloat16"):
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
-        model.compile(keras.optimizers.Adam(1e-3), "mse")
+        model.compile(make_optimizer(), "mse")
     assert isinstance(model.optimizer, tfmp.LossScaleOptimizer)
     x = np.ones((8, 4), "float32")
     model.fit(x, np.ones((8, 1), "float32"), batch_size=4, epochs=1, verbose=0)
@@ -141,14 +175,19 @@ def test_benchmark_script_times_both_updates_on_each_models_weights(tmp_path):
     import sys
 
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-    from benchmarks import fused_adam as bench
+    from benchmarks import fused_update as bench
 
-    path = tmp_path / "adam.json"
-    bench.main(["--quick", "--models", "mlp", "vit", "--json", str(path)])
+    path = tmp_path / "updates.json"
+    bench.main(["--quick", "--models", "mlp", "vit", "--optimizers", "adam", "nesterov",
+                "--json", str(path)])
     results = json.loads(path.read_text())
     assert list(results["models"]) == ["mlp", "vit"]
     for name, m in results["models"].items():
         model = bench.workloads(True)[name].build()
         assert m["parameters"] == sum(int(np.prod(v.shape)) for v in model.trainable_variables)
-        assert all(len(m["ms"][v]) == 2 for v in ("keras", "fused"))
-        assert 0 <= m["largest_difference"] <= 1e-4 * m["largest_change"]
+        assert list(m["optimizers"]) == ["adam", "nesterov"]
+        for run in m["optimizers"].values():
+            assert all(len(run["ms"][v]) == 2 for v in ("keras", "fused"))
+            assert run["largest_change"] > 0
+        assert 0 <= m["optimizers"]["adam"]["largest_difference"] <= 1e-4 * m["optimizers"]["adam"]["largest_change"]
+        assert m["optimizers"]["nesterov"]["largest_difference"] == 0  # SGD's kernel: bit for bit

@@ -28,6 +28,7 @@ PUBLIC_API = {
     "LossScaleWarning",
     "SkippedStepWarning",
     "SpeedProbe",
+    "UnmatchedTargetWarning",
     "MemoryEstimate",
     "NonFiniteError",
     "PerformanceWarning",

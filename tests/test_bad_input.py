@@ -372,12 +372,13 @@ def test_scaled_gradients_multiplies_by_the_scale():
         assert [float(g) for g in grads] == [expected]
 
 
-@covers("LossScaleWarning", "SkippedStepWarning", "LoggingWarning", "PerformanceWarning")
+@covers("LossScaleWarning", "SkippedStepWarning", "LoggingWarning", "PerformanceWarning", "UnmatchedTargetWarning")
 @given(message=st.one_of(st.text(max_size=10), st.integers(), st.none(), st.floats(allow_nan=False)))
 @BAD_INPUT_SETTINGS
 def test_warnings_take_any_message_as_python_warnings_do(message):
     for kind, base in ((tfmp.LossScaleWarning, UserWarning), (tfmp.SkippedStepWarning, RuntimeWarning),
-                       (tfmp.LoggingWarning, UserWarning), (tfmp.PerformanceWarning, UserWarning)):
+                       (tfmp.LoggingWarning, UserWarning), (tfmp.PerformanceWarning, UserWarning),
+                       (tfmp.UnmatchedTargetWarning, UserWarning)):
         warning = kind(message)
         assert isinstance(warning, base)
         assert str(warning) == str(message)
@@ -560,7 +561,7 @@ def test_this_module_covers_its_half_of_the_public_names():
         "unregister_float32", "float32_layers", "Float32Rules", "Registration", "LossScaleOptimizer",
         "LossScaleWarning", "SkippedStepWarning", "scaled_gradients", "LossScaleMonitor", "LoggingWarning",
         "check_numerics", "NumericsHandle", "NonFiniteError", "audit", "AuditReport", "attachment", "detach",
-        "Attachment", "PerformanceWarning", "PolicyDecision",
+        "Attachment", "PerformanceWarning", "PolicyDecision", "UnmatchedTargetWarning",
     }
     assert covered_names([sys.modules[__name__]]) == half
     assert half <= set(tfmp.__all__)

@@ -35,7 +35,7 @@ __all__ = [
     "PerformanceWarning",
     # Float32 where 16 bits break numerics
     "force_float32", "register_float32", "unregister_float32", "float32_layers", "Float32Rules",
-    "Registration", "audit", "AuditReport",
+    "Registration", "audit", "AuditReport", "UnmatchedTargetWarning",
     # Loss scaling
     "LossScaleOptimizer", "scaled_gradients", "LossScaleWarning", "SkippedStepWarning",
     # Finding the first non-finite value
@@ -106,6 +106,7 @@ if not _IMPORTS_DEFERRED:
     from tfmp._src.float32.registry import Registration as Registration
     from tfmp._src.float32.audit import audit as audit
     from tfmp._src.float32.audit_report import AuditReport as AuditReport
+    from tfmp._src.float32.unmatched import UnmatchedTargetWarning as UnmatchedTargetWarning
     # Loss scaling (tfmp/_src/loss_scale)
     from tfmp._src.loss_scale.optimizer import LossScaleOptimizer as LossScaleOptimizer
     from tfmp._src.loss_scale.loops import scaled_gradients as scaled_gradients

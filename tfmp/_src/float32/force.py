@@ -77,6 +77,7 @@ from tfmp._src.errors import check_model
 from tfmp._src.float32 import cast_back as _cast_back
 from tfmp._src.float32 import exact_layers as _exact
 from tfmp._src.float32 import registry as _registry
+from tfmp._src.float32 import unmatched as _unmatched
 from tfmp._src.float32.cast_back import casts_back
 from tfmp._src.float32.logits import logits_layers
 from tfmp._src.keras_hooks import patches
@@ -267,6 +268,7 @@ def _defer(layer, path: str, keep, exclude, forced_as: Optional[str]) -> None:
             hook.remove()
             inherited = {id(layer): forced_as} if forced_as else {}
             _apply_rules(walk(layer, path), set(), keep, exclude, inherited)
+            _unmatched.after_build(layer, _DEFERRED)
             return result
 
         return build
@@ -392,6 +394,16 @@ def force_float32(model: keras.Model, *, keep=(), exclude=()) -> keras.Model:
             means none) or holds an element that is not a Layer class or a
             non-empty pattern.
 
+    Warns:
+        tfmp.UnmatchedTargetWarning: a ``keep`` or ``exclude`` target (class or
+            pattern) matches no layer of ``model``, so it changes nothing (a
+            misspelt pattern): once per model and target, naming the target, a
+            few of the model's layer paths and the closest matching pattern. For
+            a model with unbuilt layers that have a ``build`` of their own
+            (which may create the sublayers a target names), once the last of
+            them is built (the model's first call). Targets registered with
+            `tfmp.register_float32` are not checked per model.
+
     Example:
         >>> import keras, tfmp
         >>> keras.config.set_dtype_policy("mixed_float16")
@@ -402,7 +414,7 @@ def force_float32(model: keras.Model, *, keep=(), exclude=()) -> keras.Model:
         ('float32', 'float16')
         >>> keras.config.set_dtype_policy("float32")
     """
-    return _checked_force(model, keep, exclude)
+    return _checked_force(model, keep, exclude, arguments=("keep", "exclude"))
 
 
 def force_compiled(model: keras.Model, *, keep=(), exclude=(), loss=None) -> keras.Model:
@@ -412,18 +424,27 @@ def force_compiled(model: keras.Model, *, keep=(), exclude=(), loss=None) -> ker
     Keras compiles it, and `force_float32` would refuse it. An output layer
     whose outputs are all logits of a from-logits cross-entropy in ``loss``
     keeps its 16-bit policy, its output cast to float32 (`tfmp._src.float32.logits`).
+    ``keep`` and ``exclude`` are the session's ``keep_float32`` and
+    ``exclude_float32``: a target matching no layer of this model warns under
+    those names (`tfmp.UnmatchedTargetWarning`).
     """
     if not [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]:
         return model
-    return _checked_force(model, keep, exclude, loss)
+    return _checked_force(model, keep, exclude, loss, arguments=("keep_float32", "exclude_float32"))
 
 
-def _checked_force(model: keras.Model, keep, exclude, loss=None) -> keras.Model:
-    """`_force` after the argument checks `force_float32` documents."""
+def _checked_force(model: keras.Model, keep, exclude, loss=None, *, arguments) -> keras.Model:
+    """`_force` after the argument checks `force_float32` documents.
+
+    ``arguments`` names ``keep`` and ``exclude`` as the user gave them, for
+    `tfmp.UnmatchedTargetWarning`.
+    """
     check_model("model", model, expected="a keras.Model (Sequential, Functional or subclassed)",
                 fix="Wrap a single layer in keras.Sequential([layer]) first.")
-    return _force(model, _registry.targets_from("keep", keep), _registry.targets_from("exclude", exclude),
-                  loss=loss)
+    keep, exclude = _registry.targets_from("keep", keep), _registry.targets_from("exclude", exclude)
+    _force(model, keep, exclude, loss=loss)
+    _unmatched.check(model, tuple(zip(arguments, (keep, exclude))), walk(model), _DEFERRED)
+    return model
 
 
 def force_loaded(model: keras.Model, *, keep=(), exclude=(), loss=None) -> keras.Model:

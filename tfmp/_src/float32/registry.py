@@ -283,6 +283,11 @@ def register_float32(*targets: Target, exclude: bool = False) -> Registration:
         exclude: Bool. False (default) adds keep rules; True adds exclusion
             rules, which win over every keep rule, built-in ones included.
 
+    A registered target applies to every model forced from now on, so one
+    matching no layer of some model is not warned about
+    (`tfmp.UnmatchedTargetWarning` is for the targets given to
+    `tfmp.force_float32` and `tfmp.enable`).
+
     Returns:
         A :class:`Registration`; use it as a context manager to undo on exit.
 

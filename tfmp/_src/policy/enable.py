@@ -217,6 +217,9 @@ def enable(
             (``initial_scale``, ``dynamic_growth_steps``, ``min_scale``,
             ``max_scale``, ``hysteresis``) without ``loss_scaling`` while the
             policy computes in bfloat16 or float32, where the scale stays 1.0.
+        tfmp.UnmatchedTargetWarning: later, at ``compile()``: a `keep_float32`
+            or `exclude_float32` target matches no layer of the model compiled
+            (once per model and target; see `tfmp.force_float32`).
     """
     return _start(
         policy, say_replaced=True, keep_float32=keep_float32, exclude_float32=exclude_float32,

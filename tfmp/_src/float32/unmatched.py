@@ -1,0 +1,223 @@
+"""`tfmp.UnmatchedTargetWarning`: a keep or exclude target that matched no layer of its model.
+
+A target given with one model (``tfmp.force_float32(model, keep=..., exclude=...)``)
+or with a session (``tfmp.enable(keep_float32=..., exclude_float32=...)``, applied
+to every model compiled while enabled) that selects no layer of the model changes
+nothing. A misspelt pattern (``exclude_float32=["*softmx"]``) would otherwise go
+unnoticed, so when forcing a model finishes each such target is named, once per
+model and target, with a few of the model's layer paths (or classes) and the
+closest pattern that would have matched.
+
+Targets registered with `tfmp.register_float32` apply to every model and are not
+judged per model.
+
+Deferred layers. A layer not built when its model is forced may create sublayers
+in its ``build`` (MultiHeadAttention's softmax, a custom layer's sublayers); the
+rules reach them through a one-shot build hook (`tfmp._src.float32.force`). A
+target still unmatched is judged only when none of the model's layers with a
+``build`` of their own is waiting for that hook: every build that applies the
+rules late also matches the new sublayers against the targets, and the last one
+judges. A layer whose class keeps Keras's default ``build`` (a subclassed
+model without one) creates nothing there, so it is not waited for. A model
+some of whose layers are never built (never called) is never judged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+import weakref
+from typing import Any, Container, Iterable, List, Sequence, Set, Tuple
+
+import keras
+
+from tfmp._src.errors import did_you_mean, user_stacklevel
+from tfmp._src.float32 import registry as _registry
+from tfmp._src.keras_hooks.object_state import PerObject
+from tfmp._src.layer_tree import walk
+
+#: How many of the model's layer paths (or classes) a warning lists.
+SHOWN = 5
+
+_CHECKS = PerObject("unmatched_check")  # model -> _Check, while some layer is unbuilt
+_WAITING = PerObject("unmatched_waiting")  # unbuilt layer -> {id(model): (weakref to model, path)}
+_WARNED = PerObject("unmatched_warned")  # model -> set of (argument, target) already named
+
+
+class UnmatchedTargetWarning(UserWarning):
+    """A keep or exclude target matched no layer of the model it was given for.
+
+    Warned once per model and target when forcing a model finishes (in
+    `tfmp.force_float32`, and in ``compile()`` while `tfmp.enable` is on) and a
+    layer class or path pattern given as ``keep``/``exclude`` (or as
+    ``keep_float32``/``exclude_float32`` to `tfmp.enable`) selects no layer of
+    that model, so it changes nothing. The message names the argument, the
+    target, the model, a few of its layer paths (or classes), a
+    "Did you mean ...?" when a pattern is close to one that matches, and the fix.
+    A model with unbuilt layers that have a ``build`` of their own is judged
+    once they are built (its first call). Targets registered with
+    `tfmp.register_float32` apply to every model and are not checked.
+
+    Make it an error with ``warnings.simplefilter("error", tfmp.UnmatchedTargetWarning)``.
+    """
+
+
+@dataclasses.dataclass
+class _Check:
+    """One model's call-level targets still unmatched, and the builds that may match them."""
+
+    unmatched: List[Tuple[str, Any]]  # (argument name, target)
+    pending: Set[int]  # ids of the model's layers whose deferred build has not run
+
+
+def _matched(target: Any, entries: Iterable[Tuple[str, Any, Any]]) -> bool:
+    return any(_registry.matches(layer, path, (target,)) for path, layer, _ in entries)
+
+
+def _builds_sublayers(layer: Any) -> bool:
+    """False when ``layer``'s class keeps Keras's default ``build``, which creates nothing."""
+    return type(layer).build is not keras.layers.Layer.build
+
+
+def check(
+    model: keras.Model,
+    targets: Sequence[Tuple[str, Tuple[Any, ...]]],
+    entries: Sequence[Tuple[str, Any, Any]],
+    deferred: Container[Any],
+) -> None:
+    """Judges ``model``'s call-level targets once forcing it finished.
+
+    Replaces an earlier check of the same model (the deferred builds apply the
+    latest options too).
+
+    Args:
+        model: ``keras.Model`` just forced.
+        targets: Sequence of ``(argument name, tuple of targets)``, e.g.
+            ``(("keep", ("head/*",)), ("exclude", (keras.layers.Softmax,)))``.
+        entries: The walk of ``model`` (`tfmp._src.layer_tree.walk`).
+        deferred: Container of the layers whose build hook has not run yet.
+
+    Warns:
+        UnmatchedTargetWarning: a target matches no layer and no deferred build
+            of the model is left that could add one.
+    """
+    unmatched = list(dict.fromkeys(
+        (argument, target) for argument, given in targets for target in given
+        if not _matched(target, entries)))
+    found = _Check(unmatched, set())
+    _CHECKS[model] = found
+    _wait(model, found, [("", model)] + [(path, layer) for path, layer, _ in entries], deferred)
+    _judge(model, found)
+
+
+def after_build(layer: keras.layers.Layer, deferred: Container[Any]) -> None:
+    """Matches the sublayers ``layer``'s deferred build created for each model waiting on it.
+
+    Called by the build hook after it applied the rules. The last pending build
+    of a model judges its targets.
+
+    Args:
+        layer: ``keras.layers.Layer`` just built.
+        deferred: As for `check`; the new unbuilt sublayers are in it already.
+
+    Warns:
+        UnmatchedTargetWarning: as for `check`.
+    """
+    for model_ref, path in _WAITING.pop(layer, {}).values():
+        model = model_ref()
+        found = None if model is None else _CHECKS.get(model)
+        if found is None or id(layer) not in found.pending:
+            continue
+        found.pending.discard(id(layer))
+        entries = walk(layer, path)
+        found.unmatched = [(a, t) for a, t in found.unmatched if not _matched(t, entries)]
+        _wait(model, found, [(p, sub) for p, sub, _ in entries], deferred)
+        _judge(model, found)
+
+
+def _wait(model: keras.Model, found: _Check, layers: Sequence[Tuple[str, Any]],
+          deferred: Container[Any]) -> None:
+    """Records which of ``layers`` the judgement of ``model`` waits for."""
+    if not found.unmatched:
+        return
+    for path, layer in layers:
+        if layer in deferred and _builds_sublayers(layer):
+            found.pending.add(id(layer))
+            waiting = _WAITING.get(layer)
+            if waiting is None:
+                waiting = _WAITING[layer] = {}
+            waiting[id(model)] = (weakref.ref(model), path)
+
+
+def _judge(model: keras.Model, found: _Check) -> None:
+    """Warns for each target still unmatched once no deferred build is pending."""
+    if found.pending and found.unmatched:
+        return
+    _CHECKS.pop(model, None)
+    if not found.unmatched:
+        return
+    warned = _WARNED.get(model)
+    if warned is None:
+        warned = _WARNED[model] = set()
+    entries = walk(model)
+    for argument, target in found.unmatched:
+        if (argument, target) in warned:
+            continue
+        warned.add((argument, target))
+        warnings.warn(message(model, argument, target, entries), UnmatchedTargetWarning,
+                      stacklevel=user_stacklevel())
+
+
+def message(model: keras.Model, argument: str, target: Any,
+            entries: Sequence[Tuple[str, Any, Any]]) -> str:
+    """The warning's text for ``target`` given as ``argument`` and matching no layer of ``model``.
+
+    Args:
+        model: ``keras.Model``.
+        argument: String. The argument the target came in, e.g. ``"exclude_float32"``.
+        target: Layer class or pattern string.
+        entries: The walk of ``model``.
+    """
+    paths = [path for path, _, _ in entries]
+    count = f"{len(paths)} layer{'s' if len(paths) != 1 else ''}"
+    if isinstance(target, str):
+        shown = sorted(paths, key=lambda path: path.count("/"))[:SHOWN]
+        expected = (
+            "a glob pattern over the model's layer paths (fnmatch; `*` also crosses '/'), "
+            f"such as {', '.join(map(repr, shown))} ({count}; print(tfmp.audit(model)) lists every path)")
+        fix = (did_you_mean(target, _close_patterns(target, paths))
+               or "Correct the pattern to match a layer path, or leave it out.")
+    else:
+        classes = list(dict.fromkeys(type(layer).__name__ for _, layer, _ in entries))
+        expected = (
+            "a Layer class of which some layer of the model is an instance (subclasses "
+            f"match); its layers are {', '.join(classes[:SHOWN])}"
+            f"{', ...' if len(classes) > SHOWN else ''} ({count}; print(tfmp.audit(model)) "
+            "lists every layer)")
+        fix = "Pass a class the model uses, or a layer-path pattern."
+    text = (
+        f"A target in `{argument}` matches no layer of model {model.name!r}, so it changes "
+        f"nothing. Expected {expected}. Received: {argument}={target!r}. {fix}")
+    if argument.endswith("_float32"):
+        text += (
+            " Targets given to tfmp.enable or tfmp.policy_scope apply to every model compiled "
+            "while enabled; one meant for other models only can be registered with "
+            "tfmp.register_float32(...) instead, which is not checked per model.")
+    return text
+
+
+def _close_patterns(pattern: str, paths: Sequence[str]) -> List[str]:
+    """Patterns matching a layer, shaped like ``pattern``, for `did_you_mean`.
+
+    The paths themselves, and for a pattern starting with ``*`` each path's
+    trailing parts after a ``*`` (``"*softmax"``), for one ending with ``*``
+    each path's leading parts before ``/*`` (``"head/*"``).
+    """
+    candidates = dict.fromkeys(paths)
+    for path in paths:
+        parts = path.split("/")
+        if pattern.startswith("*"):
+            candidates.update(dict.fromkeys("*" + "/".join(parts[i:]) for i in range(len(parts))))
+        if pattern.endswith("*"):
+            candidates.update(dict.fromkeys("/".join(parts[:i]) + "/*" for i in range(1, len(parts))))
+    return list(candidates)

@@ -3,10 +3,10 @@
 Every public name of `tfmp.__all__` is called with wrong types and values drawn by
 hypothesis. Each call must either refuse the value with the project's template
 error (tfmp/_src/errors.py: "Invalid `name` argument. Expected ... Received:
-name=... (of type ...)."), naming the argument it was given in, or do the right
-thing, which the test then checks. A raw error from inside (AttributeError,
-TypeError from TensorFlow, a graph error) or a nonsense value accepted in silence
-fails the test.
+name=... (of type ...). <how to fix>"), naming the argument it was given in and
+saying how to fix it, or do the right thing, which the test then checks. A raw
+error from inside (AttributeError, TypeError from TensorFlow, a graph error) or a
+nonsense value accepted in silence fails the test.
 
 A test states which public names it covers with `@covers(...)`;
 `test_bad_input_covers_every_public_name` (tests/test_bad_input.py) checks that
@@ -63,14 +63,19 @@ def template_pattern(argument: str) -> str:
     return rf"Invalid `{re.escape(argument)}` argument\. Expected .+ Received: {re.escape(argument)}="
 
 
+#: The template's received part, then a sentence: the fix (or "Did you mean ...?").
+FIX_AFTER_RECEIVED = re.compile(r"\(of type \w+\)\. \S")
+
+
 def assert_refused(call: Callable[[], Any], argument: str) -> BaseException:
-    """Calls `call` and checks that it raises the template error naming `argument`.
+    """Calls `call` and checks that it raises the template error naming `argument`, with a fix.
 
     Returns:
         The error raised, for further checks.
     """
     with pytest.raises((ValueError, TypeError), match=template_pattern(argument)) as info:
         call()
+    assert FIX_AFTER_RECEIVED.search(str(info.value)), f"no fix after what was received: {info.value}"
     return info.value
 
 

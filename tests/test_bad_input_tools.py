@@ -326,7 +326,7 @@ def test_estimate_kv_cache_refuses_bad_sizes_and_dtypes(size, dtype):
 
 @covers("check_dataset", "DatasetReport")
 @given(bad=st.one_of(st.none(), st.integers(), st.text(max_size=5), st.binary(max_size=3), st.just([]),
-                     st.builds(object)))
+                     st.builds(object), st.lists(st.one_of(st.integers(), st.floats()), min_size=1, max_size=3)))
 @BAD_INPUT_SETTINGS
 def test_check_dataset_refuses_what_is_no_data(bad):
     assert_refused(lambda: tfmp.check_dataset(bad), "dataset")

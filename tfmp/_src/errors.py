@@ -50,10 +50,14 @@ class NonFiniteError(FloatingPointError):
         kind: Optional[str] = None,
         details: Optional[dict] = None,
     ) -> None:
-        for name, value in (("layer", layer), ("phase", phase), ("kind", kind)):
-            check_type(name, value, str, "a string", allow_none=True)
-        check_type("step", step, int, "an int", allow_none=True)
-        check_type("details", details, dict, "a dict", allow_none=True)
+        for name, value, types, expected, example in (
+            ("layer", layer, str, "a string", "'model/dense_1'"),
+            ("phase", phase, str, "a string", "'forward'"),
+            ("kind", kind, str, "a string", "'nan'"),
+            ("step", step, int, "an int", "3"),
+            ("details", details, dict, "a dict", "{'scale': 1024.0}"),
+        ):
+            check_type(name, value, types, expected, allow_none=True, fix=f"Pass e.g. {name}={example}, or None.")
         super().__init__(message)
         self.layer = layer
         self.phase = phase
@@ -75,15 +79,18 @@ def invalid_argument(
         name: String. The argument's name, e.g. ``"policy"``.
         received: Any. The value the caller passed.
         expected: String. What would have been accepted, as a phrase.
-        fix: String. How to fix it; when empty and ``received`` is a string close
-            to one of ``choices``, a "Did you mean ...?" suggestion is used.
-        choices: Iterable of strings. Valid spellings, used for the suggestion.
+        fix: String. How to fix it: what to pass instead, with an example value
+            (``"Pass e.g. guard='auto'."``). Every argument of a public call
+            gives one.
+        choices: Iterable of strings. Valid spellings. When ``received`` is a
+            string close to one of them, "Did you mean ...?" replaces `fix`
+            (a typo's likeliest fix); any other value gets `fix`.
 
     Returns:
         ValueError, to be raised by the caller.
     """
-    if not fix and isinstance(received, str):
-        fix = did_you_mean(received, choices)
+    if isinstance(received, str):
+        fix = did_you_mean(received, choices) or fix
     message = (
         f"Invalid `{name}` argument. Expected {expected}. "
         f"Received: {name}={received!r} (of type {type(received).__name__})."
@@ -115,8 +122,19 @@ def unknown_key(name: str, received: dict, key: Any, choices: Iterable[str]) -> 
         choices: Iterable of strings. The accepted keys.
     """
     choices = list(choices)
-    fix = f"Unknown key {key!r}. {did_you_mean(key, choices, cutoff=0.6)}".rstrip()
+    fix = unknown_fix(f"Unknown key {key!r}.", key, choices)
     return invalid_argument(name, received, "keys among " + ", ".join(choices), fix=fix)
+
+
+def unknown_fix(unknown: str, key: Any, choices: Iterable[str]) -> str:
+    """The fix for an unknown key or keyword: `unknown`, then a close choice or "remove it".
+
+    Args:
+        unknown: String. The sentence naming it, e.g. ``"Unknown key 'x'."``.
+        key: The unknown key or keyword.
+        choices: Iterable of strings. The accepted ones.
+    """
+    return f"{unknown} {did_you_mean(key, choices, cutoff=0.6) or 'Remove it, or use one of those listed.'}"
 
 
 def is_positive_int(value: Any) -> bool:
@@ -153,14 +171,17 @@ def check_positive_int(
         raise invalid_argument(name, value, expected, fix=fix)
 
 
-def check_positive_number(name: str, value: Any) -> None:
+def check_positive_number(name: str, value: Any, *, fix: str) -> None:
     """The project's one check of a positive real argument (a scale, a bound).
+
+    Args:
+        fix: String. How to fix it, e.g. ``"Pass e.g. min_scale=1.0."``.
 
     Raises:
         ValueError: (template) `value` is not a finite int or float > 0.
     """
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-        raise invalid_argument(name, value, "a finite number > 0")
+        raise invalid_argument(name, value, "a finite number > 0", fix=fix)
 
 
 def check_bool(name: str, value: Any, *, allow_none: bool = False) -> None:
@@ -170,7 +191,11 @@ def check_bool(name: str, value: Any, *, allow_none: bool = False) -> None:
         ValueError: (template) `value` is not True or False (nor None when `allow_none`).
     """
     if not (isinstance(value, bool) or (allow_none and value is None)):
-        raise invalid_argument(name, value, "None, True or False" if allow_none else "True or False")
+        if allow_none:
+            raise invalid_argument(name, value, "None, True or False",
+                                   fix=f"Pass {name}=True, {name}=False or {name}=None.")
+        raise invalid_argument(name, value, "True or False",
+                               fix=f"Pass {name}=True or {name}=False.")
 
 
 def _package_dir(name: str) -> str:
@@ -258,3 +283,13 @@ def check_model(name: str, model: Any, *, expected: str = "a keras.Model", fix: 
             name, model, "a keras.Model with at least one layer",
             fix="Add the model's layers first, e.g. keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]).",
         )
+
+
+def model_fix(call: str) -> str:
+    """The fix for a model argument that is not a model, e.g. ``model_fix("tfmp.audit(model)")``.
+
+    Args:
+        call: String. The public call with the model passed right.
+    """
+    return (f"Pass the model itself, e.g. {call}; wrap a single layer first, e.g. "
+            "keras.Sequential([keras.Input((4,)), layer]).")

@@ -227,10 +227,10 @@ def compare(
         then ``print(report)`` and ``report.verdict(tolerance=0.25)``; tests/
         test_compare.py runs this on scikit-learn's digits.
     """
-    for name, value in (("epochs", epochs), ("batch_size", batch_size),
-                        ("timing_rounds", timing_rounds)):
+    for name, value, default in (("epochs", epochs, 3), ("batch_size", batch_size, 32),
+                                 ("timing_rounds", timing_rounds, 5)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise invalid_argument(name, value, "a positive int")
+            raise invalid_argument(name, value, "a positive int", fix=f"Pass e.g. {name}={default} (the default).")
     if not callable(build_model) or isinstance(build_model, keras.Model):
         raise invalid_argument(
             "build_model", build_model, "a callable returning a compiled keras.Model",
@@ -249,7 +249,8 @@ def compare(
             fix="Pass e.g. policies=('float32', 'auto').")
     real = isinstance(tolerance, (int, float)) and not isinstance(tolerance, bool)
     if not (real and math.isfinite(tolerance) and tolerance >= 0):
-        raise invalid_argument("tolerance", tolerance, "a finite float >= 0 (percentage points)")
+        raise invalid_argument("tolerance", tolerance, "a finite float >= 0 (percentage points)",
+                               fix="Pass e.g. tolerance=0.5 (the default: half a percentage point).")
     try:
         resolved = [(getattr(p, "name", p), resolve_policy(p).policy) for p in policies]
     except ValueError as error:

@@ -347,16 +347,20 @@ class CompareReport:
             metric and policy that decided (the farthest interval among those).
 
         Raises:
-            ValueError: negative tolerance or a metric the runs did not record.
+            ValueError: (template) a tolerance that is not a number >= 0, or a
+                metric the runs did not record.
         """
-        tolerance = self.tolerance if tolerance is None else float(tolerance)
-        if not tolerance >= 0:
-            raise invalid_argument("tolerance", tolerance, "a float >= 0")
+        tolerance = self.tolerance if tolerance is None else tolerance
+        if not REAL.accepts(tolerance) or not tolerance >= 0:
+            raise invalid_argument("tolerance", tolerance, "a float >= 0",
+                                   fix="Pass e.g. tolerance=0.5 (percentage points), or None for the report's own.")
+        tolerance = float(tolerance)
         summaries = self.statistics()
         names = sorted({m for d in summaries.values() for m in d})
         if metric is not None and metric not in names:
             raise invalid_argument("metric", metric, "a metric the runs recorded",
-                                   choices=names, fix="Choose from: " + ", ".join(names))
+                                   choices=names, fix=(f"Choose from: {', '.join(names)}; e.g. metric={names[0]!r}."
+                                                       if names else "Pass metric=None."))
         judged = [metric] if metric else ([m for m in names if is_accuracy_like(m)]
                                           or names)
         candidates = [(label, m, s, compare_stats.decide(s.interval, tolerance))

@@ -310,10 +310,9 @@ def estimate_kv_cache(
         >>> estimate_kv_cache(32, 4096, seq_len=1, batch_size=1, dtype="float16")
         524288
     """
-    sizes = dict(num_layers=num_layers, hidden_size=hidden_size, seq_len=seq_len,
-                 batch_size=batch_size)
-    for name, value in sizes.items():
-        check_positive_int(name, value)
+    for name, value, example in (("num_layers", num_layers, 32), ("hidden_size", hidden_size, 4096),
+                                 ("seq_len", seq_len, 2048), ("batch_size", batch_size, 1)):
+        check_positive_int(name, value, fix=f"Pass e.g. {name}={example}.")
     if isinstance(dtype, str) and dtype.startswith("mixed_"):
         dtype = dtype[len("mixed_"):]
     try:
@@ -325,5 +324,6 @@ def estimate_kv_cache(
     except (ValueError, TypeError) as error:
         raise invalid_argument(
             "dtype", dtype, "a dtype name such as 'float16', 'bfloat16' or 'float32'",
-            choices=("float16", "bfloat16", "float32", "int8")) from error
+            choices=("float16", "bfloat16", "float32", "int8"),
+            fix="Pass e.g. dtype='float16' (the default).") from error
     return 2 * num_layers * hidden_size * per_element * seq_len * batch_size

@@ -88,16 +88,20 @@ class Attachment:
         Raises:
             ValueError: (template) a field of another type than documented.
         """
-        for name in ("model", "attached_by", "policy", "remapper"):
-            check_type(name, getattr(self, name), str, "a string")
+        for name, example in (("model", "'sequential'"), ("attached_by", "'compile'"),
+                              ("policy", "'mixed_float16'"), ("remapper", "'on'")):
+            check_type(name, getattr(self, name), str, "a string", fix=f"Pass e.g. {name}={example}.")
         for name in ("layer_policies", "forced_float32", "batchnorm_kernel"):
-            check_type(name, getattr(self, name), dict, "a dict of layer path -> string", items=str)
-        check_type("exact_ids", self.exact_ids, int, "an int >= 0")
+            check_type(name, getattr(self, name), dict, "a dict of layer path -> string", items=str,
+                       fix=f"Pass e.g. {name}={{'dense': 'float32'}}, or {{}} for none.")
+        count_fix = "Pass the number of Embedding layers with exact ids, e.g. exact_ids=0."
+        check_type("exact_ids", self.exact_ids, int, "an int >= 0", fix=count_fix)
         if self.exact_ids < 0:
-            raise invalid_argument("exact_ids", self.exact_ids, "an int >= 0")
+            raise invalid_argument("exact_ids", self.exact_ids, "an int >= 0", fix=count_fix)
         for name in ("explains_dtype_errors", "check_numerics", "loss_terms_in_float32"):
             check_bool(name, getattr(self, name))
-        check_type("custom_optimizers", self.custom_optimizers, list, "a list of attribute names", items=str)
+        check_type("custom_optimizers", self.custom_optimizers, list, "a list of attribute names", items=str,
+                   fix="Pass e.g. custom_optimizers=['g_optimizer'], or [] for none.")
 
 
 def of(obj: Any) -> Optional[Attachment]:

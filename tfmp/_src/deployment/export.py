@@ -93,8 +93,10 @@ def export(
             the op, the layer when the converter's message reveals it, and the
             converter's own words; the converter's error is chained as the cause).
     """
-    _check_choice("format", format, FORMATS)
-    _check_choice("weights", weights, WEIGHTS)
+    _check_choice("format", format, FORMATS,
+                  fix="Pass format='tf_saved_model' (a folder, the default) or format='tflite' (a file).")
+    _check_choice("weights", weights, WEIGHTS,
+                  fix="Pass weights='float32' (the default), or weights='float16' with format='tflite'.")
     if weights == "float16" and format != "tflite":
         raise invalid_argument(
             "weights", weights, "'float32' with format='tf_saved_model'",
@@ -127,10 +129,10 @@ def export(
     return _report(path, format, weights, expected, produced)
 
 
-def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
-    if value not in choices:
+def _check_choice(name: str, value: Any, choices: Sequence[str], fix: str) -> None:
+    if not isinstance(value, str) or value not in choices:
         expected = "one of " + ", ".join(repr(c) for c in choices)
-        raise invalid_argument(name, value, expected, choices=choices)
+        raise invalid_argument(name, value, expected, fix=fix, choices=choices)
 
 
 def _make_parent(path: str) -> None:

@@ -94,7 +94,8 @@ def checked_sample(sample: Any, specs: List[Any]) -> List[np.ndarray]:
     try:
         flat = [np.asarray(x) for x in tf.nest.flatten(sample)]
     except (ValueError, TypeError) as error:
-        raise invalid_argument("sample", sample, "arrays of numbers, as the model takes them") from error
+        raise invalid_argument("sample", sample, "arrays of numbers, as the model takes them",
+                               fix="Pass e.g. sample=x_test[:8], or None for a generated batch.") from error
     if len(flat) != len(specs):
         raise invalid_argument(
             "sample", sample, f"{len(specs)} input array(s), as the model takes them",

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import keras
 import numpy as np
 
-from tfmp._src.errors import invalid_argument
+from tfmp._src.errors import invalid_argument, model_fix
 from tfmp._src.layer_tree import walk
 
 #: Classes whose serialized form is a dtype policy (``"dtype"`` entries of configs).
@@ -76,7 +76,8 @@ def to_float32(model: keras.Model) -> keras.Model:
         True
     """
     if not isinstance(model, keras.Model):
-        raise invalid_argument("model", model, "a built `keras.Model`")
+        raise invalid_argument("model", model, "a built `keras.Model`",
+                               fix=model_fix("tfmp.to_float32(model)"))
     if not model.built:
         raise invalid_argument(
             "model", model, "a built `keras.Model`",

@@ -58,7 +58,7 @@ import keras
 
 from tfmp._src.attachment import record as _record
 from tfmp._src.constants import LOW_PRECISION
-from tfmp._src.errors import check_bool, check_model, check_positive_int
+from tfmp._src.errors import check_bool, check_model, check_positive_int, model_fix
 from tfmp._src.float32 import force as _float32
 from tfmp._src.float32.audit_batch import check_batch, gradient_check
 from tfmp._src.float32.audit_report import AuditReport, AuditRow, AuditWarning
@@ -279,7 +279,7 @@ def audit(
         >>> [(row.path, row.compute_dtype) for row in tfmp.audit(model).rows]
         [('logits', 'float32')]
     """
-    check_model("model", model)
+    check_model("model", model, fix=model_fix("tfmp.audit(model)"))
     if batch is not None:
         check_batch(model, batch)
     check_positive_int("batch_size", batch_size, allow_none=True,

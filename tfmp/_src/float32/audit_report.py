@@ -112,15 +112,18 @@ class AuditReport:
             ValueError: (template) a field of another type, `float32_fraction`
                 outside [0, 1] or `policy_source` not a key of `POLICY_LABELS`.
         """
-        check_type("policy", self.policy, str, "a dtype policy name string")
+        check_type("policy", self.policy, str, "a dtype policy name string", fix="Pass e.g. policy='mixed_float16'.")
         for name, kind in (("rows", AuditRow), ("warnings", AuditWarning), ("gradients", GradientRow)):
-            check_type(name, getattr(self, name), tuple, f"a tuple of {kind.__name__}", items=kind)
+            check_type(name, getattr(self, name), tuple, f"a tuple of {kind.__name__}", items=kind,
+                       fix=f"Pass e.g. {name}=() or a tuple of {kind.__name__}, as tfmp.audit(model).{name} holds.")
         fraction = self.float32_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
-            raise invalid_argument("float32_fraction", fraction, "a number in [0, 1]")
+            raise invalid_argument("float32_fraction", fraction, "a number in [0, 1]",
+                                   fix="Pass the share of parameters in forced layers, e.g. float32_fraction=0.25.")
         if not isinstance(self.policy_source, str) or self.policy_source not in POLICY_LABELS:
             raise invalid_argument("policy_source", self.policy_source,
-                                   "one of " + ", ".join(map(repr, POLICY_LABELS)), choices=POLICY_LABELS)
+                                   "one of " + ", ".join(map(repr, POLICY_LABELS)), choices=POLICY_LABELS,
+                                   fix="Pass e.g. policy_source='model' (the default).")
 
     @property
     def kinds(self) -> frozenset:

@@ -187,12 +187,15 @@ class Float32Rules:
                 `exclude` not a tuple of targets (`targets_from`), a note table
                 not a tuple of `KerasLayerNote`.
         """
-        check_type("builtin", self.builtin, tuple, "a tuple of keras.layers.Layer classes", items=type)
+        check_type("builtin", self.builtin, tuple, "a tuple of keras.layers.Layer classes", items=type,
+                   fix="Pass e.g. builtin=(keras.layers.Softmax,), or take the rules from tfmp.float32_layers().")
         for name in ("keep", "exclude"):
-            check_type(name, getattr(self, name), tuple, "a tuple of Layer classes and pattern strings")
+            check_type(name, getattr(self, name), tuple, "a tuple of Layer classes and pattern strings",
+                       fix=f"Pass e.g. {name}=('head/*', keras.layers.Dense), or {name}=() for none.")
             targets_from(name, getattr(self, name))
         for name in ("known_broken", "float32_inside_keras", "exact_preprocessing"):
-            check_type(name, getattr(self, name), tuple, "a tuple of KerasLayerNote", items=KerasLayerNote)
+            check_type(name, getattr(self, name), tuple, "a tuple of KerasLayerNote", items=KerasLayerNote,
+                       fix=f"Leave {name} out (its default is tfmp's table), or pass {name}=() for none.")
 
 
 class Registration:
@@ -213,7 +216,8 @@ class Registration:
             ValueError: (template) `added` is not a list or tuple of targets, or
                 `exclude` not a bool.
         """
-        check_type("added", added, (list, tuple), "a list of Layer classes and pattern strings")
+        check_type("added", added, (list, tuple), "a list of Layer classes and pattern strings",
+                   fix="Pass e.g. added=['head/*']; tfmp.register_float32('head/*') makes one for you.")
         targets_from("added", added)
         check_bool("exclude", exclude)
         self.added = tuple(added)
@@ -327,6 +331,8 @@ def unregister_float32(*targets: Target) -> None:
                 target,
                 f"a registered target, one of {registered or 'none (registry is empty)'}",
                 choices=[t for t in registered if isinstance(t, str)],
+                fix="Pass a target given to tfmp.register_float32 before, as given there; "
+                "tfmp.float32_layers() lists them.",
             )
         for table in (_keep, _exclude):
             if target in table:

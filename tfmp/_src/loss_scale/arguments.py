@@ -18,8 +18,8 @@ from tfmp._src.errors import (
     check_positive_int,
     check_positive_number,
     check_type,
-    did_you_mean,
     invalid_argument,
+    unknown_fix,
 )
 from tfmp._src.loss_scale import guard as _guard
 
@@ -31,6 +31,9 @@ KERAS_COMPAT_DEFAULTS = {
     "use_ema": False, "ema_momentum": 0.99, "ema_overwrite_frequency": None,
     "loss_scale_factor": None, "gradient_accumulation_steps": None,
 }
+#: Defaults of `tfmp.LossScaleOptimizer`'s scales and counts, as its messages show them.
+_DEFAULTS = {"initial_scale": "2.0**15", "min_scale": "1.0", "max_scale": "2.0**24",
+             "dynamic_growth_steps": "2000", "hysteresis": "1", "max_consecutive_overflows": "32"}
 _ARGUMENTS = ("inner_optimizer", "initial_scale", "dynamic_growth_steps", "min_scale", "max_scale",
               "hysteresis", "max_consecutive_overflows", "on_stuck", "loss_scaling", "guard", "name")
 
@@ -61,22 +64,26 @@ def check_arguments(
             "keep the one wrapper you have (loss scaling twice scales the loss twice).",
         )
     for arg, value in (("initial_scale", initial_scale), ("min_scale", min_scale), ("max_scale", max_scale)):
-        check_positive_number(arg, value)
+        check_positive_number(arg, value, fix=f"Pass e.g. {arg}={_DEFAULTS[arg]} (the default).")
     for arg, value in (
         ("dynamic_growth_steps", dynamic_growth_steps),
         ("hysteresis", hysteresis),
         ("max_consecutive_overflows", max_consecutive_overflows),
     ):
-        check_positive_int(arg, value)
+        check_positive_int(arg, value, fix=f"Pass e.g. {arg}={_DEFAULTS[arg]} (the default).")
     if min_scale > max_scale:
-        raise invalid_argument("min_scale", min_scale, f"a value <= max_scale={max_scale!r}")
+        raise invalid_argument("min_scale", min_scale, f"a value <= max_scale={max_scale!r}",
+                               fix=f"Lower min_scale or raise max_scale, e.g. min_scale={max_scale!r}.")
     if loss_scaling and not min_scale <= initial_scale <= max_scale:
         raise invalid_argument(
             "initial_scale", initial_scale,
             f"a value in [min_scale, max_scale] = [{min_scale!r}, {max_scale!r}]",
+            fix=f"Pass e.g. initial_scale={min(max(initial_scale, min_scale), max_scale)!r}, "
+            "or widen min_scale and max_scale.",
         )
     if not isinstance(on_stuck, str) or on_stuck not in ON_STUCK:
-        raise invalid_argument("on_stuck", on_stuck, "one of 'raise', 'warn'", choices=ON_STUCK)
+        raise invalid_argument("on_stuck", on_stuck, "one of 'raise', 'warn'", choices=ON_STUCK,
+                               fix="Pass on_stuck='raise' (stop the run, the default) or on_stuck='warn'.")
     check_bool("loss_scaling", loss_scaling)
     _guard.check_guard(guard, loss_scaling)
     if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
@@ -115,7 +122,7 @@ def check_keras_kwargs(kwargs: Dict[str, Any]) -> None:
         else:
             raise invalid_argument(
                 key, value, "an argument of tfmp.LossScaleOptimizer: one of " + ", ".join(_ARGUMENTS),
-                fix=f"Unknown argument {key!r}. {did_you_mean(key, _ARGUMENTS, cutoff=0.6)}".rstrip(),
+                fix=unknown_fix(f"Unknown argument {key!r}.", key, _ARGUMENTS),
             )
 
 
@@ -145,7 +152,8 @@ def check_gradient_arguments(loss: Any, variables: Any, optimizer: Any) -> list:
         )
     expected = "a non-empty list or tuple of variables, e.g. model.trainable_variables"
     check_type("variables", variables, (list, tuple), expected,
-               items=(tf.Variable, keras.Variable, tf.Tensor))
+               items=(tf.Variable, keras.Variable, tf.Tensor),
+               fix="Pass the variables themselves, e.g. model.trainable_variables, not their names or values.")
     if not variables:
         raise invalid_argument("variables", variables, expected,
                                fix="Build the model first (call it once) so that it has variables.")

@@ -82,7 +82,9 @@ def check_guard(guard: Any, loss_scaling: bool) -> None:
             gradients).
     """
     if guard not in GUARDS:
-        raise invalid_argument("guard", guard, "one of " + ", ".join(map(repr, GUARDS)), choices=GUARDS)
+        raise invalid_argument("guard", guard, "one of " + ", ".join(map(repr, GUARDS)), choices=GUARDS,
+                               fix="Pass e.g. guard='auto' (the default: 'gradients' with loss scaling, "
+                               "'batch' without).")
     if guard in LOSS_GUARDS and loss_scaling:
         raise invalid_argument(
             "guard", guard, "'auto', 'gradients' or 'values' with loss_scaling=True",

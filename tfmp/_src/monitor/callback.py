@@ -175,6 +175,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
                 update_freq,
                 "'epoch', 'batch' or a positive int",
                 choices=("epoch", "batch"),
+                fix="Pass update_freq='epoch' (the default), 'batch', or a step count, e.g. update_freq=100.",
             )
         check_positive_int(
             "grad_stats_freq", grad_stats_freq, allow_none=True,

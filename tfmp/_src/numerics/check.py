@@ -36,7 +36,8 @@ from typing import Any, Callable, Optional
 import keras
 import tensorflow as tf
 
-from tfmp._src.errors import NonFiniteError, check_bool, check_model, check_positive_int, invalid_argument
+from tfmp._src.errors import (NonFiniteError, check_bool, check_model, check_positive_int, invalid_argument,
+                              model_fix)
 from tfmp._src.keras_hooks import patches, train_function
 from tfmp._src.keras_hooks.keras_private import optimizer_variables
 from tfmp._src.numerics.layers import (LayerSpec, check_layer_spec, layer_paths, reduction_hint,
@@ -54,6 +55,8 @@ _MAX_FAILURES = 100
 #: row: 48 KiB at 1024 (48 GB at 10**9), plus per step under a strategy an
 #: all-reduce of replicas * 6 * (trace_length + 1) float32.
 MAX_TRACE_LENGTH = 1024
+#: How to fix a `model` argument that is not a model (or `None`).
+_MODEL_FIX = model_fix("tfmp.check_numerics(model, action='warn')")
 
 
 def check_trace_length(value: Any) -> None:
@@ -77,9 +80,11 @@ def check_options(action: Any, phase: Any, layers: Any, trace_length: Any) -> No
             another form (`check_layer_spec`) or a `trace_length` out of range.
     """
     if not isinstance(action, str) or action not in _ACTIONS:
-        raise invalid_argument("action", action, "one of 'raise', 'warn', 'log'", choices=_ACTIONS)
+        raise invalid_argument("action", action, "one of 'raise', 'warn', 'log'", choices=_ACTIONS,
+                               fix="Pass e.g. action='warn' (report and go on); 'raise' (the default) stops the run.")
     if not isinstance(phase, str) or phase not in _PHASES:
-        raise invalid_argument("phase", phase, "one of 'forward', 'backward', 'both'", choices=_PHASES)
+        raise invalid_argument("phase", phase, "one of 'forward', 'backward', 'both'", choices=_PHASES,
+                               fix="Pass e.g. phase='both' (the default: layer outputs and gradients).")
     check_layer_spec(layers)
     check_trace_length(trace_length)
 
@@ -123,7 +128,7 @@ class NumericsHandle:
         Raises:
             ValueError: (template) an argument `tfmp.check_numerics` refuses.
         """
-        check_model("model", model, expected="a keras.Model instance")
+        check_model("model", model, expected="a keras.Model instance", fix=_MODEL_FIX)
         check_options(action, phase, layers, trace_length)
         self.model, self.action, self.phase = model, action, phase
         selected = [] if phase == "backward" else select_layers(model, layers)
@@ -341,7 +346,7 @@ def check_numerics(
         >>> handle = check_numerics(model)
         >>> handle.remove()
     """
-    check_model("model", model, expected="a keras.Model instance")
+    check_model("model", model, expected="a keras.Model instance", fix=_MODEL_FIX)
     check_options(action, phase, layers, trace_length)
     check_bool("enabled", enabled)
     previous = vars(model).get(_ATTR)

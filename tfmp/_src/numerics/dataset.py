@@ -112,25 +112,34 @@ def _compute_dtype(policy: Union[None, str, keras.DTypePolicy]) -> str:
     if isinstance(policy, str) and policy in _POLICIES:
         return keras.DTypePolicy(policy).compute_dtype
     raise invalid_argument(
-        "policy", policy, "None, a keras.DTypePolicy or one of " + ", ".join(map(repr, _POLICIES)), choices=_POLICIES
+        "policy", policy, "None, a keras.DTypePolicy or one of " + ", ".join(map(repr, _POLICIES)), choices=_POLICIES,
+        fix="Pass e.g. policy='mixed_float16', or None for Keras's global policy.",
     )
+
+
+#: What `check_dataset` scans, as its messages say it.
+_DATASET = ("a tf.data.Dataset, keras.utils.PyDataset, arrays (x or (x, y)) or an iterable of batches, "
+            "each an array or tensor of rank >= 1 or a tuple or dict of them")
+_MAX_BATCHES_FIX = "Pass the number of batches to scan, e.g. max_batches=100."
 
 
 def _batches(data: Any, max_batches: Optional[int], batch_size: int) -> Iterator[Any]:
     """Yields batches (nested NumPy-convertible structures) of any supported input."""
     if isinstance(data, tf.data.Dataset):
         if max_batches is None and data.cardinality() == tf.data.INFINITE_CARDINALITY:
-            raise invalid_argument("max_batches", max_batches, "an integer >= 1 for an infinite (repeated) dataset")
+            raise invalid_argument("max_batches", max_batches, "an integer >= 1 for an infinite (repeated) dataset",
+                                   fix=_MAX_BATCHES_FIX)
         return iter(data.take(-1 if max_batches is None else max_batches).as_numpy_iterator())
     if isinstance(data, keras.utils.PyDataset):
         count = data.num_batches
         if count is None and max_batches is None:
-            raise invalid_argument("max_batches", max_batches, "an integer >= 1 for a PyDataset without a length")
+            raise invalid_argument("max_batches", max_batches, "an integer >= 1 for a PyDataset without a length",
+                                   fix=_MAX_BATCHES_FIX)
         count = max_batches if count is None else min(count, max_batches or count)
-        return (data[index] for index in range(count))
+        return _checked_batches(data, (data[index] for index in range(count)))
     if isinstance(data, (str, bytes, bytearray)):
         raise invalid_argument(
-            "dataset", data, "a tf.data.Dataset, keras.utils.PyDataset, arrays (x or (x, y)) or an iterable of batches",
+            "dataset", data, _DATASET,
             fix="A string is not data: load the file it names first (e.g. with np.load or tf.data).")
     leaves = keras.tree.flatten(data) if isinstance(data, (dict, tuple, np.ndarray, tf.Tensor)) else []
     if leaves and all(isinstance(leaf, (np.ndarray, tf.Tensor)) for leaf in leaves):
@@ -138,10 +147,29 @@ def _batches(data: Any, max_batches: Optional[int], batch_size: int) -> Iterator
         starts = range(0, size, batch_size)
         return (keras.tree.map_structure(lambda a, s=s: a[s : s + batch_size], data) for s in starts)
     if isinstance(data, Iterable):
-        return iter(data)
-    raise invalid_argument(
-        "dataset", data, "a tf.data.Dataset, keras.utils.PyDataset, arrays (x or (x, y)) or an iterable of batches"
-    )
+        return _checked_batches(data, iter(data))
+    raise invalid_argument("dataset", data, _DATASET,
+                           fix="Pass e.g. check_dataset((x_train, y_train)) or a tf.data.Dataset.")
+
+
+def _checked_batches(data: Any, batches: Iterator[Any]) -> Iterator[Any]:
+    """`batches`, each checked to hold arrays or tensors of rank >= 1, as `fit` needs.
+
+    Raises:
+        ValueError: (template, naming `dataset`) a batch holds no array, or a
+            value of rank 0 (a plain number: a list of numbers is one array, not
+            batches).
+    """
+    for index, batch in enumerate(batches):
+        leaves = [leaf for leaf in keras.tree.flatten(batch) if leaf is not None]
+        wrong = [leaf for leaf in leaves if not hasattr(leaf, "shape") or len(leaf.shape) < 1]
+        if wrong or not leaves:
+            what = f"a value of type {type(wrong[0]).__name__}, not an array" if wrong else "no array"
+            raise invalid_argument(
+                "dataset", data, _DATASET,
+                fix=f"Batch {index} holds {what}: pass the values as one array, "
+                "e.g. np.array([1.0, 2.0, 3.0]), or batches of arrays, e.g. [(x0, y0), (x1, y1)].")
+        yield batch
 
 
 def _components(batch: Any) -> list[tuple[str, np.ndarray]]:
@@ -212,7 +240,9 @@ def check_dataset(
         dataset: `tf.data.Dataset` of batches (an unbatched one is scanned one
             element per "batch"), `keras.utils.PyDataset`, a NumPy array / tensor /
             dict of them / tuple `(x, y[, sample_weight])` (split into batches of
-            `batch_size`, as `fit` does), or any iterable of batches.
+            `batch_size`, as `fit` does), or any iterable of batches, each an array or
+            tensor of rank >= 1 or a tuple or dict of them (a plain list of numbers
+            is refused: it is one array, not batches).
         policy: None (the global Keras policy), a `keras.DTypePolicy`, or one of
             `"mixed_float16"`, `"mixed_bfloat16"`, `"float16"`, `"bfloat16"`,
             `"float32"`, `"float64"`.
@@ -227,8 +257,9 @@ def check_dataset(
         lists the issues by batch, component and feature.
 
     Raises:
-        ValueError: (template) `dataset` is a string or of no supported kind, or
-            yields no batch; `policy` is not one of those above; `max_batches` is
+        ValueError: (template) `dataset` is a string or of no supported kind,
+            yields a batch that holds a value of rank 0 (a number) or no array,
+            or yields no batch; `policy` is not one of those above; `max_batches` is
             not None or an int >= 1 (or None for an infinite data set);
             `batch_size` is not an int >= 1.
 
@@ -238,8 +269,9 @@ def check_dataset(
         >>> report.issues
         [DatasetIssue(batch=1, component='x', feature=2, problem='nan', count=1)]
     """
-    check_positive_int("max_batches", max_batches, allow_none=True)
-    check_positive_int("batch_size", batch_size)
+    check_positive_int("max_batches", max_batches, allow_none=True,
+                       fix="Pass e.g. max_batches=100, or None to scan all.")
+    check_positive_int("batch_size", batch_size, fix="Pass e.g. batch_size=32 (the default).")
     dtype = _compute_dtype(policy)
     info = ml_dtypes.finfo(dtype)
     report = DatasetReport(dtype, float(info.max), float(info.smallest_subnormal))

@@ -53,7 +53,8 @@ def check_layer_spec(layers: Any) -> None:
         raise invalid_argument("layers", layers, expected, fix=fix)
     for spec in layers:
         if not isinstance(spec, (str, type, keras.layers.Layer)) or spec == "":
-            raise invalid_argument("layers", spec, "layer names, paths, Layer classes or Layer instances")
+            raise invalid_argument("layers", spec, "layer names, paths, Layer classes or Layer instances",
+                                   fix="Pass e.g. layers=['dense', keras.layers.LayerNormalization].")
 
 
 def select_layers(model: keras.Model, layers: LayerSpec) -> list[tuple[keras.layers.Layer, str]]:
@@ -77,7 +78,9 @@ def select_layers(model: keras.Model, layers: LayerSpec) -> list[tuple[keras.lay
         if not found:
             names = [layer.name for layer, _ in candidates]
             raise invalid_argument(
-                "layers", spec, f"a layer of model '{model.name}' (one of {', '.join(names)})", choices=names
+                "layers", spec, f"a layer of model '{model.name}' (one of {', '.join(names)})", choices=names,
+                fix=(f"Pass names from that list, e.g. layers=[{names[0]!r}]." if names
+                     else "The model has no layer yet: build it first, or pass layers=None."),
             )
         chosen.extend(item for item in found if all(item[0] is not c for c, _ in chosen))
     return chosen

@@ -102,9 +102,10 @@ class PolicyDecision:
         names = (MIXED_FLOAT16, MIXED_BFLOAT16, FLOAT32, *PURE_16BIT)
         if not (isinstance(self.policy, str) and self.policy in names):
             raise invalid_argument("policy", self.policy, "one of " + ", ".join(map(repr, names)),
-                                   choices=names)
-        check_type("reason", self.reason, str, "a string")
-        check_type("device", self.device, str, "a string")
+                                   choices=names, fix="Pass e.g. policy='mixed_float16'.")
+        check_type("reason", self.reason, str, "a string",
+                   fix="Pass one sentence, e.g. reason='Tensor Cores with float16 (compute capability 7.0)'.")
+        check_type("device", self.device, str, "a string", fix="Pass e.g. device=\"GPU 'Tesla V100'\".")
         check_bool("tf32", self.tf32, allow_none=True)
 
     @property
@@ -424,10 +425,11 @@ def resolve_policy(
             ),
         )
     if name not in POLICY_CHOICES and name not in PURE_16BIT:
-        fix = f"Did you mean {_ALIASES[name.lower()]!r}?" if name.lower() in _ALIASES else ""
+        alias = _ALIASES.get(name.lower())
         raise invalid_argument(
             "policy", policy, "one of " + ", ".join(repr(c) for c in POLICY_CHOICES),
-            fix=fix, choices=POLICY_CHOICES,
+            fix=f"Did you mean {alias!r}?" if alias else "Pass e.g. policy='auto' (chosen for this machine).",
+            choices=() if alias else POLICY_CHOICES,
         )
     # float32 is never slower than itself: nothing to measure for it
     facts, probe = _facts_and_probe(device_facts, speed_probe, measure=name != FLOAT32)

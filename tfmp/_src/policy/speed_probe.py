@@ -134,7 +134,7 @@ class SpeedProbe:
         """
         if dtype not in DTYPES:
             raise invalid_argument("dtype", dtype, "one of " + ", ".join(map(repr, DTYPES)),
-                                   choices=DTYPES)
+                                   choices=DTYPES, fix="Pass e.g. dtype='bfloat16'.")
         return getattr(self, f"{dtype}_ms")
 
     def factor(self, dtype: str) -> float:

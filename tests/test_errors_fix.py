@@ -62,7 +62,10 @@ CASES = [
      "Pass e.g. initial_scale=2.0**15 (the default)."),
     ("min_scale-above-max", lambda m, t: tfmp.LossScaleOptimizer(sgd(), min_scale=64.0, max_scale=32.0),
      "Received: min_scale=64.0 (of type float).", "Expected a value <= max_scale=32.0.",
-     "Lower min_scale or raise max_scale, e.g. min_scale=32.0."),
+     "Pass e.g. min_scale=32.0, initial_scale=32.0 with max_scale=32.0."),
+    ("max_scale-below-default-min", lambda m, t: tfmp.LossScaleOptimizer(sgd(), max_scale=0.5),
+     "Received: max_scale=0.5 (of type float).", "Expected a value >= min_scale=1.0.",
+     "Pass e.g. min_scale=0.5, initial_scale=0.5 with max_scale=0.5."),
     ("initial_scale-below-min", lambda m, t: tfmp.LossScaleOptimizer(sgd(), initial_scale=2.0, min_scale=4.0),
      "Received: initial_scale=2.0 (of type float).", "Expected a value in [min_scale, max_scale] = [4.0, 16777216.0].",
      "Pass e.g. initial_scale=4.0, or widen min_scale and max_scale."),
@@ -235,3 +238,20 @@ def test_check_dataset_still_takes_an_iterable_of_batches():
     report = tfmp.check_dataset([(x, np.zeros((4, 1), "float32")), {"a": x}, (x, None)])
     assert [(i.batch, i.component, i.feature, i.problem) for i in report.issues] == [
         (0, "x", 2, "nan"), (1, "x/a", 2, "nan"), (2, "x", 2, "nan")]
+
+
+@pytest.mark.parametrize("bounds", [dict(min_scale=4.0, max_scale=2.0), dict(max_scale=0.5),
+                                    dict(min_scale=64.0, max_scale=32.0, loss_scaling=False)])
+def test_following_the_scale_bounds_fix_gives_a_valid_optimizer(bounds):
+    """The fix names every bound to change at once: passing it is accepted, with no second error."""
+    import re
+
+    with pytest.raises(ValueError) as info:
+        tfmp.LossScaleOptimizer(sgd(), **bounds)
+    fix = re.search(r"Pass e\.g\. (.*) with max_scale=(\S+)\.$", str(info.value))
+    fixed = dict(bounds, max_scale=float(fix.group(2)))
+    for pair in fix.group(1).split(", "):
+        name, value = pair.split("=")
+        fixed[name] = float(value)
+    optimizer = tfmp.LossScaleOptimizer(sgd(), **fixed)
+    assert optimizer.loss_scale <= fixed["max_scale"]

@@ -191,3 +191,25 @@ def test_benchmark_script_times_both_updates_on_each_models_weights(tmp_path):
             assert run["largest_change"] > 0
         assert 0 <= m["optimizers"]["adam"]["largest_difference"] <= 1e-4 * m["optimizers"]["adam"]["largest_change"]
         assert m["optimizers"]["nesterov"]["largest_difference"] == 0  # SGD's kernel: bit for bit
+
+
+@pytest.mark.parametrize("kind", ["global_clipnorm", "gradient accumulation over 3"])
+def test_where_fused_sgd_differs_from_keras_it_is_grapplers_reordering_of_kerass_ops(kind):
+    """With global clipping or accumulation Grappler's arithmetic optimizer may reorder
+    Keras's own multiplies and divides (the kernel takes their product as one operand):
+    with it off, the fused weights equal Keras's bit for bit."""
+    make_optimizer = {
+        "global_clipnorm": lambda: keras.optimizers.SGD(5e-2, momentum=0.9, global_clipnorm=0.1),
+        "gradient accumulation over 3": lambda: keras.optimizers.SGD(5e-2, gradient_accumulation_steps=3),
+    }[kind]
+    before = tf.config.optimizer.get_experimental_options()
+    tf.config.optimizer.set_experimental_options({"arithmetic_optimization": False})
+    try:
+        expected, _, _ = _train(make_optimizer, fused=False)
+        got, _, fused_ops = _train(make_optimizer, fused=True)
+    finally:
+        tf.config.optimizer.set_experimental_options(
+            {"arithmetic_optimization": before.get("arithmetic_optimization", True)})
+    assert {"ResourceApplyKerasMomentum", "ResourceApplyGradientDescent"} & fused_ops
+    for a, b in zip(got, expected):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

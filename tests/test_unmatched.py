@@ -168,3 +168,29 @@ def test_session_targets_warn_at_compile_under_their_own_names():
     assert "A target in `exclude_float32` matches no layer of model 'classifier'" in message
     assert "Received: exclude_float32='*softmx'. Did you mean '*softmax'? Targets given to tfmp.enable" in message
     assert caught[0].filename == __file__  # the compile() call
+
+
+def flat_names():
+    """Layer names as keras.applications gives them: flat, numbered, BatchNormalization as ``_BN``."""
+    keras.config.set_dtype_policy("mixed_float16")
+    inputs = keras.Input((8, 8, 3))
+    x = inputs
+    for block in (1, 2, 16):
+        x = keras.layers.DepthwiseConv2D(3, padding="same", name=f"block_{block}_depthwise")(x)
+        x = keras.layers.BatchNormalization(name=f"block_{block}_depthwise_BN")(x)
+        x = keras.layers.ReLU(name=f"block_{block}_depthwise_relu")(x)
+    return keras.Model(inputs, keras.layers.GlobalAveragePooling2D(name="pool")(x), name="flat")
+
+
+@pytest.mark.parametrize("target, fix", [
+    ("block_1_depthwise_bn", "Did you mean 'block_1_depthwise_BN'? (Patterns are case-sensitive.)"),
+    ("*depthwise_bn", "Patterns are case-sensitive: ignoring case it would match 3 layers, "
+                      "e.g. 'block_1_depthwise_BN'."),
+    ("*depthwise_BM", "Did you mean '*depthwise_BN'?"),  # a glob like the one typed, matching all three
+    ("block_17_*", "Did you mean 'block_1_*'?"),  # a glob again (block_1's three layers), not one name
+])
+def test_suggestions_on_flat_names_keep_the_case_and_the_shape_of_the_pattern(target, fix):
+    model = flat_names()
+    with pytest.warns(tfmp.UnmatchedTargetWarning) as caught:
+        tfmp.force_float32(model, exclude=[target])
+    assert unmatched(caught)[0].endswith(f"Received: exclude={target!r}. {fix}")

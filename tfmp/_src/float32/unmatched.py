@@ -25,6 +25,7 @@ some of whose layers are never built (never called) is never judged.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import warnings
 import weakref
 from typing import Any, Container, Iterable, List, Sequence, Set, Tuple
@@ -185,7 +186,7 @@ def message(model: keras.Model, argument: str, target: Any,
         expected = (
             "a glob pattern over the model's layer paths (fnmatch; `*` also crosses '/'), "
             f"such as {', '.join(map(repr, shown))} ({count}; print(tfmp.audit(model)) lists every path)")
-        fix = (did_you_mean(target, _close_patterns(target, paths))
+        fix = (_case_note(target, paths) or did_you_mean(target, _close_patterns(target, paths))
                or "Correct the pattern to match a layer path, or leave it out.")
     else:
         classes = list(dict.fromkeys(type(layer).__name__ for _, layer, _ in entries))
@@ -206,18 +207,45 @@ def message(model: keras.Model, argument: str, target: Any,
     return text
 
 
+def _case_note(pattern: str, paths: Sequence[str]) -> str:
+    """The fix when ``pattern`` matches some path once case is ignored (patterns are
+    case-sensitive: Keras names BatchNormalization layers ``..._BN`` in some
+    keras.applications models), else ``""``."""
+    matched = [path for path in paths if fnmatch.fnmatchcase(path.lower(), pattern.lower())]
+    if not matched:
+        return ""
+    if not any(sign in pattern for sign in "*?["):
+        return f"Did you mean {matched[0]!r}? (Patterns are case-sensitive.)"
+    return (f"Patterns are case-sensitive: ignoring case it would match {len(matched)} "
+            f"layer{'s' if len(matched) != 1 else ''}, e.g. {matched[0]!r}.")
+
+
+#: How many characters a suggested pattern's fixed part may differ in length from the one typed.
+LENGTH_SLACK = 2
+
+
 def _close_patterns(pattern: str, paths: Sequence[str]) -> List[str]:
     """Patterns matching a layer, shaped like ``pattern``, for `did_you_mean`.
 
-    The paths themselves, and for a pattern starting with ``*`` each path's
-    trailing parts after a ``*`` (``"*softmax"``), for one ending with ``*``
-    each path's leading parts before ``/*`` (``"head/*"``).
+    The paths themselves; for a pattern starting with ``*`` (``"*softmx"``), ``*``
+    before each path's trailing parts after a ``/`` and before each of its
+    endings about as long as the typed ending (``"*depthwise_BN"``); for one
+    ending with ``*`` (``"block_17_*"``), each path's leading parts before
+    ``/*`` and each of its beginnings about as long as the typed one, then ``*``
+    (``"block_16_*"``). Every candidate matches at least one layer.
     """
     candidates = dict.fromkeys(paths)
     for path in paths:
         parts = path.split("/")
         if pattern.startswith("*"):
             candidates.update(dict.fromkeys("*" + "/".join(parts[i:]) for i in range(len(parts))))
+            candidates.update(dict.fromkeys("*" + path[-n:] for n in _lengths(pattern[1:], path)))
         if pattern.endswith("*"):
             candidates.update(dict.fromkeys("/".join(parts[:i]) + "/*" for i in range(1, len(parts))))
+            candidates.update(dict.fromkeys(path[:n] + "*" for n in _lengths(pattern[:-1], path)))
     return list(candidates)
+
+
+def _lengths(fixed: str, path: str) -> range:
+    """Lengths within `LENGTH_SLACK` of ``fixed``'s, at least 1 and shorter than ``path``."""
+    return range(max(1, len(fixed) - LENGTH_SLACK), min(len(path), len(fixed) + LENGTH_SLACK + 1))

@@ -31,11 +31,24 @@ KERAS_COMPAT_DEFAULTS = {
     "use_ema": False, "ema_momentum": 0.99, "ema_overwrite_frequency": None,
     "loss_scale_factor": None, "gradient_accumulation_steps": None,
 }
+#: `tfmp.LossScaleOptimizer`'s default ``min_scale``.
+DEFAULT_MIN_SCALE = 1.0
 #: Defaults of `tfmp.LossScaleOptimizer`'s scales and counts, as its messages show them.
 _DEFAULTS = {"initial_scale": "2.0**15", "min_scale": "1.0", "max_scale": "2.0**24",
              "dynamic_growth_steps": "2000", "hysteresis": "1", "max_consecutive_overflows": "32"}
 _ARGUMENTS = ("inner_optimizer", "initial_scale", "dynamic_growth_steps", "min_scale", "max_scale",
               "hysteresis", "max_consecutive_overflows", "on_stuck", "loss_scaling", "guard", "name")
+
+
+def _bounds_fix(initial_scale: float, min_scale: float, max_scale: float, loss_scaling: Any) -> str:
+    """A fix that passes every bound check at once: ``max_scale`` kept, ``min_scale``
+    lowered to it if above, ``initial_scale`` (with loss scaling) moved into the range."""
+    low = min(min_scale, max_scale)
+    changed = [("min_scale", min_scale, low)]
+    if loss_scaling:
+        changed.append(("initial_scale", initial_scale, min(max(initial_scale, low), max_scale)))
+    passed = [f"{name}={new!r}" for name, old, new in changed if new != old]
+    return f"Pass e.g. {', '.join(passed)} with max_scale={max_scale!r}."
 
 
 def check_arguments(
@@ -72,8 +85,13 @@ def check_arguments(
     ):
         check_positive_int(arg, value, fix=f"Pass e.g. {arg}={_DEFAULTS[arg]} (the default).")
     if min_scale > max_scale:
-        raise invalid_argument("min_scale", min_scale, f"a value <= max_scale={max_scale!r}",
-                               fix=f"Lower min_scale or raise max_scale, e.g. min_scale={max_scale!r}.")
+        # Name the bound the user set: max_scale alone below the default min_scale blames max_scale.
+        name, value, expected = (
+            ("max_scale", max_scale, f"a value >= min_scale={min_scale!r}")
+            if min_scale == DEFAULT_MIN_SCALE else
+            ("min_scale", min_scale, f"a value <= max_scale={max_scale!r}"))
+        raise invalid_argument(name, value, expected,
+                               fix=_bounds_fix(initial_scale, min_scale, max_scale, loss_scaling))
     if loss_scaling and not min_scale <= initial_scale <= max_scale:
         raise invalid_argument(
             "initial_scale", initial_scale,

@@ -19,8 +19,14 @@ Keras update                               kernel                              f
                                                                                (Nesterov: ``var += m * momentum - lr * g``)
 =========================================  ==================================  ==================================
 
-SGD's kernels give bit-identical weights (the same float32 operations in the
-same order). Adam's differ in rounding only: Keras computes ``1 - beta_1`` in
+SGD's kernels compute Keras's float32 operations in Keras's order: the weights
+equal Keras's bit for bit, with or without momentum, weight decay, ``clipnorm``,
+``clipvalue``, schedules and EMA. With ``global_clipnorm``, gradient accumulation
+(a count not a power of two) or XLA they may differ by float32 rounding (up to
+1.5e-8 seen after 3 steps): Grappler's arithmetic optimizer reorders the
+multiplies and divides of Keras's own chain of ops, which the kernel takes as
+one operand (with it off the two are equal; ``tests/test_fused_update.py``),
+and XLA compiles the two differently. Adam's differ in rounding only: Keras computes ``1 - beta_1`` in
 double precision before casting it, the kernel in the variable's dtype, so ``m``
 and ``v`` move by a few float32 ulps. Speed of the update alone on an AMD Zen 4
 (2 cores, ``benchmarks/fused_update.py``): see benchmarks/README.md.

@@ -135,3 +135,10 @@ def test_the_scan_works_in_chunks_with_the_same_counts(monkeypatch):
     monkeypatch.setattr(_dataset, "_scan_rows", lambda values, limits: seen.append(values.shape) or scan_rows(values, limits))
     assert tfmp.check_dataset(x, policy="mixed_float16", batch_size=64).issues == expected
     assert set(seen) == {(2, 4)} and len(seen) == 32
+
+
+def test_x_with_no_targets_is_scanned_as_fit_takes_it():
+    x = np.ones((10, 3), "float32")
+    x[6, 2] = np.nan
+    report = tfmp.check_dataset((x, None), batch_size=4)
+    assert report.issues == [DatasetIssue(batch=1, component="x", feature=2, problem="nan", count=1)]

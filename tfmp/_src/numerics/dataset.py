@@ -142,10 +142,12 @@ def _batches(data: Any, max_batches: Optional[int], batch_size: int) -> Iterator
             "dataset", data, _DATASET,
             fix="A string is not data: load the file it names first (e.g. with np.load or tf.data).")
     leaves = keras.tree.flatten(data) if isinstance(data, (dict, tuple, np.ndarray, tf.Tensor)) else []
-    if leaves and all(isinstance(leaf, (np.ndarray, tf.Tensor)) for leaf in leaves):
-        size = len(leaves[0])
+    arrays = [leaf for leaf in leaves if leaf is not None]  # (x, None) as fit takes it
+    if arrays and all(isinstance(leaf, (np.ndarray, tf.Tensor)) for leaf in arrays):
+        size = len(arrays[0])
         starts = range(0, size, batch_size)
-        return (keras.tree.map_structure(lambda a, s=s: a[s : s + batch_size], data) for s in starts)
+        return (keras.tree.map_structure(lambda a, s=s: a if a is None else a[s : s + batch_size], data)
+                for s in starts)
     if isinstance(data, Iterable):
         return _checked_batches(data, iter(data))
     raise invalid_argument("dataset", data, _DATASET,

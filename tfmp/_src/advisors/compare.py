@@ -16,6 +16,7 @@ tfmp/docs/troubleshooting.md#accuracy-drop-versus-float32.
 from __future__ import annotations
 
 import gc
+import inspect
 import math
 import statistics
 import time
@@ -227,10 +228,11 @@ def compare(
         then ``print(report)`` and ``report.verdict(tolerance=0.25)``; tests/
         test_compare.py runs this on scikit-learn's digits.
     """
-    for name, value, default in (("epochs", epochs, 3), ("batch_size", batch_size, 32),
-                                 ("timing_rounds", timing_rounds, 5)):
+    defaults = inspect.signature(compare).parameters
+    for name, value in (("epochs", epochs), ("batch_size", batch_size), ("timing_rounds", timing_rounds)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise invalid_argument(name, value, "a positive int", fix=f"Pass e.g. {name}={default} (the default).")
+            raise invalid_argument(name, value, "a positive int",
+                                   fix=f"Pass e.g. {name}={defaults[name].default} (the default).")
     if not callable(build_model) or isinstance(build_model, keras.Model):
         raise invalid_argument(
             "build_model", build_model, "a callable returning a compiled keras.Model",

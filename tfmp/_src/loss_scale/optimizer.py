@@ -204,7 +204,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         initial_scale: float = 2.0**15,
         dynamic_growth_steps: int = 2000,
         *,
-        min_scale: float = 1.0,
+        min_scale: float = _arguments.DEFAULT_MIN_SCALE,
         max_scale: float = 2.0**24,
         hysteresis: int = 1,
         max_consecutive_overflows: int = DEFAULT_MAX_CONSECUTIVE_OVERFLOWS,

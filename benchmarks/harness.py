@@ -46,7 +46,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfmp
-from tfmp._src.float32 import fused_batchnorm
+from tfmp._src.float32 import fused_batchnorm, gelu
 from tfmp._src.layer_tree import walk
 from tfmp._src.errors import invalid_argument
 from benchmarks.memory import PeakDeviceMemory, model_memory
@@ -81,6 +81,9 @@ class Overrides:
         exclude_float32: Tuple of layer path patterns (strings, so that the
             report's JSON holds them). Under ``tfmp``, layers tfmp must not force
             (`tfmp.enable`'s ``exclude_float32``).
+        gelu_float32_inside: Bool or None. Under ``tfmp``, whether the model's
+            16-bit exact GELU is computed in float32 inside (the GELU probe's
+            result injected while it compiles); None: as this CPU's probe decides.
     """
 
     jit_compile: Union[bool, str] = "auto"
@@ -89,6 +92,7 @@ class Overrides:
     monitor: Optional[bool] = None
     grappler: Optional[Mapping[str, bool]] = None
     exclude_float32: Tuple[str, ...] = ()
+    gelu_float32_inside: Optional[bool] = None
 
 
 @contextlib.contextmanager
@@ -170,6 +174,7 @@ class ConfiguredRun:
     fused_batchnorm: List[int] = dataclasses.field(default_factory=lambda: [0, 0])
     grappler: Optional[Mapping[str, bool]] = None
     exclude_float32: Tuple[str, ...] = ()
+    gelu_float32_inside: Optional[bool] = None
 
     def train(self, steps: int) -> float:
         """Trains `steps` + 1 steps and returns the seconds per step after the first.
@@ -218,11 +223,14 @@ def _build_compile_and_warm_up(
         optimizer = keras.optimizers.Adam(1e-3)
         if overrides.guard:
             optimizer = tfmp.LossScaleOptimizer(optimizer, loss_scaling=False)
-        model.compile(
-            optimizer=optimizer,
-            loss=workload.compile_loss(),
-            jit_compile=overrides.jit_compile,
-        )
+        gelu_probe = (contextlib.nullcontext() if overrides.gelu_float32_inside is None
+                      else gelu.injected(faster=overrides.gelu_float32_inside))
+        with gelu_probe:
+            model.compile(
+                optimizer=optimizer,
+                loss=workload.compile_loss(),
+                jit_compile=overrides.jit_compile,
+            )
         warm_up(model)
     finally:
         tfmp.disable()

@@ -4,6 +4,7 @@
     python benchmarks/side_experiments.py onednn-rewrite        # CNN: oneDNN's bf16 graph rewrite
     python benchmarks/side_experiments.py cnn-without-bn        # CNN with and without BatchNormalization
     python benchmarks/side_experiments.py transformer-overhead  # tfmp vs plain Keras, its guard, its monitor, tfmp vs itself
+    python benchmarks/side_experiments.py gelu                  # Transformer, ViT: tfmp's float32-inside GELU vs Keras's
     python benchmarks/side_experiments.py xla --repeats 15 --json xla.json
     python benchmarks/side_experiments.py xla --quick           # tiny sizes: checks that it runs
 
@@ -137,6 +138,19 @@ EXPERIMENTS = {
         (("tfmp", "Keras"), ("Keras + guard", "Keras"), ("Keras + monitor", "Keras"),
          ("tfmp again", "Keras"), ("tfmp", "tfmp again")),
     ),
+    "gelu": Experiment(
+        "Transformer and ViT, mixed_bfloat16: tfmp with its exact GELU in float32 inside vs "
+        "tfmp with Keras's 16-bit GELU, vs plain Keras",
+        {"Keras": Variant("transformer", "keras_mixed"),
+         "tfmp": Variant("transformer", "tfmp", Overrides(tfmp_policy=BF16, gelu_float32_inside=True)),
+         "tfmp, Keras's GELU": Variant("transformer", "tfmp",
+                                       Overrides(tfmp_policy=BF16, gelu_float32_inside=False)),
+         "ViT Keras": Variant("vit", "keras_mixed"),
+         "ViT tfmp": Variant("vit", "tfmp", Overrides(tfmp_policy=BF16, gelu_float32_inside=True)),
+         "ViT tfmp, Keras's GELU": Variant("vit", "tfmp", Overrides(tfmp_policy=BF16, gelu_float32_inside=False))},
+        (("tfmp", "tfmp, Keras's GELU"), ("tfmp", "Keras"), ("tfmp, Keras's GELU", "Keras"),
+         ("ViT tfmp", "ViT tfmp, Keras's GELU"), ("ViT tfmp", "ViT Keras"), ("ViT tfmp, Keras's GELU", "ViT Keras")),
+    ),
 }
 
 
@@ -159,8 +173,10 @@ def rewrite_applies() -> bool:
 
 
 def _facts(prepared: harness.ConfiguredRun) -> dict:
-    """What the variant's model really ran with: optimizer class, XLA, monitor."""
+    """What the variant's model really ran with: optimizer class, XLA, monitor, GELU."""
+    found = tfmp.attachment(prepared.model)
     return {
+        "gelu": found.gelu if found is not None else "keras (not attached)",
         "optimizer": type(prepared.model.optimizer).__name__,
         "jit_compile": bool(prepared.model.jit_compile),
         "monitor": any(isinstance(c, tfmp.LossScaleMonitor) for c in prepared.callbacks),

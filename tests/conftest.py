@@ -86,7 +86,7 @@ def tfmp_leftovers():
 
     The stuck check's ``make_train_function`` hook may stay while a
     `tfmp.LossScaleOptimizer` is alive, and the model-level hooks
-    (``Layer.losses``, ``BatchNormalization.call``) while an attached model is
+    (``Layer.losses``, ``BatchNormalization.call``, the backend's ``gelu``...) while an attached model is
     alive (a module fixture's model holds both); `no_tfmp_state_at_module_end`
     checks that they go with the models.
     """
@@ -107,10 +107,11 @@ def tfmp_leftovers():
 
 
 def _class_hooks():
-    from tfmp._src.keras_hooks import patches
+    """The hooks on Keras's classes and on the backend module whose ``gelu`` tfmp hooks."""
+    from tfmp._src.keras_hooks import keras_private, patches
 
     return [hook for slots in list(patches._CLASS_SLOTS.values()) for slot in slots.values()
-            for hook in slot.hooks]
+            for hook in slot.hooks] + patches.installed(keras_private.backend_nn())
 
 
 def _clean_up(hooks):

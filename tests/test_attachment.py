@@ -12,6 +12,7 @@ import tfmp
 from tfmp._src.attachment import hooks as attachment_hooks
 from tfmp._src.float32 import fused_batchnorm
 from tfmp._src.keras_hooks import patches
+from tfmp._src.keras_hooks import keras_private
 
 pytestmark = pytest.mark.filterwarnings("ignore::tfmp.PerformanceWarning")  # 16 bits emulated on CPUs
 X = np.random.RandomState(0).normal(size=(8, 6, 6, 3)).astype("float32")
@@ -195,6 +196,7 @@ def test_a_custom_loop_model_attaches_at_its_first_step_and_keeps_it_in_a_retrac
 def test_detach_gives_the_model_back_to_keras():
     original_call = vars(keras.layers.BatchNormalization)["call"]
     original_losses = vars(keras.layers.Layer)["losses"]
+    original_gelu = keras_private.backend_nn().gelu
     tfmp.enable("mixed_bfloat16")
     model = cnn(kl=True)
     model.compile("sgd", "mse")
@@ -217,6 +219,7 @@ def test_detach_gives_the_model_back_to_keras():
     assert attachment_hooks.installed() == []
     assert vars(keras.layers.BatchNormalization)["call"] is original_call
     assert vars(keras.layers.Layer)["losses"] is original_losses
+    assert keras_private.backend_nn().gelu is original_gelu
 
 
 def test_the_model_level_hooks_stay_while_an_attached_model_lives():
@@ -225,9 +228,9 @@ def test_the_model_level_hooks_stay_while_an_attached_model_lives():
     model.compile("sgd", "mse")
     tfmp.disable()
     owners = sorted(hook.owner for hook in attachment_hooks.installed())
-    assert owners == ["enable.gradient_errors", "enable.losses", "fused_batchnorm"]
+    assert owners == ["enable.gradient_errors", "enable.losses", "fused_batchnorm", "gelu"]
     tfmp.disable()  # the model is alive: they stay
-    assert len(attachment_hooks.installed()) == 3
+    assert len(attachment_hooks.installed()) == len(owners)
     del model
     collect_everything()
     tfmp.disable()

@@ -34,6 +34,8 @@ VARIANTS = {
                        f"{BF16} without BN": BF16},
     "transformer-overhead": {"Keras": BF16, "tfmp": BF16, "Keras + guard": BF16,
                              "Keras + monitor": BF16, "tfmp again": BF16},
+    "gelu": {"Keras": BF16, "tfmp": BF16, "tfmp, Keras's GELU": BF16,
+             "ViT Keras": BF16, "ViT tfmp": BF16, "ViT tfmp, Keras's GELU": BF16},
 }
 # The speed ratios each experiment reports, (numerator, denominator), in order.
 RATIOS = {
@@ -45,6 +47,9 @@ RATIOS = {
     "transformer-overhead": [("tfmp", "Keras"), ("Keras + guard", "Keras"),
                              ("Keras + monitor", "Keras"), ("tfmp again", "Keras"),
                              ("tfmp", "tfmp again")],
+    "gelu": [("tfmp", "tfmp, Keras's GELU"), ("tfmp", "Keras"), ("tfmp, Keras's GELU", "Keras"),
+             ("ViT tfmp", "ViT tfmp, Keras's GELU"), ("ViT tfmp", "ViT Keras"),
+             ("ViT tfmp, Keras's GELU", "ViT Keras")],
 }
 # Medians and ratios are worked out with NumPy, not with the suite's statistics.median.
 
@@ -64,8 +69,8 @@ def quick(tmp_path_factory):
     return out
 
 
-def test_subcommands_are_the_four_experiments():
-    assert NAMES == ("xla", "onednn-rewrite", "cnn-without-bn", "transformer-overhead")
+def test_subcommands_are_the_five_experiments():
+    assert NAMES == ("xla", "onednn-rewrite", "cnn-without-bn", "transformer-overhead", "gelu")
     assert set(VARIANTS) == set(RATIOS) == set(NAMES)
 
 
@@ -147,6 +152,19 @@ def test_transformer_variants_differ_in_optimizer_and_monitor_only(quick):
     }
     assert variants["tfmp"]["overrides"] == variants["tfmp again"]["overrides"]
     assert variants["tfmp"]["overrides"]["tfmp_policy"] == "mixed_bfloat16"
+
+
+def test_gelu_variants_differ_in_the_gelu_decision_only(quick):
+    variants = quick["gelu"]["written"]["variants"]
+    decisions = {label: v["gelu"].split(":")[0] for label, v in variants.items()}
+    assert decisions == {"Keras": "keras (not attached)", "tfmp": "float32 inside",
+                         "tfmp, Keras's GELU": "keras", "ViT Keras": "keras (not attached)",
+                         "ViT tfmp": "float32 inside", "ViT tfmp, Keras's GELU": "keras"}
+    assert all("injected" in v["gelu"] for label, v in variants.items() if "tfmp" in label)
+    for model in ("", "ViT "):
+        ours, theirs = variants[f"{model}tfmp"]["overrides"], variants[f"{model}tfmp, Keras's GELU"]["overrides"]
+        assert (ours.pop("gelu_float32_inside"), theirs.pop("gelu_float32_inside")) == (True, False)
+        assert ours == theirs
 
 
 def test_rewrite_variants_carry_the_grappler_option(quick):

@@ -4,7 +4,8 @@
 (`tfmp._src.policy.enable`): the decisions made then (policies, float32
 forcing, the BatchNormalization kernel, exact token ids, dtype-error
 explanations, `tfmp.check_numerics`, Grappler's remapper for a float16 model
-on a CPU where the fused float16 matmul is slow) are recorded in one `Attachment` carried
+on a CPU where the fused float16 matmul is slow, the exact GELU in float32
+inside on a CPU where the 16-bit one is slow) are recorded in one `Attachment` carried
 by the model and every layer in it. What a model keeps after `tfmp.disable()` is
 exactly that: its attachment, its layers' policies and its optimizer.
 """
@@ -18,7 +19,7 @@ import keras
 from tfmp._src.attachment import hooks, record
 from tfmp._src.attachment.record import Attachment
 from tfmp._src.errors import invalid_argument
-from tfmp._src.float32 import fused_batchnorm
+from tfmp._src.float32 import fused_batchnorm, gelu
 from tfmp._src.float32.force import forced_reason
 from tfmp._src.keras_hooks import patches, step_scope
 from tfmp._src.layer_tree import walk
@@ -65,7 +66,7 @@ def attach(model: keras.Model, policy: str, *, attached_by: str, exact_ids: int,
         layer_policies={e.path: e.layer.dtype_policy.name for e in entries},
         forced_float32={e.path: why for e in entries if (why := forced_reason(e.layer))},
         exact_ids=exact_ids, explains_dtype_errors=explains_dtype_errors, check_numerics=numerics,
-        remapper=remapper,
+        remapper=remapper, gelu=gelu.decision(model.dtype_policy.compute_dtype),
     )
     record.mark([model, *(e.layer for e in entries)], found)
     found.batchnorm_kernel = {

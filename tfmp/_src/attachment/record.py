@@ -67,6 +67,12 @@ class Attachment:
             ``"off: <measurement>"``: without it (in the calling thread only),
             because the model computes in float16 on a CPU where the fused
             float16 matmul measured slow (`tfmp._src.policy.float16_fusion`).
+        gelu: String. ``"keras"``: Keras's exact GELU as it is (a float32 model,
+            a GPU or TPU, a layer attached at its first call);
+            ``"float32 inside: <measurement>"``: the model's 16-bit exact GELU is
+            computed in float32 and rounded once, because this CPU measured it
+            faster so; ``"keras: <measurement>"``: measured, not faster
+            (`tfmp._src.float32.gelu`).
     """
 
     model: str
@@ -81,6 +87,7 @@ class Attachment:
     loss_terms_in_float32: bool = True
     custom_optimizers: List[str] = dataclasses.field(default_factory=list)
     remapper: str = "on"
+    gelu: str = "keras"
 
     def __post_init__(self) -> None:
         """Checks the fields' types (a record made by hand fails here, not when read).
@@ -89,7 +96,8 @@ class Attachment:
             ValueError: (template) a field of another type than documented.
         """
         for name, example in (("model", "'sequential'"), ("attached_by", "'compile'"),
-                              ("policy", "'mixed_float16'"), ("remapper", "'on'")):
+                              ("policy", "'mixed_float16'"), ("remapper", "'on'"),
+                              ("gelu", "'keras'")):
             check_type(name, getattr(self, name), str, "a string", fix=f"Pass e.g. {name}={example}.")
         for name in ("layer_policies", "forced_float32", "batchnorm_kernel"):
             check_type(name, getattr(self, name), dict, "a dict of layer path -> string", items=str,

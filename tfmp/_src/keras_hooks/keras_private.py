@@ -27,6 +27,7 @@ pair setup.cfg admits.
 | ``control_flow_util.GraphOrParentsInXlaContext`` | ``tensorflow/python/ops/control_flow_util.py`` | `in_xla_context`: refuse XLA steps under several replicas |
 | ``keras.src.export.export_utils.get_input_signature`` | ``keras/src/export/export_utils.py`` | `export_input_specs`: the inputs `Model.export` gives the serving signature, checked by `tfmp.export` before it writes |
 | ``convert_phase.ConverterError`` | ``tensorflow/lite/python/convert_phase.py`` | `tflite_converter_error`: the one error type `TFLiteConverter.convert` raises, caught by `tfmp.export` |
+| ``keras.src.backend.tensorflow.nn`` (the module ``keras.ops.gelu`` reads ``gelu`` from at each call, as ``backend.nn``) | ``keras/src/backend/tensorflow/nn.py``, ``keras/src/ops/nn.py`` | `backend_nn`: the module whose ``gelu`` `tfmp._src.float32.gelu` hooks |
 | ``context.context().function_call_options`` (thread-local property with a setter) and ``context.FunctionCallOptions(executor_type, config_proto)`` | ``tensorflow/python/eager/context.py`` (read by ``Context.call_function`` and ``AtomicFunction`` at every call) | `function_call_config`: this thread's tf.function calls run with an edited Grappler config (`tfmp._src.policy.float16_fusion` turns the remapper off) |
 """
 
@@ -125,6 +126,13 @@ def entry_layer() -> Optional[Any]:
     from keras.src.backend.common import global_state
 
     return getattr(global_state.get_global_attribute("current_call_ctx"), "entry_layer", None)
+
+
+def backend_nn() -> Any:
+    """The module of Keras's TensorFlow backend ops that ``keras.ops`` calls (``backend.nn``)."""
+    from keras.src import backend
+
+    return backend.nn
 
 
 def is_functional(layer: Any) -> bool:

@@ -4,7 +4,7 @@ Every method tfmp replaces on a Keras class or object (``compile``,
 ``compile_from_config``, ``make_train_function`` (and ``make_test_function``,
 ``make_predict_function`` of a model), ``train_step``, ``Layer.call``,
 ``Layer.compute_output_spec``, ``Layer.build``,
-``BatchNormalization.call``, ``Optimizer.apply``, ``Adam.update_step``,
+``BatchNormalization.call``, the backend's ``gelu``, ``Optimizer.apply``, ``Adam.update_step``,
 ``Optimizer.scale_loss``, ``tf.GradientTape.gradient``, the ``Layer.losses`` property, the
 ``Operation.from_config`` classmethod) goes through `install`. Per method of an object there is one *slot* holding the method as it was
 and a stack of hooks; the attribute is the composition of the stack, innermost
@@ -36,6 +36,7 @@ import contextlib
 import functools
 import inspect
 import threading
+import types
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -46,6 +47,7 @@ from tfmp._src.keras_hooks.object_state import PerObject
 #: hooks always composes them in this order, whatever order they were installed in.
 ORDER = {
     "fused_batchnorm": 5,  # BatchNormalization.call: the fused kernel for attached layers
+    "gelu": 6,  # Keras's TensorFlow backend gelu: 16-bit exact GELU in float32 inside for attached models
     "float32.build": 10,  # Layer.build: force sublayers created at build time
     "float32.exact": 11,  # Discretization / CategoryEncoding / Normalization.__init__ while enabled: float32
     "float32.from_config": 12,  # Operation.from_config (classmethod) while enabled: a float32 layer's sublayers
@@ -176,6 +178,8 @@ class _Slot:
         return f"{getattr(current, '__module__', None) or '?'}.{name}"
 
     def describe(self) -> str:
+        if isinstance(self.target, types.ModuleType):
+            return f"{self.target.__name__}.{self.name}"
         owner = self.target if self.is_class else type(self.target)
         kind = "" if self.is_class else "an instance of "
         return f"{kind}{owner.__module__}.{owner.__qualname__}.{self.name}"

@@ -1,0 +1,203 @@
+"""The exact GELU in float32 inside: its values, the per-model decision, the hook.
+
+Whether this CPU's 16-bit GELU is the slow path is injected (`gelu.injected`);
+no test asserts a time.
+"""
+
+import collections
+import inspect
+import math
+import threading
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmp
+from tfmp import DeviceFacts, GpuFacts
+from tfmp._src.float32 import gelu
+from tfmp._src.keras_hooks import contracts, keras_private
+
+X = np.random.default_rng(0).normal(size=(16, 8)).astype("float32")
+Y = np.random.default_rng(1).integers(0, 3, size=(16,))
+T4 = DeviceFacts(gpus=(GpuFacts("Tesla T4", (7, 5)),))
+#: The op types of GELU's forward and backward passes, Keras's or float32 inside (AddN:
+#: the gradient summed over GeluBlock's two GELUs of one input).
+GELU_OPS = {"Erfc", "Exp", "Mul", "AddV2", "AddN", "Neg", "Cast", "IdentityN", "Identity", "Square",
+            "RealDiv", "Sqrt", "Sub", "Pow", "Const"}
+
+
+@pytest.fixture(autouse=True)
+def probe_cache_restored():
+    """Each test leaves the process's measured probes as it found them."""
+    saved = dict(gelu._cache)
+    yield
+    gelu._cache.clear()
+    gelu._cache.update(saved)
+
+
+def _exact(x):
+    """GELU and its derivative of float64 values, from math.erfc."""
+    erfc = np.vectorize(math.erfc)
+    return (0.5 * x * erfc(-x / math.sqrt(2.0)),
+            0.5 * erfc(-x / math.sqrt(2.0)) + x * np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi))
+
+
+def _value_and_gradient(function, x):
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = function(x)
+    return y, tape.gradient(y, x)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_float32_inside_rounds_the_exact_gelu_and_its_gradient_once(dtype):
+    x = tf.cast(tf.random.stateless_normal((20000,), seed=(1, 2)) * 3.0, dtype)
+    exact, slope = _exact(tf.cast(x, tf.float64).numpy())
+    y, grad = _value_and_gradient(gelu.float32_inside, x)
+    assert (y.dtype, y.shape, grad.dtype) == (x.dtype, x.shape, x.dtype)
+    # Rounded once: within half a unit in the last place of the exact value (and a
+    # float32 rounding) wherever the value is normal in `dtype`.
+    normal = np.abs(exact) > (1e-30 if dtype == "bfloat16" else 6.2e-5)
+    stored_bits = 7 if dtype == "bfloat16" else 10
+    ulp = 2.0 ** (np.floor(np.log2(np.abs(exact[normal]))) - stored_bits)
+    assert np.all(np.abs(tf.cast(y, tf.float64).numpy()[normal] - exact[normal])
+                  <= 0.5 * ulp + 1e-5 * np.abs(exact[normal]))
+    keras_y, keras_grad = _value_and_gradient(lambda v: tf.nn.gelu(v, approximate=False), x)
+    error = lambda t, ref: np.abs(tf.cast(t, tf.float64).numpy() - ref).mean()  # noqa: E731
+    assert error(y, exact) < error(keras_y, exact)  # Keras's chain rounds after each op
+    assert error(grad, slope) <= error(keras_grad, slope)
+    np.testing.assert_allclose(tf.cast(grad, tf.float64).numpy(), slope, rtol=2.0**-7, atol=2.0**-7)
+
+
+def test_float32_inside_has_a_second_derivative():
+    """A gradient penalty differentiates the GELU's gradient again."""
+    x = tf.constant([-2.0, -0.5, 0.0, 0.7, 3.0], tf.bfloat16)
+    with tf.GradientTape() as outer:
+        outer.watch(x)
+        _, grad = _value_and_gradient(gelu.float32_inside, x)
+        penalty = tf.reduce_sum(tf.cast(grad, tf.float32))
+    second = outer.gradient(penalty, x)
+    assert second is not None
+    value = tf.cast(x, tf.float64).numpy()
+    exact = (2.0 - value * value) * np.exp(-0.5 * value * value) / math.sqrt(2.0 * math.pi)
+    np.testing.assert_allclose(tf.cast(second, tf.float64).numpy(), exact, atol=0.02)
+
+
+def test_the_decision_measures_only_a_16_bit_model_on_a_cpu(monkeypatch):
+    monkeypatch.setattr(gelu, "measure", lambda dtype: pytest.fail("measured"))
+    gelu.clear_cache()
+    assert gelu.decision("float32") == gelu.KERAS
+    assert gelu.decision("bfloat16", T4) == gelu.KERAS
+    with gelu.injected(faster=True):
+        taken = gelu.decision("bfloat16")
+    with gelu.injected(faster=False):
+        kept = gelu.decision("float16")
+    assert taken.startswith("float32 inside: bfloat16 GELU forward+backward 2 ms, float32 inside 1 ms (2x")
+    assert kept.startswith("keras: float16 GELU forward+backward 1 ms") and "taken from 1.2x" in kept
+
+
+def test_the_probe_times_both_variants_on_this_cpu():
+    found = gelu.measure("bfloat16", budget_s=0.05, repeats=3)
+    assert found.source == "measured" and found.keras_ms > 0 and found.float32_ms > 0
+    assert math.isfinite(found.ratio) and found.faster == (found.ratio >= gelu.FASTER_RATIO)
+    assert gelu.probe("bfloat16") is gelu.probe("bfloat16")  # measured once per process
+
+
+def test_the_probe_says_it_failed_while_tracing():
+    found = tf.function(lambda: tf.constant(gelu.measure("bfloat16").source == "failed: called while tracing"))()
+    assert bool(found)
+
+
+class GeluBlock(keras.layers.Layer):
+    """A custom layer as keras.io writes them: keras.activations.gelu and keras.ops.gelu."""
+
+    def call(self, x):
+        return keras.activations.gelu(x) + keras.ops.gelu(x)  # exact, then tanh (ops' default)
+
+
+def _build():
+    inputs = keras.Input((8,))
+    x = keras.layers.Dense(32, activation="gelu")(inputs)
+    x = keras.layers.Activation("gelu")(keras.layers.Dense(16)(x))
+    x = GeluBlock()(x)
+    model = keras.Model(inputs, keras.layers.Dense(3)(x))
+    model.compile(keras.optimizers.Adam(1e-3), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _op_counts(model):
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = model.compute_loss(x, y, model(x, training=True), training=True)
+        return tape.gradient(loss, model.trainable_variables)
+
+    graph = tf.function(step).get_concrete_function(tf.constant(X), tf.constant(Y)).graph
+    graphs = [graph] + [f.graph for f in graph._functions.values()]
+    return collections.Counter(f"{op.type}:{op.outputs[0].dtype.name}" if op.outputs else op.type
+                               for g in graphs for op in g.get_operations())
+
+
+def _tfmp_model(faster):
+    with tfmp.policy_scope("mixed_bfloat16"), gelu.injected(faster=faster):
+        return _build()
+
+
+def test_where_the_16_bit_gelu_is_slow_a_model_computes_its_exact_gelus_in_float32_only():
+    keras.config.set_dtype_policy("mixed_bfloat16")  # restored by the conftest fixture
+    plain = _build()
+    keras.config.set_dtype_policy("float32")
+    model = _tfmp_model(faster=True)
+    assert tfmp.attachment(model).gelu.startswith("float32 inside: bfloat16 GELU")
+    ops, keras_ops = _op_counts(model), _op_counts(plain)
+    # Three exact GELUs (Dense, Activation, keras.activations.gelu), each with an Erfc
+    # forward and one backward in float32 (Keras's backward differentiates erfc with an
+    # Exp); the tanh GELU of keras.ops.gelu stays in bfloat16, as Keras has it.
+    assert ops["Erfc:float32"] == 6 and ops["Erfc:bfloat16"] == 0 and keras_ops["Erfc:bfloat16"] == 3
+    assert ops["Tanh:bfloat16"] == keras_ops["Tanh:bfloat16"] > 0
+    differing = {key.split(":")[0] for key in ops.keys() | keras_ops.keys() if ops[key] != keras_ops[key]}
+    assert differing <= GELU_OPS
+    plain.set_weights(model.get_weights())
+    np.testing.assert_allclose(model(X).numpy(), tf.cast(plain(X), tf.float32).numpy(), rtol=0.05, atol=0.05)
+    activation = next(layer for layer in model.layers if isinstance(layer, keras.layers.Activation))
+    hidden = tf.constant(X[:, :4].repeat(4, axis=1), tf.bfloat16)
+    assert activation(hidden).dtype == tf.bfloat16  # called alone: its own attachment, Keras's dtype
+    history = model.fit(X, Y, batch_size=8, epochs=2, verbose=0)
+    assert all(math.isfinite(loss) for loss in history.history["loss"])
+
+
+def test_where_it_is_not_slow_the_model_traces_kerass_gelu():
+    model = _tfmp_model(faster=False)
+    assert tfmp.attachment(model).gelu.startswith("keras: bfloat16 GELU")
+    assert _op_counts(model)["Erfc:float32"] == 0
+
+
+def test_the_decision_stays_with_the_model_in_any_thread_and_detach_gives_keras_back():
+    model = _tfmp_model(faster=True)
+    seen = []
+    with gelu.injected(faster=False):  # what the probe says later does not matter
+        thread = threading.Thread(target=lambda: seen.append(_op_counts(model)["Erfc:float32"]))
+        thread.start()
+        thread.join()
+        keras.config.set_dtype_policy("mixed_bfloat16")
+        plain = _build()  # compiled without tfmp while the hook is on: Keras's GELU
+        keras.config.set_dtype_policy("float32")
+        assert _op_counts(plain)["Erfc:float32"] == 0
+    assert seen == [6]
+    tfmp.detach(model)
+    assert _op_counts(model)["Erfc:bfloat16"] == 3 and _op_counts(model)["Erfc:float32"] == 0
+
+
+def test_a_gelu_outside_a_layer_call_is_kerass():
+    model = _tfmp_model(faster=True)
+    x = tf.constant([0.5, -1.0], tf.bfloat16)
+    graph = tf.function(lambda v: keras.activations.gelu(v)).get_concrete_function(x).graph
+    assert {op.get_attr("T") for op in graph.get_operations() if op.type == "Erfc"} == {tf.bfloat16}
+    assert tfmp.attachment(model) is not None
+
+
+def test_keras_still_calls_the_backend_gelu_by_module_attribute():
+    """The contract the hook rests on: ``gelu(x, approximate)`` looked up on ``backend.nn``."""
+    assert list(inspect.signature(keras_private.backend_nn().gelu).parameters) == ["x", "approximate"]
+    assert any("backend.nn" in row for row, _ in contracts.CALL_ORDER)

@@ -4,7 +4,6 @@ Whether this CPU's 16-bit GELU is the slow path is injected (`gelu.injected`);
 no test asserts a time.
 """
 
-import collections
 import inspect
 import math
 import threading
@@ -13,6 +12,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _traced import forward_and_backward_ops
 
 import tfmp
 from tfmp import DeviceFacts, GpuFacts
@@ -22,10 +22,14 @@ from tfmp._src.keras_hooks import contracts, keras_private
 X = np.random.default_rng(0).normal(size=(16, 8)).astype("float32")
 Y = np.random.default_rng(1).integers(0, 3, size=(16,))
 T4 = DeviceFacts(gpus=(GpuFacts("Tesla T4", (7, 5)),))
+#: The error-function ops of GELU: TensorFlow 2.21's tf.nn.gelu takes Erfc, 2.17's Erf.
+ERF = ("Erf", "Erfc")
 #: The op types of GELU's forward and backward passes, Keras's or float32 inside (AddN:
-#: the gradient summed over GeluBlock's two GELUs of one input).
-GELU_OPS = {"Erfc", "Exp", "Mul", "AddV2", "AddN", "Neg", "Cast", "IdentityN", "Identity", "Square",
-            "RealDiv", "Sqrt", "Sub", "Pow", "Const"}
+#: the gradient summed over GeluBlock's two GELUs of one input; Sum, Reshape, Shape,
+#: BroadcastGradientArgs: TensorFlow 2.17's gradient of its broadcasting GELU chain).
+GELU_OPS = {"Erf", "Erfc", "Exp", "Mul", "AddV2", "AddN", "Neg", "Cast", "IdentityN", "Identity",
+            "Square", "RealDiv", "Sqrt", "Sub", "Pow", "Const", "Sum", "Reshape", "Shape",
+            "BroadcastGradientArgs"}
 
 
 @pytest.fixture(autouse=True)
@@ -128,15 +132,12 @@ def _build():
 
 
 def _op_counts(model):
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = model.compute_loss(x, y, model(x, training=True), training=True)
-        return tape.gradient(loss, model.trainable_variables)
+    return forward_and_backward_ops(model, tf.constant(X), tf.constant(Y))
 
-    graph = tf.function(step).get_concrete_function(tf.constant(X), tf.constant(Y)).graph
-    graphs = [graph] + [f.graph for f in graph._functions.values()]
-    return collections.Counter(f"{op.type}:{op.outputs[0].dtype.name}" if op.outputs else op.type
-                               for g in graphs for op in g.get_operations())
+
+def _erf(counts, dtype):
+    """Error-function ops (Erf or Erfc) of `dtype` among `counts`."""
+    return sum(counts[f"{op}:{dtype}"] for op in ERF)
 
 
 def _tfmp_model(faster):
@@ -152,9 +153,9 @@ def test_where_the_16_bit_gelu_is_slow_a_model_computes_its_exact_gelus_in_float
     assert tfmp.attachment(model).gelu.startswith("float32 inside: bfloat16 GELU")
     ops, keras_ops = _op_counts(model), _op_counts(plain)
     # Three exact GELUs (Dense, Activation, keras.activations.gelu), each with an Erfc
-    # forward and one backward in float32 (Keras's backward differentiates erfc with an
-    # Exp); the tanh GELU of keras.ops.gelu stays in bfloat16, as Keras has it.
-    assert ops["Erfc:float32"] == 6 and ops["Erfc:bfloat16"] == 0 and keras_ops["Erfc:bfloat16"] == 3
+    # forward and one backward in float32 (Keras's backward differentiates its erf or
+    # erfc with an Exp); the tanh GELU of keras.ops.gelu stays in bfloat16, as Keras has it.
+    assert _erf(ops, "float32") == 6 and _erf(ops, "bfloat16") == 0 and _erf(keras_ops, "bfloat16") == 3
     assert ops["Tanh:bfloat16"] == keras_ops["Tanh:bfloat16"] > 0
     differing = {key.split(":")[0] for key in ops.keys() | keras_ops.keys() if ops[key] != keras_ops[key]}
     assert differing <= GELU_OPS
@@ -170,30 +171,31 @@ def test_where_the_16_bit_gelu_is_slow_a_model_computes_its_exact_gelus_in_float
 def test_where_it_is_not_slow_the_model_traces_kerass_gelu():
     model = _tfmp_model(faster=False)
     assert tfmp.attachment(model).gelu.startswith("keras: bfloat16 GELU")
-    assert _op_counts(model)["Erfc:float32"] == 0
+    assert _erf(_op_counts(model), "float32") == 0
 
 
 def test_the_decision_stays_with_the_model_in_any_thread_and_detach_gives_keras_back():
     model = _tfmp_model(faster=True)
     seen = []
     with gelu.injected(faster=False):  # what the probe says later does not matter
-        thread = threading.Thread(target=lambda: seen.append(_op_counts(model)["Erfc:float32"]))
+        thread = threading.Thread(target=lambda: seen.append(_erf(_op_counts(model), "float32")))
         thread.start()
         thread.join()
         keras.config.set_dtype_policy("mixed_bfloat16")
         plain = _build()  # compiled without tfmp while the hook is on: Keras's GELU
         keras.config.set_dtype_policy("float32")
-        assert _op_counts(plain)["Erfc:float32"] == 0
+        assert _erf(_op_counts(plain), "float32") == 0
     assert seen == [6]
     tfmp.detach(model)
-    assert _op_counts(model)["Erfc:bfloat16"] == 3 and _op_counts(model)["Erfc:float32"] == 0
+    counts = _op_counts(model)
+    assert _erf(counts, "bfloat16") == 3 and _erf(counts, "float32") == 0
 
 
 def test_a_gelu_outside_a_layer_call_is_kerass():
     model = _tfmp_model(faster=True)
     x = tf.constant([0.5, -1.0], tf.bfloat16)
     graph = tf.function(lambda v: keras.activations.gelu(v)).get_concrete_function(x).graph
-    assert {op.get_attr("T") for op in graph.get_operations() if op.type == "Erfc"} == {tf.bfloat16}
+    assert {op.get_attr("T") for op in graph.get_operations() if op.type in ERF} == {tf.bfloat16}
     assert tfmp.attachment(model) is not None
 
 

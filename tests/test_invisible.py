@@ -16,6 +16,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _traced import forward_and_backward_ops, op_counts
 
 import tfmp
 from tfmp._src.float32 import gelu
@@ -712,18 +713,6 @@ def test_float32_wraps_when_debug_or_loss_scale_options_ask(options):
     assert model.optimizer.loss_scale == 1.0  # float32 compute: no scaling
 
 
-def _op_counts(function, *args, dtypes=False):
-    """Op types (with counts) of ``function`` traced on ``args``, nested function bodies
-    (cond branches) included; with ``dtypes``, keyed ``"type:dtype of first output"``."""
-    import collections
-
-    concrete = tf.function(function).get_concrete_function(*args)
-    graphs = [concrete.graph] + [f.graph for f in concrete.graph._functions.values()]
-    return collections.Counter(
-        op.type + (f":{op.outputs[0].dtype.name}" if dtypes and op.outputs else "")
-        for graph in graphs for op in graph.get_operations())
-
-
 def test_where_auto_keeps_float32_the_train_step_is_plain_keras_op_for_op():
     """Where "auto" picks float32 (a CPU without bfloat16), tfmp may cost nothing:
     the traced training step holds the same ops as plain Keras's, one for one."""
@@ -738,11 +727,11 @@ def test_where_auto_keeps_float32_the_train_step_is_plain_keras_op_for_op():
         return model
 
     batch = (tf.constant(x), tf.constant(y))
-    plain = _op_counts(build().train_step, batch)
+    plain = op_counts(build().train_step, batch)
     with tfmp.policy_scope("float32"):
         model = build()
         assert not isinstance(model.optimizer, tfmp.LossScaleOptimizer)
-        with_tfmp = _op_counts(model.train_step, batch)
+        with_tfmp = op_counts(model.train_step, batch)
     assert with_tfmp == plain
     assert plain["AssignVariableOp"] + plain["AssignAddVariableOp"] + plain["AssignSubVariableOp"] > 0
 
@@ -768,20 +757,13 @@ def test_attention_block_forward_and_backward_are_plain_kerass_op_for_op_under_b
                       keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         return model
 
-    def forward_and_backward(model):
-        def step(x, y):
-            with tf.GradientTape() as tape:
-                loss = model.compute_loss(x, y, model(x, training=True), training=True)
-            return tape.gradient(loss, model.trainable_variables)
-        return _op_counts(step, tokens, labels, dtypes=True)
-
     keras.config.set_dtype_policy("mixed_bfloat16")  # restored by the conftest fixture
-    plain = forward_and_backward(build())
+    plain = forward_and_backward_ops(build(), tokens, labels)
     keras.config.set_dtype_policy("float32")
     with tfmp.policy_scope("mixed_bfloat16"), gelu.injected(faster=False):
         model = build()
         assert isinstance(model.optimizer, tfmp.LossScaleOptimizer)
-        with_tfmp = forward_and_backward(model)
+        with_tfmp = forward_and_backward_ops(model, tokens, labels)
     assert with_tfmp == plain
     assert plain["Softmax:float32"] == 1 and plain["Softmax:bfloat16"] == 0
     assert plain["BatchMatMulV2:bfloat16"] + plain["Einsum:bfloat16"] > 0 and plain["Cast:float32"] > 0

@@ -543,6 +543,15 @@ def test_every_call_order_contract_names_a_test_that_exists():
         assert callable(getattr(module, name, None)), node
 
 
+def test_the_oldest_ci_tier_runs_every_call_order_contract():
+    """.ci/run's first tier (the oldest Keras/TensorFlow pair) names each contract's test or its file."""
+    ci = (pathlib.Path(__file__).resolve().parents[1] / ".ci" / "run").read_text(encoding="utf-8")
+    tier = ci[ci.index('"$oldest/bin/python" -m pytest'):ci.index("wait \"$installing\"")]
+    missing = [node for _, node in contracts.CALL_ORDER
+               if node not in tier and f"{node.split('::')[0]} " not in tier]
+    assert missing == []
+
+
 def test_tensorflow_still_runs_an_op_gradient_in_the_gradient_frame():
     """`error_texts.GRADIENT_FRAME`: read where tfmp's tape hook catches (before TF filters the traceback)."""
     from tfmp._src.keras_hooks import error_texts

@@ -92,18 +92,20 @@ def test_float32_inside_has_a_second_derivative():
 def test_the_decision_measures_only_a_16_bit_model_on_a_cpu(monkeypatch):
     monkeypatch.setattr(gelu, "measure", lambda dtype: pytest.fail("measured"))
     gelu.clear_cache()
-    assert gelu.decision("float32") == gelu.KERAS
+    assert gelu.decision("float32") == gelu.decision("float16") == gelu.KERAS
     assert gelu.decision("bfloat16", T4) == gelu.KERAS
     with gelu.injected(faster=True):
         taken = gelu.decision("bfloat16")
+        assert gelu.decision("float16") == gelu.KERAS  # float16 is never measured
     with gelu.injected(faster=False):
-        kept = gelu.decision("float16")
-    assert taken.startswith("float32 inside: bfloat16 GELU forward+backward 2 ms, float32 inside 1 ms (2x")
-    assert kept.startswith("keras: float16 GELU forward+backward 1 ms") and "taken from 1.2x" in kept
+        kept = gelu.decision("bfloat16")
+    assert taken.startswith("float32 inside: bfloat16 Dense + GELU forward+backward 2 ms with Keras's "
+                            "GELU, 1 ms with float32 inside (2x, injected")
+    assert kept.startswith("keras: bfloat16 Dense + GELU forward+backward 1 ms") and "taken from 1.2x" in kept
 
 
 def test_the_probe_times_both_variants_on_this_cpu():
-    found = gelu.measure("bfloat16", budget_s=0.05, repeats=3)
+    found = gelu.measure("bfloat16", budget_s=0.05, repeats=3, shape=(64, 16, 128))
     assert found.source == "measured" and found.keras_ms > 0 and found.float32_ms > 0
     assert math.isfinite(found.ratio) and found.faster == (found.ratio >= gelu.FASTER_RATIO)
     assert gelu.probe("bfloat16") is gelu.probe("bfloat16")  # measured once per process
@@ -150,7 +152,7 @@ def test_where_the_16_bit_gelu_is_slow_a_model_computes_its_exact_gelus_in_float
     plain = _build()
     keras.config.set_dtype_policy("float32")
     model = _tfmp_model(faster=True)
-    assert tfmp.attachment(model).gelu.startswith("float32 inside: bfloat16 GELU")
+    assert tfmp.attachment(model).gelu.startswith("float32 inside: bfloat16 Dense + GELU")
     ops, keras_ops = _op_counts(model), _op_counts(plain)
     # Three exact GELUs (Dense, Activation, keras.activations.gelu), each with an Erfc
     # forward and one backward in float32 (Keras's backward differentiates its erf or
@@ -170,7 +172,7 @@ def test_where_the_16_bit_gelu_is_slow_a_model_computes_its_exact_gelus_in_float
 
 def test_where_it_is_not_slow_the_model_traces_kerass_gelu():
     model = _tfmp_model(faster=False)
-    assert tfmp.attachment(model).gelu.startswith("keras: bfloat16 GELU")
+    assert tfmp.attachment(model).gelu.startswith("keras: bfloat16 Dense + GELU")
     assert _erf(_op_counts(model), "float32") == 0
 
 
@@ -203,3 +205,29 @@ def test_keras_still_calls_the_backend_gelu_by_module_attribute():
     """The contract the hook rests on: ``gelu(x, approximate)`` looked up on ``backend.nn``."""
     assert list(inspect.signature(keras_private.backend_nn().gelu).parameters) == ["x", "approximate"]
     assert any("backend.nn" in row for row, _ in contracts.CALL_ORDER)
+
+
+def test_the_benchmark_runs_and_its_tables_hang_together(tmp_path):
+    import json
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    from benchmarks import gelu as benchmark
+
+    path = tmp_path / "gelu.json"
+    returned = benchmark.main(["--quick", "--json", str(path)])
+    written = json.loads(path.read_text(encoding="utf-8"))
+    assert written == json.loads(json.dumps(returned))
+    assert [(row["shape"], row["dtype"]) for row in written["timings"]] == [
+        ("tiny", "bfloat16"), ("tiny", "float16")]
+    for row in written["timings"]:
+        assert row["fastest_ratio"] == pytest.approx(row["keras_ms"] / row["float32_inside_ms"])
+        assert row["taken"] == (row["fastest_ratio"] >= gelu.FASTER_RATIO) and row["paired_ratio"] > 0
+    errors = {(row["dtype"], row["variant"]): row for row in written["errors"]}
+    assert len(errors) == 4 and all(row["values"] == benchmark.QUICK_VALUES for row in errors.values())
+    for dtype in ("bfloat16", "float16"):
+        ours, keras_ = errors[(dtype, "float32 inside")], errors[(dtype, "Keras (16-bit chain)")]
+        assert ours["forward_mean"] < keras_["forward_mean"] and ours["gradient_max"] < 0.02
+    text = benchmark.markdown(written)
+    assert "| tiny (16 x 8 x 32) | bfloat16 |" in text and "| float16 | float32 inside |" in text

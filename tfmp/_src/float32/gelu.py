@@ -1,4 +1,4 @@
-"""Exact GELU computed in float32 inside, per model, where the CPU's 16-bit GELU is the slow path.
+"""Exact GELU computed in float32 inside, per model, where the CPU's bfloat16 GELU is the slow path.
 
 Keras's exact GELU (``activation="gelu"``, ``keras.activations.gelu``,
 ``keras.ops.gelu(x, approximate=False)``) ends in TensorFlow's ``tf.nn.gelu``,
@@ -6,40 +6,44 @@ Keras's exact GELU (``activation="gelu"``, ``keras.activations.gelu``,
 dtype, and a longer one for its gradient. TensorFlow's CPU kernels for 16-bit
 elementwise ops convert every value to float32 and back inside each op, so the
 chain costs more in bfloat16 than in float32. Measured on an AMD EPYC Zen 4
-(AVX512_BF16), TensorFlow 2.21, forward and backward of one GELU (median of 9
-repeats, 2026-12-03): 8192 x 512 values (the benchmark Transformer's FFN)
-bfloat16 40.9 ms, float32 inside 18.7 ms; float16 34.6 vs 20.6 ms; 4096 x 128
-bfloat16 6.65 vs 2.55 ms. The tanh approximation gains nothing there (bfloat16
-1.06x, float16 0.78x) and is left to Keras.
+(AVX512_BF16), TensorFlow 2.21, 2026-12-03, a bfloat16 Dense layer with the exact
+GELU, forward and backward (`benchmarks/gelu.py`, fastest of 15 alternated
+calls): the benchmark Transformer's FFN (8192 x 128 -> 512) 29.9 ms with Keras's
+GELU, 21.2 ms with float32 inside (1.41x); the ViT's MLP (4096 x 64 -> 128) 5.3
+vs 3.6 ms (1.50x); its head (64 x 4096 -> 2048, the matmul's time) 8.9 vs 8.4 ms.
+float16 gains less there (1.10-1.30x, 0.97x on the head) and is never tfmp's
+choice on a CPU: left to Keras, as is the tanh approximation (bfloat16 1.06x
+standalone).
 
 `float32_inside` casts ``x`` to float32 once, computes GELU (forward) and its
 derivative ``Phi(x) + x * phi(x)`` (backward) in float32 and rounds each result
 once to ``x``'s dtype: the output dtype is Keras's, and each value is the exact
 GELU rounded once instead of after every op of the chain (bfloat16, 100,000
-values from N(0, 9) against float64: largest error 7.8e-3 against Keras's
-9.8e-3, mean 8.3e-4 against 9.9e-4; gradients 3.9e-3 against 5.5e-3). Its
-``tf.custom_gradient`` keeps only the 16-bit ``x`` for the backward pass, no
-more than autodiff keeps of Keras's chain.
+values from N(0, 9) against float64: mean error 8.2e-4 against Keras's 9.8e-4,
+largest 7.8e-3 against 9.8e-3; gradients 7.7e-4 against 1.1e-3, largest 3.9e-3
+against 7.9e-3). Its ``tf.custom_gradient`` keeps only the 16-bit ``x`` for the
+backward pass, no more than autodiff keeps of Keras's chain.
 
 Decided per model, once, when tfmp attaches it (`decision`, recorded as
-``Attachment.gelu``): a model computing in float16 or bfloat16 on a machine
-without GPUs or TPUs, where `probe` measured float32 inside at least
-`FASTER_RATIO` times as fast as Keras's 16-bit GELU, forward and backward, in
-that dtype. The probe measures on the running CPU instead of reading its name, so
-a CPU with fast 16-bit elementwise kernels keeps Keras's GELU. GPUs keep Keras's
-GELU: their 16-bit elementwise kernels compute natively. A layer attached at its
-first call (a custom training loop over a model never compiled) keeps Keras's
-GELU too: that attachment happens while its step is traced, where nothing can be
-timed.
+``Attachment.gelu``): a model computing in bfloat16 on a machine without GPUs or
+TPUs, where `probe` measured a Dense + GELU step (matmul included, so that a
+CPU where Grappler fuses Keras's GELU into the matmul measures that fusion) at
+least `FASTER_RATIO` times as fast with float32 inside. The probe measures on
+the running CPU instead of reading its name, so a CPU with fast bfloat16
+elementwise kernels keeps Keras's GELU; it takes about 0.3 s, once per process
+(0.31-0.34 s on the Zen 4, tracing included). GPUs keep Keras's GELU: their
+16-bit elementwise kernels compute natively. A layer attached at its first call
+(a custom training loop over a model never compiled) keeps Keras's GELU too:
+that attachment happens while its step is traced, where nothing can be timed.
 
 The hook (owner ``"gelu"`` in ``keras_hooks.patches.ORDER``) replaces ``gelu`` of
 Keras's TensorFlow backend module (`keras_private.backend_nn`), which
 ``keras.ops.gelu`` looks up at each call; it is one of the model-level hooks
 (`tfmp._src.attachment.hooks`). A call takes `float32_inside` when
-``approximate`` is False, ``x`` is a float16/bfloat16 tensor of the calling
-model's compute dtype, and that model (Keras's entry layer of the running call)
-carries an attachment whose ``gelu`` starts with `FLOAT32_INSIDE`; every other
-call is Keras's own. Tests inject a probe result with `injected`.
+``approximate`` is False, ``x`` is a 16-bit tensor of the calling model's
+compute dtype, and that model (Keras's entry layer of the running call) carries
+an attachment whose ``gelu`` starts with `FLOAT32_INSIDE`; every other call is
+Keras's own. Tests inject a probe result with `injected`.
 """
 
 from __future__ import annotations
@@ -48,9 +52,10 @@ import contextlib
 import dataclasses
 import functools
 import math
+import statistics
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from tfmp._src.attachment import record
 from tfmp._src.constants import LOW_PRECISION
@@ -61,12 +66,12 @@ from tfmp._src.policy.hardware import DeviceFacts, detect_device_facts
 FLOAT32_INSIDE = "float32 inside"
 #: ``Attachment.gelu`` of a model that keeps Keras's GELU without a measurement.
 KERAS = "keras"
-#: Float inside is taken when the probe's 16-bit time is at least this many times its own
-#: (a margin over the probe's noise: 1.6-2.2x measured on the Zen 4 above).
+#: Float32 inside is taken when Keras's time in the probe is at least this many times its
+#: own (a margin over the probe's noise: 1.45-1.67x in three processes on the Zen 4).
 FASTER_RATIO = 1.2
-#: The probe's input: 1024 x 512 values (smaller ones weigh the per-call overhead more):
-#: about 4.4 ms (bfloat16) and 2.5 ms (float32 inside) on the Zen 4, ratio 1.72-1.76 in 3 runs.
-ROWS, UNITS = 1024, 512
+#: The probe's Dense: 1024 rows of 64 features in, 512 out (GELU over 1024 x 512 values;
+#: smaller ones weigh the per-call overhead more).
+ROWS, INPUTS, UNITS = 1024, 64, 512
 #: Seconds of timed calls after the first (tracing) call of each variant.
 BUDGET_S = 0.3
 #: Timed calls of each variant at most; the fastest of each is kept.
@@ -81,22 +86,26 @@ _injected: List["GeluProbe"] = []
 
 @dataclasses.dataclass(frozen=True)
 class GeluProbe:
-    """One measurement of the exact GELU's forward and backward pass in one 16-bit dtype.
+    """One measurement of a Dense + exact GELU step, forward and backward, in one 16-bit dtype.
 
     Attributes:
         dtype: String. ``"bfloat16"`` or ``"float16"``.
-        keras_ms: Float, milliseconds. Fastest call of Keras's chain
-            (``tf.nn.gelu(x, approximate=False)``) in `dtype`, with its gradient;
-            NaN when it could not run.
-        float32_ms: Float, milliseconds. Fastest call of `float32_inside` on the
-            same input, with its gradient.
+        keras_ms: Float, milliseconds. Fastest call of the probe's Dense step in
+            `dtype` with Keras's GELU (``tf.nn.gelu(x, approximate=False)``),
+            forward and backward; NaN when it could not run.
+        float32_ms: Float, milliseconds. Fastest call of the same step with
+            `float32_inside`.
         source: String. ``"measured"``, ``"injected"`` (tests) or ``"failed: <error>"``.
+        paired_ratio: Float. Median over the timed rounds of Keras's time over
+            float32 inside's in the same round (NaN when not measured); the
+            decision reads `ratio`, of the fastest calls.
     """
 
     dtype: str
     keras_ms: float
     float32_ms: float
     source: str = "measured"
+    paired_ratio: float = math.nan
 
     @property
     def ratio(self) -> float:
@@ -114,9 +123,9 @@ class GeluProbe:
         """String. The figures in one clause, e.g. for ``Attachment.gelu``."""
         if self.source.startswith("failed"):
             return f"the {self.dtype} GELU probe {self.source}"
-        return (f"{self.dtype} GELU forward+backward {self.keras_ms:.3g} ms, float32 inside "
-                f"{self.float32_ms:.3g} ms ({self.ratio:.3g}x, {self.source}; taken from "
-                f"{FASTER_RATIO:g}x)")
+        return (f"{self.dtype} Dense + GELU forward+backward {self.keras_ms:.3g} ms with Keras's "
+                f"GELU, {self.float32_ms:.3g} ms with float32 inside ({self.ratio:.3g}x, "
+                f"{self.source}; taken from {FASTER_RATIO:g}x)")
 
 
 def float32_inside(x: Any) -> Any:
@@ -147,30 +156,39 @@ def float32_inside(x: Any) -> Any:
     return gelu(x)
 
 
-def _timed_step(gelu: Callable) -> Any:
+def _dense_step(gelu: Callable) -> Any:
+    """A `tf.function` ``step(x, w, b, dy)``: a Dense layer's ``gelu(x @ w + b)`` and its gradients."""
     import tensorflow as tf
 
     @tf.function(jit_compile=False, autograph=False)
-    def step(x, dy):
+    def step(x, w, b, dy):
         with tf.device("/CPU:0"), tf.GradientTape() as tape:
-            tape.watch(x)
-            y = gelu(x)
-        return tape.gradient(y, x, output_gradients=dy)
+            tape.watch([x, w, b])
+            y = gelu(tf.add(tf.matmul(x, w), b))  # Keras's Dense: MatMul, then AddV2 of the bias
+        return tape.gradient(y, [x, w, b], output_gradients=dy)[0]
 
     return step
 
 
-def measure(dtype: str, budget_s: float = BUDGET_S, repeats: int = REPEATS) -> GeluProbe:
-    """Times Keras's 16-bit GELU and `float32_inside`, forward and backward, now (not cached).
+def measure(dtype: str, budget_s: float = BUDGET_S, repeats: int = REPEATS,
+            shape: Tuple[int, int, int] = (ROWS, INPUTS, UNITS)) -> GeluProbe:
+    """Times a 16-bit Dense + GELU with Keras's GELU and with `float32_inside`, now (not cached).
 
-    Each variant is a `tf.function` of its own, called once first (tracing), then
-    the two are timed alternately, up to `repeats` calls each, stopping once
-    `budget_s` seconds of timed calls have passed; the fastest of each is kept.
+    What is timed is a Dense layer's forward and backward pass in `dtype`,
+    ``gelu(x @ w + b)`` with ``x`` of shape ``(rows, inputs)`` and ``w`` of
+    shape ``(inputs, units)``, the gradients of ``x``, ``w`` and ``b``: the
+    matmul is included so that a CPU where Grappler fuses the MatMul, bias add
+    and Keras's GELU into one kernel measures that fusion too. Each variant is a
+    `tf.function` of its own, called once first (tracing), then the two are
+    timed alternately, up to `repeats` calls each, stopping once `budget_s`
+    seconds of timed calls have passed; the fastest of each is kept.
 
     Args:
         dtype: String. ``"bfloat16"`` or ``"float16"``.
         budget_s: Float. Seconds of timed calls, after the first ones.
         repeats: Int. Timed calls of each variant at most.
+        shape: Tuple ``(rows, inputs, units)`` of ints (`benchmarks/gelu.py`
+            times the benchmark models' own).
 
     Returns:
         `GeluProbe` (``source="failed: ..."`` with NaN times when TensorFlow cannot
@@ -180,26 +198,30 @@ def measure(dtype: str, budget_s: float = BUDGET_S, repeats: int = REPEATS) -> G
 
     if not tf.executing_eagerly():
         return GeluProbe(dtype, math.nan, math.nan, "failed: called while tracing")
-    variants = {"keras": _timed_step(lambda x: tf.nn.gelu(x, approximate=False)),
-                "float32": _timed_step(float32_inside)}
+    variants = {"keras": _dense_step(lambda x: tf.nn.gelu(x, approximate=False)),
+                "float32": _dense_step(float32_inside)}
     times: Dict[str, List[float]] = {name: [] for name in variants}
+    rows, inputs, units = shape
     try:
         with tf.device("/CPU:0"):
-            x = tf.random.stateless_normal((ROWS, UNITS), seed=(31, 1), dtype=dtype)
-            dy = tf.random.stateless_normal((ROWS, UNITS), seed=(31, 2), dtype=dtype)
+            args = (tf.random.stateless_normal((rows, inputs), seed=(31, 1), dtype=dtype),
+                    tf.random.stateless_normal((inputs, units), seed=(31, 2), dtype=dtype) * inputs**-0.5,
+                    tf.zeros((units,), dtype),
+                    tf.random.stateless_normal((rows, units), seed=(31, 3), dtype=dtype))
         for step in variants.values():
-            step(x, dy).numpy()  # tracing and Grappler: not timed
+            step(*args).numpy()  # tracing and Grappler: not timed
         start = time.perf_counter()
         for index in range(max(1, repeats)):
             for name in sorted(variants, reverse=index % 2 == 1):
                 began = time.perf_counter()
-                variants[name](x, dy).numpy()
+                variants[name](*args).numpy()
                 times[name].append((time.perf_counter() - began) * 1e3)
             if time.perf_counter() - start > budget_s:
                 break
     except tf.errors.OpError as error:
         return GeluProbe(dtype, math.nan, math.nan, f"failed: {type(error).__name__}")
-    return GeluProbe(dtype, min(times["keras"]), min(times["float32"]))
+    paired = statistics.median(k / f for k, f in zip(times["keras"], times["float32"]))
+    return GeluProbe(dtype, min(times["keras"]), min(times["float32"]), paired_ratio=paired)
 
 
 def probe(dtype: str) -> GeluProbe:
@@ -251,15 +273,15 @@ def decision(compute_dtype: str, facts: Optional[DeviceFacts] = None) -> str:
     """``Attachment.gelu`` for a model computing in `compute_dtype` on this machine.
 
     Args:
-        compute_dtype: String. The model's compute dtype.
+        compute_dtype: String. The model's compute dtype; only ``"bfloat16"`` is measured.
         facts: `DeviceFacts` or None (this machine's). With a GPU or TPU nothing is
             measured and Keras's GELU is kept.
 
     Returns:
-        String: `KERAS` (float32 model, or a GPU/TPU), ``"float32 inside: <probe>"``
+        String: `KERAS` (not bfloat16, or a GPU/TPU), ``"float32 inside: <probe>"``
         or ``"keras: <probe>"`` (measured not faster).
     """
-    if compute_dtype not in LOW_PRECISION:
+    if compute_dtype != "bfloat16":
         return KERAS
     facts = facts if facts is not None else detect_device_facts()
     if facts.gpus or facts.tpu:

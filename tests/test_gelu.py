@@ -111,9 +111,12 @@ def test_the_probe_times_both_variants_on_this_cpu():
     assert gelu.probe("bfloat16") is gelu.probe("bfloat16")  # measured once per process
 
 
-def test_the_probe_says_it_failed_while_tracing():
-    found = tf.function(lambda: tf.constant(gelu.measure("bfloat16").source == "failed: called while tracing"))()
-    assert bool(found)
+def test_a_probe_asked_while_tracing_fails_and_is_not_kept(monkeypatch):
+    gelu.clear_cache()
+    found = tf.function(lambda: tf.constant(gelu.probe("bfloat16").source == gelu.TRACING))()
+    assert bool(found) and "bfloat16" not in gelu._cache
+    monkeypatch.setattr(gelu, "measure", lambda dtype: gelu.GeluProbe(dtype, 2.0, 1.0))
+    assert gelu.probe("bfloat16").faster and gelu._cache["bfloat16"].source == "measured"
 
 
 class GeluBlock(keras.layers.Layer):

@@ -66,6 +66,8 @@ from tfmp._src.policy.hardware import DeviceFacts, detect_device_facts
 FLOAT32_INSIDE = "float32 inside"
 #: ``Attachment.gelu`` of a model that keeps Keras's GELU without a measurement.
 KERAS = "keras"
+#: `GeluProbe.source` when asked while a function is traced: not cached, measured at the next eager call.
+TRACING = "failed: called while tracing"
 #: Float32 inside is taken when Keras's time in the probe is at least this many times its
 #: own (a margin over the probe's noise: 1.45-1.67x in three processes on the Zen 4).
 FASTER_RATIO = 1.2
@@ -197,7 +199,7 @@ def measure(dtype: str, budget_s: float = BUDGET_S, repeats: int = REPEATS,
     import tensorflow as tf
 
     if not tf.executing_eagerly():
-        return GeluProbe(dtype, math.nan, math.nan, "failed: called while tracing")
+        return GeluProbe(dtype, math.nan, math.nan, TRACING)
     variants = {"keras": _dense_step(lambda x: tf.nn.gelu(x, approximate=False)),
                 "float32": _dense_step(float32_inside)}
     times: Dict[str, List[float]] = {name: [] for name in variants}
@@ -228,16 +230,21 @@ def probe(dtype: str) -> GeluProbe:
     """This process's `GeluProbe` for `dtype`: the injected one, else measured once and cached.
 
     Returns:
-        `GeluProbe`. The first call per dtype measures (`measure`: about 0.3-0.5 s
-        with tracing, bounded by `BUDGET_S`); later calls return the same object.
+        `GeluProbe`. The first eager call per dtype measures (`measure`: about
+        0.3 s with tracing, bounded by `BUDGET_S`); later calls return the same
+        object. A call while a function is traced returns a failed probe that is
+        not kept.
     """
     with _lock:
         for result in reversed(_injected):
             if result.dtype == dtype:
                 return result
-        if dtype not in _cache:
-            _cache[dtype] = measure(dtype)
-        return _cache[dtype]
+        if dtype in _cache:
+            return _cache[dtype]
+        found = measure(dtype)
+        if found.source != TRACING:  # measured (or failed for good): kept for the process
+            _cache[dtype] = found
+        return found
 
 
 def clear_cache() -> None:

@@ -333,3 +333,9 @@ def test_a_detached_inner_model_stays_detached_inside_an_attached_outer_model():
 def test_a_nested_loss_scale_optimizer_is_refused():
     with pytest.raises(ValueError, match="Invalid `inner_optimizer` argument"):
         tfmp.LossScaleOptimizer(tfmp.LossScaleOptimizer(keras.optimizers.SGD()))
+
+
+@pytest.mark.parametrize("function", ["attachment", "detach"])
+def test_a_refused_model_argument_names_the_function_called_in_its_fix(function):
+    with pytest.raises(ValueError, match=rf"e\.g\. tfmp\.{function}\(model\)\."):
+        getattr(tfmp, function)(None)

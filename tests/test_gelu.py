@@ -196,6 +196,27 @@ def test_the_decision_stays_with_the_model_in_any_thread_and_detach_gives_keras_
     assert _erf(counts, "bfloat16") == 3 and _erf(counts, "float32") == 0
 
 
+def test_an_attached_model_keeps_its_gelu_inside_a_model_tfmp_did_not_attach():
+    inner = _tfmp_model(faster=True)
+    inputs = keras.Input((8,))
+    outer = keras.Model(inputs, inner(inputs))  # built and called without tfmp
+    assert tfmp.attachment(outer) is None
+    x = tf.constant(X)
+    graph = tf.function(lambda v: outer(v, training=True)).get_concrete_function(x).graph
+    graphs = [graph] + [f.graph for f in graph._functions.values()]
+    erf = [op.outputs[0].dtype for g in graphs for op in g.get_operations() if op.type in ERF]
+    assert erf == [tf.float32] * 3
+
+
+def test_a_layer_detached_from_an_attached_model_computes_kerass_gelu():
+    model = _tfmp_model(faster=True)
+    dense = next(layer for layer in model.layers if getattr(layer, "activation", None) is not None
+                 and "gelu" in getattr(layer.activation, "__name__", ""))
+    tfmp.detach(dense)
+    counts = _op_counts(model)
+    assert _erf(counts, "bfloat16") == 1 and _erf(counts, "float32") == 4  # the other two: float32 inside
+
+
 def test_a_gelu_outside_a_layer_call_is_kerass():
     model = _tfmp_model(faster=True)
     x = tf.constant([0.5, -1.0], tf.bfloat16)

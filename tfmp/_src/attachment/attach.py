@@ -32,11 +32,11 @@ from tfmp._src.policy import float16_fusion
 DETACHED_OWNERS = ("float32.ids", "enable.dtype_errors", "enable.quantize_hint", "custom_optimizers")
 
 
-def _check_model(model: Any) -> None:
+def _check_model(model: Any, function: str) -> None:
     if not isinstance(model, keras.layers.Layer):
         raise invalid_argument(
             "model", model, "a keras.Model or one of its layers",
-            fix="Pass the model itself, e.g. tfmp.attachment(model).",
+            fix=f"Pass the model itself, e.g. tfmp.{function}(model).",
         )
 
 
@@ -112,7 +112,7 @@ def attachment(model: keras.layers.Layer) -> Optional[Attachment]:
         ValueError: `model` is not a Keras model or layer (the message says what
             was received).
     """
-    _check_model(model)
+    _check_model(model, "attachment")
     return record.of(model)
 
 
@@ -141,7 +141,7 @@ def detach(model: keras.layers.Layer) -> Optional[Attachment]:
     Raises:
         ValueError: `model` is not a Keras model or layer.
     """
-    _check_model(model)
+    _check_model(model, "detach")
     found = record.of(model)
     objects = [model, *(e.layer for e in walk(model))]
     if isinstance(model, keras.Model):

@@ -96,8 +96,11 @@ CALL_ORDER: Tuple[Tuple[str, str], ...] = (
      "tests/test_public_bug_kinds_exact.py::"
      "test_the_rule_forces_exact_layers_made_while_enabled_unless_excluded"),
     ("keras.ops.gelu (so activation='gelu', keras.activations.gelu, Activation('gelu')) calls "
-     "gelu(x, approximate) looked up on backend.nn at each call, inside the entry layer's call context",
+     "gelu(x, approximate) looked up on backend.nn at each call",
      "tests/test_gelu.py::test_where_the_16_bit_gelu_is_slow_a_model_computes_its_exact_gelus_in_float32_only"),
+    ("Layer.__call__ runs call inside backend.name_scope(layer.name, caller=layer), on the "
+     "thread's name_scope_stack (keras_private.calling_layer)",
+     "tests/test_gelu.py::test_an_attached_model_keeps_its_gelu_inside_a_model_tfmp_did_not_attach"),
     ("fit, evaluate and predict call make_train/test/predict_function, then the model's "
      "train/test/predict_function, in the calling thread",
      "tests/test_float16_fusion.py::test_with_the_trap_a_float16_model_steps_without_fused_matmuls_and_a_float32_model_keeps_them"),

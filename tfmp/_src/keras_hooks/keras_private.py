@@ -9,6 +9,7 @@ pair setup.cfg admits.
 | name used | where in Keras / TF | what tfmp does with it |
 |---|---|---|
 | ``global_state`` attribute ``"current_call_ctx"`` (``CallContext.entry_layer``) | ``keras/src/layers/layer.py`` | `entry_layer`: the outermost layer whose call is running in this thread |
+| ``global_state`` attribute ``"name_scope_stack"`` (each ``name_scope``'s ``caller``: the layer whose ``__call__`` opened it) | ``keras/src/backend/common/name_scope.py``, ``Layer._open_name_scope`` in ``keras/src/layers/layer.py`` | `calling_layer`: the innermost layer whose call is running in this thread |
 | ``Layer._flatten_layers`` | ``keras/src/layers/layer.py`` | `child_layers`: the direct sublayers of a layer, tracked attributes included |
 | ``Sequential._functional`` | ``keras/src/models/sequential.py`` | `functional_graph`: a built Sequential's inner graph |
 | the class ``Functional`` (``keras.Model(inputs, outputs)``), not public | ``keras/src/models/functional.py`` | `is_functional`: a graph of layers that computes nothing itself (not a subclass) |
@@ -126,6 +127,21 @@ def entry_layer() -> Optional[Any]:
     from keras.src.backend.common import global_state
 
     return getattr(global_state.get_global_attribute("current_call_ctx"), "entry_layer", None)
+
+
+def calling_layer() -> Optional[Any]:
+    """The innermost layer whose ``__call__`` runs in this thread, or None.
+
+    Keras's ``Layer.__call__`` runs ``call`` inside ``backend.name_scope(self.name,
+    caller=self)``, pushed on the thread's name scope stack.
+    """
+    from keras.src.backend.common import global_state
+
+    for scope in reversed(global_state.get_global_attribute("name_scope_stack") or []):
+        caller = getattr(scope, "caller", None)
+        if isinstance(caller, keras.layers.Layer):
+            return caller
+    return None
 
 
 def backend_nn() -> Any:

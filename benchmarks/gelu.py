@@ -22,10 +22,10 @@ benchmark's FFN (64 x 128 tokens, 128, 512), the ViT's MLP (64 x 64 patches, 64,
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from benchmarks import run  # noqa: E402
+from benchmarks import report, run  # noqa: E402
 from tfmp._src.constants import LOW_PRECISION  # noqa: E402
 from tfmp._src.float32 import gelu  # noqa: E402
 
@@ -87,43 +87,36 @@ def errors(values: int) -> list:
 
 def measure(quick: bool = False, repeats: Optional[int] = None) -> dict:
     """Times and errors (module docstring) as one dict, with the machine's facts."""
+    start = time.perf_counter()
     repeats = repeats or (2 if quick else 15)
     results = {"machine": run.machine(), "quick": quick, "repeats": repeats,
                "timings": timings(QUICK_SHAPES if quick else SHAPES, repeats, 0.05 if quick else 3.0),
                "errors": errors(QUICK_VALUES if quick else VALUES)}
     results["machine"]["load_average_end"] = list(os.getloadavg())
+    results["duration_s"] = time.perf_counter() - start
     return results
 
 
 def markdown(results: dict) -> str:
     """The two tables of `results`, with the machine line."""
-    m = results["machine"]
-    lines = [f"{m['cpu']} (flags: {', '.join(m['cpu_flags']) or 'none'}), {m['cores']} cores; "
-             f"TensorFlow {m['tensorflow']}; {m['date']}; load average "
-             f"{m['load_average_start'][0]:.2f} -> {m['load_average_end'][0]:.2f}; "
-             f"{results['repeats']} rounds at most",
-             "", "| Dense (rows x inputs x units) | dtype | Keras ms | float32 inside ms | fastest ratio | paired ratio | taken |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for row in results["timings"]:
-        size = " x ".join(str(n) for n in row["size"])
-        lines.append(f"| {row['shape']} ({size}) | {row['dtype']} | {row['keras_ms']:.2f} | "
-                     f"{row['float32_inside_ms']:.2f} | {row['fastest_ratio']:.2f}x | "
-                     f"{row['paired_ratio']:.2f}x | {'yes' if row['taken'] else 'no'} |")
-    lines += ["", "| dtype | variant | forward mean / max abs error | gradient mean / max abs error |",
-              "| --- | --- | --- | --- |"]
-    for row in results["errors"]:
-        lines.append(f"| {row['dtype']} | {row['variant']} | {row['forward_mean']:.2e} / "
-                     f"{row['forward_max']:.2e} | {row['gradient_mean']:.2e} / {row['gradient_max']:.2e} |")
-    return "\n".join(lines)
+    timed = [[f"{row['shape']} ({' x '.join(str(n) for n in row['size'])})", row["dtype"],
+              f"{row['keras_ms']:.2f}", f"{row['float32_inside_ms']:.2f}", f"{row['fastest_ratio']:.2f}x",
+              f"{row['paired_ratio']:.2f}x", "yes" if row["taken"] else "no"] for row in results["timings"]]
+    errors_ = [[row["dtype"], row["variant"], f"{row['forward_mean']:.2e} / {row['forward_max']:.2e}",
+                f"{row['gradient_mean']:.2e} / {row['gradient_max']:.2e}"] for row in results["errors"]]
+    return "\n".join(
+        [report.machine_line(results["machine"], results["duration_s"]),
+         f"At most {results['repeats']} alternated calls per case.", ""]
+        + report.table(["Dense (rows x inputs x units)", "dtype", "Keras ms", "float32 inside ms",
+                        "fastest ratio", "paired ratio", "taken"], timed) + [""]
+        + report.table(["dtype", "variant", "forward mean / max abs error",
+                        "gradient mean / max abs error"], errors_))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     """Command line (module docstring); prints the tables and returns the results."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    run.add_common_arguments(parser, "timed rounds per case at most (default 15; 2 with --quick)")
-    args = run.parse_checked(parser, argv)
-    results = measure(args.quick, args.repeats)
-    return run.publish(results, markdown(results), args.json)
+    return run.simple_main(__doc__, "timed calls per case at most (default 15; 2 with --quick)",
+                           measure, markdown, argv)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's tfmp
@@ -259,6 +259,20 @@ def publish(results: dict, text: str, json_path: Optional[str]) -> dict:
         with open(json_path, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=2)
     return results
+
+
+def simple_main(doc: str, repeats_help: str, measure: Callable, markdown: Callable,
+                argv: Optional[Sequence[str]]) -> dict:
+    """The command line of a benchmark with only ``--json``, ``--quick`` and ``--repeats``.
+
+    Parses `argv`, calls ``measure(quick, repeats)``, prints ``markdown(results)``
+    and writes the JSON; returns the results.
+    """
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    add_common_arguments(parser, repeats_help)
+    args = parse_checked(parser, argv)
+    results = measure(args.quick, args.repeats)
+    return publish(results, markdown(results), args.json)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:

@@ -33,7 +33,6 @@ Reported:
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -220,11 +219,8 @@ def markdown(results: dict) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     """Command line (module docstring); prints the tables and returns the results."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    run.add_common_arguments(parser, "timed repeats of the cost part (default 9; 2 with --quick)")
-    args = run.parse_checked(parser, argv)
-    results = measure(args.quick, args.repeats)
-    return run.publish(results, markdown(results), args.json)
+    return run.simple_main(__doc__, "timed repeats of the cost part (default 9; 2 with --quick)",
+                           measure, markdown, argv)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ what ``activation="gelu"`` runs, against
 `tfmp._src.float32.gelu.float32_inside`), timed by the probe tfmp runs when it
 attaches a model (`gelu.measure`: each variant one `tf.function`, traced and run
 once untimed, then called alternately), with a larger budget. Reported per case:
-fastest call of each, their ratio (what tfmp decides by), and the median of the
-per-round ratios. Then the error of each GELU against float64 (math.erfc) on
+fastest call of each, their ratio (what tfmp decides by), the median of the
+per-round ratios, and whether tfmp would take float32 inside at that size
+(bfloat16 only, from 1.2x). Then the error of each GELU against float64 (math.erfc) on
 100,000 values from N(0, 9): forward values and gradients, mean and largest
 absolute error.
 
@@ -54,7 +55,8 @@ def timings(shapes: dict, repeats: int, budget_s: float) -> list:
             found = gelu.measure(dtype, budget_s=budget_s, repeats=repeats, shape=shape)
             rows.append({"shape": label, "size": list(shape), "dtype": dtype, "keras_ms": found.keras_ms,
                          "float32_inside_ms": found.float32_ms, "fastest_ratio": found.ratio,
-                         "paired_ratio": found.paired_ratio, "taken": found.faster})
+                         "paired_ratio": found.paired_ratio,
+                         "taken": found.faster and dtype == gelu.DTYPE})
     return rows
 
 

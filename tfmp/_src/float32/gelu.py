@@ -6,14 +6,14 @@ Keras's exact GELU (``activation="gelu"``, ``keras.activations.gelu``,
 dtype, and a longer one for its gradient. TensorFlow's CPU kernels for 16-bit
 elementwise ops convert every value to float32 and back inside each op, so the
 chain costs more in bfloat16 than in float32. Measured on an AMD EPYC Zen 4
-(AVX512_BF16), TensorFlow 2.21, 2026-12-03, a bfloat16 Dense layer with the exact
-GELU, forward and backward (`benchmarks/gelu.py`, fastest of 15 alternated
-calls): the benchmark Transformer's FFN (8192 x 128 -> 512) 29.9 ms with Keras's
-GELU, 21.2 ms with float32 inside (1.41x); the ViT's MLP (4096 x 64 -> 128) 5.3
-vs 3.6 ms (1.50x); its head (64 x 4096 -> 2048, the matmul's time) 8.9 vs 8.4 ms.
-float16 gains less there (1.10-1.30x, 0.97x on the head) and is never tfmp's
-choice on a CPU: left to Keras, as is the tanh approximation (bfloat16 1.06x
-standalone).
+(AVX512_BF16), TensorFlow 2.21, 2026-12-03 15:51 UTC, a bfloat16 Dense layer with
+the exact GELU, forward and backward (`benchmarks/gelu.py`, fastest of 15
+alternated calls): the benchmark Transformer's FFN (8192 x 128 -> 512) 29.9 ms
+with Keras's GELU, 21.2 ms with float32 inside (1.41x); the ViT's MLP (4096 x 64
+-> 128) 5.3 vs 3.6 ms (1.50x); its head (64 x 4096 -> 2048, the matmul's time)
+8.9 vs 8.4 ms. float16 gains less there (0.97-1.30x in two runs) and is never
+tfmp's choice on a CPU: left to Keras, as is the tanh approximation (bfloat16
+1.06x standalone).
 
 `float32_inside` casts ``x`` to float32 once, computes GELU (forward) and its
 derivative ``Phi(x) + x * phi(x)`` (backward) in float32 and rounds each result
@@ -64,7 +64,7 @@ from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.keras_hooks import keras_private, patches
 from tfmp._src.policy.hardware import DeviceFacts, detect_device_facts
 
-#: The one compute dtype measured and changed (float16 gains 1.1-1.3x here, never tfmp's choice on a CPU).
+#: The one compute dtype measured and changed (float16 gains 1.0-1.3x here, never tfmp's choice on a CPU).
 DTYPE = "bfloat16"
 #: ``Attachment.gelu`` of a model whose 16-bit exact GELU is computed in float32 inside.
 FLOAT32_INSIDE = "float32 inside"

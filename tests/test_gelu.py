@@ -256,3 +256,28 @@ def test_the_benchmark_runs_and_its_tables_hang_together(tmp_path):
         assert ours["forward_mean"] < keras_["forward_mean"] and ours["gradient_max"] < 0.02
     text = benchmark.markdown(written)
     assert "| tiny (16 x 8 x 32) | bfloat16 |" in text and "| float16 | float32 inside |" in text
+
+
+def test_detaching_a_sub_model_retraces_the_attached_model_holding_it():
+    with tfmp.policy_scope("mixed_bfloat16"):
+        sub = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation="gelu")])
+        outer = keras.Sequential([keras.Input((8,)), sub, keras.layers.Dense(2)])
+        with gelu.injected(faster=True):
+            outer.compile("adam", "mse")
+    outer.fit(X, X[:, :2], batch_size=8, verbose=0)
+    assert outer.train_function is not None
+    tfmp.detach(sub)
+    assert outer.train_function is None and tfmp.attachment(outer) is not None
+    assert _erf(forward_and_backward_ops(outer, tf.constant(X), tf.constant(X[:, :2])), "bfloat16") == 1
+
+
+def test_a_float32_model_holding_bfloat16_layers_is_decided_by_its_layers():
+    """As a model saved under plain mixed_bfloat16 and loaded before enable() comes back."""
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(8, activation="gelu", dtype="mixed_bfloat16")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(3, dtype="float32")(hidden))
+    with tfmp.policy_scope("mixed_bfloat16"), gelu.injected(faster=True):
+        with pytest.warns(tfmp.PerformanceWarning, match=r"its layers compute in bfloat16 \(1\), float32 \(1\)"):
+            model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    assert tfmp.attachment(model).gelu.startswith("float32 inside")
+    assert _erf(_op_counts(model), "float32") == 2

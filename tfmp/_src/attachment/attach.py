@@ -18,6 +18,7 @@ import keras
 
 from tfmp._src.attachment import hooks, record
 from tfmp._src.attachment.record import Attachment
+from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.errors import invalid_argument
 from tfmp._src.float32 import fused_batchnorm, gelu
 from tfmp._src.float32.force import forced_reason
@@ -66,7 +67,7 @@ def attach(model: keras.Model, policy: str, *, attached_by: str, exact_ids: int,
         layer_policies={e.path: e.layer.dtype_policy.name for e in entries},
         forced_float32={e.path: why for e in entries if (why := forced_reason(e.layer))},
         exact_ids=exact_ids, explains_dtype_errors=explains_dtype_errors, check_numerics=numerics,
-        remapper=remapper, gelu=gelu.decision(model.dtype_policy.compute_dtype),
+        remapper=remapper, gelu=gelu.decision(_compute_dtype(model, entries)),
     )
     record.mark([model, *(e.layer for e in entries)], found)
     found.batchnorm_kernel = {
@@ -74,6 +75,18 @@ def attach(model: keras.Model, policy: str, *, attached_by: str, exact_ids: int,
         for e in entries if isinstance(e.layer, keras.layers.BatchNormalization)
     }
     return found
+
+
+def _compute_dtype(model: Any, entries: list) -> str:
+    """The 16-bit compute dtype of `model` or, failing that, of any of its layers; else the model's.
+
+    A model built under float32 may hold layers made under a mixed policy (saved
+    under plain Keras ``mixed_bfloat16`` and loaded before `tfmp.enable`).
+    """
+    if model.dtype_policy.compute_dtype in LOW_PRECISION:
+        return model.dtype_policy.compute_dtype
+    found = [e.layer.compute_dtype for e in entries if e.layer.compute_dtype in LOW_PRECISION]
+    return found[0] if found else model.dtype_policy.compute_dtype
 
 
 def _remapper_decision(model: Any) -> str:
@@ -95,6 +108,13 @@ def _remapper_decision(model: Any) -> str:
         return "on"
     step_scope.install(model, float16_fusion.remapper_off, name="remapper off")
     return f"off: {trap.describe()}"
+
+
+def _attached_models_holding(layer: Any) -> list:
+    """The live attached models, other than `layer`, that have `layer` among their layers."""
+    return [obj for obj in record.marked_objects()
+            if isinstance(obj, keras.Model) and obj is not layer
+            and any(entry.layer is layer for entry in walk(obj))]
 
 
 def attachment(model: keras.layers.Layer) -> Optional[Attachment]:
@@ -122,10 +142,12 @@ def detach(model: keras.layers.Layer) -> Optional[Attachment]:
     Removes the model's and its layers' attachment, for good (also when the
     model is a part of an attached model: it no longer takes that model's
     attachment), so that the fused
-    BatchNormalization kernel and the float32 loss-term casts no longer apply;
+    BatchNormalization kernel, the float32-inside GELU and the float32 loss-term
+    casts no longer apply;
     the exact-token-id and dtype-error hooks; the hook wrapping optimizers stored
     on the model (those wrapped stay); `tfmp.check_numerics`; and resets
-    the model's train, test and predict functions so that they are traced again.
+    the train, test and predict functions of the model, and of any attached model
+    holding it, so that they are traced again.
     Kept: the layers' dtype policies (float32 forcing's, saved with the model) and
     the optimizer: to train with another one, compile the model again after
     `tfmp.disable()`. Once no model is attached and no thread is enabled, tfmp's
@@ -147,7 +169,9 @@ def detach(model: keras.layers.Layer) -> Optional[Attachment]:
     if isinstance(model, keras.Model):
         check_numerics(model, enabled=False)
         step_scope.remove(model)
-        model.train_function = model.test_function = model.predict_function = None
+    for holder in [model, *_attached_models_holding(model)]:  # traced with the detached part
+        if isinstance(holder, keras.Model):
+            holder.train_function = holder.test_function = holder.predict_function = None
     for obj in objects + [obj.dtype_policy for obj in objects]:
         for hook in patches.installed(obj):
             if hook.owner in DETACHED_OWNERS:

@@ -44,8 +44,11 @@ Keras's TensorFlow backend module (`keras_private.backend_nn`), which
 innermost layer whose call is running) carries an attachment whose ``gelu``
 starts with `FLOAT32_INSIDE`: an attached model keeps its decision when it is
 called inside a model tfmp did not attach, and a layer `tfmp.detach` took off
-computes Keras's GELU. Every other call is Keras's own. Tests inject a probe
-result with `injected`.
+computes Keras's GELU. A layer whose ``call`` a wrapper runs directly, not
+through ``__call__`` (``TimeDistributed`` does), follows its wrapper's
+attachment; a layer shared by two models carries the attachment of the one
+attached last, as with every attachment. Every other call is Keras's own. Tests
+inject a probe result with `injected`.
 """
 
 from __future__ import annotations

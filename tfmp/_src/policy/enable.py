@@ -50,6 +50,7 @@ from tfmp._src.float32.xla_bilinear import turn_off_xla_for_bilinear
 from tfmp._src.float32.force import force_compiled, force_loaded
 from tfmp._src.float32.token_ids import exact_id_embeddings, keep_exact_ids
 from tfmp._src.policy.hardware import DeviceFacts
+from tfmp._src.layer_tree import walk
 from tfmp._src.loss_scale import loops
 from tfmp._src.loss_scale import custom_optimizers
 from tfmp._src.loss_scale import user_settings
@@ -342,13 +343,18 @@ def policy_scope(
 
 
 def _warn_if_built_before_enable(model: keras.Model, policy: str) -> None:
-    """Warns when `model`'s layers took another policy than tfmp's (built earlier)."""
+    """Warns when `model` took another policy than tfmp's (built earlier), saying what its layers compute in."""
     if model.dtype_policy.name != policy:
+        counts: dict = {}
+        for entry in walk(model):
+            counts[entry.layer.compute_dtype] = counts.get(entry.layer.compute_dtype, 0) + 1
+        layers = ", ".join(f"{dtype} ({n})" for dtype, n in sorted(counts.items(), key=lambda i: -i[1]))
         warnings.warn(
             f"Model {model.name!r} was built under the policy "
-            f"{model.dtype_policy.name!r}, not tfmp's {policy!r}, so its layers keep "
-            f"computing in {model.dtype_policy.compute_dtype}. Layers take the global "
-            "policy when they are created: build the model after tfmp.enable().",
+            f"{model.dtype_policy.name!r}, not tfmp's {policy!r}; its layers compute in "
+            f"{layers or model.dtype_policy.compute_dtype} (layers per compute dtype), as "
+            "they were made. Layers take the global policy when they are created: build "
+            "the model after tfmp.enable().",
             PerformanceWarning,
             stacklevel=user_stacklevel(),
         )

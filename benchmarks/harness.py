@@ -173,8 +173,6 @@ class ConfiguredRun:
     memory: dict
     fused_batchnorm: List[int] = dataclasses.field(default_factory=lambda: [0, 0])
     grappler: Optional[Mapping[str, bool]] = None
-    exclude_float32: Tuple[str, ...] = ()
-    gelu_float32_inside: Optional[bool] = None
 
     def train(self, steps: int) -> float:
         """Trains `steps` + 1 steps and returns the seconds per step after the first.

@@ -28,6 +28,7 @@ the TF32 setting, and takes off every class-level hook nothing needs any more.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import inspect
 import warnings
@@ -345,10 +346,8 @@ def policy_scope(
 def _warn_if_built_before_enable(model: keras.Model, policy: str) -> None:
     """Warns when `model` took another policy than tfmp's (built earlier), saying what its layers compute in."""
     if model.dtype_policy.name != policy:
-        counts: dict = {}
-        for entry in walk(model):
-            counts[entry.layer.compute_dtype] = counts.get(entry.layer.compute_dtype, 0) + 1
-        layers = ", ".join(f"{dtype} ({n})" for dtype, n in sorted(counts.items(), key=lambda i: -i[1]))
+        counts = collections.Counter(entry.layer.compute_dtype for entry in walk(model))
+        layers = ", ".join(f"{dtype} ({n})" for dtype, n in counts.most_common())
         warnings.warn(
             f"Model {model.name!r} was built under the policy "
             f"{model.dtype_policy.name!r}, not tfmp's {policy!r}; its layers compute in "

@@ -46,7 +46,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfmp
-from tfmp._src.float32 import fused_batchnorm, gelu
+from tfmp._src.float32 import bias_gradient, fused_batchnorm, gelu
 from tfmp._src.layer_tree import walk
 from tfmp._src.errors import invalid_argument
 from benchmarks.memory import PeakDeviceMemory, model_memory
@@ -84,6 +84,14 @@ class Overrides:
         gelu_float32_inside: Bool or None. Under ``tfmp``, whether the model's
             16-bit exact GELU is computed in float32 inside (the GELU probe's
             result injected while it compiles); None: as this CPU's probe decides.
+        bias_gradient_summed: Bool or None. Under ``tfmp``, whether the model's
+            16-bit bias gradients are summed with float32 accumulation (the bias
+            gradient check's result injected while it compiles); None: as this
+            CPU's check decides.
+        bias_gradient_conv2d: Bool. With `bias_gradient_summed`, whether a
+            Conv2D's bias gradient is summed too (injected as if oneDNN's fused
+            kernel lost the sum); False: it keeps that kernel, as tfmp decides
+            where the kernel is exact.
     """
 
     jit_compile: Union[bool, str] = "auto"
@@ -93,6 +101,8 @@ class Overrides:
     grappler: Optional[Mapping[str, bool]] = None
     exclude_float32: Tuple[str, ...] = ()
     gelu_float32_inside: Optional[bool] = None
+    bias_gradient_summed: Optional[bool] = None
+    bias_gradient_conv2d: bool = False
 
 
 @contextlib.contextmanager
@@ -221,9 +231,12 @@ def _build_compile_and_warm_up(
         optimizer = keras.optimizers.Adam(1e-3)
         if overrides.guard:
             optimizer = tfmp.LossScaleOptimizer(optimizer, loss_scaling=False)
-        gelu_probe = (contextlib.nullcontext() if overrides.gelu_float32_inside is None
-                      else gelu.injected(faster=overrides.gelu_float32_inside))
-        with gelu_probe:
+        with contextlib.ExitStack() as injected:
+            if overrides.gelu_float32_inside is not None:
+                injected.enter_context(gelu.injected(faster=overrides.gelu_float32_inside))
+            if overrides.bias_gradient_summed is not None:
+                injected.enter_context(bias_gradient.injected(
+                    loses=overrides.bias_gradient_summed, conv2d_loses=overrides.bias_gradient_conv2d))
             model.compile(
                 optimizer=optimizer,
                 loss=workload.compile_loss(),

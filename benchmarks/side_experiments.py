@@ -5,6 +5,8 @@
     python benchmarks/side_experiments.py cnn-without-bn        # CNN with and without BatchNormalization
     python benchmarks/side_experiments.py transformer-overhead  # tfmp vs plain Keras, its guard, its monitor, tfmp vs itself
     python benchmarks/side_experiments.py gelu                  # Transformer, ViT: tfmp's float32-inside GELU vs Keras's
+    python benchmarks/side_experiments.py bias-gradient         # Transformer, ViT: summed bias gradients vs Keras's BiasAddGrad
+    python benchmarks/side_experiments.py bias-gradient-resnet50  # ResNet50: the same for Conv2D biases
     python benchmarks/side_experiments.py xla --repeats 15 --json xla.json
     python benchmarks/side_experiments.py xla --quick           # tiny sizes: checks that it runs
 
@@ -48,7 +50,7 @@ import tensorflow as tf  # noqa: E402
 import tfmp  # noqa: E402
 from benchmarks import harness, report, run  # noqa: E402
 from benchmarks.harness import Overrides  # noqa: E402
-from benchmarks.workloads import workloads  # noqa: E402
+from benchmarks.workloads import Workload, workloads  # noqa: E402
 
 BF16 = "mixed_bfloat16"
 REWRITE = {"auto_mixed_precision_onednn_bfloat16": True}
@@ -97,6 +99,12 @@ def _plain(workload: str, policy: str, batch_norm: bool = True, **overrides) -> 
     """`workload` under plain Keras, ``float32`` or `BF16`, with `overrides`."""
     config = "float32" if policy == "float32" else "keras_mixed"
     return Variant(workload, config, Overrides(**overrides), batch_norm)
+
+
+def _bias_gradient_variants(*names: str) -> Dict[str, Variant]:
+    """tfmp on each workload with its bias gradients summed, and with Keras's ``BiasAddGrad``."""
+    return {f"{name} {label}": Variant(name, "tfmp", Overrides(tfmp_policy=BF16, bias_gradient_summed=summed))
+            for name in names for label, summed in (("summed", True), ("BiasAddGrad", False))}
 
 
 EXPERIMENTS = {
@@ -151,6 +159,21 @@ EXPERIMENTS = {
         (("tfmp", "tfmp, Keras's GELU"), ("tfmp", "Keras"), ("tfmp, Keras's GELU", "Keras"),
          ("ViT tfmp", "ViT tfmp, Keras's GELU"), ("ViT tfmp", "ViT Keras"), ("ViT tfmp, Keras's GELU", "ViT Keras")),
     ),
+    "bias-gradient": Experiment(
+        "Transformer and ViT, mixed_bfloat16: tfmp with its Dense bias gradients summed with float32 "
+        "accumulation vs tfmp with Keras's BiasAddGrad",
+        _bias_gradient_variants("transformer", "vit"),
+        (("transformer summed", "transformer BiasAddGrad"), ("vit summed", "vit BiasAddGrad")),
+    ),
+    "bias-gradient-resnet50": Experiment(
+        "ResNet50, mixed_bfloat16: tfmp with its bias gradients summed with float32 accumulation "
+        "(the Conv2D ones kept on oneDNN's fused kernel, as tfmp decides where it is exact, or "
+        "summed too) vs tfmp with Keras's BiasAddGrad",
+        {**_bias_gradient_variants("resnet50"),
+         "resnet50 summed with Conv2D": Variant("resnet50", "tfmp", Overrides(
+             tfmp_policy=BF16, bias_gradient_summed=True, bias_gradient_conv2d=True))},
+        (("resnet50 summed", "resnet50 BiasAddGrad"), ("resnet50 summed with Conv2D", "resnet50 BiasAddGrad")),
+    ),
 }
 
 
@@ -177,10 +200,20 @@ def _facts(prepared: harness.ConfiguredRun) -> dict:
     found = tfmp.attachment(prepared.model)
     return {
         "gelu": found.gelu if found is not None else "keras (not attached)",
+        "bias_gradient": found.bias_gradient if found is not None else "keras (not attached)",
         "optimizer": type(prepared.model.optimizer).__name__,
         "jit_compile": bool(prepared.model.jit_compile),
         "monitor": any(isinstance(c, tfmp.LossScaleMonitor) for c in prepared.callbacks),
     }
+
+
+#: At quick size (tests), the quick workload standing in for one the quick suite lacks.
+QUICK_STAND_INS = {"resnet50": "cnn"}
+
+
+def _workload(chosen: Dict[str, Workload], name: str) -> Workload:
+    """The workload `name` of `chosen`, or its `QUICK_STAND_INS` stand-in when `chosen` lacks it."""
+    return chosen[name] if name in chosen else chosen[QUICK_STAND_INS[name]]
 
 
 def run_experiment(name: str, quick: bool = False, repeats: Optional[int] = None) -> dict:
@@ -219,7 +252,7 @@ def run_experiment(name: str, quick: bool = False, repeats: Optional[int] = None
         # "Keras + monitor" has a plain optimizer on purpose: the monitor's note about it.
         warnings.filterwarnings("ignore", "LossScaleMonitor: the optimizer", UserWarning)
         for index, (label, variant) in enumerate(experiment.variants.items()):
-            workload = chosen[variant.batch_norm][variant.workload]
+            workload = _workload(chosen[variant.batch_norm], variant.workload)
             print(f"  {name}: building and warming up {label}", file=sys.stderr, flush=True)
             prepared[label] = harness.prepare(
                 workload, variant.config, BF16, os.path.join(tmp, str(index)), sizes["warmup"],
@@ -227,7 +260,7 @@ def run_experiment(name: str, quick: bool = False, repeats: Optional[int] = None
             described[label] = {"workload": workload.description, "config": variant.config,
                                 "overrides": dataclasses.asdict(variant.overrides),
                                 **_facts(prepared[label])}
-        batch_sizes = {chosen[v.batch_norm][v.workload].batch_size
+        batch_sizes = {_workload(chosen[v.batch_norm], v.workload).batch_size
                        for v in experiment.variants.values()}
         (batch_size,) = batch_sizes  # one per experiment, by construction of EXPERIMENTS
         timed = run.bench_runs(prepared, batch_size, sizes, name)

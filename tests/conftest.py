@@ -107,11 +107,12 @@ def tfmp_leftovers():
 
 
 def _class_hooks():
-    """The hooks on Keras's classes and on the backend module whose ``gelu`` tfmp hooks."""
+    """The hooks on Keras's classes and on the backend modules whose ``gelu`` and ``add`` tfmp hooks."""
     from tfmp._src.keras_hooks import keras_private, patches
 
     return [hook for slots in list(patches._CLASS_SLOTS.values()) for slot in slots.values()
-            for hook in slot.hooks] + patches.installed(keras_private.backend_nn())
+            for hook in slot.hooks] + patches.installed(keras_private.backend_nn()) \
+        + patches.installed(keras_private.backend_numpy())
 
 
 def _clean_up(hooks):

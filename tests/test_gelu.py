@@ -16,7 +16,7 @@ from _traced import forward_and_backward_ops
 
 import tfmp
 from tfmp import DeviceFacts, GpuFacts
-from tfmp._src.float32 import gelu
+from tfmp._src.float32 import bias_gradient, gelu
 from tfmp._src.keras_hooks import contracts, keras_private
 
 X = np.random.default_rng(0).normal(size=(16, 8)).astype("float32")
@@ -26,10 +26,11 @@ T4 = DeviceFacts(gpus=(GpuFacts("Tesla T4", (7, 5)),))
 ERF = ("Erf", "Erfc")
 #: The op types of GELU's forward and backward passes, Keras's or float32 inside (AddN:
 #: the gradient summed over GeluBlock's two GELUs of one input; Sum, Reshape, Shape,
-#: BroadcastGradientArgs: TensorFlow 2.17's gradient of its broadcasting GELU chain).
+#: BroadcastGradientArgs: TensorFlow 2.17's gradient of its broadcasting GELU chain;
+#: PartitionedCall, Placeholder: the call of the XLA-compiled gradient and its body's arguments).
 GELU_OPS = {"Erf", "Erfc", "Exp", "Mul", "AddV2", "AddN", "Neg", "Cast", "IdentityN", "Identity",
             "Square", "RealDiv", "Sqrt", "Sub", "Pow", "Const", "Sum", "Reshape", "Shape",
-            "BroadcastGradientArgs"}
+            "BroadcastGradientArgs", "PartitionedCall", "Placeholder"}
 
 
 @pytest.fixture(autouse=True)
@@ -89,6 +90,30 @@ def test_float32_inside_has_a_second_derivative():
     np.testing.assert_allclose(tf.cast(second, tf.float64).numpy(), exact, atol=0.02)
 
 
+def test_the_gradient_is_fused_by_xla_only_where_the_shape_past_the_batch_is_known():
+    """A known shape compiles once per batch size; a varying sequence length would compile
+    at every new length, so it takes TensorFlow's ops."""
+    x = tf.cast(tf.random.stateless_normal((4, 6, 8), seed=(3, 4)) * 3.0, tf.bfloat16)
+    dy = tf.cast(tf.random.stateless_normal((4, 6, 8), seed=(5, 6)), tf.bfloat16)
+    gradients, fused_calls = {}, {}
+    for name, shape in {"known": (None, 6, 8), "varying length": (None, None, 8)}.items():
+        @tf.function(input_signature=[tf.TensorSpec(shape, tf.bfloat16)] * 2)
+        def backward(x, dy):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = gelu.float32_inside(x)
+            return tape.gradient(y, x, output_gradients=dy)
+
+        graph = backward.get_concrete_function().graph
+        fused_calls[name] = sum(op.node_def.attr["_XlaMustCompile"].b for op in graph.get_operations())
+        gradients[name] = tf.cast(backward(x, dy), tf.float64).numpy()
+    assert fused_calls == {"known": 1, "varying length": 0}
+    _, slope = _exact(tf.cast(x, tf.float64).numpy())
+    expected = slope * tf.cast(dy, tf.float64).numpy()
+    for found in gradients.values():  # each rounded once from float32: within one bfloat16 step
+        np.testing.assert_allclose(found, expected, rtol=2.0**-7, atol=1e-30)
+
+
 def test_the_decision_measures_only_a_16_bit_model_on_a_cpu(monkeypatch):
     monkeypatch.setattr(gelu, "measure", lambda dtype: pytest.fail("measured"))
     gelu.clear_cache()
@@ -140,13 +165,33 @@ def _op_counts(model):
     return forward_and_backward_ops(model, tf.constant(X), tf.constant(Y))
 
 
+def _gelus_in_float32(model):
+    """``(forward, backward)`` of the model's traced step: exact GELUs computed in float32
+    (a float32 Erf or Erfc outside the fused gradient's body), and calls of the
+    XLA-compiled `gelu.fused_gradient`."""
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = model.compute_loss(x, y, model(x, training=True), training=True)
+        return tape.gradient(loss, model.trainable_variables)
+
+    graph = tf.function(step).get_concrete_function(tf.constant(X), tf.constant(Y)).graph
+    everything = [graph] + [f.graph for f in graph._functions.values()]
+    fused = [op.get_attr("f").name for g in everything for op in g.get_operations()
+             if op.type == "PartitionedCall" and op.node_def.attr["_XlaMustCompile"].b]
+    outside = [graph] + [f.graph for name, f in graph._functions.items() if name not in fused]
+    forward = sum(op.type in ERF and op.outputs[0].dtype == tf.float32 for g in outside for op in g.get_operations())
+    return forward, len(fused)
+
+
 def _erf(counts, dtype):
     """Error-function ops (Erf or Erfc) of `dtype` among `counts`."""
     return sum(counts[f"{op}:{dtype}"] for op in ERF)
 
 
 def _tfmp_model(faster):
-    with tfmp.policy_scope("mixed_bfloat16"), gelu.injected(faster=faster):
+    """An attached bfloat16 `_build()` model; its bias gradients are Keras's (only the GELU differs)."""
+    with tfmp.policy_scope("mixed_bfloat16"), gelu.injected(faster=faster), \
+            bias_gradient.injected(loses=False):
         return _build()
 
 
@@ -158,9 +203,11 @@ def test_where_the_16_bit_gelu_is_slow_a_model_computes_its_exact_gelus_in_float
     assert tfmp.attachment(model).gelu.startswith("float32 inside: bfloat16 Dense + GELU")
     ops, keras_ops = _op_counts(model), _op_counts(plain)
     # Three exact GELUs (Dense, Activation, keras.activations.gelu), each with an Erfc
-    # forward and one backward in float32 (Keras's backward differentiates its erf or
-    # erfc with an Exp); the tanh GELU of keras.ops.gelu stays in bfloat16, as Keras has it.
-    assert _erf(ops, "float32") == 6 and _erf(ops, "bfloat16") == 0 and _erf(keras_ops, "bfloat16") == 3
+    # forward in float32 and its backward by the XLA-compiled gradient (Keras's backward
+    # differentiates its erf or erfc with an Exp); the tanh GELU of keras.ops.gelu stays
+    # in bfloat16, as Keras has it.
+    assert _gelus_in_float32(model) == (3, 3)
+    assert _erf(ops, "bfloat16") == 0 and _erf(keras_ops, "bfloat16") == 3
     assert ops["Tanh:bfloat16"] == keras_ops["Tanh:bfloat16"] > 0
     differing = {key.split(":")[0] for key in ops.keys() | keras_ops.keys() if ops[key] != keras_ops[key]}
     assert differing <= GELU_OPS
@@ -176,24 +223,23 @@ def test_where_the_16_bit_gelu_is_slow_a_model_computes_its_exact_gelus_in_float
 def test_where_it_is_not_slow_the_model_traces_kerass_gelu():
     model = _tfmp_model(faster=False)
     assert tfmp.attachment(model).gelu.startswith("keras: bfloat16 Dense + GELU")
-    assert _erf(_op_counts(model), "float32") == 0
+    assert _gelus_in_float32(model) == (0, 0)
 
 
 def test_the_decision_stays_with_the_model_in_any_thread_and_detach_gives_keras_back():
     model = _tfmp_model(faster=True)
     seen = []
     with gelu.injected(faster=False):  # what the probe says later does not matter
-        thread = threading.Thread(target=lambda: seen.append(_erf(_op_counts(model), "float32")))
+        thread = threading.Thread(target=lambda: seen.append(_gelus_in_float32(model)))
         thread.start()
         thread.join()
         keras.config.set_dtype_policy("mixed_bfloat16")
         plain = _build()  # compiled without tfmp while the hook is on: Keras's GELU
         keras.config.set_dtype_policy("float32")
-        assert _erf(_op_counts(plain), "float32") == 0
-    assert seen == [6]
+        assert _gelus_in_float32(plain) == (0, 0)
+    assert seen == [(3, 3)]
     tfmp.detach(model)
-    counts = _op_counts(model)
-    assert _erf(counts, "bfloat16") == 3 and _erf(counts, "float32") == 0
+    assert _erf(_op_counts(model), "bfloat16") == 3 and _gelus_in_float32(model) == (0, 0)
 
 
 def test_an_attached_model_keeps_its_gelu_inside_a_model_tfmp_did_not_attach():
@@ -213,8 +259,8 @@ def test_a_layer_detached_from_an_attached_model_computes_kerass_gelu():
     dense = next(layer for layer in model.layers if getattr(layer, "activation", None) is not None
                  and "gelu" in getattr(layer.activation, "__name__", ""))
     tfmp.detach(dense)
-    counts = _op_counts(model)
-    assert _erf(counts, "bfloat16") == 1 and _erf(counts, "float32") == 4  # the other two: float32 inside
+    assert _erf(_op_counts(model), "bfloat16") == 1
+    assert _gelus_in_float32(model) == (2, 2)  # the other two: float32 inside
 
 
 def test_a_gelu_outside_a_layer_call_is_kerass():
@@ -280,4 +326,4 @@ def test_a_float32_model_holding_bfloat16_layers_is_decided_by_its_layers():
         with pytest.warns(tfmp.PerformanceWarning, match=r"its layers compute in bfloat16 \(1\), float32 \(1\)"):
             model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     assert tfmp.attachment(model).gelu.startswith("float32 inside")
-    assert _erf(_op_counts(model), "float32") == 2
+    assert _gelus_in_float32(model) == (1, 1)

@@ -19,7 +19,7 @@ import tensorflow as tf
 from _traced import forward_and_backward_ops, op_counts
 
 import tfmp
-from tfmp._src.float32 import gelu
+from tfmp._src.float32 import bias_gradient, gelu
 from tfmp._src.loss_scale import optimizer as _loss_scale
 from tfmp._src.policy import enable as _enable
 
@@ -742,7 +742,8 @@ def test_attention_block_forward_and_backward_are_plain_kerass_op_for_op_under_b
     logits for a from-logits loss): under mixed_bfloat16, on a CPU whose 16-bit GELU is
     not the slow path, tfmp adds no op and no cast to its forward and backward passes;
     it differs from plain Keras in the optimizer and the guard only (where the 16-bit
-    GELU is slow, its GELU ops differ too: tests/test_gelu.py)."""
+    GELU is slow, its GELU ops differ too: tests/test_gelu.py; where TensorFlow's CPU
+    BiasAddGrad loses bfloat16 sums, its bias gradients: tests/test_bias_gradient.py)."""
     rng = np.random.default_rng(0)
     tokens = tf.constant(rng.integers(0, 50, size=(4, 12)), tf.int32)
     labels = tf.constant(rng.integers(0, 3, size=(4,)), tf.int32)
@@ -760,7 +761,8 @@ def test_attention_block_forward_and_backward_are_plain_kerass_op_for_op_under_b
     keras.config.set_dtype_policy("mixed_bfloat16")  # restored by the conftest fixture
     plain = forward_and_backward_ops(build(), tokens, labels)
     keras.config.set_dtype_policy("float32")
-    with tfmp.policy_scope("mixed_bfloat16"), gelu.injected(faster=False):
+    with tfmp.policy_scope("mixed_bfloat16"), gelu.injected(faster=False), \
+            bias_gradient.injected(loses=False):
         model = build()
         assert isinstance(model.optimizer, tfmp.LossScaleOptimizer)
         with_tfmp = forward_and_backward_ops(model, tokens, labels)

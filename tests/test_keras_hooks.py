@@ -445,7 +445,8 @@ def test_the_leak_guard_sees_enabled_threads_and_class_hooks():
         assert threads == ["tfmp enabled in MainThread"]
         assert {hook.owner for hook in hooks} == {
             "enable.compile", "enable.first_step", "enable.losses", "fused_batchnorm", "float32.from_config",
-            "float32.exact", "enable.gradient_errors", "enable.build_errors", "gelu"}
+            "float32.exact", "enable.gradient_errors", "enable.build_errors", "gelu",
+            "bias_gradient"}
     assert tfmp_leftovers() == ([], [])
 
 

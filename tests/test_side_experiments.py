@@ -36,6 +36,10 @@ VARIANTS = {
                              "Keras + monitor": BF16, "tfmp again": BF16},
     "gelu": {"Keras": BF16, "tfmp": BF16, "tfmp, Keras's GELU": BF16,
              "ViT Keras": BF16, "ViT tfmp": BF16, "ViT tfmp, Keras's GELU": BF16},
+    "bias-gradient": {"transformer summed": BF16, "transformer BiasAddGrad": BF16,
+                      "vit summed": BF16, "vit BiasAddGrad": BF16},
+    "bias-gradient-resnet50": {"resnet50 summed": BF16, "resnet50 BiasAddGrad": BF16,
+                               "resnet50 summed with Conv2D": BF16},
 }
 # The speed ratios each experiment reports, (numerator, denominator), in order.
 RATIOS = {
@@ -50,6 +54,9 @@ RATIOS = {
     "gelu": [("tfmp", "tfmp, Keras's GELU"), ("tfmp", "Keras"), ("tfmp, Keras's GELU", "Keras"),
              ("ViT tfmp", "ViT tfmp, Keras's GELU"), ("ViT tfmp", "ViT Keras"),
              ("ViT tfmp, Keras's GELU", "ViT Keras")],
+    "bias-gradient": [("transformer summed", "transformer BiasAddGrad"), ("vit summed", "vit BiasAddGrad")],
+    "bias-gradient-resnet50": [("resnet50 summed", "resnet50 BiasAddGrad"),
+                               ("resnet50 summed with Conv2D", "resnet50 BiasAddGrad")],
 }
 # Medians and ratios are worked out with NumPy, not with the suite's statistics.median.
 
@@ -69,8 +76,9 @@ def quick(tmp_path_factory):
     return out
 
 
-def test_subcommands_are_the_five_experiments():
-    assert NAMES == ("xla", "onednn-rewrite", "cnn-without-bn", "transformer-overhead", "gelu")
+def test_subcommands_are_the_seven_experiments():
+    assert NAMES == ("xla", "onednn-rewrite", "cnn-without-bn", "transformer-overhead", "gelu",
+                     "bias-gradient", "bias-gradient-resnet50")
     assert set(VARIANTS) == set(RATIOS) == set(NAMES)
 
 
@@ -165,6 +173,21 @@ def test_gelu_variants_differ_in_the_gelu_decision_only(quick):
         ours, theirs = variants[f"{model}tfmp"]["overrides"], variants[f"{model}tfmp, Keras's GELU"]["overrides"]
         assert (ours.pop("gelu_float32_inside"), theirs.pop("gelu_float32_inside")) == (True, False)
         assert ours == theirs
+
+
+@pytest.mark.parametrize("name", ["bias-gradient", "bias-gradient-resnet50"])
+def test_bias_gradient_variants_differ_in_the_bias_gradient_decision_only(quick, name):
+    variants = quick[name]["written"]["variants"]
+    expected = {"summed": "summed except after Conv2D: ", "BiasAddGrad": "keras: ", "with Conv2D": "summed: "}
+    for label, v in variants.items():
+        assert v["bias_gradient"].startswith(expected[label.split(" ", 1)[1].replace("summed ", "")])
+        assert "injected" in v["bias_gradient"]
+    for ours, theirs in zip(list(variants.values())[:4:2], list(variants.values())[1:4:2]):
+        ours, theirs = dict(ours["overrides"]), dict(theirs["overrides"])
+        assert (ours.pop("bias_gradient_summed"), theirs.pop("bias_gradient_summed")) == (True, False)
+        assert ours == theirs
+    if name == "bias-gradient-resnet50":  # the quick suite has no ResNet50: its quick CNN stands in
+        assert all(v["workload"].startswith("CNN") for v in variants.values())
 
 
 def test_rewrite_variants_carry_the_grappler_option(quick):

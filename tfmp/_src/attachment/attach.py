@@ -20,7 +20,7 @@ from tfmp._src.attachment import hooks, record
 from tfmp._src.attachment.record import Attachment
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.errors import invalid_argument
-from tfmp._src.float32 import fused_batchnorm, gelu
+from tfmp._src.float32 import bias_gradient, fused_batchnorm, gelu
 from tfmp._src.float32.force import forced_reason
 from tfmp._src.keras_hooks import patches, step_scope
 from tfmp._src.layer_tree import walk
@@ -62,12 +62,14 @@ def attach(model: keras.Model, policy: str, *, attached_by: str, exact_ids: int,
     hooks.hold()
     remapper = _remapper_decision(model)
     entries = walk(model)
+    compute_dtype = _compute_dtype(model, entries)
     found = Attachment(
         model=model.name, attached_by=attached_by, policy=policy,
         layer_policies={e.path: e.layer.dtype_policy.name for e in entries},
         forced_float32={e.path: why for e in entries if (why := forced_reason(e.layer))},
         exact_ids=exact_ids, explains_dtype_errors=explains_dtype_errors, check_numerics=numerics,
-        remapper=remapper, gelu=gelu.decision(_compute_dtype(model, entries)),
+        remapper=remapper, gelu=gelu.decision(compute_dtype),
+        bias_gradient=bias_gradient.decision(compute_dtype),
     )
     record.mark([model, *(e.layer for e in entries)], found)
     found.batchnorm_kernel = {

@@ -73,6 +73,12 @@ class Attachment:
             computed in float32 and rounded once, because this CPU measured it
             faster so; ``"keras: <measurement>"``: measured, not faster
             (`tfmp._src.float32.gelu`).
+        bias_gradient: String. ``"keras"``: Keras's bias gradients as they are (a
+            float32 model, a GPU or TPU); ``"summed: <check>"``: the 16-bit bias
+            gradients of the model's Dense and convolution layers are summed with
+            float32 accumulation, because this CPU's ``BiasAddGrad`` lost a known
+            sum; ``"keras: <check>"``: checked, not lost
+            (`tfmp._src.float32.bias_gradient`).
     """
 
     model: str
@@ -88,6 +94,7 @@ class Attachment:
     custom_optimizers: List[str] = dataclasses.field(default_factory=list)
     remapper: str = "on"
     gelu: str = "keras"
+    bias_gradient: str = "keras"
 
     def __post_init__(self) -> None:
         """Checks the fields' types (a record made by hand fails here, not when read).
@@ -97,7 +104,7 @@ class Attachment:
         """
         for name, example in (("model", "'sequential'"), ("attached_by", "'compile'"),
                               ("policy", "'mixed_float16'"), ("remapper", "'on'"),
-                              ("gelu", "'keras'")):
+                              ("gelu", "'keras'"), ("bias_gradient", "'keras'")):
             check_type(name, getattr(self, name), str, "a string", fix=f"Pass e.g. {name}={example}.")
         for name in ("layer_policies", "forced_float32", "batchnorm_kernel"):
             check_type(name, getattr(self, name), dict, "a dict of layer path -> string", items=str,

@@ -6,14 +6,14 @@ Keras's exact GELU (``activation="gelu"``, ``keras.activations.gelu``,
 dtype, and a longer one for its gradient. TensorFlow's CPU kernels for 16-bit
 elementwise ops convert every value to float32 and back inside each op, so the
 chain costs more in bfloat16 than in float32. Measured on an AMD EPYC Zen 4
-(AVX512_BF16), TensorFlow 2.21, 2026-12-03 15:51 UTC, a bfloat16 Dense layer with
+(AVX512_BF16), TensorFlow 2.21, 2026-12-03 17:21 UTC, a bfloat16 Dense layer with
 the exact GELU, forward and backward (`benchmarks/gelu.py`, fastest of 15
-alternated calls): the benchmark Transformer's FFN (8192 x 128 -> 512) 29.9 ms
-with Keras's GELU, 21.2 ms with float32 inside (1.41x); the ViT's MLP (4096 x 64
--> 128) 5.3 vs 3.6 ms (1.50x); its head (64 x 4096 -> 2048, the matmul's time)
-8.9 vs 8.4 ms. float16 gains less there (0.97-1.30x in two runs) and is never
-tfmp's choice on a CPU: left to Keras, as is the tanh approximation (bfloat16
-1.06x standalone).
+alternated calls): the benchmark Transformer's FFN (8192 x 128 -> 512) 27.4 ms
+with Keras's GELU, 10.6 ms with float32 inside (2.57x; 1.40x before its gradient
+was fused by XLA, `fused_gradient`); the ViT's MLP (4096 x 64 -> 128) 4.2 vs 1.9
+ms (2.18x); its head (64 x 4096 -> 2048, the matmul's time) 8.5 vs 8.0 ms.
+float16 would gain 1.7-1.9x there but is never tfmp's choice on a CPU: left to
+Keras, as is the tanh approximation (bfloat16 1.06x standalone, before fusing).
 
 `float32_inside` casts ``x`` to float32 once, computes GELU (forward) and its
 derivative ``Phi(x) + x * phi(x)`` (backward) in float32 and rounds each result
@@ -31,7 +31,8 @@ CPU where Grappler fuses Keras's GELU into the matmul measures that fusion) at
 least `FASTER_RATIO` times as fast with float32 inside. The probe measures on
 the running CPU instead of reading its name, so a CPU with fast bfloat16
 elementwise kernels keeps Keras's GELU; it takes about 0.3 s, once per process
-(0.31-0.34 s on the Zen 4, tracing included). GPUs keep Keras's GELU: their
+(0.31-0.34 s on the Zen 4, tracing included, before the gradient was fused; XLA's
+first compilation adds about 0.2 s). GPUs keep Keras's GELU: their
 16-bit elementwise kernels compute natively. A layer attached at its first call
 (a custom training loop over a model never compiled) keeps Keras's GELU too:
 that attachment happens while its step is traced, where nothing can be timed.
@@ -146,7 +147,9 @@ def float32_inside(x: Any) -> Any:
     Returns:
         `tf.Tensor` of `x`'s shape and dtype. Its gradient is
         ``dy * (Phi(x) + x * phi(x))`` computed in float32 from the saved 16-bit
-        `x` and rounded once to `x`'s dtype.
+        `x` and rounded once to `x`'s dtype: by one XLA-compiled kernel
+        (`fused_gradient`) when every dimension of `x` but the first is known
+        where it is traced, else by TensorFlow's ops one after the other.
     """
     import tensorflow as tf
 
@@ -156,13 +159,44 @@ def float32_inside(x: Any) -> Any:
         y = tf.cast(0.5 * wide * tf.math.erfc(-wide * _SQRT_HALF), x.dtype)
 
         def grad(dy):
-            wide = tf.cast(x, tf.float32)
-            slope = 0.5 * tf.math.erfc(-wide * _SQRT_HALF) + wide * _INV_SQRT_2PI * tf.exp(-0.5 * wide * wide)
-            return tf.cast(tf.cast(dy, tf.float32) * slope, x.dtype)
+            if x.shape[1:].is_fully_defined():
+                return fused_gradient()(x, dy)
+            return _gradient(x, dy)
 
         return y, grad
 
     return gelu(x)
+
+
+def _gradient(x: Any, dy: Any) -> Any:
+    """``dy * (Phi(x) + x * phi(x))`` in float32, rounded once to `x`'s dtype (TensorFlow ops)."""
+    import tensorflow as tf
+
+    wide = tf.cast(x, tf.float32)
+    slope = 0.5 * tf.math.erfc(-wide * _SQRT_HALF) + wide * _INV_SQRT_2PI * tf.exp(-0.5 * wide * wide)
+    return tf.cast(tf.cast(dy, tf.float32) * slope, x.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def fused_gradient() -> Callable:
+    """The GELU gradient ``(x, dy) -> dy * GELU'(x)`` as one XLA-compiled `tf.function`.
+
+    TensorFlow runs the gradient's dozen elementwise ops one after the other,
+    each a pass over float32 memory; XLA fuses them into one loop reading the
+    16-bit ``x`` and ``dy`` and writing the 16-bit result. Measured on the AMD
+    EPYC Zen 4, 2026-12-03 17:25 UTC (fastest of 15 alternated calls, a bfloat16
+    Dense + exact GELU forward and backward): the benchmark Transformer's FFN
+    (8192 x 128 -> 512) 32.4 ms with Keras's GELU, 22.1 ms with float32 inside by
+    TensorFlow's ops, 12.1 ms with this gradient. XLA compiles it once per
+    distinct shape of ``x`` (about 0.1 s on that CPU, 0.2 s for the process's
+    first); `float32_inside` calls it only where every dimension but the batch
+    is known when the step is traced, so a run compiles it once per batch size.
+    The forward pass stays TensorFlow's (four ops; fusing it too took another
+    0-10% off there), so a saved, exported or converted model holds no XLA op.
+    """
+    import tensorflow as tf
+
+    return tf.function(_gradient, jit_compile=True, autograph=False, reduce_retracing=True)
 
 
 def _dense_step(gelu: Callable) -> Any:

@@ -29,6 +29,7 @@ pair setup.cfg admits.
 | ``keras.src.export.export_utils.get_input_signature`` | ``keras/src/export/export_utils.py`` | `export_input_specs`: the inputs `Model.export` gives the serving signature, checked by `tfmp.export` before it writes |
 | ``convert_phase.ConverterError`` | ``tensorflow/lite/python/convert_phase.py`` | `tflite_converter_error`: the one error type `TFLiteConverter.convert` raises, caught by `tfmp.export` |
 | ``keras.src.backend.tensorflow.nn`` (the module ``keras.ops.gelu`` reads ``gelu`` from at each call, as ``backend.nn``) | ``keras/src/backend/tensorflow/nn.py``, ``keras/src/ops/nn.py`` | `backend_nn`: the module whose ``gelu`` `tfmp._src.float32.gelu` hooks |
+| ``keras.src.backend.tensorflow.numpy`` (the module ``keras.ops.add`` reads ``add`` from at each call, as ``backend.numpy``; its ``add`` takes ``tf.nn.bias_add`` for a bias vector) | ``keras/src/backend/tensorflow/numpy.py``, ``keras/src/ops/numpy.py`` | `backend_numpy`: the module whose ``add`` `tfmp._src.float32.bias_gradient` hooks |
 | ``context.context().function_call_options`` (thread-local property with a setter) and ``context.FunctionCallOptions(executor_type, config_proto)`` | ``tensorflow/python/eager/context.py`` (read by ``Context.call_function`` and ``AtomicFunction`` at every call) | `function_call_config`: this thread's tf.function calls run with an edited Grappler config (`tfmp._src.policy.float16_fusion` turns the remapper off) |
 """
 
@@ -142,6 +143,13 @@ def calling_layer() -> Optional[Any]:
         if isinstance(caller, keras.layers.Layer):
             return caller
     return None
+
+
+def backend_numpy() -> Any:
+    """The module of Keras's TensorFlow backend ops that ``keras.ops`` calls (``backend.numpy``)."""
+    from keras.src import backend
+
+    return backend.numpy
 
 
 def backend_nn() -> Any:

@@ -4,7 +4,7 @@ Every method tfmp replaces on a Keras class or object (``compile``,
 ``compile_from_config``, ``make_train_function`` (and ``make_test_function``,
 ``make_predict_function`` of a model), ``train_step``, ``Layer.call``,
 ``Layer.compute_output_spec``, ``Layer.build``,
-``BatchNormalization.call``, the backend's ``gelu``, ``Optimizer.apply``, ``Adam.update_step``,
+``BatchNormalization.call``, the backend's ``gelu`` and ``add``, ``Optimizer.apply``, ``Adam.update_step``,
 ``Optimizer.scale_loss``, ``tf.GradientTape.gradient``, the ``Layer.losses`` property, the
 ``Operation.from_config`` classmethod) goes through `install`. Per method of an object there is one *slot* holding the method as it was
 and a stack of hooks; the attribute is the composition of the stack, innermost
@@ -48,6 +48,7 @@ from tfmp._src.keras_hooks.object_state import PerObject
 ORDER = {
     "fused_batchnorm": 5,  # BatchNormalization.call: the fused kernel for attached layers
     "gelu": 6,  # Keras's TensorFlow backend gelu: 16-bit exact GELU in float32 inside for attached models
+    "bias_gradient": 7,  # Keras's TensorFlow backend add: 16-bit bias gradients summed in float32 for attached models
     "float32.build": 10,  # Layer.build: force sublayers created at build time
     "float32.exact": 11,  # Discretization / CategoryEncoding / Normalization.__init__ while enabled: float32
     "float32.from_config": 12,  # Operation.from_config (classmethod) while enabled: a float32 layer's sublayers

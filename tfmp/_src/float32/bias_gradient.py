@@ -1,0 +1,327 @@
+"""The bias gradient of a 16-bit Dense or convolution summed with float32 accumulation on a CPU.
+
+Keras adds a Dense or convolution layer's bias with ``tf.nn.bias_add`` (its
+TensorFlow backend's ``add`` takes that path when the second operand is a bias
+vector), whose gradient is TensorFlow's ``BiasAddGrad``: the sum of the output
+gradient over every row (batch, and sequence or image positions). TensorFlow's CPU
+kernel accumulates that sum in bfloat16 itself, so once the running sum is large
+enough that half its unit in the last place exceeds a row's value, adding a row
+changes nothing. Measured on an AMD EPYC Zen 4, TensorFlow 2.21 (and 2.17),
+2026-12-03, with the output gradient fed into a traced ``tf.function`` (a
+constant one is folded by Grappler with the same kernel): every output gradient
+0.01 (0.01001 in bfloat16), the bias gradient of a bfloat16 ``Dense(4)`` over
+8,192 rows is 4.0 instead of 82.0, and so is that of a ``Dense`` over 64 x 128
+positions, a ``Conv1D``, a ``Conv3D`` and a ``DepthwiseConv2D``; 8,192 x 512
+standard normal values, whose column sums have a standard deviation of 90, come
+out up to 73 off. A ``Conv2D``'s comes out exact: oneDNN fuses its filter's and
+bias's gradients into one kernel (``_MklNativeConv2DBackpropFilterWithBias``),
+which accumulates in float32. float16 accumulates correctly in ``BiasAddGrad``
+(4,096 rows of 0.01: 40.97, exact), and so does TensorFlow's ``Sum`` of bfloat16
+values (the gradient of a plain broadcasting add; its float16 ``Sum`` does not,
+40.56): exact to its one rounding, and no slower there (8,192 x 512: 0.78 ms
+against ``BiasAddGrad``'s 1.24 ms; 64 x 128 x 128: 0.28 against 0.61 ms;
+fastest of 30 calls each).
+
+For an attached model whose attachment says so (`decision`, recorded as
+``Attachment.bias_gradient``), the hook (owner ``"bias_gradient"`` in
+``keras_hooks.patches.ORDER``) on ``add`` of Keras's TensorFlow backend
+(`keras_private.backend_numpy`, which ``keras.ops.add`` reads at each call)
+keeps Keras's forward pass (the same ``BiasAdd``, so Grappler fuses it as
+before) and gives the bias the gradient ``reduce_sum(dy)`` over every axis but
+the channel, in the bias's dtype. Decided once per model, when tfmp attaches it,
+from `probe`: known-answer checks of this process's kernels, the plain kernel
+and a traced Conv2D (0.1-0.2 s once per process; run eagerly also while a step
+is traced, so a layer attached at its first call gets it too). Where the traced
+Conv2D keeps the sum, a Conv2D's bias keeps Keras's fused gradient (replacing
+it cost ResNet50 3%: `benchmarks/side_experiments.py bias-gradient-resnet50`).
+Only a 16-bit model on a machine without GPUs or TPUs is checked; GPU kernels
+are not measured here and keep Keras's gradient. Tests inject a result with
+`injected`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+from tfmp._src.attachment import record
+from tfmp._src.constants import LOW_PRECISION
+from tfmp._src.keras_hooks import keras_private, patches
+from tfmp._src.policy.hardware import DeviceFacts, detect_device_facts
+
+#: ``Attachment.bias_gradient`` of a model whose 16-bit bias gradients tfmp sums.
+SUMMED = "summed"
+#: ... of one whose bias gradients tfmp sums except after a Conv2D, where oneDNN's fused
+#: filter-and-bias gradient kernel measured exact.
+SUMMED_EXCEPT_CONV2D = "summed except after Conv2D"
+#: ``Attachment.bias_gradient`` of a model that keeps Keras's gradient without a check.
+KERAS = "keras"
+#: The known answer: `ROWS` rows of `VALUE` (rounded to the dtype) in `COLUMNS` columns;
+#: the Conv2D check has `ROWS` positions (`CONV_BATCH` images of `CONV_SIDE` squared).
+ROWS, COLUMNS, VALUE = 4096, 8, 0.01
+CONV_BATCH, CONV_SIDE = 16, 16
+#: A sum is lost when it is off by more than this fraction (four bfloat16 units in
+#: the last place); a float32 accumulation rounded once is off by at most 2**-9.
+LOST = 2.0**-6
+
+_lock = threading.RLock()
+_cache: Dict[str, "BiasGradientProbe"] = {}
+_injected: List["BiasGradientProbe"] = []
+
+
+@dataclasses.dataclass(frozen=True)
+class BiasGradientProbe:
+    """What this process's CPU kernels make of a known bias gradient in one 16-bit dtype.
+
+    Attributes:
+        dtype: String. ``"bfloat16"`` or ``"float16"``.
+        exact: Float. `ROWS` times `VALUE` rounded to `dtype` (41.0 in bfloat16).
+        bias_add_grad: Float. Column 0 of TensorFlow's ``BiasAddGrad`` of the
+            `ROWS` x `COLUMNS` gradient (NaN when it could not run).
+        summed: Float. Column 0 of ``tf.reduce_sum`` over the rows, in `dtype`.
+        conv2d: Float. ``BiasAddGrad`` of the same gradient (`ROWS` positions) in a
+            traced ``tf.function`` beside a Conv2D filter's gradient of it, fed in
+            (so Grappler cannot fold it): where oneDNN fuses the two into one
+            kernel, that kernel's sum.
+        source: String. ``"measured"``, ``"injected"`` (tests) or ``"failed: <error>"``.
+    """
+
+    dtype: str
+    exact: float
+    bias_add_grad: float
+    summed: float
+    conv2d: float
+    source: str = "measured"
+
+    def _lost(self, value: float) -> bool:
+        return not abs(value - self.exact) <= LOST * self.exact  # NaN counts as lost
+
+    @property
+    def kernel_loses_it(self) -> bool:
+        """Bool. ``BiasAddGrad`` is off by more than `LOST` while the ``Sum`` is not."""
+        return self._lost(self.bias_add_grad) and not self._lost(self.summed)
+
+    @property
+    def conv2d_loses_it(self) -> bool:
+        """Bool. A traced Conv2D's bias gradient is off by more than `LOST`."""
+        return self._lost(self.conv2d)
+
+    def describe(self) -> str:
+        """String. The figures in one clause, e.g. for ``Attachment.bias_gradient``."""
+        if self.source.startswith("failed"):
+            return f"the {self.dtype} bias gradient check {self.source}"
+        return (f"{ROWS} rows of {VALUE:g} in {self.dtype}: BiasAddGrad {self.bias_add_grad:.4g}, "
+                f"Sum {self.summed:.4g}, traced Conv2D {self.conv2d:.4g}, exact {self.exact:.4g} "
+                f"({self.source})")
+
+
+def _conv2d_bias_gradient() -> Any:
+    """A `tf.function` ``(x, dy) -> BiasAddGrad(dy)`` beside the filter's gradient of a 1x1
+    Conv2D of ``x``: the pattern of a Conv2D with a bias in a training step, which
+    oneDNN's graph pass fuses into one kernel where it applies."""
+    import tensorflow as tf
+
+    @tf.function(autograph=False)
+    def gradient(x, dy):
+        filter_gradient = tf.raw_ops.Conv2DBackpropFilter(
+            input=x, filter_sizes=[1, 1, x.shape[-1], dy.shape[-1]], out_backprop=dy,
+            strides=[1, 1, 1, 1], padding="SAME")
+        return filter_gradient, tf.raw_ops.BiasAddGrad(out_backprop=dy)
+
+    return gradient
+
+
+def measure(dtype: str) -> BiasGradientProbe:
+    """Runs the known-answer checks now (not cached), eagerly even while a function is traced.
+
+    Args:
+        dtype: String. ``"bfloat16"`` or ``"float16"``.
+
+    Returns:
+        `BiasGradientProbe` (``source="failed: ..."`` with NaN sums when
+        TensorFlow cannot run it here). Takes 0.1-0.2 s (the Conv2D check is traced).
+    """
+    import tensorflow as tf
+
+    nan = float("nan")
+    with tf.init_scope(), tf.device("/CPU:0"):
+        value = tf.constant(VALUE, dtype)
+        exact = ROWS * float(tf.cast(value, tf.float64))
+        gradient = tf.fill((ROWS, COLUMNS), value)
+        try:
+            kernel = float(tf.cast(tf.raw_ops.BiasAddGrad(out_backprop=gradient)[0], tf.float64))
+            summed = float(tf.cast(tf.reduce_sum(gradient, axis=0)[0], tf.float64))
+            _, conv2d = _conv2d_bias_gradient()(tf.ones((CONV_BATCH, CONV_SIDE, CONV_SIDE, 2), dtype),
+                                                tf.fill((CONV_BATCH, CONV_SIDE, CONV_SIDE, COLUMNS), value))
+            conv2d = float(tf.cast(conv2d[0], tf.float64))
+        except tf.errors.OpError as error:
+            return BiasGradientProbe(dtype, exact, nan, nan, nan, f"failed: {type(error).__name__}")
+    return BiasGradientProbe(dtype, exact, kernel, summed, conv2d)
+
+
+def probe(dtype: str) -> BiasGradientProbe:
+    """This process's `BiasGradientProbe` for `dtype`: the injected one, else measured once and cached."""
+    with _lock:
+        for result in reversed(_injected):
+            if result.dtype == dtype:
+                return result
+        if dtype not in _cache:
+            _cache[dtype] = measure(dtype)
+        return _cache[dtype]
+
+
+@contextlib.contextmanager
+def injected(loses: bool, dtypes: tuple = LOW_PRECISION,
+             conv2d_loses: bool = False) -> Iterator[List[BiasGradientProbe]]:
+    """Makes `probe` return a given result for each of `dtypes` inside the block (tests), also nested.
+
+    Args:
+        loses: Bool. Whether ``BiasAddGrad`` loses the known sum (4.0 for 41.0) or not.
+        dtypes: Tuple of strings. The dtypes injected (default both 16-bit ones).
+        conv2d_loses: Bool. Whether a traced Conv2D's bias gradient loses it too
+            (False: oneDNN's fused kernel keeps it, as on the CPUs measured).
+
+    Yields:
+        List of the injected `BiasGradientProbe`s (``source="injected"``).
+    """
+    results = [BiasGradientProbe(dtype, 41.0, 4.0 if loses else 41.0, 41.0, 4.0 if conv2d_loses else 41.0,
+                                 "injected") for dtype in dtypes]
+    with _lock:
+        _injected.extend(results)
+    try:
+        yield results
+    finally:
+        with _lock:
+            for result in results:
+                _injected.remove(result)
+
+
+def decision(compute_dtype: str, facts: Optional[DeviceFacts] = None) -> str:
+    """``Attachment.bias_gradient`` for a model computing in `compute_dtype` on this machine.
+
+    Args:
+        compute_dtype: String. The model's compute dtype; only 16-bit ones are checked.
+        facts: `DeviceFacts` or None (this machine's). With a GPU or TPU nothing is
+            checked and Keras's gradient is kept.
+
+    Returns:
+        String: `KERAS` (not 16-bit, or a GPU/TPU); ``"summed: <check>"`` (this
+        CPU's ``BiasAddGrad`` lost the known sum, a traced Conv2D's too);
+        ``"summed except after Conv2D: <check>"`` (the traced Conv2D's fused
+        kernel kept it); ``"keras: <check>"`` (not lost).
+    """
+    if compute_dtype not in LOW_PRECISION:
+        return KERAS
+    facts = facts if facts is not None else detect_device_facts()
+    if facts.gpus or facts.tpu:
+        return KERAS
+    found = probe(compute_dtype)
+    if not found.kernel_loses_it:
+        return f"{KERAS}: {found.describe()}"
+    return f"{SUMMED if found.conv2d_loses_it else SUMMED_EXCEPT_CONV2D}: {found.describe()}"
+
+
+def channel_axis(x: Any, bias: Any) -> Optional[int]:
+    """The axis of `x` Keras's backend ``add`` adds `bias` along with ``tf.nn.bias_add``, or None.
+
+    Mirrors ``keras.src.backend.tensorflow.numpy.add``: `bias` squeezes to one
+    known dimension, `x` has rank 2 or more, and that dimension is `x`'s last
+    (NHWC, checked first) or its second (NCHW).
+    """
+    squeezed = [d for d in bias.shape.as_list() if d is None or d > 1]
+    if len(squeezed) != 1 or squeezed[0] is None or len(x.shape) < 2:
+        return None
+    dims = x.shape.as_list()
+    if dims[-1] == squeezed[0]:
+        return len(dims) - 1
+    return 1 if dims[1] == squeezed[0] else None
+
+
+def takes_summed_gradient(x: Any, bias: Any, decided: str) -> bool:
+    """Bool. Whether this call of the backend's ``add`` gets `bias_add_summed`.
+
+    True when both are dense tensors of one 16-bit dtype, `bias` is a bias `x`
+    takes with ``tf.nn.bias_add`` (`channel_axis`), and `decided` (the calling
+    layer's ``Attachment.bias_gradient``) sums it: `SUMMED`, or
+    `SUMMED_EXCEPT_CONV2D` and `x` is not a traced Conv2D's output (whose bias
+    gradient oneDNN fuses with the filter's, exact where measured so).
+    """
+    import tensorflow as tf
+
+    if not (isinstance(x, tf.Tensor) and isinstance(bias, tf.Tensor)):
+        return False
+    if x.dtype != bias.dtype or x.dtype.name not in LOW_PRECISION or channel_axis(x, bias) is None:
+        return False
+    if decided.startswith(SUMMED_EXCEPT_CONV2D):
+        return tf.executing_eagerly() or getattr(getattr(x, "op", None), "type", None) != "Conv2D"
+    return decided.startswith(SUMMED)
+
+
+def layer_decision() -> str:
+    """``Attachment.bias_gradient`` of the layer whose call runs in this thread (the
+    innermost): its own model's decision, also inside a model tfmp did not attach;
+    `KERAS` outside a layer, for a layer not attached, and after `tfmp.detach`."""
+    layer = keras_private.calling_layer()
+    if layer is None or not record.attached_or_first_use(layer):
+        return KERAS
+    found = record.of(layer)
+    return found.bias_gradient if found is not None else KERAS
+
+
+def bias_add_summed(x: Any, bias: Any, add: Callable) -> Any:
+    """``add(x, bias)`` (Keras's ``tf.nn.bias_add``), with the bias gradient a float32-accumulated ``Sum``.
+
+    Args:
+        x: 16-bit `tf.Tensor` of rank >= 2.
+        bias: `tf.Tensor` of `x`'s dtype that `channel_axis` places.
+        add: Keras's backend ``add``.
+
+    Returns:
+        `tf.Tensor`, ``add(x, bias)``. Gradients: `x`'s is the output gradient
+        ``dy``; `bias`'s is ``dy`` summed over every axis but the channel,
+        reshaped to `bias`'s shape.
+    """
+    import tensorflow as tf
+
+    axis = channel_axis(x, bias)
+
+    @tf.custom_gradient
+    def biased(x, bias):
+        def grad(dy):
+            rows = [a for a in range(len(x.shape)) if a != axis]
+            return dy, tf.reshape(tf.reduce_sum(dy, axis=rows), tf.shape(bias))
+
+        return add(x, bias), grad
+
+    return biased(x, bias)
+
+
+def _wrap(next_add: Callable) -> Callable:
+    @functools.wraps(next_add)
+    def add(x1, x2):
+        if isinstance(x1, tf_tensor()):
+            decided = layer_decision()
+            if decided.startswith(SUMMED):
+                import keras
+
+                bias = x2.value if isinstance(x2, keras.Variable) else x2  # its autocast value
+                if takes_summed_gradient(x1, bias, decided):
+                    return bias_add_summed(x1, bias, next_add)
+        return next_add(x1, x2)
+
+    return add
+
+
+def tf_tensor() -> type:
+    """``tf.Tensor`` (dense; not a `tf.SparseTensor`, which Keras's ``add`` handles itself)."""
+    import tensorflow as tf
+
+    return tf.Tensor
+
+
+def install() -> patches.Hook:
+    """Hooks Keras's TensorFlow backend ``add``; ``.remove()`` the returned `Hook` to undo."""
+    return patches.install(keras_private.backend_numpy(), "add", _wrap, owner="bias_gradient")

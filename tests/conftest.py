@@ -176,3 +176,15 @@ def restore_global_policy():
     yield
     keras.config.set_dtype_policy(before)
     keras.backend.clear_session(free_memory=False)  # collected by no_tfmp_state_left
+
+
+@pytest.fixture(autouse=True)
+def restore_probe_caches():
+    """Leaves the process's measured GELU and bias-gradient probes as each test found them."""
+    from tfmp._src.float32 import bias_gradient, gelu
+
+    saved = [(module._cache, dict(module._cache)) for module in (gelu, bias_gradient)]
+    yield
+    for cache, before in saved:
+        cache.clear()
+        cache.update(before)

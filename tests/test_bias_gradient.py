@@ -26,15 +26,6 @@ SCALE_BF16 = float(tf.cast(tf.constant(SCALE, tf.bfloat16), tf.float64))
 BIAS_GRADIENT_OPS = {"BiasAddGrad", "Sum", "Reshape", "Shape", "IdentityN", "Const", "Range", "Identity", "Fill"}
 
 
-@pytest.fixture(autouse=True)
-def check_cache_restored():
-    """Each test leaves the process's checks as it found them."""
-    saved = dict(bias_gradient._cache)
-    yield
-    bias_gradient._cache.clear()
-    bias_gradient._cache.update(saved)
-
-
 def test_tensorflow_s_cpu_kernel_loses_a_bfloat16_bias_sum_that_sum_and_a_traced_conv2d_keep():
     """The behaviour tfmp works around, on TensorFlow 2.17 and 2.21 with oneDNN (on by
     default on x86): if a release accumulates BiasAddGrad in float32, or stops fusing

@@ -33,15 +33,6 @@ GELU_OPS = {"Erf", "Erfc", "Exp", "Mul", "AddV2", "AddN", "Neg", "Cast", "Identi
             "BroadcastGradientArgs", "PartitionedCall", "Placeholder"}
 
 
-@pytest.fixture(autouse=True)
-def probe_cache_restored():
-    """Each test leaves the process's measured probes as it found them."""
-    saved = dict(gelu._cache)
-    yield
-    gelu._cache.clear()
-    gelu._cache.update(saved)
-
-
 def _exact(x):
     """GELU and its derivative of float64 values, from math.erfc."""
     erfc = np.vectorize(math.erfc)

@@ -77,7 +77,9 @@ class Attachment:
             float32 model, a GPU or TPU); ``"summed: <check>"``: the 16-bit bias
             gradients of the model's Dense and convolution layers are summed with
             float32 accumulation, because this CPU's ``BiasAddGrad`` lost a known
-            sum; ``"keras: <check>"``: checked, not lost
+            sum; ``"summed except after Conv2D: <check>"``: the same, but a
+            Conv2D's keeps oneDNN's fused kernel, which kept the sum;
+            ``"keras: <check>"``: checked, not lost
             (`tfmp._src.float32.bias_gradient`).
     """
 

@@ -33,7 +33,8 @@ from `probe`: known-answer checks of this process's kernels, the plain kernel
 and a traced Conv2D (0.1-0.2 s once per process; run eagerly also while a step
 is traced, so a layer attached at its first call gets it too). Where the traced
 Conv2D keeps the sum, a Conv2D's bias keeps Keras's fused gradient (replacing
-it cost ResNet50 3%: `benchmarks/side_experiments.py bias-gradient-resnet50`).
+it cost ResNet50 3-9% of its speed in two runs:
+`benchmarks/side_experiments.py bias-gradient-resnet50`).
 Only a 16-bit model on a machine without GPUs or TPUs is checked; GPU kernels
 are not measured here and keep Keras's gradient. Tests inject a result with
 `injected`.
@@ -44,13 +45,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import threading
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 from tfmp._src.attachment import record
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.keras_hooks import keras_private, patches
 from tfmp._src.policy.hardware import DeviceFacts, detect_device_facts
+from tfmp._src.policy.probe_cache import ProbeCache
 
 #: ``Attachment.bias_gradient`` of a model whose 16-bit bias gradients tfmp sums.
 SUMMED = "summed"
@@ -67,9 +68,8 @@ CONV_BATCH, CONV_SIDE = 16, 16
 #: the last place); a float32 accumulation rounded once is off by at most 2**-9.
 LOST = 2.0**-6
 
-_lock = threading.RLock()
-_cache: Dict[str, "BiasGradientProbe"] = {}
-_injected: List["BiasGradientProbe"] = []
+_probes = ProbeCache()
+_cache = _probes.cache  # dtype -> BiasGradientProbe measured in this process
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,13 +164,7 @@ def measure(dtype: str) -> BiasGradientProbe:
 
 def probe(dtype: str) -> BiasGradientProbe:
     """This process's `BiasGradientProbe` for `dtype`: the injected one, else measured once and cached."""
-    with _lock:
-        for result in reversed(_injected):
-            if result.dtype == dtype:
-                return result
-        if dtype not in _cache:
-            _cache[dtype] = measure(dtype)
-        return _cache[dtype]
+    return _probes.get(dtype, measure)
 
 
 @contextlib.contextmanager
@@ -187,16 +181,10 @@ def injected(loses: bool, dtypes: tuple = LOW_PRECISION,
     Yields:
         List of the injected `BiasGradientProbe`s (``source="injected"``).
     """
-    results = [BiasGradientProbe(dtype, 41.0, 4.0 if loses else 41.0, 41.0, 4.0 if conv2d_loses else 41.0,
-                                 "injected") for dtype in dtypes]
-    with _lock:
-        _injected.extend(results)
-    try:
+    with _probes.injected(
+            BiasGradientProbe(dtype, 41.0, 4.0 if loses else 41.0, 41.0, 4.0 if conv2d_loses else 41.0, "injected")
+            for dtype in dtypes) as results:
         yield results
-    finally:
-        with _lock:
-            for result in results:
-                _injected.remove(result)
 
 
 def decision(compute_dtype: str, facts: Optional[DeviceFacts] = None) -> str:

@@ -59,7 +59,6 @@ import dataclasses
 import functools
 import math
 import statistics
-import threading
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -67,6 +66,7 @@ from tfmp._src.attachment import record
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.keras_hooks import keras_private, patches
 from tfmp._src.policy.hardware import DeviceFacts, detect_device_facts
+from tfmp._src.policy.probe_cache import ProbeCache
 
 #: The one compute dtype measured and changed (float16 gains 1.0-1.3x here, never tfmp's choice on a CPU).
 DTYPE = "bfloat16"
@@ -89,9 +89,8 @@ REPEATS = 15
 
 _SQRT_HALF = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
-_lock = threading.RLock()
-_cache: Dict[str, "GeluProbe"] = {}
-_injected: List["GeluProbe"] = []
+_probes = ProbeCache()
+_cache = _probes.cache  # dtype -> GeluProbe measured in this process
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,22 +275,12 @@ def probe(dtype: str) -> GeluProbe:
         object. A call while a function is traced returns a failed probe that is
         not kept.
     """
-    with _lock:
-        for result in reversed(_injected):
-            if result.dtype == dtype:
-                return result
-        if dtype in _cache:
-            return _cache[dtype]
-        found = measure(dtype)
-        if found.source != TRACING:  # measured (or failed for good): kept for the process
-            _cache[dtype] = found
-        return found
+    return _probes.get(dtype, measure, keep=lambda found: found.source != TRACING)
 
 
 def clear_cache() -> None:
     """Forgets the measured probes; the next `probe` of each dtype measures again."""
-    with _lock:
-        _cache.clear()
+    _probes.clear()
 
 
 @contextlib.contextmanager
@@ -306,15 +295,8 @@ def injected(faster: bool, dtypes: tuple = LOW_PRECISION) -> Iterator[List[GeluP
     Yields:
         List of the injected `GeluProbe`s (``source="injected"``).
     """
-    results = [GeluProbe(dtype, 2.0 if faster else 1.0, 1.0, "injected") for dtype in dtypes]
-    with _lock:
-        _injected.extend(results)
-    try:
+    with _probes.injected(GeluProbe(dtype, 2.0 if faster else 1.0, 1.0, "injected") for dtype in dtypes) as results:
         yield results
-    finally:
-        with _lock:
-            for result in results:
-                _injected.remove(result)
 
 
 def decision(compute_dtype: str, facts: Optional[DeviceFacts] = None) -> str:

@@ -30,8 +30,8 @@ keeps Keras's forward pass (the same ``BiasAdd``, so Grappler fuses it as
 before) and gives the bias the gradient ``reduce_sum(dy)`` over every axis but
 the channel, in the bias's dtype. Decided once per model, when tfmp attaches it,
 from `probe`: known-answer checks of this process's kernels, the plain kernel
-and a traced Conv2D (0.1-0.2 s once per process; run eagerly also while a step
-is traced, so a layer attached at its first call gets it too). Where the traced
+and a traced Conv2D (about 0.04 s once per process on the Zen 4; run eagerly also
+while a step is traced, so a layer attached at its first call gets it too). Where the traced
 Conv2D keeps the sum, a Conv2D's bias keeps Keras's fused gradient (replacing
 it cost ResNet50 3-9% of its speed in two runs:
 `benchmarks/side_experiments.py bias-gradient-resnet50`).
@@ -142,7 +142,7 @@ def measure(dtype: str) -> BiasGradientProbe:
 
     Returns:
         `BiasGradientProbe` (``source="failed: ..."`` with NaN sums when
-        TensorFlow cannot run it here). Takes 0.1-0.2 s (the Conv2D check is traced).
+        TensorFlow cannot run it here). About 0.04 s on the Zen 4 (the Conv2D check is traced).
     """
     import tensorflow as tf
 

@@ -30,9 +30,9 @@ TPUs, where `probe` measured a Dense + GELU step (matmul included, so that a
 CPU where Grappler fuses Keras's GELU into the matmul measures that fusion) at
 least `FASTER_RATIO` times as fast with float32 inside. The probe measures on
 the running CPU instead of reading its name, so a CPU with fast bfloat16
-elementwise kernels keeps Keras's GELU; it takes about 0.3 s, once per process
-(0.31-0.34 s on the Zen 4, tracing included, before the gradient was fused; XLA's
-first compilation adds about 0.2 s). GPUs keep Keras's GELU: their
+elementwise kernels keeps Keras's GELU; it takes about 0.5 s, once per process
+(0.42-0.61 s on the Zen 4 in three fresh processes, tracing and XLA's first
+compilation of the fused gradient included). GPUs keep Keras's GELU: their
 16-bit elementwise kernels compute natively. A layer attached at its first call
 (a custom training loop over a model never compiled) keeps Keras's GELU too:
 that attachment happens while its step is traced, where nothing can be timed.
@@ -271,7 +271,7 @@ def probe(dtype: str) -> GeluProbe:
 
     Returns:
         `GeluProbe`. The first eager call per dtype measures (`measure`: about
-        0.3 s with tracing, bounded by `BUDGET_S`); later calls return the same
+        0.5 s with tracing and XLA's compilation, bounded by `BUDGET_S`); later calls return the same
         object. A call while a function is traced returns a failed probe that is
         not kept.
     """

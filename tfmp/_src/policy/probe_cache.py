@@ -24,7 +24,7 @@ class ProbeCache:
     def __init__(self) -> None:
         self.cache: Dict[str, Any] = {}
         self._injected: List[Any] = []
-        self._lock = threading.RLock()
+        self._mutex = threading.RLock()
 
     def get(self, dtype: str, measure: Callable[[str], Any], keep: Callable[[Any], bool] = lambda found: True) -> Any:
         """The injected result for `dtype` (its ``.dtype``), else the kept one, else ``measure(dtype)``.
@@ -35,7 +35,7 @@ class ProbeCache:
             keep: Callable ``result -> bool``: whether a fresh measurement is kept
                 (False for one that must be taken again, e.g. asked while tracing).
         """
-        with self._lock:
+        with self._mutex:
             for result in reversed(self._injected):
                 if result.dtype == dtype:
                     return result
@@ -48,7 +48,7 @@ class ProbeCache:
 
     def clear(self) -> None:
         """Forgets the measured results; the next `get` of each dtype measures again."""
-        with self._lock:
+        with self._mutex:
             self.cache.clear()
 
     @contextlib.contextmanager
@@ -59,11 +59,11 @@ class ProbeCache:
             List of `results`.
         """
         results = list(results)
-        with self._lock:
+        with self._mutex:
             self._injected.extend(results)
         try:
             yield results
         finally:
-            with self._lock:
+            with self._mutex:
                 for result in results:
                     self._injected.remove(result)

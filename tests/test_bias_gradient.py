@@ -121,6 +121,17 @@ def test_an_attached_bfloat16_layer_gets_its_exact_bias_gradient_where_keras_los
     assert np.all(np.abs(keras_gradient - exact) > 0.5 * exact)  # Keras's: lost
 
 
+def test_a_conv2d_with_a_frozen_filter_gets_its_exact_bias_gradient_where_keras_loses_it():
+    """Bias-only fine-tuning: no filter gradient for oneDNN to fuse the bias's with."""
+    make_layer, shape, batch = CONV2D
+    x = tf.constant(np.random.default_rng(0).normal(size=batch).astype("float32"))
+    plain, hidden, _ = _plain_and_tfmp(make_layer, shape)
+    plain.kernel.trainable = hidden.kernel.trainable = False
+    (ours, rows), (keras_gradient, _) = _bias_gradient(hidden, x), _bias_gradient(plain, x)
+    np.testing.assert_allclose(ours, rows * SCALE_BF16, rtol=2.0**-8 + 1e-5)
+    assert np.all(np.abs(keras_gradient - rows * SCALE_BF16) > 0.5 * rows * SCALE_BF16)
+
+
 def test_a_conv2d_keeps_onednns_exact_fused_bias_gradient():
     make_layer, shape, batch = CONV2D
     x = tf.constant(np.random.default_rng(0).normal(size=batch).astype("float32"))

@@ -417,6 +417,26 @@ def test_backward_error_in_a_custom_training_loop_keeps_the_type_and_cause():
     assert info.value.op is info.value.__cause__.op and "tfmp:" not in str(info.value.__cause__)
 
 
+def test_output_gradients_of_the_wrong_dtype_are_named_as_a_cause():
+    """A model's output is float32 under tfmp; a bfloat16 output gradient fed to
+    tape.gradient makes the Dense's backward matmul mix dtypes."""
+    _quiet_enable("mixed_bfloat16")
+    inputs = keras.Input((4,))
+    dense = keras.layers.Dense(3)
+    model = keras.Model(inputs, dense(inputs))
+    model.compile("sgd", "mse")
+
+    @tf.function
+    def step(x, dy):
+        with tf.GradientTape() as tape:
+            y = model(x, training=True)
+        return tape.gradient(y, dense.kernel, output_gradients=dy)
+
+    with pytest.raises(TypeError) as info:
+        step(tf.ones((2, 4)), tf.ones((2, 3), tf.bfloat16))
+    assert "give each the dtype of the output it belongs to" in _text(info.value)
+
+
 def test_working_custom_gradient_layer_trains_unchanged():
     # A small initial scale: at Keras's 2**15 a gradient above 2 overflows float16 and
     # both steps of this random-weight model may be skipped (nothing to compare).

@@ -32,9 +32,12 @@ the channel, in the bias's dtype. Decided once per model, when tfmp attaches it,
 from `probe`: known-answer checks of this process's kernels, the plain kernel
 and a traced Conv2D (about 0.04 s once per process on the Zen 4; run eagerly also
 while a step is traced, so a layer attached at its first call gets it too). Where the traced
-Conv2D keeps the sum, a Conv2D's bias keeps Keras's fused gradient (replacing
-it cost ResNet50 3-9% of its speed in two runs:
-`benchmarks/side_experiments.py bias-gradient-resnet50`).
+Conv2D keeps the sum, a Conv2D's bias whose filter trains keeps Keras's fused
+gradient (replacing it cost ResNet50 3-9% of its speed in two runs:
+`benchmarks/side_experiments.py bias-gradient-resnet50`); with a frozen filter
+(bias-only fine-tuning) there is no filter gradient to fuse with, and it is
+summed. A step that asks for a Conv2D bias's gradient but not for its trainable
+filter's (a custom loop's own choice) keeps Keras's kernel, and its loss.
 Only a 16-bit model on a machine without GPUs or TPUs is checked; GPU kernels
 are not measured here and keep Keras's gradient. Tests inject a result with
 `injected`.
@@ -228,14 +231,17 @@ def channel_axis(x: Any, bias: Any) -> Optional[int]:
     return 1 if dims[1] == squeezed[0] else None
 
 
-def takes_summed_gradient(x: Any, bias: Any, decided: str) -> bool:
+def takes_summed_gradient(x: Any, bias: Any, decided: str, layer: Any = None) -> bool:
     """Bool. Whether this call of the backend's ``add`` gets `bias_add_summed`.
 
     True when both are dense tensors of one 16-bit dtype, `bias` is a bias `x`
     takes with ``tf.nn.bias_add`` (`channel_axis`), and `decided` (the calling
     layer's ``Attachment.bias_gradient``) sums it: `SUMMED`, or
-    `SUMMED_EXCEPT_CONV2D` and `x` is not a traced Conv2D's output (whose bias
-    gradient oneDNN fuses with the filter's, exact where measured so).
+    `SUMMED_EXCEPT_CONV2D` unless `x` is a traced Conv2D's output in `layer`
+    (the calling layer) whose other weights all train, so that oneDNN fuses the
+    bias's gradient with the filter's (exact where measured so). A Conv2D with a
+    frozen filter (bias-only fine-tuning) has no filter gradient to fuse with and
+    is summed.
     """
     import tensorflow as tf
 
@@ -244,15 +250,24 @@ def takes_summed_gradient(x: Any, bias: Any, decided: str) -> bool:
     if x.dtype != bias.dtype or x.dtype.name not in LOW_PRECISION or channel_axis(x, bias) is None:
         return False
     if decided.startswith(SUMMED_EXCEPT_CONV2D):
-        return tf.executing_eagerly() or getattr(getattr(x, "op", None), "type", None) != "Conv2D"
+        from_conv2d = not tf.executing_eagerly() and getattr(getattr(x, "op", None), "type", None) == "Conv2D"
+        return not (from_conv2d and _filters_train(layer))
     return decided.startswith(SUMMED)
 
 
-def layer_decision() -> str:
-    """``Attachment.bias_gradient`` of the layer whose call runs in this thread (the
-    innermost): its own model's decision, also inside a model tfmp did not attach;
-    `KERAS` outside a layer, for a layer not attached, and after `tfmp.detach`."""
-    layer = keras_private.calling_layer()
+def _filters_train(layer: Any) -> bool:
+    """Bool. `layer` trains and so does each of its weights but the bias (None: True)."""
+    if layer is None:
+        return True
+    bias = getattr(layer, "bias", None)
+    return bool(layer.trainable) and all(w.trainable for w in layer.weights if w is not bias)
+
+
+def layer_decision(layer: Any) -> str:
+    """``Attachment.bias_gradient`` of `layer`, the layer whose call runs in this thread
+    (the innermost; `keras_private.calling_layer`): its own model's decision, also
+    inside a model tfmp did not attach; `KERAS` outside a layer, for a layer not
+    attached, and after `tfmp.detach`."""
     if layer is None or not record.attached_or_first_use(layer):
         return KERAS
     found = record.of(layer)
@@ -291,12 +306,13 @@ def _wrap(next_add: Callable) -> Callable:
     @functools.wraps(next_add)
     def add(x1, x2):
         if isinstance(x1, tf_tensor()):
-            decided = layer_decision()
+            layer = keras_private.calling_layer()
+            decided = layer_decision(layer)
             if decided.startswith(SUMMED):
                 import keras
 
                 bias = x2.value if isinstance(x2, keras.Variable) else x2  # its autocast value
-                if takes_summed_gradient(x1, bias, decided):
+                if takes_summed_gradient(x1, bias, decided, layer):
                     return bias_add_summed(x1, bias, next_add)
         return next_add(x1, x2)
 

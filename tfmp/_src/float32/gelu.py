@@ -191,7 +191,9 @@ def fused_gradient() -> Callable:
     first); `float32_inside` calls it only where every dimension but the batch
     is known when the step is traced, so a run compiles it once per batch size.
     The forward pass stays TensorFlow's (four ops; fusing it too took another
-    0-10% off there), so a saved, exported or converted model holds no XLA op.
+    0-10% off there), so inference never runs XLA; a SavedModel of an attached
+    model (``model.export``) stores this gradient beside it, as TensorFlow saves
+    custom gradients, and loads and serves without tfmp.
     """
     import tensorflow as tf
 

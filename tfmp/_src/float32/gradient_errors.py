@@ -73,7 +73,7 @@ def explanation(path: str, layer: Any, low: str, wide: str, received: bool = Fal
             f"directly (self.kernel; tf.matmul of bfloat16 and float32 gives float32) or "
             f"creates a {wide} tensor. Fix: in that gradient function {cast}; or compute "
             f"that layer in float32: tfmp.enable(..., keep_float32=['<its path>']) or "
-            f"tfmp.register_float32(<its class>) before compile."
+            f"tfmp.register_float32(<its class>) before compile.{_OUTPUT_GRADIENTS}"
         )
     return (
         f"tfmp: The backward pass of {where} mixes {low} and {wide} tensors: its "
@@ -83,7 +83,13 @@ def explanation(path: str, layer: Any, low: str, wide: str, received: bool = Fal
         f"is {wide}. Fix: in the gradient function {cast}; or compute "
         f"the layer in float32: tfmp.enable(..., keep_float32=[{target}]) or "
         f"tfmp.register_float32({cls if layer is not None else target}) before compile."
+        f"{_OUTPUT_GRADIENTS}"
     )
+
+
+#: The other cause of both mismatches: an upstream gradient given in the wrong dtype.
+_OUTPUT_GRADIENTS = (" If you pass output_gradients to tape.gradient, give each the dtype of the "
+                     "output it belongs to (under tfmp a model's outputs are float32).")
 
 
 def _explaining_models() -> List[Any]:

@@ -178,9 +178,11 @@ def restore_global_policy():
     keras.backend.clear_session(free_memory=False)  # collected by no_tfmp_state_left
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def restore_probe_caches():
-    """Leaves the process's measured GELU and bias-gradient probes as each test found them."""
+    """Leaves the process's measured GELU and bias-gradient probes as each test found them
+    (for the modules that clear them or measure with a replaced `measure`; not autouse:
+    restoring an empty cache after every test would measure again in the next)."""
     from tfmp._src.float32 import bias_gradient, gelu
 
     saved = [(module._cache, dict(module._cache)) for module in (gelu, bias_gradient)]

@@ -16,6 +16,8 @@ from tfmp import DeviceFacts, GpuFacts
 from tfmp._src.attachment import hooks as attachment_hooks
 from tfmp._src.float32 import bias_gradient
 
+pytestmark = pytest.mark.usefixtures("restore_probe_caches")
+
 T4 = DeviceFacts(gpus=(GpuFacts("Tesla T4", (7, 5)),))
 #: The value of every output gradient in the gradient tests, and the same rounded to bfloat16.
 SCALE = 0.01

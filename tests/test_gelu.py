@@ -19,6 +19,8 @@ from tfmp import DeviceFacts, GpuFacts
 from tfmp._src.float32 import bias_gradient, gelu
 from tfmp._src.keras_hooks import contracts, keras_private
 
+pytestmark = pytest.mark.usefixtures("restore_probe_caches")
+
 X = np.random.default_rng(0).normal(size=(16, 8)).astype("float32")
 Y = np.random.default_rng(1).integers(0, 3, size=(16,))
 T4 = DeviceFacts(gpus=(GpuFacts("Tesla T4", (7, 5)),))

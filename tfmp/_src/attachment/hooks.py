@@ -4,7 +4,7 @@ Five hooks act on attached models only, deciding per object (`record.of`), never
 by the calling thread: ``Layer.losses`` (16-bit loss terms summed in float32,
 `tfmp._src.keras_hooks.loss_terms`), ``BatchNormalization.call`` (the fused
 kernel, `tfmp._src.float32.fused_batchnorm`), Keras's backend ``gelu`` (float32
-inside, `tfmp._src.float32.gelu`) and ``add`` (16-bit bias gradients summed with
+inside, `tfmp._src.float32.gelu`), its ``add`` (16-bit bias gradients summed with
 float32 accumulation, `tfmp._src.float32.bias_gradient`) and ``tf.GradientTape.gradient``
 (backward-pass dtype mismatches explained, `tfmp._src.float32.gradient_errors`).
 They are installed together (all or none) by `hold`, when a session opens or a

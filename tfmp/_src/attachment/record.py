@@ -78,7 +78,8 @@ class Attachment:
             gradients of the model's Dense and convolution layers are summed with
             float32 accumulation, because this CPU's ``BiasAddGrad`` lost a known
             sum; ``"summed except after Conv2D: <check>"``: the same, but a
-            Conv2D's keeps oneDNN's fused kernel, which kept the sum;
+            Conv2D whose filter trains keeps oneDNN's fused kernel, which kept
+            the sum;
             ``"keras: <check>"``: checked, not lost
             (`tfmp._src.float32.bias_gradient`).
     """

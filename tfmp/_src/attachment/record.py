@@ -193,6 +193,18 @@ def attached_or_first_use(layer: Any) -> bool:
     return True
 
 
+def of_calling(layer: Any) -> Optional[Attachment]:
+    """The `Attachment` a calling layer computes under, or None (`layer` None, not attached).
+
+    For hooks on functions a layer's ``call`` uses (Keras's backend ``gelu`` and
+    ``add``), with `layer` the innermost layer called (`keras_private.calling_layer`):
+    `attached_or_first_use` decides, then its mark is read.
+    """
+    if layer is None or not attached_or_first_use(layer):
+        return None
+    return of(layer)
+
+
 def would_attach(layer: Any) -> bool:
     """Bool. `attached_or_first_use` without attaching: for reports (`tfmp.audit`)."""
     return of(layer) is not None or session.current() is not None

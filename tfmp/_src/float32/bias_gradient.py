@@ -268,9 +268,7 @@ def layer_decision(layer: Any) -> str:
     (the innermost; `keras_private.calling_layer`): its own model's decision, also
     inside a model tfmp did not attach; `KERAS` outside a layer, for a layer not
     attached, and after `tfmp.detach`."""
-    if layer is None or not record.attached_or_first_use(layer):
-        return KERAS
-    found = record.of(layer)
+    found = record.of_calling(layer)
     return found.bias_gradient if found is not None else KERAS
 
 

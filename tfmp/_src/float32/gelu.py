@@ -332,10 +332,7 @@ def takes_float32_inside(x: Any, approximate: bool) -> bool:
     """
     if approximate or getattr(getattr(x, "dtype", None), "name", None) != DTYPE:
         return False
-    layer = keras_private.calling_layer()
-    if layer is None or not record.attached_or_first_use(layer):
-        return False
-    found = record.of(layer)
+    found = record.of_calling(keras_private.calling_layer())
     return found is not None and found.gelu.startswith(FLOAT32_INSIDE)
 
 

@@ -82,8 +82,8 @@ class Overrides:
             report's JSON holds them). Under ``tfmp``, layers tfmp must not force
             (`tfmp.enable`'s ``exclude_float32``).
         gelu_float32_inside: Bool or None. Under ``tfmp``, whether the model's
-            16-bit exact GELU is computed in float32 inside (the GELU probe's
-            result injected while it compiles); None: as this CPU's probe decides.
+            16-bit exact GELU is computed in float32 inside (set on its attachment
+            after it compiles); None: as tfmp decides for this machine.
         bias_gradient_summed: Bool or None. Under ``tfmp``, whether the model's
             16-bit bias gradients are summed with float32 accumulation (the bias
             gradient check's result injected while it compiles); None: as this
@@ -232,8 +232,6 @@ def _build_compile_and_warm_up(
         if overrides.guard:
             optimizer = tfmp.LossScaleOptimizer(optimizer, loss_scaling=False)
         with contextlib.ExitStack() as injected:
-            if overrides.gelu_float32_inside is not None:
-                injected.enter_context(gelu.injected(faster=overrides.gelu_float32_inside))
             if overrides.bias_gradient_summed is not None:
                 injected.enter_context(bias_gradient.injected(
                     loses=overrides.bias_gradient_summed, conv2d_loses=overrides.bias_gradient_conv2d))
@@ -242,6 +240,9 @@ def _build_compile_and_warm_up(
                 loss=workload.compile_loss(),
                 jit_compile=overrides.jit_compile,
             )
+        if overrides.gelu_float32_inside is not None:  # the decision, set on the model's attachment
+            chosen = gelu.FLOAT32_INSIDE if overrides.gelu_float32_inside else gelu.KERAS
+            tfmp.attachment(model).gelu = f"{chosen}: set by the side experiment"
         warm_up(model)
     finally:
         tfmp.disable()

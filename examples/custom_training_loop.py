@@ -9,7 +9,11 @@ itself, in this order:
    them for inf/NaN (skipping the step and lowering the scale if any), divides them
    by the scale, and only then lets the inner optimizer clip and accumulate them;
 3. call `optimizer.raise_if_stuck()` between steps when the step is a
-   `tf.function` (an eager `apply` does it by itself).
+   `tf.function` (an eager `apply` does it by itself);
+4. call the step inside `tfmp.step_scope(model)`, so that its graph is built with
+   the options tfmp chose for the model's `fit` (on a CPU whose oneDNN takes
+   float16, a `mixed_float16` model's steps run without Grappler's remapper):
+   same graph, same kernels, same rounding as `model.fit`.
 
 Clipping and accumulation are options of the inner optimizer (`global_clipnorm`,
 `gradient_accumulation_steps`) because they must see unscaled gradients: a norm
@@ -191,7 +195,8 @@ def train(
         batches = dataset.take(steps) if steps else dataset
         for step, (x, y) in enumerate(batches):
             callback_list.on_train_batch_begin(step)
-            loss = float(train_step(x, y))
+            with tfmp.step_scope(model):  # fit's graph options (remapper) for this step
+                loss = float(train_step(x, y))
             optimizer.raise_if_stuck()  # the step is a tf.function: check between steps
             epoch_losses.append(loss)
             callback_list.on_train_batch_end(step, {"loss": loss})

@@ -1,8 +1,11 @@
-"""What a traced function holds: op types counted, for op-for-op comparisons with plain Keras."""
+"""What a traced function holds: op types counted, for op-for-op comparisons with plain Keras;
+and the op types TensorFlow ran after Grappler optimized them."""
 
 import collections
+import contextlib
 
 import tensorflow as tf
+from tensorflow.python.eager import context
 
 
 def op_counts(function, *args, dtypes=False):
@@ -24,3 +27,24 @@ def forward_and_backward_ops(model, x, y):
         return tape.gradient(loss, model.trainable_variables)
 
     return op_counts(step, x, y, dtypes=True)
+
+
+@contextlib.contextmanager
+def post_optimization_ops():
+    """Collects the op types of every function TensorFlow instantiates in the block
+    (from its RunMetadata: the graphs after Grappler)."""
+    ops = []
+    eager = context.context()
+    eager.enable_run_metadata()
+    try:
+        yield ops
+    finally:
+        metadata = eager.export_run_metadata()
+        eager.disable_run_metadata()
+        ops.extend(node.op for graph in metadata.function_graphs
+                   for node in graph.post_optimization_graph.node)
+
+
+def fused_matmuls(ops):
+    """The fused matmul op types among `ops` (_FusedMatMul, _MklFusedMatMul, _MklNativeFusedMatMul)."""
+    return {op for op in ops if "FusedMatMul" in op}

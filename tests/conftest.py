@@ -180,13 +180,12 @@ def restore_global_policy():
 
 @pytest.fixture
 def restore_probe_caches():
-    """Leaves the process's measured GELU and bias-gradient probes as each test found them
-    (for the modules that clear them or measure with a replaced `measure`; not autouse:
-    restoring an empty cache after every test would measure again in the next)."""
-    from tfmp._src.float32 import bias_gradient, gelu
+    """Leaves the process's bias-gradient known-answer checks as each test found them
+    (for the modules that clear them or check with a replaced `measure`; not autouse:
+    restoring an empty cache after every test would check again in the next)."""
+    from tfmp._src.float32 import bias_gradient
 
-    saved = [(module._cache, dict(module._cache)) for module in (gelu, bias_gradient)]
+    before = dict(bias_gradient._cache)
     yield
-    for cache, before in saved:
-        cache.clear()
-        cache.update(before)
+    bias_gradient._cache.clear()
+    bias_gradient._cache.update(before)

@@ -52,6 +52,7 @@ PUBLIC_API = {
     "recommend_policy",
     "register_float32",
     "scaled_gradients",
+    "step_scope",
     "to_float32",
     "unregister_float32",
 }

@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
 from _events import read_run
+from _machines import REMAPPER_TRAP
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -20,6 +21,8 @@ import export_model  # noqa: E402
 import example_utils  # noqa: E402
 import tfds_preflight  # noqa: E402
 import tfmp  # noqa: E402
+from tfmp._src.keras_hooks import keras_private  # noqa: E402
+from tfmp._src.policy.hardware import injected_facts  # noqa: E402
 import train_digits  # noqa: E402
 import train_image_classifier  # noqa: E402
 import train_text_transformer  # noqa: E402
@@ -251,14 +254,43 @@ def test_custom_training_loop_script(tmp_path, capsys):
     assert scales[0] == 2.0**15  # mixed_float16: Keras's initial scale, dynamic scaling on
 
 
+REWRITER = tf.compat.v1.ConfigProto().graph_options.rewrite_options
+OFF, DEFAULT = type(REWRITER).OFF, REWRITER.remapping
+
+
+def remapping_at_each_step(monkeypatch):
+    """Grappler's remapper setting in force at each call of the example loop's step."""
+    seen = []
+    make = custom_training_loop.make_train_step
+
+    def recording(*args, **kwargs):
+        step = make(*args, **kwargs)
+
+        def call(*step_args):
+            seen.append(keras_private.function_call_config_now().graph_options.rewrite_options.remapping)
+            return step(*step_args)
+
+        return call
+
+    monkeypatch.setattr(custom_training_loop, "make_train_step", recording)
+    return seen
+
+
 @SKIP_FP16_WARNING
+@pytest.mark.parametrize("machine", sorted(REMAPPER_TRAP))
 @pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
-def test_custom_loop_equals_fit_with_clipping_and_accumulation(policy):
-    """Same weights, batches and optimizer: the loop and model.fit end identical."""
+def test_custom_loop_equals_fit_with_clipping_and_accumulation(policy, machine, monkeypatch):
+    """Same weights, batches and optimizer: the loop and model.fit end identical.
+
+    On each CPU's branch: on a Sapphire Rapids a mixed_float16 model's fit runs
+    without Grappler's remapper, and the example's loop takes the same graph
+    through `tfmp.step_scope`.
+    """
     (x, y), _ = train_digits.load_digits_arrays()
     data = tf.data.Dataset.from_tensor_slices((x[:192], y[:192])).batch(32)
     weights, states = [], []
-    with tfmp.policy_scope(policy):
+    remapping = remapping_at_each_step(monkeypatch)
+    with injected_facts(REMAPPER_TRAP[machine]), tfmp.policy_scope(policy):
         for use_fit in (False, True):
             keras.utils.set_random_seed(0)
             model = train_digits.build_model((8, 8, 1))
@@ -275,6 +307,9 @@ def test_custom_loop_equals_fit_with_clipping_and_accumulation(policy):
             states.append((optimizer.loss_scale, int(optimizer.overflow_count.numpy()),
                            int(optimizer.inner_optimizer.iterations.numpy())))
     assert states[0] == states[1]
+    trap = policy == "mixed_float16" and machine == "sapphire_rapids"
+    assert (tfmp.attachment(model).remapper != "on") is trap
+    assert set(remapping) == {OFF if trap else DEFAULT}  # the loop's steps ran fit's graph options
     if policy == "mixed_float16":
         assert states[0][1] > 0  # 2**20 overflowed float16 at first: steps were skipped
     assert len(weights[0]) == len(weights[1])

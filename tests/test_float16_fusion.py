@@ -1,4 +1,4 @@
-"""The fused float16 matmul trap: the probe, the per-thread remapper switch, the per-model scope.
+"""The fused float16 matmul trap: the facts rule, the per-thread remapper switch, the per-model scope.
 
 What is fused here is read from TensorFlow's RunMetadata (the post-optimization
 graph of every function instantiated inside `post_optimization_ops`). On a CPU
@@ -6,11 +6,11 @@ whose TensorFlow fuses no float16 matmul (x86 without AVX-512, e.g. Zen 3:
 the remapper's CPU fused matmul takes float32, and bfloat16 under oneDNN) the
 float16 side is observed through the float32 output layer tfmp forces in a
 ``mixed_float16`` model: its MatMul and bias add become ``_FusedMatMul`` when
-the remapper runs, on any CPU. The trap itself is injected
-(`float16_fusion.injected`); no test asserts a time.
+the remapper runs, on any CPU. The trap is decided from the CPU's facts, and the
+tests make a Sapphire Rapids (trap) or a Zen 4 (none) this machine's
+(`hardware.injected_facts`), so both branches run on any CPU; no test asserts a time.
 """
 
-import contextlib
 import math
 import threading
 import warnings
@@ -19,13 +19,15 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from tensorflow.python.eager import context
 
 import tfmp
 from tfmp import DeviceFacts, GpuFacts
 from tfmp._src.keras_hooks import keras_private, patches, step_scope, train_function
 from tfmp._src.policy import float16_fusion
+from tfmp._src.policy.hardware import injected_facts
 from tfmp._src.policy.policy import resolve_policy
+from _traced import fused_matmuls, post_optimization_ops
+from _machines import A100, SAPPHIRE_RAPIDS, SAPPHIRE_RAPIDS_NO_ONEDNN, XEON_NO_BF16, ZEN4
 
 pytestmark = pytest.mark.skipif(
     bool(tf.config.list_physical_devices("GPU")),
@@ -33,41 +35,13 @@ pytestmark = pytest.mark.skipif(
 )
 
 X, Y = np.ones((8, 8), "float32"), np.ones((8, 2), "float32")  # batch_size=4: 2 steps
-CPU = DeviceFacts(cpu_name="Intel Xeon Platinum 8480+", cpu_flags=frozenset({"amx_bf16", "avx512_fp16"}))
 T4 = DeviceFacts(gpus=(GpuFacts("Tesla T4", (7, 5)),))
 OFF = type(tf.compat.v1.ConfigProto().graph_options.rewrite_options).OFF
 
 
-@pytest.fixture(autouse=True)
-def probe_cache_restored():
-    """Each test leaves the process's measured probe as it found it."""
-    saved = list(float16_fusion._cache)
-    yield
-    float16_fusion._cache[:] = saved
-
-
-@contextlib.contextmanager
-def post_optimization_ops():
-    """Collects the op types of every function TensorFlow instantiates in the block."""
-    ops = []
-    eager = context.context()
-    eager.enable_run_metadata()
-    try:
-        yield ops
-    finally:
-        metadata = eager.export_run_metadata()
-        eager.disable_run_metadata()
-        ops.extend(node.op for graph in metadata.function_graphs
-                   for node in graph.post_optimization_graph.node)
-
-
-def fused(ops):
-    return {op for op in ops if "FusedMatMul" in op}  # _FusedMatMul, _MklFusedMatMul, _MklNativeFusedMatMul
-
-
 def compiled(policy, slow):
-    """A Dense 8-8-2 model compiled under tfmp with `policy`, the trap injected as `slow`."""
-    with float16_fusion.injected(slow), warnings.catch_warnings():
+    """A Dense 8-8-2 model compiled under tfmp with `policy` on a Sapphire Rapids (`slow`) or a Zen 4."""
+    with injected_facts(SAPPHIRE_RAPIDS if slow else ZEN4), warnings.catch_warnings():
         warnings.simplefilter("ignore", tfmp.PerformanceWarning)
         with tfmp.policy_scope(policy):
             model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation="relu"),
@@ -90,19 +64,19 @@ def test_with_the_trap_a_float16_model_steps_without_fused_matmuls_and_a_float32
     single = compiled("float32", slow=True)
     assert half.layers[-1].dtype_policy.name == "float32"  # the head the remapper would fuse
     assert tfmp.attachment(half).remapper.startswith("off: ")
-    assert "100 ms with Grappler's remapper on, 1 ms with it off (100x, injected" in tfmp.attachment(half).remapper
+    assert "oneDNN takes float16 on this CPU (AVX512_FP16)" in tfmp.attachment(half).remapper
     assert tfmp.attachment(single).remapper == "on"
     with post_optimization_ops() as half_ops:
         half.fit(X, Y, batch_size=4, epochs=1, verbose=0)
     with post_optimization_ops() as single_ops:
         single.fit(X, Y, batch_size=4, epochs=1, verbose=0)
     assert "MatMul" in half_ops  # the train function's graph was recorded
-    assert fused(half_ops) == set()
-    assert fused(single_ops)
+    assert fused_matmuls(half_ops) == set()
+    assert fused_matmuls(single_ops)
     with post_optimization_ops() as other_ops:  # evaluate and predict run in the scope too
         half.evaluate(X, Y, batch_size=4, verbose=0)
         half.predict(X, batch_size=4, verbose=0)
-    assert "MatMul" in other_ops and fused(other_ops) == set()
+    assert "MatMul" in other_ops and fused_matmuls(other_ops) == set()
 
 
 def test_without_the_trap_a_float16_model_has_no_wrapper_and_keeps_the_remapper():
@@ -113,7 +87,7 @@ def test_without_the_trap_a_float16_model_has_no_wrapper_and_keeps_the_remapper(
     with post_optimization_ops() as ops:
         model.fit(X, Y, batch_size=4, epochs=1, verbose=0)
     assert scopes_in(model.train_function) == 0
-    assert fused(ops)  # the float32 output layer, fused by the remapper
+    assert fused_matmuls(ops)  # the float32 output layer, fused by the remapper
 
 
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
@@ -137,7 +111,7 @@ def test_the_scope_stays_after_disable_and_detach_gives_keras_back():
     with post_optimization_ops() as ops:
         model.fit(X, Y, batch_size=4, epochs=1, verbose=0)
     assert scopes_in(model.train_function) == 0
-    assert fused(ops)
+    assert fused_matmuls(ops)
 
 
 def test_remove_puts_back_the_function_it_wrapped():
@@ -197,56 +171,91 @@ def test_a_plain_tf_function_is_instantiated_with_and_without_the_remapper():
         dense(*args)
     with post_optimization_ops() as off, float16_fusion.remapper_off():
         dense(*args)
-    assert fused(on) and not fused(off) and "MatMul" in off
+    assert fused_matmuls(on) and not fused_matmuls(off) and "MatMul" in off
 
 
-def test_the_real_probe_measures_once_per_process(monkeypatch):
-    float16_fusion.clear_cache()
-    calls = []
-    real = float16_fusion.measure
-    monkeypatch.setattr(float16_fusion, "measure", lambda: calls.append(1) or real())
-    first, second = float16_fusion.probe(), float16_fusion.probe()
-    assert calls == [1] and second is first
-    assert first.source == "measured"
-    assert math.isfinite(first.fused_ms) and first.fused_ms > 0
-    assert math.isfinite(first.unfused_ms) and first.unfused_ms > 0
-    assert first.slow == (first.fused_ms > float16_fusion.SLOW_RATIO * first.unfused_ms)
-    float16_fusion.clear_cache()
-    float16_fusion.probe()
-    assert calls == [1, 1]
+def test_the_measurement_times_both_variants_and_decides_nothing():
+    found = float16_fusion.measure(budget_s=0.05, repeats=2)
+    assert found.source == "measured"
+    assert math.isfinite(found.fused_ms) and found.fused_ms > 0
+    assert math.isfinite(found.unfused_ms) and found.unfused_ms > 0
+    assert found.slow == (found.fused_ms > float16_fusion.SLOW_RATIO * found.unfused_ms)
+    assert "a float16 Dense training step took" in found.describe()
 
 
-def test_injected_results_nest_and_come_off():
-    with float16_fusion.injected(True, fused_ms=64.0, unfused_ms=2.0) as outer:
-        with float16_fusion.injected(False) as inner:
-            assert float16_fusion.probe() is inner
-        assert float16_fusion.probe() is outer and outer.ratio == 32.0
-    assert float16_fusion._injected == []
+@pytest.mark.parametrize("facts, trap", [
+    (SAPPHIRE_RAPIDS, True), (ZEN4, False), (XEON_NO_BF16, False),
+    (SAPPHIRE_RAPIDS_NO_ONEDNN, False), (A100, False),
+    (DeviceFacts(cpu_flags=frozenset({"sse2", "avx512bw", "amx_fp16"})), True),  # Granite Rapids' AMX-FP16
+    (DeviceFacts(cpu_flags=frozenset({"sse2", "avx_ne_convert"})), True),  # without AVX-512
+    (DeviceFacts(cpu_flags=frozenset({"sse2", "avx512_fp16"})), False),  # no AVX512BW: TensorFlow's rule
+], ids=["sapphire_rapids", "zen4", "xeon_no_bf16", "sapphire_rapids_no_onednn", "a100",
+        "amx_fp16", "avx_ne_convert", "fp16_without_avx512bw"])
+def test_the_trap_is_decided_by_the_cpu_facts_for_float16_only(facts, trap):
+    found = float16_fusion.remapper_trap("float16", facts)
+    assert (found is not None) == trap
+    if trap:
+        assert found.startswith("TensorFlow's oneDNN takes float16 on this CPU (")
+    assert float16_fusion.remapper_trap("bfloat16", facts) is None
+    assert float16_fusion.remapper_trap("float32", facts) is None
 
 
-def test_the_trap_is_asked_only_for_float16_on_a_cpu():
-    with float16_fusion.injected(True) as result:
-        assert float16_fusion.remapper_trap("float16", CPU) is result
-        assert float16_fusion.remapper_trap("bfloat16", CPU) is None
-        assert float16_fusion.remapper_trap("float16", T4) is None
-    with float16_fusion.injected(False):
-        assert float16_fusion.remapper_trap("float16", CPU) is None
+def test_the_decision_follows_the_injected_machine_not_a_timing(monkeypatch):
+    monkeypatch.setattr(float16_fusion, "measure", lambda *a, **k: pytest.fail("measured"))
+    with injected_facts(SAPPHIRE_RAPIDS):
+        assert float16_fusion.remapper_trap("float16") is not None
+        with injected_facts(ZEN4):  # nested: the innermost wins
+            assert float16_fusion.remapper_trap("float16") is None
+    assert float16_fusion.remapper_trap("float16", ZEN4) is None
 
 
-def test_the_float16_cpu_warning_names_a_measured_trap_and_the_workaround():
-    """This machine's CPU (no GPU here): the clause comes with a measured trap only."""
-    with float16_fusion.injected(True):
+def test_the_float16_cpu_warning_names_the_trap_the_path_taken_and_the_loop_scope():
+    with injected_facts(SAPPHIRE_RAPIDS):
         with pytest.warns(tfmp.PerformanceWarning) as caught:
             resolve_policy("mixed_float16")
     message = str(caught[0].message)
     assert "Grappler's remapper fuses each float16 MatMul with its bias add" in message
-    assert "100 ms with Grappler" in message  # the injected fused time
-    assert "tf.config.optimizer.set_experimental_options({'remapping': False})" in message
-    for trap, facts in ((False, None), (True, CPU)):  # no trap here; another machine's CPU
-        with float16_fusion.injected(trap):
-            with pytest.warns(tfmp.PerformanceWarning) as caught:
-                resolve_policy("mixed_float16", device_facts=facts)
-        assert "remapping" not in str(caught[0].message)
+    assert "17,027 ms fused, 37.5 ms unfused, 36.8 ms in float32" in message
+    assert "24.8-29.8 ms against float32's 28.3-29.9 ms" in message  # the path tfmp takes
+    assert "with tfmp.step_scope(model):" in message
+    assert "147x float32's under tfmp, 240x under plain Keras" in message  # what tfmp cannot fix
+    assert "0.0012x" not in message
+    for facts in (ZEN4, XEON_NO_BF16):  # no trap on those CPUs
+        with pytest.warns(tfmp.PerformanceWarning) as caught:
+            resolve_policy("mixed_float16", device_facts=facts)
+        assert "step_scope" not in str(caught[0].message)
     with pytest.warns(tfmp.PerformanceWarning) as caught:
         resolve_policy("mixed_bfloat16", device_facts=T4)
-    assert "remapping" not in str(caught[0].message)
+    assert "step_scope" not in str(caught[0].message)
+
+
+@pytest.mark.parametrize("slow", [True, False], ids=["sapphire_rapids", "zen4"])
+def test_a_custom_loop_in_step_scope_runs_the_graph_fit_runs(slow):
+    model = compiled("mixed_float16", slow=slow)
+
+    @tf.function
+    def step(x):
+        return model(x)
+
+    with post_optimization_ops() as in_scope:
+        with tfmp.step_scope(model) as name:
+            step(tf.ones((4, 8)))
+    assert name == ("remapper off" if slow else None)
+    assert "MatMul" in in_scope and bool(fused_matmuls(in_scope)) is not slow
+    with post_optimization_ops() as fit_ops:
+        model.predict(X, batch_size=4, verbose=0)
+    assert bool(fused_matmuls(fit_ops)) is not slow
+
+
+def test_step_scope_refuses_what_is_not_a_model_and_passes_through_a_model_not_attached():
+    with pytest.raises(ValueError, match=r"Invalid `model` argument. Expected a keras.Model "
+                                         r"compiled under tfmp. Received: model=3"):
+        with tfmp.step_scope(3):
+            pass
+    plain = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+    with tfmp.step_scope(plain) as name:
+        assert name is None
+    with pytest.raises(RuntimeError, match="boom"):  # an error leaves the thread's config as it was
+        with tfmp.step_scope(compiled("mixed_float16", slow=True)):
+            raise RuntimeError("boom")
+    assert keras_private.function_call_config_now().graph_options.rewrite_options.remapping != OFF

@@ -1,7 +1,8 @@
 """The exact GELU in float32 inside: its values, the per-model decision, the hook.
 
-Whether this CPU's 16-bit GELU is the slow path is injected (`gelu.injected`);
-no test asserts a time.
+The decision rests on the machine's facts: a CPU (a Zen 4 made this machine's
+with `injected_facts`) takes float32 inside, a GPU machine (an A100) Keras's GELU,
+so both branches run on any CPU; no test asserts a time.
 """
 
 import inspect
@@ -18,6 +19,8 @@ import tfmp
 from tfmp import DeviceFacts, GpuFacts
 from tfmp._src.float32 import bias_gradient, gelu
 from tfmp._src.keras_hooks import contracts, keras_private
+from tfmp._src.policy.hardware import injected_facts
+from _machines import A100, SAPPHIRE_RAPIDS, XEON_NO_BF16, ZEN4
 
 pytestmark = pytest.mark.usefixtures("restore_probe_caches")
 
@@ -107,34 +110,27 @@ def test_the_gradient_is_fused_by_xla_only_where_the_shape_past_the_batch_is_kno
         np.testing.assert_allclose(found, expected, rtol=2.0**-7, atol=1e-30)
 
 
-def test_the_decision_measures_only_a_16_bit_model_on_a_cpu(monkeypatch):
-    monkeypatch.setattr(gelu, "measure", lambda dtype: pytest.fail("measured"))
-    gelu.clear_cache()
-    assert gelu.decision("float32") == gelu.decision("float16") == gelu.KERAS
-    assert gelu.decision("bfloat16", T4) == gelu.KERAS
-    with gelu.injected(faster=True):
-        taken = gelu.decision("bfloat16")
-        assert gelu.decision("float16") == gelu.KERAS  # float16 is never measured
-    with gelu.injected(faster=False):
-        kept = gelu.decision("bfloat16")
-    assert taken.startswith("float32 inside: bfloat16 Dense + GELU forward+backward 2 ms with Keras's "
-                            "GELU, 1 ms with float32 inside (2x, injected")
-    assert kept.startswith("keras: bfloat16 Dense + GELU forward+backward 1 ms") and "taken from 1.2x" in kept
+def test_the_decision_rests_on_the_machine_facts_and_measures_nothing(monkeypatch):
+    monkeypatch.setattr(gelu, "measure", lambda *a, **k: pytest.fail("measured"))
+    for facts in (ZEN4, SAPPHIRE_RAPIDS, XEON_NO_BF16):  # every CPU: Eigen's bfloat16 elementwise ops
+        assert gelu.decision("bfloat16", facts) == f"float32 inside: {gelu.RULE}"
+        assert gelu.decision("float32", facts) == gelu.decision("float16", facts) == gelu.KERAS
+    assert gelu.decision("bfloat16", T4) == gelu.decision("bfloat16", A100) == gelu.KERAS
+    with injected_facts(A100):
+        assert gelu.decision("bfloat16") == gelu.KERAS
+    with injected_facts(ZEN4):
+        assert gelu.decision("bfloat16").startswith(gelu.FLOAT32_INSIDE)
 
 
-def test_the_probe_times_both_variants_on_this_cpu():
+def test_the_measurement_times_both_variants_on_this_cpu():
     found = gelu.measure("bfloat16", budget_s=0.05, repeats=3, shape=(64, 16, 128))
     assert found.source == "measured" and found.keras_ms > 0 and found.float32_ms > 0
     assert math.isfinite(found.ratio) and found.faster == (found.ratio >= gelu.FASTER_RATIO)
-    assert gelu.probe("bfloat16") is gelu.probe("bfloat16")  # measured once per process
 
 
-def test_a_probe_asked_while_tracing_fails_and_is_not_kept(monkeypatch):
-    gelu.clear_cache()
-    found = tf.function(lambda: tf.constant(gelu.probe("bfloat16").source == gelu.TRACING))()
-    assert bool(found) and "bfloat16" not in gelu._cache
-    monkeypatch.setattr(gelu, "measure", lambda dtype: gelu.GeluProbe(dtype, 2.0, 1.0))
-    assert gelu.probe("bfloat16").faster and gelu._cache["bfloat16"].source == "measured"
+def test_a_measurement_asked_while_tracing_fails_without_timing():
+    found = tf.function(lambda: tf.constant(gelu.measure("bfloat16").source == gelu.TRACING))()
+    assert bool(found)
 
 
 class GeluBlock(keras.layers.Layer):
@@ -182,8 +178,11 @@ def _erf(counts, dtype):
 
 
 def _tfmp_model(faster):
-    """An attached bfloat16 `_build()` model; its bias gradients are Keras's (only the GELU differs)."""
-    with tfmp.policy_scope("mixed_bfloat16"), gelu.injected(faster=faster), \
+    """An attached bfloat16 `_build()` model; its bias gradients are Keras's (only the GELU differs).
+
+    `faster`: on a CPU (a Zen 4), where float32 inside is taken; else on a GPU machine (an A100).
+    """
+    with tfmp.policy_scope("mixed_bfloat16"), injected_facts(ZEN4 if faster else A100), \
             bias_gradient.injected(loses=False):
         return _build()
 
@@ -193,7 +192,7 @@ def test_where_the_16_bit_gelu_is_slow_a_model_computes_its_exact_gelus_in_float
     plain = _build()
     keras.config.set_dtype_policy("float32")
     model = _tfmp_model(faster=True)
-    assert tfmp.attachment(model).gelu.startswith("float32 inside: bfloat16 Dense + GELU")
+    assert tfmp.attachment(model).gelu == f"float32 inside: {gelu.RULE}"
     ops, keras_ops = _op_counts(model), _op_counts(plain)
     # Three exact GELUs (Dense, Activation, keras.activations.gelu), each with an Erfc
     # forward in float32 and its backward by the XLA-compiled gradient (Keras's backward
@@ -215,14 +214,14 @@ def test_where_the_16_bit_gelu_is_slow_a_model_computes_its_exact_gelus_in_float
 
 def test_where_it_is_not_slow_the_model_traces_kerass_gelu():
     model = _tfmp_model(faster=False)
-    assert tfmp.attachment(model).gelu.startswith("keras: bfloat16 Dense + GELU")
+    assert tfmp.attachment(model).gelu == gelu.KERAS
     assert _gelus_in_float32(model) == (0, 0)
 
 
 def test_the_decision_stays_with_the_model_in_any_thread_and_detach_gives_keras_back():
     model = _tfmp_model(faster=True)
     seen = []
-    with gelu.injected(faster=False):  # what the probe says later does not matter
+    with injected_facts(A100):  # what the machine says later does not matter
         thread = threading.Thread(target=lambda: seen.append(_gelus_in_float32(model)))
         thread.start()
         thread.join()
@@ -301,7 +300,7 @@ def test_detaching_a_sub_model_retraces_the_attached_model_holding_it():
     with tfmp.policy_scope("mixed_bfloat16"):
         sub = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation="gelu")])
         outer = keras.Sequential([keras.Input((8,)), sub, keras.layers.Dense(2)])
-        with gelu.injected(faster=True):
+        with injected_facts(ZEN4):
             outer.compile("adam", "mse")
     outer.fit(X, X[:, :2], batch_size=8, verbose=0)
     assert outer.train_function is not None
@@ -315,7 +314,7 @@ def test_a_float32_model_holding_bfloat16_layers_is_decided_by_its_layers():
     inputs = keras.Input((8,))
     hidden = keras.layers.Dense(8, activation="gelu", dtype="mixed_bfloat16")(inputs)
     model = keras.Model(inputs, keras.layers.Dense(3, dtype="float32")(hidden))
-    with tfmp.policy_scope("mixed_bfloat16"), gelu.injected(faster=True):
+    with tfmp.policy_scope("mixed_bfloat16"), injected_facts(ZEN4):
         with pytest.warns(tfmp.PerformanceWarning, match=r"its layers compute in bfloat16 \(1\), float32 \(1\)"):
             model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     assert tfmp.attachment(model).gelu.startswith("float32 inside")

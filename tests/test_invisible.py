@@ -16,12 +16,14 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _machines import A100
 from _traced import forward_and_backward_ops, op_counts
 
 import tfmp
-from tfmp._src.float32 import bias_gradient, gelu
+from tfmp._src.float32 import bias_gradient
 from tfmp._src.loss_scale import optimizer as _loss_scale
 from tfmp._src.policy import enable as _enable
+from tfmp._src.policy.hardware import injected_facts
 
 ORIGINAL_COMPILE = keras.Model.compile
 STATE = _loss_scale.STATE_VARIABLES
@@ -739,10 +741,10 @@ def test_where_auto_keeps_float32_the_train_step_is_plain_keras_op_for_op():
 def test_attention_block_forward_and_backward_are_plain_kerass_op_for_op_under_bfloat16():
     """A Transformer block as keras.io writes one (MultiHeadAttention without dropout,
     whose softmax Keras already computes in float32, LayerNormalization, a GELU Dense,
-    logits for a from-logits loss): under mixed_bfloat16, on a CPU whose 16-bit GELU is
-    not the slow path, tfmp adds no op and no cast to its forward and backward passes;
-    it differs from plain Keras in the optimizer and the guard only (where the 16-bit
-    GELU is slow, its GELU ops differ too: tests/test_gelu.py; where TensorFlow's CPU
+    logits for a from-logits loss): under mixed_bfloat16, on a GPU machine (an A100's
+    facts: Keras's GELU and bias gradients), tfmp adds no op and no cast to its forward
+    and backward passes; it differs from plain Keras in the optimizer and the guard only
+    (on a CPU its GELU ops differ too: tests/test_gelu.py; where TensorFlow's CPU
     BiasAddGrad loses bfloat16 sums, its bias gradients: tests/test_bias_gradient.py)."""
     rng = np.random.default_rng(0)
     tokens = tf.constant(rng.integers(0, 50, size=(4, 12)), tf.int32)
@@ -761,7 +763,7 @@ def test_attention_block_forward_and_backward_are_plain_kerass_op_for_op_under_b
     keras.config.set_dtype_policy("mixed_bfloat16")  # restored by the conftest fixture
     plain = forward_and_backward_ops(build(), tokens, labels)
     keras.config.set_dtype_policy("float32")
-    with tfmp.policy_scope("mixed_bfloat16"), gelu.injected(faster=False), \
+    with tfmp.policy_scope("mixed_bfloat16"), injected_facts(A100), \
             bias_gradient.injected(loses=False):
         model = build()
         assert isinstance(model.optimizer, tfmp.LossScaleOptimizer)

@@ -2,6 +2,7 @@
 
 import ast
 import configparser
+import contextlib
 import inspect
 import pathlib
 import re
@@ -14,18 +15,16 @@ import tensorflow as tf
 from _events import read_run
 from _events import steps
 from _events import values
+from _machines import ZEN4
 
 import tfmp
-from tfmp._src.policy import policy as _policy
+from tfmp._src.policy.hardware import injected_facts
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 CODE_BLOCKS = re.findall(r"```[a-z]*\n(.*?)```", README, flags=re.S)
 # Inline code spans outside the fenced blocks.
 CODE_SPANS = re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", README, flags=re.S))
-BF16_CPU = tfmp.DeviceFacts(cpu_name="AMD EPYC 9654", cpu_flags=frozenset({"avx512f", "avx512_bf16"}))
-#: That CPU's measured step: bfloat16 at 2.0x float32's speed.
-BF16_CPU_PROBE = tfmp.SpeedProbe(float32_ms=2.0, bfloat16_ms=1.0, float16_ms=4.0)
 
 
 def _quickstart():
@@ -36,9 +35,13 @@ def _quickstart():
 
 @pytest.mark.parametrize("machine", ["this_machine", "bfloat16_cpu"])
 def test_quickstart_snippet_runs_and_logs_every_batch(machine, tmp_path, monkeypatch):
-    if machine == "bfloat16_cpu":  # "auto" as on a CPU with AVX512_BF16 (emulated here)
-        monkeypatch.setattr(_policy, "detect_device_facts", lambda: BF16_CPU)
-        monkeypatch.setattr(_policy, "measure_speed", lambda: BF16_CPU_PROBE)
+    with contextlib.ExitStack() as stack:
+        _quickstart_runs(machine, tmp_path, monkeypatch, stack)
+
+
+def _quickstart_runs(machine, tmp_path, monkeypatch, stack):
+    if machine == "bfloat16_cpu":  # "auto" as on a CPU with AVX512_BF16 (a Zen 4's facts)
+        stack.enter_context(injected_facts(ZEN4))
     monkeypatch.chdir(tmp_path)
     before = keras.config.dtype_policy().name
     namespace = {}

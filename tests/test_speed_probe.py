@@ -1,4 +1,4 @@
-"""The CPU speed probe: its measurement on this CPU, its cache, its bounds and its checks."""
+"""The CPU speed probe (advice for `tfmp doctor`): its measurement on this CPU, its rounds, its bounds and its checks."""
 
 import math
 import time
@@ -7,15 +7,6 @@ import pytest
 
 import tfmp
 from tfmp._src.policy import speed_probe as _speed
-
-
-@pytest.fixture
-def own_cache():
-    """Starts with an empty probe cache and puts the process's measurement back after."""
-    before = _speed._cached
-    _speed.clear_cache()
-    yield
-    _speed._cached = before
 
 
 @pytest.fixture
@@ -32,8 +23,8 @@ def counted_steps(monkeypatch):
     return calls
 
 
-def test_this_cpu_is_measured_once_per_process(own_cache, counted_steps):
-    probe = _speed.measure_speed()
+def test_this_cpu_is_measured_at_each_call_and_nothing_is_kept(counted_steps):
+    probe = _speed.measure_rounds(1)
     for dtype in _speed.DTYPES:
         assert math.isfinite(probe.step_ms(dtype)) and probe.step_ms(dtype) > 0
     assert probe.factor("float32") == 1.0
@@ -43,11 +34,9 @@ def test_this_cpu_is_measured_once_per_process(own_cache, counted_steps):
     # One untimed warm-up per dtype besides the timed steps.
     measured = len(counted_steps)
     assert measured == 3 + sum(probe.repeats)
-    assert _speed.measure_speed() is probe and tfmp.SpeedProbe is _speed.SpeedProbe
-    assert len(counted_steps) == measured  # cached: nothing run again
-    _speed.clear_cache()
-    again = _speed.measure_speed()
-    assert again is not probe and len(counted_steps) > measured
+    assert tfmp.SpeedProbe is _speed.SpeedProbe
+    again = _speed.measure_rounds(1)
+    assert again is not probe and len(counted_steps) > measured  # measured again: no cache
 
 
 class _FakeStep:
@@ -75,10 +64,10 @@ class _FakeStep:
 def _fake_probe(monkeypatch, seconds):
     steps = {dtype: _FakeStep(seconds[dtype]) for dtype in _speed.DTYPES}
     monkeypatch.setattr(_speed, "train_step", lambda dtype: steps[dtype])
-    return _speed.measure_speed(), steps
+    return _speed._measure(), steps
 
 
-def test_a_crawling_dtype_runs_its_warm_up_and_one_timed_step(own_cache, monkeypatch):
+def test_a_crawling_dtype_runs_its_warm_up_and_one_timed_step(monkeypatch):
     """float16 0.15 s a step (over the 100 ms budget, far over float32's): one timed step."""
     probe, steps = _fake_probe(monkeypatch, {"float32": 0.001, "bfloat16": 0.001, "float16": 0.15})
     assert probe.repeats == (5, 5, 1)
@@ -99,24 +88,24 @@ class _SlowFirstStep(_FakeStep):
         return super().__call__(*args)
 
 
-def test_a_slow_warm_up_does_not_stand_for_the_step(own_cache, monkeypatch):
+def test_a_slow_warm_up_does_not_stand_for_the_step(monkeypatch):
     """A one-time set-up of 0.25 s before 1 ms bfloat16 steps (seen on a Zen 4) reads as 1 ms, not 0.25 s."""
     steps = {"float32": _FakeStep(0.001), "bfloat16": _SlowFirstStep(0.001, first=0.25),
              "float16": _FakeStep(0.001)}
     monkeypatch.setattr(_speed, "train_step", lambda dtype: steps[dtype])
-    probe = _speed.measure_speed()
+    probe = _speed._measure()
     assert probe.repeats == (5, 5, 5) and steps["bfloat16"].calls == 6
     assert probe.bfloat16_ms < 20.0 and 0.05 < probe.factor("bfloat16") < 20.0
 
 
-def test_a_far_slower_dtype_stops_after_one_timed_step(own_cache, monkeypatch):
+def test_a_far_slower_dtype_stops_after_one_timed_step(monkeypatch):
     """float16 0.07 s a step: its warm-up is within the budget, then one step, far slower."""
     probe, steps = _fake_probe(monkeypatch, {"float32": 0.001, "bfloat16": 0.001, "float16": 0.07})
     assert probe.repeats == (5, 5, 1) and steps["float16"].calls == 2
     assert probe.float16_ms >= 70.0
 
 
-def test_each_dtype_stops_at_its_time_budget(own_cache, monkeypatch):
+def test_each_dtype_stops_at_its_time_budget(monkeypatch):
     """float32 and bfloat16 0.06 s a step: not far slower, but two steps pass the 100 ms budget."""
     probe, _ = _fake_probe(monkeypatch, {"float32": 0.06, "bfloat16": 0.06, "float16": 0.001})
     assert probe.repeats == (2, 2, 5)
@@ -129,10 +118,27 @@ def test_factors_come_from_the_step_times():
     assert probe.to_dict() == {
         "step_ms": {"float32": 2.0, "bfloat16": 1.0, "float16": 100.0},
         "factor": {"float32": 1.0, "bfloat16": 2.0, "float16": 0.02},
-        "batch": 128, "units": 256, "repeats": None, "wall_ms": None,
+        "batch": 128, "units": 256, "repeats": None, "wall_ms": None, "factor_range": None,
     }
     with_counts = tfmp.SpeedProbe(2.0, 1.0, 100.0, repeats=(5, 4, 1), wall_ms=250.0)
     assert with_counts.to_dict()["repeats"] == {"float32": 5, "bfloat16": 4, "float16": 1}
+
+
+def test_rounds_report_the_fastest_step_and_the_spread_of_each_factor(monkeypatch):
+    rounds = iter([tfmp.SpeedProbe(2.0, 1.0, 100.0, repeats=(5, 5, 1), wall_ms=300.0),
+                   tfmp.SpeedProbe(4.0, 1.0, 50.0, repeats=(5, 4, 1), wall_ms=400.0),
+                   tfmp.SpeedProbe(2.0, 4.0, 200.0, repeats=(3, 2, 1), wall_ms=500.0)])
+    monkeypatch.setattr(_speed, "_measure", lambda: next(rounds))
+    probe = _speed.measure_rounds(3)
+    assert (probe.float32_ms, probe.bfloat16_ms, probe.float16_ms) == (2.0, 1.0, 50.0)
+    assert probe.repeats == (13, 11, 3) and probe.wall_ms == 1200.0
+    assert probe.factor_ranges == ((1.0, 1.0), (0.5, 4.0), (0.01, 0.08))
+    assert probe.to_dict()["factor_range"]["bfloat16"] == [0.5, 4.0]
+    with pytest.raises(ValueError, match=r"Invalid `rounds` argument. Expected an integer >= 1. "
+                                         r"Received: rounds=0"):
+        _speed.measure_rounds(0)
+    with pytest.raises(ValueError, match=r"Invalid `factor_ranges` argument"):
+        tfmp.SpeedProbe(1.0, 1.0, 1.0, factor_ranges=((1.0, 1.0), (2.0, 1.0), (1.0, 1.0)))
 
 
 @pytest.mark.parametrize("factor, text", [

@@ -43,7 +43,7 @@ __all__ = [
     # TensorBoard
     "LossScaleMonitor", "LoggingWarning",
     # What tfmp decided for one model
-    "attachment", "detach", "Attachment",
+    "attachment", "detach", "step_scope", "Attachment",
     # Tooling, deployment: a float32 copy, SavedModel and TFLite
     "to_float32", "export", "ExportReport",
     # Tooling, advisors: the machine, a policy comparison, memory
@@ -124,6 +124,7 @@ if not _IMPORTS_DEFERRED:
     # What tfmp decided for one model (tfmp/_src/attachment)
     from tfmp._src.attachment.attach import attachment as attachment
     from tfmp._src.attachment.attach import detach as detach
+    from tfmp._src.attachment.attach import step_scope as step_scope
     from tfmp._src.attachment.record import Attachment as Attachment
     # Tooling, deployment: a float32 copy, SavedModel and TFLite (tfmp/_src/deployment)
     from tfmp._src.deployment.to_float32 import to_float32 as to_float32

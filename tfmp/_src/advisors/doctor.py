@@ -3,8 +3,9 @@
 Gathers what practitioners otherwise check by hand (nvidia-smi, nvcc, listing
 devices): TensorFlow and Keras versions, each device with its compute capability and
 whether it runs float16 and bfloat16 (and, on a GPU, TF32) in hardware, the CPU's
-bfloat16 flags and its measured training step in each dtype
-(`tfmp._src.policy.speed_probe`, when the CPU decides "auto"), XLA, the current
+bfloat16 flags and its measured training step in each dtype with its spread over
+rounds (`tfmp._src.policy.speed_probe`, when the CPU runs the steps: advice only, the
+recommendation rests on the facts as "auto" does), XLA, the current
 global policy, and the policy "auto" would pick with its reason. Device facts can
 be injected (`DeviceFacts`, and a `SpeedProbe`), so the report can be produced
 for a machine this one is not.
@@ -16,8 +17,7 @@ GPU. The JSON (`DoctorReport.to_dict`) always has every key.
 
 Per-device support follows the same rules as "auto" (`tfmp._src.policy.policy`): float16
 Tensor Cores from compute capability 7.0, bfloat16 Tensor Cores and TF32 from 8.0;
-on a CPU, bfloat16 with AVX512_BF16, AMX-BF16 or Arm BF16 (and a measured bfloat16
-step not clearly slower than float32's), float16 never.
+on a CPU, bfloat16 with AVX512_BF16, AMX-BF16 or Arm BF16 and oneDNN on, float16 never.
 
 Its time is TensorFlow's import (which imports Keras): gathering the facts takes
 milliseconds and the speed probe a few tenths of a second (on a 2-core AMD EPYC
@@ -40,7 +40,7 @@ from tfmp._src.constants import TROUBLESHOOTING_GUIDE
 from tfmp._src.errors import check_bool, invalid_argument
 from tfmp._src.policy.hardware import DeviceFacts, GpuFacts
 from tfmp._src.policy.policy import _facts_and_probe, recommend_policy, slower_than_float32
-from tfmp._src.policy.speed_probe import DTYPES, SpeedProbe, format_factor, format_ms
+from tfmp._src.policy.speed_probe import DTYPES, SpeedProbe, format_factor, format_ms, measure_rounds, ROUNDS
 from tfmp._src.report_fields import Kind, check_fields
 from tfmp._version import __version__
 
@@ -129,9 +129,18 @@ def _device_name(dev: Dict[str, Any]) -> str:
 
 def _probe_lines(probe: Dict[str, Any]) -> List[str]:
     """The CPU's measured step (`SpeedProbe.to_dict`), as two lines of the device list."""
+    ranges = probe.get("factor_range")
+
+    def factor(dtype: str) -> str:
+        text = f"{format_factor(probe['factor'][dtype])}x"
+        if ranges:
+            low, high = ranges[dtype]
+            text += f", {format_factor(low)}-{format_factor(high)}x over {ROUNDS} rounds"
+        return f" ({text})"
+
     times = "; ".join(
         f"{dtype} {format_ms(probe['step_ms'][dtype])} ms"
-        + ("" if dtype == "float32" else f" ({format_factor(probe['factor'][dtype])}x)")
+        + ("" if dtype == "float32" else factor(dtype))
         for dtype in DTYPES)
     size = f"{probe['batch']}x{probe['units']} @ {probe['units']}x{probe['units']}"
     took = f", probe {probe['wall_ms'] / 1e3:.2f} s" if probe["wall_ms"] is not None else ""
@@ -229,8 +238,9 @@ def collect(
             this machine's. Versions, build and settings always come from this
             process.
         speed_probe: `SpeedProbe` or None. The CPU's measured step; None measures
-            this CPU (once per process) when `device_facts` is None and there is
-            no GPU or TPU, and reports none otherwise.
+            this CPU (`speed_probe.ROUNDS` rounds, about a second) when
+            `device_facts` is None and there is no GPU or TPU, and reports none
+            otherwise. Quoted, never deciding the recommendation.
 
     Returns:
         `DoctorReport`.
@@ -240,6 +250,8 @@ def collect(
             or `speed_probe` neither None nor a `SpeedProbe`.
     """
     facts, probe = _facts_and_probe(device_facts, speed_probe)  # checks both
+    if probe is None and device_facts is None and not facts.gpus and not facts.tpu:
+        probe = measure_rounds()
     info = dict(tf.sysconfig.get_build_info())
     decision = recommend_policy(facts, speed_probe=probe)
     devices = [_cpu_entry(facts, probe)]

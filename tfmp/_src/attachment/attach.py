@@ -12,7 +12,8 @@ exactly that: its attachment, its layers' policies and its optimizer.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional
 
 import keras
 
@@ -22,7 +23,8 @@ from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.errors import invalid_argument
 from tfmp._src.float32 import bias_gradient, fused_batchnorm, gelu
 from tfmp._src.float32.force import forced_reason
-from tfmp._src.keras_hooks import patches, step_scope
+from tfmp._src.keras_hooks import patches
+from tfmp._src.keras_hooks import step_scope as model_scopes
 from tfmp._src.layer_tree import walk
 from tfmp._src.numerics.check import check_numerics
 from tfmp._src.policy import float16_fusion
@@ -30,6 +32,8 @@ from tfmp._src.policy import float16_fusion
 #: Owners of the per-object hooks an attachment brings and `detach` takes off.
 #: Float32 forcing's hooks (cast-back, output casts) stay: they go with the layer
 #: policies forcing set, which are the model's own and saved with it.
+#: The name of the step scope of a model run without Grappler's remapper.
+REMAPPER_OFF = "remapper off"
 DETACHED_OWNERS = ("float32.ids", "enable.dtype_errors", "enable.quantize_hint", "custom_optimizers")
 
 
@@ -94,22 +98,23 @@ def _compute_dtype(model: Any, entries: list) -> str:
 def _remapper_decision(model: Any) -> str:
     """Scopes `model`'s functions without Grappler's remapper when its float16 steps need it.
 
-    Decided once, here: a model computing in float16 on a machine without GPUs
-    where `float16_fusion.probe` found the fused float16 matmul slow runs its
-    train, test and predict functions inside `float16_fusion.remapper_off`;
-    any other model has no wrapper (one from an earlier attach comes off).
+    Decided once, here, from the machine's facts: a model computing in float16 on
+    a machine without GPUs whose CPU has TensorFlow's oneDNN take float16
+    (`float16_fusion.remapper_trap`) runs its train, test and predict functions
+    inside `float16_fusion.remapper_off`; any other model has no wrapper (one from
+    an earlier attach comes off).
 
     Returns:
-        String for ``Attachment.remapper``: ``"on"`` or ``"off: <measurement>"``.
+        String for ``Attachment.remapper``: ``"on"`` or ``"off: <why>"``.
     """
     trap = None
     if isinstance(model, keras.Model):
         trap = float16_fusion.remapper_trap(model.dtype_policy.compute_dtype)
     if trap is None:
-        step_scope.remove(model)
+        model_scopes.remove(model)
         return "on"
-    step_scope.install(model, float16_fusion.remapper_off, name="remapper off")
-    return f"off: {trap.describe()}"
+    model_scopes.install(model, float16_fusion.remapper_off, name=REMAPPER_OFF)
+    return f"off: {trap}"
 
 
 def _attached_models_holding(layer: Any) -> list:
@@ -170,7 +175,7 @@ def detach(model: keras.layers.Layer) -> Optional[Attachment]:
     objects = [model, *(e.layer for e in walk(model))]
     if isinstance(model, keras.Model):
         check_numerics(model, enabled=False)
-        step_scope.remove(model)
+        model_scopes.remove(model)
     for holder in [model, *_attached_models_holding(model)]:  # traced with the detached part
         if isinstance(holder, keras.Model):
             holder.train_function = holder.test_function = holder.predict_function = None
@@ -181,3 +186,51 @@ def detach(model: keras.layers.Layer) -> Optional[Attachment]:
     record.unmark(objects, detached=True)
     hooks.release_if_unused()
     return found
+
+
+@contextlib.contextmanager
+def step_scope(model: keras.Model) -> Iterator[Optional[str]]:
+    """Runs the block's `tf.function` calls with the graph options tfmp chose for `model`'s steps.
+
+    `model.fit`, `evaluate` and `predict` of an attached model run its steps in
+    the scope tfmp decided for it when it attached it; a custom training loop
+    calls its own `tf.function`, which TensorFlow instantiates with the options in
+    force at its first call. Calling it inside this block gives the loop the same
+    graph as `fit`, hence the same kernels and the same rounding. Today the one
+    such option is Grappler's remapper, off for a ``mixed_float16`` model on a CPU
+    where TensorFlow's oneDNN fuses float16 matmuls into a kernel that crawls
+    (``tfmp.attachment(model).remapper``); for every other model the block
+    changes nothing. Only the calling thread is affected. Also usable as a
+    decorator of a Python function that calls the step.
+
+    Args:
+        model: `keras.Model`, compiled under tfmp (attached). A model tfmp did not
+            attach, or detached, has no scope: the block runs as it is.
+
+    Yields:
+        String or None. The name of the scope entered (``"remapper off"``), or None.
+
+    Raises:
+        ValueError: (template) `model` is not a Keras model.
+
+    Example:
+        >>> import keras, tfmp
+        >>> with tfmp.policy_scope("float32"):
+        ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        ...     model.compile("sgd", "mse")
+        >>> with tfmp.step_scope(model) as name:
+        ...     print(name)  # no scope for a float32 model
+        None
+    """
+    if not isinstance(model, keras.Model):
+        raise invalid_argument(
+            "model", model, "a keras.Model compiled under tfmp",
+            fix="Pass the model whose step the block calls, e.g. "
+            "`with tfmp.step_scope(model): loss = train_step(x, y)`.",
+        )
+    scope = model_scopes.scope_entry(model)
+    if scope is None:
+        yield None
+        return
+    with scope():
+        yield model_scopes.scope_of(model)

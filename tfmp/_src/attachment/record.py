@@ -64,14 +64,14 @@ class Attachment:
             "g_optimizer"]``; see `tfmp._src.loss_scale.custom_optimizers`).
         remapper: String. ``"on"``: the model's train, test and predict
             functions run with Grappler's remapper as TensorFlow configures it;
-            ``"off: <measurement>"``: without it (in the calling thread only),
-            because the model computes in float16 on a CPU where the fused
-            float16 matmul measured slow (`tfmp._src.policy.float16_fusion`).
+            ``"off: <why>"``: without it (in the calling thread only, and in a
+            custom loop's calls inside `tfmp.step_scope`), because the model
+            computes in float16 on a CPU where TensorFlow's oneDNN takes float16
+            and the fused float16 matmul crawls (`tfmp._src.policy.float16_fusion`).
         gelu: String. ``"keras"``: Keras's exact GELU as it is (a float32 model,
             a GPU or TPU, a layer attached at its first call);
-            ``"float32 inside: <measurement>"``: the model's 16-bit exact GELU is
-            computed in float32 and rounded once, because this CPU measured it
-            faster so; ``"keras: <measurement>"``: measured, not faster
+            ``"float32 inside: <why>"``: the model's bfloat16 exact GELU is
+            computed in float32 and rounded once, as on every CPU
             (`tfmp._src.float32.gelu`).
         bias_gradient: String. ``"keras"``: Keras's bias gradients as they are (a
             float32 model, a GPU or TPU); ``"summed: <check>"``: the 16-bit bias

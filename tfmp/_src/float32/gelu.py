@@ -25,17 +25,17 @@ against 7.9e-3). Its ``tf.custom_gradient`` keeps only the 16-bit ``x`` for the
 backward pass, no more than autodiff keeps of Keras's chain.
 
 Decided per model, once, when tfmp attaches it (`decision`, recorded as
-``Attachment.gelu``): a model computing in bfloat16 on a machine without GPUs or
-TPUs, where `probe` measured a Dense + GELU step (matmul included, so that a
-CPU where Grappler fuses Keras's GELU into the matmul measures that fusion) at
-least `FASTER_RATIO` times as fast with float32 inside. The probe measures on
-the running CPU instead of reading its name, so a CPU with fast bfloat16
-elementwise kernels keeps Keras's GELU; it takes about 0.5 s, once per process
-(0.42-0.61 s on the Zen 4 in three fresh processes, tracing and XLA's first
-compilation of the fused gradient included). GPUs keep Keras's GELU: their
-16-bit elementwise kernels compute natively. A layer attached at its first call
-(a custom training loop over a model never compiled) keeps Keras's GELU too:
-that attachment happens while its step is traced, where nothing can be timed.
+``Attachment.gelu``), from facts that do not move: a model computing in bfloat16
+on a machine without GPUs or TPUs takes float32 inside. TensorFlow's bfloat16
+elementwise CPU kernels are Eigen's, which convert each value to float32 and back
+inside every op on every CPU (AVX512_BF16 and AMX-BF16 serve matmuls, not
+``Erfc`` or ``Mul``), so the rule holds wherever the model runs on the CPU; no
+timing decides it, as a timing under load would give two processes of one script
+two numerics. `measure` times both variants for `benchmarks/gelu.py` (on the Zen
+4, 1.45-2.3x in fresh processes, 2.13x-2.57x in the benchmark). GPUs keep Keras's
+GELU: their 16-bit elementwise kernels compute natively, as does a layer attached
+at its first call (a custom training loop over a model never compiled: its
+attachment records no per-model decisions).
 
 The hook (owner ``"gelu"`` in ``keras_hooks.patches.ORDER``) replaces ``gelu`` of
 Keras's TensorFlow backend module (`keras_private.backend_nn`), which
@@ -54,30 +54,30 @@ inject a probe result with `injected`.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
 import statistics
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from tfmp._src.attachment import record
-from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.keras_hooks import keras_private, patches
 from tfmp._src.policy.hardware import DeviceFacts, detect_device_facts
-from tfmp._src.policy.probe_cache import ProbeCache
 
 #: The one compute dtype measured and changed (float16 is never tfmp's choice on a CPU).
 DTYPE = "bfloat16"
 #: ``Attachment.gelu`` of a model whose 16-bit exact GELU is computed in float32 inside.
 FLOAT32_INSIDE = "float32 inside"
-#: ``Attachment.gelu`` of a model that keeps Keras's GELU without a measurement.
+#: ``Attachment.gelu`` of a model that keeps Keras's GELU.
 KERAS = "keras"
-#: `GeluProbe.source` when asked while a function is traced: not cached, measured at the next eager call.
+#: Why a bfloat16 model on a CPU takes `FLOAT32_INSIDE` (``Attachment.gelu`` after the colon).
+RULE = ("TensorFlow's bfloat16 elementwise CPU kernels convert to float32 and back inside "
+        "every op of Keras's GELU (measured on an AMD EPYC Zen 4: a Dense + GELU step "
+        "2.0-2.6x faster with float32 inside)")
+#: `GeluProbe.source` when asked while a function is traced.
 TRACING = "failed: called while tracing"
-#: Float32 inside is taken when Keras's time in the probe is at least this many times its
-#: own (a margin over the probe's noise: 1.45-1.67x in three processes on the Zen 4).
+#: `benchmarks/gelu.py` reports float32 inside as faster from this ratio of Keras's time to its own.
 FASTER_RATIO = 1.2
 #: The probe's Dense: 1024 rows of 64 features in, 512 out (GELU over 1024 x 512 values;
 #: smaller ones weigh the per-call overhead more).
@@ -89,8 +89,6 @@ REPEATS = 15
 
 _SQRT_HALF = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
-_probes = ProbeCache()
-_cache = _probes.cache  # dtype -> GeluProbe measured in this process
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,58 +266,23 @@ def measure(dtype: str, budget_s: float = BUDGET_S, repeats: int = REPEATS,
     return GeluProbe(dtype, min(times["keras"]), min(times["float32"]), paired_ratio=paired)
 
 
-def probe(dtype: str) -> GeluProbe:
-    """This process's `GeluProbe` for `dtype`: the injected one, else measured once and cached.
-
-    Returns:
-        `GeluProbe`. The first eager call per dtype measures (`measure`: about
-        0.5 s with tracing and XLA's compilation, bounded by `BUDGET_S`); later calls return the same
-        object. A call while a function is traced returns a failed probe that is
-        not kept.
-    """
-    return _probes.get(dtype, measure, keep=lambda found: found.source != TRACING)
-
-
-def clear_cache() -> None:
-    """Forgets the measured probes; the next `probe` of each dtype measures again."""
-    _probes.clear()
-
-
-@contextlib.contextmanager
-def injected(faster: bool, dtypes: tuple = LOW_PRECISION) -> Iterator[List[GeluProbe]]:
-    """Makes `probe` return a given result for each of `dtypes` inside the block (tests), also nested.
-
-    Args:
-        faster: Bool. Whether float32 inside measured faster (2.0 ms against 1.0
-            ms) or not (1.0 against 1.0).
-        dtypes: Tuple of strings. The dtypes injected (default both 16-bit ones).
-
-    Yields:
-        List of the injected `GeluProbe`s (``source="injected"``).
-    """
-    with _probes.injected(GeluProbe(dtype, 2.0 if faster else 1.0, 1.0, "injected") for dtype in dtypes) as results:
-        yield results
-
-
 def decision(compute_dtype: str, facts: Optional[DeviceFacts] = None) -> str:
     """``Attachment.gelu`` for a model computing in `compute_dtype` on this machine.
 
     Args:
-        compute_dtype: String. The model's compute dtype; only ``"bfloat16"`` is measured.
-        facts: `DeviceFacts` or None (this machine's). With a GPU or TPU nothing is
-            measured and Keras's GELU is kept.
+        compute_dtype: String. The model's compute dtype; only ``"bfloat16"`` changes.
+        facts: `DeviceFacts` or None (this machine's, `detect_device_facts`). With
+            a GPU or TPU Keras's GELU is kept.
 
     Returns:
-        String: `KERAS` (not bfloat16, or a GPU/TPU), ``"float32 inside: <probe>"``
-        or ``"keras: <probe>"`` (measured not faster).
+        String: `KERAS` (not bfloat16, or a GPU/TPU), or ``"float32 inside: "`` + `RULE`.
     """
     if compute_dtype != DTYPE:
         return KERAS
     facts = facts if facts is not None else detect_device_facts()
     if facts.gpus or facts.tpu:
         return KERAS
-    result = probe(compute_dtype)
-    return f"{FLOAT32_INSIDE if result.faster else KERAS}: {result.describe()}"
+    return f"{FLOAT32_INSIDE}: {RULE}"
 
 
 def takes_float32_inside(x: Any, approximate: bool) -> bool:

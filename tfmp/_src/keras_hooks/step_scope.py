@@ -131,6 +131,12 @@ def remove(model: Any) -> None:
             state.remove()
 
 
+def scope_entry(model: Any) -> Optional[Scope]:
+    """The scope callable `model`'s functions run in (a custom loop enters it too), or None."""
+    state = _STATE.get(model)
+    return None if state is None else state.scope
+
+
 def scope_of(model: Any) -> Optional[str]:
     """The name of the scope `model`'s functions run in, or None."""
     state = _STATE.get(model)

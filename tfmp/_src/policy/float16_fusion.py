@@ -1,33 +1,35 @@
-"""The fused float16 matmul trap on CPUs: measured once per process, and the remapper switch.
+"""The fused float16 matmul trap on CPUs: decided from the CPU's facts, and the remapper switch.
 
 Grappler's *remapper* rewrites a MatMul followed by a bias add (``BiasAdd``,
 which is what Keras's ``Dense`` emits, or under oneDNN an ``AddV2`` with a 1-D
 bias) and an activation into one fused matmul. On CPUs where TensorFlow's oneDNN
-takes float16 (AVX512_FP16, e.g. Intel Sapphire Rapids, TensorFlow 2.21), that
-fused float16 kernel is 100-500x slower than the same ops unfused (issue 29: a
-1024-1024-1024-10 MLP step 17,027 ms under ``mixed_float16``, 37.5 ms with the
-remapper off, 36.8 ms in float32), while the remapper speeds float32 and
+takes float16 (`DeviceFacts.onednn_float16`: AVX512_FP16 or AMX-FP16, e.g.
+Intel Sapphire Rapids, TensorFlow 2.17-2.21), that fused float16 kernel is
+100-500x slower than the same ops unfused (measured on Sapphire Rapids, TensorFlow
+2.21: a 1024-1024-1024-10 MLP step 17,027 ms under ``mixed_float16``, 37.5 ms with
+the remapper off, 36.8 ms in float32), while the remapper speeds float32 and
 bfloat16 up (24.5 vs 29.5 ms, 13.6 vs 15.1 ms). So the switch is per model,
 never global:
 
-* `probe` times a tiny float16 Dense training step (MatMul, bias add, ReLU,
-  forward and backward, one `tf.function`, on the CPU) with the remapper on and
-  with it off, once per process, and says whether the fused path is the slow
-  one (on/off ratio above `SLOW_RATIO`). It decides by measurement, not by CPU
-  name: a CPU where nothing is fused measures a ratio near 1.
+* `remapper_trap` is what `tfmp._src.attachment.attach` asks when it attaches
+  a model: a model computing in float16 on a machine without GPUs whose CPU
+  facts say oneDNN takes float16 gets its train, test and predict functions
+  run inside `remapper_off` (`tfmp._src.keras_hooks.step_scope`), recorded as
+  ``Attachment.remapper``. Other models are untouched. The decision rests on
+  the CPU's flags and TensorFlow's oneDNN setting, which do not move while the
+  machine and its software stay the same: never on a timing, which on a loaded
+  2-core machine scatters enough to give two processes of one script two
+  different graphs. A custom loop gets the same graph options from
+  `tfmp.step_scope`.
 * `remapper_off` is a context manager that runs the tf.function calls of the
   calling thread, and only those, without the remapper
   (`keras_private.function_call_config`).
-* `remapper_trap` is what `tfmp._src.attachment.attach` asks when it attaches
-  a model: a model computing in float16 on a machine without GPUs, where the
-  probe found the trap, gets its train, test and predict functions run inside
-  `remapper_off` (`tfmp._src.keras_hooks.step_scope`), recorded as
-  ``Attachment.remapper``. Other models are untouched.
-* `warning_clause` is appended to the float16-on-CPU `tfmp.PerformanceWarning`:
-  a custom training loop's own `tf.function` is not tfmp's to scope, and the
-  clause names the cause and the process-wide workaround.
+* `measure` times the float16 Dense step with the remapper on and off, for
+  benchmarks and advice; it decides nothing.
+* `warning_clause` is appended to the float16-on-CPU `tfmp.PerformanceWarning`.
 
-Tests inject a result with `injected` and drop the cache with `clear_cache`.
+Tests make another CPU's facts this machine's with
+`tfmp._src.policy.hardware.injected_facts`.
 """
 
 from __future__ import annotations
@@ -35,12 +37,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import threading
 import time
-from typing import Any, Iterator, List, Optional
+from typing import Any, Iterator, Optional
 
 from tfmp._src.keras_hooks.keras_private import function_call_config
-from tfmp._src.policy.hardware import DeviceFacts, detect_device_facts
+from tfmp._src.policy.hardware import ONEDNN_FLOAT16_FLAGS, DeviceFacts, detect_device_facts
 from tfmp._src.policy.speed_probe import time_step, train_step
 
 #: The fused step counts as the slow one above this on/off time ratio.
@@ -57,10 +58,6 @@ BUDGET_S = 0.5
 #: Timed calls of each variant at most; the minimum of each is kept.
 REPEATS = 15
 
-_lock = threading.RLock()
-_cache: List["FusionProbe"] = []
-_injected: List["FusionProbe"] = []
-
 
 @dataclasses.dataclass(frozen=True)
 class FusionProbe:
@@ -73,8 +70,7 @@ class FusionProbe:
         unfused_ms: Float. Milliseconds of the same step with the remapper off.
         slow: Bool. True when the fused step is the slow one
             (``fused_ms / unfused_ms > SLOW_RATIO``).
-        source: String. ``"measured"``, ``"injected"`` (tests) or
-            ``"failed: <error>"``.
+        source: String. ``"measured"`` or ``"failed: <error>"``.
     """
 
     fused_ms: float
@@ -158,51 +154,6 @@ def _timed(step: Any, args: tuple, name: str) -> float:
         return time_step(step, *args)
 
 
-def probe() -> FusionProbe:
-    """This process's `FusionProbe`: the injected one, else measured once and cached.
-
-    Returns:
-        `FusionProbe`. The first call measures (`measure`: 0.2-0.3 s on an
-        AMD EPYC Zen 3 without the trap, about 0.6 s when it is the process's
-        first `tf.function`; the timed calls bounded by `BUDGET_S`); later
-        calls return the same object.
-    """
-    with _lock:
-        if _injected:
-            return _injected[-1]
-        if not _cache:
-            _cache.append(measure())
-        return _cache[0]
-
-
-def clear_cache() -> None:
-    """Forgets the measured `FusionProbe`; the next `probe` measures again."""
-    with _lock:
-        _cache.clear()
-
-
-@contextlib.contextmanager
-def injected(slow: bool, fused_ms: float = 100.0, unfused_ms: float = 1.0) -> Iterator[FusionProbe]:
-    """Makes `probe` return a given result inside the block (tests), also nested.
-
-    Args:
-        slow: Bool. The injected ``slow``.
-        fused_ms: Float. The injected ``fused_ms`` (default 100.0).
-        unfused_ms: Float. The injected ``unfused_ms`` (default 1.0).
-
-    Yields:
-        The injected `FusionProbe` (``source="injected"``).
-    """
-    result = FusionProbe(float(fused_ms), float(unfused_ms), bool(slow), "injected")
-    with _lock:
-        _injected.append(result)
-    try:
-        yield result
-    finally:
-        with _lock:
-            _injected.remove(result)
-
-
 def _remapping_off(config: Any) -> None:
     rewrite = config.graph_options.rewrite_options
     rewrite.remapping = type(rewrite).OFF
@@ -220,52 +171,56 @@ def remapper_off() -> Iterator[None]:
         yield
 
 
-def remapper_trap(compute_dtype: str, facts: Optional[DeviceFacts] = None) -> Optional[FusionProbe]:
-    """The probe result when a model computing in `compute_dtype` falls into the trap here, else None.
+#: Why a float16 model runs without the remapper where `remapper_trap` finds the trap.
+TRAP = ("TensorFlow's oneDNN takes float16 on this CPU ({flags}), where Grappler's remapper "
+        "fuses each float16 MatMul with its bias add into a kernel measured 100-500x slower "
+        "than the same ops unfused (Intel Sapphire Rapids, TensorFlow 2.21: a "
+        "1024-1024-1024-10 MLP step 17,027 ms fused, 37.5 ms unfused, 36.8 ms in float32)")
+
+
+def remapper_trap(compute_dtype: str, facts: Optional[DeviceFacts] = None) -> Optional[str]:
+    """Why a model computing in `compute_dtype` runs without the remapper here, or None.
 
     Args:
         compute_dtype: String. The model's compute dtype; only ``"float16"`` can.
-        facts: `DeviceFacts` or None (this machine). With a GPU or TPU the steps
-            do not run on the CPU, and nothing is measured.
+        facts: `DeviceFacts` or None (this machine's, `detect_device_facts`).
+            With a GPU or TPU the steps do not run on the CPU: None.
 
     Returns:
-        The `FusionProbe` (``slow`` True), or None.
+        `TRAP` with the CPU's float16 flags, where `DeviceFacts.onednn_float16`
+        holds; else None.
     """
     if compute_dtype != "float16":
         return None
     facts = facts if facts is not None else detect_device_facts()
-    if facts.gpus or facts.tpu:
+    if facts.gpus or facts.tpu or not facts.onednn_float16:
         return None
-    result = probe()
-    return result if result.slow else None
+    flags = ", ".join(flag.upper() for flag in sorted(ONEDNN_FLOAT16_FLAGS) if flag in facts.cpu_flags)
+    return TRAP.format(flags=flags)
 
 
 def warning_clause(compute_dtype: str, facts: DeviceFacts) -> Optional[str]:
-    """What the float16-on-CPU `tfmp.PerformanceWarning` adds where the trap was measured, or None.
-
-    Only for this machine's CPU (`facts` are the detected ones) and a float16
-    compute dtype: the fused float16 matmul is then measured (`probe`, once per
-    process); where it is the slow path, the clause names it, what tfmp does
-    about it and the workaround for a custom training loop.
+    """What the float16-on-CPU `tfmp.PerformanceWarning` adds where the trap is, or None.
 
     Args:
         compute_dtype: String. The policy's compute dtype.
         facts: `DeviceFacts` the policy is checked for.
 
     Returns:
-        String or None.
+        String naming the trap, the path tfmp takes (with its measured cost), what a
+        custom loop does to take it too, and the float16 convolutions tfmp cannot
+        fix; or None where `remapper_trap` finds no trap.
     """
-    if compute_dtype != "float16" or facts != detect_device_facts():
-        return None
     trap = remapper_trap(compute_dtype, facts)
     if trap is None:
         return None
     return (
-        f"here Grappler's remapper fuses each float16 MatMul with its bias add into a "
-        f"kernel that crawls ({trap.describe()}); tfmp runs the fit, evaluate and predict "
-        "of each mixed_float16 model it attaches without the remapper "
-        "(tfmp.attachment(model).remapper), but a custom training loop's own tf.function "
-        "is not tfmp's: there call tf.config.optimizer.set_experimental_options("
-        "{'remapping': False}) before the first step (process-wide: float32 and bfloat16 "
-        "lose the remapper's speed-up too)"
+        f"{trap}. tfmp runs the fit, evaluate and predict of each mixed_float16 model it "
+        "attaches without the remapper (tfmp.attachment(model).remapper), which cost what "
+        "float32 does there (an MLP step 24.8-29.8 ms against float32's 28.3-29.9 ms); a "
+        "custom training loop takes the same path when it calls its tf.function inside "
+        "`with tfmp.step_scope(model):`. float16 convolutions have no such fix: their oneDNN "
+        "kernels crawl there unfused too (two Conv2D layers, 32x32, batch 32: a training "
+        "step 147x float32's under tfmp, 240x under plain Keras), so use mixed_bfloat16, "
+        "which that CPU runs in hardware"
     )

@@ -5,18 +5,22 @@ Facts come from TensorFlow (`tf.config.list_physical_devices`,
 for the CPU, from archspec (the CPU detection of the Spack package manager:
 https://github.com/archspec/archspec), which reads ``/proc/cpuinfo`` on Linux
 (x86 ``flags``, Arm ``Features``), ``sysctl`` on macOS and the CPUID instruction
-on Windows. Detection runs once per process (cached); tests and advisors inject
-a `DeviceFacts` instead, so every rule can be exercised without the hardware.
+on Windows. Detection runs once per process (cached); tests and advisors pass
+a `DeviceFacts` instead, or make one this machine's inside `injected_facts`, so
+every rule, and every per-model decision that rests on one, runs on any machine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
 import platform
-from typing import Any, Optional, Tuple
+import threading
+from typing import Any, Iterator, List, Optional, Tuple
 
+from tfmp._src.errors import invalid_argument
 from tfmp._src.report_fields import BOOL, COUNT, STRING, Kind, check_fields, instance_of, optional, tuple_of
 
 # CPU feature flags (as Linux spells them in /proc/cpuinfo, and archspec on every
@@ -33,6 +37,11 @@ from tfmp._src.report_fields import BOOL, COUNT, STRING, Kind, check_fields, ins
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 #: The environment variable TensorFlow reads to turn its oneDNN CPU kernels on or off.
 ONEDNN_ENV = "TF_ENABLE_ONEDNN_OPTS"
+#: CPU flags with which TensorFlow's oneDNN kernels take float16 (x86): AVX512BW with
+#: AVX512_FP16 or AMX-FP16, or AVX-NE-CONVERT alone. Source: TensorFlow 2.21
+#: ``tensorflow/core/util/util.cc``, ``IsDataTypeSupportedByOneDNNOnThisCPU(DT_HALF)``.
+#: Elsewhere float16 runs on Eigen's kernels, and Grappler fuses no float16 matmul.
+ONEDNN_FLOAT16_FLAGS = ("avx512_fp16", "amx_fp16", "avx_ne_convert")
 
 
 def onednn_enabled(system: str, env_value: Optional[str], x86: bool, cpu_target: str) -> bool:
@@ -152,6 +161,20 @@ class DeviceFacts:
         return onednn_enabled(self.system, self.onednn_env, x86, self.cpu_target)
 
     @property
+    def onednn_float16(self) -> bool:
+        """Bool. TensorFlow's oneDNN kernels take float16 on this CPU (`ONEDNN_FLOAT16_FLAGS`).
+
+        True with oneDNN on and AVX512BW plus AVX512_FP16 or AMX-FP16 (Intel
+        Sapphire Rapids and later), or AVX-NE-CONVERT: then Grappler fuses a
+        float16 MatMul with its bias add into oneDNN's fused matmul, a kernel
+        measured 100-500x slower than the same ops unfused on Sapphire Rapids
+        (`tfmp._src.policy.float16_fusion`).
+        """
+        flags = self.cpu_flags
+        avx512 = "avx512bw" in flags and bool({"avx512_fp16", "amx_fp16"} & flags)
+        return self.onednn and (avx512 or "avx_ne_convert" in flags)
+
+    @property
     def weakest_gpu(self) -> Optional[GpuFacts]:
         """`GpuFacts` of the GPU with the lowest compute capability, or None.
 
@@ -234,15 +257,56 @@ def _read_gpus() -> Tuple[GpuFacts, ...]:
     return tuple(gpus)
 
 
-@functools.lru_cache(maxsize=1)
+_injected: List[DeviceFacts] = []
+_injected_lock = threading.Lock()
+
+
 def detect_device_facts() -> DeviceFacts:
-    """Reads this machine's device facts once per process.
+    """This machine's device facts: the innermost `injected_facts`, else read once per process.
+
+    Every decision tfmp takes from the machine (the "auto" policy, the per-model
+    decisions of `tfmp._src.attachment.attach`) asks here, so a test that makes
+    another machine's facts this machine's runs that machine's branch.
 
     Returns:
         `DeviceFacts` of the visible GPUs (with compute capability), TPUs, the
         CPU's model name, flags and microarchitecture, the operating system and
         ``TF_ENABLE_ONEDNN_OPTS``.
     """
+    with _injected_lock:
+        if _injected:
+            return _injected[-1]
+    return _read_device_facts()
+
+
+@contextlib.contextmanager
+def injected_facts(facts: DeviceFacts) -> Iterator[DeviceFacts]:
+    """Makes `facts` this machine's inside the block, in every thread (tests; nested blocks allowed).
+
+    Args:
+        facts: `DeviceFacts`, e.g. those of an Intel Sapphire Rapids CPU.
+
+    Yields:
+        `facts`.
+
+    Raises:
+        ValueError: (template) `facts` is not a `DeviceFacts`.
+    """
+    if not isinstance(facts, DeviceFacts):
+        raise invalid_argument("facts", facts, "a tfmp.DeviceFacts",
+                               fix="Pass e.g. tfmp.DeviceFacts(cpu_name='CPU').")
+    with _injected_lock:
+        _injected.append(facts)
+    try:
+        yield facts
+    finally:
+        with _injected_lock:
+            _injected.remove(facts)
+
+
+@functools.lru_cache(maxsize=1)
+def _read_device_facts() -> DeviceFacts:
+    """Reads this machine's device facts (once per process: cached)."""
     import tensorflow as tf
 
     import archspec.cpu

@@ -13,13 +13,15 @@ guide; on a CPU, the flags and a measurement on the CPU itself):
 | any other CPU                              | float32          |
 
 CPU flags as `tfmp._src.policy.hardware.CPU_BF16_FLAGS` lists them (sources there);
-bfloat16 needs TensorFlow's oneDNN kernels too. On this machine's CPU the decision
-also rests on `tfmp._src.policy.speed_probe`, which times a small training step in
-each dtype: the reason quotes its factors, and a CPU with bfloat16 flags whose
-bfloat16 step measures below `MIN_BFLOAT16_FACTOR` of float32's gets float32, so
-"auto" never picks a policy slower than float32. Device facts given by the caller
-(another machine, tests) are decided by the flags alone, or with the `SpeedProbe`
-given with them; GPUs and TPUs by the vendors' rules, without a probe.
+bfloat16 needs TensorFlow's oneDNN kernels too. The decision rests on facts that
+do not move while a machine and its software stay the same (devices, CPU flags,
+the operating system, ``TF_ENABLE_ONEDNN_OPTS``), never on a timing: on a shared
+2-core Sapphire Rapids a small timed step scattered from 0.62x to 5.4x float32's
+speed across 20 processes under load, which made the same script train in float32
+in some processes and in bfloat16 in others. A measured `SpeedProbe` is advice
+(`tfmp doctor` measures one with its spread): given to `recommend_policy`, it is
+quoted in the reason, and one whose bfloat16 factor is below
+`MIN_BFLOAT16_FACTOR` adds how to pin float32, but it never changes the policy.
 
 float16 is never chosen on a CPU: TensorFlow has no fast float16 CPU kernels for
 training (AVX512_FP16 included: on Sapphire Rapids a float16 step runs 100-500x
@@ -38,17 +40,16 @@ import keras
 from tfmp._src.errors import check_bool, check_type, invalid_argument
 from tfmp._src.policy import float16_fusion
 from tfmp._src.policy.hardware import ONEDNN_ENV, DeviceFacts, detect_device_facts
-from tfmp._src.policy.speed_probe import SpeedProbe, format_factor, measure_speed
+from tfmp._src.policy.speed_probe import SpeedProbe, format_factor
 
 MIXED_FLOAT16 = "mixed_float16"
 MIXED_BFLOAT16 = "mixed_bfloat16"
 FLOAT32 = "float32"
 POLICY_CHOICES = ("auto", MIXED_FLOAT16, MIXED_BFLOAT16, FLOAT32)
 PURE_16BIT = ("float16", "bfloat16")
-#: Float. On a CPU with bfloat16 flags, a measured bfloat16 step below this factor
-#: of float32's speed (`SpeedProbe.factor`) makes "auto" choose float32: clearly
-#: slower, beyond the probe's noise (its small step scatters by about 20%: 0.82-1.1x
-#: for emulated bfloat16 on a 2-core AMD EPYC Zen 3).
+#: Float. On a CPU with bfloat16 flags, a bfloat16 step measured below this factor
+#: of float32's speed (`SpeedProbe.factor`) is reported as slower than float32: the
+#: reason and the explicit policy's `PerformanceWarning` say how to pin float32.
 MIN_BFLOAT16_FACTOR = 0.7
 
 # Common spellings that are not Keras policy names, mapped to the one meant.
@@ -161,9 +162,8 @@ def recommend_policy(
         device_facts: `tfmp.DeviceFacts` or None. Facts to decide for; None reads
             this machine's (cached after the first call).
         speed_probe: `tfmp.SpeedProbe` or None. Measured step times of the CPU the
-            facts describe. None measures this CPU (once per process, a few
-            tenths of a second) when `device_facts` is None and the CPU decides
-            (no GPU or TPU); with given facts, None decides by the flags alone.
+            facts describe, quoted in the reason (advice only: the policy is the
+            same with or without it). Nothing is measured here.
 
     Returns:
         `PolicyDecision` with `.policy`, `.reason`, `.device` and `.tf32`.
@@ -178,9 +178,11 @@ def recommend_policy(
         >>> recommend_policy(DeviceFacts(gpus=(GpuFacts("Tesla V100", (7, 0)),))).policy
         'mixed_float16'
         >>> cpu = DeviceFacts(cpu_name="AMD EPYC", cpu_flags=frozenset({"avx512_bf16"}))
+        >>> recommend_policy(cpu).policy
+        'mixed_bfloat16'
         >>> slow = SpeedProbe(float32_ms=1.0, bfloat16_ms=2.0, float16_ms=50.0)
-        >>> recommend_policy(cpu, speed_probe=slow).policy
-        'float32'
+        >>> recommend_policy(cpu, speed_probe=slow).policy  # a timing never decides
+        'mixed_bfloat16'
     """
     facts, probe = _facts_and_probe(device_facts, speed_probe)
     return _recommend(facts, probe)
@@ -189,9 +191,8 @@ def recommend_policy(
 def _facts_and_probe(
     device_facts: Optional[DeviceFacts],
     speed_probe: Optional[SpeedProbe],
-    measure: bool = True,
 ) -> Tuple[DeviceFacts, Optional[SpeedProbe]]:
-    """The facts to decide for and the probe to decide with (measured only for this CPU).
+    """The facts to decide for, and the probe to quote (never measured here).
 
     Raises:
         ValueError: (template) `device_facts` is neither None nor a `DeviceFacts`,
@@ -210,9 +211,6 @@ def _facts_and_probe(
             "float16_ms=200.0), or None to measure this CPU.",
         )
     facts = device_facts if device_facts is not None else detect_device_facts()
-    cpu_decides = not facts.gpus and not facts.tpu
-    if measure and speed_probe is None and device_facts is None and cpu_decides:
-        speed_probe = measure_speed()
     return facts, speed_probe
 
 
@@ -239,22 +237,18 @@ def _recommend(facts: DeviceFacts, probe: Optional[SpeedProbe]) -> PolicyDecisio
     if facts.cpu_bf16_flags and not facts.onednn:
         return PolicyDecision(FLOAT32, _onednn_off(facts, probe), device)
     flags = "/".join(facts.cpu_bf16_flags).upper()
-    if facts.cpu_bf16_flags and probe is not None and (
-            probe.factor("bfloat16") < MIN_BFLOAT16_FACTOR):
-        return PolicyDecision(
-            FLOAT32,
-            f"The CPU has {flags}, but a bfloat16 training step measured "
-            f"{format_factor(probe.factor('bfloat16'))}x float32's speed here (below "
-            f"{MIN_BFLOAT16_FACTOR}x), so float32 is faster.",
-            device,
-        )
     if facts.cpu_bf16_flags:
         measured = _measured("bfloat16", probe)
         if not measured and not set(facts.cpu_bf16_flags) - {"bf16"}:
             measured = " (Arm BF16 through the Arm Compute Library; not measured by tfmp)"
+        pin = ""
+        if probe is not None and probe.factor("bfloat16") < MIN_BFLOAT16_FACTOR:
+            pin = (f" That measurement is below {MIN_BFLOAT16_FACTOR}x: where it holds on an "
+                   "idle machine (tfmp doctor measures with its spread), pin float32 with "
+                   "tfmp.enable('float32').")
         return PolicyDecision(
             MIXED_BFLOAT16,
-            f"The CPU has {flags}, so oneDNN runs bfloat16 matmuls in hardware{measured}.",
+            f"The CPU has {flags}, so oneDNN runs bfloat16 matmuls in hardware{measured}.{pin}",
             device,
         )
     return PolicyDecision(
@@ -312,7 +306,7 @@ def slower_than_float32(
         policy: String. A Keras policy name.
         facts: `DeviceFacts`.
         speed_probe: `SpeedProbe` or None. Measured step times of that CPU; its
-            factor is quoted, and decides bfloat16 on a CPU (see below).
+            factor is quoted (it decides nothing).
         float16_slow_path: String or None. A clause naming the kernel path that
             makes float16 slow on that CPU, when one is known (e.g. a fusion
             TensorFlow sends to a slow kernel); appended to the float16-on-CPU
@@ -323,9 +317,8 @@ def slower_than_float32(
         float16 on a CPU (always: TensorFlow has no fast float16 CPU kernels for
         training) or below compute capability 7.0; bfloat16 below compute
         capability 8.0, on a CPU without bfloat16 flags, or on a CPU with them
-        whose oneDNN is off or whose measured bfloat16 factor is below
-        `MIN_BFLOAT16_FACTOR`. On a CPU the measured factor is quoted when
-        `speed_probe` is given.
+        whose oneDNN is off: by the facts, as "auto" decides. On a CPU the
+        measured factor is quoted when `speed_probe` is given.
     """
     compute = keras.DTypePolicy(policy).compute_dtype
     if compute == "float32" or facts.tpu:
@@ -357,7 +350,7 @@ def slower_than_float32(
     if facts.cpu_bf16_flags:
         if not facts.onednn:
             return _onednn_off(facts, speed_probe)
-        return measured if factor is not None and factor < MIN_BFLOAT16_FACTOR else None
+        return None  # by the flags, as "auto" decides; a measured factor is advice
     text = ("this CPU has none of AVX512_BF16, AMX-BF16 or Arm BF16, so TensorFlow has no "
             "hardware bfloat16 matmuls here")
     return f"{measured}: {text}" if factor is not None and factor < 1.0 else f"{text} ({device})"
@@ -392,8 +385,8 @@ def resolve_policy(
         allow_pure_16bit: Bool. Accept ``"float16"``/``"bfloat16"`` (16-bit
             variables, so no float32 master weights). Default False.
         device_facts: `DeviceFacts` or None (this machine).
-        speed_probe: `SpeedProbe` or None, as `recommend_policy` takes it; this
-            CPU is measured only for "auto" or a 16-bit policy.
+        speed_probe: `SpeedProbe` or None, as `recommend_policy` takes it (quoted,
+            never measured here).
 
     Returns:
         `PolicyDecision`.
@@ -431,8 +424,7 @@ def resolve_policy(
             fix=f"Did you mean {alias!r}?" if alias else "Pass e.g. policy='auto' (chosen for this machine).",
             choices=() if alias else POLICY_CHOICES,
         )
-    # float32 is never slower than itself: nothing to measure for it
-    facts, probe = _facts_and_probe(device_facts, speed_probe, measure=name != FLOAT32)
+    facts, probe = _facts_and_probe(device_facts, speed_probe)
     auto = _recommend(facts, probe)
     compute = keras.DTypePolicy(name).compute_dtype
     slow = slower_than_float32(name, facts, probe,

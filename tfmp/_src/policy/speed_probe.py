@@ -1,9 +1,11 @@
 """How fast this CPU runs a small training step in float32, bfloat16 and float16.
 
-CPU flags say which instructions a CPU has, not how fast TensorFlow's kernels use
-them: a Sapphire Rapids CPU has AVX512_FP16, yet TensorFlow 2.21 has no fast float16
-CPU kernels for training, and a float16 step there runs 100-500x slower than
-float32. The probe measures instead of guessing, on the running CPU.
+Advice, never a decision: `tfmp doctor` shows it (`measure_rounds`, with its spread
+over rounds), and a `SpeedProbe` given to `tfmp.recommend_policy` is quoted in the
+reason. What tfmp decides ("auto", the per-model choices) rests on facts that do
+not move (`tfmp._src.policy.policy`): on a shared 2-core Intel Sapphire Rapids
+under load, this probe's bfloat16 factor ranged from 0.62x to 5.4x across 20
+processes while a 2048 matmul there runs bfloat16 at 4.2-4.5x float32's speed.
 
 What it measures: one Dense-like training step inside a `tf.function` (so Grappler
 optimizes it as it does Keras's train step, with ``jit_compile=False`` as Keras's
@@ -33,10 +35,11 @@ costs its warm-up and one timed step of 0.25-0.5 s each and the probe stays
 under about a second and a half (on Sapphire Rapids, where
 TensorFlow 2.21 runs the fused float16 MatMul+BiasAdd at 10-15 ns per multiply-add,
 see examples/train_digits.py, the 8.4 million forward multiply-adds take 0.08-0.13
-s); where every dtype runs well, the probe takes 0.2-0.3 s, tracing included
+s); where every dtype runs well, one round takes 0.2-0.3 s, tracing included
 (measured on a 2-core AMD EPYC Zen 3 at a load average of 3 from other processes;
-up to 0.7 s at a load average of 5). It runs once per process:
-`measure_speed` is cached, `clear_cache` forgets. Its inputs come from stateless
+up to 0.7 s at a load average of 5; 1.4-3.6 s under load on a 2-core Sapphire
+Rapids). `measure_rounds` runs `ROUNDS` rounds each time it is called (nothing is
+cached: nothing decides from it). Its inputs come from stateless
 random ops, so the process's random streams (TensorFlow's global seed, Keras's
 seed generator) are left as they were.
 
@@ -54,7 +57,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import threading
 import time
 from typing import Any, Dict, Optional, Tuple
 
@@ -78,7 +80,7 @@ FAR_SLOWER = 20.0
 class SpeedProbe:
     """Measured step times of a small training step in each dtype, on one CPU.
 
-    Built by `measure_speed` (this CPU), or by hand to decide for another machine
+    Built by `measure_rounds` (this CPU), or by hand to decide for another machine
     (`tfmp.recommend_policy(facts, speed_probe=...)`) or in tests.
 
     Attributes:
@@ -91,6 +93,9 @@ class SpeedProbe:
             steps of each dtype; None when not measured here.
         wall_ms: Float, milliseconds, or None. Wall time of the whole probe,
             tracing included; None when not measured here.
+        factor_ranges: Tuple of three ``(lowest, highest)`` float pairs
+            (float32, bfloat16, float16) or None. The spread of each dtype's
+            factor over the rounds of `measure_rounds`; None for one round.
 
     Raises:
         ValueError: (template) a step time that is not a positive finite number,
@@ -110,6 +115,7 @@ class SpeedProbe:
     units: int = UNITS
     repeats: Optional[Tuple[int, int, int]] = None
     wall_ms: Optional[float] = None
+    factor_ranges: Optional[Tuple[Tuple[float, float], ...]] = None
 
     def __post_init__(self) -> None:
         for dtype in DTYPES:
@@ -128,6 +134,15 @@ class SpeedProbe:
             raise invalid_argument("repeats", counts, "None or a tuple of three integers >= 0",
                                    fix="Pass the timed steps of float32, bfloat16 and "
                                    "float16, e.g. (5, 5, 1).")
+        ranges = self.factor_ranges
+        if ranges is not None and not (
+                isinstance(ranges, tuple) and len(ranges) == len(DTYPES)
+                and all(isinstance(pair, tuple) and len(pair) == 2
+                        and all(_positive_number(f) for f in pair) and pair[0] <= pair[1]
+                        for pair in ranges)):
+            raise invalid_argument("factor_ranges", ranges,
+                                   "None or a tuple of three (lowest, highest) pairs of positive numbers",
+                                   fix="Pass e.g. ((1.0, 1.0), (1.6, 2.1), (0.01, 0.02)).")
 
     def step_ms(self, dtype: str) -> float:
         """Float, milliseconds. The fastest step in `dtype`.
@@ -153,8 +168,9 @@ class SpeedProbe:
     def to_dict(self) -> Dict[str, Any]:
         """Returns the probe as a JSON-serializable dict.
 
-        Keys: ``step_ms``, ``factor`` and ``repeats`` (dicts by dtype; ``repeats``
-        None when not measured here), ``batch``, ``units``, ``wall_ms``.
+        Keys: ``step_ms``, ``factor``, ``repeats`` and ``factor_range`` (dicts by
+        dtype; ``repeats`` None when not measured here, ``factor_range`` None for
+        one round, else ``[lowest, highest]``), ``batch``, ``units``, ``wall_ms``.
         """
         return {
             "step_ms": {dtype: self.step_ms(dtype) for dtype in DTYPES},
@@ -162,13 +178,19 @@ class SpeedProbe:
             "batch": self.batch,
             "units": self.units,
             "repeats": dict(zip(DTYPES, self.repeats)) if self.repeats else None,
+            "factor_range": ({dtype: list(pair) for dtype, pair in zip(DTYPES, self.factor_ranges)}
+                             if self.factor_ranges else None),
             "wall_ms": self.wall_ms,
         }
 
 
-def _check_ms(name: str, value: Any) -> None:
+def _positive_number(value: Any) -> bool:
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not number or not math.isfinite(value) or value <= 0:
+    return number and math.isfinite(value) and value > 0
+
+
+def _check_ms(name: str, value: Any) -> None:
+    if not _positive_number(value):
         raise invalid_argument(name, value, "a positive finite number of milliseconds",
                                fix="Pass the measured step time, e.g. 1.5.")
 
@@ -184,32 +206,38 @@ def format_factor(factor: float) -> str:
     return text if "." in text or "e" in text else text + ".0"
 
 
-_lock = threading.Lock()
-_cached: Optional[SpeedProbe] = None
+#: Int. Rounds of `measure_rounds` (`tfmp doctor`).
+ROUNDS = 3
 
 
-def measure_speed() -> SpeedProbe:
-    """Measures this CPU's training step in each dtype, once per process.
+def measure_rounds(rounds: int = ROUNDS) -> SpeedProbe:
+    """Measures the probe `rounds` times now (not cached) and reports the spread.
 
-    The first call measures (a few tenths of a second, about a second where
-    float16 crawls); later calls return the same `SpeedProbe` until
-    `clear_cache`. Thread-safe: concurrent first calls measure once.
+    Advice, never a decision: on a loaded 2-core machine one probe's bfloat16 factor
+    scattered from 0.62x to 5.4x across processes. `tfmp doctor` shows the result.
+
+    Args:
+        rounds: Int >= 1. Probes run one after the other.
 
     Returns:
-        `SpeedProbe` with `repeats` and `wall_ms` set.
+        `SpeedProbe`: each dtype's fastest step over all rounds, the timed steps
+        summed, the wall time of all rounds, and `factor_ranges` (each dtype's
+        lowest and highest factor over the rounds).
+
+    Raises:
+        ValueError: (template) `rounds` is not an integer >= 1.
     """
-    global _cached
-    with _lock:
-        if _cached is None:
-            _cached = _measure()
-        return _cached
-
-
-def clear_cache() -> None:
-    """Forgets the measurement, so that the next `measure_speed` call measures again."""
-    global _cached
-    with _lock:
-        _cached = None
+    if not is_positive_int(rounds):
+        raise invalid_argument("rounds", rounds, "an integer >= 1", fix="Pass e.g. rounds=3.")
+    probes = [_measure() for _ in range(rounds)]
+    factors = [[probe.factor(dtype) for probe in probes] for dtype in DTYPES]
+    return SpeedProbe(
+        *(min(probe.step_ms(dtype) for probe in probes) for dtype in DTYPES),
+        batch=BATCH, units=UNITS,
+        repeats=tuple(sum(probe.repeats[i] for probe in probes) for i in range(len(DTYPES))),
+        wall_ms=sum(probe.wall_ms for probe in probes),
+        factor_ranges=tuple((min(found), max(found)) for found in factors),
+    )
 
 
 def _measure() -> SpeedProbe:

@@ -3,12 +3,12 @@
 For each Dense shape and 16-bit dtype, a Dense layer with the exact GELU,
 ``gelu(x @ w + b)``, forward and backward (``tf.nn.gelu(x, approximate=False)``,
 what ``activation="gelu"`` runs, against
-`tfmp._src.float32.gelu.float32_inside`), timed by the probe tfmp runs when it
-attaches a model (`gelu.measure`: each variant one `tf.function`, traced and run
-once untimed, then called alternately), with a larger budget. Reported per case:
-fastest call of each, their ratio (what tfmp decides by), the median of the
-per-round ratios, and whether tfmp would take float32 inside at that size
-(bfloat16 only, from 1.2x). Then the error of each GELU against float64 (math.erfc) on
+`tfmp._src.float32.gelu.float32_inside`), timed by `gelu.measure` (each variant
+one `tf.function`, traced and run once untimed, then called alternately). Reported
+per case: fastest call of each, their ratio, the median of the per-round ratios,
+and whether float32 inside measured faster here (bfloat16, from 1.2x: the figure
+behind tfmp's rule, which takes float32 inside for every bfloat16 model on a CPU
+without timing anything). Then the error of each GELU against float64 (math.erfc) on
 100,000 values from N(0, 9): forward values and gradients, mean and largest
 absolute error.
 

@@ -531,6 +531,13 @@ def test_attachment_and_detach_refuse_a_model(value):
     assert_refused(lambda: tfmp.detach(value), "model")
 
 
+@covers("step_scope")
+@given(value=NOT_MODELS)
+@BAD_INPUT_SETTINGS
+def test_step_scope_refuses_what_is_not_a_model(value):
+    assert_refused(lambda: tfmp.step_scope(value), "model")
+
+
 @covers("attachment", "detach")
 def test_a_model_never_attached_has_no_attachment(model):
     assert tfmp.attachment(model) is None
@@ -560,7 +567,7 @@ def test_this_module_covers_its_half_of_the_public_names():
         "enable", "disable", "policy_scope", "recommend_policy", "force_float32", "register_float32",
         "unregister_float32", "float32_layers", "Float32Rules", "Registration", "LossScaleOptimizer",
         "LossScaleWarning", "SkippedStepWarning", "scaled_gradients", "LossScaleMonitor", "LoggingWarning",
-        "check_numerics", "NumericsHandle", "NonFiniteError", "audit", "AuditReport", "attachment", "detach",
+        "check_numerics", "NumericsHandle", "NonFiniteError", "audit", "AuditReport", "attachment", "detach", "step_scope",
         "Attachment", "PerformanceWarning", "PolicyDecision", "UnmatchedTargetWarning",
     }
     assert covered_names([sys.modules[__name__]]) == half

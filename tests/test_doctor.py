@@ -226,7 +226,7 @@ def test_json_keys_are_stable_and_the_probe_is_none_for_injected_facts():
     assert "training step" not in str(tfmp.doctor(PLAIN_CPU, file=None))
 
 
-def test_an_injected_probe_is_printed_and_decides():
+def test_an_injected_probe_is_printed_and_quoted():
     report = tfmp.doctor(BF16_CPU, speed_probe=PROBE, file=None)
     assert report.data["speed_probe"] == PROBE.to_dict()
     lines = str(report).splitlines()
@@ -258,3 +258,16 @@ def test_this_machine_reports_its_probe_when_the_cpu_decides():
     assert probe["factor"]["float32"] == 1.0
     assert all(ms > 0 for ms in probe["step_ms"].values())
     assert "      training step (MatMul 128x256 @ 256x256" in str(report)
+    # three rounds, each factor with its spread; the recommendation is "auto"'s, from the facts
+    assert set(probe["factor_range"]) == {"float32", "bfloat16", "float16"}
+    low, high = probe["factor_range"]["bfloat16"]
+    assert 0 < low <= high and "-" in str(report).split("bfloat16 ", 2)[-1]
+    assert "3 rounds" in str(report)
+    assert report.data["recommendation"]["policy"] == tfmp.recommend_policy().policy
+
+
+def test_a_slow_probe_never_changes_the_recommendation():
+    slow = tfmp.SpeedProbe(float32_ms=1.0, bfloat16_ms=4.0, float16_ms=200.0)
+    report = tfmp.doctor(BF16_CPU, speed_probe=slow, file=None)
+    assert report.data["recommendation"]["policy"] == "mixed_bfloat16"
+    assert "pin float32 with tfmp.enable('float32')" in report.data["recommendation"]["reason"]

@@ -259,3 +259,27 @@ def test_step_scope_refuses_what_is_not_a_model_and_passes_through_a_model_not_a
         with tfmp.step_scope(compiled("mixed_float16", slow=True)):
             raise RuntimeError("boom")
     assert keras_private.function_call_config_now().graph_options.rewrite_options.remapping != OFF
+
+
+def test_the_float16_cpu_benchmark_runs_and_its_tables_hang_together(tmp_path):
+    import json
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    from benchmarks import float16_cpu as benchmark
+
+    path = tmp_path / "float16_cpu.json"
+    returned = benchmark.main(["--quick", "--json", str(path)])
+    written = json.loads(path.read_text(encoding="utf-8"))
+    assert written == json.loads(json.dumps(returned))
+    assert list(written["models"]) == ["MLP", "CNN"]
+    for variants in written["models"].values():
+        assert list(variants) == list(benchmark.VARIANTS)
+        assert variants["float32"]["vs_float32"] == {"value": 1.0, "paired": 1.0, "fastest": 1.0}
+        for found in variants.values():
+            assert len(found["ms"]) == 2 and found["fastest_ms"] == min(found["ms"]) > 0
+        assert variants["tfmp fit, remapper off"]["remapper"].startswith("off: ")
+        assert variants["float32"]["remapper"] == variants["Keras float16"]["remapper"] == "plain Keras"
+    text = benchmark.markdown(written)
+    assert "MLP:" in text and "| tfmp fit, remapper off |" in text

@@ -143,7 +143,8 @@ def _probe_lines(probe: Dict[str, Any]) -> List[str]:
         + ("" if dtype == "float32" else factor(dtype))
         for dtype in DTYPES)
     size = f"{probe['batch']}x{probe['units']} @ {probe['units']}x{probe['units']}"
-    took = f", probe {probe['wall_ms'] / 1e3:.2f} s" if probe["wall_ms"] is not None else ""
+    rounds = f"{ROUNDS} rounds" if ranges else "probe"
+    took = f", {rounds} {probe['wall_ms'] / 1e3:.2f} s" if probe["wall_ms"] is not None else ""
     return [f"      training step (MatMul {size} + bias + ReLU, forward and backward{took}):",
             f"        {times}"]
 

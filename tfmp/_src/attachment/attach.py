@@ -13,7 +13,7 @@ exactly that: its attachment, its layers' policies and its optimizer.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, ContextManager, Iterator, Optional
 
 import keras
 
@@ -188,8 +188,7 @@ def detach(model: keras.layers.Layer) -> Optional[Attachment]:
     return found
 
 
-@contextlib.contextmanager
-def step_scope(model: keras.Model) -> Iterator[Optional[str]]:
+def step_scope(model: keras.Model) -> ContextManager[Optional[str]]:
     """Runs the block's `tf.function` calls with the graph options tfmp chose for `model`'s steps.
 
     `model.fit`, `evaluate` and `predict` of an attached model run its steps in
@@ -207,11 +206,12 @@ def step_scope(model: keras.Model) -> Iterator[Optional[str]]:
         model: `keras.Model`, compiled under tfmp (attached). A model tfmp did not
             attach, or detached, has no scope: the block runs as it is.
 
-    Yields:
-        String or None. The name of the scope entered (``"remapper off"``), or None.
+    Returns:
+        A context manager (also a decorator) whose ``as`` target is the name of the
+        scope entered (``"remapper off"``), or None.
 
     Raises:
-        ValueError: (template) `model` is not a Keras model.
+        ValueError: (template, at the call) `model` is not a Keras model.
 
     Example:
         >>> import keras, tfmp
@@ -228,6 +228,11 @@ def step_scope(model: keras.Model) -> Iterator[Optional[str]]:
             fix="Pass the model whose step the block calls, e.g. "
             "`with tfmp.step_scope(model): loss = train_step(x, y)`.",
         )
+    return _in_scope(model)
+
+
+@contextlib.contextmanager
+def _in_scope(model: keras.Model) -> Iterator[Optional[str]]:
     scope = model_scopes.scope_entry(model)
     if scope is None:
         yield None

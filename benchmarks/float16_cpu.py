@@ -1,0 +1,180 @@
+"""float16 training steps on this CPU beside float32: plain Keras, tfmp's fit, tfmp's custom loop.
+
+tfmp never picks float16 on a CPU, but a user may ask for ``mixed_float16`` there
+(to reproduce a float16 GPU's numerics, say). This measures what each path costs
+against float32, for a matmul model and a convolution model:
+
+- ``MLP``: Dense 256 -> 512 -> 512 -> 10 (ReLU), batch 128;
+- ``CNN``: two Conv2D 3x3 (16 -> 64 -> 64 channels, ReLU) on 32x32 inputs, max
+  pooling, Dense 10, batch 32 (the convolution model of the float16 trap measured
+  on Sapphire Rapids).
+
+Per model, one training step (SGD) of each variant, each traced and warmed up, then
+the variants alternated over the repeats (the order rotated each repeat):
+
+- ``float32``: plain Keras, float32;
+- ``Keras float16``: plain Keras ``mixed_float16`` (Keras's LossScaleOptimizer);
+- ``tfmp fit``: ``mixed_float16`` under tfmp, ``train_on_batch`` (the train
+  function tfmp scopes);
+- ``tfmp loop``: the same model with a custom step (`tfmp.scaled_gradients`,
+  ``optimizer.apply``) called inside `tfmp.step_scope`;
+- ``tfmp fit, remapper off``: as ``tfmp fit`` with the facts of this CPU plus
+  AVX512_FP16 (the branch a Sapphire Rapids takes: Grappler's remapper off for the
+  model), to show what that branch costs on this CPU.
+
+Reported: median and fastest ms per step, and each variant's speed against float32
+(median of the per-repeat ratios, and of the fastest repeats). The CPU flags are in
+the machine line; on a CPU whose oneDNN takes float16 (AVX512_FP16) the Keras
+float16 rows are where the traps show.
+
+    python benchmarks/float16_cpu.py
+    python benchmarks/float16_cpu.py --json float16_cpu.json
+    python benchmarks/float16_cpu.py --quick      # tiny sizes: checks it runs
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's tfmp
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tfmp  # noqa: E402
+from benchmarks import harness, report, run  # noqa: E402
+from tfmp._src.policy.hardware import detect_device_facts, injected_facts  # noqa: E402
+
+VARIANTS = ("float32", "Keras float16", "tfmp fit", "tfmp loop", "tfmp fit, remapper off")
+#: Model sizes: (batch, input shape, widths) per model, full and quick.
+SIZES = {"MLP": (128, (256,), (512, 512)), "CNN": (32, (32, 32, 16), (64, 64))}
+QUICK_SIZES = {"MLP": (8, (16,), (16, 16)), "CNN": (4, (8, 8, 4), (8, 8))}
+
+
+def build(kind: str, shape: tuple, widths: tuple) -> keras.Model:
+    """The `kind` model under the current global policy, seeded."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input(shape)
+    x = inputs
+    if kind == "CNN":
+        for width in widths:
+            x = keras.layers.Conv2D(width, 3, padding="same", activation="relu")(x)
+        x = keras.layers.Flatten()(keras.layers.MaxPooling2D(4)(x))
+    else:
+        for width in widths:
+            x = keras.layers.Dense(width, activation="relu")(x)
+    return keras.Model(inputs, keras.layers.Dense(10, activation="softmax")(x))
+
+
+def _trap_facts():
+    """This CPU's facts with AVX512_FP16 added: the remapper trap's branch."""
+    facts = detect_device_facts()
+    return dataclasses.replace(facts, cpu_flags=facts.cpu_flags | {"avx512bw", "avx512_fp16"})
+
+
+def _loop_step(model: keras.Model, loss_fn: Callable) -> Callable:
+    optimizer = model.optimizer
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tfmp.scaled_gradients(tape, loss, model.trainable_variables, optimizer)
+        optimizer.apply(grads, model.trainable_variables)
+        return loss
+
+    def call(x, y):
+        with tfmp.step_scope(model):
+            return step(x, y)
+
+    return call
+
+
+def steps(kind: str, sizes: tuple) -> Tuple[Dict[str, Callable[[], object]], Dict[str, str]]:
+    """One step callable per variant, each built, compiled and warmed up, and each
+    variant's ``Attachment.remapper`` (``"plain Keras"`` for Keras's)."""
+    batch, shape, widths = sizes
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(batch, *shape)).astype("float32"))
+    y = tf.constant(rng.integers(0, 10, size=(batch,)))
+    loss_fn = keras.losses.SparseCategoricalCrossentropy()
+    found, remapper = {}, {}
+    previous = keras.config.dtype_policy()
+    try:
+        for variant in VARIANTS:
+            with contextlib.ExitStack() as stack:
+                if variant.startswith("tfmp"):
+                    stack.enter_context(warnings.catch_warnings())
+                    warnings.simplefilter("ignore", tfmp.PerformanceWarning)
+                    if variant.endswith("remapper off"):
+                        stack.enter_context(injected_facts(_trap_facts()))
+                    stack.enter_context(tfmp.policy_scope("mixed_float16"))
+                else:
+                    keras.config.set_dtype_policy("float32" if variant == "float32" else "mixed_float16")
+                model = build(kind, shape, widths)
+                model.compile(keras.optimizers.SGD(0.01), loss_fn)
+            attached = tfmp.attachment(model)
+            remapper[variant] = attached.remapper if attached else "plain Keras"
+            if variant == "tfmp loop":
+                call = _loop_step(model, loss_fn)
+                found[variant] = lambda call=call: call(x, y)
+            else:
+                found[variant] = lambda model=model: model.train_on_batch(x, y)
+            keras.config.set_dtype_policy(previous)
+            found[variant]()  # traced and warmed up, not timed
+    finally:
+        keras.config.set_dtype_policy(previous)
+    return found, remapper
+
+
+def measure(quick: bool = False, repeats: Optional[int] = None) -> dict:
+    """Step times of every variant per model, with the machine's facts (module docstring)."""
+    start = time.perf_counter()
+    repeats = repeats or (2 if quick else 9)
+    results = {"machine": run.machine(), "quick": quick, "repeats": repeats, "models": {}}
+    for kind, sizes in (QUICK_SIZES if quick else SIZES).items():
+        callables, remapper = steps(kind, sizes)
+        ms = harness.time_alternately(callables, repeats, calls=1 if quick else 5)
+        rates = {name: [1.0 / t for t in times] for name, times in ms.items()}
+        results["models"][kind] = {
+            name: {"ms": times, "median_ms": statistics.median(times), "fastest_ms": min(times),
+                   "vs_float32": report.ratio_forms(rates[name], rates["float32"]),
+                   "remapper": remapper[name]}
+            for name, times in ms.items()}
+    results["machine"]["load_average_end"] = list(os.getloadavg())
+    results["duration_s"] = time.perf_counter() - start
+    return results
+
+
+def markdown(results: dict) -> str:
+    """One table per model, with the machine line."""
+    lines = [report.machine_line(results["machine"], results["duration_s"]),
+             f"{results['repeats']} alternated repeats per variant.", ""]
+    for kind, variants in results["models"].items():
+        rows = [[name, f"{v['median_ms']:.2f}", f"{v['fastest_ms']:.2f}",
+                 f"{v['vs_float32']['paired']:.3g}x", f"{v['vs_float32']['fastest']:.3g}x"]
+                for name, v in variants.items()]
+        lines += [f"{kind}:"] + report.table(
+            ["variant", "median ms", "fastest ms", "speed vs float32 (paired)",
+             "speed vs float32 (fastest)"], rows) + [""]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    """Command line (module docstring); prints the tables and returns the results."""
+    return run.simple_main(__doc__, "alternated repeats per variant (default 9; 2 with --quick)",
+                           measure, markdown, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -197,6 +197,7 @@ def test_detach_gives_the_model_back_to_keras():
     original_call = vars(keras.layers.BatchNormalization)["call"]
     original_losses = vars(keras.layers.Layer)["losses"]
     original_gelu = keras_private.backend_nn().gelu
+    original_convs = [getattr(keras_private.backend_nn(), name) for name in ("conv", "conv_transpose")]
     tfmp.enable("mixed_bfloat16")
     model = cnn(kl=True)
     model.compile("sgd", "mse")
@@ -220,6 +221,7 @@ def test_detach_gives_the_model_back_to_keras():
     assert vars(keras.layers.BatchNormalization)["call"] is original_call
     assert vars(keras.layers.Layer)["losses"] is original_losses
     assert keras_private.backend_nn().gelu is original_gelu
+    assert [getattr(keras_private.backend_nn(), name) for name in ("conv", "conv_transpose")] == original_convs
 
 
 def test_the_model_level_hooks_stay_while_an_attached_model_lives():
@@ -228,7 +230,8 @@ def test_the_model_level_hooks_stay_while_an_attached_model_lives():
     model.compile("sgd", "mse")
     tfmp.disable()
     owners = sorted(hook.owner for hook in attachment_hooks.installed())
-    assert owners == ["bias_gradient", "enable.gradient_errors", "enable.losses", "fused_batchnorm", "gelu"]
+    assert owners == ["bias_gradient", "conv", "conv", "enable.gradient_errors", "enable.losses",
+                      "fused_batchnorm", "gelu"]  # conv: the backend's conv and conv_transpose
     tfmp.disable()  # the model is alive: they stay
     assert len(attachment_hooks.installed()) == len(owners)
     del model

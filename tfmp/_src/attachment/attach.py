@@ -4,8 +4,9 @@
 (`tfmp._src.policy.enable`): the decisions made then (policies, float32
 forcing, the BatchNormalization kernel, exact token ids, dtype-error
 explanations, `tfmp.check_numerics`, Grappler's remapper for a float16 model
-on a CPU where the fused float16 matmul is slow, the exact GELU in float32
-inside on a CPU where the 16-bit one is slow) are recorded in one `Attachment` carried
+on a CPU whose oneDNN takes float16, the exact GELU of a bfloat16 model and the
+convolutions of a float16 model in float32 inside on a CPU, the bias gradients)
+are recorded in one `Attachment` carried
 by the model and every layer in it. What a model keeps after `tfmp.disable()` is
 exactly that: its attachment, its layers' policies and its optimizer.
 """
@@ -21,7 +22,7 @@ from tfmp._src.attachment import hooks, record
 from tfmp._src.attachment.record import Attachment
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.errors import invalid_argument
-from tfmp._src.float32 import bias_gradient, fused_batchnorm, gelu
+from tfmp._src.float32 import bias_gradient, conv, fused_batchnorm, gelu
 from tfmp._src.float32.force import forced_reason
 from tfmp._src.keras_hooks import patches
 from tfmp._src.keras_hooks import step_scope as model_scopes
@@ -73,7 +74,7 @@ def attach(model: keras.Model, policy: str, *, attached_by: str, exact_ids: int,
         forced_float32={e.path: why for e in entries if (why := forced_reason(e.layer))},
         exact_ids=exact_ids, explains_dtype_errors=explains_dtype_errors, check_numerics=numerics,
         remapper=remapper, gelu=gelu.decision(compute_dtype),
-        bias_gradient=bias_gradient.decision(compute_dtype),
+        bias_gradient=bias_gradient.decision(compute_dtype), conv=conv.decision(compute_dtype),
     )
     record.mark([model, *(e.layer for e in entries)], found)
     found.batchnorm_kernel = {

@@ -1,10 +1,11 @@
 """The model-level class hooks: held while a session is open or an attached object lives.
 
-Five hooks act on attached models only, deciding per object (`record.of`), never
+Six hooks act on attached models only, deciding per object (`record.of`), never
 by the calling thread: ``Layer.losses`` (16-bit loss terms summed in float32,
 `tfmp._src.keras_hooks.loss_terms`), ``BatchNormalization.call`` (the fused
 kernel, `tfmp._src.float32.fused_batchnorm`), Keras's backend ``gelu`` (float32
-inside, `tfmp._src.float32.gelu`), its ``add`` (16-bit bias gradients summed with
+inside, `tfmp._src.float32.gelu`), its ``conv`` and ``conv_transpose`` (float16
+convolutions in float32 inside, `tfmp._src.float32.conv`), its ``add`` (16-bit bias gradients summed with
 float32 accumulation, `tfmp._src.float32.bias_gradient`) and ``tf.GradientTape.gradient``
 (backward-pass dtype mismatches explained, `tfmp._src.float32.gradient_errors`).
 They are installed together (all or none) by `hold`, when a session opens or a
@@ -22,7 +23,7 @@ import threading
 from typing import List
 
 from tfmp._src.attachment import record
-from tfmp._src.float32 import bias_gradient, fused_batchnorm, gelu, gradient_errors
+from tfmp._src.float32 import bias_gradient, conv, fused_batchnorm, gelu, gradient_errors
 from tfmp._src.keras_hooks import patches
 from tfmp._src.keras_hooks.loss_terms import install_losses_hook
 from tfmp._src.policy import session
@@ -40,8 +41,8 @@ def hold() -> None:
     with _lock:
         if not _hooks:
             _hooks.extend(patches.install_all(
-                [install_losses_hook, fused_batchnorm.install, gelu.install, bias_gradient.install,
-                 gradient_errors.install]))
+                [install_losses_hook, fused_batchnorm.install, gelu.install, conv.install,
+                 bias_gradient.install, gradient_errors.install]))
 
 
 def release_if_unused() -> None:

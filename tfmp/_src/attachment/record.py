@@ -82,6 +82,11 @@ class Attachment:
             the sum;
             ``"keras: <check>"``: checked, not lost
             (`tfmp._src.float32.bias_gradient`).
+        conv: String. ``"keras"``: Keras's convolutions as they are (not a
+            float16 model, a GPU or TPU, a layer attached at its first call);
+            ``"float32 inside: <why>"``: the model's float16 Conv1D/2D/3D and
+            transposed convolutions compute in float32 and round once to
+            float16, as on every CPU (`tfmp._src.float32.conv`).
     """
 
     model: str
@@ -98,6 +103,7 @@ class Attachment:
     remapper: str = "on"
     gelu: str = "keras"
     bias_gradient: str = "keras"
+    conv: str = "keras"
 
     def __post_init__(self) -> None:
         """Checks the fields' types (a record made by hand fails here, not when read).
@@ -107,7 +113,7 @@ class Attachment:
         """
         for name, example in (("model", "'sequential'"), ("attached_by", "'compile'"),
                               ("policy", "'mixed_float16'"), ("remapper", "'on'"),
-                              ("gelu", "'keras'"), ("bias_gradient", "'keras'")):
+                              ("gelu", "'keras'"), ("bias_gradient", "'keras'"), ("conv", "'keras'")):
             check_type(name, getattr(self, name), str, "a string", fix=f"Pass e.g. {name}={example}.")
         for name in ("layer_policies", "forced_float32", "batchnorm_kernel"):
             check_type(name, getattr(self, name), dict, "a dict of layer path -> string", items=str,

@@ -98,6 +98,9 @@ CALL_ORDER: Tuple[Tuple[str, str], ...] = (
     ("keras.ops.gelu (so activation='gelu', keras.activations.gelu, Activation('gelu')) calls "
      "gelu(x, approximate) looked up on backend.nn at each call",
      "tests/test_gelu.py::test_where_the_16_bit_gelu_is_slow_a_model_computes_its_exact_gelus_in_float32_only"),
+    ("keras.ops.conv and conv_transpose (so Conv1D/2D/3D and their transposes) call "
+     "conv(inputs, kernel, ...) and conv_transpose(inputs, kernel, ...) looked up on backend.nn at each call",
+     "tests/test_conv.py::test_keras_still_calls_the_backend_convolutions_by_module_attribute"),
     ("keras.ops.add (so Dense's and the convolutions' bias) calls add(x1, x2) looked up on "
      "backend.numpy at each call, which adds a bias vector with tf.nn.bias_add",
      "tests/test_bias_gradient.py::test_keras_still_calls_the_backend_add_by_module_attribute"),

@@ -48,6 +48,7 @@ from tfmp._src.keras_hooks.object_state import PerObject
 ORDER = {
     "fused_batchnorm": 5,  # BatchNormalization.call: the fused kernel for attached layers
     "gelu": 6,  # Keras's TensorFlow backend gelu: 16-bit exact GELU in float32 inside for attached models
+    "conv": 6,  # Keras's TensorFlow backend conv / conv_transpose: float16 convolutions in float32 inside
     "bias_gradient": 7,  # Keras's TensorFlow backend add: 16-bit bias gradients summed in float32 for attached models
     "float32.build": 10,  # Layer.build: force sublayers created at build time
     "float32.exact": 11,  # Discretization / CategoryEncoding / Normalization.__init__ while enabled: float32

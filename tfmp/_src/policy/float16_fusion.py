@@ -208,8 +208,8 @@ def warning_clause(compute_dtype: str, facts: DeviceFacts) -> Optional[str]:
 
     Returns:
         String naming the trap, the path tfmp takes (with its measured cost), what a
-        custom loop does to take it too, and the float16 convolutions tfmp cannot
-        fix; or None where `remapper_trap` finds no trap.
+        custom loop does to take it too, and the float16 convolutions; or None where
+        `remapper_trap` finds no trap.
     """
     trap = remapper_trap(compute_dtype, facts)
     if trap is None:
@@ -219,8 +219,8 @@ def warning_clause(compute_dtype: str, facts: DeviceFacts) -> Optional[str]:
         "attaches without the remapper (tfmp.attachment(model).remapper), which cost what "
         "float32 does there (an MLP step 24.8-29.8 ms against float32's 28.3-29.9 ms); a "
         "custom training loop takes the same path when it calls its tf.function inside "
-        "`with tfmp.step_scope(model):`. float16 convolutions have no such fix: their oneDNN "
-        "kernels crawl there unfused too (two Conv2D layers, 32x32, batch 32: a training "
-        "step 147x float32's under tfmp, 240x under plain Keras), so use mixed_bfloat16, "
-        "which that CPU runs in hardware"
+        "`with tfmp.step_scope(model):`. float16 convolutions crawl there unfused too (two "
+        "Conv2D layers, 32x32, batch 32: a training step 240x float32's under plain Keras); "
+        "tfmp computes a float16 model's convolutions in float32 inside on every CPU "
+        "(tfmp.attachment(model).conv). mixed_bfloat16 runs in hardware there"
     )

@@ -1,0 +1,165 @@
+"""float16 convolutions in float32 inside: values, gradients, the per-model decision, the hook.
+
+The decision rests on the machine's facts: on a CPU (a Zen 4 or a Sapphire Rapids
+made this machine's with `injected_facts`) a float16 model's convolutions compute
+in float32 inside, on a GPU machine (an A100) they stay Keras's, so both branches
+run on any CPU; no test asserts a time (benchmarks/float16_cpu.py measures).
+"""
+
+import inspect
+import math
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from _machines import A100, SAPPHIRE_RAPIDS, XEON_NO_BF16, ZEN4
+from _traced import forward_and_backward_ops
+
+import tfmp
+from tfmp._src.float32 import conv
+from tfmp._src.keras_hooks import contracts, keras_private
+from tfmp._src.policy.hardware import injected_facts
+
+X = np.random.default_rng(0).normal(size=(4, 8, 8, 3)).astype("float32")
+Y = np.random.default_rng(1).integers(0, 3, size=(4,))
+CONV_OPS = ("Conv1D", "Conv2D", "Conv3D", "Conv2DBackpropInput", "Conv2DBackpropFilter",
+            "Conv3DBackpropInputV2", "Conv3DBackpropFilterV2")
+
+
+def _build():
+    """Conv2D, Conv2DTranspose and a Conv1D over rows, then a float32 head (logits)."""
+    inputs = keras.Input((8, 8, 3))
+    x = keras.layers.Conv2D(4, 3, padding="same", activation="relu")(inputs)
+    x = keras.layers.Conv2DTranspose(4, 3, strides=2, padding="same")(x)
+    x = keras.layers.Reshape((16, 64))(x)
+    x = keras.layers.Conv1D(8, 3, activation="relu")(x)
+    model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Flatten()(x)))
+    model.compile(keras.optimizers.SGD(0.01),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _attached(facts):
+    with injected_facts(facts), warnings.catch_warnings():
+        warnings.simplefilter("ignore", tfmp.PerformanceWarning)  # float16 on a CPU
+        with tfmp.policy_scope("mixed_float16"):
+            return _build()
+
+
+def _conv_ops(model):
+    """Convolution op types of a traced forward and backward pass, by dtype."""
+    counts = forward_and_backward_ops(model, tf.constant(X), tf.constant(Y))
+    found = {}
+    for key, count in counts.items():
+        op, _, dtype = key.partition(":")
+        if op in CONV_OPS:
+            found[dtype] = found.get(dtype, 0) + count
+    return found
+
+
+def test_the_decision_rests_on_the_machine_facts_and_only_float16_changes():
+    for facts in (ZEN4, SAPPHIRE_RAPIDS, XEON_NO_BF16):
+        assert conv.decision("float16", facts) == f"float32 inside: {conv.RULE}"
+        assert conv.decision("bfloat16", facts) == conv.decision("float32", facts) == conv.KERAS
+    assert conv.decision("float16", A100) == conv.KERAS
+    with injected_facts(ZEN4):
+        assert conv.decision("float16").startswith(conv.FLOAT32_INSIDE)
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["conv", "conv_transpose"])
+def test_values_and_gradients_are_the_float64_ones_rounded_once(transpose):
+    rng = np.random.default_rng(2)
+    x64 = rng.normal(size=(2, 6, 6, 5))
+    k64 = rng.normal(size=(3, 3, 4, 5) if transpose else (3, 3, 5, 4)) / 4.0
+    x16, k16 = tf.constant(x64, tf.float16), tf.constant(k64, tf.float16)
+    exact_x, exact_k = tf.cast(x16, tf.float64), tf.cast(k16, tf.float64)  # the 16-bit values, exactly
+    backend = keras_private.backend_nn()
+    if transpose:
+        def convolve(x, k):
+            return backend.conv_transpose(x, k, 2, "same")
+    else:
+        def convolve(x, k):
+            return backend.conv(x, k, 1, "same")
+    with tf.GradientTape() as tape:
+        tape.watch([x16, k16])
+        y = conv.float32_inside(convolve, x16, k16)
+    assert y.dtype == tf.float16
+    dy = tf.constant(rng.normal(size=y.shape), tf.float16)
+    dx, dk = tape.gradient(y, [x16, k16], output_gradients=dy)
+    assert (dx.dtype, dk.dtype) == (tf.float16, tf.float16)
+    with tf.GradientTape() as tape:
+        tape.watch([exact_x, exact_k])
+        y64 = convolve(exact_x, exact_k)
+    dx64, dk64 = tape.gradient(y64, [exact_x, exact_k], output_gradients=tf.cast(dy, tf.float64))
+    for found, exact in ((y, y64), (dx, dx64), (dk, dk64)):  # one float16 rounding of a float32 sum
+        np.testing.assert_allclose(tf.cast(found, tf.float64).numpy(), exact.numpy(),
+                                   rtol=2.0**-10, atol=1e-3)
+
+
+def test_a_float16_model_on_a_cpu_convolves_in_float32_only():
+    model = _attached(ZEN4)
+    assert tfmp.attachment(model).conv == f"float32 inside: {conv.RULE}"
+    found = _conv_ops(model)
+    assert found.get("float16", 0) == 0 and found["float32"] >= 7  # forward and both gradients
+    keras.config.set_dtype_policy("mixed_float16")  # restored by the conftest fixture
+    plain = _build()
+    keras.config.set_dtype_policy("float32")
+    assert _conv_ops(plain).get("float32", 0) == 0  # plain Keras: float16 kernels
+    plain.set_weights(model.get_weights())
+    np.testing.assert_allclose(model(X).numpy(), tf.cast(plain(X), tf.float32).numpy(), rtol=0.02, atol=0.02)
+    history = model.fit(X, Y, batch_size=2, epochs=2, verbose=0)
+    assert all(math.isfinite(loss) for loss in history.history["loss"])
+
+
+def test_on_a_gpu_machine_the_model_keeps_kerass_convolutions():
+    model = _attached(A100)
+    assert tfmp.attachment(model).conv == conv.KERAS
+    assert _conv_ops(model).get("float32", 0) == 0
+
+
+def test_a_custom_loop_gets_it_and_detach_gives_keras_back():
+    model = _attached(ZEN4)
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.cast(model(x, training=True), tf.float32))
+        return tape.gradient(loss, model.trainable_variables)
+
+    graph = step.get_concrete_function(tf.constant(X)).graph
+    types = {(op.type, op.outputs[0].dtype.name) for op in graph.get_operations() if op.type in CONV_OPS}
+    assert types and all(dtype == "float32" for _, dtype in types)
+    tfmp.detach(model)
+    assert _conv_ops(model).get("float32", 0) == 0
+
+
+def test_a_second_derivative_goes_through_it():
+    model = _attached(ZEN4)
+    x = tf.constant(X)
+    with tf.GradientTape() as outer:
+        outer.watch(x)
+        with tf.GradientTape() as inner:
+            inner.watch(x)
+            y = tf.reduce_sum(tf.cast(model(x), tf.float32) ** 2)
+        penalty = tf.reduce_sum(tf.cast(inner.gradient(y, x), tf.float32) ** 2)
+    grads = outer.gradient(penalty, model.trainable_variables)
+    assert all(g is not None and bool(tf.reduce_all(tf.math.is_finite(g))) for g in grads[:2])
+
+
+def test_keras_still_calls_the_backend_convolutions_by_module_attribute():
+    """The contract: keras.ops.conv / conv_transpose look conv / conv_transpose up on backend.nn
+    at each call, taking (inputs, kernel, ...) first."""
+    backend = keras_private.backend_nn()
+    for name in conv.FUNCTIONS:
+        assert list(inspect.signature(getattr(backend, name)).parameters)[:2] == ["inputs", "kernel"]
+    seen = []
+    real = backend.conv
+    try:
+        backend.conv = lambda *args, **kwargs: seen.append(1) or real(*args, **kwargs)
+        keras.ops.conv(tf.ones((1, 4, 4, 1)), tf.ones((2, 2, 1, 1)))
+    finally:
+        backend.conv = real
+    assert seen == [1]
+    assert any("backend.nn" in row and "conv" in row for row, _ in contracts.CALL_ORDER)

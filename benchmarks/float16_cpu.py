@@ -25,7 +25,10 @@ the variants alternated over the repeats (the order rotated each repeat):
 Reported: median and fastest ms per step, and each variant's speed against float32
 (median of the per-repeat ratios, and of the fastest repeats). The CPU flags are in
 the machine line; on a CPU whose oneDNN takes float16 (AVX512_FP16) the Keras
-float16 rows are where the traps show.
+float16 rows are where the traps show. First, the fused float16 matmul itself: a
+float16 Dense training step with Grappler's remapper on and off
+(`float16_fusion.measure`), which tells whether this CPU has the trap that tfmp
+reads from its flags.
 
     python benchmarks/float16_cpu.py
     python benchmarks/float16_cpu.py --json float16_cpu.json
@@ -53,6 +56,7 @@ import tensorflow as tf  # noqa: E402
 
 import tfmp  # noqa: E402
 from benchmarks import harness, report, run  # noqa: E402
+from tfmp._src.policy import float16_fusion  # noqa: E402
 from tfmp._src.policy.hardware import detect_device_facts, injected_facts  # noqa: E402
 
 VARIANTS = ("float32", "Keras float16", "tfmp fit", "tfmp loop", "tfmp fit, remapper off")
@@ -141,7 +145,9 @@ def measure(quick: bool = False, repeats: Optional[int] = None) -> dict:
     """Step times of every variant per model, with the machine's facts (module docstring)."""
     start = time.perf_counter()
     repeats = repeats or (2 if quick else 9)
-    results = {"machine": run.machine(), "quick": quick, "repeats": repeats, "models": {}}
+    results = {"machine": run.machine(), "quick": quick, "repeats": repeats, "models": {},
+               "fused_matmul": float16_fusion.measure(budget_s=0.05 if quick else 1.0).describe(),
+               "remapper_trap_by_facts": float16_fusion.remapper_trap("float16") is not None}
     for kind, sizes in (QUICK_SIZES if quick else SIZES).items():
         callables, remapper = steps(kind, sizes)
         ms = harness.time_alternately(callables, repeats, calls=1 if quick else 5)
@@ -159,7 +165,9 @@ def measure(quick: bool = False, repeats: Optional[int] = None) -> dict:
 def markdown(results: dict) -> str:
     """One table per model, with the machine line."""
     lines = [report.machine_line(results["machine"], results["duration_s"]),
-             f"{results['repeats']} alternated repeats per variant.", ""]
+             f"{results['repeats']} alternated repeats per variant.",
+             f"Fused float16 matmul: {results['fused_matmul']}; the trap by this CPU's facts: "
+             f"{'yes' if results['remapper_trap_by_facts'] else 'no'}.", ""]
     for kind, variants in results["models"].items():
         rows = [[name, f"{v['median_ms']:.2f}", f"{v['fastest_ms']:.2f}",
                  f"{v['vs_float32']['paired']:.3g}x", f"{v['vs_float32']['fastest']:.3g}x"]

@@ -126,7 +126,7 @@ def _clean_up(hooks):
 
 @pytest.fixture(autouse=True)
 def no_tfmp_state_left():
-    """Fails a test that leaves tfmp enabled, a class-level hook on or TF32 changed."""
+    """Fails a test that leaves tfmp enabled, a class-level hook on, injected device facts or TF32 changed."""
     import tensorflow as tf
 
     from tfmp._src.policy import enable
@@ -137,6 +137,11 @@ def no_tfmp_state_left():
     enable._release_unused_hooks()  # as tfmp.disable() does: the hooks no live model needs
     threads, hooks = tfmp_leftovers()
     leftovers = threads + [repr(hook) for hook in hooks]
+    from tfmp._src.policy import hardware
+
+    if hardware._injected:  # a machine's facts injected and not taken off
+        leftovers.append(f"injected device facts left: {hardware._injected}")
+        hardware._injected.clear()
     if tf.config.experimental.tensor_float_32_execution_enabled() != tf32:
         leftovers.append(f"TF32 execution left {'on' if not tf32 else 'off'}")
         tf.config.experimental.enable_tensor_float_32_execution(tf32)

@@ -284,3 +284,5 @@ def test_the_float16_cpu_benchmark_runs_and_its_tables_hang_together(tmp_path):
         assert variants["float32"]["remapper"] == variants["Keras float16"]["remapper"] == "plain Keras"
     text = benchmark.markdown(written)
     assert "MLP:" in text and "| tfmp fit, remapper off |" in text
+    assert written["fused_matmul"].startswith("a float16 Dense training step took ")
+    assert written["remapper_trap_by_facts"] is (float16_fusion.remapper_trap("float16") is not None)

@@ -49,7 +49,7 @@ POLICY_CHOICES = ("auto", MIXED_FLOAT16, MIXED_BFLOAT16, FLOAT32)
 PURE_16BIT = ("float16", "bfloat16")
 #: Float. On a CPU with bfloat16 flags, a bfloat16 step measured below this factor
 #: of float32's speed (`SpeedProbe.factor`) is reported as slower than float32: the
-#: reason and the explicit policy's `PerformanceWarning` say how to pin float32.
+#: reason says how to pin float32 (the policy stays the one the facts give).
 MIN_BFLOAT16_FACTOR = 0.7
 
 # Common spellings that are not Keras policy names, mapped to the one meant.

@@ -41,16 +41,16 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Optional
 
-from tfmp._src.attachment import record
+from tfmp._src.float32 import inside
 from tfmp._src.keras_hooks import keras_private, patches
-from tfmp._src.policy.hardware import DeviceFacts, detect_device_facts
+from tfmp._src.policy.hardware import DeviceFacts
 
 #: The one compute dtype changed.
 DTYPE = "float16"
 #: ``Attachment.conv`` of a model whose float16 convolutions compute in float32 inside.
-FLOAT32_INSIDE = "float32 inside"
+FLOAT32_INSIDE = inside.FLOAT32_INSIDE
 #: ``Attachment.conv`` of a model that keeps Keras's convolutions.
-KERAS = "keras"
+KERAS = inside.KERAS
 #: Why a float16 model on a CPU takes `FLOAT32_INSIDE` (``Attachment.conv`` after the colon).
 RULE = ("TensorFlow has no fast float16 convolution kernels on a CPU (measured on an AMD EPYC "
         "Zen 4: a float16 Conv2D 9.7x slower than float32, float32 inside as fast as float32)")
@@ -69,12 +69,7 @@ def decision(compute_dtype: str, facts: Optional[DeviceFacts] = None) -> str:
     Returns:
         String: `KERAS`, or ``"float32 inside: "`` + `RULE`.
     """
-    if compute_dtype != DTYPE:
-        return KERAS
-    facts = facts if facts is not None else detect_device_facts()
-    if facts.gpus or facts.tpu:
-        return KERAS
-    return f"{FLOAT32_INSIDE}: {RULE}"
+    return inside.decided(compute_dtype, DTYPE, RULE, facts)
 
 
 def float32_inside(convolve: Callable, inputs: Any, kernel: Any) -> Any:
@@ -120,8 +115,7 @@ def takes_float32_inside(inputs: Any, kernel: Any) -> bool:
     """
     if any(_dtype_name(t) != DTYPE for t in (inputs, kernel)):
         return False
-    found = record.of_calling(keras_private.calling_layer())
-    return found is not None and found.conv.startswith(FLOAT32_INSIDE)
+    return inside.calling_layer_takes("conv")
 
 
 def _dtype_name(value: Any) -> Optional[str]:

@@ -61,16 +61,16 @@ import statistics
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from tfmp._src.attachment import record
+from tfmp._src.float32 import inside
 from tfmp._src.keras_hooks import keras_private, patches
-from tfmp._src.policy.hardware import DeviceFacts, detect_device_facts
+from tfmp._src.policy.hardware import DeviceFacts
 
 #: The one compute dtype measured and changed (float16 is never tfmp's choice on a CPU).
 DTYPE = "bfloat16"
 #: ``Attachment.gelu`` of a model whose 16-bit exact GELU is computed in float32 inside.
-FLOAT32_INSIDE = "float32 inside"
+FLOAT32_INSIDE = inside.FLOAT32_INSIDE
 #: ``Attachment.gelu`` of a model that keeps Keras's GELU.
-KERAS = "keras"
+KERAS = inside.KERAS
 #: Why a bfloat16 model on a CPU takes `FLOAT32_INSIDE` (``Attachment.gelu`` after the colon).
 RULE = ("TensorFlow's bfloat16 elementwise CPU kernels convert to float32 and back inside "
         "every op of Keras's GELU (measured on an AMD EPYC Zen 4: a Dense + GELU step "
@@ -277,12 +277,7 @@ def decision(compute_dtype: str, facts: Optional[DeviceFacts] = None) -> str:
     Returns:
         String: `KERAS` (not bfloat16, or a GPU/TPU), or ``"float32 inside: "`` + `RULE`.
     """
-    if compute_dtype != DTYPE:
-        return KERAS
-    facts = facts if facts is not None else detect_device_facts()
-    if facts.gpus or facts.tpu:
-        return KERAS
-    return f"{FLOAT32_INSIDE}: {RULE}"
+    return inside.decided(compute_dtype, DTYPE, RULE, facts)
 
 
 def takes_float32_inside(x: Any, approximate: bool) -> bool:
@@ -295,8 +290,7 @@ def takes_float32_inside(x: Any, approximate: bool) -> bool:
     """
     if approximate or getattr(getattr(x, "dtype", None), "name", None) != DTYPE:
         return False
-    found = record.of_calling(keras_private.calling_layer())
-    return found is not None and found.gelu.startswith(FLOAT32_INSIDE)
+    return inside.calling_layer_takes("gelu")
 
 
 def _wrap(next_gelu: Callable) -> Callable:

@@ -26,6 +26,7 @@ from tfmp._src.keras_hooks import keras_private, patches, step_scope, train_func
 from tfmp._src.policy import float16_fusion
 from tfmp._src.policy.hardware import injected_facts
 from tfmp._src.policy.policy import resolve_policy
+from _benchmarks import quick_run
 from _traced import fused_matmuls, post_optimization_ops
 from _machines import A100, SAPPHIRE_RAPIDS, SAPPHIRE_RAPIDS_NO_ONEDNN, XEON_NO_BF16, ZEN4
 
@@ -263,17 +264,7 @@ def test_step_scope_refuses_what_is_not_a_model_and_passes_through_a_model_not_a
 
 
 def test_the_float16_cpu_benchmark_runs_and_its_tables_hang_together(tmp_path):
-    import json
-    import pathlib
-    import sys
-
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-    from benchmarks import float16_cpu as benchmark
-
-    path = tmp_path / "float16_cpu.json"
-    returned = benchmark.main(["--quick", "--json", str(path)])
-    written = json.loads(path.read_text(encoding="utf-8"))
-    assert written == json.loads(json.dumps(returned))
+    benchmark, written = quick_run("float16_cpu", tmp_path)
     assert list(written["models"]) == ["MLP", "CNN"]
     for variants in written["models"].values():
         assert list(variants) == list(benchmark.VARIANTS)

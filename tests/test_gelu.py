@@ -13,6 +13,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _benchmarks import quick_run
 from _traced import forward_and_backward_ops
 
 import tfmp
@@ -270,17 +271,7 @@ def test_keras_still_calls_the_backend_gelu_by_module_attribute():
 
 
 def test_the_benchmark_runs_and_its_tables_hang_together(tmp_path):
-    import json
-    import pathlib
-    import sys
-
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-    from benchmarks import gelu as benchmark
-
-    path = tmp_path / "gelu.json"
-    returned = benchmark.main(["--quick", "--json", str(path)])
-    written = json.loads(path.read_text(encoding="utf-8"))
-    assert written == json.loads(json.dumps(returned))
+    benchmark, written = quick_run("gelu", tmp_path)
     assert [(row["shape"], row["dtype"]) for row in written["timings"]] == [
         ("tiny", "bfloat16"), ("tiny", "float16")]
     for row in written["timings"]:

@@ -163,3 +163,26 @@ def test_keras_still_calls_the_backend_convolutions_by_module_attribute():
         backend.conv = real
     assert seen == [1]
     assert any("backend.nn" in row and "conv" in row for row, _ in contracts.CALL_ORDER)
+
+
+def test_a_channels_first_float16_conv_trains_in_float32_inside_where_tensorflows_cpu_kernel_refuses():
+    """Fails when TensorFlow's CPU kernels take float16 NCHW gradients (then the docstring's note goes)."""
+    def build():
+        inputs = keras.Input((3, 8, 8))
+        x = keras.layers.Conv2D(4, 3, data_format="channels_first")(inputs)
+        model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Flatten()(x)))
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    x = np.transpose(X, (0, 3, 1, 2))
+    keras.config.set_dtype_policy("mixed_float16")  # restored by the conftest fixture
+    plain = build()
+    keras.config.set_dtype_policy("float32")
+    with pytest.raises(tf.errors.InvalidArgumentError, match="only supports NHWC"):
+        plain.fit(x, Y, batch_size=2, verbose=0)
+    with injected_facts(ZEN4), warnings.catch_warnings():
+        warnings.simplefilter("ignore", tfmp.PerformanceWarning)
+        with tfmp.policy_scope("mixed_float16"):
+            model = build()
+    history = model.fit(x, Y, batch_size=2, epochs=2, verbose=0)
+    assert all(math.isfinite(loss) for loss in history.history["loss"])

@@ -271,3 +271,13 @@ def test_a_slow_probe_never_changes_the_recommendation():
     report = tfmp.doctor(BF16_CPU, speed_probe=slow, file=None)
     assert report.data["recommendation"]["policy"] == "mixed_bfloat16"
     assert "pin float32 with tfmp.enable('float32')" in report.data["recommendation"]["reason"]
+
+
+@pytest.mark.parametrize("low, high, text", [
+    (1.08, 1.13, "1.08-1.13x"), (0.82, 0.9, "0.82-0.90x"), (1.1034, 1.1041, "1.103-1.104x"),
+    (0.0012, 0.0015, "0.0012-0.0015x"), (1.1, 1.1, "1.10-1.10x"),
+])
+def test_a_spread_prints_both_ends_with_the_same_decimals(low, high, text):
+    from tfmp._src.advisors.doctor import _span
+
+    assert _span(low, high) == text

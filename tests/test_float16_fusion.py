@@ -250,8 +250,9 @@ def test_a_custom_loop_in_step_scope_runs_the_graph_fit_runs(slow):
 
 
 def test_step_scope_refuses_what_is_not_a_model_and_passes_through_a_model_not_attached():
-    with pytest.raises(ValueError, match=r"Invalid `model` argument. Expected a keras.Model "
-                                         r"compiled under tfmp. Received: model=3"):
+    with pytest.raises(ValueError, match=r"Invalid `model` argument. Expected a keras.Model \(one "
+                                         r"compiled under tfmp gets its step's graph options\). "
+                                         r"Received: model=3"):
         with tfmp.step_scope(3):
             pass
     plain = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import platform
 import sys
 from typing import Any, Dict, List, Optional, TextIO
@@ -127,6 +128,15 @@ def _device_name(dev: Dict[str, Any]) -> str:
     return dev["name"]
 
 
+def _span(low: float, high: float) -> str:
+    """``"1.08-1.13x"``, ``"0.0012-0.0015x"``: two factors with the same decimals, at
+    least two significant digits of the lower, more where they would read alike."""
+    decimals = max(2, 1 - math.floor(math.log10(low)))
+    while decimals < 6 and round(low, decimals) == round(high, decimals) and low != high:
+        decimals += 1
+    return f"{low:.{decimals}f}-{high:.{decimals}f}x"
+
+
 def _probe_lines(probe: Dict[str, Any]) -> List[str]:
     """The CPU's measured step (`SpeedProbe.to_dict`), as two lines of the device list."""
     ranges = probe.get("factor_range")
@@ -135,7 +145,7 @@ def _probe_lines(probe: Dict[str, Any]) -> List[str]:
         text = f"{format_factor(probe['factor'][dtype])}x"
         if ranges:
             low, high = ranges[dtype]
-            text += f", {format_factor(low)}-{format_factor(high)}x over {ROUNDS} rounds"
+            text += f", {_span(low, high)} over {ROUNDS} rounds"
         return f" ({text})"
 
     times = "; ".join(

@@ -204,8 +204,9 @@ def step_scope(model: keras.Model) -> ContextManager[Optional[str]]:
     decorator of a Python function that calls the step.
 
     Args:
-        model: `keras.Model`, compiled under tfmp (attached). A model tfmp did not
-            attach, or detached, has no scope: the block runs as it is.
+        model: `keras.Model`. One compiled under tfmp (attached) gets the options
+            tfmp chose for it; a model tfmp did not attach (not compiled, compiled
+            without tfmp, or detached) has none: the block runs as it is.
 
     Returns:
         A context manager (also a decorator) whose ``as`` target is the name of the
@@ -225,7 +226,7 @@ def step_scope(model: keras.Model) -> ContextManager[Optional[str]]:
     """
     if not isinstance(model, keras.Model):
         raise invalid_argument(
-            "model", model, "a keras.Model compiled under tfmp",
+            "model", model, "a keras.Model (one compiled under tfmp gets its step's graph options)",
             fix="Pass the model whose step the block calls, e.g. "
             "`with tfmp.step_scope(model): loss = train_step(x, y)`.",
         )

@@ -33,7 +33,13 @@ look up at each call; it is one of the model-level hooks
 kernel are float16 and the layer computing it carries an attachment whose ``conv``
 starts with `FLOAT32_INSIDE`. Depthwise and separable convolutions keep Keras's
 kernels (float16 2.1x slower than float32 on the Zen 4 for a 3x3 depthwise
-convolution, and no faster in float32 inside, the casts costing what it saves).
+convolution, and no faster in float32 inside, the casts costing what it saves):
+``Attachment.conv`` is the model's rule, and says nothing of a model that has none
+of the convolutions hooked. One more effect: TensorFlow's CPU kernels refuse a
+float16 ``channels_first`` convolution's gradients (``Conv2DCustomBackpropFilterOp
+only supports NHWC``), which plain Keras ``mixed_float16`` meets in ``fit``; in
+float32 inside such a model trains, and fails again in float16 once detached or
+loaded without tfmp.
 """
 
 from __future__ import annotations

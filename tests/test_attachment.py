@@ -342,3 +342,45 @@ def test_a_nested_loss_scale_optimizer_is_refused():
 def test_a_refused_model_argument_names_the_function_called_in_its_fix(function):
     with pytest.raises(ValueError, match=rf"e\.g\. tfmp\.{function}\(model\)\."):
         getattr(tfmp, function)(None)
+
+
+def test_an_optional_feature_whose_keras_surface_moved_is_off_with_one_warning_and_training_goes_on(monkeypatch):
+    """As on keras-nightly 3.16, where ``keras.src.backend.nn`` and ``numpy`` moved: the GELU,
+    convolution and bias-gradient features switch off; enable, compile, fit, save and load work."""
+    import warnings
+
+    from tfmp._src.keras_hooks import availability
+
+    def moved():
+        raise AttributeError("module 'keras.src.backend' has no attribute 'nn'")
+
+    monkeypatch.setattr(keras_private, "backend_nn", moved)
+    monkeypatch.setattr(keras_private, "backend_numpy", moved)
+    x, y = np.ones((8, 8), "float32"), np.ones((8, 2), "float32")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with tfmp.policy_scope("mixed_bfloat16"):
+                model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation="gelu"),
+                                          keras.layers.Dense(2)])
+                model.compile("adam", "mse")
+        said = sorted(str(w.message) for w in caught if "turned one feature off" in str(w.message))
+        assert len(said) == 3  # gelu, conv, bias_gradient: once each
+        assert {w.filename for w in caught if "turned one feature off" in str(w.message)} == {__file__}
+        for feature, text in zip(("bfloat16 bias gradients", "exact GELU", "float16 convolutions"), said):
+            assert text.startswith(f"tfmp turned one feature off in this process, {feature}")
+            assert f"Keras {keras.__version__}" in text
+            assert "has no attribute 'nn'" in text and "work as under plain Keras" in text
+        found = tfmp.attachment(model)
+        assert found.gelu.startswith("keras: off, Keras ") and found.bias_gradient.startswith("keras: off, ")
+        assert found.conv == "keras"  # a bfloat16 model: the convolution rule does not apply
+        history = model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+        assert all(np.isfinite(history.history["loss"]))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # said once per process
+            with tfmp.policy_scope("mixed_bfloat16"):
+                again = keras.models.clone_model(model)
+                again.compile("adam", "mse")
+        assert tfmp.attachment(again).gelu.startswith("keras: off, ")
+    finally:
+        availability.clear()

@@ -9,6 +9,7 @@ Template (STYLE.md, rule 4): what was received, what was expected, how to fix it
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import math
 import os
@@ -208,11 +209,13 @@ def user_stacklevel() -> int:
     """The ``stacklevel`` for `warnings.warn` that names the user's line.
 
     Counted from the function that calls this one (level 1) to the first frame
-    outside tfmp, Keras and TensorFlow, so a warning raised under Keras's methods
+    outside tfmp, Keras, TensorFlow and `contextlib` (which runs a context manager's
+    body, as of `tfmp.policy_scope`), so a warning raised under Keras's methods
     and tfmp's hooks on them points at the user's ``compile()`` or ``fit()`` call
     however many frames lie between.
     """
-    libraries = tuple(_package_dir(name) for name in ("tfmp", "keras", "tensorflow"))
+    libraries = tuple(_package_dir(name) for name in ("tfmp", "keras", "tensorflow")) + (
+        os.path.normcase(os.path.abspath(contextlib.__file__)),)  # a `with tfmp.policy_scope(...)`
     frame, level = sys._getframe(1), 1
     while frame.f_back is not None and os.path.normcase(os.path.abspath(frame.f_code.co_filename)).startswith(libraries):
         frame, level = frame.f_back, level + 1

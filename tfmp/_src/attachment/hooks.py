@@ -24,25 +24,35 @@ from typing import List
 
 from tfmp._src.attachment import record
 from tfmp._src.float32 import bias_gradient, conv, fused_batchnorm, gelu, gradient_errors
-from tfmp._src.keras_hooks import patches
+from tfmp._src.keras_hooks import availability, patches
 from tfmp._src.keras_hooks.loss_terms import install_losses_hook
 from tfmp._src.policy import session
 
 _hooks: List[patches.Hook] = []
 _lock = threading.RLock()
+#: The optional features among them, each installed on its own: where its Keras surface
+#: is missing it is switched off with one warning (`availability`), and the rest go on.
+OPTIONAL = (("gelu", gelu.install), ("conv", conv.install), ("bias_gradient", bias_gradient.install))
 
 
 def hold() -> None:
     """Installs the model-level hooks unless they are on.
 
     Raises:
-        Whatever installing a hook raises; neither hook is then installed.
+        Whatever installing a core hook raises; none of them is then installed. An
+        optional one (`OPTIONAL`) that fails is switched off instead (`availability`).
     """
     with _lock:
         if not _hooks:
             _hooks.extend(patches.install_all(
-                [install_losses_hook, fused_batchnorm.install, gelu.install, conv.install,
-                 bias_gradient.install, gradient_errors.install]))
+                [install_losses_hook, fused_batchnorm.install, gradient_errors.install]))
+            for feature, install in OPTIONAL:
+                if availability.off(feature):
+                    continue
+                try:
+                    _hooks.extend(patches.install_all([install]))
+                except Exception as error:  # noqa: BLE001 (any failure of an optional feature)
+                    availability.switch_off(feature, error)
 
 
 def release_if_unused() -> None:

@@ -52,7 +52,7 @@ from typing import Any, Callable, Iterator, List, Optional
 
 from tfmp._src.attachment import record
 from tfmp._src.constants import LOW_PRECISION
-from tfmp._src.keras_hooks import keras_private, patches
+from tfmp._src.keras_hooks import availability, keras_private, patches
 from tfmp._src.policy.hardware import DeviceFacts, detect_device_facts
 from tfmp._src.policy.probe_cache import ProbeCache
 
@@ -202,10 +202,14 @@ def decision(compute_dtype: str, facts: Optional[DeviceFacts] = None) -> str:
         String: `KERAS` (not 16-bit, or a GPU/TPU); ``"summed: <check>"`` (this
         CPU's ``BiasAddGrad`` lost the known sum, a traced Conv2D's too);
         ``"summed except after Conv2D: <check>"`` (the traced Conv2D's fused
-        kernel kept it); ``"keras: <check>"`` (not lost).
+        kernel kept it); ``"keras: <check>"`` (not lost); ``"keras: off, <why>"``
+        (its Keras surface is missing in this process, `availability`).
     """
     if compute_dtype not in LOW_PRECISION:
         return KERAS
+    missing = availability.off("bias_gradient")
+    if missing:
+        return f"{KERAS}: off, {missing}"
     facts = facts if facts is not None else detect_device_facts()
     if facts.gpus or facts.tpu:
         return KERAS

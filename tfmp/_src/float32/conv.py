@@ -75,7 +75,7 @@ def decision(compute_dtype: str, facts: Optional[DeviceFacts] = None) -> str:
     Returns:
         String: `KERAS`, or ``"float32 inside: "`` + `RULE`.
     """
-    return inside.decided(compute_dtype, DTYPE, RULE, facts)
+    return inside.decided("conv", compute_dtype, DTYPE, RULE, facts)
 
 
 def float32_inside(convolve: Callable, inputs: Any, kernel: Any) -> Any:

@@ -277,7 +277,7 @@ def decision(compute_dtype: str, facts: Optional[DeviceFacts] = None) -> str:
     Returns:
         String: `KERAS` (not bfloat16, or a GPU/TPU), or ``"float32 inside: "`` + `RULE`.
     """
-    return inside.decided(compute_dtype, DTYPE, RULE, facts)
+    return inside.decided("gelu", compute_dtype, DTYPE, RULE, facts)
 
 
 def takes_float32_inside(x: Any, approximate: bool) -> bool:

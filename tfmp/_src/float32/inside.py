@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Optional
 
 from tfmp._src.attachment import record
-from tfmp._src.keras_hooks import keras_private
+from tfmp._src.keras_hooks import availability, keras_private
 from tfmp._src.policy.hardware import DeviceFacts, detect_device_facts
 
 #: An `Attachment` field's value (before the colon) for an op computed in float32 inside.
@@ -22,10 +22,12 @@ FLOAT32_INSIDE = "float32 inside"
 KERAS = "keras"
 
 
-def decided(compute_dtype: str, dtype: str, rule: str, facts: Optional[DeviceFacts]) -> str:
+def decided(feature: str, compute_dtype: str, dtype: str, rule: str, facts: Optional[DeviceFacts]) -> str:
     """The `Attachment` field for a model computing in `compute_dtype`.
 
     Args:
+        feature: String. The feature's name in `availability.FEATURES` (and its
+            `Attachment` field).
         compute_dtype: String. The model's compute dtype.
         dtype: String. The one compute dtype the rule changes.
         rule: String. Why, quoted after ``"float32 inside: "``.
@@ -33,10 +35,14 @@ def decided(compute_dtype: str, dtype: str, rule: str, facts: Optional[DeviceFac
             a GPU or TPU Keras's op is kept.
 
     Returns:
-        String: `KERAS`, or ``"float32 inside: "`` + `rule`.
+        String: `KERAS`, ``"keras: off, <why>"`` where the feature's Keras surface
+        is missing in this process, or ``"float32 inside: "`` + `rule`.
     """
     if compute_dtype != dtype:
         return KERAS
+    missing = availability.off(feature)
+    if missing:
+        return f"{KERAS}: off, {missing}"
     facts = facts if facts is not None else detect_device_facts()
     if facts.gpus or facts.tpu:
         return KERAS

@@ -1,0 +1,65 @@
+"""Optional features whose Keras or TensorFlow surface is missing: off for the process, said once.
+
+A feature that is not needed to train correctly (a speed-up, an exact-arithmetic fix)
+hooks a Keras or TensorFlow name that a release may move. Where installing its hook
+fails, the feature is switched off for the process with one warning naming it, the
+error and the versions, and every attachment made after says so; `tfmp.enable`,
+`compile`, `fit`, `save` and `load` go on as under plain Keras for that part.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Dict, Optional
+
+from tfmp._src.errors import user_stacklevel
+
+#: What each optional feature does, for the warning.
+FEATURES = {
+    "gelu": "exact GELU in float32 inside (bfloat16 models on a CPU)",
+    "conv": "float16 convolutions in float32 inside (float16 models on a CPU)",
+    "bias_gradient": "bfloat16 bias gradients summed with float32 accumulation (CPU)",
+}
+
+_off: Dict[str, str] = {}
+_lock = threading.Lock()
+
+
+def off(feature: str) -> Optional[str]:
+    """Why `feature` is off in this process, or None while it is available."""
+    with _lock:
+        return _off.get(feature)
+
+
+def switch_off(feature: str, error: BaseException) -> str:
+    """Records `feature` as off for the process and warns once; returns the reason.
+
+    Args:
+        feature: String, a key of `FEATURES`.
+        error: The exception installing its hook raised.
+    """
+    import keras
+    import tensorflow as tf
+
+    reason = (f"Keras {keras.__version__} / TensorFlow {tf.__version__} moved what it hooks "
+              f"({type(error).__name__}: {error})")
+    with _lock:
+        first = feature not in _off
+        _off[feature] = reason
+    if first:
+        warnings.warn(
+            f"tfmp turned one feature off in this process, {FEATURES[feature]}: {reason}. "
+            "Training, saving and loading work as under plain Keras for that part. To have it "
+            "back, install the Keras and TensorFlow versions tfmp lists as supported "
+            "(setup.cfg) or a tfmp release that knows this Keras.",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
+    return reason
+
+
+def clear() -> None:
+    """Forgets what was switched off (tests)."""
+    with _lock:
+        _off.clear()

@@ -405,10 +405,15 @@ def test_setup_cfg_ranges_are_the_tested_ones():
     config.read(TFMP.parent / "setup.cfg")
     requires = config["options"]["install_requires"]
     dotted = lambda v: ".".join(map(str, v))  # noqa: E731
-    assert f"keras>={dotted(keras_private.MIN_KERAS)},<4" in requires
-    assert f"tensorflow>={dotted(keras_private.MIN_TENSORFLOW)}" in requires
+    above = lambda v: f"{v[0]}.{v[1] + 1}"  # noqa: E731  (the next minor)
+    assert f"keras>={dotted(keras_private.MIN_KERAS)},<{above(keras_private.NEWEST_TESTED_KERAS)}" in requires
+    assert (f"tensorflow>={dotted(keras_private.MIN_TENSORFLOW)},"
+            f"<{above(keras_private.NEWEST_TESTED_TENSORFLOW)}") in requires
     ci = (TFMP.parent / ".ci" / "run").read_text()
     assert f'"keras=={dotted(keras_private.MIN_KERAS)}" "tensorflow=={dotted(keras_private.MIN_TENSORFLOW)}"' in ci
+    # The newest minors are those of the pinned pre-release tier.
+    assert f'"tf-nightly=={dotted(keras_private.NEWEST_TESTED_TENSORFLOW)}.0.dev' in ci
+    assert f'"keras-nightly=={dotted(keras_private.NEWEST_TESTED_KERAS)}.0.dev' in ci
 
 
 # -- giving Keras back ------------------------------------------------------------

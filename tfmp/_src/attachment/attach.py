@@ -35,7 +35,7 @@ from tfmp._src.policy import float16_fusion
 #: policies forcing set, which are the model's own and saved with it.
 #: The name of the step scope of a model run without Grappler's remapper.
 REMAPPER_OFF = "remapper off"
-DETACHED_OWNERS = ("float32.ids", "enable.dtype_errors", "enable.quantize_hint", "custom_optimizers")
+DETACHED_OWNERS = ("float32.ids", "enable.dtype_errors", "enable.quantize_hint", "custom_optimizers", "saved_form")
 
 
 def _check_model(model: Any, function: str) -> None:

@@ -107,6 +107,11 @@ CALL_ORDER: Tuple[Tuple[str, str], ...] = (
     ("Layer.__call__ runs call inside backend.name_scope(layer.name, caller=layer), on the "
      "thread's name_scope_stack (keras_private.calling_layer)",
      "tests/test_gelu.py::test_an_attached_model_keeps_its_gelu_inside_a_model_tfmp_did_not_attach"),
+    ("saving writes model.get_compile_config() (looked up on the instance) and, under "
+     "optimizer/<attribute>, every KerasSaveable attribute of the optimizer (loss_scale_counters); "
+     "loading a built-in class accepts a registered_name equal to its class name and ignores "
+     "unknown keys beside an entry's config (saved_form)",
+     "tests/test_saved_form.py::test_a_file_saved_under_tfmp_opens_in_plain_keras_in_a_process_without_tfmp"),
     ("fit, evaluate and predict call make_train/test/predict_function, then the model's "
      "train/test/predict_function, in the calling thread",
      "tests/test_float16_fusion.py::test_with_the_trap_a_float16_model_steps_without_fused_matmuls_and_a_float32_model_keeps_them"),

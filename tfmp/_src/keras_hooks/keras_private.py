@@ -51,6 +51,12 @@ CHECKED_ON = ("3.15.1", "2.21.0")
 MIN_KERAS = (3, 12, 0)
 MIN_TENSORFLOW = (2, 17, 0)
 BELOW_KERAS = (4, 0, 0)
+#: The newest (major, minor) of Keras and TensorFlow a `.ci/run` tier tests (the
+#: pinned pre-releases, keras-nightly 3.16 and tf-nightly 2.23): setup.cfg's upper
+#: bounds admit these and no newer minor. `import tfmp` still takes a newer minor
+#: (a user who forces one gets the optional features' own checks), not Keras 4.
+NEWEST_TESTED_KERAS = (3, 16)
+NEWEST_TESTED_TENSORFLOW = (2, 23)
 
 
 def _version_tuple(version: str) -> tuple:

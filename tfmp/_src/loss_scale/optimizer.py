@@ -27,6 +27,7 @@ from tfmp._src import distribute as _distribute
 from tfmp._src.loss_scale import arguments as _arguments
 from tfmp._src.loss_scale import guard as _guard
 from tfmp._src.loss_scale import loops as _loops
+from tfmp._src.loss_scale import saved_form as _saved_form
 from tfmp._src.loss_scale import step_state as _step_state
 from tfmp._src.loss_scale import user_settings as _user_settings
 from tfmp._src.errors import invalid_argument
@@ -580,6 +581,42 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         if self.built:
             _loops.check(self)
 
+    def counter_variables(self) -> list:
+        """tfmp's counter variables (`_COUNTERS`, then the two overflow histories); [] before `build`."""
+        names = _COUNTERS + ("overflow_history_steps", "overflow_history_scales")
+        return [getattr(self, name) for name in names if name in vars(self)]
+
+    @property
+    def loss_scale_counters(self) -> _saved_form.CounterStore:
+        """What Keras's saving writes the counters through (`saved_form.CounterStore`)."""
+        store = vars(self).get("_counter_store")
+        if store is None:
+            store = _saved_form.CounterStore(self)
+            object.__setattr__(self, "_counter_store", store)  # past Keras's tracking
+        return store
+
+    def save_own_variables(self, store: Any) -> None:
+        """Saves the variables Keras's `LossScaleOptimizer` has, in its order (see `saved_form`).
+
+        tfmp's counters are saved apart, through `loss_scale_counters`, so that
+        plain Keras loads this optimizer's state as its own.
+        """
+        for i, variable in enumerate(_saved_form.keras_layout(self, self.counter_variables())):
+            store[str(i)] = variable.numpy()
+
+    def load_own_variables(self, store: Any) -> None:
+        """Loads what `save_own_variables` saved, or every variable (files of earlier tfmp versions).
+
+        A store of another length is left to Keras (which skips it with a warning).
+        """
+        if not _saved_form.load_variables(_saved_form.keras_layout(self, self.counter_variables()), store):
+            super().load_own_variables(store)
+
+    @classmethod
+    def from_config(cls, config: dict, custom_objects: Any = None) -> "LossScaleOptimizer":
+        """Builds the optimizer from a config of either saved form (`saved_form.from_keras_form`)."""
+        return super().from_config(_saved_form.from_keras_form(config), custom_objects=custom_objects)
+
     def get_config(self) -> dict:
         """Keras's config plus every tfmp argument (round-trips through `from_config`)."""
         config = super().get_config()
@@ -595,6 +632,10 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         )
         return config
 
+
+# The Keras form of saved files (`saved_form.keras_form`) names this class by
+# Keras's name; where tfmp is imported, that name resolves to tfmp's class.
+keras.saving.get_custom_objects()[_saved_form.KERAS_NAME] = LossScaleOptimizer
 
 for _setting in FORWARDED_SETTINGS:
     setattr(LossScaleOptimizer, _setting, _forwarded(_setting))

@@ -1,0 +1,185 @@
+"""No lock-in: a `.keras` file saved under tfmp opens in plain Keras, and under tfmp with everything back.
+
+The plain-Keras side runs in a process of its own that cannot import tfmp
+(tests/_plain_keras_load.py behind `_subproc.without_module`), so nothing tfmp
+registered with Keras can help it.
+"""
+
+import json
+import pathlib
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+import _subproc
+import tfmp
+from tfmp._src.keras_hooks import keras_private
+from tfmp._src.loss_scale import saved_form
+
+DATA = pathlib.Path(__file__).parent / "data"
+#: Settings that differ from every default, so that each one is seen to come back.
+SETTINGS = {"initial_scale": 2.0**12, "dynamic_growth_steps": 3, "min_scale": 4.0, "max_scale": 2.0**20,
+            "hysteresis": 2, "max_consecutive_overflows": 40, "on_stuck": "warn", "guard": "gradients"}
+
+
+@pytest.fixture(autouse=True)
+def always_disable():
+    yield
+    tfmp.disable()
+
+
+def _trained(policy, options=None):
+    """A small model compiled and fitted under tfmp (one batch of the 4 holds inf), and its optimizer."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # float16 slower than float32 here; the skipped step
+        tfmp.enable(policy, loss_scale_options=options)
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                                  keras.layers.Softmax(), keras.layers.Dense(2)])
+        model.compile(keras.optimizers.Adam(1e-2), "mse")
+        x = np.random.default_rng(1).normal(size=(16, 4)).astype("float32")
+        x[5, 1] = np.inf
+        model.fit(x, np.ones((16, 2), "float32"), batch_size=4, epochs=2, verbose=0, shuffle=False)
+    return model, model.optimizer
+
+
+def _plain_keras_load(path, tmp_path):
+    blocker = tmp_path / "no_tfmp"
+    blocker.mkdir()
+    env = {"PYTHONPATH": _subproc.without_module(blocker, "tfmp")}
+    with _subproc.started("_plain_keras_load.py", [(["--model", str(path)], env)], tmp_path) as launched:
+        (found,) = _subproc.results(launched, timeout_s=240)
+    return found
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_a_file_saved_under_tfmp_opens_in_plain_keras_in_a_process_without_tfmp(policy, tmp_path):
+    model, optimizer = _trained(policy)
+    assert int(optimizer.overflow_count.numpy()) == 2  # the inf batch of each epoch was skipped
+    path = tmp_path / "model.keras"
+    model.save(path)
+
+    found = _plain_keras_load(path, tmp_path)
+
+    assert found["tfmp_imported"] is False
+    assert found["optimizer"] == "keras.src.optimizers.loss_scale_optimizer.LossScaleOptimizer"
+    assert found["inner"] == "Adam"
+    assert not [w for w in found["warnings"] if "Skipping variable loading" in w], found["warnings"]
+    # The float32 outputs and the forced Softmax stay float32: they are the layers' own policies.
+    assert found["policies"] == [policy, "float32", "float32"]
+    for saved, loaded in zip(model.get_weights(), found["weights"]):
+        np.testing.assert_array_equal(saved, np.asarray(loaded, saved.dtype))
+    # Adam's iterations and slots come back as they were (the skipped steps did not count).
+    assert found["inner_iterations"] == int(optimizer.inner_optimizer.iterations.numpy()) == 6
+    for saved, loaded in zip(optimizer.inner_optimizer.variables, found["inner_variables"]):
+        np.testing.assert_array_equal(saved.numpy(), np.asarray(loaded, saved.numpy().dtype))
+    assert found["scale"] == optimizer.loss_scale
+    if policy == "mixed_float16":
+        assert (found["initial_scale"], found["dynamic_growth_steps"]) == (2.0**15, 2000)
+    else:  # a fixed scale of 1.0, as tfmp trained it
+        assert (found["scale"], found["initial_scale"]) == (1.0, 1.0)
+        assert found["dynamic_growth_steps"] == saved_form.FIXED_SCALE_GROWTH_STEPS
+        assert found["scale_after_one_step"] == 1.0
+    assert np.isfinite(found["loss_after_one_step"])
+
+
+def test_the_file_opens_under_tfmp_with_every_setting_and_counter_back(tmp_path):
+    model, optimizer = _trained("mixed_float16", SETTINGS)
+    path = tmp_path / "model.keras"
+    model.save(path)
+    counters = {v.name: v.numpy() for v in optimizer.counter_variables()}
+    assert counters["overflow_count"] == 2 and counters["total_steps"] == 8
+    tfmp.disable()
+
+    loaded = keras.models.load_model(path)
+
+    restored = loaded.optimizer
+    assert type(restored) is tfmp.LossScaleOptimizer
+    config = restored.get_config()
+    assert {key: config[key] for key in SETTINGS} == SETTINGS
+    assert restored.loss_scaling is True
+    assert restored.loss_scale == optimizer.loss_scale
+    assert {v.name: v.numpy().tolist() for v in restored.counter_variables()} == {
+        name: value.tolist() for name, value in counters.items()}
+    assert int(restored.step_counter.numpy()) == int(optimizer.step_counter.numpy())
+
+
+def test_a_bfloat16_file_keeps_its_fixed_scale_and_guard_under_tfmp(tmp_path):
+    model, optimizer = _trained("mixed_bfloat16", {"guard": "values"})
+    model.save(tmp_path / "model.keras")
+    tfmp.disable()
+    restored = keras.models.load_model(tmp_path / "model.keras").optimizer
+    assert (restored.loss_scaling, restored.guard, restored.loss_scale) == (False, "values", 1.0)
+    assert restored.get_config()["initial_scale"] == optimizer.get_config()["initial_scale"] == 2.0**15
+    assert int(restored.overflow_count.numpy()) == 2
+
+
+def test_weights_files_carry_the_counters_both_ways(tmp_path):
+    model, optimizer = _trained("mixed_float16")
+    model.save_weights(tmp_path / "model.weights.h5")
+    expected = [v.numpy().tolist() for v in optimizer.counter_variables()]
+    scale = optimizer.loss_scale
+    assert scale == 2.0**13  # halved at each of the 2 skipped steps
+    for variable in optimizer.counter_variables():
+        variable.assign(np.zeros(variable.shape, variable.dtype))
+    optimizer.dynamic_scale.assign(1.0)
+    model.load_weights(tmp_path / "model.weights.h5")
+    assert [v.numpy().tolist() for v in optimizer.counter_variables()] == expected
+    assert optimizer.loss_scale == scale
+
+
+def test_a_file_of_an_earlier_tfmp_still_opens_with_its_counters():
+    """tests/data/tfmp_9fa527f_*: saved by tfmp at 9fa527f (every variable in one group, tfmp's class name)."""
+    saved = json.loads((DATA / "tfmp_9fa527f_mixed_float16.json").read_text())
+    if keras_private.keras_at_least(saved["keras_version"]) is False:
+        pytest.skip(f"Keras {keras.__version__} cannot read layers Keras {saved['keras_version']} saved "
+                    "(Dense's quantization_config)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "Skipping variable loading"
+        model = keras.models.load_model(DATA / "tfmp_9fa527f_mixed_float16.keras")
+    optimizer = model.optimizer
+    assert type(optimizer) is tfmp.LossScaleOptimizer
+    assert (optimizer.hysteresis, optimizer.min_scale, optimizer.max_consecutive_overflows) == (
+        saved["hysteresis"], saved["min_scale"], saved["max_consecutive_overflows"])
+    assert optimizer.loss_scale == saved["loss_scale"]
+    assert int(optimizer.overflow_count.numpy()) == saved["overflow_count"]
+    assert int(optimizer.total_steps.numpy()) == saved["total_steps"]
+    assert int(optimizer.last_overflow_step.numpy()) == saved["last_overflow_step"]
+    assert int(optimizer.inner_optimizer.iterations.numpy()) == saved["iterations"]
+    np.testing.assert_array_equal(model.layers[0].kernel.numpy(), np.float32(saved["kernel0"]))
+
+
+def test_a_file_plain_keras_wrote_keeps_keras_optimizer_where_tfmp_is_imported(tmp_path):
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, dtype="float32")])
+    model.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()), "mse")
+    model.fit(np.ones((4, 4)), np.ones((4, 2)), verbose=0)
+    model.save(tmp_path / "plain.keras")
+    loaded = keras.models.load_model(tmp_path / "plain.keras")
+    assert type(loaded.optimizer) is keras.optimizers.LossScaleOptimizer
+
+
+def test_a_detached_model_saves_tfmp_form_which_tfmp_still_opens(tmp_path):
+    model, _ = _trained("mixed_float16")
+    tfmp.detach(model)
+    model.save(tmp_path / "model.keras")
+    tfmp.disable()
+    restored = keras.models.load_model(tmp_path / "model.keras").optimizer
+    assert type(restored) is tfmp.LossScaleOptimizer
+    assert int(restored.overflow_count.numpy()) == 2
+
+
+def test_keras_form_leaves_other_entries_and_its_argument_alone():
+    adam = keras.saving.serialize_keras_object(keras.optimizers.Adam())
+    assert saved_form.keras_form(adam) is adam
+    ours = keras.saving.serialize_keras_object(tfmp.LossScaleOptimizer(keras.optimizers.SGD(), hysteresis=3))
+    before = json.dumps(ours, sort_keys=True)
+    converted = saved_form.keras_form(ours)
+    assert json.dumps(ours, sort_keys=True) == before
+    assert (converted["module"], converted["class_name"], converted["registered_name"]) == (
+        "keras.optimizers", "LossScaleOptimizer", "LossScaleOptimizer")
+    assert set(converted["config"]) == {"name", "inner_optimizer", "initial_scale", "dynamic_growth_steps"}
+    assert converted["config"]["inner_optimizer"][saved_form.SETTINGS_KEY]["hysteresis"] == 3
+    assert saved_form.from_keras_form(converted["config"])["hysteresis"] == 3

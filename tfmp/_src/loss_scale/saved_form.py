@@ -1,0 +1,171 @@
+"""The saved form of `tfmp.LossScaleOptimizer`: a `.keras` file plain Keras opens.
+
+A model tfmp attached saves its optimizer as Keras's own
+``keras.optimizers.LossScaleOptimizer``, so a file shared with someone who has
+never installed tfmp opens with ``keras.models.load_model`` and trains on:
+
+- config.json (the model's ``compile_config``, rewritten by `keras_form`):
+  ``{"module": "keras.optimizers", "class_name": "LossScaleOptimizer",
+  "registered_name": "LossScaleOptimizer", "config": {...}}`` with Keras's
+  four keys (``name``, ``inner_optimizer``, ``initial_scale``,
+  ``dynamic_growth_steps``). A registered name equal to the class name is the
+  one Keras accepts beside a built-in class. Under a fixed scale
+  (``loss_scaling=False``, bfloat16 or float32 compute) Keras reads an initial
+  scale of 1.0 that never grows (`FIXED_SCALE_GROWTH_STEPS`), as under tfmp.
+  tfmp's own settings (the bounds, hysteresis, guard, ...; `get_config`'s keys)
+  ride in the inner optimizer's entry under `SETTINGS_KEY`, a key Keras's
+  deserialization does not read.
+- model.weights.h5: the optimizer's variables in Keras's order and number
+  (its own four, then the inner optimizer's; `keras_layout`), which Keras's
+  ``LossScaleOptimizer`` loads; tfmp's counters in a group of their own,
+  ``optimizer/loss_scale_counters`` (`CounterStore`), which plain Keras never
+  visits.
+
+Where tfmp is imported, the registered name ``"LossScaleOptimizer"`` resolves
+to tfmp's class (registered under that name in
+``keras.saving.get_custom_objects()``), which reads the settings and the
+counters back. Files Keras writes itself carry ``"registered_name": null`` and
+keep Keras's class. Files of earlier tfmp versions (every variable in one
+group, class ``"tfmp>LossScaleOptimizer"``) still load under tfmp.
+Only public Keras API is used: the serialized dict format, ``get_compile_config``,
+``save_own_variables`` / ``load_own_variables`` and a ``keras.layers.Layer`` as the
+counters' saveable.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any, Callable, List
+
+import keras
+
+from tfmp._src.keras_hooks import patches
+
+#: The key under which tfmp's settings ride in the inner optimizer's serialized entry.
+SETTINGS_KEY = "tfmp_loss_scale_settings"
+#: The registered name of the Keras form (equal to Keras's class name).
+KERAS_NAME = "LossScaleOptimizer"
+#: ``dynamic_growth_steps`` Keras reads for a fixed scale: never reached, so the scale stays 1.0.
+FIXED_SCALE_GROWTH_STEPS = 2**62
+_KERAS_FORM = {"module": "keras.optimizers", "class_name": KERAS_NAME, "registered_name": KERAS_NAME}
+_TFMP_NAME = "tfmp>LossScaleOptimizer"
+
+
+@functools.lru_cache(maxsize=1)
+def _keras_keys() -> frozenset:
+    """The config keys Keras's LossScaleOptimizer takes (read from Keras, not listed here)."""
+    return frozenset(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()).get_config())
+
+
+def keras_form(serialized: Any) -> Any:
+    """Rewrites tfmp's serialized optimizer as Keras's `LossScaleOptimizer`.
+
+    Args:
+        serialized: The dict `keras.saving.serialize_keras_object` made of an
+            optimizer. Anything other than a `tfmp.LossScaleOptimizer` entry is
+            returned unchanged.
+
+    Returns:
+        A new dict in the Keras form (see the module docstring); the argument is
+        not changed.
+    """
+    if not (isinstance(serialized, dict) and serialized.get("registered_name") == _TFMP_NAME):
+        return serialized
+    settings = {k: v for k, v in serialized["config"].items() if k not in ("name", "inner_optimizer")}
+    config = {k: v for k, v in serialized["config"].items() if k in _keras_keys()}
+    if not settings.get("loss_scaling", True):
+        config.update(initial_scale=1.0, dynamic_growth_steps=FIXED_SCALE_GROWTH_STEPS)
+    config["inner_optimizer"] = {**serialized["config"]["inner_optimizer"], SETTINGS_KEY: settings}
+    return {**serialized, **_KERAS_FORM, "config": config}
+
+
+def from_keras_form(config: dict) -> dict:
+    """The arguments of `tfmp.LossScaleOptimizer` in a config `keras_form` wrote.
+
+    Args:
+        config: The ``config`` entry of a serialized loss-scale optimizer (either form).
+
+    Returns:
+        A new dict: the config with tfmp's settings put back in place of Keras's
+        values; a config of the tfmp form comes back as it was.
+    """
+    inner = config.get("inner_optimizer")
+    if not (isinstance(inner, dict) and SETTINGS_KEY in inner):
+        return dict(config)
+    inner = dict(inner)
+    settings = inner.pop(SETTINGS_KEY)
+    return {**config, **settings, "inner_optimizer": inner}
+
+
+def save_in_keras_form(model: Any) -> None:
+    """Makes `model` save a `tfmp.LossScaleOptimizer` in the Keras form (idempotent).
+
+    An instance hook on ``model.get_compile_config`` (owner ``"saved_form"``),
+    which Keras's saving calls; `tfmp.detach` takes it off. Whatever optimizer
+    the model holds when it is saved is looked at then.
+
+    Args:
+        model: `keras.Model`.
+    """
+    if not any(h.owner == "saved_form" for h in patches.installed(model, "get_compile_config")):
+        patches.install(model, "get_compile_config", _compile_config_in_keras_form, owner="saved_form")
+
+
+def _compile_config_in_keras_form(get_compile_config: Callable[[], Any]) -> Callable[[], Any]:
+    """Wraps a model's bound ``get_compile_config`` to save its optimizer in the Keras form."""
+
+    @functools.wraps(get_compile_config)
+    def in_keras_form() -> Any:
+        config = get_compile_config()
+        if isinstance(config, dict) and "optimizer" in config:
+            config = {**config, "optimizer": keras_form(config["optimizer"])}
+        return config
+
+    return in_keras_form
+
+
+def keras_layout(optimizer: Any, counters: List[Any]) -> List[Any]:
+    """The variables Keras's `LossScaleOptimizer` saves, in its order: its own, then the inner's.
+
+    Args:
+        optimizer: A `tfmp.LossScaleOptimizer`.
+        counters: Its tfmp counter variables (left out).
+    """
+    ids = {id(v) for v in counters}
+    return [v for v in optimizer.variables if id(v) not in ids]
+
+
+def load_variables(variables: List[Any], store: Any) -> bool:
+    """Assigns ``store["0"], store["1"], ...`` to `variables`; False (nothing assigned) if the counts differ."""
+    if len(store.keys()) != len(variables):
+        return False
+    for i, variable in enumerate(variables):
+        variable.assign(store[str(i)])
+    return True
+
+
+class CounterStore(keras.layers.Layer):
+    """Saves and loads a `tfmp.LossScaleOptimizer`'s counters in a group of their own.
+
+    Reached by Keras's saving as the optimizer's ``loss_scale_counters``
+    attribute (path ``optimizer/loss_scale_counters``); holds no variable of its
+    own, only a weak reference to the optimizer. A missing group (a file of
+    plain Keras or of an earlier tfmp) or one of another length leaves the
+    counters as they are.
+    """
+
+    def __init__(self, optimizer: Any) -> None:
+        super().__init__(name="loss_scale_counters", trainable=False)
+        object.__setattr__(self, "_optimizer", weakref.ref(optimizer))
+
+    def _counters(self) -> List[Any]:
+        optimizer = self._optimizer()
+        return optimizer.counter_variables() if optimizer is not None else []
+
+    def save_own_variables(self, store: Any) -> None:
+        for i, variable in enumerate(self._counters()):
+            store[str(i)] = variable.numpy()
+
+    def load_own_variables(self, store: Any) -> None:
+        load_variables(self._counters(), store)

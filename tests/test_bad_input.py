@@ -28,6 +28,7 @@ from _bad_input import (
     covers,
 )
 from tfmp._src.policy import enable as enable_module
+from tfmp._src.policy import speedups
 
 MIXED_NAMES = ("auto", "mixed_float16", "mixed_bfloat16", "float32", "float16", "bfloat16")
 #: Strings that are no policy name (aliases like "fp16" included: they are refused with a hint).
@@ -142,6 +143,17 @@ def test_enable_and_recommend_policy_refuse_device_facts(facts, policy):
     assert_refused(lambda: tfmp.recommend_policy(facts), "device_facts")
 
 
+@covers("enable", "policy_scope")
+@given(value=st.one_of(
+    NON_BOOLS, st.none(),
+    st.dictionaries(IDENTIFIERS.filter(lambda k: k not in speedups.FEATURES), st.booleans(), min_size=1, max_size=2),
+    st.dictionaries(st.sampled_from(sorted(speedups.FEATURES)), NON_BOOLS, min_size=1, max_size=2)))
+@BAD_INPUT_SETTINGS
+def test_enable_refuses_speedups(value):
+    refused_without_change(lambda: tfmp.enable("float32", speedups=value), "speedups")
+    refused_without_change(lambda: in_scope(policy="float32", speedups=value), "speedups")
+
+
 @covers("recommend_policy")
 @given(probe=NOT_MODELS.filter(lambda value: value is not None))
 @BAD_INPUT_SETTINGS
@@ -157,7 +169,8 @@ def test_recommend_policy_decides_given_facts():
 
 @covers("policy_scope")
 @given(option=IDENTIFIERS.filter(lambda k: k not in (
-    "keep_float32", "exclude_float32", "loss_scale_options", "allow_pure_16bit", "tf32", "debug", "device_facts")),
+    "keep_float32", "exclude_float32", "loss_scale_options", "allow_pure_16bit", "tf32", "debug", "device_facts",
+    "speedups")),
     value=st.integers())
 @BAD_INPUT_SETTINGS
 def test_policy_scope_refuses_an_unknown_option_as_enable_does(option, value):

@@ -14,7 +14,7 @@ exactly that: its attachment, its layers' policies and its optimizer.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Iterator, Optional
+from typing import Any, ContextManager, Dict, Iterator, Optional
 
 import keras
 
@@ -29,6 +29,7 @@ from tfmp._src.keras_hooks import step_scope as model_scopes
 from tfmp._src.layer_tree import walk
 from tfmp._src.numerics.check import check_numerics
 from tfmp._src.policy import float16_fusion
+from tfmp._src.policy import speedups as speedup_rules
 
 #: Owners of the per-object hooks an attachment brings and `detach` takes off.
 #: Float32 forcing's hooks (cast-back, output casts) stay: they go with the layer
@@ -47,7 +48,8 @@ def _check_model(model: Any, function: str) -> None:
 
 
 def attach(model: keras.Model, policy: str, *, attached_by: str, exact_ids: int,
-           explains_dtype_errors: bool, numerics: bool) -> Attachment:
+           explains_dtype_errors: bool, numerics: bool,
+           speedups: Optional[Dict[str, bool]] = None) -> Attachment:
     """Records what tfmp decided for `model` and marks the model and its layers with it.
 
     Args:
@@ -57,6 +59,7 @@ def attach(model: keras.Model, policy: str, *, attached_by: str, exact_ids: int,
         exact_ids: Int. Embeddings whose float ids tfmp keeps exact.
         explains_dtype_errors: Bool. Whether the model's dtype errors are explained.
         numerics: Bool. Whether `tfmp.check_numerics` was installed.
+        speedups: Dict of speed feature -> wanted (the session's), or None (all).
 
     Returns:
         The `Attachment`, replacing any earlier one of the model.
@@ -65,7 +68,9 @@ def attach(model: keras.Model, policy: str, *, attached_by: str, exact_ids: int,
         Whatever installing the model-level hooks raises; nothing is marked then.
     """
     hooks.hold()
-    remapper = _remapper_decision(model)
+    speeds = speedup_rules.decided(speedups)
+    switched_off = {name for name, value in speeds.items() if value == speedup_rules.OFF_BY_SWITCH}
+    remapper = _remapper_decision(model, allowed="remapper" not in switched_off)
     entries = walk(model)
     compute_dtype = _compute_dtype(model, entries)
     found = Attachment(
@@ -73,8 +78,10 @@ def attach(model: keras.Model, policy: str, *, attached_by: str, exact_ids: int,
         layer_policies={e.path: e.layer.dtype_policy.name for e in entries},
         forced_float32={e.path: why for e in entries if (why := forced_reason(e.layer))},
         exact_ids=exact_ids, explains_dtype_errors=explains_dtype_errors, check_numerics=numerics,
-        remapper=remapper, gelu=gelu.decision(compute_dtype),
-        bias_gradient=bias_gradient.decision(compute_dtype), conv=conv.decision(compute_dtype),
+        remapper=remapper, bias_gradient=bias_gradient.decision(compute_dtype),
+        gelu=speedup_rules.KERAS_BY_SWITCH if "gelu" in switched_off else gelu.decision(compute_dtype),
+        conv=speedup_rules.KERAS_BY_SWITCH if "conv" in switched_off else conv.decision(compute_dtype),
+        speedups=speeds,
     )
     record.mark([model, *(e.layer for e in entries)], found)
     found.batchnorm_kernel = {
@@ -96,20 +103,21 @@ def _compute_dtype(model: Any, entries: list) -> str:
     return found[0] if found else model.dtype_policy.compute_dtype
 
 
-def _remapper_decision(model: Any) -> str:
+def _remapper_decision(model: Any, *, allowed: bool) -> str:
     """Scopes `model`'s functions without Grappler's remapper when its float16 steps need it.
 
     Decided once, here, from the machine's facts: a model computing in float16 on
     a machine without GPUs whose CPU has TensorFlow's oneDNN take float16
     (`float16_fusion.remapper_trap`) runs its train, test and predict functions
     inside `float16_fusion.remapper_off`; any other model has no wrapper (one from
-    an earlier attach comes off).
+    an earlier attach comes off), as does a model whose speed-up switch is off
+    (`allowed` False).
 
     Returns:
         String for ``Attachment.remapper``: ``"on"`` or ``"off: <why>"``.
     """
     trap = None
-    if isinstance(model, keras.Model):
+    if isinstance(model, keras.Model) and allowed:
         trap = float16_fusion.remapper_trap(model.dtype_policy.compute_dtype)
     if trap is None:
         model_scopes.remove(model)

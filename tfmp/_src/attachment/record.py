@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterable, List, Optional
 from tfmp._src.errors import check_bool, check_type, invalid_argument
 from tfmp._src.keras_hooks.keras_private import entry_layer
 from tfmp._src.keras_hooks.object_state import PerObject
-from tfmp._src.policy import session
+from tfmp._src.policy import session, speedups
 
 _MARK = PerObject("attachment")
 _DETACHED = PerObject("detached")  # `tfmp.detach` took the mark off: no mark comes back by itself
@@ -87,6 +87,10 @@ class Attachment:
             ``"float32 inside: <why>"``: the model's float16 Conv1D/2D/3D and
             transposed convolutions compute in float32 and round once to
             float16, as on every CPU (`tfmp._src.float32.conv`).
+        speedups: Dict, speed feature -> ``"on"`` or ``"off (<why>)"``: the
+            switch (``tfmp.enable(speedups=...)``) or a GPU or TPU, where none
+            was measured (`tfmp._src.policy.speedups.FEATURES`). A feature on
+            still applies only where its own field above says so.
     """
 
     model: str
@@ -104,6 +108,7 @@ class Attachment:
     gelu: str = "keras"
     bias_gradient: str = "keras"
     conv: str = "keras"
+    speedups: Dict[str, str] = dataclasses.field(default_factory=lambda: speedups.decided(None))
 
     def __post_init__(self) -> None:
         """Checks the fields' types (a record made by hand fails here, not when read).
@@ -115,7 +120,7 @@ class Attachment:
                               ("policy", "'mixed_float16'"), ("remapper", "'on'"),
                               ("gelu", "'keras'"), ("bias_gradient", "'keras'"), ("conv", "'keras'")):
             check_type(name, getattr(self, name), str, "a string", fix=f"Pass e.g. {name}={example}.")
-        for name in ("layer_policies", "forced_float32", "batchnorm_kernel"):
+        for name in ("layer_policies", "forced_float32", "batchnorm_kernel", "speedups"):
             check_type(name, getattr(self, name), dict, "a dict of layer path -> string", items=str,
                        fix=f"Pass e.g. {name}={{'dense': 'float32'}}, or {{}} for none.")
         count_fix = "Pass the number of Embedding layers with exact ids, e.g. exact_ids=0."
@@ -195,7 +200,8 @@ def attached_or_first_use(layer: Any) -> bool:
     current = session.current()
     if current is None or any(getattr(obj, "compiled", False) for obj in (layer, entry)):
         return False
-    mark([layer], Attachment(model=layer.name, attached_by="first call", policy=current.decision.policy))
+    mark([layer], Attachment(model=layer.name, attached_by="first call", policy=current.decision.policy,
+                             speedups=speedups.decided(current.speedups)))
     return True
 
 

@@ -19,6 +19,9 @@ takes the fused kernel when `call_reason` returns ``""``, else Keras's own code:
   or the layer was first called while enabled), which is decided once and kept
   with the layer, whatever thread traces it later; and it computes in
   float16/bfloat16 with float32 variables (a ``mixed_*`` policy);
+* its attachment has the ``fused_batchnorm`` speed feature on
+  (`tfmp._src.policy.speedups`: not with ``enable(speedups=False)``, nor on a
+  machine with a GPU or TPU, where the kernel was not measured);
 * ``synchronized=False`` and ``renorm=False``; no ``mask``;
 * a 4D or 5D input of float16, bfloat16 or float32, normalized over the last
   axis (NHWC/NDHWC) or axis 1 (NCHW/NCDHW);
@@ -46,6 +49,7 @@ from tfmp._src.attachment import record
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.keras_hooks import patches
 from tfmp._src.loss_scale import step_state
+from tfmp._src.policy import speedups
 
 FUSED = "fused"
 NOT_ATTACHED = "not attached to tfmp (compile or first call it while tfmp is enabled)"
@@ -82,6 +86,10 @@ def layer_reason(layer: keras.layers.Layer) -> str:
 
 
 def _configuration_reason(layer: keras.layers.Layer) -> str:
+    found = record.of(layer)
+    switched = speedups.off("fused_batchnorm", found.speedups) if found is not None else ""
+    if switched:
+        return switched
     if layer.compute_dtype not in LOW_PRECISION or layer.variable_dtype != "float32":
         return f"policy {layer.dtype_policy.name} (the fused path is for mixed policies)"
     if layer.synchronized:

@@ -31,7 +31,10 @@ double precision before casting it, the kernel in the variable's dtype, so ``m``
 and ``v`` move by a few float32 ulps. Speed of the update alone on an AMD Zen 4
 (2 cores, ``benchmarks/fused_update.py``): see benchmarks/README.md.
 
-tfmp runs the inner optimizer's ``apply`` with the kernel update when `fusable`:
+tfmp runs the inner optimizer's ``apply`` with the kernel update when the
+wrapper's ``fused_updates`` is True (not under ``enable(speedups=False)``, nor
+by default on a machine with a GPU or TPU: measured on CPUs only;
+`tfmp._src.policy.speedups`) and `fusable`:
 ``update_step`` is Keras's Adam's (Adam, AdamW, and subclasses that keep it) with
 ``amsgrad`` off, or Keras's SGD's (SGD and subclasses that keep it), and the
 instance has no ``update_step`` of its own. Per variable it falls back to Keras's

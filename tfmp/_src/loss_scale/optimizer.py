@@ -15,6 +15,7 @@ initial scale 2**15 and growth interval 2000 are Keras's.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import weakref
 from typing import Any, Dict
@@ -39,6 +40,7 @@ from tfmp._src.keras_hooks.keras_private import (
 )
 from tfmp._src.loss_scale.fused_update import fused_updates
 from tfmp._src.loss_scale.loops import DEFAULT_MAX_CONSECUTIVE_OVERFLOWS
+from tfmp._src.policy import speedups
 
 _INT = "int64"
 _COUNTERS = (
@@ -176,6 +178,14 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         **kwargs: Keras's backwards-compatibility arguments (`dynamic=True` and the
             base optimizer's defaults); anything else raises ValueError.
 
+    Speed: `fused_updates` (bool attribute, not saved): True runs an inner Adam's
+    or SGD's update on TensorFlow's fused training kernel
+    (`tfmp._src.loss_scale.fused_update`, same formulas); default True where
+    no GPU or TPU runs the steps (measured on CPUs only), False under
+    ``tfmp.enable(speedups=False)`` or ``{"fused_update": False}``. Read when a
+    step is traced: set it before the first `fit` (or call
+    ``model.make_train_function(force=True)``).
+
     Transparent: the inner optimizer's settings (`learning_rate`, `weight_decay`,
     `clipnorm`, `clipvalue`, `global_clipnorm`, `use_ema`, `ema_momentum`,
     `ema_overwrite_frequency`, `gradient_accumulation_steps`, and any public
@@ -237,6 +247,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         self.on_stuck = on_stuck
         self.loss_scaling = loss_scaling
         self.guard = guard
+        self.fused_updates = speedups.measured_here()
         self._warned_run = None
         self._warned_fit = None  # the fit (its starting counters) `skips.warn_early` warned about
         self._checked_overflows = 0  # overflow_count at the last `raise_if_stuck` (None: check again)
@@ -492,7 +503,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
     def _apply_inner(self, grads: list, trainable_variables: list | None) -> None:
         """The inner optimizer's `apply` of the unscaled gradients (Adam's and SGD's on one
         kernel, `tfmp._src.loss_scale.fused_update`)."""
-        with fused_updates(self.inner_optimizer):
+        with fused_updates(self.inner_optimizer) if self.fused_updates else contextlib.nullcontext():
             self.inner_optimizer.apply(
                 self._unscale(grads, trainable_variables), trainable_variables=trainable_variables
             )

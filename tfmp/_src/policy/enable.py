@@ -40,6 +40,7 @@ import tensorflow as tf
 
 from tfmp._src.attachment import hooks as attachment_hooks
 from tfmp._src.attachment.attach import attach
+from tfmp._src.attachment.record import Attachment
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.distribute import turn_off_xla_if_replicated
 from tfmp._src.errors import check_bool, user_stacklevel
@@ -56,12 +57,13 @@ from tfmp._src.loss_scale import loops
 from tfmp._src.loss_scale import custom_optimizers
 from tfmp._src.loss_scale.saved_form import save_in_keras_form
 from tfmp._src.loss_scale import user_settings
-from tfmp._src.loss_scale.optimizer import wrap_optimizer
+from tfmp._src.loss_scale.optimizer import LossScaleOptimizer, wrap_optimizer
 from tfmp._src.numerics.check import check_numerics
 from tfmp._src.policy import session
 from tfmp._src.policy.enable_options import check_debug, checked_loss_scale_options
 from tfmp._src.policy.policy import PerformanceWarning, PolicyDecision, resolve_policy
 from tfmp._src.policy.session import Session
+from tfmp._src.policy.speedups import checked_speedups, off
 from tfmp._src.float32.registry import targets_from
 
 _session_hooks: List[patches.Hook] = []  # compile, first-step and from_config hooks, while a session is open
@@ -151,6 +153,7 @@ def enable(
     tf32: Optional[bool] = None,
     debug: Union[bool, dict] = False,
     device_facts: Optional[DeviceFacts] = None,
+    speedups: Union[bool, dict] = True,
 ) -> PolicyDecision:
     """Sets the Keras global dtype policy and makes every model compiled use tfmp.
 
@@ -197,6 +200,14 @@ def enable(
             unless `loss_scale_options` set a guard.
         device_facts: `tfmp.DeviceFacts` or None. Device facts to decide "auto"
             for; None reads this machine's.
+        speedups: Bool or dict of feature name -> bool. tfmp's speed features
+            for the models compiled from now on (``"fused_batchnorm"``,
+            ``"gelu"``, ``"conv"``, ``"remapper"``, ``"fused_update"``; see
+            `tfmp._src.policy.speedups.FEATURES`): True (default) where measured
+            (CPUs; a machine with a GPU or TPU keeps Keras's paths), False none,
+            a dict turns the named ones on or off. Each model keeps what it was
+            compiled with (`tfmp.attachment(model).speedups`); call `enable`
+            again with other speedups before compiling another model.
 
     Returns:
         `PolicyDecision`: `.policy` (Keras policy name) and `.reason`.
@@ -210,7 +221,8 @@ def enable(
             `allow_pure_16bit` not a bool; `tf32` neither None nor a bool;
             `debug` neither a bool nor a dict of `tfmp.check_numerics` options
             with values it accepts (an unknown ``action`` is named as `action`);
-            `device_facts` neither None nor a `tfmp.DeviceFacts`.
+            `device_facts` neither None nor a `tfmp.DeviceFacts`; `speedups`
+            neither a bool nor a dict of known feature names -> bool.
 
     Warns:
         tfmp.PerformanceWarning: an explicit policy slower than float32 here.
@@ -227,7 +239,7 @@ def enable(
     return _start(
         policy, say_replaced=True, keep_float32=keep_float32, exclude_float32=exclude_float32,
         loss_scale_options=loss_scale_options, allow_pure_16bit=allow_pure_16bit, tf32=tf32,
-        debug=debug, device_facts=device_facts,
+        debug=debug, device_facts=device_facts, speedups=speedups,
     )
 
 
@@ -242,6 +254,7 @@ def _start(
     tf32: Optional[bool],
     debug: Union[bool, dict],
     device_facts: Optional[DeviceFacts],
+    speedups: Union[bool, dict],
 ) -> PolicyDecision:
     """`enable()` itself; `say_replaced` is False for `policy_scope`, which nests by design."""
     # Every argument is checked before any state changes: a bad call leaves
@@ -250,6 +263,7 @@ def _start(
     keep_float32 = targets_from("keep_float32", keep_float32)
     exclude_float32 = targets_from("exclude_float32", exclude_float32)
     check_debug(debug)
+    wanted_speedups = checked_speedups(speedups)
     decision = resolve_policy(
         policy, allow_pure_16bit=allow_pure_16bit, device_facts=device_facts
     )
@@ -263,7 +277,8 @@ def _start(
     if tf32 is not None and previous_tf32 is None:
         previous_tf32 = tf.config.experimental.tensor_float_32_execution_enabled()
     _set_current(
-        Session(decision, previous, previous_tf32, keep_float32, exclude_float32, loss_scale_options, debug)
+        Session(decision, previous, previous_tf32, keep_float32, exclude_float32, loss_scale_options, debug,
+                wanted_speedups)
     )
     if tf32 is not None:
         tf.config.experimental.enable_tensor_float_32_execution(tf32)
@@ -390,7 +405,7 @@ def _wants_optimizer_wrapper(model: keras.Model, state: Session) -> bool:
     return compute in ("float16", "bfloat16") or bool(state.debug) or bool(state.loss_scale_options)
 
 
-def _fix_and_attach(model: keras.Model, state: Session, attached_by: str) -> None:
+def _fix_and_attach(model: keras.Model, state: Session, attached_by: str) -> Attachment:
     """Exact token ids and dtype-error explanations, then the model's `Attachment`."""
     keep_exact_ids(model)
     explains = model.dtype_policy.compute_dtype in LOW_PRECISION
@@ -399,9 +414,9 @@ def _fix_and_attach(model: keras.Model, state: Session, attached_by: str) -> Non
     if model.dtype_policy.compute_dtype == "float16":
         explain_quantize(model)
     save_in_keras_form(model)
-    attach(model, state.decision.policy, attached_by=attached_by,
+    return attach(model, state.decision.policy, attached_by=attached_by,
            exact_ids=exact_id_embeddings(model), explains_dtype_errors=explains,
-           numerics=bool(state.debug) and attached_by == "compile")
+           numerics=bool(state.debug) and attached_by == "compile", speedups=state.speedups)
 
 
 def _attach_loaded(model: keras.Model, loss: Any = None) -> None:
@@ -454,6 +469,8 @@ def _compile_with_tfmp(compile: Callable, model: keras.Model, args: tuple, kwarg
     if state.debug:
         options = {} if state.debug is True else state.debug
         check_numerics(model, **options)
-    _fix_and_attach(model, state, "compile")
+    found = _fix_and_attach(model, state, "compile")
+    if isinstance(model.optimizer, LossScaleOptimizer) and off("fused_update", found.speedups):
+        model.optimizer.fused_updates = False
     custom_optimizers.adopt(model, model.dtype_policy.compute_dtype, wrap_options)  # a custom compile's own
     return result

@@ -36,6 +36,7 @@ class Session:
         exclude_float32: Sequence of layer classes or path patterns never forced.
         loss_scale_options: Dict of `tfmp.LossScaleOptimizer` arguments.
         debug: Bool or dict of `tfmp.check_numerics` options.
+        speedups: Dict, speed feature -> wanted (`tfmp._src.policy.speedups`).
     """
 
     decision: PolicyDecision
@@ -45,6 +46,7 @@ class Session:
     exclude_float32: Sequence[Any]
     loss_scale_options: dict
     debug: Union[bool, dict] = False
+    speedups: Optional[Dict[str, bool]] = None
 
 
 # thread ident -> (the thread, its session). Python reuses the ident of a thread

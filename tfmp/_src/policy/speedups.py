@@ -1,0 +1,102 @@
+"""One switch for tfmp's speed features: ``tfmp.enable(speedups=...)``.
+
+tfmp's speed features change which kernels compute a step, never what a model
+means (each one's numerics are tested against Keras's path). Each was measured on
+CPUs only (``benchmarks/``), so on a machine with a GPU or TPU every one keeps
+Keras's path. What each model got is decided when tfmp attaches it and kept in
+``tfmp.attachment(model).speedups`` (feature -> ``"on"`` or ``"off (<why>)"``),
+beside the field each feature sets (`FEATURES`).
+
+Not speed features, and not switched here: float32 forcing, loss scaling, the
+bias-gradient sum (`tfmp._src.float32.bias_gradient`: a numerics fix).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+from tfmp._src.errors import invalid_argument
+from tfmp._src.keras_hooks import availability
+from tfmp._src.policy.hardware import DeviceFacts, detect_device_facts
+
+#: Each speed feature -> what it does (and the `Attachment` field that shows it).
+FEATURES = {
+    "fused_batchnorm": "BatchNormalization of a mixed policy on TensorFlow's FusedBatchNormV3 "
+                       "(Attachment.batchnorm_kernel; float32/fused_batchnorm.py)",
+    "gelu": "a bfloat16 model's exact GELU computed in float32 inside on a CPU (Attachment.gelu; float32/gelu.py)",
+    "conv": "a float16 model's convolutions computed in float32 inside on a CPU (Attachment.conv; float32/conv.py)",
+    "remapper": "a float16 model's steps without Grappler's remapper where the CPU's oneDNN takes float16 "
+                "(Attachment.remapper; policy/float16_fusion.py)",
+    "fused_update": "Adam's and SGD's updates on TensorFlow's fused training kernels "
+                    "(tfmp.LossScaleOptimizer.fused_updates; loss_scale/fused_update.py)",
+}
+ON = "on"
+#: Why a feature is off: the user's switch, or a device it was not measured on.
+OFF_BY_SWITCH = "off (tfmp.enable(speedups=...))"
+OFF_ON_ACCELERATOR = "off (a GPU or TPU runs the steps; measured on CPUs only)"
+#: A feature field's value (gelu, conv) for a model whose feature the switch turned off.
+KERAS_BY_SWITCH = f"keras: {OFF_BY_SWITCH}"
+
+
+def checked_speedups(speedups: Any) -> Dict[str, bool]:
+    """The full feature -> wanted map of ``enable(speedups=...)``.
+
+    Args:
+        speedups: Bool (every feature on or off) or a dict of feature name ->
+            bool (the features it does not name stay on).
+
+    Returns:
+        Dict with every name of `FEATURES`.
+
+    Raises:
+        ValueError: (template) neither a bool nor such a dict; an unknown name
+            (the names are listed) or a value that is not a bool.
+    """
+    if isinstance(speedups, bool):
+        return dict.fromkeys(FEATURES, speedups)
+    fix = ("Pass speedups=True (default), speedups=False, or a dict such as "
+           "speedups={'fused_update': False}.")
+    if not isinstance(speedups, dict):
+        raise invalid_argument("speedups", speedups, "a bool or a dict of feature name -> bool", fix=fix)
+    for name, wanted in speedups.items():
+        if name not in FEATURES:
+            raise invalid_argument("speedups", name, "one of " + ", ".join(FEATURES),
+                                   choices=tuple(FEATURES), fix=fix)
+        if not isinstance(wanted, bool):
+            raise invalid_argument("speedups", speedups, f"a bool for {name!r}", fix=fix)
+    return {**dict.fromkeys(FEATURES, True), **speedups}
+
+
+def measured_here(facts: Optional[DeviceFacts] = None) -> bool:
+    """Bool. No GPU or TPU runs the steps here (the speed features were measured on CPUs)."""
+    facts = facts if facts is not None else detect_device_facts()
+    return not (facts.gpus or facts.tpu)
+
+
+def decided(wanted: Optional[Dict[str, bool]], facts: Optional[DeviceFacts] = None) -> Dict[str, str]:
+    """Feature -> ``"on"`` or ``"off (<why>)"`` for a model attached now.
+
+    Why off, first found first: the switch; the feature's Keras surface is
+    missing in this process (`keras_hooks.availability`); a GPU or TPU.
+
+    Args:
+        wanted: `checked_speedups`'s map (the session's), or None (every one wanted).
+        facts: `DeviceFacts` or None (this machine's, `detect_device_facts`).
+    """
+    measured = measured_here(facts)
+
+    def one(name: str) -> str:
+        if wanted is not None and not wanted[name]:
+            return OFF_BY_SWITCH
+        missing = availability.off(name) if name in availability.FEATURES else None
+        if missing:
+            return f"off ({missing})"
+        return ON if measured else OFF_ON_ACCELERATOR
+
+    return {name: one(name) for name in FEATURES}
+
+
+def off(name: str, decisions: Dict[str, str]) -> str:
+    """``""`` where feature `name` is on in `decisions` (an `Attachment.speedups`), else why it is off."""
+    value = decisions.get(name, ON)
+    return "" if value == ON else value

@@ -36,11 +36,11 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any, Callable, List
+from typing import Any, List
 
 import keras
 
-from tfmp._src.keras_hooks import patches
+from tfmp._src.keras_hooks import model_hooks
 
 #: The key under which tfmp's settings ride in the inner optimizer's serialized entry.
 SETTINGS_KEY = "tfmp_loss_scale_settings"
@@ -101,28 +101,22 @@ def from_keras_form(config: dict) -> dict:
 def save_in_keras_form(model: Any) -> None:
     """Makes `model` save a `tfmp.LossScaleOptimizer` in the Keras form (idempotent).
 
-    An instance hook on ``model.get_compile_config`` (owner ``"saved_form"``),
-    which Keras's saving calls; `tfmp.detach` takes it off. Whatever optimizer
-    the model holds when it is saved is looked at then.
+    An instance hook on ``model.get_compile_config`` (owner ``"saved_form"``,
+    `keras_hooks.model_hooks.install_compile_config_hook`), which Keras's saving
+    calls; `tfmp.detach` takes it off. Whatever optimizer the model holds when
+    it is saved is looked at then.
 
     Args:
         model: `keras.Model`.
     """
-    if not any(h.owner == "saved_form" for h in patches.installed(model, "get_compile_config")):
-        patches.install(model, "get_compile_config", _compile_config_in_keras_form, owner="saved_form")
+    model_hooks.install_compile_config_hook(model, compile_config_in_keras_form, owner="saved_form")
 
 
-def _compile_config_in_keras_form(get_compile_config: Callable[[], Any]) -> Callable[[], Any]:
-    """Wraps a model's bound ``get_compile_config`` to save its optimizer in the Keras form."""
-
-    @functools.wraps(get_compile_config)
-    def in_keras_form() -> Any:
-        config = get_compile_config()
-        if isinstance(config, dict) and "optimizer" in config:
-            config = {**config, "optimizer": keras_form(config["optimizer"])}
-        return config
-
-    return in_keras_form
+def compile_config_in_keras_form(config: Any) -> Any:
+    """A model's compile config with its optimizer entry in the Keras form (`keras_form`)."""
+    if isinstance(config, dict) and "optimizer" in config:
+        config = {**config, "optimizer": keras_form(config["optimizer"])}
+    return config
 
 
 def keras_layout(optimizer: Any, counters: List[Any]) -> List[Any]:

@@ -84,8 +84,8 @@ if importlib.util.find_spec("xdist") is not None:
 def tfmp_leftovers():
     """What tfmp still holds outside any live model: sessions and class-level hooks.
 
-    The stuck check's ``make_train_function`` hook may stay while a
-    `tfmp.LossScaleOptimizer` is alive, and the model-level hooks
+    The stuck check's ``make_train_function`` hook and the saved form's
+    ``get_compile_config`` hook may stay while a `tfmp.LossScaleOptimizer` is alive, and the model-level hooks
     (``Layer.losses``, ``BatchNormalization.call``, the backend's ``gelu``...) while an attached model is
     alive (a module fixture's model holds both); `no_tfmp_state_at_module_end`
     checks that they go with the models.
@@ -97,7 +97,7 @@ def tfmp_leftovers():
     from tfmp._src.policy import session
 
     threads = [f"tfmp enabled in {name}" for name in session.open_threads()]
-    allowed = {"loss_scale.fit_check"} if loops._fit_hook is not None else set()
+    allowed = {hook.owner for hook in loops._class_hooks}
     if fit_lifecycle._needed_by:
         allowed.add("fit_lifecycle")
     if record.any_marked():

@@ -8,6 +8,7 @@ registered with Keras can help it.
 import json
 import pathlib
 import warnings
+import zipfile
 
 import keras
 import numpy as np
@@ -161,14 +162,32 @@ def test_a_file_plain_keras_wrote_keeps_keras_optimizer_where_tfmp_is_imported(t
     assert type(loaded.optimizer) is keras.optimizers.LossScaleOptimizer
 
 
-def test_a_detached_model_saves_tfmp_form_which_tfmp_still_opens(tmp_path):
+def _saved_optimizer_entry(path):
+    with zipfile.ZipFile(path) as archive:
+        return json.loads(archive.read("config.json"))["compile_config"]["optimizer"]
+
+
+def test_every_model_with_tfmps_optimizer_saves_keras_form(tmp_path):
+    """Compiled by hand without enable, loaded without enable and saved again, detached: each in Keras's form."""
+    keras.config.set_dtype_policy("mixed_float16")  # restored by the conftest fixture
+    by_hand = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, dtype="float32")])
+    by_hand.compile(tfmp.LossScaleOptimizer(keras.optimizers.SGD(), hysteresis=2), "mse")
+    by_hand.fit(np.ones((4, 4)), np.ones((4, 2)), verbose=0)
+    by_hand.save(tmp_path / "by_hand.keras")
+    assert _saved_optimizer_entry(tmp_path / "by_hand.keras")["registered_name"] == saved_form.KERAS_NAME
+
+    loaded = keras.models.load_model(tmp_path / "by_hand.keras")  # tfmp imported, not enabled
+    assert type(loaded.optimizer) is tfmp.LossScaleOptimizer and loaded.optimizer.hysteresis == 2
+    loaded.save(tmp_path / "again.keras")
+    entry = _saved_optimizer_entry(tmp_path / "again.keras")
+    assert (entry["module"], entry["registered_name"]) == ("keras.optimizers", saved_form.KERAS_NAME)
+
     model, _ = _trained("mixed_float16")
     tfmp.detach(model)
-    model.save(tmp_path / "model.keras")
+    model.save(tmp_path / "detached.keras")
+    assert _saved_optimizer_entry(tmp_path / "detached.keras")["registered_name"] == saved_form.KERAS_NAME
     tfmp.disable()
-    restored = keras.models.load_model(tmp_path / "model.keras").optimizer
-    assert type(restored) is tfmp.LossScaleOptimizer
-    assert int(restored.overflow_count.numpy()) == 2
+    assert int(keras.models.load_model(tmp_path / "detached.keras").optimizer.overflow_count.numpy()) == 2
 
 
 def test_keras_form_leaves_other_entries_and_its_argument_alone():

@@ -36,7 +36,7 @@ from tfmp._src.policy import speedups as speedup_rules
 #: policies forcing set, which are the model's own and saved with it.
 #: The name of the step scope of a model run without Grappler's remapper.
 REMAPPER_OFF = "remapper off"
-DETACHED_OWNERS = ("float32.ids", "enable.dtype_errors", "enable.quantize_hint", "custom_optimizers", "saved_form")
+DETACHED_OWNERS = ("float32.ids", "enable.dtype_errors", "enable.quantize_hint", "custom_optimizers")
 
 
 def _check_model(model: Any, function: str) -> None:

@@ -107,7 +107,7 @@ CALL_ORDER: Tuple[Tuple[str, str], ...] = (
     ("Layer.__call__ runs call inside backend.name_scope(layer.name, caller=layer), on the "
      "thread's name_scope_stack (keras_private.calling_layer)",
      "tests/test_gelu.py::test_an_attached_model_keeps_its_gelu_inside_a_model_tfmp_did_not_attach"),
-    ("saving writes model.get_compile_config() (looked up on the instance) and, under "
+    ("saving writes model.get_compile_config() (Trainer's, hooked while tfmp optimizers live) and, under "
      "optimizer/<attribute>, every KerasSaveable attribute of the optimizer (loss_scale_counters); "
      "loading a built-in class accepts a registered_name equal to its class name and ignores "
      "unknown keys beside an entry's config (saved_form)",

@@ -1,4 +1,4 @@
-"""Hooks on Keras models: compile, loading, making the train function (every model), the compile config (one model).
+"""Class-level hooks on every Keras model: compile, loading, making the train function, the saved compile config.
 
 - ``compile``: `install_compile_hook` routes every ``Model.compile`` call to tfmp's
   handler (float32 forcing, optimizer wrapping, numerics), on the class that
@@ -15,8 +15,8 @@
   saved one, when loaded), and then skip loading the saved optimizer variables
   because their count differs. The caller's ``on_load`` runs first (tfmp puts
   back its float32 forcing hooks, which saving does not keep).
-- ``get_compile_config`` of one model (`install_compile_config_hook`): what
-  Keras's saving writes as the model's compile config, rewritten.
+- ``get_compile_config`` (`install_compile_config_hook`): what Keras's saving
+  writes as a model's compile config, rewritten.
 - ``make_train_function``: `install_make_train_function_hook` calls a handler
   when ``fit`` starts, e.g. to warn about a model compiled before `tfmp.enable()`
   or to attach the loss-scale optimizer's stuck check to the model.
@@ -114,30 +114,31 @@ def install_compile_hook(
     ]
 
 
-def install_compile_config_hook(model: Any, rewrite: Callable[[Any], Any], *, owner: str) -> None:
-    """Routes what ``model.get_compile_config()`` returns through ``rewrite`` (this model only).
+def install_compile_config_hook(rewrite: Callable[[Any], Any], *, owner: str) -> patches.Hook:
+    """Routes what every model's ``get_compile_config()`` returns through ``rewrite``.
 
-    Keras's saving calls ``get_compile_config`` on the model (the compile
-    config it writes to the file). Idempotent per owner; the hook is an
-    instance hook, so `patches.installed(model)` lists it and removing it (e.g.
-    `tfmp.detach`) gives the model Keras's method back.
+    Keras's saving calls ``get_compile_config`` on the model to write its
+    compile config into the file. A subclass that overrides the method without
+    calling Keras's is not reached.
 
     Args:
-        model: `keras.Model`.
-        rewrite: Callable taking the config Keras made and returning the one to save.
+        rewrite: Callable taking the config Keras made (dict or None) and
+            returning the one to save.
         owner: String, the hook's owner (a key of `patches.ORDER`).
+
+    Returns:
+        `patches.Hook`; remove it to undo.
     """
-    if any(hook.owner == owner for hook in patches.installed(model, "get_compile_config")):
-        return
 
     def wrap(get_compile_config: Callable) -> Callable:
         @functools.wraps(get_compile_config)
-        def rewritten() -> Any:
-            return rewrite(get_compile_config())
+        def rewritten(self: Any) -> Any:
+            return rewrite(get_compile_config(self))
 
         return rewritten
 
-    patches.install(model, "get_compile_config", wrap, owner=owner)
+    trainer = defining_class(keras.Model, "get_compile_config")
+    return patches.install(trainer, "get_compile_config", wrap, owner=owner)
 
 
 def install_make_train_function_hook(handler: Callable[[Any], None], *, owner: str) -> patches.Hook:

@@ -72,7 +72,7 @@ ORDER = {
     "enable.first_step": 60,  # Trainer.make_train_function while enabled
     "fit_lifecycle": 65,  # Trainer.fit while a LossScaleMonitor is alive: handlers of an error out of fit
     "step_scope": 68,  # model.make_{train,test,predict}_function: the model's functions run in a scope
-    "saved_form": 69,  # model.get_compile_config (an attached model's): tfmp's optimizer saved in Keras's form
+    "saved_form": 69,  # Trainer.get_compile_config while tfmp optimizers exist: saved in Keras's form
     "train_function": 70,  # Model.make_train_function: the per-model step wrapper
 }
 _INSTANCE_SLOTS = PerObject("hook_slots")

@@ -15,14 +15,14 @@ import threading
 import warnings
 import weakref
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import keras
 import tensorflow as tf
 
 from tfmp._src.errors import NonFiniteError, invalid_argument
 from tfmp._src.keras_hooks import model_hooks, patches, train_function
-from tfmp._src.loss_scale import arguments, batch_check, skips
+from tfmp._src.loss_scale import arguments, batch_check, saved_form, skips
 
 #: Default of `max_consecutive_overflows`: more than the 24 halvings that take the
 #: scale from `max_scale` 2**24 down to 1, so a healthy start never trips it.
@@ -97,7 +97,7 @@ def _diagnose(optimizer: Any, consecutive: int, at_floor: int) -> NonFiniteError
 
 
 _live: "weakref.WeakSet[Any]" = weakref.WeakSet()  # tfmp optimizers not yet collected
-_fit_hook: Optional[patches.Hook] = None
+_class_hooks: List[patches.Hook] = []  # the stuck check's and the saved form's
 _lock = threading.RLock()
 
 
@@ -114,7 +114,10 @@ def track(optimizer: Any) -> None:
     reads one scalar per step, and `fit` already waits for each step's result. A
     custom loop in a `tf.function` calls `optimizer.raise_if_stuck()` itself.
 
-    The hook comes off in `release_if_unused`, once the last such optimizer has been
+    Beside it, a hook on Keras's ``get_compile_config`` saves such an optimizer
+    in Keras's form, so plain Keras opens the file (`saved_form`).
+
+    The hooks come off in `release_if_unused`, once the last such optimizer has been
     garbage-collected: at the next ``make_train_function`` or `tfmp.disable()`.
     Never from a garbage-collection callback, which can run in any thread while
     another holds the hooks' lock.
@@ -122,11 +125,14 @@ def track(optimizer: Any) -> None:
     Args:
         optimizer: `tfmp.LossScaleOptimizer`.
     """
-    global _fit_hook
     with _lock:
         _live.add(optimizer)
-        if _fit_hook is None:
-            _fit_hook = model_hooks.install_make_train_function_hook(_attach, owner="loss_scale.fit_check")
+        if not _class_hooks:
+            _class_hooks.extend(patches.install_all([
+                lambda: model_hooks.install_make_train_function_hook(_attach, owner="loss_scale.fit_check"),
+                lambda: model_hooks.install_compile_config_hook(
+                    saved_form.compile_config_in_keras_form, owner="saved_form"),
+            ]))
 
 
 def untrack(optimizer: Any) -> None:
@@ -137,12 +143,11 @@ def untrack(optimizer: Any) -> None:
 
 
 def release_if_unused() -> None:
-    """Takes the ``make_train_function`` hook off when no tfmp optimizer is alive."""
-    global _fit_hook
+    """Takes the ``make_train_function`` and ``get_compile_config`` hooks off when no tfmp optimizer is alive."""
     with _lock:
-        if not _live and _fit_hook is not None:
-            _fit_hook.remove()
-            _fit_hook = None
+        while not _live and _class_hooks:
+            _class_hooks[-1].remove()
+            _class_hooks.pop()
 
 
 def _attach(model: Any) -> None:

@@ -1,10 +1,19 @@
 """The saved form of `tfmp.LossScaleOptimizer`: a `.keras` file plain Keras opens.
 
-A model tfmp attached saves its optimizer as Keras's own
+A model whose optimizer is a `tfmp.LossScaleOptimizer` saves it as Keras's own
 ``keras.optimizers.LossScaleOptimizer``, so a file shared with someone who has
-never installed tfmp opens with ``keras.models.load_model`` and trains on:
+never installed tfmp opens with ``keras.models.load_model`` and trains on. This
+holds for every such model (compiled while enabled or by hand, loaded with or
+without `tfmp.enable`, detached): while a `tfmp.LossScaleOptimizer` is alive, a
+hook on Keras's ``Model.get_compile_config`` (owner ``"saved_form"``, installed
+with the stuck check by `tfmp._src.loss_scale.loops.track`) rewrites the
+compile config saving writes. Not rewritten: a subclass's own
+``get_compile_config`` that does not call Keras's, the legacy ``.h5`` format
+(deprecated by Keras), and ``keras.saving.serialize_keras_object(optimizer)``
+of the optimizer alone; those keep tfmp's form, which opens where tfmp is
+imported.
 
-- config.json (the model's ``compile_config``, rewritten by `keras_form`):
+- config.json (the model's ``compile_config``, rewritten by `compile_config_in_keras_form`):
   ``{"module": "keras.optimizers", "class_name": "LossScaleOptimizer",
   "registered_name": "LossScaleOptimizer", "config": {...}}`` with Keras's
   four keys (``name``, ``inner_optimizer``, ``initial_scale``,
@@ -39,8 +48,6 @@ import weakref
 from typing import Any, List
 
 import keras
-
-from tfmp._src.keras_hooks import model_hooks
 
 #: The key under which tfmp's settings ride in the inner optimizer's serialized entry.
 SETTINGS_KEY = "tfmp_loss_scale_settings"
@@ -96,20 +103,6 @@ def from_keras_form(config: dict) -> dict:
     inner = dict(inner)
     settings = inner.pop(SETTINGS_KEY)
     return {**config, **settings, "inner_optimizer": inner}
-
-
-def save_in_keras_form(model: Any) -> None:
-    """Makes `model` save a `tfmp.LossScaleOptimizer` in the Keras form (idempotent).
-
-    An instance hook on ``model.get_compile_config`` (owner ``"saved_form"``,
-    `keras_hooks.model_hooks.install_compile_config_hook`), which Keras's saving
-    calls; `tfmp.detach` takes it off. Whatever optimizer the model holds when
-    it is saved is looked at then.
-
-    Args:
-        model: `keras.Model`.
-    """
-    model_hooks.install_compile_config_hook(model, compile_config_in_keras_form, owner="saved_form")
 
 
 def compile_config_in_keras_form(config: Any) -> Any:

@@ -55,7 +55,6 @@ from tfmp._src.policy.hardware import DeviceFacts
 from tfmp._src.layer_tree import walk
 from tfmp._src.loss_scale import loops
 from tfmp._src.loss_scale import custom_optimizers
-from tfmp._src.loss_scale.saved_form import save_in_keras_form
 from tfmp._src.loss_scale import user_settings
 from tfmp._src.loss_scale.optimizer import LossScaleOptimizer, wrap_optimizer
 from tfmp._src.numerics.check import check_numerics
@@ -413,7 +412,6 @@ def _fix_and_attach(model: keras.Model, state: Session, attached_by: str) -> Att
         explain_dtype_errors(model)
     if model.dtype_policy.compute_dtype == "float16":
         explain_quantize(model)
-    save_in_keras_form(model)
     return attach(model, state.decision.policy, attached_by=attached_by,
            exact_ids=exact_id_embeddings(model), explains_dtype_errors=explains,
            numerics=bool(state.debug) and attached_by == "compile", speedups=state.speedups)

@@ -67,7 +67,7 @@ def test_speedups_false_gives_the_step_keras_paths_and_the_attachment_says_so():
     found = tfmp.attachment(model)
     assert found.speedups == dict.fromkeys(speedups.FEATURES, speedups.OFF_BY_SWITCH)
     assert found.gelu == found.conv == speedups.KERAS_BY_SWITCH
-    assert found.batchnorm_kernel == {"batch_normalization": f"keras: {speedups.OFF_BY_SWITCH}"}
+    assert found.batchnorm_kernel == {"batch_normalization": speedups.keras_field(speedups.OFF_BY_SWITCH)}
     assert model.optimizer.fused_updates is False
     ops = _train_step_ops(model)
     assert not _has(ops, "FusedBatchNormV3") and not _has(ops, "ResourceApplyAdam")
@@ -116,16 +116,33 @@ def test_on_a_gpu_machine_no_speed_feature_runs_and_the_step_is_kerass():
         ops = _train_step_ops(model)
     found = tfmp.attachment(model)
     assert found.speedups == dict.fromkeys(speedups.FEATURES, speedups.OFF_ON_ACCELERATOR)
-    assert found.gelu == found.conv == "keras" and found.remapper == "on"
-    assert found.batchnorm_kernel == {"batch_normalization": f"keras: {speedups.OFF_ON_ACCELERATOR}"}
+    gpu_note = speedups.keras_field(speedups.OFF_ON_ACCELERATOR)
+    assert found.gelu == found.conv == gpu_note and found.remapper == "on"
+    assert found.batchnorm_kernel == {"batch_normalization": gpu_note}
     assert not _has(ops, "FusedBatchNormV3") and not _has(ops, "ResourceApplyAdam")
 
 
-def test_a_loss_scale_optimizer_made_by_hand_takes_fused_updates_only_where_measured():
+def test_a_loss_scale_optimizer_made_by_hand_takes_fused_updates_only_where_measured_and_wanted():
     with injected_facts(ZEN4):
         assert tfmp.LossScaleOptimizer(keras.optimizers.SGD()).fused_updates is True
+        with tfmp.policy_scope("mixed_bfloat16", speedups={"fused_update": False}):
+            assert tfmp.LossScaleOptimizer(keras.optimizers.SGD()).fused_updates is False
     with injected_facts(A100):
         assert tfmp.LossScaleOptimizer(keras.optimizers.SGD()).fused_updates is False
+
+
+def test_a_model_loaded_under_the_switch_off_takes_kerass_update(tmp_path):
+    model = _compiled("mixed_bfloat16", True)
+    model.fit(X, Y, verbose=0)
+    model.save(tmp_path / "model.keras")
+    tfmp.disable()
+    with injected_facts(ZEN4), bias_gradient.injected(loses=False):
+        tfmp.enable("mixed_bfloat16", speedups=False)
+        loaded = keras.models.load_model(tmp_path / "model.keras")
+    assert tfmp.attachment(loaded).speedups["fused_update"] == speedups.OFF_BY_SWITCH
+    assert loaded.optimizer.fused_updates is False
+    ops = _train_step_ops(loaded)
+    assert not _has(ops, "ResourceApplyAdam") and not _has(ops, "FusedBatchNormV3")
 
 
 def test_a_feature_whose_keras_surface_moved_reads_off_with_why():

@@ -69,8 +69,7 @@ def attach(model: keras.Model, policy: str, *, attached_by: str, exact_ids: int,
     """
     hooks.hold()
     speeds = speedup_rules.decided(speedups)
-    switched_off = {name for name, value in speeds.items() if value == speedup_rules.OFF_BY_SWITCH}
-    remapper = _remapper_decision(model, allowed="remapper" not in switched_off)
+    remapper = _remapper_decision(model, allowed=speeds["remapper"] == speedup_rules.ON)
     entries = walk(model)
     compute_dtype = _compute_dtype(model, entries)
     found = Attachment(
@@ -79,8 +78,10 @@ def attach(model: keras.Model, policy: str, *, attached_by: str, exact_ids: int,
         forced_float32={e.path: why for e in entries if (why := forced_reason(e.layer))},
         exact_ids=exact_ids, explains_dtype_errors=explains_dtype_errors, check_numerics=numerics,
         remapper=remapper, bias_gradient=bias_gradient.decision(compute_dtype),
-        gelu=speedup_rules.KERAS_BY_SWITCH if "gelu" in switched_off else gelu.decision(compute_dtype),
-        conv=speedup_rules.KERAS_BY_SWITCH if "conv" in switched_off else conv.decision(compute_dtype),
+        gelu=gelu.decision(compute_dtype) if speeds["gelu"] == speedup_rules.ON
+        else speedup_rules.keras_field(speeds["gelu"]),
+        conv=conv.decision(compute_dtype) if speeds["conv"] == speedup_rules.ON
+        else speedup_rules.keras_field(speeds["conv"]),
         speedups=speeds,
     )
     record.mark([model, *(e.layer for e in entries)], found)

@@ -180,10 +180,12 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
 
     Speed: `fused_updates` (bool attribute, not saved): True runs an inner Adam's
     or SGD's update on TensorFlow's fused training kernel
-    (`tfmp._src.loss_scale.fused_update`, same formulas); default True where
-    no GPU or TPU runs the steps (measured on CPUs only), False under
-    ``tfmp.enable(speedups=False)`` or ``{"fused_update": False}``. Read when a
-    step is traced: set it before the first `fit` (or call
+    (`tfmp._src.loss_scale.fused_update`, same formulas). Default: True where
+    no GPU or TPU runs the steps (measured on CPUs only), unless the thread
+    making the optimizer is under ``tfmp.enable(speedups=False)`` or
+    ``{"fused_update": False}``; tfmp also sets it False on the optimizer of a
+    model it compiles or loads with that switch off. Read when a step is
+    traced: set it before the first `fit` (or call
     ``model.make_train_function(force=True)``).
 
     Transparent: the inner optimizer's settings (`learning_rate`, `weight_decay`,
@@ -247,7 +249,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         self.on_stuck = on_stuck
         self.loss_scaling = loss_scaling
         self.guard = guard
-        self.fused_updates = speedups.measured_here()
+        self.fused_updates = speedups.on_now("fused_update")
         self._warned_run = None
         self._warned_fit = None  # the fit (its starting counters) `skips.warn_early` warned about
         self._checked_overflows = 0  # overflow_count at the last `raise_if_stuck` (None: check again)

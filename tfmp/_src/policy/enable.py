@@ -205,8 +205,9 @@ def enable(
             `tfmp._src.policy.speedups.FEATURES`): True (default) where measured
             (CPUs; a machine with a GPU or TPU keeps Keras's paths), False none,
             a dict turns the named ones on or off. Each model keeps what it was
-            compiled with (`tfmp.attachment(model).speedups`); call `enable`
-            again with other speedups before compiling another model.
+            compiled or loaded with (`tfmp.attachment(model).speedups`; a
+            file does not keep it); call `enable` again with other speedups
+            before compiling another model.
 
     Returns:
         `PolicyDecision`: `.policy` (Keras policy name) and `.reason`.
@@ -412,9 +413,12 @@ def _fix_and_attach(model: keras.Model, state: Session, attached_by: str) -> Att
         explain_dtype_errors(model)
     if model.dtype_policy.compute_dtype == "float16":
         explain_quantize(model)
-    return attach(model, state.decision.policy, attached_by=attached_by,
-           exact_ids=exact_id_embeddings(model), explains_dtype_errors=explains,
-           numerics=bool(state.debug) and attached_by == "compile", speedups=state.speedups)
+    found = attach(model, state.decision.policy, attached_by=attached_by,
+                   exact_ids=exact_id_embeddings(model), explains_dtype_errors=explains,
+                   numerics=bool(state.debug) and attached_by == "compile", speedups=state.speedups)
+    if isinstance(getattr(model, "optimizer", None), LossScaleOptimizer) and off("fused_update", found.speedups):
+        model.optimizer.fused_updates = False  # made before this session, or loaded: the model's switch
+    return found
 
 
 def _attach_loaded(model: keras.Model, loss: Any = None) -> None:
@@ -467,8 +471,6 @@ def _compile_with_tfmp(compile: Callable, model: keras.Model, args: tuple, kwarg
     if state.debug:
         options = {} if state.debug is True else state.debug
         check_numerics(model, **options)
-    found = _fix_and_attach(model, state, "compile")
-    if isinstance(model.optimizer, LossScaleOptimizer) and off("fused_update", found.speedups):
-        model.optimizer.fused_updates = False
+    _fix_and_attach(model, state, "compile")
     custom_optimizers.adopt(model, model.dtype_policy.compute_dtype, wrap_options)  # a custom compile's own
     return result

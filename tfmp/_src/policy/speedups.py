@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from tfmp._src.errors import invalid_argument
+from tfmp._src.errors import did_you_mean, invalid_argument
 from tfmp._src.keras_hooks import availability
+from tfmp._src.policy import session
 from tfmp._src.policy.hardware import DeviceFacts, detect_device_facts
 
 #: Each speed feature -> what it does (and the `Attachment` field that shows it).
@@ -35,7 +36,7 @@ ON = "on"
 OFF_BY_SWITCH = "off (tfmp.enable(speedups=...))"
 OFF_ON_ACCELERATOR = "off (a GPU or TPU runs the steps; measured on CPUs only)"
 #: A feature field's value (gelu, conv) for a model whose feature the switch turned off.
-KERAS_BY_SWITCH = f"keras: {OFF_BY_SWITCH}"
+KERAS_BY_SWITCH = f"keras: speed-up {OFF_BY_SWITCH}"
 
 
 def checked_speedups(speedups: Any) -> Dict[str, bool]:
@@ -60,8 +61,9 @@ def checked_speedups(speedups: Any) -> Dict[str, bool]:
         raise invalid_argument("speedups", speedups, "a bool or a dict of feature name -> bool", fix=fix)
     for name, wanted in speedups.items():
         if name not in FEATURES:
-            raise invalid_argument("speedups", name, "one of " + ", ".join(FEATURES),
-                                   choices=tuple(FEATURES), fix=fix)
+            close = did_you_mean(name, FEATURES)
+            raise invalid_argument("speedups", speedups, "feature names among " + ", ".join(FEATURES),
+                                   fix=f"{close} {fix}" if close else fix)
         if not isinstance(wanted, bool):
             raise invalid_argument("speedups", speedups, f"a bool for {name!r}", fix=fix)
     return {**dict.fromkeys(FEATURES, True), **speedups}
@@ -94,6 +96,18 @@ def decided(wanted: Optional[Dict[str, bool]], facts: Optional[DeviceFacts] = No
         return ON if measured else OFF_ON_ACCELERATOR
 
     return {name: one(name) for name in FEATURES}
+
+
+def keras_field(value: str) -> str:
+    """A feature field's value (gelu, conv, a BatchNormalization's kernel) where the feature is off for `value`."""
+    return f"keras: speed-up {value}"
+
+
+def on_now(name: str) -> bool:
+    """Bool. Feature `name` is on for what is made now: measured here, its Keras surface
+    in place, and not switched off by the calling thread's session (`tfmp.enable`)."""
+    current = session.current()
+    return decided(current.speedups if current is not None else None)[name] == ON
 
 
 def off(name: str, decisions: Dict[str, str]) -> str:

@@ -116,9 +116,8 @@ def test_on_a_gpu_machine_no_speed_feature_runs_and_the_step_is_kerass():
         ops = _train_step_ops(model)
     found = tfmp.attachment(model)
     assert found.speedups == dict.fromkeys(speedups.FEATURES, speedups.OFF_ON_ACCELERATOR)
-    gpu_note = speedups.keras_field(speedups.OFF_ON_ACCELERATOR)
-    assert found.gelu == found.conv == gpu_note and found.remapper == "on"
-    assert found.batchnorm_kernel == {"batch_normalization": gpu_note}
+    assert found.gelu == found.conv == "keras" and found.remapper == "on"  # their own GPU rule
+    assert found.batchnorm_kernel == {"batch_normalization": speedups.keras_field(speedups.OFF_ON_ACCELERATOR)}
     assert not _has(ops, "FusedBatchNormV3") and not _has(ops, "ResourceApplyAdam")
 
 

@@ -78,10 +78,10 @@ def attach(model: keras.Model, policy: str, *, attached_by: str, exact_ids: int,
         forced_float32={e.path: why for e in entries if (why := forced_reason(e.layer))},
         exact_ids=exact_ids, explains_dtype_errors=explains_dtype_errors, check_numerics=numerics,
         remapper=remapper, bias_gradient=bias_gradient.decision(compute_dtype),
-        gelu=gelu.decision(compute_dtype) if speeds["gelu"] == speedup_rules.ON
-        else speedup_rules.keras_field(speeds["gelu"]),
-        conv=conv.decision(compute_dtype) if speeds["conv"] == speedup_rules.ON
-        else speedup_rules.keras_field(speeds["conv"]),
+        gelu=speedup_rules.KERAS_BY_SWITCH if speeds["gelu"] == speedup_rules.OFF_BY_SWITCH
+        else gelu.decision(compute_dtype),
+        conv=speedup_rules.KERAS_BY_SWITCH if speeds["conv"] == speedup_rules.OFF_BY_SWITCH
+        else conv.decision(compute_dtype),
         speedups=speeds,
     )
     record.mark([model, *(e.layer for e in entries)], found)

@@ -127,6 +127,10 @@ def track(optimizer: Any) -> None:
     """
     with _lock:
         _live.add(optimizer)
+        if any(not hook.active for hook in _class_hooks):  # one taken off from outside: start again
+            for hook in _class_hooks:
+                hook.remove()
+            _class_hooks.clear()
         if not _class_hooks:
             _class_hooks.extend(patches.install_all([
                 lambda: model_hooks.install_make_train_function_hook(_attach, owner="loss_scale.fit_check"),

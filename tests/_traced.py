@@ -36,6 +36,9 @@ def post_optimization_ops():
     ops = []
     eager = context.context()
     eager.enable_run_metadata()
+    # TensorFlow goes on recording function graphs after an earlier block's
+    # disable_run_metadata(); the next export would return them too. Drop them.
+    eager.export_run_metadata()
     try:
         yield ops
     finally:

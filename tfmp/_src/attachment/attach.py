@@ -72,16 +72,18 @@ def attach(model: keras.Model, policy: str, *, attached_by: str, exact_ids: int,
     remapper = _remapper_decision(model, allowed=speeds["remapper"] == speedup_rules.ON)
     entries = walk(model)
     compute_dtype = _compute_dtype(model, entries)
+
+    def inside(feature: str, decision: Any) -> str:  # the switch, else the feature's own rule
+        switched = speeds[feature] == speedup_rules.OFF_BY_SWITCH
+        return speedup_rules.KERAS_BY_SWITCH if switched else decision(compute_dtype)
+
     found = Attachment(
         model=model.name, attached_by=attached_by, policy=policy,
         layer_policies={e.path: e.layer.dtype_policy.name for e in entries},
         forced_float32={e.path: why for e in entries if (why := forced_reason(e.layer))},
         exact_ids=exact_ids, explains_dtype_errors=explains_dtype_errors, check_numerics=numerics,
         remapper=remapper, bias_gradient=bias_gradient.decision(compute_dtype),
-        gelu=speedup_rules.KERAS_BY_SWITCH if speeds["gelu"] == speedup_rules.OFF_BY_SWITCH
-        else gelu.decision(compute_dtype),
-        conv=speedup_rules.KERAS_BY_SWITCH if speeds["conv"] == speedup_rules.OFF_BY_SWITCH
-        else conv.decision(compute_dtype),
+        gelu=inside("gelu", gelu.decision), conv=inside("conv", conv.decision),
         speedups=speeds,
     )
     record.mark([model, *(e.layer for e in entries)], found)

@@ -88,9 +88,10 @@ class Attachment:
             transposed convolutions compute in float32 and round once to
             float16, as on every CPU (`tfmp._src.float32.conv`).
         speedups: Dict, speed feature -> ``"on"`` or ``"off (<why>)"``: the
-            switch (``tfmp.enable(speedups=...)``) or a GPU or TPU, where none
-            was measured (`tfmp._src.policy.speedups.FEATURES`). A feature on
-            still applies only where its own field above says so.
+            switch (``tfmp.enable(speedups=...)``), the feature's Keras surface
+            moved in this Keras, or a GPU or TPU, where none was measured
+            (`tfmp._src.policy.speedups.FEATURES`). A feature on still applies
+            only where its own field above says so.
     """
 
     model: str

@@ -89,7 +89,7 @@ def _configuration_reason(layer: keras.layers.Layer) -> str:
     found = record.of(layer)
     switched = speedups.off("fused_batchnorm", found.speedups) if found is not None else ""
     if switched:
-        return f"speed-up {switched}"
+        return speedups.off_reason(switched)
     if layer.compute_dtype not in LOW_PRECISION or layer.variable_dtype != "float32":
         return f"policy {layer.dtype_policy.name} (the fused path is for mixed policies)"
     if layer.synchronized:

@@ -614,8 +614,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         tfmp's counters are saved apart, through `loss_scale_counters`, so that
         plain Keras loads this optimizer's state as its own.
         """
-        for i, variable in enumerate(_saved_form.keras_layout(self, self.counter_variables())):
-            store[str(i)] = variable.numpy()
+        _saved_form.save_variables(_saved_form.keras_layout(self, self.counter_variables()), store)
 
     def load_own_variables(self, store: Any) -> None:
         """Loads what `save_own_variables` saved, or every variable (files of earlier tfmp versions).

@@ -123,6 +123,12 @@ def keras_layout(optimizer: Any, counters: List[Any]) -> List[Any]:
     return [v for v in optimizer.variables if id(v) not in ids]
 
 
+def save_variables(variables: List[Any], store: Any) -> None:
+    """Writes `variables` as ``store["0"], store["1"], ...`` (Keras's layout of a saveable's own variables)."""
+    for i, variable in enumerate(variables):
+        store[str(i)] = variable.numpy()
+
+
 def load_variables(variables: List[Any], store: Any) -> bool:
     """Assigns ``store["0"], store["1"], ...`` to `variables`; False (nothing assigned) if the counts differ."""
     if len(store.keys()) != len(variables):
@@ -151,8 +157,7 @@ class CounterStore(keras.layers.Layer):
         return optimizer.counter_variables() if optimizer is not None else []
 
     def save_own_variables(self, store: Any) -> None:
-        for i, variable in enumerate(self._counters()):
-            store[str(i)] = variable.numpy()
+        save_variables(self._counters(), store)
 
     def load_own_variables(self, store: Any) -> None:
         load_variables(self._counters(), store)

@@ -35,8 +35,6 @@ ON = "on"
 #: Why a feature is off: the user's switch, or a device it was not measured on.
 OFF_BY_SWITCH = "off (tfmp.enable(speedups=...))"
 OFF_ON_ACCELERATOR = "off (a GPU or TPU runs the steps; measured on CPUs only)"
-#: A feature field's value (gelu, conv) for a model whose feature the switch turned off.
-KERAS_BY_SWITCH = f"keras: speed-up {OFF_BY_SWITCH}"
 
 
 def checked_speedups(speedups: Any) -> Dict[str, bool]:
@@ -98,9 +96,18 @@ def decided(wanted: Optional[Dict[str, bool]], facts: Optional[DeviceFacts] = No
     return {name: one(name) for name in FEATURES}
 
 
+def off_reason(value: str) -> str:
+    """Why a feature's own field shows Keras's path, for a `decided` value that is not `ON`."""
+    return f"speed-up {value}"
+
+
 def keras_field(value: str) -> str:
     """A feature field's value (gelu, conv, a BatchNormalization's kernel) where the feature is off for `value`."""
-    return f"keras: speed-up {value}"
+    return f"keras: {off_reason(value)}"
+
+
+#: A feature field's value (gelu, conv) for a model whose feature the switch turned off.
+KERAS_BY_SWITCH = keras_field(OFF_BY_SWITCH)
 
 
 def on_now(name: str) -> bool:

@@ -70,11 +70,11 @@ def test_a_file_saved_under_tfmp_opens_in_plain_keras_in_a_process_without_tfmp(
     assert not [w for w in found["warnings"] if "Skipping variable loading" in w], found["warnings"]
     # The float32 outputs and the forced Softmax stay float32: they are the layers' own policies.
     assert found["policies"] == [policy, "float32", "float32"]
-    for saved, loaded in zip(model.get_weights(), found["weights"]):
+    for saved, loaded in zip(model.get_weights(), found["weights"], strict=True):
         np.testing.assert_array_equal(saved, np.asarray(loaded, saved.dtype))
     # Adam's iterations and slots come back as they were (the skipped steps did not count).
     assert found["inner_iterations"] == int(optimizer.inner_optimizer.iterations.numpy()) == 6
-    for saved, loaded in zip(optimizer.inner_optimizer.variables, found["inner_variables"]):
+    for saved, loaded in zip(optimizer.inner_optimizer.variables, found["inner_variables"], strict=True):
         np.testing.assert_array_equal(saved.numpy(), np.asarray(loaded, saved.numpy().dtype))
     assert found["scale"] == optimizer.loss_scale
     if policy == "mixed_float16":

@@ -15,7 +15,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Sequence
-from typing import Any, List, Optional
+from typing import Any, List
 
 import keras
 import tensorflow as tf

@@ -108,16 +108,9 @@ def tfmp_leftovers():
 
 def _class_hooks():
     """The hooks on Keras's classes and on the backend modules whose ``gelu`` and ``add`` tfmp hooks."""
-    from tfmp._src.keras_hooks import keras_private, patches
+    from tfmp._src.keras_hooks import surfaces
 
-    modules = []
-    for accessor in (keras_private.backend_nn, keras_private.backend_numpy):
-        try:
-            modules.append(accessor())
-        except AttributeError:  # moved in this Keras (keras-nightly 3.16): no tfmp hook can be on it
-            pass
-    return [hook for slots in list(patches._CLASS_SLOTS.values()) for slot in slots.values()
-            for hook in slot.hooks] + [hook for module in modules for hook in patches.installed(module)]
+    return surfaces.process_wide()
 
 
 def _clean_up(hooks):

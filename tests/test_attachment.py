@@ -12,7 +12,7 @@ import tfmp
 from tfmp._src.attachment import hooks as attachment_hooks
 from tfmp._src.float32 import fused_batchnorm
 from tfmp._src.keras_hooks import patches
-from tfmp._src.keras_hooks import keras_private
+from tfmp._src.keras_hooks import backend_ops
 
 pytestmark = pytest.mark.filterwarnings("ignore::tfmp.PerformanceWarning")  # 16 bits emulated on CPUs
 X = np.random.RandomState(0).normal(size=(8, 6, 6, 3)).astype("float32")
@@ -196,8 +196,8 @@ def test_a_custom_loop_model_attaches_at_its_first_step_and_keeps_it_in_a_retrac
 def test_detach_gives_the_model_back_to_keras():
     original_call = vars(keras.layers.BatchNormalization)["call"]
     original_losses = vars(keras.layers.Layer)["losses"]
-    original_gelu = keras_private.backend_nn().gelu
-    original_convs = [getattr(keras_private.backend_nn(), name) for name in ("conv", "conv_transpose")]
+    original_gelu = backend_ops.backend_nn().gelu
+    original_convs = [getattr(backend_ops.backend_nn(), name) for name in ("conv", "conv_transpose")]
     tfmp.enable("mixed_bfloat16")
     model = cnn(kl=True)
     model.compile("sgd", "mse")
@@ -220,8 +220,40 @@ def test_detach_gives_the_model_back_to_keras():
     assert attachment_hooks.installed() == []
     assert vars(keras.layers.BatchNormalization)["call"] is original_call
     assert vars(keras.layers.Layer)["losses"] is original_losses
-    assert keras_private.backend_nn().gelu is original_gelu
-    assert [getattr(keras_private.backend_nn(), name) for name in ("conv", "conv_transpose")] == original_convs
+    assert backend_ops.backend_nn().gelu is original_gelu
+    assert [getattr(backend_ops.backend_nn(), name) for name in ("conv", "conv_transpose")] == original_convs
+
+
+def test_the_attachment_lists_every_subscription_and_detach_drops_all_but_float32_forcing():
+    from tfmp._src.attachment.attach import subscriptions
+    from tfmp._src.keras_hooks import surfaces, train_function
+
+    before = surfaces.process_wide()  # what other tests' live objects still hold
+    tfmp.enable("mixed_float16", debug=True)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu", name="hidden"),
+                              keras.layers.Dense(2, activation="softmax", name="probs")])
+    model.compile(keras.optimizers.Adam(1e-3), "categorical_crossentropy")
+    model.fit(np.ones((8, 4)), np.eye(2)[[0, 1] * 4], batch_size=4, verbose=0)
+    found = tfmp.attachment(model).subscriptions
+    rows = {row for object_rows in found.values() for row in object_rows}
+    assert "layer calls: call (numerics)" in found["hidden"]
+    assert "trainer: train_step (numerics)" in found["model"]
+    assert {"trainer: train step check numerics", "trainer: train step check stuck"} <= set(found["model"])
+    assert "optimizer steps: apply (numerics)" in found["optimizer"]
+    assert all(row.split(": ")[0] in {s.name for s in surfaces.HOOKED} | {"trainer"} for row in rows)
+    tfmp.disable()
+    tfmp.detach(model)
+    left = subscriptions(model)
+    left.pop("optimizer", None)  # the optimizer is kept, with what the monitor or user put on it
+    assert {row.split("(")[-1] for rows_ in left.values() for row in rows_} <= {
+        "float32.build)", "float32.outputs)", "float32.cast_back)"}, left
+    assert not train_function.has_check(model, "stuck")
+    model.fit(np.ones((8, 4)), np.eye(2)[[0, 1] * 4], batch_size=4, verbose=0)  # still trains
+    assert not train_function.has_check(model, "stuck")  # and tfmp does not come back by itself
+    del model, found
+    collect_everything()
+    tfmp.disable()
+    assert [hook for hook in surfaces.process_wide() if hook not in before] == []
 
 
 def test_the_model_level_hooks_stay_while_an_attached_model_lives():
@@ -354,8 +386,8 @@ def test_an_optional_feature_whose_keras_surface_moved_is_off_with_one_warning_a
     def moved():
         raise AttributeError("module 'keras.src.backend' has no attribute 'nn'")
 
-    monkeypatch.setattr(keras_private, "backend_nn", moved)
-    monkeypatch.setattr(keras_private, "backend_numpy", moved)
+    monkeypatch.setattr(backend_ops, "backend_nn", moved)
+    monkeypatch.setattr(backend_ops, "backend_numpy", moved)
     x, y = np.ones((8, 8), "float32"), np.ones((8, 2), "float32")
     try:
         with warnings.catch_warnings(record=True) as caught:

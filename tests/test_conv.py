@@ -19,7 +19,7 @@ from _traced import forward_and_backward_ops
 
 import tfmp
 from tfmp._src.float32 import conv
-from tfmp._src.keras_hooks import contracts, keras_private
+from tfmp._src.keras_hooks import backend_ops, contracts
 from tfmp._src.policy.hardware import injected_facts
 
 X = np.random.default_rng(0).normal(size=(4, 8, 8, 3)).astype("float32")
@@ -75,7 +75,7 @@ def test_values_and_gradients_are_the_float64_ones_rounded_once(transpose):
     k64 = rng.normal(size=(3, 3, 4, 5) if transpose else (3, 3, 5, 4)) / 4.0
     x16, k16 = tf.constant(x64, tf.float16), tf.constant(k64, tf.float16)
     exact_x, exact_k = tf.cast(x16, tf.float64), tf.cast(k16, tf.float64)  # the 16-bit values, exactly
-    backend = keras_private.backend_nn()
+    backend = backend_ops.backend_nn()
     if transpose:
         def convolve(x, k):
             return backend.conv_transpose(x, k, 2, "same")
@@ -151,7 +151,7 @@ def test_a_second_derivative_goes_through_it():
 def test_keras_still_calls_the_backend_convolutions_by_module_attribute():
     """The contract: keras.ops.conv / conv_transpose look conv / conv_transpose up on backend.nn
     at each call, taking (inputs, kernel, ...) first."""
-    backend = keras_private.backend_nn()
+    backend = backend_ops.backend_nn()
     for name in conv.FUNCTIONS:
         assert list(inspect.signature(getattr(backend, name)).parameters)[:2] == ["inputs", "kernel"]
     seen = []

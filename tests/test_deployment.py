@@ -33,7 +33,7 @@ import tensorflow as tf
 import tfmp
 from tfmp._src.deployment import artifacts
 from tfmp._src.deployment.export_checks import SAMPLE_BATCH
-from tfmp._src.keras_hooks.keras_private import tflite_converter_error
+from tfmp._src.keras_hooks.export_io import tflite_converter_error
 from tfmp._src.layer_tree import walk
 
 POLICIES = ("mixed_bfloat16", "mixed_float16")

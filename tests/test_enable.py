@@ -258,7 +258,7 @@ def test_bad_options_leave_everything_untouched(options, message):
 
 def test_a_hook_that_fails_to_install_leaves_tfmp_and_keras_as_they_were(monkeypatch):
     from tfmp._src.float32 import fused_batchnorm
-    from tfmp._src.keras_hooks.keras_private import defining_class
+    from tfmp._src.keras_hooks.patches import defining_class
     from tfmp._src.attachment import hooks as attachment_hooks
     from tfmp._src.keras_hooks import patches
     from tfmp._src.policy import enable as enable_module
@@ -302,7 +302,7 @@ def test_compiling_a_model_built_before_enable_warns():
 def test_enable_with_loss_scale_options_alone_leaves_keras_unhooked_after_disable():
     """The optimizers enable() checks the options with are never built: no fit hook from them."""
     from tfmp._src.keras_hooks import patches
-    from tfmp._src.keras_hooks.keras_private import defining_class
+    from tfmp._src.keras_hooks.patches import defining_class
 
     collect_everything()
     tfmp.disable()  # not enabled: takes off the hooks of optimizers other tests left to the collector

@@ -21,7 +21,7 @@ import export_model  # noqa: E402
 import example_utils  # noqa: E402
 import tfds_preflight  # noqa: E402
 import tfmp  # noqa: E402
-from tfmp._src.keras_hooks import keras_private  # noqa: E402
+from tfmp._src.keras_hooks import runtime_options  # noqa: E402
 from tfmp._src.policy.hardware import injected_facts  # noqa: E402
 import train_digits  # noqa: E402
 import train_image_classifier  # noqa: E402
@@ -267,7 +267,7 @@ def remapping_at_each_step(monkeypatch):
         step = make(*args, **kwargs)
 
         def call(*step_args):
-            seen.append(keras_private.function_call_config_now().graph_options.rewrite_options.remapping)
+            seen.append(runtime_options.function_call_config_now().graph_options.rewrite_options.remapping)
             return step(*step_args)
 
         return call

@@ -22,7 +22,7 @@ import tensorflow as tf
 
 import tfmp
 from tfmp import DeviceFacts, GpuFacts
-from tfmp._src.keras_hooks import keras_private, patches, step_scope, train_function
+from tfmp._src.keras_hooks import patches, runtime_options, step_scope, train_function
 from tfmp._src.policy import float16_fusion
 from tfmp._src.policy.hardware import injected_facts
 from tfmp._src.policy.policy import resolve_policy
@@ -144,19 +144,19 @@ def test_the_scope_and_the_train_step_checks_wrap_once_each_over_several_fits():
 
 
 def test_remapper_off_changes_only_this_threads_config_and_restores_it_on_error():
-    before = keras_private.function_call_config_now()
+    before = runtime_options.function_call_config_now()
     inside, other_thread = [], []
     with pytest.raises(RuntimeError, match="boom"):
         with float16_fusion.remapper_off():
-            inside.append(keras_private.function_call_config_now())
+            inside.append(runtime_options.function_call_config_now())
             worker = threading.Thread(
-                target=lambda: other_thread.append(keras_private.function_call_config_now()))
+                target=lambda: other_thread.append(runtime_options.function_call_config_now()))
             worker.start()
             worker.join()
             raise RuntimeError("boom")
     assert inside[0].graph_options.rewrite_options.remapping == OFF
     assert other_thread[0].graph_options.rewrite_options.remapping != OFF
-    after = keras_private.function_call_config_now()
+    after = runtime_options.function_call_config_now()
     assert after == before and after.graph_options.rewrite_options.remapping != OFF
     before.graph_options.rewrite_options.remapping = OFF
     assert inside[0] == before  # nothing else of the config changed
@@ -261,7 +261,7 @@ def test_step_scope_refuses_what_is_not_a_model_and_passes_through_a_model_not_a
     with pytest.raises(RuntimeError, match="boom"):  # an error leaves the thread's config as it was
         with tfmp.step_scope(compiled("mixed_float16", slow=True)):
             raise RuntimeError("boom")
-    assert keras_private.function_call_config_now().graph_options.rewrite_options.remapping != OFF
+    assert runtime_options.function_call_config_now().graph_options.rewrite_options.remapping != OFF
 
 
 def test_the_float16_cpu_benchmark_runs_and_its_tables_hang_together(tmp_path):

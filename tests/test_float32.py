@@ -8,7 +8,7 @@ import pytest
 from _collect import collect_everything
 
 import tfmp
-from tfmp._src.keras_hooks.keras_private import keras_at_least
+from tfmp._src.keras_hooks.versions import keras_at_least
 from tfmp._src.float32 import registry as _registry
 from tfmp._src.keras_hooks import patches
 

@@ -19,7 +19,7 @@ from _traced import forward_and_backward_ops
 import tfmp
 from tfmp import DeviceFacts, GpuFacts
 from tfmp._src.float32 import bias_gradient, gelu
-from tfmp._src.keras_hooks import contracts, keras_private
+from tfmp._src.keras_hooks import backend_ops, contracts
 from tfmp._src.policy.hardware import injected_facts
 from _machines import A100, SAPPHIRE_RAPIDS, XEON_NO_BF16, ZEN4
 
@@ -266,7 +266,7 @@ def test_a_gelu_outside_a_layer_call_is_kerass():
 
 def test_keras_still_calls_the_backend_gelu_by_module_attribute():
     """The contract the hook rests on: ``gelu(x, approximate)`` looked up on ``backend.nn``."""
-    assert list(inspect.signature(keras_private.backend_nn().gelu).parameters) == ["x", "approximate"]
+    assert list(inspect.signature(backend_ops.backend_nn().gelu).parameters) == ["x", "approximate"]
     assert any("backend.nn" in row for row, _ in contracts.CALL_ORDER)
 
 

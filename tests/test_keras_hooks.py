@@ -15,22 +15,32 @@ import tensorflow as tf
 from _collect import collect_everything
 
 import tfmp
-from tfmp._src.keras_hooks import contracts, keras_private, model_hooks, patches, train_function
+from tfmp._src.keras_hooks import (
+    contracts,
+    functional_graph,
+    layer_calls,
+    optimizer_steps,
+    patches,
+    runtime_options,
+    train_function,
+    trainer,
+    versions,
+)
 from tfmp._src.monitor.grad_stats import GradientStats
 from _subproc import ROOT, script_env
 
 TFMP = pathlib.Path(tfmp.__file__).parent
 
 
-# -- every private Keras name lives in keras_private ---------------------------
+# -- every private Keras name lives in its surface's module of keras_hooks ------
 
 
-@pytest.mark.parametrize("owner, name", keras_private.REQUIRED_ATTRIBUTES, ids=lambda x: getattr(x, "__name__", x))
+@pytest.mark.parametrize("owner, name", contracts.REQUIRED_ATTRIBUTES, ids=lambda x: getattr(x, "__name__", x))
 def test_private_keras_attribute_exists(owner, name):
     assert hasattr(owner, name), (
         f"Keras {keras.__version__} has no {owner.__name__}.{name}: update "
-        "tfmp/_src/keras_hooks/keras_private.py (checked on Keras "
-        f"{keras_private.CHECKED_ON[0]})."
+        "the surface module of tfmp/_src/keras_hooks that lists it (checked on Keras "
+        f"{versions.CHECKED_ON[0]})."
     )
 
 
@@ -40,35 +50,35 @@ def test_private_accessors_work_on_this_keras():
     model = keras.Model(inputs, keras.ops.add(dense(inputs), 1.0))
     model.compile("adam", "mse")
     model.fit(np.ones((2, 3)), np.ones((2, 2)), verbose=0)
-    assert keras_private.child_layers(model)[-1] is dense
-    assert keras_private.functional_graph(model) is model
-    assert keras_private.is_functional(model) and not keras_private.is_functional(keras.Sequential())
-    history = keras_private.keras_history(model.outputs[0])
-    node = keras_private.inbound_node(history.operation, history.node_index)
-    assert keras_private.keras_history(node.input_tensors[0]).operation is dense
-    args, kwargs = keras_private.first_call_arguments(dense)
+    assert layer_calls.child_layers(model)[-1] is dense
+    assert functional_graph.functional_graph(model) is model
+    assert functional_graph.is_functional(model) and not functional_graph.is_functional(keras.Sequential())
+    history = functional_graph.keras_history(model.outputs[0])
+    node = functional_graph.inbound_node(history.operation, history.node_index)
+    assert functional_graph.keras_history(node.input_tensors[0]).operation is dense
+    args, kwargs = functional_graph.first_call_arguments(dense)
     assert len(args) == 1 and args[0] is inputs and kwargs == {}
-    assert keras_private.first_call_arguments(keras.layers.Dense(2)) is None
-    assert sum(len(nodes) for nodes in keras_private.nodes_by_depth(model).values()) == 3
-    assert keras_private.autocasts_inputs(dense)
-    assert int(keras_private.loss_tracker(model).count.numpy()) == 2
-    assert len(keras_private.optimizer_variables(model.optimizer)) == 2
-    assert not keras_private.overwrites_with_gradient(model.optimizer, dense.kernel)
+    assert functional_graph.first_call_arguments(keras.layers.Dense(2)) is None
+    assert sum(len(nodes) for nodes in functional_graph.nodes_by_depth(model).values()) == 3
+    assert layer_calls.autocasts_inputs(dense)
+    assert int(trainer.loss_tracker(model).count.numpy()) == 2
+    assert len(optimizer_steps.optimizer_variables(model.optimizer)) == 2
+    assert not optimizer_steps.overwrites_with_gradient(model.optimizer, dense.kernel)
     adam = keras.optimizers.Adam()
     adam.build([dense.kernel, dense.bias])
-    momentum, velocity = keras_private.adam_slots(adam, dense.bias)
+    momentum, velocity = optimizer_steps.adam_slots(adam, dense.bias)
     assert momentum.shape == velocity.shape == dense.bias.shape and momentum is not velocity
     assert "momentum" in momentum.path and "velocity" in velocity.path
-    assert keras_private.defining_class(keras.Sequential, "compile").__name__ == "Trainer"
-    assert not keras_private.in_xla_context()
+    assert patches.defining_class(keras.Sequential, "compile").__name__ == "Trainer"
+    assert not runtime_options.in_xla_context()
 
 
 def test_tensorflow_function_call_options_are_a_settable_per_thread_config():
-    """`keras_private.function_call_config` rests on these (tensorflow/python/eager/context.py)."""
+    """`runtime_options.function_call_config` rests on these (tensorflow/python/eager/context.py)."""
     from tensorflow.python.eager import context
 
-    fix = ("update keras_private.function_call_config (checked on TensorFlow "
-           f"{keras_private.CHECKED_ON[1]})")
+    fix = ("update runtime_options.function_call_config (checked on TensorFlow "
+           f"{versions.CHECKED_ON[1]})")
     attribute = vars(type(context.context())).get("function_call_options")
     assert isinstance(attribute, property) and attribute.fset is not None, fix
     assert "function_call_options" in inspect.getsource(context.Context.call_function), fix
@@ -80,8 +90,8 @@ def test_tensorflow_function_call_options_are_a_settable_per_thread_config():
         config.graph_options.rewrite_options.remapping = off
 
     before = context.context().function_call_options
-    with keras_private.function_call_config(remapping_off):
-        assert keras_private.function_call_config_now().graph_options.rewrite_options.remapping == off
+    with runtime_options.function_call_config(remapping_off):
+        assert runtime_options.function_call_config_now().graph_options.rewrite_options.remapping == off
     assert context.context().function_call_options is before
 
 
@@ -120,15 +130,43 @@ def _private_uses(path: pathlib.Path, names: set) -> set:
 
 def test_no_module_outside_keras_hooks_touches_a_private_keras_name():
     names = _private_names()
-    # The detector sees what keras_private does (a check that can fail).
-    assert {"_flatten_layers", "_loss_tracker", "keras.src.utils.tracking.no_automatic_dependency_tracking"} <= _private_uses(
-        TFMP / "_src" / "keras_hooks" / "keras_private.py", names
-    )
+    # The detector sees what the surface modules do (a check that can fail).
+    hooks = TFMP / "_src" / "keras_hooks"
+    assert "_flatten_layers" in _private_uses(hooks / "layer_calls.py", names)
+    assert "_loss_tracker" in _private_uses(hooks / "trainer.py", names)
+    assert "keras.src.utils.tracking.no_automatic_dependency_tracking" in _private_uses(
+        hooks / "optimizer_steps.py", names)
     offenders = {}
     for path in TFMP.rglob("*.py"):
         if "keras_hooks" in path.parts:
             continue
         used = _private_uses(path, names)
+        if used:
+            offenders[str(path.relative_to(TFMP))] = sorted(used)
+    assert offenders == {}
+
+
+def _patching_uses(path: pathlib.Path) -> set:
+    """What a module imports of `patches`, or any ``patches.<name>`` it reads."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tfmp._src.keras_hooks"):
+            found |= {f"import {alias.name}" for alias in node.names if alias.name == "patches"}
+            if node.module.endswith(".patches"):
+                found |= {f"import patches.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "patches":
+            found.add(f"patches.{node.attr}")
+    return found
+
+
+def test_features_subscribe_through_surfaces_and_never_patch():
+    hooks = TFMP / "_src" / "keras_hooks"
+    assert "patches.Surface" in _patching_uses(hooks / "trainer.py")  # the detector sees a surface
+    offenders = {}
+    for path in TFMP.rglob("*.py"):
+        if "keras_hooks" in path.parts:
+            continue
+        used = _patching_uses(path)
         if used:
             offenders[str(path.relative_to(TFMP))] = sorted(used)
     assert offenders == {}
@@ -140,6 +178,11 @@ def test_no_module_outside_keras_hooks_touches_a_private_keras_name():
 class _Thing:
     def greet(self, text):
         return f"hello {text}"
+
+
+#: A surface of the tests' own (never registered with tfmp's): its subscribers, innermost first.
+_GREETING = patches.Surface("greeting", methods=("greet",),
+                            subscribers=("numerics", "grad_stats", "enable.compile", "train_function"))
 
 
 def _tag(tag):
@@ -154,9 +197,9 @@ def _tag(tag):
 
 def test_hooks_compose_in_order_and_come_off_one_by_one():
     thing = _Thing()
-    grad = patches.install(thing, "greet", _tag("grad"), owner="grad_stats")
-    numerics = patches.install(thing, "greet", _tag("num"), owner="numerics")
-    # Installed out of order, composed in ORDER: numerics inside grad_stats.
+    grad = _GREETING.subscribe(thing, "greet", _tag("grad"), owner="grad_stats")
+    numerics = _GREETING.subscribe(thing, "greet", _tag("num"), owner="numerics")
+    # Subscribed out of order, composed in the surface's order: numerics inside grad_stats.
     assert thing.greet("x") == "grad(num(hello x))"
     assert [h.owner for h in patches.installed(thing, "greet")] == ["numerics", "grad_stats"]
     grad.remove()
@@ -171,8 +214,8 @@ def test_hooks_compose_in_order_and_come_off_one_by_one():
 def test_class_hook_restores_the_same_function_and_sits_below_instance_hooks():
     original = vars(_Thing)["greet"]
     thing = _Thing()
-    on_instance = patches.install(thing, "greet", _tag("instance"), owner="train_function")
-    on_class = patches.install(_Thing, "greet", _tag("class"), owner="enable.compile")
+    on_instance = _GREETING.subscribe(thing, "greet", _tag("instance"), owner="train_function")
+    on_class = _GREETING.subscribe(_Thing, "greet", _tag("class"), owner="enable.compile")
     # The instance hook looks the class attribute up at each call.
     assert thing.greet("x") == "instance(class(hello x))"
     assert _Thing().greet("y") == "class(hello y)"
@@ -185,13 +228,22 @@ def test_class_hook_restores_the_same_function_and_sits_below_instance_hooks():
 
 def test_unknown_owner_and_class_without_the_method_are_refused():
     with pytest.raises(KeyError, match="Unknown hook owner"):
-        patches.install(_Thing(), "greet", _tag("x"), owner="nobody")
+        _GREETING.subscribe(_Thing(), "greet", _tag("x"), owner="nobody")
+    with pytest.raises(KeyError, match="not a method of the greeting surface"):
+        _GREETING.subscribe(_Thing(), "wave", _tag("x"), owner="numerics")
+    thing = _Thing()
+    hook = _GREETING.subscribe(thing, "greet", _tag("x"), owner="numerics")
+    other = patches.Surface("other", methods=("greet",), subscribers=("numerics",))
+    with pytest.raises(RuntimeError, match="through the greeting surface, not the other one"):
+        other.subscribe(thing, "greet", _tag("y"), owner="numerics")
+    hook.remove()
+    assert "greet" not in vars(thing)
 
     class Child(_Thing):
         pass
 
     with pytest.raises(AttributeError, match="defines it"):
-        patches.install(Child, "greet", _tag("x"), owner="numerics")
+        _GREETING.subscribe(Child, "greet", _tag("x"), owner="numerics")
 
 
 def _failing_wrap(call):
@@ -203,15 +255,15 @@ def test_a_failing_wrap_changes_nothing():
         greet = _Thing.greet
 
     original, thing = vars(Thing)["greet"], Thing()
-    good = patches.install(Thing, "greet", _tag("good"), owner="numerics")
+    good = _GREETING.subscribe(Thing, "greet", _tag("good"), owner="numerics")
     with pytest.raises(RuntimeError, match="this wrap factory fails"):
-        patches.install(Thing, "greet", _failing_wrap, owner="grad_stats")
+        _GREETING.subscribe(Thing, "greet", _failing_wrap, owner="grad_stats")
     assert thing.greet("x") == "good(hello x)"
     assert [h.owner for h in patches.installed(Thing, "greet")] == ["numerics"]
     good.remove()  # no ghost hook left to recompose
     assert vars(Thing)["greet"] is original and patches.installed(Thing) == []
     with pytest.raises(RuntimeError, match="this wrap factory fails"):
-        patches.install(thing, "greet", _failing_wrap, owner="numerics")
+        _GREETING.subscribe(thing, "greet", _failing_wrap, owner="numerics")
     assert "greet" not in vars(thing) and patches.installed(thing) == []
 
 
@@ -222,22 +274,22 @@ def test_install_all_installs_every_hook_or_none():
     original = vars(Thing)["greet"]
     with pytest.raises(RuntimeError, match="this wrap factory fails"):
         patches.install_all([
-            lambda: patches.install(Thing, "greet", _tag("first"), owner="numerics"),
-            lambda: [patches.install(Thing, "greet", _failing_wrap, owner="grad_stats")],
+            lambda: _GREETING.subscribe(Thing, "greet", _tag("first"), owner="numerics"),
+            lambda: [_GREETING.subscribe(Thing, "greet", _failing_wrap, owner="grad_stats")],
         ])
     assert vars(Thing)["greet"] is original and patches.installed(Thing) == []
 
     def two_then_fail():  # an installer that installs some hooks, then raises
-        patches.install(Thing, "greet", _tag("second"), owner="grad_stats")
-        patches.install(Thing, "greet", _failing_wrap, owner="numerics")
+        _GREETING.subscribe(Thing, "greet", _tag("second"), owner="grad_stats")
+        _GREETING.subscribe(Thing, "greet", _failing_wrap, owner="numerics")
 
     with pytest.raises(RuntimeError, match="this wrap factory fails"):
-        patches.install_all([lambda: patches.install(Thing, "greet", _tag("first"), owner="train_function"),
+        patches.install_all([lambda: _GREETING.subscribe(Thing, "greet", _tag("first"), owner="train_function"),
                              two_then_fail])
     assert vars(Thing)["greet"] is original and patches.installed(Thing) == []
     hooks = patches.install_all([
-        lambda: patches.install(Thing, "greet", _tag("a"), owner="numerics"),
-        lambda: [patches.install(Thing, "greet", _tag("b"), owner="grad_stats")],
+        lambda: _GREETING.subscribe(Thing, "greet", _tag("a"), owner="numerics"),
+        lambda: [_GREETING.subscribe(Thing, "greet", _tag("b"), owner="grad_stats")],
     ])
     assert [h.owner for h in hooks] == ["numerics", "grad_stats"] and Thing().greet("x") == "b(a(hello x))"
     for hook in hooks:
@@ -250,7 +302,7 @@ def test_a_patch_another_library_puts_on_top_is_never_overwritten():
         greet = _Thing.greet
 
     original = vars(Thing)["greet"]
-    ours = patches.install(Thing, "greet", _tag("tfmp"), owner="numerics")
+    ours = _GREETING.subscribe(Thing, "greet", _tag("tfmp"), owner="numerics")
     below = vars(Thing)["greet"]
 
     def other(self, text):  # another library's patch, calling what it replaced
@@ -263,12 +315,12 @@ def test_a_patch_another_library_puts_on_top_is_never_overwritten():
     assert vars(Thing)["greet"] is other  # kept, and tfmp's hook is gone from under it
     assert Thing().greet("x") == "other(hello x)"
     with pytest.warns(RuntimeWarning, match=r"Another patch \(.*other\) sits on .*Thing.greet above tfmp's"):
-        again = patches.install(Thing, "greet", _tag("tfmp"), owner="numerics")
+        again = _GREETING.subscribe(Thing, "greet", _tag("tfmp"), owner="numerics")
     assert Thing().greet("x") == "other(tfmp(hello x))"  # composed under the other patch
     with warnings.catch_warnings():  # made an error: nothing changes, the hook stays removable
         warnings.simplefilter("error", RuntimeWarning)
         with pytest.raises(RuntimeWarning, match="Another patch"):
-            patches.install(Thing, "greet", _tag("more"), owner="grad_stats")
+            _GREETING.subscribe(Thing, "greet", _tag("more"), owner="grad_stats")
         assert [h.owner for h in patches.installed(Thing, "greet")] == ["numerics"]
         with pytest.raises(RuntimeWarning, match="sits on top"):
             again.remove()
@@ -350,29 +402,29 @@ def test_stuck_check_is_attached_without_enable_and_comes_off_after_the_last_opt
     model.compile(tfmp.LossScaleOptimizer(keras.optimizers.SGD(0.1)), "mse")
     model.fit(np.ones((2, 2)), np.ones((2, 1)), verbose=0)
     assert train_function.has_check(model, "stuck")
-    trainer = keras_private.defining_class(keras.Model, "make_train_function")
-    assert [h.owner for h in patches.installed(trainer, "make_train_function")] == ["loss_scale.fit_check"]
+    trainer_class = patches.defining_class(keras.Model, "make_train_function")
+    assert [h.owner for h in patches.installed(trainer_class, "make_train_function")] == ["loss_scale.fit_check"]
     assert len(loops._live) == before + 1
     del model
     keras.backend.clear_session()
     collect_everything()
     assert len(loops._live) == before
     # Not from the garbage collector: at the next make_train_function (or disable()).
-    assert [h.owner for h in patches.installed(trainer, "make_train_function")] == ["loss_scale.fit_check"]
+    assert [h.owner for h in patches.installed(trainer_class, "make_train_function")] == ["loss_scale.fit_check"]
     _model().make_train_function()
-    hooked = [h.owner for h in patches.installed(trainer, "make_train_function")]
+    hooked = [h.owner for h in patches.installed(trainer_class, "make_train_function")]
     assert hooked == (["loss_scale.fit_check"] if before else [])
 
 
 def test_compile_hook_sits_where_keras_defines_compile():
-    trainer = keras_private.defining_class(keras.Model, "compile")
-    original = vars(trainer)["compile"]
+    trainer_class = patches.defining_class(keras.Model, "compile")
+    original = vars(trainer_class)["compile"]
     with tfmp.policy_scope("float32"):
-        assert [h.owner for h in patches.installed(trainer, "compile")] == ["enable.compile"]
-        assert keras.Sequential.compile is trainer.compile  # compile_from_config compiles
+        assert [h.owner for h in patches.installed(trainer_class, "compile")] == ["enable.compile"]
+        assert keras.Sequential.compile is trainer_class.compile  # compile_from_config compiles
         assert "compile" not in vars(keras.Model)
-    assert vars(trainer)["compile"] is original
-    assert not model_hooks.compiled_by_tfmp(_model())
+    assert vars(trainer_class)["compile"] is original
+    assert not trainer.compiled_by_tfmp(_model())
 
 
 # -- supported versions ----------------------------------------------------------
@@ -383,7 +435,7 @@ def test_compile_hook_sits_where_keras_defines_compile():
     [("3.12.0", "2.17.0"), ("3.15.1", "2.21.0"), ("3.16.0.dev2026", "2.22.0rc1")],
 )
 def test_supported_versions_import(keras_version, tf_version):
-    keras_private.check_versions(keras_version, tf_version)
+    versions.check_versions(keras_version, tf_version)
 
 
 @pytest.mark.parametrize(
@@ -392,7 +444,7 @@ def test_supported_versions_import(keras_version, tf_version):
 )
 def test_unsupported_versions_are_refused_naming_both(keras_version, tf_version):
     with pytest.raises(ImportError) as info:
-        keras_private.check_versions(keras_version, tf_version)
+        versions.check_versions(keras_version, tf_version)
     message = str(info.value)
     assert f"keras=={keras_version}, tensorflow=={tf_version}" in message
     assert "Keras >= 3.12.0, < 4.0.0 with TensorFlow >= 2.17.0" in message
@@ -406,14 +458,14 @@ def test_setup_cfg_ranges_are_the_tested_ones():
     requires = config["options"]["install_requires"]
     dotted = lambda v: ".".join(map(str, v))  # noqa: E731
     above = lambda v: f"{v[0]}.{v[1] + 1}"  # noqa: E731  (the next minor)
-    assert f"keras>={dotted(keras_private.MIN_KERAS)},<{above(keras_private.NEWEST_TESTED_KERAS)}" in requires
-    assert (f"tensorflow>={dotted(keras_private.MIN_TENSORFLOW)},"
-            f"<{above(keras_private.NEWEST_TESTED_TENSORFLOW)}") in requires
+    assert f"keras>={dotted(versions.MIN_KERAS)},<{above(versions.NEWEST_TESTED_KERAS)}" in requires
+    assert (f"tensorflow>={dotted(versions.MIN_TENSORFLOW)},"
+            f"<{above(versions.NEWEST_TESTED_TENSORFLOW)}") in requires
     ci = (TFMP.parent / ".ci" / "run").read_text()
-    assert f'"keras=={dotted(keras_private.MIN_KERAS)}" "tensorflow=={dotted(keras_private.MIN_TENSORFLOW)}"' in ci
+    assert f'"keras=={dotted(versions.MIN_KERAS)}" "tensorflow=={dotted(versions.MIN_TENSORFLOW)}"' in ci
     # The newest minors are those of the pinned pre-release tier.
-    assert f'"tf-nightly=={dotted(keras_private.NEWEST_TESTED_TENSORFLOW)}.0.dev' in ci
-    assert f'"keras-nightly=={dotted(keras_private.NEWEST_TESTED_KERAS)}.0.dev' in ci
+    assert f'"tf-nightly=={dotted(versions.NEWEST_TESTED_TENSORFLOW)}.0.dev' in ci
+    assert f'"keras-nightly=={dotted(versions.NEWEST_TESTED_KERAS)}.0.dev' in ci
 
 
 # -- giving Keras back ------------------------------------------------------------
@@ -424,12 +476,12 @@ def _surfaces(*runs):
     processes = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "_keras_surface.py"), *args],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   env=script_env(), cwd=ROOT) for args in runs]
-    surfaces = []
+    found = []
     for process in processes:
         out, err = process.communicate(timeout=300)
         assert process.returncode == 0, err[-3000:]
-        surfaces.append(json.loads(out.splitlines()[-1]))
-    return surfaces
+        found.append(json.loads(out.splitlines()[-1]))
+    return found
 
 
 def test_after_tfmp_lets_go_keras_is_as_without_tfmp():
@@ -534,7 +586,7 @@ def test_keras_still_refuses_int8_for_float16_with_the_text_tfmp_reads():
 def test_keras_still_has_each_hooked_signature(cls, name, expected):
     import inspect
 
-    owner = keras_private.defining_class(cls, name)
+    owner = patches.defining_class(cls, name)
     method = vars(owner)[name]
     parameters = list(inspect.signature(getattr(method, "__func__", method)).parameters)[1:]
     assert parameters[:len(expected)] == list(expected)

@@ -17,7 +17,7 @@ from keras import layers
 import tfmp
 from _zoo import convnext_tiny, transformer_classifier
 from tfmp._src.float32 import registry as _registry
-from tfmp._src.keras_hooks.keras_private import keras_at_least
+from tfmp._src.keras_hooks.versions import keras_at_least
 
 MIXED = ["mixed_bfloat16", "mixed_float16"]
 

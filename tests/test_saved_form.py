@@ -16,7 +16,7 @@ import pytest
 
 import _subproc
 import tfmp
-from tfmp._src.keras_hooks import keras_private
+from tfmp._src.keras_hooks import versions
 from tfmp._src.loss_scale import saved_form
 
 DATA = pathlib.Path(__file__).parent / "data"
@@ -134,7 +134,7 @@ def test_weights_files_carry_the_counters_both_ways(tmp_path):
 def test_a_file_of_an_earlier_tfmp_still_opens_with_its_counters():
     """tests/data/tfmp_9fa527f_*: saved by tfmp at 9fa527f (every variable in one group, tfmp's class name)."""
     saved = json.loads((DATA / "tfmp_9fa527f_mixed_float16.json").read_text())
-    if keras_private.keras_at_least(saved["keras_version"]) is False:
+    if versions.keras_at_least(saved["keras_version"]) is False:
         pytest.skip(f"Keras {keras.__version__} cannot read layers Keras {saved['keras_version']} saved "
                     "(Dense's quantization_config)")
     with warnings.catch_warnings():

@@ -31,7 +31,7 @@ from typing import Any, Optional
 import tensorflow as tf
 
 from tfmp._src.errors import user_stacklevel
-from tfmp._src.keras_hooks.keras_private import in_xla_context
+from tfmp._src.keras_hooks.runtime_options import in_xla_context
 from tfmp._src.policy.policy import PerformanceWarning
 
 

@@ -16,7 +16,8 @@ from typing import Any, List, NamedTuple, Optional
 
 import keras
 
-from tfmp._src.keras_hooks.keras_private import child_layers, is_functional
+from tfmp._src.keras_hooks.functional_graph import is_functional
+from tfmp._src.keras_hooks.layer_calls import child_layers
 
 
 class LayerEntry(NamedTuple):

@@ -14,7 +14,7 @@ exactly that: its attachment, its layers' policies and its optimizer.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Dict, Iterator, Optional
+from typing import Any, ContextManager, Dict, Iterator, List, Optional
 
 import keras
 
@@ -24,7 +24,7 @@ from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.errors import invalid_argument
 from tfmp._src.float32 import bias_gradient, conv, fused_batchnorm, gelu
 from tfmp._src.float32.force import forced_reason
-from tfmp._src.keras_hooks import patches
+from tfmp._src.keras_hooks import surfaces, train_function
 from tfmp._src.keras_hooks import step_scope as model_scopes
 from tfmp._src.layer_tree import walk
 from tfmp._src.numerics.check import check_numerics
@@ -36,7 +36,11 @@ from tfmp._src.policy import speedups as speedup_rules
 #: policies forcing set, which are the model's own and saved with it.
 #: The name of the step scope of a model run without Grappler's remapper.
 REMAPPER_OFF = "remapper off"
-DETACHED_OWNERS = ("float32.ids", "enable.dtype_errors", "enable.quantize_hint", "custom_optimizers")
+#: Subscribers `detach` leaves on a model: float32 forcing's, which make the layer
+#: policies it keeps (saved with the model) compute as their dtypes say.
+KEPT_OWNERS = ("float32.build", "float32.outputs", "float32.cast_back")
+#: The checks after each train step `detach` takes off (tfmp's stuck checks).
+DETACHED_CHECKS = ("stuck", "stuck.custom_optimizers")
 
 
 def _check_model(model: Any, function: str) -> None:
@@ -152,7 +156,36 @@ def attachment(model: keras.layers.Layer) -> Optional[Attachment]:
             was received).
     """
     _check_model(model, "attachment")
-    return record.of(model)
+    found = record.of(model)
+    if found is not None:
+        found.subscriptions = subscriptions(model)
+    return found
+
+
+def subscriptions(model: keras.layers.Layer) -> Dict[str, List[str]]:
+    """What tfmp hooks on `model`, its layers, their policies and its optimizer now.
+
+    Returns:
+        Dict, object (``"model"``, a layer path, ``"<path>.dtype_policy"``,
+        ``"optimizer"``) -> list of ``"<surface>: <method> (<subscriber>)"``,
+        and ``"model"`` also lists the checks after each train step
+        (``"trainer: train step check <name>"``). Objects without one are left out.
+    """
+    objects = [("model", model)]
+    for entry in walk(model):
+        objects += [(entry.path, entry.layer), (f"{entry.path}.dtype_policy", entry.layer.dtype_policy)]
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        objects.append(("optimizer", optimizer))
+    found: Dict[str, List[str]] = {}
+    for name, obj in objects:
+        rows = [f"{hook.surface.name}: {hook.name} ({hook.owner})" for hook in surfaces.subscriptions_on(obj)]
+        if obj is model:
+            rows += [f"trainer: train step check {check}" for check in train_function.CHECK_ORDER
+                     if train_function.has_check(model, check)]
+        if rows:
+            found[name] = rows
+    return found
 
 
 def detach(model: keras.layers.Layer) -> Optional[Attachment]:
@@ -163,8 +196,11 @@ def detach(model: keras.layers.Layer) -> Optional[Attachment]:
     attachment), so that the fused
     BatchNormalization kernel, the float32-inside GELU and the float32 loss-term
     casts no longer apply;
-    the exact-token-id and dtype-error hooks; the hook wrapping optimizers stored
-    on the model (those wrapped stay); `tfmp.check_numerics`; and resets
+    every subscription tfmp made on the model and its layers (the exact-token-id,
+    dtype-error and quantize hooks, the hook wrapping optimizers stored on the
+    model (those wrapped stay), the batch record of the ``"batch"`` guard, the
+    stuck checks after each step, `tfmp.check_numerics`, the float16 step scope)
+    but float32 forcing's; and resets
     the train, test and predict functions of the model, and of any attached model
     holding it, so that they are traced again.
     Kept: the layers' dtype policies (float32 forcing's, saved with the model) and
@@ -188,12 +224,14 @@ def detach(model: keras.layers.Layer) -> Optional[Attachment]:
     if isinstance(model, keras.Model):
         check_numerics(model, enabled=False)
         model_scopes.remove(model)
+        for name in DETACHED_CHECKS:
+            train_function.remove_check(model, name)
     for holder in [model, *_attached_models_holding(model)]:  # traced with the detached part
         if isinstance(holder, keras.Model):
             holder.train_function = holder.test_function = holder.predict_function = None
     for obj in objects + [obj.dtype_policy for obj in objects]:
-        for hook in patches.installed(obj):
-            if hook.owner in DETACHED_OWNERS:
+        for hook in surfaces.subscriptions_on(obj):
+            if hook.owner not in KEPT_OWNERS:
                 hook.remove()
     record.unmark(objects, detached=True)
     hooks.release_if_unused()

@@ -24,11 +24,11 @@ from typing import List
 
 from tfmp._src.attachment import record
 from tfmp._src.float32 import bias_gradient, conv, fused_batchnorm, gelu, gradient_errors
-from tfmp._src.keras_hooks import availability, patches
+from tfmp._src.keras_hooks import availability, surfaces
 from tfmp._src.keras_hooks.loss_terms import install_losses_hook
 from tfmp._src.policy import session
 
-_hooks: List[patches.Hook] = []
+_hooks: List[surfaces.Hook] = []
 _lock = threading.RLock()
 #: The optional features among them, each installed on its own: where its Keras surface
 #: is missing it is switched off with one warning (`availability`), and the rest go on.
@@ -44,13 +44,13 @@ def hold() -> None:
     """
     with _lock:
         if not _hooks:
-            _hooks.extend(patches.install_all(
+            _hooks.extend(surfaces.all_or_none(
                 [install_losses_hook, fused_batchnorm.install, gradient_errors.install]))
             for feature, install in OPTIONAL:
                 if availability.off(feature):
                     continue
                 try:
-                    _hooks.extend(patches.install_all([install]))
+                    _hooks.extend(surfaces.all_or_none([install]))
                 except Exception as error:  # noqa: BLE001 (any failure of an optional feature)
                     availability.switch_off(feature, error)
 
@@ -64,7 +64,7 @@ def release_if_unused() -> None:
                 _hooks.pop()
 
 
-def installed() -> List[patches.Hook]:
+def installed() -> List[surfaces.Hook]:
     """The model-level hooks now on (for the test suite's leak guard)."""
     with _lock:
         return list(_hooks)

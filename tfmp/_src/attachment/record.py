@@ -19,7 +19,7 @@ import weakref
 from typing import Any, Dict, Iterable, List, Optional
 
 from tfmp._src.errors import check_bool, check_type, invalid_argument
-from tfmp._src.keras_hooks.keras_private import entry_layer
+from tfmp._src.keras_hooks.layer_calls import entry_layer
 from tfmp._src.keras_hooks.object_state import PerObject
 from tfmp._src.policy import session, speedups
 
@@ -92,6 +92,18 @@ class Attachment:
             moved in this Keras, or a GPU or TPU, where none was measured
             (`tfmp._src.policy.speedups.FEATURES`). A feature on still applies
             only where its own field above says so.
+        optimizer: String. What tfmp did with the model's optimizer when it
+            attached it: ``"tfmp.LossScaleOptimizer(Adam): dynamic loss scale,
+            guard='auto', fused updates on"``, ``"Adam: kept (float32 compute)"``,
+            ``"Adam: as saved"`` (loaded), or ``""`` (none, a layer attached at
+            its first call).
+        subscriptions: Dict, object (``"model"``, a layer path,
+            ``"<path>.dtype_policy"``, ``"optimizer"``) -> list of
+            ``"<surface>: <method> (<subscriber>)"``: every hook tfmp has on the
+            model's own objects, read anew by each `tfmp.attachment(model)`
+            (a layer's record shows its model's as last read). Hooks on Keras
+            classes and modules, shared by every model, are listed in the
+            architecture notes; they act only on attached objects.
     """
 
     model: str
@@ -110,6 +122,8 @@ class Attachment:
     bias_gradient: str = "keras"
     conv: str = "keras"
     speedups: Dict[str, str] = dataclasses.field(default_factory=lambda: speedups.decided(None))
+    optimizer: str = ""
+    subscriptions: Dict[str, List[str]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         """Checks the fields' types (a record made by hand fails here, not when read).
@@ -119,7 +133,8 @@ class Attachment:
         """
         for name, example in (("model", "'sequential'"), ("attached_by", "'compile'"),
                               ("policy", "'mixed_float16'"), ("remapper", "'on'"),
-                              ("gelu", "'keras'"), ("bias_gradient", "'keras'"), ("conv", "'keras'")):
+                              ("gelu", "'keras'"), ("bias_gradient", "'keras'"), ("conv", "'keras'"),
+                              ("optimizer", "'Adam: kept (float32 compute)'")):
             check_type(name, getattr(self, name), str, "a string", fix=f"Pass e.g. {name}={example}.")
         for name in ("layer_policies", "forced_float32", "batchnorm_kernel", "speedups"):
             check_type(name, getattr(self, name), dict, "a dict of layer path -> string", items=str,
@@ -132,6 +147,9 @@ class Attachment:
             check_bool(name, getattr(self, name))
         check_type("custom_optimizers", self.custom_optimizers, list, "a list of attribute names", items=str,
                    fix="Pass e.g. custom_optimizers=['g_optimizer'], or [] for none.")
+        check_type("subscriptions", self.subscriptions, dict, "a dict of object -> list of strings",
+                   items=list, fix="Pass e.g. subscriptions={'model': ['trainer: fit (fit_lifecycle)']}, "
+                   "or {} for none.")
 
 
 def of(obj: Any) -> Optional[Attachment]:
@@ -160,6 +178,12 @@ def unmark(objects: Iterable[Any], *, detached: bool = False) -> None:
             _marked.discard(obj)
             if detached:
                 _DETACHED[obj] = True
+
+
+def detached(obj: Any) -> bool:
+    """Bool. Whether `tfmp.detach` took `obj`'s mark off (and no compile or load gave it back)."""
+    with _lock:
+        return obj in _DETACHED
 
 
 def any_marked() -> bool:
@@ -210,7 +234,7 @@ def of_calling(layer: Any) -> Optional[Attachment]:
     """The `Attachment` a calling layer computes under, or None (`layer` None, not attached).
 
     For hooks on functions a layer's ``call`` uses (Keras's backend ``gelu`` and
-    ``add``), with `layer` the innermost layer called (`keras_private.calling_layer`):
+    ``add``), with `layer` the innermost layer called (`layer_calls.calling_layer`):
     `attached_or_first_use` decides, then its mark is read.
     """
     if layer is None or not attached_or_first_use(layer):

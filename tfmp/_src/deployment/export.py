@@ -23,7 +23,8 @@ from tfmp._src.deployment import artifacts, export_checks
 from tfmp._src.deployment.report import FORMATS, WEIGHTS, ExportReport
 from tfmp._src.deployment.to_float32 import to_float32
 from tfmp._src.errors import invalid_argument
-from tfmp._src.keras_hooks.keras_private import functional_graph, tflite_converter_error
+from tfmp._src.keras_hooks.export_io import tflite_converter_error
+from tfmp._src.keras_hooks.functional_graph import functional_graph
 from tfmp._src.layer_tree import walk
 
 

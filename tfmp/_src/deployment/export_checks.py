@@ -10,13 +10,13 @@ artifact's signature. So every argument is checked against the model's inputs (t
 from __future__ import annotations
 
 import os
-from typing import Any, List, Optional
+from typing import Any, List
 
 import numpy as np
 import tensorflow as tf
 
 from tfmp._src.errors import invalid_argument
-from tfmp._src.keras_hooks.keras_private import export_input_specs
+from tfmp._src.keras_hooks.export_io import export_input_specs
 
 #: Rows of the sample batch made when none is given, and the seed of its values.
 SAMPLE_BATCH = 4

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import keras
 
 from tfmp._src.float32.dtype_errors import with_explanation
-from tfmp._src.keras_hooks import error_texts, patches
+from tfmp._src.keras_hooks import error_texts, trainer
 
 
 def hint(model: Any, mode: str) -> str:
@@ -55,6 +55,6 @@ def _wrap(model: Any) -> Callable[[Callable], Callable]:
 
 def explain_quantize(model: keras.Model) -> None:
     """Hooks `model`'s ``quantize`` to name the float32-copy route (idempotent)."""
-    if any(h.owner == "enable.quantize_hint" for h in patches.installed(model, "quantize")):
+    if trainer.subscribed(model, "quantize", "enable.quantize_hint"):
         return
-    patches.install(model, "quantize", _wrap(model), owner="enable.quantize_hint")
+    trainer.subscribe(model, "quantize", _wrap(model), owner="enable.quantize_hint")

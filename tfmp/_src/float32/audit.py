@@ -66,8 +66,8 @@ from tfmp._src.float32 import fused_batchnorm as _fused_batchnorm
 from tfmp._src.float32.cast_back import handed_back_dtype
 from tfmp._src.float32 import reductions as _reductions
 from tfmp._src.float32 import registry as _registry
-from tfmp._src.keras_hooks import patches
-from tfmp._src.keras_hooks.keras_private import functional_graph, nodes_by_depth
+from tfmp._src.keras_hooks import layer_calls
+from tfmp._src.keras_hooks.functional_graph import functional_graph, nodes_by_depth
 from tfmp._src.layer_tree import is_wiring, own_weights, walk
 from tfmp._src.policy import session
 from tfmp._src.policy.hardware import detect_device_facts
@@ -199,7 +199,7 @@ def _record_outputs(layers: Sequence[keras.layers.Layer]) -> Tuple[Dict[int, Lis
 
         return wrap
 
-    hooks = [patches.install(layer, "call", recorder(id(layer)), owner="audit.outputs")
+    hooks = [layer_calls.subscribe(layer, "call", recorder(id(layer)), owner="audit.outputs")
              for layer in layers]
     return seen, hooks
 

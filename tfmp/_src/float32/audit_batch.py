@@ -18,7 +18,7 @@ import tensorflow as tf
 from tfmp._src.errors import invalid_argument
 from tfmp._src.float32.audit_report import AuditWarning, GradientRow
 from tfmp._src.keras_hooks import error_texts
-from tfmp._src.keras_hooks.keras_private import build_state_restored_on_error
+from tfmp._src.keras_hooks.layer_calls import build_state_restored_on_error
 
 _FIX = (
     "cast constants and other tensors to `self.compute_dtype` inside `call()` "

@@ -24,8 +24,8 @@ fastest of 30 calls each).
 
 For an attached model whose attachment says so (`decision`, recorded as
 ``Attachment.bias_gradient``), the hook (owner ``"bias_gradient"`` in
-``keras_hooks.patches.ORDER``) on ``add`` of Keras's TensorFlow backend
-(`keras_private.backend_numpy`, which ``keras.ops.add`` reads at each call)
+``keras_hooks.backend_ops.SURFACE``) on ``add`` of Keras's TensorFlow backend
+(`backend_ops.backend_numpy`, which ``keras.ops.add`` reads at each call)
 keeps Keras's forward pass (the same ``BiasAdd``, so Grappler fuses it as
 before) and gives the bias the gradient ``reduce_sum(dy)`` over every axis but
 the channel, in the bias's dtype. Decided once per model, when tfmp attaches it,
@@ -52,7 +52,7 @@ from typing import Any, Callable, Iterator, List, Optional
 
 from tfmp._src.attachment import record
 from tfmp._src.constants import LOW_PRECISION
-from tfmp._src.keras_hooks import availability, keras_private, patches
+from tfmp._src.keras_hooks import availability, backend_ops, layer_calls
 from tfmp._src.policy.hardware import DeviceFacts, detect_device_facts
 from tfmp._src.policy.probe_cache import ProbeCache
 
@@ -269,7 +269,7 @@ def _filters_train(layer: Any) -> bool:
 
 def layer_decision(layer: Any) -> str:
     """``Attachment.bias_gradient`` of `layer`, the layer whose call runs in this thread
-    (the innermost; `keras_private.calling_layer`): its own model's decision, also
+    (the innermost; `layer_calls.calling_layer`): its own model's decision, also
     inside a model tfmp did not attach; `KERAS` outside a layer, for a layer not
     attached, and after `tfmp.detach`."""
     found = record.of_calling(layer)
@@ -311,7 +311,7 @@ def _wrap(next_add: Callable) -> Callable:
 
         # Cheap tests first: every keras.ops.add of any model passes here while hooked.
         if isinstance(x1, tf.Tensor) and x1.dtype.name in LOW_PRECISION:  # not a SparseTensor
-            layer = keras_private.calling_layer()
+            layer = layer_calls.calling_layer()
             decided = layer_decision(layer)
             if decided.startswith(SUMMED):
                 import keras
@@ -324,6 +324,6 @@ def _wrap(next_add: Callable) -> Callable:
     return add
 
 
-def install() -> patches.Hook:
+def install() -> backend_ops.Hook:
     """Hooks Keras's TensorFlow backend ``add``; ``.remove()`` the returned `Hook` to undo."""
-    return patches.install(keras_private.backend_numpy(), "add", _wrap, owner="bias_gradient")
+    return backend_ops.subscribe("add", _wrap, owner="bias_gradient")

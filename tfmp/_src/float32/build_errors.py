@@ -26,7 +26,7 @@ import keras
 import tensorflow as tf
 
 from tfmp._src.float32 import dtype_errors
-from tfmp._src.keras_hooks import error_texts, patches
+from tfmp._src.keras_hooks import error_texts, layer_calls
 from tfmp._src.layer_tree import walk
 from tfmp._src.policy import session
 
@@ -83,7 +83,7 @@ def _wrap(original: Callable) -> Callable:
     return tfmp_compute_output_spec
 
 
-def install() -> patches.Hook:
+def install() -> layer_calls.Hook:
     """Hooks ``keras.layers.Layer.compute_output_spec``; remove the `Hook` to undo."""
-    return patches.install(keras.layers.Layer, "compute_output_spec", _wrap,
+    return layer_calls.subscribe(keras.layers.Layer, "compute_output_spec", _wrap,
                            owner="enable.build_errors")

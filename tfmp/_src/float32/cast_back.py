@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import keras
 
 from tfmp._src.constants import LOW_PRECISION
-from tfmp._src.keras_hooks import patches
+from tfmp._src.keras_hooks import layer_calls
 from tfmp._src.keras_hooks.object_state import PerObject
 from tfmp._src.keras_hooks.loss_terms import to_float32
 
@@ -115,8 +115,8 @@ def install(layer: keras.layers.Layer, parent) -> None:
         return cast_back
 
     _CAST_BACK[layer] = [
-        patches.install(layer, "call", wrap, owner="float32.cast_back"),
-        patches.install(layer, "compute_output_spec", wrap, owner="float32.cast_back"),
+        layer_calls.subscribe(layer, "call", wrap, owner="float32.cast_back"),
+        layer_calls.subscribe(layer, "compute_output_spec", wrap, owner="float32.cast_back"),
         target,
     ]
 
@@ -135,7 +135,7 @@ def cast_outputs(model: keras.layers.Layer) -> bool:
             model) whose output is a model output: its ``compute_output_spec`` is
             hooked too, so the symbolic graph shows float32.
     """
-    if any(hook.owner == "float32.outputs" for hook in patches.installed(model, "call")):
+    if layer_calls.subscribed(model, "call", "float32.outputs"):
         return False
     model_ref = weakref.ref(model)
 
@@ -153,7 +153,7 @@ def cast_outputs(model: keras.layers.Layer) -> bool:
 
         return call
 
-    patches.install(model, "call", wrap, owner="float32.outputs")
+    layer_calls.subscribe(model, "call", wrap, owner="float32.outputs")
     if not isinstance(model, keras.Model):
-        patches.install(model, "compute_output_spec", wrap, owner="float32.outputs")
+        layer_calls.subscribe(model, "compute_output_spec", wrap, owner="float32.outputs")
     return True

@@ -25,8 +25,8 @@ a machine without GPUs or TPUs. GPUs keep Keras's convolutions (cuDNN's float16
 kernels are the fast path there); bfloat16 models keep them too (oneDNN's bfloat16
 convolutions are fast: 14.5 ms in the measurement above), as does a float32 model.
 
-The hook (owner ``"conv"`` in ``keras_hooks.patches.ORDER``) replaces ``conv`` and
-``conv_transpose`` of Keras's TensorFlow backend module (`keras_private.backend_nn`),
+The hook (owner ``"conv"`` in ``keras_hooks.backend_ops.SURFACE``) replaces ``conv`` and
+``conv_transpose`` of Keras's TensorFlow backend module (`backend_ops.backend_nn`),
 which ``keras.ops.conv`` / ``conv_transpose`` (so Conv1D/2D/3D and their transposes)
 look up at each call; it is one of the model-level hooks
 (`tfmp._src.attachment.hooks`). A call takes `float32_inside` when the input and
@@ -48,7 +48,7 @@ import functools
 from typing import Any, Callable, Optional
 
 from tfmp._src.float32 import inside
-from tfmp._src.keras_hooks import keras_private, patches
+from tfmp._src.keras_hooks import backend_ops
 from tfmp._src.policy.hardware import DeviceFacts
 
 #: The one compute dtype changed.
@@ -116,7 +116,7 @@ def takes_float32_inside(inputs: Any, kernel: Any) -> bool:
     """Bool. Whether this call of Keras's backend convolution is computed by `float32_inside`.
 
     True when `inputs` and `kernel` are float16 tensors and the layer whose call
-    computes it (`keras_private.calling_layer`) is attached with ``conv``
+    computes it (`layer_calls.calling_layer`) is attached with ``conv``
     starting with `FLOAT32_INSIDE`.
     """
     if any(_dtype_name(t) != DTYPE for t in (inputs, kernel)):
@@ -149,9 +149,8 @@ def _wrap(next_conv: Callable) -> Callable:
 def install() -> None:
     """Hooks Keras's TensorFlow backend ``conv`` and ``conv_transpose`` (owner ``"conv"``).
 
-    Called inside `patches.install_all`, which collects both hooks (to remove them
+    Called inside `surfaces.all_or_none`, which collects both hooks (to remove them
     together) and installs neither when one fails.
     """
-    module = keras_private.backend_nn()
     for name in FUNCTIONS:
-        patches.install(module, name, _wrap, owner="conv")
+        backend_ops.subscribe(name, _wrap, owner="conv")

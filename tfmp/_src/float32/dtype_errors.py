@@ -30,7 +30,7 @@ import keras
 import tensorflow as tf
 
 from tfmp._src.constants import LOW_PRECISION
-from tfmp._src.keras_hooks import error_texts, patches
+from tfmp._src.keras_hooks import error_texts, layer_calls
 from tfmp._src.layer_tree import walk
 
 _MARK = "tfmp_dtype_hint"
@@ -182,7 +182,7 @@ def _wrap(model: Any) -> Any:
 
 def explain_dtype_errors(model: keras.Model) -> None:
     """Hooks `model`'s ``build`` and ``call`` to explain dtype mismatches (idempotent)."""
-    if any(h.owner == "enable.dtype_errors" for h in patches.installed(model, "call")):
+    if layer_calls.subscribed(model, "call", "enable.dtype_errors"):
         return
     for name in ("build", "call"):
-        patches.install(model, name, _wrap(model), owner="enable.dtype_errors")
+        layer_calls.subscribe(model, name, _wrap(model), owner="enable.dtype_errors")

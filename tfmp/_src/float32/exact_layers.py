@@ -39,7 +39,7 @@ import keras
 
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.float32 import registry
-from tfmp._src.keras_hooks import patches
+from tfmp._src.keras_hooks import layer_calls
 from tfmp._src.policy import session
 
 #: Layers this hook set to float32 when they were created -> the policy name they had.
@@ -110,7 +110,7 @@ def _wrap(original: Callable) -> Callable:
 
 
 def install() -> None:
-    """Hooks the ``__init__`` of each class of `CLASSES` (through `patches.install`)."""
+    """Hooks the ``__init__`` of each class of `CLASSES` (through `layer_calls.subscribe`)."""
     for cls in CLASSES:
-        patches.install(cls, "__init__", _wrap, owner="float32.exact")
+        layer_calls.subscribe(cls, "__init__", _wrap, owner="float32.exact")
 

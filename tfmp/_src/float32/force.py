@@ -80,16 +80,10 @@ from tfmp._src.float32 import registry as _registry
 from tfmp._src.float32 import unmatched as _unmatched
 from tfmp._src.float32.cast_back import casts_back
 from tfmp._src.float32.logits import logits_layers
-from tfmp._src.keras_hooks import patches
+from tfmp._src.keras_hooks import layer_calls
 from tfmp._src.keras_hooks.object_state import PerObject
-from tfmp._src.keras_hooks.keras_private import (
-    autocasts_inputs,
-    functional_graph,
-    inbound_node,
-    keras_history,
-    nodes_by_depth,
-    set_symbolic_dtype,
-)
+from tfmp._src.keras_hooks.functional_graph import functional_graph, inbound_node, keras_history, nodes_by_depth, set_symbolic_dtype
+from tfmp._src.keras_hooks.layer_calls import autocasts_inputs
 from tfmp._src.layer_tree import walk
 
 _FORCED: "weakref.WeakKeyDictionary[keras.layers.Layer, str]" = weakref.WeakKeyDictionary()
@@ -251,7 +245,7 @@ def _apply_rules(
 def _defer(layer, path: str, keep, exclude, forced_as: Optional[str]) -> None:
     """Re-applies the rules to the sublayers ``layer.build()`` will create.
 
-    Hooks the instance's ``build`` once (through `keras_hooks.patches`); a later
+    Hooks the instance's ``build`` once (through `keras_hooks.layer_calls`); a later
     call only updates the options. The hook comes off after the first build.
     """
     pending = _DEFERRED.get(layer)
@@ -273,7 +267,7 @@ def _defer(layer, path: str, keep, exclude, forced_as: Optional[str]) -> None:
 
         return build
 
-    pending[0] = patches.install(layer, "build", wrap, owner="float32.build")
+    pending[0] = layer_calls.subscribe(layer, "build", wrap, owner="float32.build")
 
 
 def _cast_outputs(model: keras.Model) -> bool:

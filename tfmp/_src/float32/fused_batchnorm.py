@@ -8,7 +8,7 @@ statistics and the arithmetic in float32 inside one op and returns ``y`` in the
 dtype of ``x``; its gradient is one op too (``FusedBatchNormGradV3``).
 
 `install` hooks ``BatchNormalization.call`` on the class (owner
-``"fused_batchnorm"`` in ``keras_hooks.patches.ORDER``), installed while a thread
+``"fused_batchnorm"`` in ``keras_hooks.layer_calls.SURFACE``), installed while a thread
 is enabled or an attached model is alive (`tfmp._src.attachment`); the class
 itself is unchanged, so a saved model is a plain Keras BatchNormalization. Every
 training call of an attached layer, on either path, keeps its moving statistics
@@ -47,7 +47,7 @@ import tensorflow as tf
 
 from tfmp._src.attachment import record
 from tfmp._src.constants import LOW_PRECISION
-from tfmp._src.keras_hooks import patches
+from tfmp._src.keras_hooks import layer_calls
 from tfmp._src.loss_scale import step_state
 from tfmp._src.policy import speedups
 
@@ -194,6 +194,6 @@ def _wrap(next_call: Callable) -> Callable:
     return call
 
 
-def install() -> patches.Hook:
+def install() -> layer_calls.Hook:
     """Hooks ``keras.layers.BatchNormalization.call``; ``.remove()`` the returned `Hook` to undo."""
-    return patches.install(keras.layers.BatchNormalization, "call", _wrap, owner="fused_batchnorm")
+    return layer_calls.subscribe(keras.layers.BatchNormalization, "call", _wrap, owner="fused_batchnorm")

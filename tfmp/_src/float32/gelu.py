@@ -37,8 +37,8 @@ GELU: their 16-bit elementwise kernels compute natively, as does a layer attache
 at its first call (a custom training loop over a model never compiled: its
 attachment records no per-model decisions).
 
-The hook (owner ``"gelu"`` in ``keras_hooks.patches.ORDER``) replaces ``gelu`` of
-Keras's TensorFlow backend module (`keras_private.backend_nn`), which
+The hook (owner ``"gelu"`` in ``keras_hooks.backend_ops.SURFACE``) replaces ``gelu`` of
+Keras's TensorFlow backend module (`backend_ops.backend_nn`), which
 ``keras.ops.gelu`` looks up at each call; it is one of the model-level hooks
 (`tfmp._src.attachment.hooks`). A call takes `float32_inside` when
 ``approximate`` is False, ``x`` is bfloat16, and the layer computing it (the
@@ -62,7 +62,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from tfmp._src.float32 import inside
-from tfmp._src.keras_hooks import keras_private, patches
+from tfmp._src.keras_hooks import backend_ops
 from tfmp._src.policy.hardware import DeviceFacts
 
 #: The one compute dtype measured and changed (float16 is never tfmp's choice on a CPU).
@@ -284,7 +284,7 @@ def takes_float32_inside(x: Any, approximate: bool) -> bool:
     """Bool. Whether this call of Keras's backend GELU is computed by `float32_inside`.
 
     True when `approximate` is False, `x` is a bfloat16 tensor and the layer whose
-    call computes it (the innermost layer called, `keras_private.calling_layer`)
+    call computes it (the innermost layer called, `layer_calls.calling_layer`)
     is attached with ``gelu`` starting with `FLOAT32_INSIDE`: its own model's
     decision, also inside a model tfmp did not attach; not after `tfmp.detach`.
     """
@@ -303,6 +303,6 @@ def _wrap(next_gelu: Callable) -> Callable:
     return gelu
 
 
-def install() -> patches.Hook:
+def install() -> backend_ops.Hook:
     """Hooks Keras's TensorFlow backend ``gelu``; ``.remove()`` the returned `Hook` to undo."""
-    return patches.install(keras_private.backend_nn(), "gelu", _wrap, owner="gelu")
+    return backend_ops.subscribe("gelu", _wrap, owner="gelu")

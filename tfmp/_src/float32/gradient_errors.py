@@ -47,7 +47,7 @@ import tensorflow as tf
 from tfmp._src.attachment import record
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.float32 import dtype_errors
-from tfmp._src.keras_hooks import error_texts, patches
+from tfmp._src.keras_hooks import error_texts, gradient_tape
 from tfmp._src.layer_tree import walk
 
 _OWNER = "enable.gradient_errors"
@@ -220,10 +220,10 @@ def _wrap(gradient: Callable) -> Callable:
     return explained_gradient
 
 
-def install() -> patches.Hook:
+def install() -> gradient_tape.Hook:
     """Hooks ``tf.GradientTape.gradient`` to explain backward-pass dtype mismatches.
 
     Returns:
-        `patches.Hook`; remove it to undo.
+        `gradient_tape.Hook`; remove it to undo.
     """
-    return patches.install(tf.GradientTape, "gradient", _wrap, owner=_OWNER)
+    return gradient_tape.subscribe(_wrap, owner=_OWNER)

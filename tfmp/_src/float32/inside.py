@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Optional
 
 from tfmp._src.attachment import record
-from tfmp._src.keras_hooks import availability, keras_private
+from tfmp._src.keras_hooks import availability, layer_calls
 from tfmp._src.policy.hardware import DeviceFacts, detect_device_facts
 
 #: An `Attachment` field's value (before the colon) for an op computed in float32 inside.
@@ -50,8 +50,8 @@ def decided(feature: str, compute_dtype: str, dtype: str, rule: str, facts: Opti
 
 
 def calling_layer_takes(field: str) -> bool:
-    """Bool. The layer whose call is running (`keras_private.calling_layer`) is attached
+    """Bool. The layer whose call is running (`layer_calls.calling_layer`) is attached
     with `field` (an `Attachment` field name) starting with `FLOAT32_INSIDE`: its own
     model's decision, also inside a model tfmp did not attach; not after `tfmp.detach`."""
-    found = record.of_calling(keras_private.calling_layer())
+    found = record.of_calling(layer_calls.calling_layer())
     return found is not None and getattr(found, field).startswith(FLOAT32_INSIDE)

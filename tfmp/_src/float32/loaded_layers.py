@@ -32,8 +32,7 @@ from typing import Any, Callable
 import keras
 
 from tfmp._src.constants import LOW_PRECISION
-from tfmp._src.keras_hooks import patches
-from tfmp._src.keras_hooks.keras_private import defining_class
+from tfmp._src.keras_hooks import layer_calls
 from tfmp._src.policy import session
 
 
@@ -69,7 +68,7 @@ def _wrap(original: classmethod) -> classmethod:
     return classmethod(tfmp_from_config)
 
 
-def install() -> patches.Hook:
+def install() -> layer_calls.Hook:
     """Hooks the ``from_config`` classmethod every Keras layer inherits; remove the `Hook` to undo."""
-    owner = defining_class(keras.layers.Layer, "from_config")
-    return patches.install(owner, "from_config", _wrap, owner="float32.from_config")
+    owner = layer_calls.defining_class(keras.layers.Layer, "from_config")
+    return layer_calls.subscribe(owner, "from_config", _wrap, owner="float32.from_config")

@@ -31,7 +31,8 @@ from typing import Any, Dict, List, Set
 
 import keras
 
-from tfmp._src.keras_hooks.keras_private import child_layers, functional_graph, keras_history
+from tfmp._src.keras_hooks.functional_graph import functional_graph, keras_history
+from tfmp._src.keras_hooks.layer_calls import child_layers
 
 #: Losses that compute in float32 from logits when built with ``from_logits=True``.
 CROSS_ENTROPY = (

@@ -52,7 +52,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfmp._src.constants import FLOAT16_MAX
-from tfmp._src.keras_hooks.keras_private import child_layers, first_call_arguments
+from tfmp._src.keras_hooks.functional_graph import first_call_arguments
+from tfmp._src.keras_hooks.layer_calls import child_layers
 from tfmp._src.layer_tree import walk
 
 #: ``ln 65504``: ``exp(x)`` is inf in float16 above it (IEEE 754 binary16).

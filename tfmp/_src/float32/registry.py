@@ -74,7 +74,8 @@ import keras
 from tfmp._src.errors import check_bool, check_type, invalid_argument
 from tfmp._src.float32 import reductions as _reductions
 from tfmp._src.float32.logits import LOGITS_CAST
-from tfmp._src.keras_hooks.keras_private import child_layers, keras_at_least
+from tfmp._src.keras_hooks.layer_calls import child_layers
+from tfmp._src.keras_hooks.versions import keras_at_least
 
 Target = Union[Type[keras.layers.Layer], str]
 

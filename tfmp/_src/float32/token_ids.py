@@ -37,8 +37,9 @@ from typing import Any, Dict, List, Tuple
 import keras
 
 from tfmp._src.constants import LOW_PRECISION
-from tfmp._src.keras_hooks import patches
-from tfmp._src.keras_hooks.keras_private import autocasts_inputs, functional_graph
+from tfmp._src.keras_hooks import layer_calls
+from tfmp._src.keras_hooks.functional_graph import functional_graph
+from tfmp._src.keras_hooks.layer_calls import autocasts_inputs
 from tfmp._src.layer_tree import walk
 
 #: id of a 16-bit tensor an ancestor's autocast made -> (that tensor, the float tensor it came from).
@@ -47,7 +48,7 @@ _OWNER = "float32.ids"
 
 
 def _hooked(target: Any, name: str) -> bool:
-    return any(hook.owner == _OWNER for hook in patches.installed(target, name))
+    return layer_calls.subscribed(target, name, _OWNER)
 
 
 def _record_casts(layer: Any) -> None:
@@ -85,9 +86,9 @@ def _record_casts(layer: Any) -> None:
 
         return mark_finished
 
-    patches.install(own, "convert_input", wrap_convert, owner=_OWNER)
+    layer_calls.subscribe(own, "convert_input", wrap_convert, owner=_OWNER)
     layer.dtype_policy = own
-    patches.install(layer, "call", wrap_call, owner=_OWNER)
+    layer_calls.subscribe(layer, "call", wrap_call, owner=_OWNER)
 
 
 def _look_up_originals(embedding: Any) -> None:
@@ -103,7 +104,7 @@ def _look_up_originals(embedding: Any) -> None:
 
         return exact_ids
 
-    patches.install(embedding, "call", wrap, owner=_OWNER)
+    layer_calls.subscribe(embedding, "call", wrap, owner=_OWNER)
 
 
 def _casting_ancestors(model: Any) -> Dict[int, Tuple[Any, List[Any]]]:

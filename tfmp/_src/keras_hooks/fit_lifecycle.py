@@ -29,8 +29,8 @@ from typing import Any, Callable, Dict, Optional
 
 import keras
 
-from tfmp._src.keras_hooks import patches
-from tfmp._src.keras_hooks.keras_private import defining_class
+from tfmp._src.keras_hooks import patches, trainer
+from tfmp._src.keras_hooks.patches import defining_class
 from tfmp._src.keras_hooks.object_state import PerObject
 
 _HANDLERS = PerObject("fit_error_handlers")  # model -> {key: handler}
@@ -68,8 +68,8 @@ def needs(owner: Any) -> None:
     with _lock:
         _needed_by.add(owner)
         if _hook is None:
-            trainer = defining_class(keras.Model, "fit")
-            _hook = patches.install(trainer, "fit", _wrap_fit, owner="fit_lifecycle")
+            trainer_class = defining_class(keras.Model, "fit")
+            _hook = trainer.subscribe(trainer_class, "fit", _wrap_fit, owner="fit_lifecycle")
 
 
 def not_needed_by(owner: Any) -> None:

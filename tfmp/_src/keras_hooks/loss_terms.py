@@ -1,4 +1,4 @@
-"""Loss terms in float32: the class-level hook on ``Layer.losses``.
+"""The loss-terms surface: ``Layer.losses``, read by ``compute_loss``; its one subscriber casts 16-bit terms to float32.
 
 Keras's ``compute_loss`` sums the compiled loss (float32: a ``keras.losses.Loss``
 computes in ``floatx``) with every term of ``model.losses`` in one
@@ -37,7 +37,16 @@ import tensorflow as tf
 from tfmp._src.attachment import record
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.keras_hooks import patches
-from tfmp._src.keras_hooks.keras_private import defining_class
+from tfmp._src.keras_hooks.patches import defining_class
+
+Hook = patches.Hook  # what subscribing returns: `.remove()` unsubscribes
+SURFACE = patches.Surface("loss terms", methods=("losses",), subscribers=("enable.losses",))
+
+#: (what tfmp relies on Keras doing, the test that checks it).
+CALL_ORDER = (
+    ("compute_loss sums `model.losses`, read through the Layer.losses property",
+     "tests/test_attachment.py::test_a_model_compiled_while_enabled_sums_its_16_bit_loss_terms_after_disable"),
+)
 
 
 def to_float32(term: Any) -> Any:
@@ -73,4 +82,4 @@ def install_losses_hook() -> patches.Hook:
         `patches.Hook`; remove it to restore Keras's property.
     """
     owner = defining_class(keras.layers.Layer, "losses")
-    return patches.install(owner, "losses", _wrap_losses, owner="enable.losses")
+    return SURFACE.subscribe(owner, "losses", _wrap_losses, owner="enable.losses")

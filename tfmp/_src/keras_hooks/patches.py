@@ -1,14 +1,11 @@
 """Method hooks: installed, composed and removed in one place.
 
-Every method tfmp replaces on a Keras class or object (``compile``,
-``compile_from_config``, ``make_train_function`` (and ``make_test_function``,
-``make_predict_function`` of a model), ``train_step``, ``Layer.call``,
-``Layer.compute_output_spec``, ``Layer.build``,
-``BatchNormalization.call``, the backend's ``gelu`` and ``add``, ``Optimizer.apply``, ``Adam.update_step``,
-``Optimizer.scale_loss``, ``tf.GradientTape.gradient``, the ``Layer.losses`` property, the
-``Operation.from_config`` classmethod) goes through `install`. Per method of an object there is one *slot* holding the method as it was
-and a stack of hooks; the attribute is the composition of the stack, innermost
-first in the order of `ORDER`. Removing a hook rebuilds the composition from the
+Every method tfmp replaces on a Keras or TensorFlow class, object or module goes
+through a `Surface`, made by the module of `tfmp._src.keras_hooks` that owns
+that surface (see `surfaces`). Per method of an object there is one *slot*
+holding the method as it was and a stack of hooks; the attribute is the
+composition of the stack, innermost first in the order of its surface's
+`Surface.subscribers`. Removing a hook rebuilds the composition from the
 hooks that remain, so removing one never removes another, and removing the last
 one restores exactly what was there (an instance attribute comes off; a class
 attribute is put back).
@@ -41,40 +38,9 @@ import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from tfmp._src.errors import user_stacklevel
+from tfmp._src.keras_hooks import versions  # noqa: F401 (an unsupported pair fails at import)
 from tfmp._src.keras_hooks.object_state import PerObject
 
-#: Position of each hook owner in a stack, innermost first. A method with several
-#: hooks always composes them in this order, whatever order they were installed in.
-ORDER = {
-    "fused_batchnorm": 5,  # BatchNormalization.call: the fused kernel for attached layers
-    "gelu": 6,  # Keras's TensorFlow backend gelu: 16-bit exact GELU in float32 inside for attached models
-    "conv": 6,  # Keras's TensorFlow backend conv / conv_transpose: float16 convolutions in float32 inside
-    "bias_gradient": 7,  # Keras's TensorFlow backend add: 16-bit bias gradients summed in float32 for attached models
-    "float32.build": 10,  # Layer.build: force sublayers created at build time
-    "float32.exact": 11,  # Discretization / CategoryEncoding / Normalization.__init__ while enabled: float32
-    "float32.from_config": 12,  # Operation.from_config (classmethod) while enabled: a float32 layer's sublayers
-    "float32.outputs": 20,  # Model.call, an output block's call / compute_output_spec: outputs to float32
-    "float32.cast_back": 25,  # Layer.call / compute_output_spec: forced layer hands back its parent's dtype
-    "float32.ids": 26,  # DTypePolicy.convert_input / Layer.call / Embedding.call: exact float token ids
-    "enable.dtype_errors": 28,  # Model.build / call: dtype mismatches explained (models tfmp compiles)
-    "custom_optimizers": 27,  # Model._setattr_hook, Optimizer.apply / scale_loss: optimizers a custom compile keeps
-    "enable.gradient_errors": 29,  # tf.GradientTape.gradient: backward-pass dtype mismatches explained
-    "numerics": 30,  # Layer.call, train_step, Optimizer.apply / scale_loss
-    "enable.build_errors": 31,  # Layer.compute_output_spec while enabled: build-time dtype mismatches explained
-    "enable.quantize_hint": 33,  # model.quantize (a float16 model tfmp attached): the working int8 route
-    "loss_scale.batch": 32,  # Model.train_step (an instance's): the batch for the "batch" guard
-    "audit.outputs": 35,  # Layer.call: record output dtypes during tfmp.audit(batch=...)
-    "grad_stats": 40,  # Optimizer.apply: gradient statistics for the monitor
-    "fused_update": 42,  # an Adam's or SGD's update_step, during tfmp.LossScaleOptimizer's apply: one kernel
-    "enable.compile": 50,  # Trainer.compile / compile_from_config while enabled
-    "enable.losses": 52,  # Layer.losses (property): 16-bit loss terms of attached models cast to float32
-    "loss_scale.fit_check": 55,  # Trainer.make_train_function while tfmp optimizers exist
-    "enable.first_step": 60,  # Trainer.make_train_function while enabled
-    "fit_lifecycle": 65,  # Trainer.fit while a LossScaleMonitor is alive: handlers of an error out of fit
-    "step_scope": 68,  # model.make_{train,test,predict}_function: the model's functions run in a scope
-    "saved_form": 69,  # Trainer.get_compile_config while tfmp optimizers exist: saved in Keras's form
-    "train_function": 70,  # Model.make_train_function: the per-model step wrapper
-}
 _INSTANCE_SLOTS = PerObject("hook_slots")
 _CLASS_SLOTS: Dict[int, Dict[str, "_Slot"]] = {}
 _LOCK = threading.RLock()
@@ -86,14 +52,16 @@ class Hook:
     """One installed hook; `remove()` takes it off its method.
 
     Attributes:
-        owner: String. A key of `ORDER`.
+        owner: String. The subscriber: one of its surface's `Surface.subscribers`.
+        surface: `Surface`. The surface the hooked method belongs to.
         target: The class or object whose method is hooked.
         name: String. The method's name.
         active: Bool. False once removed.
     """
 
-    def __init__(self, slot: "_Slot", owner: str, wrap: Callable[[Callable], Callable]) -> None:
-        self._slot, self.owner, self.wrap, self.active = slot, owner, wrap, True
+    def __init__(self, slot: "_Slot", surface: "Surface", owner: str, wrap: Callable[[Callable], Callable]) -> None:
+        self._slot, self.surface, self.owner, self.wrap, self.active = slot, surface, owner, wrap, True
+        self.rank = surface.subscribers.index(owner)
 
     @property
     def target(self) -> Any:
@@ -156,7 +124,7 @@ class _Slot:
         which a warnings filter can make an error) runs before anything changes.
         """
         innermost = call = self._innermost()
-        for hook in sorted(hooks, key=lambda h: ORDER[h.owner]):
+        for hook in sorted(hooks, key=lambda h: h.rank):
             call = hook.wrap(call)
         foreign = self.foreign_patch() if self.pass_through is not None else None
         if foreign is not None:
@@ -250,38 +218,92 @@ def _slots(target: Any) -> Dict[str, _Slot]:
     return slots
 
 
-def install(target: Any, name: str, wrap: Callable[[Callable], Callable], *, owner: str) -> Hook:
-    """Hooks method `name` of `target` (a class or an object).
+class Surface:
+    """One surface of Keras or TensorFlow that tfmp hooks: its methods and their subscribers.
+
+    A surface module of `tfmp._src.keras_hooks` (`trainer`, `layer_calls`,
+    `optimizer_steps`, `loss_terms`, `backend_ops`, `gradient_tape`) makes one;
+    features subscribe through it and never install a hook themselves. Several
+    subscribers of one method compose in the order of `subscribers`, innermost
+    first, whatever order they subscribed in.
 
     Args:
-        target: A class (hooks every instance; the class must define `name`
-            itself, see `keras_private.defining_class`) or an object (this one
-            only).
-        name: String. The method's name.
-        wrap: Callable ``wrap(next_call) -> call`` building the replacement from the
-            callable below it in the stack.
-        owner: String, a key of `ORDER`: where the hook sits in the stack.
+        name: String, the surface's name (e.g. ``"layer calls"``).
+        methods: Sequence of strings, the method names it hooks.
+        subscribers: Sequence of strings, the owners allowed to subscribe,
+            innermost first.
+    """
 
-    Returns:
-        `Hook`; call `.remove()` to take it off.
+    def __init__(self, name: str, methods: Sequence[str], subscribers: Sequence[str]) -> None:
+        self.name, self.methods, self.subscribers = name, tuple(methods), tuple(subscribers)
+
+    def subscribe(self, target: Any, method: str, wrap: Callable[[Callable], Callable], *, owner: str) -> Hook:
+        """Hooks `method` of `target` (a class or an object) for subscriber `owner`.
+
+        Args:
+            target: A class (hooks every instance; the class must define `method`
+                itself, see `defining_class`) or an object (this one only).
+            method: String, one of `methods`.
+            wrap: Callable ``wrap(next_call) -> call`` building the replacement from the
+                callable below it in the stack.
+            owner: String, one of `subscribers`: where the hook sits in the stack.
+
+        Returns:
+            `Hook`; call `.remove()` to take it off.
+
+        Raises:
+            KeyError: `method` is not one of this surface's, or `owner` not one of its subscribers.
+            RuntimeError: the method of `target` is already hooked through another surface.
+            AttributeError: `target` is a class that does not define `method` itself.
+            Whatever `wrap` raises; the method and its other hooks are then unchanged.
+        """
+        if method not in self.methods:
+            raise KeyError(f"{method!r} is not a method of the {self.name} surface; its methods: "
+                           f"{', '.join(self.methods)}.")
+        if owner not in self.subscribers:
+            raise KeyError(f"Unknown hook owner {owner!r} on the {self.name} surface; known: "
+                           f"{', '.join(self.subscribers)}.")
+        with _LOCK:
+            slots = _slots(target)
+            slot = slots.get(method) or _Slot(target, method)
+            if slot.hooks and slot.hooks[0].surface is not self:
+                raise RuntimeError(f"{slot.describe()} is hooked through the {slot.hooks[0].surface.name} "
+                                   f"surface, not the {self.name} one.")
+            hook = Hook(slot, self, owner, wrap)
+            slot.set_hooks(slot.hooks + [hook])  # raises before anything changes
+            slots[method] = slot
+            collecting = getattr(_installing, "hooks", None)
+            if collecting is not None:
+                collecting.append(hook)
+            return hook
+
+    def subscriptions(self, target: Any, method: Optional[str] = None) -> List[Hook]:
+        """The active hooks of this surface on `target` (on `method`, or on all), innermost first."""
+        return [hook for hook in installed(target, method) if hook.surface is self]
+
+    def subscribed(self, target: Any, method: str, owner: str) -> bool:
+        """Bool. Whether `owner` has a hook on `method` of `target`."""
+        return any(hook.owner == owner for hook in self.subscriptions(target, method))
+
+    def __repr__(self) -> str:
+        return f"<tfmp Surface {self.name}: {', '.join(self.methods)}>"
+
+
+def defining_class(cls: type, name: str) -> type:
+    """The class in `cls.__mro__` whose own namespace defines `name`.
+
+    A class-level hook goes where the method is defined: the compile hook on
+    Keras's trainer base class, not on `keras.Model`, because Keras's
+    ``compile_from_config`` treats a model whose ``compile`` differs from the
+    trainer's as user-overridden and skips compiling.
 
     Raises:
-        KeyError: `owner` is not a key of `ORDER`.
-        AttributeError: `target` is a class that does not define `name` itself.
-        Whatever `wrap` raises; the method and its other hooks are then unchanged.
+        AttributeError: No class of the MRO defines `name`.
     """
-    if owner not in ORDER:
-        raise KeyError(f"Unknown hook owner {owner!r}; known: {', '.join(ORDER)}.")
-    with _LOCK:
-        slots = _slots(target)
-        slot = slots.get(name) or _Slot(target, name)
-        hook = Hook(slot, owner, wrap)
-        slot.set_hooks(slot.hooks + [hook])  # raises before anything changes
-        slots[name] = slot
-        collecting = getattr(_installing, "hooks", None)
-        if collecting is not None:
-            collecting.append(hook)
-        return hook
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            return klass
+    raise AttributeError(f"No class in the MRO of {cls.__name__} defines {name!r}.")
 
 
 def install_all(installers: Sequence[Callable[[], Any]]) -> List[Hook]:
@@ -289,7 +311,7 @@ def install_all(installers: Sequence[Callable[[], Any]]) -> List[Hook]:
 
     Args:
         installers: Sequence of callables without arguments, each installing hooks
-            through `install`.
+            through `Surface.subscribe`.
 
     Returns:
         List of every `Hook` installed, in order.
@@ -315,9 +337,15 @@ def install_all(installers: Sequence[Callable[[], Any]]) -> List[Hook]:
     return hooks
 
 
+def class_slots() -> List[Dict[str, _Slot]]:
+    """The slots of every hooked class, one dict (method name to slot) per class."""
+    with _LOCK:
+        return [dict(slots) for slots in _CLASS_SLOTS.values()]
+
+
 def installed(target: Any, name: Optional[str] = None) -> List[Hook]:
     """The active hooks on `target` (on its method `name`, or on all), innermost first."""
     with _LOCK:
         slots = _slots(target) if isinstance(target, type) else _INSTANCE_SLOTS.get(target, {})
         chosen = [slots[name]] if name in slots else ([] if name else list(slots.values()))
-        return [h for slot in chosen for h in sorted(slot.hooks, key=lambda h: ORDER[h.owner])]
+        return [h for slot in chosen for h in sorted(slot.hooks, key=lambda h: h.rank)]

@@ -12,7 +12,7 @@ model's own ``make_*_function`` (a function Keras builds later is wrapped too);
 `remove` takes it off. A model without a scope has no wrapper at all.
 
 The scope sits below `tfmp._src.keras_hooks.train_function`'s wrapper (owner
-``"step_scope"`` is inner to ``"train_function"`` in `patches.ORDER`): the
+``"step_scope"`` is inner to ``"train_function"`` in `trainer.SURFACE`): the
 per-step checks run on the host after the scoped call. Each wrapper carries the
 function it wraps as ``tfmp_inner``; a wrapper already anywhere in that chain is
 not put on again.
@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, ContextManager, Dict, Optional
 
-from tfmp._src.keras_hooks import patches
+from tfmp._src.keras_hooks import patches, trainer
 from tfmp._src.keras_hooks.object_state import PerObject
 
 #: The model functions a scope covers, as ``<kind>_function`` / ``make_<kind>_function``.
@@ -51,7 +51,7 @@ class _ModelScope:
         self.wrappers: Dict[str, Callable] = {}
         self.inners: Dict[str, Callable] = {}
         self.hooks = patches.install_all([
-            (lambda kind=kind: patches.install(
+            (lambda kind=kind: trainer.subscribe(
                 model, f"make_{kind}_function", self._wrap_make(kind), owner="step_scope"))
             for kind in KINDS
         ])

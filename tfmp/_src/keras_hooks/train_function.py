@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, Optional
 
 import tensorflow as tf
 
-from tfmp._src.keras_hooks import patches
+from tfmp._src.keras_hooks import trainer
 from tfmp._src.keras_hooks.step_scope import wraps
 
 #: Order in which checks run after a step.
@@ -49,7 +49,7 @@ class _StepHooks:
         self.handlers: Dict[Any, Callable[[BaseException], None]] = {}
         self.wrapper: Optional[Callable] = None
         self.inner: Optional[Callable] = None
-        self.hook = patches.install(model, "make_train_function", self._wrap_make, owner="train_function")
+        self.hook = trainer.subscribe(model, "make_train_function", self._wrap_make, owner="train_function")
         self._wrap_current()
 
     def _wrap_make(self, make: Callable) -> Callable:

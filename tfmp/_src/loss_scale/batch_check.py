@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from tfmp._src.keras_hooks import patches
+from tfmp._src.keras_hooks import trainer
 
 _ATTR = "_tfmp_batch_check"
 
@@ -32,9 +32,10 @@ def watch(model: Any) -> None:
     ``train_step`` it was made with: the function is made again (not yet
     traced, so nothing is lost) to take the hooked one.
     """
-    if vars(model).get(_ATTR) is not None:
+    hook = vars(model).get(_ATTR)
+    if hook is not None and hook.active:  # `tfmp.detach` takes it off
         return
-    hook = patches.install(model, "train_step", functools.partial(_wrap, model), owner="loss_scale.batch")
+    hook = trainer.subscribe(model, "train_step", functools.partial(_wrap, model), owner="loss_scale.batch")
     object.__setattr__(model, _ATTR, hook)
     model.make_train_function(force=True)
 

@@ -7,7 +7,7 @@ and then sets ``self.d_optimizer = d_optimizer``). Keras knows only
 ``model.optimizer``; tfmp's compile handler (`tfmp._src.policy.enable`) calls
 `adopt`, which wraps every optimizer held in an attribute of the model when
 Keras's ``compile`` returns, and hooks the model's ``_setattr_hook`` (Keras's
-per-backend hook of ``Layer.__setattr__``, `keras_private.SETATTR_HOOK`) so
+per-backend hook of ``Layer.__setattr__``, `trainer.SETATTR_HOOK`) so
 that one assigned afterwards, as in the DCGAN, is wrapped as it is stored.
 Each is `wrap_optimizer`'s `tfmp.LossScaleOptimizer` with the session's
 options: dynamic loss scaling under float16, a fixed scale of 1.0 and the step
@@ -47,17 +47,16 @@ import weakref
 from typing import Any, Callable, Dict
 
 import keras
-import tensorflow as tf
 
 from tfmp._src.attachment import record
 from tfmp._src.errors import user_stacklevel
-from tfmp._src.keras_hooks import patches, train_function
-from tfmp._src.keras_hooks.keras_private import SETATTR_HOOK
+from tfmp._src.keras_hooks import optimizer_steps, train_function, trainer
+from tfmp._src.keras_hooks.trainer import SETATTR_HOOK
 from tfmp._src.keras_hooks.object_state import PerObject
 from tfmp._src.loss_scale.guard import LossScaleWarning, ScaleLossCalls
 from tfmp._src.loss_scale.optimizer import LossScaleOptimizer, wrap_optimizer
 
-#: The hook owner (a key of `patches.ORDER`) of the model's and the optimizers' hooks.
+#: The hook owner (a subscriber of the trainer and optimizer surfaces) of the model's and the optimizers' hooks.
 OWNER = "custom_optimizers"
 #: The attribute Keras's own ``compile`` sets; the compile handler wraps it.
 KERAS_ATTRIBUTE = "optimizer"
@@ -86,13 +85,13 @@ def adopt(model: keras.Model, compute_dtype: str, options: Dict[str, Any] | None
         ValueError: from `wrap_optimizer`, for options it refuses (the session
             checked them already).
     """
-    for hook in patches.installed(model, SETATTR_HOOK):
+    for hook in trainer.SURFACE.subscriptions(model, SETATTR_HOOK):
         if hook.owner == OWNER:
             hook.remove()
     if options is None:
         return
     wrap = _wrap_setattr_hook(model, compute_dtype, dict(options))
-    patches.install(model, SETATTR_HOOK, wrap, owner=OWNER)
+    trainer.subscribe(model, SETATTR_HOOK, wrap, owner=OWNER)
     for name, value in list(vars(model).items()):
         if name == KERAS_ATTRIBUTE:
             continue
@@ -221,8 +220,8 @@ def _apply_unscaled_gradients_as_given(optimizer: LossScaleOptimizer, model_name
 
         return apply_unscaled_as_given
 
-    patches.install(optimizer, "scale_loss", wrap_scale_loss, owner=OWNER)
-    patches.install(optimizer, "apply", wrap_apply, owner=OWNER)
+    optimizer_steps.subscribe(optimizer, "scale_loss", wrap_scale_loss, owner=OWNER)
+    optimizer_steps.subscribe(optimizer, "apply", wrap_apply, owner=OWNER)
 
 
 def _warn_unscaled(optimizer: LossScaleOptimizer, model_name: str, name: str) -> None:

@@ -42,7 +42,7 @@ own update for a sparse gradient (``tf.IndexedSlices``), a variable that is not
 float32/float64, and under a ``tf.distribute`` strategy. Everything else of
 ``apply`` stays Keras's: weight decay, clipping, gradient accumulation, EMA, the
 learning-rate schedule and the ``iterations`` count. The switch is a hook on the
-optimizer's ``update_step`` through `tfmp._src.keras_hooks.patches` (owner
+optimizer's ``update_step`` through `tfmp._src.keras_hooks.optimizer_steps` (owner
 ``"fused_update"``) that lasts for the ``apply`` call only (its trace, under
 ``tf.function``), so nothing stays on the user's optimizer.
 """
@@ -57,8 +57,8 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from tfmp._src.keras_hooks import patches
-from tfmp._src.keras_hooks.keras_private import adam_slots, sgd_momentum_slot
+from tfmp._src.keras_hooks import optimizer_steps
+from tfmp._src.keras_hooks.optimizer_steps import adam_slots, sgd_momentum_slot
 
 #: Variable dtypes updated by the fused kernels (others take Keras's own update).
 FUSED_DTYPES = (tf.float32, tf.float64)
@@ -159,7 +159,7 @@ def fused_updates(optimizer: Any) -> Iterator[None]:
     """Within the block, `optimizer`'s ``update_step`` runs on a fused kernel (if `fusable`).
 
     The switch is a hook on this optimizer's ``update_step`` (owner
-    ``"fused_update"``, `tfmp._src.keras_hooks.patches`), taken off on leaving.
+    ``"fused_update"``, `tfmp._src.keras_hooks.optimizer_steps`), taken off on leaving.
 
     Args:
         optimizer: A Keras optimizer.
@@ -175,7 +175,7 @@ def fused_updates(optimizer: Any) -> Iterator[None]:
     def wrap(keras_update: Callable) -> Callable:
         return functools.partial(_fused_update_step, optimizer, kernel_update, keras_update)
 
-    hook = patches.install(optimizer, "update_step", wrap, owner="fused_update")
+    hook = optimizer_steps.subscribe(optimizer, "update_step", wrap, owner="fused_update")
     try:
         yield
     finally:

@@ -20,8 +20,9 @@ from typing import Any, List
 import keras
 import tensorflow as tf
 
+from tfmp._src.attachment import record
 from tfmp._src.errors import NonFiniteError, invalid_argument
-from tfmp._src.keras_hooks import model_hooks, patches, train_function
+from tfmp._src.keras_hooks import surfaces, train_function, trainer
 from tfmp._src.loss_scale import arguments, batch_check, saved_form, skips
 
 #: Default of `max_consecutive_overflows`: more than the 24 halvings that take the
@@ -97,7 +98,7 @@ def _diagnose(optimizer: Any, consecutive: int, at_floor: int) -> NonFiniteError
 
 
 _live: "weakref.WeakSet[Any]" = weakref.WeakSet()  # tfmp optimizers not yet collected
-_class_hooks: List[patches.Hook] = []  # the stuck check's and the saved form's
+_class_hooks: List[trainer.Hook] = []  # the stuck check's and the saved form's
 _lock = threading.RLock()
 
 
@@ -132,9 +133,9 @@ def track(optimizer: Any) -> None:
                 hook.remove()
             _class_hooks.clear()
         if not _class_hooks:
-            _class_hooks.extend(patches.install_all([
-                lambda: model_hooks.install_make_train_function_hook(_attach, owner="loss_scale.fit_check"),
-                lambda: model_hooks.install_compile_config_hook(
+            _class_hooks.extend(surfaces.all_or_none([
+                lambda: trainer.install_make_train_function_hook(_attach, owner="loss_scale.fit_check"),
+                lambda: trainer.install_compile_config_hook(
                     saved_form.compile_config_in_keras_form, owner="saved_form"),
             ]))
 
@@ -159,7 +160,7 @@ def _attach(model: Any) -> None:
     optimizer = getattr(model, "optimizer", None)
     if optimizer in _live:
         skips.start_fit(optimizer)
-    if optimizer in _live and not train_function.has_check(model, "stuck"):
+    if optimizer in _live and not record.detached(model) and not train_function.has_check(model, "stuck"):
         train_function.add_check(model, "stuck", functools.partial(_check_after_step, model))
         batch_check.watch(model)  # makes the train function again: the check above is kept
     release_if_unused()

@@ -32,12 +32,7 @@ from tfmp._src.loss_scale import saved_form as _saved_form
 from tfmp._src.loss_scale import step_state as _step_state
 from tfmp._src.loss_scale import user_settings as _user_settings
 from tfmp._src.errors import invalid_argument
-from tfmp._src.keras_hooks.keras_private import (
-    LossScaleOptimizerBase,
-    no_automatic_dependency_tracking,
-    optimizer_variables,
-    overwrites_with_gradient,
-)
+from tfmp._src.keras_hooks.optimizer_steps import LossScaleOptimizerBase, no_automatic_dependency_tracking, optimizer_variables, overwrites_with_gradient
 from tfmp._src.loss_scale.fused_update import fused_updates
 from tfmp._src.loss_scale.loops import DEFAULT_MAX_CONSECUTIVE_OVERFLOWS
 from tfmp._src.policy import speedups

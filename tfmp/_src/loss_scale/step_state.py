@@ -38,7 +38,7 @@ from typing import Any, Iterator, List, Tuple
 
 import tensorflow as tf
 
-from tfmp._src.keras_hooks.keras_private import entry_layer
+from tfmp._src.keras_hooks.layer_calls import entry_layer
 from tfmp._src.loss_scale.guard import graph_lineage
 
 _ATTR = "_tfmp_statistics_before"  # on a graph: its noted (model, variable, value before), weakly

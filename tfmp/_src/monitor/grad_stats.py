@@ -43,7 +43,7 @@ import tensorflow as tf
 
 from tfmp._src.constants import BFLOAT16_EPSILON, FLOAT16_MAX, FLOAT16_SMALLEST_SUBNORMAL
 from tfmp._src.distribute import replica_local_variable
-from tfmp._src.keras_hooks import patches
+from tfmp._src.keras_hooks import optimizer_steps
 from tfmp._src.keras_hooks.object_state import PerObject
 
 NAMES = (
@@ -91,7 +91,7 @@ class GradientStats:
     """Computes gradient statistics every `every` steps of `optimizer.apply`.
 
     One instance per optimizer (`GradientStats.of`): its hook on `apply` (through
-    `keras_hooks.patches`) is installed once and traced into the train function;
+    `keras_hooks.optimizer_steps`) is installed once and traced into the train function;
     `pause` and `resume` switch it with a variable, so later `fit` calls reuse the
     traced step. `remove` takes the hook off (the next trace runs without it).
 
@@ -115,7 +115,7 @@ class GradientStats:
         self._on = replica_local_variable(False, dtype=tf.bool, strategy=strategy)
         self._values = replica_local_variable([0.0] * (len(NAMES) - 1), dtype=tf.float32, strategy=strategy)
         self._ratio = replica_local_variable(0.0, dtype=tf.float32, strategy=strategy)
-        self._hook: Optional[patches.Hook] = None
+        self._hook: Optional[optimizer_steps.Hook] = None
 
     @classmethod
     def of(cls, optimizer: keras.optimizers.Optimizer, every: int, strategy: Any) -> "GradientStats":
@@ -201,7 +201,7 @@ class GradientStats:
 
             return apply_with_statistics
 
-        self._hook = patches.install(self.optimizer, "apply", wrap, owner="grad_stats")
+        self._hook = optimizer_steps.subscribe(self.optimizer, "apply", wrap, owner="grad_stats")
         return True
 
     def pause(self) -> None:

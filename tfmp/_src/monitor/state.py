@@ -15,7 +15,7 @@ from typing import Any, List, Optional
 
 import keras
 
-from tfmp._src.keras_hooks.keras_private import loss_tracker
+from tfmp._src.keras_hooks.trainer import loss_tracker
 from tfmp._src.loss_scale import guard as _guard
 from tfmp._src.loss_scale.optimizer import LossScaleOptimizer
 

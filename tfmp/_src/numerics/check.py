@@ -38,8 +38,8 @@ import tensorflow as tf
 
 from tfmp._src.errors import (NonFiniteError, check_bool, check_model, check_positive_int, invalid_argument,
                               model_fix)
-from tfmp._src.keras_hooks import patches, train_function
-from tfmp._src.keras_hooks.keras_private import optimizer_variables
+from tfmp._src.keras_hooks import layer_calls, optimizer_steps, surfaces, train_function, trainer
+from tfmp._src.keras_hooks.optimizer_steps import optimizer_variables
 from tfmp._src.numerics.layers import (LayerSpec, check_layer_spec, layer_paths, reduction_hint,
                                        scale_and_counts, select_layers)
 from tfmp._src.numerics.record import LOSS_ENTRY, FailureRecorder, StepTrace, entry_row
@@ -57,6 +57,10 @@ _MAX_FAILURES = 100
 MAX_TRACE_LENGTH = 1024
 #: How to fix a `model` argument that is not a model (or `None`).
 _MODEL_FIX = model_fix("tfmp.check_numerics(model, action='warn')")
+
+#: The surface of each method `CheckNumerics` hooks.
+_SURFACE_OF = {"call": layer_calls.SURFACE, "train_step": trainer.SURFACE,
+               "apply": optimizer_steps.SURFACE, "scale_loss": optimizer_steps.SURFACE}
 
 
 def check_trace_length(value: Any) -> None:
@@ -137,12 +141,13 @@ class NumericsHandle:
         self.recorder = FailureRecorder(trace_length, model.distribute_strategy)
         self.failures: list[NonFiniteError] = []
         self.active = True
-        self._hooks: list[patches.Hook] = []
+        self._hooks: list[surfaces.Hook] = []
         self._hooked_optimizers: list[Any] = []
         self._reported: set = set()
 
     def _hook(self, target: Any, name: str, wrap: Callable[[Callable], Callable]) -> None:
-        self._hooks.append(patches.install(target, name, wrap, owner="numerics"))
+        surface = _SURFACE_OF[name]
+        self._hooks.append(surface.subscribe(target, name, wrap, owner="numerics"))
 
     def _install(self) -> None:
         for layer, path in zip(self.layers, self._paths):

@@ -1,6 +1,6 @@
 """Which layers `tfmp.check_numerics` hooks, their paths and float16 hazards, and the loss-scale rule.
 
-The hooks themselves go through `tfmp._src.keras_hooks.patches`.
+The hooks themselves go through the surfaces of `tfmp._src.keras_hooks`.
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ errors and, with ``debug=True``, `tfmp.check_numerics`; the decisions are
 recorded in the model's `tfmp.Attachment` and kept with it. A model compiled in
 a thread without a session is left alone, even while another thread has one.
 
-Class-level hooks into Keras, all through `tfmp._src.keras_hooks.patches`:
+Class-level hooks into Keras, all through the surfaces of `tfmp._src.keras_hooks`:
 
 - session hooks, on while some thread has a session: ``compile`` and
-  ``compile_from_config`` (`keras_hooks.model_hooks`; a model Keras loads is
+  ``compile_from_config`` (`keras_hooks.trainer`; a model Keras loads is
   attached as saved), ``make_train_function`` (warns about a model compiled
   before `enable()`), ``from_config`` (a layer saved in float32 makes its
   sublayers in float32, `tfmp._src.float32.loaded_layers`), the ``__init__`` of
@@ -44,7 +44,7 @@ from tfmp._src.attachment.record import Attachment
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.distribute import turn_off_xla_if_replicated
 from tfmp._src.errors import check_bool, user_stacklevel
-from tfmp._src.keras_hooks import fit_lifecycle, model_hooks, patches
+from tfmp._src.keras_hooks import fit_lifecycle, surfaces, trainer
 from tfmp._src.deployment.quantize_hint import explain_quantize
 from tfmp._src.float32 import build_errors, exact_layers, loaded_layers
 from tfmp._src.float32.dtype_errors import explain_dtype_errors
@@ -65,7 +65,7 @@ from tfmp._src.policy.session import Session
 from tfmp._src.policy.speedups import checked_speedups, off
 from tfmp._src.float32.registry import targets_from
 
-_session_hooks: List[patches.Hook] = []  # compile, first-step and from_config hooks, while a session is open
+_session_hooks: List[trainer.Hook] = []  # compile, first-step and from_config hooks, while a session is open
 
 
 class _SessionsOpen:
@@ -97,10 +97,10 @@ def _set_current(state: Optional[Session]) -> None:
                 raise
         elif session.any_open():
             try:
-                installed = patches.install_all([  # all or none
-                    lambda: model_hooks.install_compile_hook(
+                installed = surfaces.all_or_none([
+                    lambda: trainer.install_compile_hook(
                         _compile_with_tfmp, keep_saved=is_enabled, on_load=_attach_loaded),
-                    lambda: model_hooks.install_make_train_function_hook(
+                    lambda: trainer.install_make_train_function_hook(
                         _warn_if_compiled_before_enable, owner="enable.first_step"),
                     loaded_layers.install,
                     exact_layers.install,
@@ -381,8 +381,8 @@ def _warn_if_compiled_before_enable(model: keras.Model) -> None:
     if (
         state is None
         or state.decision.policy == "float32"
-        or model_hooks.compiled_by_tfmp(model)
-        or model_hooks.restored_by_keras(model)
+        or trainer.compiled_by_tfmp(model)
+        or trainer.restored_by_keras(model)
         or model in _warned_compiled_before
     ):
         return
@@ -418,7 +418,21 @@ def _fix_and_attach(model: keras.Model, state: Session, attached_by: str) -> Att
                    numerics=bool(state.debug) and attached_by == "compile", speedups=state.speedups)
     if isinstance(getattr(model, "optimizer", None), LossScaleOptimizer) and off("fused_update", found.speedups):
         model.optimizer.fused_updates = False  # made before this session, or loaded: the model's switch
+    found.optimizer = _optimizer_decision(getattr(model, "optimizer", None), attached_by)
     return found
+
+
+def _optimizer_decision(optimizer: Any, attached_by: str) -> str:
+    """The `Attachment.optimizer` text: what tfmp did with `optimizer`."""
+    if optimizer is None:
+        return ""
+    if isinstance(optimizer, LossScaleOptimizer):
+        scaling = "dynamic loss scale" if optimizer.loss_scaling else "no loss scaling"
+        fused = "on" if optimizer.fused_updates else "off"
+        return (f"tfmp.LossScaleOptimizer({type(optimizer.inner_optimizer).__name__}): {scaling}, "
+                f"guard={optimizer.guard!r}, fused updates {fused}")
+    name = type(optimizer).__name__
+    return f"{name}: as saved" if attached_by == "load" else f"{name}: kept (float32 compute)"
 
 
 def _attach_loaded(model: keras.Model, loss: Any = None) -> None:
@@ -466,7 +480,7 @@ def _compile_with_tfmp(compile: Callable, model: keras.Model, args: tuple, kwarg
     if optimizer is not None and wrap_options is not None:
         optimizer = wrap_optimizer(optimizer, model.dtype_policy.compute_dtype, **wrap_options)
     result = compile(model, optimizer, *args, **kwargs)
-    model_hooks.mark_compiled_by_tfmp(model)
+    trainer.mark_compiled_by_tfmp(model)
     turn_off_xla_if_replicated(model) or turn_off_xla_for_bilinear(model)
     if state.debug:
         options = {} if state.debug is True else state.debug

@@ -23,7 +23,7 @@ never global:
   `tfmp.step_scope`.
 * `remapper_off` is a context manager that runs the tf.function calls of the
   calling thread, and only those, without the remapper
-  (`keras_private.function_call_config`).
+  (`runtime_options.function_call_config`).
 * `measure` times the float16 Dense step with the remapper on and off, for
   benchmarks and advice; it decides nothing.
 * `warning_clause` is appended to the float16-on-CPU `tfmp.PerformanceWarning`.
@@ -40,7 +40,7 @@ import math
 import time
 from typing import Any, Iterator, Optional
 
-from tfmp._src.keras_hooks.keras_private import function_call_config
+from tfmp._src.keras_hooks.runtime_options import function_call_config
 from tfmp._src.policy.hardware import ONEDNN_FLOAT16_FLAGS, DeviceFacts, detect_device_facts
 from tfmp._src.policy.speed_probe import time_step, train_step
 

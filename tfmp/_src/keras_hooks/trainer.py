@@ -1,8 +1,26 @@
-"""Class-level hooks on every Keras model: compile, loading, making the train function, the saved compile config.
+"""The trainer surface: compile, loading, the train/test/predict functions, ``fit``, the saved compile config.
+
+Subscribers, innermost first (`SURFACE`): ``custom_optimizers`` (a model's
+``_setattr_hook``: optimizers a custom ``compile`` stores), ``numerics`` and
+``loss_scale.batch`` (a model's ``train_step``), ``enable.quantize_hint`` (a
+model's ``quantize``), ``enable.compile`` (``compile``,
+``compile_from_config``), ``loss_scale.fit_check`` and ``enable.first_step``
+(``make_train_function``), ``fit_lifecycle`` (``fit``, `fit_lifecycle`),
+``step_scope`` (a model's ``make_*_function``, `step_scope`), ``saved_form``
+(``get_compile_config``) and ``train_function`` (a model's
+``make_train_function``, `train_function`). This module holds the class-level
+hooks below; `train_function`, `step_scope` and `fit_lifecycle` are the
+per-model dispatchers built on the same surface.
+
+| private name used | where in Keras | what tfmp does with it |
+|---|---|---|
+| ``Trainer._loss_tracker`` | ``keras/src/trainers/trainer.py`` | `loss_tracker`: samples seen this epoch (the monitor's throughput) |
+| ``Trainer.compile`` identity in ``compile_from_config`` | ``keras/src/trainers/trainer.py`` | the compile hook is set on the class that defines ``compile`` (`patches.defining_class`), so loading still compiles |
+| ``Layer._setattr_hook`` (`SETATTR_HOOK`) | ``keras/src/backend/tensorflow/layer.py``, ``keras/src/ops/operation.py`` | `tfmp._src.loss_scale.custom_optimizers` sees optimizers a custom ``compile`` stores on a model |
 
 - ``compile``: `install_compile_hook` routes every ``Model.compile`` call to tfmp's
   handler (float32 forcing, optimizer wrapping, numerics), on the class that
-  defines ``compile`` (see `keras_private.defining_class`), so that Keras's
+  defines ``compile`` (see `patches.defining_class`), so that Keras's
   ``compile_from_config`` still sees an unchanged ``compile`` and compiles models
   it loads.
 - ``compile_from_config``: while Keras compiles a model it is loading, tfmp's
@@ -30,12 +48,74 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional, Tuple
 
 import keras
 
 from tfmp._src.keras_hooks import patches
-from tfmp._src.keras_hooks.keras_private import defining_class
+from tfmp._src.keras_hooks.patches import defining_class
+
+Hook = patches.Hook  # what subscribing returns: `.remove()` unsubscribes
+SURFACE = patches.Surface(
+    "trainer",
+    methods=("compile", "compile_from_config", "get_compile_config", "make_train_function",
+             "make_test_function", "make_predict_function", "train_step", "fit", "_setattr_hook",
+             "quantize"),
+    subscribers=("custom_optimizers", "numerics", "loss_scale.batch", "enable.quantize_hint",
+                 "enable.compile", "loss_scale.fit_check", "enable.first_step", "fit_lifecycle",
+                 "step_scope", "saved_form", "train_function"),
+)
+subscribe = SURFACE.subscribe
+subscribed = SURFACE.subscribed
+
+#: (class whose method is hooked, method, the parameters tfmp relies on, in order).
+SIGNATURES: Tuple[Tuple[type, str, Tuple[str, ...]], ...] = (
+    # compile: the optimizer is the first argument or `optimizer=`; loading
+    # sets `auto_scale_loss=False`.
+    (keras.Model, "compile", ("optimizer", "loss")),
+    (keras.Model, "compile_from_config", ("config",)),
+    # train_function: `make_train_function(force=False)`.
+    (keras.Model, "make_train_function", ("force",)),
+    # step_scope: `make_test_function(force=False)`, `make_predict_function(force=False)`.
+    (keras.Model, "make_test_function", ("force",)),
+    (keras.Model, "make_predict_function", ("force",)),
+    # numerics: `train_step(data)`.
+    (keras.Model, "train_step", ("data",)),
+    # custom_optimizers: Layer.__setattr__ calls `_setattr_hook(name, value)`, which returns both.
+    (keras.Model, "_setattr_hook", ("name", "value")),
+)
+
+#: (what tfmp relies on Keras doing, the test that checks it).
+CALL_ORDER: Tuple[Tuple[str, str], ...] = (
+    ("fit calls make_train_function, then model.train_function once per execution",
+     "tests/test_keras_hooks.py::test_train_function_checks_run_in_order_and_come_off_independently"),
+    ("load_model compiles through compile_from_config, which calls compile",
+     "tests/test_invisible.py::test_loading_a_mixed_float16_model_with_overflows_while_enabled_keeps_its_state"),
+    ("fit raises out of itself whatever a callback or the data iterator raises, without on_train_end",
+     "tests/test_monitor.py::test_any_error_out_of_fit_closes_the_monitor_and_the_next_fit_starts_clean"),
+    ("make_train_function binds model.train_step when it makes the function (a later train_step hook needs a remake)",
+     "tests/test_safety.py::test_one_nan_input_the_forward_pass_hides_is_skipped"),
+    ("Layer.__setattr__ passes each assignment on a model through the instance's _setattr_hook",
+     "tests/test_custom_compile.py::test_optimizers_set_before_super_compile_or_after_it_are_wrapped_and_lists_warned_about"),
+    ("saving writes model.get_compile_config() (Trainer's, hooked while tfmp optimizers live) and, under "
+     "optimizer/<attribute>, every KerasSaveable attribute of the optimizer (loss_scale_counters); "
+     "loading a built-in class accepts a registered_name equal to its class name and ignores "
+     "unknown keys beside an entry's config (saved_form)",
+     "tests/test_saved_form.py::test_a_file_saved_under_tfmp_opens_in_plain_keras_in_a_process_without_tfmp"),
+    ("fit, evaluate and predict call make_train/test/predict_function, then the model's "
+     "train/test/predict_function, in the calling thread",
+     "tests/test_float16_fusion.py::test_with_the_trap_a_float16_model_steps_without_fused_matmuls_and_a_float32_model_keeps_them"),
+)
+
+#: The method ``Layer.__setattr__`` calls first, with ``(name, value)``, storing
+#: the pair it returns (Keras's per-backend hook; ``Operation``'s returns both
+#: unchanged). `tfmp._src.loss_scale.custom_optimizers` hooks it per model.
+SETATTR_HOOK = "_setattr_hook"
+
+
+def loss_tracker(model: Any) -> Optional[Any]:
+    """The `keras.metrics.Mean` a compiled model updates with each batch's loss, or None."""
+    return getattr(model, "_loss_tracker", None)
 
 _local = threading.local()
 #: Models tfmp's compile handler compiled, and models Keras compiled while loading.
@@ -104,8 +184,8 @@ def install_compile_hook(
         return tfmp_compile_from_config
 
     return [
-        patches.install(defining_class(keras.Model, "compile"), "compile", wrap_compile, owner="enable.compile"),
-        patches.install(
+        subscribe(defining_class(keras.Model, "compile"), "compile", wrap_compile, owner="enable.compile"),
+        subscribe(
             defining_class(keras.Model, "compile_from_config"),
             "compile_from_config",
             wrap_from_config,
@@ -124,7 +204,7 @@ def install_compile_config_hook(rewrite: Callable[[Any], Any], *, owner: str) ->
     Args:
         rewrite: Callable taking the config Keras made (dict or None) and
             returning the one to save.
-        owner: String, the hook's owner (a key of `patches.ORDER`).
+        owner: String, the hook's owner (one of `SURFACE.subscribers`).
 
     Returns:
         `patches.Hook`; remove it to undo.
@@ -138,7 +218,7 @@ def install_compile_config_hook(rewrite: Callable[[Any], Any], *, owner: str) ->
         return rewritten
 
     trainer = defining_class(keras.Model, "get_compile_config")
-    return patches.install(trainer, "get_compile_config", wrap, owner=owner)
+    return subscribe(trainer, "get_compile_config", wrap, owner=owner)
 
 
 def install_make_train_function_hook(handler: Callable[[Any], None], *, owner: str) -> patches.Hook:
@@ -151,7 +231,7 @@ def install_make_train_function_hook(handler: Callable[[Any], None], *, owner: s
 
     Args:
         handler: Callable taking the model.
-        owner: String, the hook's owner (a key of `patches.ORDER`).
+        owner: String, the hook's owner (one of `SURFACE.subscribers`).
 
     Returns:
         `patches.Hook`; remove it to undo.
@@ -167,7 +247,7 @@ def install_make_train_function_hook(handler: Callable[[Any], None], *, owner: s
         return make_train_function
 
     trainer = defining_class(keras.Model, "make_train_function")
-    return patches.install(trainer, "make_train_function", wrap, owner=owner)
+    return subscribe(trainer, "make_train_function", wrap, owner=owner)
 
 
 def mark_compiled_by_tfmp(model: Any) -> None:

@@ -1,0 +1,77 @@
+"""The backend-ops surface: the functions of Keras's TensorFlow backend that ``keras.ops`` calls.
+
+``keras.ops.gelu``, ``conv`` and ``conv_transpose`` look their backend function
+up on ``backend.nn``, ``keras.ops.add`` on ``backend.numpy``, at each call; a
+hook on the module's attribute sees every such call of every model in the
+process, so each subscriber decides per call from the attachment of the layer
+that calls it (`layer_calls.calling_layer`) and hands any other call on
+unchanged. Every subscriber here is an optional feature: where a Keras release
+moved what it hooks, installing fails and `availability` switches the feature
+off with one warning.
+
+Subscribers, innermost first (`SURFACE`): ``gelu`` (the 16-bit exact GELU in
+float32 inside, `tfmp._src.float32.gelu`), ``conv`` (float16 convolutions in
+float32 inside, `tfmp._src.float32.conv`), ``bias_gradient`` (16-bit bias
+gradients summed with float32 accumulation, `tfmp._src.float32.bias_gradient`).
+
+| private name used | where in Keras | what tfmp does with it |
+|---|---|---|
+| ``keras.src.backend.tensorflow.nn`` (the module ``keras.ops.gelu`` reads ``gelu`` from at each call, as ``backend.nn``) | ``keras/src/backend/tensorflow/nn.py``, ``keras/src/ops/nn.py`` | `backend_nn`: the module whose ``gelu``, ``conv`` and ``conv_transpose`` are hooked |
+| ``keras.src.backend.tensorflow.numpy`` (the module ``keras.ops.add`` reads ``add`` from at each call, as ``backend.numpy``; its ``add`` takes ``tf.nn.bias_add`` for a bias vector) | ``keras/src/backend/tensorflow/numpy.py``, ``keras/src/ops/numpy.py`` | `backend_numpy`: the module whose ``add`` is hooked |
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Tuple
+
+from tfmp._src.keras_hooks import patches
+
+Hook = patches.Hook  # what subscribing returns: `.remove()` unsubscribes
+SURFACE = patches.Surface(
+    "backend ops",
+    methods=("gelu", "conv", "conv_transpose", "add"),
+    subscribers=("gelu", "conv", "bias_gradient"),
+)
+
+#: (what tfmp relies on Keras doing, the test that checks it).
+CALL_ORDER: Tuple[Tuple[str, str], ...] = (
+    ("keras.ops.gelu (so activation='gelu', keras.activations.gelu, Activation('gelu')) calls "
+     "gelu(x, approximate) looked up on backend.nn at each call",
+     "tests/test_gelu.py::test_where_the_16_bit_gelu_is_slow_a_model_computes_its_exact_gelus_in_float32_only"),
+    ("keras.ops.conv and conv_transpose (so Conv1D/2D/3D and their transposes) call "
+     "conv(inputs, kernel, ...) and conv_transpose(inputs, kernel, ...) looked up on backend.nn at each call",
+     "tests/test_conv.py::test_keras_still_calls_the_backend_convolutions_by_module_attribute"),
+    ("keras.ops.add (so Dense's and the convolutions' bias) calls add(x1, x2) looked up on "
+     "backend.numpy at each call, which adds a bias vector with tf.nn.bias_add",
+     "tests/test_bias_gradient.py::test_keras_still_calls_the_backend_add_by_module_attribute"),
+)
+
+
+def backend_numpy() -> Any:
+    """The module of Keras's TensorFlow backend ops that ``keras.ops`` calls (``backend.numpy``)."""
+    from keras.src import backend
+
+    return backend.numpy
+
+
+def backend_nn() -> Any:
+    """The module of Keras's TensorFlow backend ops that ``keras.ops`` calls (``backend.nn``)."""
+    from keras.src import backend
+
+    return backend.nn
+
+
+def module_of(function: str) -> Any:
+    """The backend module whose attribute `function` (one of `SURFACE.methods`) ``keras.ops`` reads."""
+    return backend_numpy() if function == "add" else backend_nn()
+
+
+def subscribe(function: str, wrap: Callable[[Callable], Callable], *, owner: str) -> patches.Hook:
+    """Hooks the backend function `function` for subscriber `owner` (see `patches.Surface.subscribe`).
+
+    Raises:
+        KeyError: `function` or `owner` is not of this surface.
+        AttributeError: Keras moved the backend module or the function (the caller
+            switches its feature off, `availability`).
+    """
+    return SURFACE.subscribe(module_of(function), function, wrap, owner=owner)

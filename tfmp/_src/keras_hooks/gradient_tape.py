@@ -1,0 +1,40 @@
+"""The gradient-tape surface: ``tf.GradientTape.gradient``, and where TensorFlow runs an op's gradient.
+
+Subscriber (`SURFACE`): ``enable.gradient_errors`` (a backward-pass dtype
+mismatch re-raised naming the forward layer, `tfmp._src.float32.gradient_errors`).
+The frame in which TensorFlow runs a built-in op's gradient is read from error
+tracebacks (`error_texts.GRADIENT_FRAME`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Tuple
+
+import tensorflow as tf
+
+from tfmp._src.keras_hooks import patches
+
+Hook = patches.Hook  # what subscribing returns: `.remove()` unsubscribes
+SURFACE = patches.Surface("gradient tape", methods=("gradient",), subscribers=("enable.gradient_errors",))
+
+#: (class whose method is hooked, method, the parameters tfmp relies on, in order).
+SIGNATURES: Tuple[Tuple[type, str, Tuple[str, ...]], ...] = (
+    # gradient_errors: `GradientTape.gradient(target, sources, ...)`, the sources read.
+    (tf.GradientTape, "gradient", ("target", "sources")),
+)
+
+#: (what tfmp relies on TensorFlow doing, the test that checks it).
+CALL_ORDER: Tuple[Tuple[str, str], ...] = (
+    ("train_step calls tf.GradientTape.gradient with the model's trainable weights as sources; "
+     "a built-in op's gradient runs in error_texts.GRADIENT_FRAME, naming the forward layer's scope",
+     "tests/test_user_code_dtypes.py::test_a_float32_gradient_returned_under_bfloat16_is_named_where_it_arrives"),
+    ("tf.GradientTape.gradient runs a built-in op's gradient in error_texts.GRADIENT_FRAME",
+     "tests/test_keras_hooks.py::test_tensorflow_still_runs_an_op_gradient_in_the_gradient_frame"),
+    ("tape.gradient calls a tf.custom_gradient function below itself, in a frame of its own",
+     "tests/test_user_code_dtypes.py::test_backward_error_in_fit_names_layer_dtypes_and_fix"),
+)
+
+
+def subscribe(wrap: Callable[[Callable], Callable], *, owner: str) -> patches.Hook:
+    """Hooks ``tf.GradientTape.gradient`` for every tape (see `patches.Surface.subscribe`)."""
+    return SURFACE.subscribe(tf.GradientTape, "gradient", wrap, owner=owner)

@@ -54,7 +54,8 @@ def private_names() -> Set[str]:
     return names
 
 
-def _private_uses(tree: ast.AST, names: Set[str]) -> Set[str]:
+def private_uses(tree: ast.AST, names: Set[str]) -> Set[str]:
+    """The private names of `names` a module's syntax tree reads, and its imports from Keras's or TensorFlow's internals."""
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr in names:
@@ -65,7 +66,9 @@ def _private_uses(tree: ast.AST, names: Set[str]) -> Set[str]:
             module = getattr(node, "module", None) or ""
             for alias in node.names:
                 full = f"{module}.{alias.name}" if module else alias.name
-                if full.startswith(("keras.src", "tensorflow.python")):
+                if full.startswith(("keras.src", "tensorflow.python")) or module.startswith(
+                    ("keras.src", "tensorflow.python")
+                ):
                     found.add(full)
     return found
 
@@ -109,7 +112,7 @@ def count(root: pathlib.Path, names: Set[str]) -> Dict[str, object]:
         relative = str(path.relative_to(root))
         inside = "keras_hooks" in path.parts
         tree = ast.parse(path.read_text())
-        used = _private_uses(tree, names)
+        used = private_uses(tree, names)
         if used:
             private[relative] = sorted(used)
         module_stores = _module_stores(tree)

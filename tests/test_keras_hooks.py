@@ -29,6 +29,9 @@ from tfmp._src.keras_hooks import (
 from tfmp._src.monitor.grad_stats import GradientStats
 from _subproc import ROOT, script_env
 
+sys.path.insert(0, str(ROOT / "scripts"))
+import keras_touch_points as touch_points  # noqa: E402
+
 TFMP = pathlib.Path(tfmp.__file__).parent
 
 
@@ -95,41 +98,12 @@ def test_tensorflow_function_call_options_are_a_settable_per_thread_config():
     assert context.context().function_call_options is before
 
 
-def _private_names() -> set:
-    classes = (
-        keras.layers.Layer, keras.Model, keras.Sequential, keras.optimizers.Optimizer,
-        keras.optimizers.LossScaleOptimizer, keras.KerasTensor, keras.Variable,
-        keras.callbacks.Callback, keras.metrics.Mean, keras.DTypePolicy,
-    )
-    names = {n for cls in classes for n in dir(cls) if n.startswith("_") and not n.startswith("__")}
-    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-    model.compile("adam", "mse")
-    for obj in (model, model.layers[0], model.optimizer, model.outputs[0]):
-        names |= {n for n in vars(obj) if n.startswith("_") and not n.startswith("__")}
-    return names
-
-
 def _private_uses(path: pathlib.Path, names: set) -> set:
-    found = set()
-    tree = ast.parse(path.read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and node.attr in names:
-            found.add(node.attr)
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
-            found.add(node.value)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            module = getattr(node, "module", None) or ""
-            for alias in node.names:
-                full = f"{module}.{alias.name}" if module else alias.name
-                if full.startswith(("keras.src", "tensorflow.python")) or module.startswith(
-                    ("keras.src", "tensorflow.python")
-                ):
-                    found.add(full)
-    return found
+    return touch_points.private_uses(ast.parse(path.read_text()), names)
 
 
 def test_no_module_outside_keras_hooks_touches_a_private_keras_name():
-    names = _private_names()
+    names = touch_points.private_names()
     # The detector sees what the surface modules do (a check that can fail).
     hooks = TFMP / "_src" / "keras_hooks"
     assert "_flatten_layers" in _private_uses(hooks / "layer_calls.py", names)
@@ -170,6 +144,23 @@ def test_features_subscribe_through_surfaces_and_never_patch():
         if used:
             offenders[str(path.relative_to(TFMP))] = sorted(used)
     assert offenders == {}
+
+
+def test_the_touch_point_count_sees_this_tree_and_a_feature_that_patches(tmp_path):
+    names = touch_points.private_names()
+    counted = touch_points.count(ROOT, names)
+    assert counted["surfaces"] == 6 and counted["private_outside_keras_hooks"] == []
+    assert counted["hook_sites_outside_keras_hooks"]["modules_importing_patches"] == 0
+    assert "_flatten_layers" in counted["private_name_modules"]["tfmp/_src/keras_hooks/layer_calls.py"]
+    feature = tmp_path / "tfmp" / "_src" / "float32" / "feature.py"  # a feature written the old way
+    feature.parent.mkdir(parents=True)
+    feature.write_text("import keras\nfrom tfmp._src.keras_hooks import patches\n_STORE = {}\n"
+                       "def install(layer):\n    layer._tfmp_mark = layer._flatten_layers\n"
+                       "    return patches.install(layer, 'call', lambda call: call, owner='numerics')\n")
+    old = touch_points.count(tmp_path, names)
+    assert old["private_outside_keras_hooks"] == ["_flatten_layers"] and old["hook_sites"] == 1
+    assert old["hook_sites_outside_keras_hooks"] == {"modules": 1, "modules_importing_patches": 1}
+    assert old["module_stores"] == {"stores": 1, "modules": 1} and old["hidden_attributes"] == ["_tfmp_mark"]
 
 
 # -- patches: composition and exact teardown -----------------------------------

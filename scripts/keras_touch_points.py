@@ -55,7 +55,7 @@ def private_names() -> Set[str]:
 
 
 def private_uses(tree: ast.AST, names: Set[str]) -> Set[str]:
-    """The private names of `names` a module's syntax tree reads, and its imports from Keras's or TensorFlow's internals."""
+    """The names of `names` a module's syntax tree reads, and its imports of Keras's or TensorFlow's internals."""
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr in names:

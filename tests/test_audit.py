@@ -162,6 +162,19 @@ def test_policy_mismatch_when_built_before_enable():
     assert "rebuild" in report.warnings[0].message
 
 
+def test_a_layer_its_author_pinned_to_float32_is_not_a_mismatch():
+    """keras-hub makes its attention softmax with dtype="float32" in a model built under the policy."""
+    with tfmp.policy_scope("mixed_bfloat16"):
+        inputs = keras.Input((8,))
+        hidden = keras.layers.Dense(8, name="hidden")(inputs)
+        pinned = keras.layers.Softmax(dtype="float32", name="pinned_softmax")(hidden)
+        other = keras.layers.Dense(8, dtype="mixed_float16", name="other_policy")(pinned)
+        model = keras.Model(inputs, keras.layers.Dense(2, name="out")(other))
+        report = tfmp.audit(model, tensor_cores=False)
+    mismatched = {w.path for w in report.warnings if w.kind == "policy_mismatch"}
+    assert mismatched == {"other_policy"}  # another 16-bit policy still is one
+
+
 def test_no_policy_mismatch_after_disable():
     with tfmp.policy_scope("mixed_bfloat16"):
         model = digits_model()

@@ -98,8 +98,32 @@ def test_max_batches_limits_the_scan_and_is_required_for_infinite_datasets():
 
 def test_int_components_are_skipped():
     tokens = np.full((8, 5), 70000, "int64")
-    report = tfmp.check_dataset((tokens, np.arange(8)), policy="mixed_float16")
-    assert report.ok
+    with pytest.warns(UserWarning, match="no floating-point values in 1 batch"):
+        report = tfmp.check_dataset((tokens, np.arange(8)), policy="mixed_float16")
+    assert report.ok and report.values_checked == 0
+    x = _clean(rows=8, features=3)
+    report = tfmp.check_dataset((x, tokens), policy="mixed_float16")  # the float inputs are scanned
+    assert report.ok and report.values_checked == 24
+
+
+def test_a_data_set_of_strings_says_nothing_was_checked():
+    text = tf.data.Dataset.from_tensor_slices((["a cat", "a dog", "nan"], [0, 1, 0])).batch(2)
+    with pytest.warns(UserWarning, match=r"no floating-point values in 2 batch\(es\): nothing was checked"):
+        report = tfmp.check_dataset(text)
+    assert report.values_checked == 0 and report.batches_checked == 2
+    assert str(report) == ("check_dataset: nothing checked in 2 batch(es): no floating-point values "
+                           "(only strings or integers).")
+
+
+def test_arrays_of_different_lengths_are_refused_naming_each():
+    x, y = _clean(rows=64, features=3), np.zeros((5, 1), "float32")
+    with pytest.raises(ValueError, match=r"(?s)Invalid `dataset` argument\. Expected arrays with the same number "
+                       r"of samples .* Their lengths differ \(x: 64, y: 5\)"):
+        tfmp.check_dataset((x, y))
+    with pytest.raises(ValueError, match=r"\(x: 64, y: 64, sample_weight: 3\)"):
+        tfmp.check_dataset((x, x, np.ones(3)))
+    with pytest.raises(ValueError, match=r"\(x/a: 64, x/b: 5\)"):
+        tfmp.check_dataset({"a": x, "b": y})
 
 
 @pytest.mark.parametrize(

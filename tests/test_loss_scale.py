@@ -447,8 +447,11 @@ def test_keras_dynamic_and_unsupported_args():
     _optimizer(dynamic=True)
     with pytest.raises(ValueError, match="set `loss_scale_factor`"):
         _optimizer(dynamic=False)
-    with pytest.raises(ValueError, match=r"Invalid `foo` argument\. .* Received: foo=True .* Unknown argument 'foo'"):
+    with pytest.raises(ValueError, match=r"Invalid `foo` argument\. .* Received: foo=True .* Unknown argument 'foo'"
+                       r"\. Remove it, or use one of those listed\. Unknown argument 'bar'\."):
         _optimizer(foo=True, bar=3)
+    with pytest.raises(ValueError, match=r"Unknown argument 'gaurd'\. Did you mean 'guard'\?"):  # named first
+        _optimizer(dynamic=False, gaurd="batch")
 
 
 @pytest.mark.parametrize(
@@ -508,3 +511,17 @@ def test_stateless_apply_is_refused_with_what_to_call_instead():
     with pytest.raises(NotImplementedError, match=r"stateless_apply is not supported.*optimizer\.apply"):
         optimizer.stateless_apply([v.value for v in optimizer.variables], [tf.constant([1.0])], [variable])
     assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, optimizer.variables))
+
+
+@pytest.mark.parametrize("loss_scaling", [True, False])
+def test_a_non_finite_loss_is_explained_by_the_compute_dtypes_range(loss_scaling):
+    from tfmp._src.constants import NON_FINITE_KINDS
+    from tfmp._src.loss_scale import skips
+
+    nan = next(bits for bits, kind in NON_FINITE_KINDS.items() if kind == "nan")
+    phase, kind, sentence = skips.cause(nan, loss_scaling)  # the loss's bits, a finite batch
+    assert (phase, kind) == ("loss", "nan")
+    if loss_scaling:  # float16
+        assert "float16 holds at most 65504" in sentence
+    else:  # bfloat16 or float32: their range is float32's
+        assert "65504" not in sentence and "3.4e38" in sentence

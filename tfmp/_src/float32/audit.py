@@ -32,7 +32,9 @@ Warning kinds (``AuditWarning.kind``):
 * ``policy_mismatch``: a layer's policy differs from tfmp's (the policy tfmp
   attached the model under, else the calling thread's while enabled, else the
   model's own) and tfmp did not set it (typically the model was built
-  before ``tfmp.enable()``).
+  before ``tfmp.enable()``). A layer set to ``"float32"`` in a model that was
+  itself made under that policy is its author's choice (keras-hub pins its
+  attention softmax so) and is not flagged.
 * ``tensor_core_dims``: on a Tensor Core GPU (compute capability >= 7.0), a 16-bit
   Dense/Conv dimension or the batch size is not a multiple of 8. Source: NVIDIA,
   "Train With Mixed Precision", section "Optimizing for Tensor Cores"
@@ -110,8 +112,13 @@ def _expected_policy(model: keras.Model) -> Tuple[str, str]:
     return model.dtype_policy.name, "model"
 
 
-def _layer_warnings(path, layer, reason, producers, policy, tensor_cores):
-    """Yields ``(kind, message)`` pairs for one layer."""
+def _layer_warnings(path, layer, reason, producers, policy, tensor_cores, built_under_policy=False):
+    """Yields ``(kind, message)`` pairs for one layer.
+
+    `built_under_policy`: the model itself took `policy` when it was made, so a
+    layer its author set to ``"float32"`` is a deliberate choice (keras-hub's
+    attention softmax), not a layer built before `tfmp.enable()`.
+    """
     compute = layer.compute_dtype
     excluded = _float32.excluded_by_user(layer) or _registry.is_excluded(layer, path, ())
     if compute in _LOW and not excluded and _registry.builtin_reason(layer):
@@ -132,7 +139,8 @@ def _layer_warnings(path, layer, reason, producers, policy, tensor_cores):
             f"'{path}' stores its weights in {low_vars[0]}: no float32 master weights, "
             "so small updates are lost. Use a 'mixed_*' policy instead of a pure 16-bit one."
         )
-    if not reason and keras.backend.is_float_dtype(compute) and layer.dtype_policy.name != policy:
+    pinned = built_under_policy and layer.dtype_policy.name == "float32"
+    if not reason and not pinned and keras.backend.is_float_dtype(compute) and layer.dtype_policy.name != policy:
         yield "policy_mismatch", (
             f"'{path}' uses policy '{layer.dtype_policy.name}' but '{policy}' is expected "
             "(tfmp's policy for this model, else the model's); if the model was built "
@@ -326,7 +334,8 @@ def audit(
         kinds = []
         consumers = graph_consumers.get(id(layer)) if output_from == "graph" else None
         for kind, message in [
-            *_layer_warnings(path, layer, reason, producers, policy, tensor_cores),
+            *_layer_warnings(path, layer, reason, producers, policy, tensor_cores,
+                             built_under_policy=model.dtype_policy.name == policy),
             *_consumer_warnings(path, layer, reason, out_dtypes, consumers, parent, paths),
         ]:
             kinds.append(kind)

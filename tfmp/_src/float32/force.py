@@ -82,7 +82,13 @@ from tfmp._src.float32.cast_back import casts_back
 from tfmp._src.float32.logits import logits_layers
 from tfmp._src.keras_hooks import layer_calls
 from tfmp._src.keras_hooks.object_state import PerObject
-from tfmp._src.keras_hooks.functional_graph import functional_graph, inbound_node, keras_history, nodes_by_depth, set_symbolic_dtype
+from tfmp._src.keras_hooks.functional_graph import (
+    functional_graph,
+    inbound_node,
+    keras_history,
+    nodes_by_depth,
+    set_symbolic_dtype,
+)
 from tfmp._src.keras_hooks.layer_calls import autocasts_inputs
 from tfmp._src.layer_tree import walk
 

@@ -121,7 +121,20 @@ def check_name(name: Any) -> None:
 
 
 def check_keras_kwargs(kwargs: Dict[str, Any]) -> None:
-    """Accepts only Keras's backwards-compatibility keyword arguments, at their defaults."""
+    """Accepts only Keras's backwards-compatibility keyword arguments, at their defaults.
+
+    Raises:
+        ValueError: (template) an unknown keyword (the message names every unknown
+            one, each with its likeliest spelling), or a compatibility keyword
+            away from its default.
+    """
+    unknown = [key for key in kwargs if key != "dynamic" and key not in KERAS_COMPAT_DEFAULTS]
+    if unknown:
+        raise invalid_argument(
+            unknown[0], kwargs[unknown[0]],
+            "an argument of tfmp.LossScaleOptimizer: one of " + ", ".join(_ARGUMENTS),
+            fix=" ".join(unknown_fix(f"Unknown argument {key!r}.", key, _ARGUMENTS) for key in unknown),
+        )
     for key, value in kwargs.items():
         if key == "dynamic":
             if value is not True:
@@ -130,18 +143,13 @@ def check_keras_kwargs(kwargs: Dict[str, Any]) -> None:
                     fix="For a fixed scale of 1.0 pass loss_scaling=False, or set `loss_scale_factor` on "
                     "the `inner_optimizer` and use it without the wrapper.",
                 )
-        elif key in KERAS_COMPAT_DEFAULTS:
+        else:
             default = KERAS_COMPAT_DEFAULTS[key]
             if value is not default and value != default:
                 raise invalid_argument(
                     key, value, f"{default!r} (the base optimizer's default) on the wrapper",
                     fix=f"Set `{key}` on the `inner_optimizer` instead, e.g. keras.optimizers.SGD({key}=...).",
                 )
-        else:
-            raise invalid_argument(
-                key, value, "an argument of tfmp.LossScaleOptimizer: one of " + ", ".join(_ARGUMENTS),
-                fix=unknown_fix(f"Unknown argument {key!r}.", key, _ARGUMENTS),
-            )
 
 
 def _is_float_tensor(value: Any) -> bool:

@@ -213,9 +213,7 @@ def _apply_unscaled_gradients_as_given(optimizer: LossScaleOptimizer, model_name
                 if not warned:
                     warned = True
                     _warn_unscaled(optimizer, model_name, name)
-                for g in grads:  # as get_unscaled_gradients' tensors: not divided by the scale
-                    if g is not None:
-                        optimizer._unscaled[id(g)] = g
+                optimizer._origins.note([], grads)  # as get_unscaled_gradients' tensors: not divided
             return apply(grads, trainable_variables)
 
         return apply_unscaled_as_given

@@ -170,6 +170,7 @@ class StepRecord:
 
     def __init__(self) -> None:
         self._scaled = ScaleLossCalls()
+        self._unscaled = ScaleLossCalls()  # get_unscaled_gradients calls, the same way
         self._batch = threading.local()  # .noted: (graph or None when eager, status tensor)
         self.ever = False
         self.warned = False
@@ -199,6 +200,14 @@ class StepRecord:
         if loss_recorded:
             self._scaled.note()
 
+    def note_unscaled(self) -> None:
+        """Called by `get_unscaled_gradients`: this step's gradients were divided by the scale."""
+        self._unscaled.note()
+
+    def take_unscaled(self) -> bool:
+        """Bool. Called by `apply`: whether `get_unscaled_gradients` ran in this step."""
+        return self._unscaled.take()
+
     def take_loss_recorded(self) -> bool:
         """Bool. Called by `apply`: whether this step's loss status was recorded."""
         recorded = self._scaled.take()
@@ -206,6 +215,113 @@ class StepRecord:
             context = tf.distribute.get_replica_context()  # None in a cross-replica context
             return recorded and context is not None and context.num_replicas_in_sync == 1
         return recorded
+
+
+#: How many ops back from a gradient `GradientOrigins` looks for one `get_unscaled_gradients` saw.
+ORIGIN_SEARCH_DEPTH = 8
+
+
+class GradientOrigins:
+    """Which gradients `get_unscaled_gradients` took (scaled) and handed back (unscaled).
+
+    `apply` divides a gradient by the loss scale unless it descends from one
+    handed back: the very tensor, or, in a traced step, a tensor up to
+    `ORIGIN_SEARCH_DEPTH` ops below one (a ``tf.identity``, a cast, clipping).
+    A tensor found nowhere (an eager step's result of an op) counts as unscaled
+    when `get_unscaled_gradients` ran in the same step, as in tf.keras 2 code.
+    """
+
+    def __init__(self) -> None:
+        self._eager: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+        self._eager_kind: dict = {}  # id -> True (handed back, unscaled) / False (taken, scaled)
+        self._graphs: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+    def note(self, taken: list, handed_back: list) -> None:
+        """Called by `get_unscaled_gradients` with its argument and its result."""
+        for tensors, unscaled in ((taken, False), (handed_back, True)):
+            for tensor in tensors:
+                if tensor is None:
+                    continue
+                if hasattr(tensor, "graph") and not tf.executing_eagerly():
+                    self._graphs.setdefault(tensor.graph, {})[tensor.name] = unscaled
+                else:
+                    self._eager_kind = {key: kind for key, kind in self._eager_kind.items() if key in self._eager}
+                    self._eager[id(tensor)] = tensor
+                    self._eager_kind[id(tensor)] = unscaled
+
+    def already_unscaled(self, grads: list, unscaled_in_step: bool) -> list:
+        """List of bools, one per gradient: True when it must not be divided by the scale again."""
+        return [False if g is None else self._origin(g, unscaled_in_step) for g in grads]
+
+    def _origin(self, grad: Any, unscaled_in_step: bool) -> bool:
+        if self._eager.get(id(grad)) is grad:
+            return self._eager_kind[id(grad)]
+        names = self._graphs.get(getattr(grad, "graph", None)) if not tf.executing_eagerly() else None
+        if names:
+            frontier, seen = [grad], set()
+            for _ in range(ORIGIN_SEARCH_DEPTH):
+                following = []
+                for tensor in frontier:
+                    if tensor.name in names:
+                        return names[tensor.name]
+                    if tensor.op.name not in seen:
+                        seen.add(tensor.op.name)
+                        following += list(tensor.op.inputs)
+                frontier = following
+        return unscaled_in_step
+
+
+#: Name scopes of TensorFlow's clipping functions, as their ops are named in a graph.
+CLIP_SCOPES = ("clip_by_global_norm", "clip_by_norm", "clip_by_value")
+#: How many ops back from a gradient `clipped_while_scaled` looks.
+CLIP_SEARCH_DEPTH = 4
+
+
+def clipped_while_scaled(grads: list) -> str:
+    """The clipping op one of `grads` went through, in a traced step, or ``""``.
+
+    Looks up to `CLIP_SEARCH_DEPTH` ops back from each gradient in the graph now
+    traced for an op of TensorFlow's clipping functions (`CLIP_SCOPES`, or the
+    ``ClipByValue`` kernel). An eager step has no graph to read: ``""``.
+    """
+    if tf.executing_eagerly():
+        return ""
+    seen, frontier = set(), [g.op for g in grads if g is not None and hasattr(g, "op")]
+    for _ in range(CLIP_SEARCH_DEPTH):
+        following = []
+        for op in frontier:
+            if op.name in seen:
+                continue
+            seen.add(op.name)
+            scopes = op.name.split("/")
+            if op.type == "ClipByValue" or any(part.startswith(CLIP_SCOPES) for part in scopes):
+                return op.name
+            following += [tensor.op for tensor in op.inputs]
+        frontier = following
+    return ""
+
+
+@tf.autograph.experimental.do_not_convert  # Python run once per trace, never graph code
+def refuse_clipped_scaled(optimizer: Any, grads: list) -> None:
+    """Refuses gradients clipped while still multiplied by the loss scale (dynamic loss scaling only).
+
+    Clipping a scaled gradient to a norm of, say, 1.0 and then dividing it by
+    the scale (32768 at first) leaves an update about 1/32768 of the intended one,
+    silently.
+
+    Raises:
+        ValueError: (template, naming `grads`) with the clipping op and the fix.
+    """
+    if not optimizer.loss_scaling:
+        return
+    clip = clipped_while_scaled(grads)
+    if clip:
+        raise invalid_argument(
+            "grads", f"gradients clipped by the op {clip} while multiplied by the loss scale",
+            "gradients of the scaled loss as the tape returned them, or gradients unscaled before clipping",
+            fix="Clip after unscaling: grads = optimizer.get_unscaled_gradients(grads), then clip, then "
+            "optimizer.apply(grads, variables) (tfmp divides those by the scale no more); or let the "
+            "optimizer clip: keras.optimizers.Adam(global_clipnorm=1.0) inside tfmp.LossScaleOptimizer.")
 
 
 def warn_if_unscaled(optimizer: Any, record: StepRecord, from_unscale: bool) -> None:

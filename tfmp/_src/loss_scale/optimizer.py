@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import weakref
 from typing import Any, Dict
 
 import keras
@@ -32,7 +31,13 @@ from tfmp._src.loss_scale import saved_form as _saved_form
 from tfmp._src.loss_scale import step_state as _step_state
 from tfmp._src.loss_scale import user_settings as _user_settings
 from tfmp._src.errors import invalid_argument
-from tfmp._src.keras_hooks.optimizer_steps import LossScaleOptimizerBase, no_automatic_dependency_tracking, optimizer_variables, overwrites_with_gradient
+from tfmp._src.float32.master_weights import warn_16bit_applied
+from tfmp._src.keras_hooks.optimizer_steps import (
+    LossScaleOptimizerBase,
+    no_automatic_dependency_tracking,
+    optimizer_variables,
+    overwrites_with_gradient,
+)
 from tfmp._src.loss_scale.fused_update import fused_updates
 from tfmp._src.loss_scale.loops import DEFAULT_MAX_CONSECUTIVE_OVERFLOWS
 from tfmp._src.policy import speedups
@@ -251,12 +256,13 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         self._steps = _guard.StepRecord()  # scale_loss calls, per traced or eager step
         self._check_loss = ""  # "batch" or "loss" inside an `apply` checking that, not the gradients
         self._check_values = False  # True inside an `apply` with the "values" guard
+        self._already_unscaled: set = set()  # inside an `apply`: ids of gradients not to divide again
         # BatchNormalization statistics a skipped step puts back; set past Keras's
         # tracking, which would make the statistics optimizer variables (saved with it).
         object.__setattr__(self, "_statistics_before", ())
-        # Gradients returned by get_unscaled_gradients, by id: apply does not
-        # divide these again (tf.keras 2 code unscales before apply_gradients).
-        self._unscaled = weakref.WeakValueDictionary()
+        # What get_unscaled_gradients took and handed back: apply does not divide
+        # the latter again (tf.keras 2 code unscales before apply_gradients).
+        self._origins = _guard.GradientOrigins()
         _loops.track(self)
 
     def __getattr__(self, name: str) -> Any:
@@ -406,10 +412,12 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
     def get_unscaled_gradients(self, grads: list) -> list:
         """Divides `grads` by the scale, as tf.keras 2 did.
 
-        For code moved from tf.keras 2. A pure function: nothing about the
-        optimizer changes. `apply` / `apply_gradients` recognise the tensors it
-        returns and do not divide those again; any other gradient is unscaled
-        there exactly once.
+        For code moved from tf.keras 2. Nothing about the optimizer changes.
+        `apply` / `apply_gradients` in the same step (the same traced function,
+        or the next eager `apply`) take the gradients as unscaled and do not
+        divide them again, also after any op on them (clipping, a cast,
+        ``tf.identity``); outside such a step the tensors it returns are still
+        recognised; any other gradient is unscaled there exactly once.
 
         Args:
             grads: List of tensors or None. Gradients of the scaled loss.
@@ -419,9 +427,8 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         """
         scale = self.dynamic_scale if self.built else self.initial_scale
         unscaled = [None if g is None else ops.divide(g, ops.cast(scale, g.dtype)) for g in grads]
-        for g in unscaled:
-            if g is not None:
-                self._unscaled[id(g)] = g
+        self._origins.note(list(grads), unscaled)
+        self._steps.note_unscaled()
         return unscaled
 
     def apply(self, grads: list, trainable_variables: list | None = None) -> None:
@@ -432,7 +439,10 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
 
         Raises:
             ValueError: when traced in an XLA-compiled step replicated over several
-                replicas of a `tf.distribute` strategy (see `tfmp._src.distribute`).
+                replicas of a `tf.distribute` strategy (see `tfmp._src.distribute`);
+                (template) with dynamic loss scaling, gradients clipped by
+                TensorFlow's clipping functions while still scaled, in a traced step
+                (`guard.refuse_clipped_scaled`).
 
         Warns:
             tfmp.LossScaleWarning: once per optimizer, when it scales dynamically
@@ -441,8 +451,10 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         _distribute.check_not_xla_replicated()
         grads = list(grads)
         loss_recorded = self._steps.take_loss_recorded()
-        from_unscale = any(g is not None and self._unscaled.get(id(g)) is g for g in grads)
-        _guard.warn_if_unscaled(self, self._steps, from_unscale)
+        already = self._origins.already_unscaled(grads, self._steps.take_unscaled())
+        _guard.refuse_clipped_scaled(self, [g for g, done in zip(grads, already) if not done])
+        _guard.warn_if_unscaled(self, self._steps, any(already))
+        self._already_unscaled = {id(g) for g, done in zip(grads, already) if done}
         first = _guard.first_check(self.guard, self.loss_scaling)
         self._check_loss = first if loss_recorded and first in _guard.LOSS_GUARDS else ""
         self._check_values = _guard.resolve(self.guard, self.loss_scaling) == "values"
@@ -452,14 +464,15 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
                 "in a replica context, which a distributed variable refuses)",
                 fix="Use guard='auto' or 'gradients' under a tf.distribute strategy.",
             )
-        object.__setattr__(self, "_statistics_before", tuple(
-            _step_state.take(list(trainable_variables or optimizer_variables(self)))))
+        variables = list(trainable_variables or optimizer_variables(self))
+        warn_16bit_applied(self, variables)
+        object.__setattr__(self, "_statistics_before", tuple(_step_state.take(variables)))
         if not loss_recorded:
             self._record_unscaled_batch()
         try:
             super().apply(grads, trainable_variables)
         finally:
-            self._check_loss, self._check_values = "", False
+            self._check_loss, self._check_values, self._already_unscaled = "", False, set()
             object.__setattr__(self, "_statistics_before", ())
         if tf.executing_eagerly():
             self.raise_if_stuck()
@@ -492,7 +505,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         variables = trainable_variables or optimizer_variables(self)
         return [
             g
-            if g is None or overwrites_with_gradient(self, v) or self._unscaled.get(id(g)) is g
+            if g is None or overwrites_with_gradient(self, v) or id(g) in self._already_unscaled
             else ops.divide(g, self.dynamic_scale)
             for g, v in zip(grads, variables)
         ]

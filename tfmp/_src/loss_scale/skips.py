@@ -67,10 +67,12 @@ def cause(status: int, loss_scaling: bool) -> Tuple[str, str, str]:
             "records with tfmp.check_dataset(dataset)."
         )
     if loss:
+        where = ("(a float16 overflow: float16 holds at most 65504)" if loss_scaling else
+                 "(not a range overflow of the compute dtype: bfloat16 and float32 hold up to "
+                 "about 3.4e38, so the values themselves diverged)")
         return "loss", loss, (
             f"The loss itself is non-finite ({loss}): it comes from the forward pass "
-            "(a 16-bit overflow: float16 holds at most 65504), the data or the learning "
-            "rate, and lowering the loss scale cannot help."
+            f"{where}, the data or the learning rate, and lowering the loss scale cannot help."
         )
     if status & 16:
         return "values", "", (

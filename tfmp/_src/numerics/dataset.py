@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import warnings
 from typing import Any, Iterable, Iterator, Optional, Union
 
 import keras
@@ -70,6 +71,9 @@ class DatasetReport:
         smallest_subnormal: Float. Its smallest positive value (2**-24 for float16).
         batches_checked: Int. Batches scanned.
         issues: List of `DatasetIssue`, in batch order.
+        values_checked: Int. Floating-point values scanned. 0 when the data set
+            holds no float component (strings, integer ids only): nothing was
+            checked, and `check_dataset` warned.
 
     Raises:
         ValueError: (template) `compute_dtype` not a string, a limit not a
@@ -81,10 +85,12 @@ class DatasetReport:
     smallest_subnormal: float
     batches_checked: int = 0
     issues: list = dataclasses.field(default_factory=list)
+    values_checked: int = 0
 
     def __post_init__(self) -> None:
         check_fields(self, compute_dtype=STRING, max_value=REAL, smallest_subnormal=REAL,
-                     batches_checked=COUNT, issues=list_of(instance_of(DatasetIssue, "a DatasetIssue")))
+                     batches_checked=COUNT, issues=list_of(instance_of(DatasetIssue, "a DatasetIssue")),
+                     values_checked=COUNT)
 
     @property
     def ok(self) -> bool:
@@ -92,6 +98,9 @@ class DatasetReport:
         return not self.issues
 
     def __str__(self) -> str:
+        if not self.values_checked:
+            return (f"check_dataset: nothing checked in {self.batches_checked} batch(es): no "
+                    "floating-point values (only strings or integers).")
         head = (
             f"check_dataset: {len(self.issues)} issue(s) in {self.batches_checked} batch(es) checked "
             f"(compute dtype {self.compute_dtype}: finite up to {self.max_value:.6g}, smallest subnormal "
@@ -144,6 +153,7 @@ def _batches(data: Any, max_batches: Optional[int], batch_size: int) -> Iterator
     leaves = keras.tree.flatten(data) if isinstance(data, (dict, tuple, np.ndarray, tf.Tensor)) else []
     arrays = [leaf for leaf in leaves if leaf is not None]  # (x, None) as fit takes it
     if arrays and all(isinstance(leaf, (np.ndarray, tf.Tensor)) for leaf in arrays):
+        _check_same_length(data)
         size = len(arrays[0])
         starts = range(0, size, batch_size)
         return (keras.tree.map_structure(lambda a, s=s: a if a is None else a[s : s + batch_size], data)
@@ -152,6 +162,27 @@ def _batches(data: Any, max_batches: Optional[int], batch_size: int) -> Iterator
         return _checked_batches(data, iter(data))
     raise invalid_argument("dataset", data, _DATASET,
                            fix="Pass e.g. check_dataset((x_train, y_train)) or a tf.data.Dataset.")
+
+
+def _check_same_length(data: Any) -> None:
+    """Refuses in-memory arrays of different lengths, which `fit` refuses too.
+
+    Raises:
+        ValueError: (template, naming `dataset`) the first dimensions differ,
+            each named with its component.
+    """
+    parts = zip(_COMPONENTS, data) if isinstance(data, tuple) and 1 <= len(data) <= 3 else [("x", data)]
+    lengths = {}
+    for component, value in parts:
+        for path, leaf in keras.tree.flatten_with_path(value):
+            if leaf is not None and len(getattr(leaf, "shape", ())) >= 1:
+                lengths["/".join([component, *map(str, path)])] = int(leaf.shape[0])
+    if len(set(lengths.values())) > 1:
+        listed = ", ".join(f"{name}: {length}" for name, length in lengths.items())
+        raise invalid_argument(
+            "dataset", data, "arrays with the same number of samples (first dimension), as fit needs",
+            fix=f"Their lengths differ ({listed}): pass as many targets and sample weights as inputs, "
+            "e.g. check_dataset((x, y)) with len(x) == len(y).")
 
 
 def _checked_batches(data: Any, batches: Iterator[Any]) -> Iterator[Any]:
@@ -258,10 +289,14 @@ def check_dataset(
         `DatasetReport`; `report.ok` is True when nothing was found and `str(report)`
         lists the issues by batch, component and feature.
 
+    Warns:
+        UserWarning: the data set holds no floating-point value (nothing was
+            checked; `report.values_checked` is 0).
+
     Raises:
         ValueError: (template) `dataset` is a string or of no supported kind,
             yields a batch that holds a value of rank 0 (a number) or no array,
-            or yields no batch; `policy` is not one of those above; `max_batches` is
+            or yields no batch; in-memory arrays of different lengths; `policy` is not one of those above; `max_batches` is
             not None or an int >= 1 (or None for an infinite data set);
             `batch_size` is not an int >= 1.
 
@@ -281,6 +316,7 @@ def check_dataset(
     for index, batch in enumerate(itertools.islice(_batches(dataset, max_batches, batch_size), max_batches)):
         report.batches_checked += 1
         for component, array in _components(batch):
+            report.values_checked += int(array.size)
             counts = _scan(array, limits if component.startswith("x") else None)
             for problem, per_feature in counts.items():
                 for feature in np.flatnonzero(per_feature):
@@ -297,4 +333,11 @@ def check_dataset(
         raise invalid_argument(
             "dataset", dataset, "a data set that yields at least one batch",
             fix="It yielded none: check that it is not empty and that a generator was not already consumed.")
+    if not report.values_checked:
+        warnings.warn(
+            f"check_dataset found no floating-point values in {report.batches_checked} batch(es): nothing "
+            "was checked (it scans float inputs, targets and sample weights; strings and integer ids "
+            "cannot hold NaN or Inf). Check the numbers the model computes on instead, e.g. the output "
+            "of your text or lookup preprocessing: check_dataset(dataset.map(preprocess)).",
+            UserWarning, stacklevel=2)
     return report

@@ -50,6 +50,7 @@ from tfmp._src.float32 import build_errors, exact_layers, loaded_layers
 from tfmp._src.float32.dtype_errors import explain_dtype_errors
 from tfmp._src.float32.xla_bilinear import turn_off_xla_for_bilinear
 from tfmp._src.float32.force import force_compiled, force_loaded
+from tfmp._src.float32.master_weights import warn_16bit_trainable
 from tfmp._src.float32.token_ids import exact_id_embeddings, keep_exact_ids
 from tfmp._src.policy.hardware import DeviceFacts
 from tfmp._src.layer_tree import walk
@@ -408,6 +409,7 @@ def _wants_optimizer_wrapper(model: keras.Model, state: Session) -> bool:
 def _fix_and_attach(model: keras.Model, state: Session, attached_by: str) -> Attachment:
     """Exact token ids and dtype-error explanations, then the model's `Attachment`."""
     keep_exact_ids(model)
+    warn_16bit_trainable(model)
     explains = model.dtype_policy.compute_dtype in LOW_PRECISION
     if explains:
         explain_dtype_errors(model)

@@ -1,0 +1,103 @@
+"""16-bit trainable variables in a mixed-precision model: no float32 master weights, said once per model.
+
+Under a ``mixed_*`` policy Keras keeps every variable in float32 (the master
+weights) and casts it to the compute dtype in ``call``; the optimizer updates the
+float32 copy. A variable created in 16 bits anyway (``add_weight(dtype=...)``,
+or a layer given a pure 16-bit policy) is updated in 16 bits, and so are the
+optimizer's slots for it, which take the variable's dtype:
+
+- bfloat16 keeps 8 significant bits: around 1.0 its spacing is 2**-7
+  (0.0078), an update smaller than half of that rounds away, and Adam's
+  ``beta_2 = 0.999`` is 1.0 in bfloat16, so the variable stops learning;
+- float16 keeps 11 significant bits and holds at most 65504: updates below
+  2**-11 of the weight round away, and a squared gradient above 65504
+  (|g| > 256) overflows Adam's second moment, so the variable stalls or runs away.
+
+Numbers: IEEE 754 binary16 and the bfloat16 format (8-bit exponent, 7 stored
+fraction bits), as in ``ml_dtypes.finfo``.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any, List, Tuple
+
+from tfmp._src.constants import LOW_PRECISION
+from tfmp._src.errors import user_stacklevel
+from tfmp._src.layer_tree import own_weights, walk
+
+#: What a 16-bit trainable variable does to training, per dtype.
+EFFECT = {
+    "bfloat16": ("bfloat16 keeps 8 significant bits: an update below half its spacing (2**-7 = 0.0078 "
+                 "around 1.0) rounds away, and Adam's beta_2 = 0.999 is 1.0 in bfloat16, so it stops "
+                 "learning"),
+    "float16": ("float16 keeps 11 significant bits and holds at most 65504: updates below 2**-11 of "
+                "the weight round away and Adam's second moment overflows for gradients above 256, "
+                "so it stalls or runs away"),
+}
+_named: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()  # variables said, by id
+
+
+def trainable_16bit(model: Any) -> List[Tuple[str, Any]]:
+    """``(layer path, variable)`` of every trainable float16/bfloat16 variable of `model`'s layers."""
+    return [(entry.path, weight) for entry in walk(model) for weight in own_weights(entry.layer)
+            if weight.trainable and weight.dtype in LOW_PRECISION]
+
+
+def warn_16bit_trainable(model: Any) -> None:
+    """At attach: warns when a built mixed-precision model trains variables stored in 16 bits.
+
+    Silent for a model whose own policy keeps 16-bit variables (a pure
+    ``"float16"``/``"bfloat16"`` policy, which `tfmp.enable` accepts only with
+    ``allow_pure_16bit=True``) and for a model not built yet: its variables are
+    said when `tfmp.LossScaleOptimizer` first applies to them
+    (`warn_16bit_applied`). Each variable is said once.
+
+    Warns:
+        UserWarning: see `_warn`.
+    """
+    if model.dtype_policy.variable_dtype in LOW_PRECISION or not model.built:
+        return
+    _warn(f"Model {model.name!r} ({model.dtype_policy.name})",
+          [(f"{path}/{weight.name}", weight) for path, weight in trainable_16bit(model)])
+
+
+def warn_16bit_applied(optimizer: Any, variables: List[Any]) -> None:
+    """At a traced or eager `apply`: warns about 16-bit variables among float32 ones.
+
+    For a model built after it was attached (a subclassed model, at its first
+    step) and for a custom loop. Silent when every variable is 16-bit (a pure
+    16-bit policy) or when they were said already.
+
+    Warns:
+        UserWarning: see `_warn`.
+    """
+    low = [variable for variable in variables if variable.dtype in LOW_PRECISION]
+    if low and len(low) < len(variables):
+        _warn(f"Optimizer {optimizer.name!r}", [(variable.path, variable) for variable in low])
+
+
+def _warn(owner: str, found: List[Tuple[str, Any]]) -> None:
+    """Warns once per variable: up to 5 named with their dtype, what they do, the fix.
+
+    Warns:
+        UserWarning: naming each variable (up to 5) with its path and dtype, what
+            it does under this policy (`EFFECT`), and the fix.
+    """
+    found = [(name, weight) for name, weight in found if _named.get(id(weight)) is not weight]
+    if not found:
+        return
+    for _, weight in found:
+        _named[id(weight)] = weight
+    named = ", ".join(f"'{name}' ({weight.dtype})" for name, weight in found[:5])
+    more = f" and {len(found) - 5} more" if len(found) > 5 else ""
+    effects = " ".join(f"{EFFECT[dtype]}." for dtype in sorted({weight.dtype for _, weight in found}))
+    warnings.warn(
+        f"{owner} trains {len(found)} variable(s) stored in 16 bits, without float32 master weights: "
+        f"{named}{more}. {effects} Create them in float32 (leave `dtype` out of add_weight, or pass "
+        "dtype='float32': Keras casts them to the compute dtype in call), or give their layer a "
+        "'mixed_*' policy.",
+        UserWarning,
+        stacklevel=user_stacklevel(),
+    )

@@ -202,3 +202,22 @@ def test_keras_form_leaves_other_entries_and_its_argument_alone():
     assert set(converted["config"]) == {"name", "inner_optimizer", "initial_scale", "dynamic_growth_steps"}
     assert converted["config"]["inner_optimizer"][saved_form.SETTINGS_KEY]["hysteresis"] == 3
     assert saved_form.from_keras_form(converted["config"])["hysteresis"] == 3
+
+
+def test_a_model_saved_under_another_policy_is_said_and_its_attachment_names_that_policy(tmp_path):
+    model, _ = _trained("mixed_float16")
+    path = tmp_path / "float16.keras"
+    model.save(path)
+    tfmp.disable()
+    tfmp.enable("mixed_bfloat16")
+    with pytest.warns(UserWarning, match=r"was saved under 'mixed_float16' and trains so: .* not this "
+                      r"session's 'mixed_bfloat16' .* new_model.set_weights\(model.get_weights\(\)\)"):
+        loaded = keras.models.load_model(path)
+    assert tfmp.attachment(loaded).policy == "mixed_float16"
+    assert {layer.compute_dtype for layer in loaded.layers} == {"float16", "float32"}  # float32: the outputs
+    tfmp.disable()
+    tfmp.enable("mixed_float16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # the same policy: nothing to say
+        again = keras.models.load_model(path)
+    assert tfmp.attachment(again).policy == "mixed_float16"

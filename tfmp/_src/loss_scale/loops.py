@@ -159,11 +159,29 @@ def _attach(model: Any) -> None:
     """Adds the stuck check and the batch record to `model` when its optimizer is a tfmp one."""
     optimizer = getattr(model, "optimizer", None)
     if optimizer in _live:
+        build_before_tracing(model, optimizer)
         skips.start_fit(optimizer)
     if optimizer in _live and not record.detached(model) and not train_function.has_check(model, "stuck"):
         train_function.add_check(model, "stuck", functools.partial(_check_after_step, model))
         batch_check.watch(model)  # makes the train function again: the check above is kept
     release_if_unused()
+
+
+def build_before_tracing(model: Any, optimizer: Any) -> None:
+    """Builds `optimizer` for `model`'s trainable variables now, when both can be.
+
+    Without a `tf.distribute` strategy Keras builds the optimizer inside the first
+    trace of the train function; its variables are initialized when that function
+    first runs, so a step that fails while tracing (a shape mismatch in the loss,
+    a bug in a custom `train_step`) leaves every slot and counter uninitialized
+    (read back as an empty array) and the optimizer unusable. Built here, as
+    Keras's own symbolic build does under a strategy
+    (``optimizer.build(model.trainable_variables)``), they are created eagerly and
+    survive a failed trace. A model not built yet keeps Keras's order.
+    """
+    if not optimizer.built and model.built and model.trainable_variables:
+        with model.distribute_strategy.scope():
+            optimizer.build(model.trainable_variables)
 
 
 def _check_after_step(model: Any, logs: Any) -> Any:

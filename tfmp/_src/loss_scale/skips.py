@@ -32,6 +32,7 @@ from typing import Any, Tuple
 import tensorflow as tf
 
 from tfmp._src.constants import NON_FINITE_KINDS
+from tfmp._src.errors import invalid_argument
 
 #: Steps at the start of a fit that, all skipped, are warned about under loss scaling.
 EARLY_STEPS = 8
@@ -98,7 +99,15 @@ def start_fit(optimizer: Any) -> None:
     if not optimizer.built:
         optimizer._fit_start = start or (0, 0)  # built by the first step: counters at 0
         return
-    total = int(optimizer.total_steps.numpy())
+    counter = optimizer.total_steps.numpy()
+    if counter.shape != ():  # built in a trace that failed: Keras never initialized the variables
+        raise invalid_argument(
+            "optimizer", optimizer, "an optimizer whose variables were initialized",
+            fix=f"The optimizer {optimizer.name!r} was built inside a first step that failed while "
+            "tracing, so Keras never initialized its variables (slots, loss scale, counters). "
+            "Compile the model again with a new optimizer, e.g. model.compile(keras.optimizers."
+            f"{type(optimizer.inner_optimizer).__name__}(...), loss=...), then fit.")
+    total = int(counter)
     if start is None or total - start[0] >= EARLY_STEPS:
         optimizer._fit_start = (total, int(optimizer.overflow_count.numpy()))
 

@@ -447,7 +447,30 @@ def _attach_loaded(model: keras.Model, loss: Any = None) -> None:
     state = session.current()
     if state is not None:
         force_loaded(model, keep=state.keep_float32, exclude=state.exclude_float32, loss=loss)
-        _fix_and_attach(model, state, "load")
+        found = _fix_and_attach(model, state, "load")
+        saved = saved_policy(model)
+        if saved is not None and saved != state.decision.policy:
+            found.policy = saved
+            _warn_loaded_under_another_policy(model, saved, state.decision.policy)
+
+
+def saved_policy(model: keras.Model) -> Optional[str]:
+    """The one mixed or 16-bit policy `model`'s layers were saved with, or None (float32, or several)."""
+    names = {entry.layer.dtype_policy.name for entry in walk(model)} - {"float32"}
+    return names.pop() if len(names) == 1 else None
+
+
+def _warn_loaded_under_another_policy(model: keras.Model, saved: str, policy: str) -> None:
+    """Says once that a loaded model trains under the policy it was saved with, not the session's."""
+    warnings.warn(
+        f"Model {model.name!r} was saved under {saved!r} and trains so: its layers keep the policies "
+        f"saved with them, not this session's {policy!r} (tfmp.attachment(model).policy says "
+        f"{saved!r}). To train it under {policy!r}, build the model anew after tfmp.enable({policy!r}) "
+        "and copy the weights: new_model.set_weights(model.get_weights()); or enable "
+        f"tfmp.enable({saved!r}) before loading it.",
+        UserWarning,
+        stacklevel=user_stacklevel(),
+    )
 
 
 def _compile_with_tfmp(compile: Callable, model: keras.Model, args: tuple, kwargs: dict) -> Any:

@@ -1,0 +1,57 @@
+"""A first `fit` that fails while its step is traced leaves the optimizer usable, or says why not."""
+
+import keras
+import numpy as np
+import pytest
+
+import tfmp
+
+X, Y = np.linspace(0.0, 1.0, 32, dtype="float32").reshape(8, 4), np.ones((8, 2), "float32")
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_after_a_first_fit_fails_while_tracing_the_next_fit_trains(policy):
+    with tfmp.policy_scope(policy):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(2)])
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+        with pytest.raises(ValueError, match="Dimensions must be equal"):
+            model.fit(X, np.ones((8, 5)), verbose=0)  # the loss fails while the step is traced
+        optimizer = model.optimizer
+        history = model.fit(X, Y, epochs=3, batch_size=4, verbose=0)
+    losses = history.history["loss"]
+    assert np.isfinite(losses).all() and losses[-1] < losses[0]
+    assert int(optimizer.iterations.numpy()) == 6 and int(optimizer.total_steps.numpy()) == 6
+    assert int(optimizer.overflow_count.numpy()) == 0
+
+
+class FailsAfterApply(keras.Model):
+    """A subclassed model (built at its first step) whose train_step fails once the update is traced."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(2)
+        self.fail = True
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, data):
+        logs = super().train_step(data)
+        if self.fail:
+            raise RuntimeError("a bug in train_step, after the update")
+        return logs
+
+
+def test_an_optimizer_built_in_a_failed_trace_is_named_with_the_fix_not_a_raw_error():
+    with tfmp.policy_scope("mixed_float16"):
+        model = FailsAfterApply()
+        model.compile(keras.optimizers.Adam(), "mse")
+        with pytest.raises(RuntimeError, match="a bug in train_step"):
+            model.fit(X, Y, verbose=0)
+        model.fail, model.train_function = False, None
+        with pytest.raises(ValueError, match=r"Invalid `optimizer` argument\. .* was built inside a first step "
+                           r"that failed while tracing, .* Compile the model again with a new optimizer, e\.g\. "
+                           r"model\.compile\(keras\.optimizers\.Adam\(\.\.\.\)"):
+            model.fit(X, Y, verbose=0)
+        model.compile(keras.optimizers.Adam(), "mse")  # the fix
+        assert np.isfinite(model.fit(X, Y, verbose=0).history["loss"]).all()

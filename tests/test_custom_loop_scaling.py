@@ -77,7 +77,7 @@ def test_clipping_the_scaled_gradients_in_a_traced_loop_is_refused_with_the_fix(
                        r"unscaling: grads = optimizer.get_unscaled_gradients\(grads\)"):
         step()
     assert all(np.array_equal(a, w.numpy()) for a, w in zip(before, model.weights, strict=True))
-    del step, optimizer  # the traced function and the error's frames hold the optimizer
+    step = optimizer = None  # the traced function and the error's frames hold the optimizer
     collect_everything()
 
 

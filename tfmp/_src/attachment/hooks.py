@@ -24,7 +24,7 @@ from typing import List
 
 from tfmp._src.attachment import record
 from tfmp._src.float32 import bias_gradient, conv, fused_batchnorm, gelu, gradient_errors
-from tfmp._src.keras_hooks import availability, surfaces
+from tfmp._src.keras_hooks import surfaces
 from tfmp._src.keras_hooks.loss_terms import install_losses_hook
 from tfmp._src.policy import session
 
@@ -32,7 +32,8 @@ _hooks: List[surfaces.Hook] = []
 _lock = threading.RLock()
 #: The optional features among them, each installed on its own: where its Keras surface
 #: is missing it is switched off with one warning (`availability`), and the rest go on.
-OPTIONAL = (("gelu", gelu.install), ("conv", conv.install), ("bias_gradient", bias_gradient.install))
+OPTIONAL = (("fused_batchnorm", fused_batchnorm.install), ("gradient_errors", gradient_errors.install),
+            ("gelu", gelu.install), ("conv", conv.install), ("bias_gradient", bias_gradient.install))
 
 
 def hold() -> None:
@@ -44,15 +45,9 @@ def hold() -> None:
     """
     with _lock:
         if not _hooks:
-            _hooks.extend(surfaces.all_or_none(
-                [install_losses_hook, fused_batchnorm.install, gradient_errors.install]))
+            _hooks.extend(surfaces.all_or_none([install_losses_hook]))
             for feature, install in OPTIONAL:
-                if availability.off(feature):
-                    continue
-                try:
-                    _hooks.extend(surfaces.all_or_none([install]))
-                except Exception as error:  # noqa: BLE001 (any failure of an optional feature)
-                    availability.switch_off(feature, error)
+                _hooks.extend(surfaces.optional(feature, install))
 
 
 def release_if_unused() -> None:

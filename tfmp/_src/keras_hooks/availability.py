@@ -20,6 +20,13 @@ FEATURES = {
     "gelu": "exact GELU in float32 inside (bfloat16 models on a CPU)",
     "conv": "float16 convolutions in float32 inside (float16 models on a CPU)",
     "bias_gradient": "bfloat16 bias gradients summed with float32 accumulation (CPU)",
+    "fused_batchnorm": "BatchNormalization on TensorFlow's fused kernel (mixed policies)",
+    "fused_update": "Adam's and SGD's updates on TensorFlow's one-kernel ops",
+    "gradient_errors": "backward-pass dtype mismatches explained, naming the layer",
+    "build_errors": "dtype mismatches while a Functional model is built explained, naming the layer",
+    "loaded_layers": "the sublayers of a float32 layer made in float32 when a model is loaded",
+    "exact_layers": "Discretization, CategoryEncoding and Normalization made in float32 (exact)",
+    "first_step": "the warning at fit about a model compiled before tfmp.enable()",
 }
 
 _off: Dict[str, str] = {}

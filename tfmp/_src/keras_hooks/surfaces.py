@@ -27,6 +27,7 @@ import types
 from typing import Any, Callable, List, Sequence
 
 from tfmp._src.keras_hooks import (
+    availability,
     backend_ops,
     gradient_tape,
     layer_calls,
@@ -51,6 +52,26 @@ def subscriptions_on(target: Any) -> List[patches.Hook]:
 def all_or_none(installers: Sequence[Callable[[], Any]]) -> List[patches.Hook]:
     """Runs each installer (subscribing through surfaces); every hook stays, or none (`patches.install_all`)."""
     return patches.install_all(installers)
+
+
+def optional(feature: str, installer: Callable[[], Any]) -> List[patches.Hook]:
+    """Installs an optional feature's hooks, all or none; where that fails, the feature is off.
+
+    Args:
+        feature: String, a key of `availability.FEATURES`.
+        installer: Callable without arguments subscribing the feature's hooks.
+
+    Returns:
+        List of the hooks installed; [] when the feature is off in this process
+        (switched off now, with one warning naming it and the versions, or before).
+    """
+    if availability.off(feature):
+        return []
+    try:
+        return patches.install_all([installer])
+    except Exception as error:  # noqa: BLE001 (any failure of an optional feature)
+        availability.switch_off(feature, error)
+        return []
 
 
 def process_wide() -> List[patches.Hook]:

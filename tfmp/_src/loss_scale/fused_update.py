@@ -57,7 +57,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from tfmp._src.keras_hooks import optimizer_steps
+from tfmp._src.keras_hooks import availability, optimizer_steps
 from tfmp._src.keras_hooks.optimizer_steps import adam_slots, sgd_momentum_slot
 
 #: Variable dtypes updated by the fused kernels (others take Keras's own update).
@@ -148,10 +148,14 @@ def _fused_update_step(optimizer: Any, kernel_update: Callable, keras_update: Ca
     """``kernel_update`` where it applies, else ``keras_update`` (the update below the hook:
     Keras's own)."""
     if (isinstance(gradient, tf.IndexedSlices) or variable.dtype not in FUSED_DTYPES
-            or tf.distribute.has_strategy()):
+            or tf.distribute.has_strategy() or availability.off("fused_update")):
         keras_update(gradient, variable, learning_rate)
         return
-    kernel_update(optimizer, gradient, variable, learning_rate)
+    try:
+        kernel_update(optimizer, gradient, variable, learning_rate)
+    except AttributeError as error:  # Keras moved a slot it reads (before any op was made)
+        availability.switch_off("fused_update", error)
+        keras_update(gradient, variable, learning_rate)
 
 
 @contextlib.contextmanager
@@ -168,7 +172,7 @@ def fused_updates(optimizer: Any) -> Iterator[None]:
         None. On leaving, the optimizer's own ``update_step`` is back.
     """
     kernel_update = _kernel_update(optimizer)
-    if kernel_update is None:
+    if kernel_update is None or availability.off("fused_update"):
         yield
         return
 

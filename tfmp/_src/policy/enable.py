@@ -66,7 +66,15 @@ from tfmp._src.policy.session import Session
 from tfmp._src.policy.speedups import checked_speedups, off
 from tfmp._src.float32.registry import targets_from
 
-_session_hooks: List[trainer.Hook] = []  # compile, first-step and from_config hooks, while a session is open
+_session_hooks: List[trainer.Hook] = []
+#: The session hooks that are optional features (`keras_hooks.availability`).
+_OPTIONAL_SESSION_HOOKS = (
+    ("first_step", lambda: trainer.install_make_train_function_hook(
+        _warn_if_compiled_before_enable, owner="enable.first_step")),
+    ("loaded_layers", lambda: loaded_layers.install()),
+    ("exact_layers", lambda: exact_layers.install()),
+    ("build_errors", lambda: build_errors.install()),
+)  # compile, first-step and from_config hooks, while a session is open
 
 
 class _SessionsOpen:
@@ -101,12 +109,9 @@ def _set_current(state: Optional[Session]) -> None:
                 installed = surfaces.all_or_none([
                     lambda: trainer.install_compile_hook(
                         _compile_with_tfmp, keep_saved=is_enabled, on_load=_attach_loaded),
-                    lambda: trainer.install_make_train_function_hook(
-                        _warn_if_compiled_before_enable, owner="enable.first_step"),
-                    loaded_layers.install,
-                    exact_layers.install,
-                    build_errors.install,
                 ])
+                for feature, install in _OPTIONAL_SESSION_HOOKS:  # each off alone where Keras moved it
+                    installed += surfaces.optional(feature, install)
                 try:
                     attachment_hooks.hold()
                     fit_lifecycle.needs(_SESSIONS_OPEN)  # the error out of fit reaches monitors

@@ -256,8 +256,8 @@ def test_bad_options_leave_everything_untouched(options, message):
     assert keras.Model.compile is ORIGINAL_COMPILE
 
 
-def test_a_hook_that_fails_to_install_leaves_tfmp_and_keras_as_they_were(monkeypatch):
-    from tfmp._src.float32 import fused_batchnorm
+def test_a_core_hook_that_fails_to_install_leaves_tfmp_and_keras_as_they_were(monkeypatch):
+    """The float32 loss terms are core (not an optional feature that switches itself off)."""
     from tfmp._src.keras_hooks.patches import defining_class
     from tfmp._src.attachment import hooks as attachment_hooks
     from tfmp._src.keras_hooks import patches
@@ -267,10 +267,10 @@ def test_a_hook_that_fails_to_install_leaves_tfmp_and_keras_as_they_were(monkeyp
     compile_before = vars(trainer)["compile"]
 
     def fail():
-        raise RuntimeError("the fourth hook fails")
+        raise RuntimeError("the loss-terms hook fails")
 
-    monkeypatch.setattr(fused_batchnorm, "install", fail)
-    with warnings.catch_warnings(), pytest.raises(RuntimeError, match="the fourth hook fails"):
+    monkeypatch.setattr(attachment_hooks, "install_losses_hook", fail)
+    with warnings.catch_warnings(), pytest.raises(RuntimeError, match="the loss-terms hook fails"):
         warnings.simplefilter("ignore", tfmp.PerformanceWarning)
         tfmp.enable("mixed_bfloat16")
     assert not enable_module.is_enabled() and enable_module._session_hooks == []

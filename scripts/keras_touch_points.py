@@ -127,7 +127,8 @@ def count(root: pathlib.Path, names: Set[str]) -> Dict[str, object]:
             if isinstance(node, ast.ImportFrom) and not inside:
                 if any(alias.name == "patches" for alias in node.names) or (node.module or "").endswith(".patches"):
                     patches_importers.add(relative)
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("_tfmp_"):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("_tfmp_")
+                    and node.value != "_tfmp_"):  # the prefix `PerObject` keys its stores with
                 hidden.add(node.value)
             if isinstance(node, ast.Attribute) and node.attr.startswith("_tfmp_"):
                 hidden.add(node.attr)

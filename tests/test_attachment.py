@@ -224,32 +224,42 @@ def test_detach_gives_the_model_back_to_keras():
     assert [getattr(backend_ops.backend_nn(), name) for name in ("conv", "conv_transpose")] == original_convs
 
 
-def test_the_attachment_lists_every_subscription_and_detach_drops_all_but_float32_forcing():
+def test_the_attachment_lists_every_subscription_and_detach_keeps_only_float32_forcing_and_the_optimizers():
     from tfmp._src.attachment.attach import subscriptions
     from tfmp._src.keras_hooks import surfaces, train_function
 
     before = surfaces.process_wide()  # what other tests' live objects still hold
+    data = np.ones((8, 4), "float32"), np.eye(2, dtype="float32")[[0, 1] * 4]
     tfmp.enable("mixed_float16", debug=True)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu", name="hidden"),
                               keras.layers.Dense(2, activation="softmax", name="probs")])
     model.compile(keras.optimizers.Adam(1e-3), "categorical_crossentropy")
-    model.fit(np.ones((8, 4)), np.eye(2)[[0, 1] * 4], batch_size=4, verbose=0)
+    model.fit(*data, batch_size=4, verbose=0)
     found = tfmp.attachment(model).subscriptions
     rows = {row for object_rows in found.values() for row in object_rows}
     assert "layer calls: call (numerics)" in found["hidden"]
     assert "trainer: train_step (numerics)" in found["model"]
     assert {"trainer: train step check numerics", "trainer: train step check stuck"} <= set(found["model"])
     assert "optimizer steps: apply (numerics)" in found["optimizer"]
-    assert all(row.split(": ")[0] in {s.name for s in surfaces.HOOKED} | {"trainer"} for row in rows)
+    assert all(row.split(": ")[0] in {s.name for s in surfaces.HOOKED} for row in rows)
     tfmp.disable()
     tfmp.detach(model)
-    left = subscriptions(model)
-    left.pop("optimizer", None)  # the optimizer is kept, with what the monitor or user put on it
-    assert {row.split("(")[-1] for rows_ in left.values() for row in rows_} <= {
-        "float32.build)", "float32.outputs)", "float32.cast_back)"}, left
-    assert not train_function.has_check(model, "stuck")
-    model.fit(np.ones((8, 4)), np.eye(2)[[0, 1] * 4], batch_size=4, verbose=0)  # still trains
-    assert not train_function.has_check(model, "stuck")  # and tfmp does not come back by itself
+
+    def owners():
+        left = subscriptions(model)
+        left.pop("optimizer", None)  # the optimizer is kept, with what the monitor or user put on it
+        return {row.rsplit(" ", 1)[-1] for rows_ in left.values() for row in rows_}
+
+    optimizers = {"(loss_scale.batch)", "(train_function)", "stuck"}  # "... check stuck": the kept optimizer's
+    assert optimizers <= owners() <= optimizers | {"(float32.outputs)", "(float32.cast_back)"}
+    nan_batch = np.full((8, 4), np.nan, "float32"), data[1]
+    weights = [w.numpy() for w in model.weights]
+    model.fit(*nan_batch, batch_size=8, verbose=0)  # still guarded: skipped, counted
+    assert all(np.array_equal(a, w.numpy()) for a, w in zip(weights, model.weights, strict=True))
+    assert int(model.optimizer.overflow_count.numpy()) == 1
+    model.compile(keras.optimizers.Adam(1e-3), "categorical_crossentropy")  # another optimizer, plain Keras
+    model.fit(*data, batch_size=4, verbose=0)
+    assert owners() <= {"(float32.outputs)", "(float32.cast_back)"} and not train_function.has_check(model, "stuck")
     del model, found
     collect_everything()
     tfmp.disable()

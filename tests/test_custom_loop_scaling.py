@@ -61,7 +61,8 @@ def test_tf_keras_2_loop_unscales_once_whatever_it_does_to_the_unscaled_gradient
     assert optimizer.loss_scale == 256.0 and int(optimizer.overflow_count.numpy()) == 0
 
 
-def test_clipping_the_scaled_gradients_in_a_traced_loop_is_refused_with_the_fix():
+@pytest.mark.parametrize("then_unscaled", [False, True], ids=["applied", "unscaled-then-applied"])
+def test_clipping_the_scaled_gradients_in_a_traced_loop_is_refused_with_the_fix(then_unscaled):
     model, optimizer = _model_and_optimizer()
     before = [w.numpy() for w in model.weights]
 
@@ -70,6 +71,8 @@ def test_clipping_the_scaled_gradients_in_a_traced_loop_is_refused_with_the_fix(
         with tf.GradientTape() as tape:
             scaled = optimizer.scale_loss(_loss(model))
         grads, _ = tf.clip_by_global_norm(tape.gradient(scaled, model.trainable_variables), 1.0)
+        if then_unscaled:  # clipped at the scaled size, then divided: as small
+            grads = optimizer.get_unscaled_gradients(grads)
         optimizer.apply(grads, model.trainable_variables)
 
     with pytest.raises(ValueError, match=r"Invalid `grads` argument\. .* Received: grads='gradients clipped "

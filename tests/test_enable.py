@@ -311,3 +311,18 @@ def test_enable_with_loss_scale_options_alone_leaves_keras_unhooked_after_disabl
     tfmp.enable("float32", loss_scale_options={"initial_scale": 2.0**10, "max_consecutive_overflows": 5})
     tfmp.disable()
     assert patches.installed(trainer, "make_train_function") == []
+
+
+@pytest.mark.parametrize("entry", ["enable", "policy_scope"])
+def test_the_slower_than_float32_warning_names_the_callers_line(entry):
+    from _machines import ZEN4
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if entry == "enable":
+            tfmp.enable("mixed_float16", device_facts=ZEN4)
+        else:
+            with tfmp.policy_scope("mixed_float16", device_facts=ZEN4):
+                pass
+    slow = [w for w in caught if issubclass(w.category, tfmp.PerformanceWarning)]
+    assert [w.filename for w in slow] == [__file__] and "slower than float32" in str(slow[0].message)

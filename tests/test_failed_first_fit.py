@@ -9,10 +9,23 @@ import tfmp
 X, Y = np.linspace(0.0, 1.0, 32, dtype="float32").reshape(8, 4), np.ones((8, 2), "float32")
 
 
+class TwoDense(keras.Model):
+    """Subclassed: built by its first step, so Keras builds the optimizer inside that trace."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = keras.layers.Dense(3), keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.second(self.first(x))
+
+
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
-def test_after_a_first_fit_fails_while_tracing_the_next_fit_trains(policy):
+@pytest.mark.parametrize("kind", ["sequential", "subclassed"])
+def test_after_a_first_fit_fails_while_tracing_the_next_fit_trains(policy, kind):
     with tfmp.policy_scope(policy):
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(2)])
+        model = (TwoDense() if kind == "subclassed" else
+                 keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(2)]))
         model.compile(keras.optimizers.SGD(0.1), "mse")
         with pytest.raises(ValueError, match="Dimensions must be equal"):
             model.fit(X, np.ones((8, 5)), verbose=0)  # the loss fails while the step is traced

@@ -525,3 +525,9 @@ def test_a_non_finite_loss_is_explained_by_the_compute_dtypes_range(loss_scaling
         assert "float16 holds at most 65504" in sentence
     else:  # bfloat16 or float32: their range is float32's
         assert "65504" not in sentence and "3.4e38" in sentence
+
+
+def test_an_inner_optimizers_argument_given_to_the_wrapper_is_sent_to_the_inner_optimizer():
+    with pytest.raises(ValueError, match=r"Unknown argument 'learning_rate': it is the inner optimizer's; set it "
+                       r"there, e\.g\. tfmp\.LossScaleOptimizer\(keras\.optimizers\.SGD\(learning_rate=\.\.\.\)\)"):
+        _optimizer(learning_rate=0.1)

@@ -214,6 +214,8 @@ def test_a_model_saved_under_another_policy_is_said_and_its_attachment_names_tha
                       r"session's 'mixed_bfloat16' .* new_model.set_weights\(model.get_weights\(\)\)"):
         loaded = keras.models.load_model(path)
     assert tfmp.attachment(loaded).policy == "mixed_float16"
+    assert tfmp.attachment(loaded).optimizer == (
+        "tfmp.LossScaleOptimizer(Adam): dynamic loss scale, guard='auto', fused updates on")
     assert {layer.compute_dtype for layer in loaded.layers} == {"float16", "float32"}  # float32: the outputs
     tfmp.disable()
     tfmp.enable("mixed_float16")

@@ -37,10 +37,11 @@ from tfmp._src.policy import speedups as speedup_rules
 #: The name of the step scope of a model run without Grappler's remapper.
 REMAPPER_OFF = "remapper off"
 #: Subscribers `detach` leaves on a model: float32 forcing's, which make the layer
-#: policies it keeps (saved with the model) compute as their dtypes say.
-KEPT_OWNERS = ("float32.build", "float32.outputs", "float32.cast_back")
-#: The checks after each train step `detach` takes off (tfmp's stuck checks).
-DETACHED_CHECKS = ("stuck", "stuck.custom_optimizers")
+#: policies it keeps (saved with the model) compute as their dtypes say; and the
+#: companions of the tfmp optimizer it keeps (its ``"batch"`` guard's record of
+#: each batch and the step wrapper running its stuck check), which come off when
+#: the model's optimizer is no longer a tfmp one (`tfmp._src.loss_scale.loops`).
+KEPT_OWNERS = ("float32.build", "float32.outputs", "float32.cast_back", "loss_scale.batch", "train_function")
 
 
 def _check_model(model: Any, function: str) -> None:
@@ -159,7 +160,23 @@ def attachment(model: keras.layers.Layer) -> Optional[Attachment]:
     found = record.of(model)
     if found is not None:
         found.subscriptions = subscriptions(model)
+        if found.attached_by == "load":  # attached before Keras compiled it: the optimizer it has now
+            found.optimizer = optimizer_decision(getattr(model, "optimizer", None), "load")
     return found
+
+
+def optimizer_decision(optimizer: Any, attached_by: str) -> str:
+    """The `Attachment.optimizer` text: what tfmp did with `optimizer` (see `Attachment`)."""
+    if optimizer is None:
+        return ""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if type(optimizer).__module__.split(".")[0] == "tfmp" and inner is not None:  # a tfmp.LossScaleOptimizer
+        scaling = "dynamic loss scale" if optimizer.loss_scaling else "no loss scaling"
+        fused = "on" if optimizer.fused_updates else "off"
+        return (f"tfmp.LossScaleOptimizer({type(inner).__name__}): {scaling}, "
+                f"guard={optimizer.guard!r}, fused updates {fused}")
+    name = type(optimizer).__name__
+    return f"{name}: as saved" if attached_by == "load" else f"{name}: kept (float32 compute)"
 
 
 def subscriptions(model: keras.layers.Layer) -> Dict[str, List[str]]:
@@ -198,14 +215,16 @@ def detach(model: keras.layers.Layer) -> Optional[Attachment]:
     casts no longer apply;
     every subscription tfmp made on the model and its layers (the exact-token-id,
     dtype-error and quantize hooks, the hook wrapping optimizers stored on the
-    model (those wrapped stay), the batch record of the ``"batch"`` guard, the
-    stuck checks after each step, `tfmp.check_numerics`, the float16 step scope)
-    but float32 forcing's; and resets
+    model (those wrapped stay), `tfmp.check_numerics`, the float16 step scope)
+    but float32 forcing's and the kept optimizer's (`KEPT_OWNERS`); and resets
     the train, test and predict functions of the model, and of any attached model
     holding it, so that they are traced again.
     Kept: the layers' dtype policies (float32 forcing's, saved with the model) and
-    the optimizer: to train with another one, compile the model again after
-    `tfmp.disable()`. Once no model is attached and no thread is enabled, tfmp's
+    the optimizer, with what guards its steps: a `tfmp.LossScaleOptimizer` keeps
+    its ``"batch"`` guard's record of each batch and its stuck check after each
+    step, so a detached model is never less safe than it was. To train with
+    another optimizer, compile the model again after `tfmp.disable()`: at its next
+    `fit` those come off too. Once no model is attached and no thread is enabled, tfmp's
     model-level class hooks come off Keras.
 
     Args:
@@ -224,8 +243,6 @@ def detach(model: keras.layers.Layer) -> Optional[Attachment]:
     if isinstance(model, keras.Model):
         check_numerics(model, enabled=False)
         model_scopes.remove(model)
-        for name in DETACHED_CHECKS:
-            train_function.remove_check(model, name)
     for holder in [model, *_attached_models_holding(model)]:  # traced with the detached part
         if isinstance(holder, keras.Model):
             holder.train_function = holder.test_function = holder.predict_function = None

@@ -180,12 +180,6 @@ def unmark(objects: Iterable[Any], *, detached: bool = False) -> None:
                 _DETACHED[obj] = True
 
 
-def detached(obj: Any) -> bool:
-    """Bool. Whether `tfmp.detach` took `obj`'s mark off (and no compile or load gave it back)."""
-    with _lock:
-        return obj in _DETACHED
-
-
 def any_marked() -> bool:
     """Bool. Whether an object with a mark is still alive (not yet garbage-collected)."""
     with _lock:

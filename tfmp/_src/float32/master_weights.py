@@ -95,9 +95,9 @@ def _warn(owner: str, found: List[Tuple[str, Any]]) -> None:
     effects = " ".join(f"{EFFECT[dtype]}." for dtype in sorted({weight.dtype for _, weight in found}))
     warnings.warn(
         f"{owner} trains {len(found)} variable(s) stored in 16 bits, without float32 master weights: "
-        f"{named}{more}. {effects} Create them in float32 (leave `dtype` out of add_weight, or pass "
-        "dtype='float32': Keras casts them to the compute dtype in call), or give their layer a "
-        "'mixed_*' policy.",
+        f"{named}{more}. {effects} Create them in float32: leave `dtype` out of add_weight (a layer "
+        "under a 'mixed_*' policy then keeps them in float32) or pass dtype='float32'; Keras casts "
+        "them to the compute dtype in call. A layer given a pure 16-bit policy needs a 'mixed_*' one.",
         UserWarning,
         stacklevel=user_stacklevel(),
     )

@@ -13,9 +13,14 @@ there, on the host, between steps:
    each `tfmp.LossScaleMonitor` of the model writes what training did up to it,
    then the exception propagates unchanged.
 
+A first call that fails (while TensorFlow traces the step: a shape mismatch in
+the loss, a bug in ``train_step``) drops the function, so the next ``fit`` makes
+a new one instead of tracing the broken one again (plain Keras then raises
+"Creating variables on a non-first call" or a raw TensorFlow error).
+
 Each registers a named check (after every step, in the order of `CHECK_ORDER`) or
 error handler with `add_check` / `add_error_handler`. The model gets one wrapper,
-installed through `patches` on its `make_train_function` (so a train function
+installed through the trainer surface on its `make_train_function` (so a train function
 Keras builds later is wrapped too) and taken off when the last check or handler
 goes. Installing or removing checks never retraces the step.
 """
@@ -70,10 +75,13 @@ class _StepHooks:
         if current is None or wraps(current, self.wrapper):
             return
         self.inner = inner = current
+        ran = False  # a call of `inner` has returned (its first call traces it)
 
         def train_function(*args: Any, **kwargs: Any) -> Any:
+            nonlocal ran
             try:
                 logs = inner(*args, **kwargs)
+                ran = True
                 for name in CHECK_ORDER:
                     check = self.checks.get(name)
                     if check is not None:
@@ -82,6 +90,8 @@ class _StepHooks:
             except END_OF_DATA:
                 raise
             except BaseException as error:
+                if not ran:  # failed while TensorFlow traced it: the next fit makes a new one
+                    self.model.train_function = None
                 for handler in list(self.handlers.values()):
                     handler(error)
                 raise

@@ -8,6 +8,8 @@ step is a `tf.function`.
 
 from __future__ import annotations
 
+import inspect
+
 from typing import Any, Dict, Optional
 
 import keras
@@ -110,7 +112,7 @@ def check_arguments(
             "Pass an optimizer instance, e.g. tfmp.LossScaleOptimizer(keras.optimizers.get('adam')).",
         )
     check_name(name)
-    check_keras_kwargs(kwargs)
+    check_keras_kwargs(kwargs, inner_optimizer)
 
 
 def check_name(name: Any) -> None:
@@ -120,7 +122,16 @@ def check_name(name: Any) -> None:
                                fix="Pass e.g. name='loss_scale_optimizer'.")
 
 
-def check_keras_kwargs(kwargs: Dict[str, Any]) -> None:
+def _unknown_argument_fix(key: str, inner: Any) -> str:
+    """The fix for one unknown keyword: an inner optimizer's argument goes there, else a close spelling."""
+    inner_class = type(inner) if isinstance(inner, keras.optimizers.Optimizer) else keras.optimizers.Adam
+    if key != "name" and key in inspect.signature(inner_class.__init__).parameters:
+        return (f"Unknown argument {key!r}: it is the inner optimizer's; set it there, e.g. "
+                f"tfmp.LossScaleOptimizer(keras.optimizers.{inner_class.__name__}({key}=...)).")
+    return unknown_fix(f"Unknown argument {key!r}.", key, _ARGUMENTS)
+
+
+def check_keras_kwargs(kwargs: Dict[str, Any], inner: Any = None) -> None:
     """Accepts only Keras's backwards-compatibility keyword arguments, at their defaults.
 
     Raises:
@@ -133,7 +144,7 @@ def check_keras_kwargs(kwargs: Dict[str, Any]) -> None:
         raise invalid_argument(
             unknown[0], kwargs[unknown[0]],
             "an argument of tfmp.LossScaleOptimizer: one of " + ", ".join(_ARGUMENTS),
-            fix=" ".join(unknown_fix(f"Unknown argument {key!r}.", key, _ARGUMENTS) for key in unknown),
+            fix=" ".join(_unknown_argument_fix(key, inner) for key in unknown),
         )
     for key, value in kwargs.items():
         if key == "dynamic":

@@ -33,11 +33,23 @@ def watch(model: Any) -> None:
     traced, so nothing is lost) to take the hooked one.
     """
     hook = vars(model).get(_ATTR)
-    if hook is not None and hook.active:  # `tfmp.detach` takes it off
+    if hook is not None and hook.active:
         return
     hook = trainer.subscribe(model, "train_step", functools.partial(_wrap, model), owner="loss_scale.batch")
     object.__setattr__(model, _ATTR, hook)
     model.make_train_function(force=True)
+
+
+def unwatch(model: Any) -> None:
+    """Takes the ``train_step`` hook off `model` (its optimizer is no longer a tfmp one).
+
+    Called as Keras makes the train function, before it is traced: the function is
+    made again to take Keras's own ``train_step``.
+    """
+    hook = vars(model).pop(_ATTR, None)
+    if hook is not None and hook.active:
+        hook.remove()
+        model.make_train_function(force=True)
 
 
 def _wrap(model: Any, next_step: Callable) -> Callable:

@@ -20,7 +20,6 @@ from typing import Any, List
 import keras
 import tensorflow as tf
 
-from tfmp._src.attachment import record
 from tfmp._src.errors import NonFiniteError, invalid_argument
 from tfmp._src.keras_hooks import surfaces, train_function, trainer
 from tfmp._src.loss_scale import arguments, batch_check, saved_form, skips
@@ -161,9 +160,12 @@ def _attach(model: Any) -> None:
     if optimizer in _live:
         build_before_tracing(model, optimizer)
         skips.start_fit(optimizer)
-    if optimizer in _live and not record.detached(model) and not train_function.has_check(model, "stuck"):
+    if optimizer in _live and not train_function.has_check(model, "stuck"):
         train_function.add_check(model, "stuck", functools.partial(_check_after_step, model))
         batch_check.watch(model)  # makes the train function again: the check above is kept
+    elif optimizer not in _live and train_function.has_check(model, "stuck"):  # compiled with another one
+        train_function.remove_check(model, "stuck")
+        batch_check.unwatch(model)
     release_if_unused()
 
 

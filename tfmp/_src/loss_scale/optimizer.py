@@ -424,7 +424,14 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
 
         Returns:
             List of tensors (float32 where given float32), gradients of the true loss.
+
+        Raises:
+            ValueError: (template) in a traced step, gradients clipped by
+                TensorFlow's clipping functions while still scaled
+                (`guard.refuse_clipped_scaled`): unscale first, then clip.
         """
+        grads = list(grads)
+        _guard.refuse_clipped_scaled(self, grads)  # clipped, then unscaled: as wrong
         scale = self.dynamic_scale if self.built else self.initial_scale
         unscaled = [None if g is None else ops.divide(g, ops.cast(scale, g.dtype)) for g in grads]
         self._origins.note(list(grads), unscaled)

@@ -39,7 +39,7 @@ import keras
 import tensorflow as tf
 
 from tfmp._src.attachment import hooks as attachment_hooks
-from tfmp._src.attachment.attach import attach
+from tfmp._src.attachment.attach import attach, optimizer_decision
 from tfmp._src.attachment.record import Attachment
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.distribute import turn_off_xla_if_replicated
@@ -425,21 +425,8 @@ def _fix_and_attach(model: keras.Model, state: Session, attached_by: str) -> Att
                    numerics=bool(state.debug) and attached_by == "compile", speedups=state.speedups)
     if isinstance(getattr(model, "optimizer", None), LossScaleOptimizer) and off("fused_update", found.speedups):
         model.optimizer.fused_updates = False  # made before this session, or loaded: the model's switch
-    found.optimizer = _optimizer_decision(getattr(model, "optimizer", None), attached_by)
+    found.optimizer = optimizer_decision(getattr(model, "optimizer", None), attached_by)
     return found
-
-
-def _optimizer_decision(optimizer: Any, attached_by: str) -> str:
-    """The `Attachment.optimizer` text: what tfmp did with `optimizer`."""
-    if optimizer is None:
-        return ""
-    if isinstance(optimizer, LossScaleOptimizer):
-        scaling = "dynamic loss scale" if optimizer.loss_scaling else "no loss scaling"
-        fused = "on" if optimizer.fused_updates else "off"
-        return (f"tfmp.LossScaleOptimizer({type(optimizer.inner_optimizer).__name__}): {scaling}, "
-                f"guard={optimizer.guard!r}, fused updates {fused}")
-    name = type(optimizer).__name__
-    return f"{name}: as saved" if attached_by == "load" else f"{name}: kept (float32 compute)"
 
 
 def _attach_loaded(model: keras.Model, loss: Any = None) -> None:

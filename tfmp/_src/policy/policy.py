@@ -37,7 +37,7 @@ from typing import Optional, Tuple, Union
 
 import keras
 
-from tfmp._src.errors import check_bool, check_type, invalid_argument
+from tfmp._src.errors import check_bool, check_type, invalid_argument, user_stacklevel
 from tfmp._src.policy import float16_fusion
 from tfmp._src.policy.hardware import ONEDNN_ENV, DeviceFacts, detect_device_facts
 from tfmp._src.policy.speed_probe import SpeedProbe, format_factor
@@ -434,7 +434,7 @@ def resolve_policy(
             f"Policy {name!r} is slower than float32 here: {slow}. "
             f"Use tfmp.enable('auto') (which picks {auto.policy!r}) or 'float32'.",
             PerformanceWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),  # the caller of enable() or policy_scope()
         )
         reason = f"Requested explicitly; it is slower than float32 here: {slow}."
     else:

@@ -214,7 +214,7 @@ def test_detach_gives_the_model_back_to_keras():
     with pytest.raises(TypeError, match="bfloat16"):  # plain Keras again: the 16-bit term
         model.fit(X, Y, batch_size=4, verbose=0)
     assert tfmp.detach(model) is None  # detaching twice changes nothing
-    del model, found
+    model = found = None  # the lambda above holds `model` through its closure
     collect_everything()
     tfmp.disable()
     assert attachment_hooks.installed() == []
@@ -260,7 +260,7 @@ def test_the_attachment_lists_every_subscription_and_detach_keeps_only_float32_f
     model.compile(keras.optimizers.Adam(1e-3), "categorical_crossentropy")  # another optimizer, plain Keras
     model.fit(*data, batch_size=4, verbose=0)
     assert owners() <= {"(float32.outputs)", "(float32.cast_back)"} and not train_function.has_check(model, "stuck")
-    del model, found
+    model = found = None  # `owners` holds `model` through its closure
     collect_everything()
     tfmp.disable()
     assert [hook for hook in surfaces.process_wide() if hook not in before] == []

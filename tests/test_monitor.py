@@ -1023,3 +1023,34 @@ def test_train_folder_turned_into_a_file_after_construction_warns_with_the_path(
     assert f"to '{monitor.train_log_dir}' (FailedPreconditionError: " in text
     assert "not a directory" in text.lower() and "Events from step 0 on are lost" in text
     assert f"'{monitor.train_log_dir}' or a folder above it is a file" in text
+
+
+def test_another_process_writing_the_same_log_dir_is_said_once_with_the_fix(tmp_path):
+    """TensorBoard merges every event file of a folder into one run: a second writer is named."""
+    import os
+    import time
+
+    from tfmp._src.monitor import event_file
+
+    train = tmp_path / "train"
+    train.mkdir()
+    live = train / "events.out.tfevents.1796400000.other-host.4242.0.v2"  # another process, writing now
+    live.write_bytes(b"")
+    old = train / "events.out.tfevents.1796300000.other-host.77.0.v2"  # an earlier run, long finished
+    old.write_bytes(b"")
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    assert [entry[:3] for entry in event_file.other_writers(str(train))] == [(live.name, "other-host", 4242)]
+    x, y = data()
+    with tfmp.policy_scope("mixed_bfloat16"):
+        model = tiny_model()
+        model.compile("adam", "mse")
+        monitor = tfmp.LossScaleMonitor(tmp_path, update_freq="batch")
+        with pytest.warns(tfmp.LoggingWarning, match=r"writes into '.*train', where another process \(pid 4242 on "
+                          r"other-host\) wrote 'events\.out\.tfevents\.1796400000\.other-host\.4242\.0\.v2' \d+ s "
+                          r"ago: TensorBoard shows every event file of a folder as one run.* Give each run its own "
+                          r"log_dir") as caught:
+            model.fit(x, y, epochs=2, batch_size=8, verbose=0, callbacks=[monitor])
+            model.fit(x, y, epochs=1, batch_size=8, verbose=0, callbacks=[monitor])
+    assert len([w for w in caught if issubclass(w.category, tfmp.LoggingWarning)]) == 1  # once
+    os.utime(live, (time.time() - 3600, time.time() - 3600))  # that run ended long ago
+    assert event_file.other_writers(str(train)) == []

@@ -20,7 +20,9 @@ from __future__ import annotations
 import dataclasses
 import errno
 import logging
+import os
 import re
+import socket
 import time
 import warnings
 from typing import Iterable, Mapping, Optional
@@ -43,13 +45,73 @@ WRITE_ERRORS = (OSError, tf.errors.OpError)
 
 
 class LoggingWarning(UserWarning):
-    """tfmp could not write its TensorBoard events; training went on without them.
+    """tfmp could not write its TensorBoard events, or they would mix with another run's.
 
     Issued once per failure (`tfmp.LossScaleMonitor`): the message names the
-    folder, the first step whose events are lost, the cause and the fix. Turn it
+    folder, the first step whose events are lost, the cause and the fix; and
+    once per event file when another process is writing into the same folder
+    (TensorBoard would show both as one run, `other_writers`). Turn it
     into an error with ``warnings.simplefilter("error", tfmp.LoggingWarning)`` to
     stop a run that cannot log.
     """
+
+
+#: An event file another process wrote to within this many seconds counts as
+#: being written now (a run logging every epoch writes at least this often).
+CONCURRENT_SECONDS = 300.0
+#: ``events.out.tfevents.<seconds>.<host>.<pid>.<n>.v2``, as `tf.summary` names its files.
+_EVENT_FILE = re.compile(r"^events\.out\.tfevents\.\d+\.(?P<host>.+)\.(?P<pid>\d+)\.\d+\.v2$")
+
+
+def other_writers(directory: str, now: Optional[float] = None) -> list:
+    """The event files of `directory` another process wrote to in the last `CONCURRENT_SECONDS`.
+
+    Args:
+        directory: String. A run folder.
+        now: Float or None. The time to compare with (seconds since the epoch);
+            default `time.time()`.
+
+    Returns:
+        List of ``(file name, host, pid, seconds since its last write)``, newest first.
+    """
+    now = time.time() if now is None else now
+    own = (socket.gethostname(), os.getpid())
+    found = []
+    try:
+        names = os.listdir(directory)
+    except OSError:  # not created yet, or unreadable: nothing to compare with
+        return []
+    for name in names:
+        match = _EVENT_FILE.match(name)
+        if match is None or (match["host"], int(match["pid"])) == own:
+            continue
+        try:
+            age = now - os.path.getmtime(os.path.join(directory, name))
+        except OSError:
+            continue
+        if age <= CONCURRENT_SECONDS:
+            found.append((name, match["host"], int(match["pid"]), age))
+    return sorted(found, key=lambda entry: entry[3])
+
+
+def warn_if_shared(directory: str, owner: str) -> None:
+    """Warns once when another process is writing events into `directory`.
+
+    Warns:
+        LoggingWarning: naming the folder, the other writer and the fix.
+    """
+    found = other_writers(directory)
+    if not found:
+        return
+    name, host, pid, age = found[0]
+    warnings.warn(
+        f"{owner} writes into '{directory}', where another process (pid {pid} on {host}) wrote "
+        f"'{name}' {age:.0f} s ago: TensorBoard shows every event file of a folder as one run, so "
+        "the two runs' points would interleave. Give each run its own log_dir, e.g. "
+        "log_dir=f\"logs/{time.strftime('%Y%m%d-%H%M%S')}\".",
+        LoggingWarning,
+        stacklevel=user_stacklevel(),
+    )
 
 
 @dataclasses.dataclass
@@ -128,6 +190,7 @@ class EventFile:
         self._writer: Optional[tf.summary.SummaryWriter] = None
         self._failure: Optional[_Failure] = None
         self._last_step = 0
+        self._checked_shared = False
 
     @property
     def is_open(self) -> bool:
@@ -176,6 +239,9 @@ class EventFile:
 
     def _write(self, step, scalars, texts, summaries) -> None:
         if self._writer is None:
+            if not self._checked_shared:  # once per EventFile
+                self._checked_shared = True
+                warn_if_shared(self.directory, self.owner)
             self._writer = tf.summary.create_file_writer(self.directory)
         # NumPy scalars: see the module docstring (Python numbers are cached forever).
         with self._writer.as_default(step=np.int64(step)):

@@ -22,7 +22,7 @@ from tfmp._src.attachment import hooks, record
 from tfmp._src.attachment.record import Attachment
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.errors import invalid_argument
-from tfmp._src.float32 import bias_gradient, conv, fused_batchnorm, gelu
+from tfmp._src.float32 import activity_regularizers, bias_gradient, conv, fused_batchnorm, gelu
 from tfmp._src.float32.force import forced_reason
 from tfmp._src.keras_hooks import surfaces, train_function
 from tfmp._src.keras_hooks import step_scope as model_scopes
@@ -90,6 +90,8 @@ def attach(model: keras.Model, policy: str, *, attached_by: str, exact_ids: int,
         remapper=remapper, bias_gradient=bias_gradient.decision(compute_dtype),
         gelu=inside("gelu", gelu.decision), conv=inside("conv", conv.decision),
         speedups=speeds,
+        activity_regularizers_in_float32=sorted(
+            e.path for e in entries if activity_regularizers.regularize_in_float32(e.layer)),
     )
     record.mark([model, *(e.layer for e in entries)], found)
     found.batchnorm_kernel = {
@@ -246,6 +248,8 @@ def detach(model: keras.layers.Layer) -> Optional[Attachment]:
     for holder in [model, *_attached_models_holding(model)]:  # traced with the detached part
         if isinstance(holder, keras.Model):
             holder.train_function = holder.test_function = holder.predict_function = None
+    for layer in objects:
+        activity_regularizers.regularize_as_keras(layer)
     for obj in objects + [obj.dtype_policy for obj in objects]:
         for hook in surfaces.subscriptions_on(obj):
             if hook.owner not in KEPT_OWNERS:

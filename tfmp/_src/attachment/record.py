@@ -97,6 +97,10 @@ class Attachment:
             guard='auto', fused updates on"``, ``"Adam: kept (float32 compute)"``,
             ``"Adam: as saved"`` (loaded), or ``""`` (none, a layer attached at
             its first call).
+        activity_regularizers_in_float32: List of strings. Paths of the 16-bit
+            layers whose activity regularizer tfmp computes on the output cast to
+            float32 (in float16, ``0.01 * sum(x**2)`` overflows past 65504; the
+            regularizer is saved as before; `tfmp.detach` gives Keras's back).
         subscriptions: Dict, object (``"model"``, a layer path,
             ``"<path>.dtype_policy"``, ``"optimizer"``) -> list of
             ``"<surface>: <method> (<subscriber>)"``: every hook tfmp has on the
@@ -123,6 +127,7 @@ class Attachment:
     conv: str = "keras"
     speedups: Dict[str, str] = dataclasses.field(default_factory=lambda: speedups.decided(None))
     optimizer: str = ""
+    activity_regularizers_in_float32: List[str] = dataclasses.field(default_factory=list)
     subscriptions: Dict[str, List[str]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -145,8 +150,9 @@ class Attachment:
             raise invalid_argument("exact_ids", self.exact_ids, "an int >= 0", fix=count_fix)
         for name in ("explains_dtype_errors", "check_numerics", "loss_terms_in_float32"):
             check_bool(name, getattr(self, name))
-        check_type("custom_optimizers", self.custom_optimizers, list, "a list of attribute names", items=str,
-                   fix="Pass e.g. custom_optimizers=['g_optimizer'], or [] for none.")
+        for name in ("custom_optimizers", "activity_regularizers_in_float32"):
+            check_type(name, getattr(self, name), list, "a list of strings", items=str,
+                       fix=f"Pass e.g. {name}=['dense'], or [] for none.")
         check_type("subscriptions", self.subscriptions, dict, "a dict of object -> list of strings",
                    items=list, fix="Pass e.g. subscriptions={'model': ['trainer: fit (fit_lifecycle)']}, "
                    "or {} for none.")

@@ -120,7 +120,14 @@ KNOWN_BROKEN: Tuple[KerasLayerNote, ...] = (
     KerasLayerNote(
         "keras.src.applications.convnext.StochasticDepth", "3.15",
         "float32 random noise times the 16-bit input"),
+    KerasLayerNote(
+        "keras.src.layers.preprocessing.stft_spectrogram.STFTSpectrogram", "3.12",
+        "call() accepts float16, float32 or float64 inputs: a bfloat16 one raises TypeError"),
 )
+#: Why a ``Dot(normalize=True)`` is kept in float32: it l2-normalizes its inputs,
+#: whose squared norm leaves float16's range (65504) for inputs of a few hundred:
+#: cosines of 0.99 came back 0.0 in float16 and 0.992-1.0 in bfloat16.
+COSINE = "cosine (Dot normalize=True)"
 
 #: Layers whose ``call`` takes a softmax of scores it computes itself, with no
 #: Softmax sublayer for the rule above to reach: forced whole (tensorflow#46064:
@@ -416,7 +423,8 @@ def builtin_reason(layer: keras.layers.Layer) -> Optional[str]:
 
     Returns:
         ``"softmax"``, ``"known fix: <why>"`` (a `KNOWN_BROKEN` layer),
-        ``"softmax inside"`` (a `SOFTMAX_INSIDE` layer), ``"exact preprocessing"``
+        ``"softmax inside"`` (a `SOFTMAX_INSIDE` layer), `COSINE` (a ``Dot`` with
+        ``normalize=True``), ``"exact preprocessing"``
         (an `EXACT_PREPROCESSING` layer), ``"normalization"``, ``"fused
         <activation>"`` or ``"float16 reduction: ..."`` (`reductions.reason`), or None.
     """
@@ -429,6 +437,8 @@ def builtin_reason(layer: keras.layers.Layer) -> Optional[str]:
         return f"known fix: {note.why}"
     if isinstance(layer, SOFTMAX_INSIDE):
         return "softmax inside"
+    if isinstance(layer, keras.layers.Dot) and layer.normalize:
+        return COSINE
     if isinstance(layer, BUILTIN_CLASSES):
         return "normalization"
     if _note(layer, FLOAT32_INSIDE_KERAS) is not None and keras_float32_reason(layer) is None:

@@ -9,8 +9,10 @@ Subscribers, innermost first (`SURFACE`): ``fused_batchnorm``
 ``float32.cast_back`` (a forced layer hands back its parent's dtype),
 ``float32.ids`` (exact float token ids), ``enable.dtype_errors`` (a 16-bit
 model's dtype mismatches explained), ``numerics`` (`tfmp.check_numerics`),
-``enable.build_errors`` (build-time mismatches explained) and
-``audit.outputs`` (`tfmp.audit(batch=...)`).
+``enable.build_errors`` (build-time mismatches explained),
+``audit.outputs`` (`tfmp.audit(batch=...)`) and ``float32.regularizer`` (a
+layer's ``get_config`` while its activity regularizer computes in float32:
+saved as the user's).
 
 | private name used | where in Keras | what tfmp does with it |
 |---|---|---|
@@ -34,10 +36,10 @@ from tfmp._src.keras_hooks import patches
 Hook = patches.Hook  # what subscribing returns: `.remove()` unsubscribes
 SURFACE = patches.Surface(
     "layer calls",
-    methods=("call", "build", "compute_output_spec", "__init__", "from_config", "convert_input"),
+    methods=("call", "build", "compute_output_spec", "__init__", "from_config", "convert_input", "get_config"),
     subscribers=("fused_batchnorm", "float32.build", "float32.exact", "float32.from_config",
                  "float32.outputs", "float32.cast_back", "float32.ids", "enable.dtype_errors",
-                 "numerics", "enable.build_errors", "audit.outputs"),
+                 "numerics", "enable.build_errors", "audit.outputs", "float32.regularizer"),
 )
 subscribe = SURFACE.subscribe
 defining_class = patches.defining_class
@@ -60,6 +62,9 @@ SIGNATURES: Tuple[Tuple[type, str, Tuple[str, ...]], ...] = (
 
 #: (what tfmp relies on Keras doing, the test that checks it).
 CALL_ORDER: Tuple[Tuple[str, str], ...] = (
+    ("Layer.__call__ adds activity_regularizer(output) as a loss term, reading the attribute at each "
+     "call; get_config serializes that attribute",
+     "tests/test_activity_regularizer.py::test_plain_keras_float16_regularizer_overflows_so_tfmp_computes_it_in_float32"),
     ("load_model makes each layer with from_config before calling it symbolically",
      "tests/test_attachment.py::test_a_custom_layer_producing_an_output_loads_while_enabled"),
     ("Layer.__call__ calls the instance's call, inside Keras's call context naming the entry layer",

@@ -166,3 +166,12 @@ def test_x_with_no_targets_is_scanned_as_fit_takes_it():
     x[6, 2] = np.nan
     report = tfmp.check_dataset((x, None), batch_size=4)
     assert report.issues == [DatasetIssue(batch=1, component="x", feature=2, problem="nan", count=1)]
+
+
+def test_a_refused_large_array_is_shown_by_shape_and_dtype():
+    x, y = np.zeros((60000, 784), "float32"), np.zeros((5, 1), "float32")
+    with pytest.raises(ValueError) as info:
+        tfmp.check_dataset((x, y))
+    message = str(info.value)
+    assert "Received: dataset=(array(shape=(60000, 784), dtype=float32), array([[0.]," in message
+    assert len(message) < 700  # NumPy's own summary of x alone is 613 characters

@@ -94,11 +94,45 @@ def invalid_argument(
         fix = did_you_mean(received, choices) or fix
     message = (
         f"Invalid `{name}` argument. Expected {expected}. "
-        f"Received: {name}={received!r} (of type {type(received).__name__})."
+        f"Received: {name}={shown(received)} (of type {type(received).__name__})."
     )
     if fix:
         message += f" {fix}"
     return ValueError(message)
+
+
+#: Arrays and tensors with more elements than this are shown by shape and dtype.
+SHOWN_ELEMENTS = 20
+
+
+def shown(value: Any) -> str:
+    """How a message shows `value`: its ``repr``, with large arrays and tensors by shape and dtype.
+
+    A NumPy array or tensor of more than `SHOWN_ELEMENTS` elements, also inside a
+    tuple, list or dict, reads ``array(shape=(60000, 784), dtype=float32)``: its
+    values would fill the message (613 characters for that array, NumPy's summary).
+    """
+    dims = _dims(value)
+    if dims is not None and math.prod(dims) > SHOWN_ELEMENTS:
+        return f"array(shape={dims}, dtype={getattr(value.dtype, 'name', value.dtype)})"
+    if isinstance(value, (tuple, list)) and any(hasattr(item, "shape") for item in value):
+        items = ", ".join(shown(item) for item in value)
+        return f"({items}{',' if len(value) == 1 else ''})" if isinstance(value, tuple) else f"[{items}]"
+    if isinstance(value, dict) and any(hasattr(item, "shape") for item in value.values()):
+        return "{" + ", ".join(f"{key!r}: {shown(item)}" for key, item in value.items()) + "}"
+    return repr(value)
+
+
+def _dims(value: Any) -> Optional[tuple]:
+    """The fully known shape of an array or tensor, as a tuple of ints; None for anything else."""
+    shape = getattr(value, "shape", None)
+    if shape is None or getattr(value, "dtype", None) is None:
+        return None
+    try:
+        dims = tuple(int(d) for d in shape)
+    except (TypeError, ValueError):  # an unknown dimension, or no shape at all
+        return None
+    return dims
 
 
 def did_you_mean(received: Any, choices: Iterable[str], cutoff: float = 0.5) -> str:

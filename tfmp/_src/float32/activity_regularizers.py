@@ -66,9 +66,7 @@ def regularize_as_keras(layer: Any) -> None:
     regularizer = getattr(layer, "activity_regularizer", None)
     if isinstance(regularizer, Float32Regularizer):
         object.__setattr__(layer, "activity_regularizer", regularizer.regularizer)
-    for hook in layer_calls.SURFACE.subscriptions(layer, "get_config"):
-        if hook.owner == _OWNER:
-            hook.remove()
+    layer_calls.SURFACE.unsubscribe(layer, "get_config", _OWNER)
 
 
 def _saved_as_keras(layer_ref: "weakref.ref[Any]", get_config: Callable) -> Callable:

@@ -285,6 +285,12 @@ class Surface:
         """Bool. Whether `owner` has a hook on `method` of `target`."""
         return any(hook.owner == owner for hook in self.subscriptions(target, method))
 
+    def unsubscribe(self, target: Any, method: str, owner: str) -> None:
+        """Takes `owner`'s hooks off `method` of `target`; the others stay composed. Idempotent."""
+        for hook in self.subscriptions(target, method):
+            if hook.owner == owner:
+                hook.remove()
+
     def __repr__(self) -> str:
         return f"<tfmp Surface {self.name}: {', '.join(self.methods)}>"
 

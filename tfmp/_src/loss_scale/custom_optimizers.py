@@ -85,9 +85,7 @@ def adopt(model: keras.Model, compute_dtype: str, options: Dict[str, Any] | None
         ValueError: from `wrap_optimizer`, for options it refuses (the session
             checked them already).
     """
-    for hook in trainer.SURFACE.subscriptions(model, SETATTR_HOOK):
-        if hook.owner == OWNER:
-            hook.remove()
+    trainer.SURFACE.unsubscribe(model, SETATTR_HOOK, OWNER)
     if options is None:
         return
     wrap = _wrap_setattr_hook(model, compute_dtype, dict(options))

@@ -232,8 +232,8 @@ class GradientOrigins:
     """
 
     def __init__(self) -> None:
-        self._eager: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
-        self._eager_kind: dict = {}  # id -> True (handed back, unscaled) / False (taken, scaled)
+        # Eager tensors by id: True, those handed back (unscaled); False, those taken (scaled).
+        self._eager = {True: weakref.WeakValueDictionary(), False: weakref.WeakValueDictionary()}
         self._graphs: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
     def note(self, taken: list, handed_back: list) -> None:
@@ -245,17 +245,16 @@ class GradientOrigins:
                 if hasattr(tensor, "graph") and not tf.executing_eagerly():
                     self._graphs.setdefault(tensor.graph, {})[tensor.name] = unscaled
                 else:
-                    self._eager_kind = {key: kind for key, kind in self._eager_kind.items() if key in self._eager}
-                    self._eager[id(tensor)] = tensor
-                    self._eager_kind[id(tensor)] = unscaled
+                    self._eager[unscaled][id(tensor)] = tensor
 
     def already_unscaled(self, grads: list, unscaled_in_step: bool) -> list:
         """List of bools, one per gradient: True when it must not be divided by the scale again."""
         return [False if g is None else self._origin(g, unscaled_in_step) for g in grads]
 
     def _origin(self, grad: Any, unscaled_in_step: bool) -> bool:
-        if self._eager.get(id(grad)) is grad:
-            return self._eager_kind[id(grad)]
+        for unscaled, tensors in self._eager.items():
+            if tensors.get(id(grad)) is grad:
+                return unscaled
         names = self._graphs.get(getattr(grad, "graph", None)) if not tf.executing_eagerly() else None
         if names:
             frontier, seen = [grad], set()

@@ -171,12 +171,8 @@ def _check_same_length(data: Any) -> None:
         ValueError: (template, naming `dataset`) the first dimensions differ,
             each named with its component.
     """
-    parts = zip(_COMPONENTS, data) if isinstance(data, tuple) and 1 <= len(data) <= 3 else [("x", data)]
-    lengths = {}
-    for component, value in parts:
-        for path, leaf in keras.tree.flatten_with_path(value):
-            if leaf is not None and len(getattr(leaf, "shape", ())) >= 1:
-                lengths["/".join([component, *map(str, path)])] = int(leaf.shape[0])
+    lengths = {name: int(leaf.shape[0]) for name, leaf in _named_leaves(data)
+               if len(getattr(leaf, "shape", ())) >= 1}
     if len(set(lengths.values())) > 1:
         listed = ", ".join(f"{name}: {length}" for name, length in lengths.items())
         raise invalid_argument(
@@ -205,20 +201,30 @@ def _checked_batches(data: Any, batches: Iterator[Any]) -> Iterator[Any]:
         yield batch
 
 
-def _components(batch: Any) -> list[tuple[str, np.ndarray]]:
-    """Named float arrays of one batch, split as Keras's `fit` splits (x, y, sample_weight)."""
+def _named_leaves(batch: Any) -> Iterator[tuple[str, Any]]:
+    """``(name, leaf)`` of one batch, split as Keras's `fit` splits it (x, y, sample_weight).
+
+    Names read ``"x"``, ``"y"``, ``"sample_weight"``, with the key path of nested
+    inputs (``"x/age"``); a component given as None is skipped.
+    """
     if isinstance(batch, (tuple, list)) and 1 <= len(batch) <= 3:
         parts = zip(_COMPONENTS, batch)
     else:
         parts = [("x", batch)]
-    named = []
     for component, value in parts:
         if value is None:
             continue
         for path, leaf in keras.tree.flatten_with_path(value):
-            array = np.asarray(leaf)
-            if np.issubdtype(array.dtype, np.floating) or array.dtype == ml_dtypes.bfloat16:
-                named.append(("/".join([component, *map(str, path)]), array))
+            yield "/".join([component, *map(str, path)]), leaf
+
+
+def _components(batch: Any) -> list[tuple[str, np.ndarray]]:
+    """Named float arrays of one batch (`_named_leaves`)."""
+    named = []
+    for name, leaf in _named_leaves(batch):
+        array = np.asarray(leaf)
+        if np.issubdtype(array.dtype, np.floating) or array.dtype == ml_dtypes.bfloat16:
+            named.append((name, array))
     return named
 
 

@@ -2,9 +2,9 @@
 
 Part 1: a custom `train_step` that never calls `scale_loss` (the Keras guide's,
 under mixed_float16) warns once per optimizer; every flow that scales does not.
-Part 2: without loss scaling the default guard skips a step with a non-finite loss
-and lets a finite loss with an inf gradient through; `guard="gradients"` (or
-`enable(debug=...)`) catches that too.
+Part 2: without loss scaling the default guard skips a step with a non-finite
+loss, a non-finite batch or a non-finite gradient born in the backward pass
+alone; `guard="loss"` checks the loss only and lets that gradient through.
 """
 
 import warnings
@@ -200,24 +200,118 @@ def test_bfloat16_default_skips_a_nan_loss_batch():
 @pytest.mark.parametrize(
     "options, caught",
     [
-        ({}, False),  # the loss is finite: the default guard lets the step through
+        ({}, True),  # the default guard reads every gradient
+        ({"loss_scale_options": {"guard": "loss"}}, False),  # the loss is finite: let through
         ({"loss_scale_options": {"guard": "gradients"}}, True),
         ({"debug": {"action": "warn", "phase": "forward"}}, True),
     ],
-    ids=["default", "guard=gradients", "debug"],
+    ids=["default", "guard=loss", "guard=gradients", "debug"],
 )
 def test_inf_gradient_with_finite_loss(options, caught):
     with tfmp.policy_scope("mixed_bfloat16", **options):
         model = _guard_model(gradient_bomb=True)
         model.compile(keras.optimizers.SGD(0.1), "mse")
     optimizer = model.optimizer
-    before, after = _fit_one_batch(model, np.ones((2, 2), "float32"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tfmp.SkippedStepWarning)
+        before, after = _fit_one_batch(model, np.ones((2, 2), "float32"))
     assert int(optimizer.last_loss_status.numpy()) == 0  # finite loss
     assert int(optimizer.overflow_count.numpy()) == (1 if caught else 0)
     if caught:
         np.testing.assert_array_equal(after, before)
     else:
         assert not np.isfinite(after).any()
+
+
+@tf.custom_gradient
+def _sqrt_of_square(x):
+    """|x| as sqrt(x**2): the forward pass is finite, the gradient at x = 0 is 0 * inf = NaN.
+
+    What a norm or a ``sqrt`` at 0 does in real models; only the gradient with
+    respect to the input turns NaN, never the layer's own weights.
+    """
+    y = tf.sqrt(tf.square(x))
+    return y, lambda dy: dy * x / y
+
+
+class SqrtOfSquare(keras.layers.Layer):
+    def call(self, x):
+        return _sqrt_of_square(x)
+
+
+def _backward_nan_model():
+    init = keras.initializers.GlorotUniform
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, kernel_initializer=init(seed=1))(inputs)
+    hidden = keras.layers.BatchNormalization()(hidden)
+    hidden = keras.layers.Dense(8, kernel_initializer=init(seed=2))(hidden)
+    hidden = SqrtOfSquare()(hidden)
+    outputs = keras.layers.Dense(1, kernel_initializer=init(seed=3))(hidden)
+    return keras.Model(inputs, outputs)
+
+
+def _state(model):
+    """Copies of the weights (BatchNormalization's statistics among them) and the optimizer's variables."""
+    return ([np.array(v.numpy(), copy=True) for v in model.weights],
+            [np.array(v.numpy(), copy=True) for v in model.optimizer.inner_optimizer.variables])
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "float32", "mixed_float16"])
+def test_a_nan_born_in_the_backward_pass_never_reaches_the_weights_under_the_default_guard(policy):
+    """A finite batch and a finite loss, a NaN gradient below the sqrt: skipped, counted and said.
+
+    The first fit (healthy batches: no zero at the sqrt) moves every weight; the
+    second batch makes the sqrt's input exactly 0 for one example (its Dense
+    kernel is zeroed, bias 0), so the backward pass alone turns NaN.
+    """
+    x = RNG.normal(size=(16, 4)).astype("float32")
+    y = RNG.normal(size=(16, 1)).astype("float32")
+    # float32: enable() leaves the optimizer alone unless asked; float16: a scale low
+    # enough that no healthy step overflows, so the one skip is the NaN's.
+    options = {"float32": {"loss_scale_options": {"guard": "auto"}},
+               "mixed_float16": {"loss_scale_options": {"initial_scale": 16.0}}}.get(policy, {})
+    with tfmp.policy_scope(policy, **options):
+        model = _backward_nan_model()
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+    optimizer = model.optimizer
+    assert isinstance(optimizer, tfmp.LossScaleOptimizer) and optimizer.guard == "auto"
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    assert int(optimizer.overflow_count.numpy()) == 0
+    dense = model.layers[3]
+    dense.kernel.assign(np.zeros(dense.kernel.shape, "float32"))
+    dense.bias.assign(np.zeros(dense.bias.shape, "float32"))
+    weights, slots = _state(model)
+    scale = optimizer.loss_scale
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    said = [str(w.message) for w in record if issubclass(w.category, tfmp.SkippedStepWarning)]
+    if optimizer.loss_scaling:  # indistinguishable from an overflow: the scale halves, stuck detection follows
+        assert said == []
+    else:
+        assert len(said) == 1 and "skipped step 2" in said[0]
+        assert "a gradient is not: an inf or NaN born in the backward pass" in said[0]
+    after_weights, after_slots = _state(model)
+    for before, after in zip(weights + slots, after_weights + after_slots):
+        np.testing.assert_array_equal(after, before)  # weights, statistics, slots, iterations
+    assert [int(getattr(optimizer, n).numpy()) for n in ("overflow_count", "total_steps")] == [1, 3]
+    assert int(optimizer.last_overflow_status.numpy()) == 0  # neither the batch nor the loss
+    if optimizer.loss_scaling:
+        assert optimizer.loss_scale == scale / 2
+    # Plain Keras under the same policy writes the step (NaN in the weights below the
+    # sqrt), but under float16, where its own LossScaleOptimizer skips it too.
+    keras.config.set_dtype_policy(policy)
+    try:
+        plain = _backward_nan_model()
+    finally:
+        keras.config.set_dtype_policy("float32")
+    plain.compile(keras.optimizers.Adam(0.01), "mse")
+    plain.set_weights(model.get_weights())
+    plain.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert not isinstance(plain.optimizer, tfmp.LossScaleOptimizer)
+    for layer in plain.layers[1:4]:
+        finite = np.isfinite(layer.weights[0].numpy()).all()
+        assert finite == (policy == "mixed_float16"), layer.name
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -234,13 +328,21 @@ def test_custom_loop_with_scale_loss_checks_the_loss_and_without_it_the_gradient
         optimizer.apply(tape.gradient(loss, [variable]), [variable])
 
     run = tf.function(step) if compiled else step
-    run(1.0, 1.0, True)  # finite loss, inf gradient: the loss guard lets it through
-    assert not np.isfinite(variable.numpy()).any()
-    variable.assign([1.0])
+    run(1.0, 1.0, True)  # finite loss, inf gradient: the default guard reads the gradients
+    np.testing.assert_array_equal(variable.numpy(), [1.0])
     run(float("nan"), 1.0, True)  # NaN loss: skipped
     run(1.0, 1.0, False)  # no scale_loss in the step: the gradients are checked
     np.testing.assert_array_equal(variable.numpy(), [1.0])
-    assert [int(getattr(optimizer, n).numpy()) for n in ("overflow_count", "total_steps")] == [2, 3]
+    assert [int(getattr(optimizer, n).numpy()) for n in ("overflow_count", "total_steps")] == [3, 3]
+    loss_only = tfmp.LossScaleOptimizer(keras.optimizers.SGD(0.5), loss_scaling=False, guard="loss")
+    optimizer = loss_only
+    loss_only.build([variable])
+    run = tf.function(step) if compiled else step
+    run(1.0, 1.0, True)  # the "loss" guard reads the loss only: the inf gradient goes through
+    assert not np.isfinite(variable.numpy()).any()
+    variable.assign([1.0])
+    run(1.0, 1.0, False)  # without scale_loss, the gradients are checked under every guard
+    np.testing.assert_array_equal(variable.numpy(), [1.0])
 
 
 def test_guard_arguments_are_checked():

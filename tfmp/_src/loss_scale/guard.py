@@ -2,23 +2,25 @@
 
 Guards (the `guard` argument). A step is skipped, and counted, when its check fails:
 
-- ``"batch"``: what a bad batch does, checked where it is cheap. The loss
-  passed to `scale_loss` is finite, and every float tensor of the batch `fit` /
+- ``"batch"``: the loss passed to `scale_loss` and every gradient are finite
+  on every replica, and every float tensor of the batch `fit` /
   `train_on_batch` hands to ``train_step`` (inputs, targets, sample weights) is
-  finite or, when one is not (a model may mask NaN inputs itself), every
-  gradient is finite: the gradients are checked on such steps only. The batch is checked as the step starts, the loss (one
-  scalar) before the backward pass, so no update waits for the backward pass to
-  end. Catches a NaN or inf in the data even where the forward pass hides it (a
-  ReLU turns NaN into 0, the loss stays finite, the first layer's gradient is NaN)
-  and a diverging run (non-finite loss). Misses an inf or NaN born in the backward
-  pass alone and a step whose finite update overflows the weights (a huge
-  learning rate): ``"values"`` catches those. Only without loss scaling. Cost:
-  `benchmarks/guard_cost.py`.
-- ``"loss"``: the loss alone (the batch is not checked). Only without loss scaling.
+  checked as the step starts, to name the cause of a skip. Catches a NaN or
+  inf in the data, also where the forward pass hides it (a ReLU turns NaN into
+  0, the loss stays finite, the first layer's gradient is NaN), a diverging
+  run (non-finite loss) and an inf or NaN born in the backward pass alone (a
+  custom gradient, a ``sqrt`` or a norm at 0); a skipped step's
+  `last_loss_status` says which (batch bits, loss bits, or none: the
+  gradients). Misses a step whose finite update overflows the weights (a huge
+  learning rate): ``"values"`` catches that. Only without loss scaling. Every
+  update waits for the pass over all gradients; measured beside plain Keras
+  and the ``"loss"`` guard in `benchmarks/guard_cost.py`.
+- ``"loss"``: the loss alone (the batch is not checked, the gradients are not
+  read, so no update waits for the backward pass to end). Misses a bad batch
+  the forward pass hides and anything born in the backward pass. Only without
+  loss scaling.
 - ``"gradients"``: every gradient finite on every replica. What dynamic loss
-  scaling needs (an overflow shows up only in the gradients), and it also
-  catches a finite loss whose backward pass overflows. Every update waits until
-  all gradients are computed and checked (measured in `benchmarks/guard_cost.py`).
+  scaling needs (an overflow shows up only in the gradients).
 - ``"values"``: ``"gradients"`` (with loss scaling) or ``"batch"`` (without),
   and then every value the step writes into a trainable variable is finite: the
   variables and the inner optimizer's variables are read before the update and

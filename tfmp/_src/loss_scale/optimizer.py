@@ -130,8 +130,8 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
     consecutive skipped steps taken at `min_scale`) and `last_loss_status` (int64,
     the last step's findings, on any replica: bit 1 = NaN, bit 2 = inf in the
     loss passed to `scale_loss`; bit 4 = NaN, bit 8 = inf in the batch of
-    Keras's train step (recorded under every guard; only ``"batch"`` skips by
-    it); bit 16 = a value
+    Keras's train step (recorded under every guard, to name the cause of a
+    skip); bit 16 = a value
     the step would write into a trainable variable was not finite, with
     ``"values"``; see `STATUS_BITS`) and `last_overflow_status` (int64, the same
     bits as they were at the last skipped step: what the warnings explain).
@@ -164,12 +164,13 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
             compute) while non-finite steps are still skipped and counted.
         guard: String, what a step is checked for (see
             `tfmp._src.loss_scale.guard`; costs in `benchmarks/guard_cost.py`
-            and README): `"batch"` (every float tensor of the train step's batch
-            and the loss given to `scale_loss` are finite; checked as the step
-            starts, no update waits; only with `loss_scaling=False`), `"loss"`
-            (the loss alone; only with `loss_scaling=False`), `"gradients"`
-            (every gradient finite; what loss scaling needs; every update waits
-            for all gradients), `"values"` (the first check, then every value
+            and README): `"batch"` (the loss given to `scale_loss` and every
+            gradient are finite, and the train step's batch is checked to name
+            the cause of a skip: a bad batch or the backward pass; only with
+            `loss_scaling=False`), `"loss"` (the loss alone, so no update waits
+            for the backward pass to end; only with `loss_scaling=False`),
+            `"gradients"` (every gradient finite; what loss scaling needs),
+            `"values"` (the first check, then every value
             the step writes into a trainable variable is finite, else the
             step's writes are put back; not under a tf.distribute strategy), or `"auto"`
             (default): `"gradients"` with loss scaling, `"batch"` without. A
@@ -381,25 +382,16 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         sync (see `tfmp._src.distribute`), so all of them skip the same steps.
         Inside an `apply` checking the loss (the ``"loss"`` guard), the answer
         is whether the loss recorded by `scale_loss` was finite on every replica;
-        with the ``"batch"`` guard, also whether the batch was finite, or else
-        every gradient (computed on such steps only).
+        with the ``"batch"`` guard, that and every gradient (the batch's status
+        only names the cause of a skip).
         """
         if self._check_loss:
             status = self.last_loss_status.value
             loss_finite = ops.equal(tf.bitwise.bitwise_and(status, _LOSS_BITS), 0)
             if self._check_loss == "loss":
                 return loss_finite
-            # "batch": a clean batch needs no more; a non-finite one (which the model
-            # may mask itself) is applied only when every gradient is finite. The
-            # batch bits agree on every replica; the one all-reduce stays outside
-            # the cond (a cross-replica sync inside control flow is refused).
-            this_replica = super().check_finite
-            grads_finite = ops.cond(
-                ops.equal(tf.bitwise.bitwise_and(status, _BATCH_BITS), 0),
-                lambda: tf.constant(True),
-                lambda: this_replica(grads),
-            )
-            return ops.logical_and(loss_finite, _distribute.all_replicas_finite(grads_finite))
+            # "batch": the loss and every gradient; the batch's bits only name the cause.
+            return ops.logical_and(loss_finite, self._gradients_finite(grads))
         return self._gradients_finite(grads)
 
     def _gradients_finite(self, grads: list) -> Any:

@@ -2,7 +2,7 @@
 
 Started by tests/test_saved_form.py with `_subproc.without_module(..., "tfmp")`
 first on PYTHONPATH. Writes to ``--out`` (JSON): the loaded optimizer's class
-and state, the layers' policies and weights, the warnings loading gave, whether
+and state, the layers' policies, configs and weights, the warnings loading gave, whether
 one more training step ran finite, and whether tfmp was ever imported.
 """
 
@@ -34,6 +34,7 @@ def main() -> None:
         "inner_iterations": int(optimizer.inner_optimizer.iterations.numpy()),
         "inner_variables": [v.numpy().tolist() for v in optimizer.inner_optimizer.variables],
         "policies": [layer.dtype_policy.name for layer in model.layers],
+        "configs": {layer.name: layer.get_config() for layer in model.layers},
         "weights": [w.tolist() for w in model.get_weights()],
         "warnings": [str(w.message) for w in caught],
     }
@@ -43,7 +44,7 @@ def main() -> None:
     found["scale_after_one_step"] = float(optimizer.dynamic_scale.numpy())
     found["tfmp_imported"] = any(name.partition(".")[0] == "tfmp" for name in sys.modules)
     with open(args.out, "w") as f:
-        json.dump(found, f)
+        json.dump(found, f, default=str)
 
 
 if __name__ == "__main__":

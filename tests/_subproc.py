@@ -157,3 +157,18 @@ def results(launched: Sequence[tuple], timeout_s: float) -> list:
             raise AssertionError(f"{process.args[1]} {status}:\n{tail}")
     return [json.loads(out_path.read_text()) for _, out_path, _ in launched]
 
+
+
+def plain_keras_load(path: pathlib.Path, tmp_path: pathlib.Path) -> dict:
+    """Loads the `.keras` file `path` in a process that cannot import tfmp (`_plain_keras_load.py`).
+
+    Returns:
+        Dict: what `_plain_keras_load.py` found (the optimizer, the layers'
+        policies, configs and weights, one more training step's loss, ...).
+    """
+    blocker = tmp_path / "no_tfmp"
+    blocker.mkdir(exist_ok=True)
+    env = {"PYTHONPATH": without_module(blocker, "tfmp")}
+    with started("_plain_keras_load.py", [(["--model", str(path)], env)], tmp_path) as launched:
+        (found,) = results(launched, timeout_s=240)
+    return found

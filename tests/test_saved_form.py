@@ -46,15 +46,6 @@ def _trained(policy, options=None):
     return model, model.optimizer
 
 
-def _plain_keras_load(path, tmp_path):
-    blocker = tmp_path / "no_tfmp"
-    blocker.mkdir()
-    env = {"PYTHONPATH": _subproc.without_module(blocker, "tfmp")}
-    with _subproc.started("_plain_keras_load.py", [(["--model", str(path)], env)], tmp_path) as launched:
-        (found,) = _subproc.results(launched, timeout_s=240)
-    return found
-
-
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 def test_a_file_saved_under_tfmp_opens_in_plain_keras_in_a_process_without_tfmp(policy, tmp_path):
     model, optimizer = _trained(policy)
@@ -62,7 +53,7 @@ def test_a_file_saved_under_tfmp_opens_in_plain_keras_in_a_process_without_tfmp(
     path = tmp_path / "model.keras"
     model.save(path)
 
-    found = _plain_keras_load(path, tmp_path)
+    found = _subproc.plain_keras_load(path, tmp_path)
 
     assert found["tfmp_imported"] is False
     assert found["optimizer"] == "keras.src.optimizers.loss_scale_optimizer.LossScaleOptimizer"

@@ -76,6 +76,7 @@ from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.errors import check_model
 from tfmp._src.float32 import cast_back as _cast_back
 from tfmp._src.float32 import exact_layers as _exact
+from tfmp._src.float32 import pooling3d as _pooling3d
 from tfmp._src.float32 import registry as _registry
 from tfmp._src.float32 import unmatched as _unmatched
 from tfmp._src.float32.cast_back import casts_back
@@ -215,7 +216,15 @@ def _apply_rules(
         adopt: Bool. The model is being loaded (see :func:`_set_float32`).
         logits: Set of ids of output layers producing only logits
             (`tfmp._src.float32.logits.logits_layers`).
+
+    Raises:
+        ValueError: (template) an exclusion matches a float16 3-D pooling layer on
+            a machine without GPUs or TPUs (`pooling3d.excluded_error`).
     """
+    for path, layer, _ in entries:  # before changing anything
+        if layer.compute_dtype == "float16" and _pooling3d.reason(layer) and \
+                _registry.is_excluded(layer, path, exclude):
+            raise _pooling3d.excluded_error(path, layer)
     changed: Set[int] = set()
     for path, layer, parent in entries:
         if _registry.is_excluded(layer, path, exclude):
@@ -392,7 +401,9 @@ def force_float32(model: keras.Model, *, keep=(), exclude=()) -> keras.Model:
             no layer (an unbuilt model with layers is fine: its layers are
             forced as they are built), or ``keep``/``exclude`` is None (``()``
             means none) or holds an element that is not a Layer class or a
-            non-empty pattern.
+            non-empty pattern, or an exclusion matches a float16 3-D pooling
+            layer on a machine without GPUs or TPUs, which TensorFlow cannot
+            run (`tfmp._src.float32.pooling3d`).
 
     Warns:
         tfmp.UnmatchedTargetWarning: a ``keep`` or ``exclude`` target (class or

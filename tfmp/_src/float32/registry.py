@@ -25,6 +25,9 @@ Built-in rules (why: 16 bits cannot hold the numbers these layers produce):
   10000.3 becomes 10048. They are forced when created while tfmp is enabled
   (`tfmp._src.float32.exact_layers`), so they stay exact wherever they run, and
   at ``compile`` when created before.
+* ``MaxPooling3D`` and ``AveragePooling3D`` computing in float16 on a machine
+  without GPUs or TPUs (`tfmp._src.float32.pooling3d`): TensorFlow has no float16
+  CPU kernel for their ops, so plain Keras fails at their first call.
 * Layers whose own code reduces float16 values past 65504 (`tfmp._src.float32.reductions`:
   a ``logsumexp`` or sum over more than 65504 values, a sum of unshifted
   exponentials; google-research/last#43), seen by tracing user-code layers of a
@@ -47,11 +50,15 @@ it does not), each entry with the Keras version whose source was read:
   same dtypes as plain Keras; `tfmp.audit` shows "float32 inside Keras >= 3.12".
   Each entry names the first Keras version that does so; on an older Keras the
   layer is forced like any other normalization layer.
-* `KNOWN_BROKEN`: layers that fail under any mixed policy in plain Keras (e.g.
-  ConvNeXt's ``StochasticDepth``); tfmp forces them to float32 (reason
-  ``"known fix: ..."``). To add one, append a `KerasLayerNote` with the class path
-  printed by ``f"{cls.__module__}.{cls.__qualname__}"``, the Keras version you
-  checked and the reason, plus a test that trains the layer under a mixed policy.
+* `KNOWN_BROKEN`: layers that fail or compute wrongly under any mixed policy in
+  plain Keras (ConvNeXt's ``StochasticDepth``, ``STFTSpectrogram``,
+  ``MelSpectrogram``, ``SpectralNormalization``, and keras-hub's
+  ``SinePositionEncoding``, matched by its class path: tfmp never imports
+  keras-hub); tfmp forces them to float32 (reason ``"known fix: ..."``). To add
+  one, append a `KerasLayerNote` with the class path printed by
+  ``f"{cls.__module__}.{cls.__qualname__}"``, the version you checked (and the
+  package, when not Keras) and the reason, plus a test that compares the layer
+  under a mixed policy with float32.
 
 Users add targets (layer classes, or glob patterns over layer paths such as
 ``"encoder/*_norm"``) with :func:`register_float32`, and opt out of any rule,
@@ -72,6 +79,7 @@ from typing import Iterable, List, Optional, Tuple, Type, Union
 import keras
 
 from tfmp._src.errors import check_bool, check_type, invalid_argument
+from tfmp._src.float32 import pooling3d as _pooling3d
 from tfmp._src.float32 import reductions as _reductions
 from tfmp._src.float32.logits import LOGITS_CAST
 from tfmp._src.keras_hooks.layer_calls import child_layers
@@ -87,15 +95,19 @@ class KerasLayerNote:
     Attributes:
         class_path: String. ``module.ClassName`` of the class defining the ``call``
             that runs, e.g. ``"keras.src.applications.convnext.StochasticDepth"``.
-        keras_version: String. The first Keras version whose source does this
-            (checked there and on every later one tfmp is tested on); on an older
-            Keras the note does not apply.
+        keras_version: String. The first version of `package` whose source does
+            this (checked there and on every later one tfmp is tested on); for
+            Keras, on an older Keras the note does not apply.
         why: String. What that source does with 16-bit inputs.
+        package: String. The distribution defining the class: ``"keras"``
+            (default) or ``"keras-hub"``. tfmp never imports it: a note matches
+            by `class_path` alone (`note_for_path`).
     """
 
     class_path: str
     keras_version: str
     why: str
+    package: str = "keras"
 
 
 #: Layers Keras already computes in float32 for 16-bit inputs: left in the 16-bit policy.
@@ -123,6 +135,18 @@ KNOWN_BROKEN: Tuple[KerasLayerNote, ...] = (
     KerasLayerNote(
         "keras.src.layers.preprocessing.stft_spectrogram.STFTSpectrogram", "3.12",
         "call() accepts float16, float32 or float64 inputs: a bfloat16 one raises TypeError"),
+    KerasLayerNote(
+        "keras.src.layers.preprocessing.mel_spectrogram.MelSpectrogram", "3.12",
+        "its float32 STFT takes the signal autocast to 16 bits (a 440 Hz sine at 16 kHz under "
+        "bfloat16: bins up to 10.5 dB off, 1.6 dB on average)"),
+    KerasLayerNote(
+        "keras.src.layers.normalization.spectral_normalization.SpectralNormalization", "3.12",
+        "the power iteration and kernel / sigma run in 16 bits and are written back to the float32 "
+        "kernel every training step (after 160 Adam steps the kernel is 13.6% off float32's under bfloat16, 2.4% under float16)"),
+    KerasLayerNote(
+        "keras_hub.src.layers.modeling.sine_position_encoding.SinePositionEncoding", "0.32",
+        "positions and angles in the compute dtype (bfloat16: positions >= 256 collide, "
+        "error up to 1.99)", package="keras-hub"),
 )
 #: Why a ``Dot(normalize=True)`` is kept in float32: it l2-normalizes its inputs,
 #: whose squared norm leaves float16's range (65504) for inputs of a few hundred:
@@ -389,9 +413,13 @@ def _call_class_path(layer: keras.layers.Layer) -> str:
     return ""
 
 
+def note_for_path(class_path: str, table: Tuple[KerasLayerNote, ...]) -> Optional[KerasLayerNote]:
+    """The note of `table` whose ``class_path`` is `class_path` (``"module.ClassName"``), or None."""
+    return next((note for note in table if note.class_path == class_path), None)
+
+
 def _note(layer: keras.layers.Layer, table: Tuple[KerasLayerNote, ...]) -> Optional[KerasLayerNote]:
-    path = _call_class_path(layer)
-    return next((note for note in table if note.class_path == path), None)
+    return note_for_path(_call_class_path(layer), table)
 
 
 def exact_reason(layer: keras.layers.Layer) -> Optional[str]:
@@ -424,7 +452,8 @@ def builtin_reason(layer: keras.layers.Layer) -> Optional[str]:
     Returns:
         ``"softmax"``, ``"known fix: <why>"`` (a `KNOWN_BROKEN` layer),
         ``"softmax inside"`` (a `SOFTMAX_INSIDE` layer), `COSINE` (a ``Dot`` with
-        ``normalize=True``), ``"exact preprocessing"``
+        ``normalize=True``), `pooling3d.REASON` (a float16 3-D pooling layer on a
+        machine without GPUs or TPUs), ``"exact preprocessing"``
         (an `EXACT_PREPROCESSING` layer), ``"normalization"``, ``"fused
         <activation>"`` or ``"float16 reduction: ..."`` (`reductions.reason`), or None.
     """
@@ -439,6 +468,9 @@ def builtin_reason(layer: keras.layers.Layer) -> Optional[str]:
         return "softmax inside"
     if isinstance(layer, keras.layers.Dot) and layer.normalize:
         return COSINE
+    pooling = _pooling3d.reason(layer)
+    if pooling:
+        return pooling
     if isinstance(layer, BUILTIN_CLASSES):
         return "normalization"
     if _note(layer, FLOAT32_INSIDE_KERAS) is not None and keras_float32_reason(layer) is None:

@@ -1,17 +1,20 @@
-"""README.md stays true: its quickstart runs and logs, its names and paths exist, CI runs its test command."""
+"""README.md and the site's pages (docs/) stay true: the quickstart and the distributed
+custom loop run and log, the names, keywords, defaults and paths they cite exist, the
+tables list what is on disk, CI runs README's test command."""
 
 import ast
 import configparser
 import contextlib
 import inspect
+import os
 import pathlib
 import re
 import warnings
 
 import keras
-import numpy as np
 import pytest
-import tensorflow as tf
+from _docs import DOCS
+from _docs import site_pages
 from _events import read_run
 from _events import steps
 from _events import values
@@ -22,15 +25,25 @@ from tfmp._src.policy.hardware import injected_facts
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
-CODE_BLOCKS = re.findall(r"```[a-z]*\n(.*?)```", README, flags=re.S)
+# README.md and every page of docs/: the facts below are checked wherever they are told.
+PAGES = {page.relative_to(ROOT).as_posix(): page.read_text(encoding="utf-8") for page in site_pages()}
+ALL_TEXT = "\n".join(PAGES.values())
+CODE_BLOCKS = [code for text in PAGES.values() for code in re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S)]
 # Inline code spans outside the fenced blocks.
-CODE_SPANS = re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", README, flags=re.S))
+CODE_SPANS = [span for text in PAGES.values()
+              for span in re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S))]
+
+
+def _page(path):
+    return PAGES[path]
 
 
 def _quickstart():
-    snippets = re.findall(r"```python\n(.*?)```", README, flags=re.S)
-    assert len(snippets) == 1
-    return snippets[0]
+    """The one Python block of README's "Quickstart" section."""
+    section = README[README.index("## Quickstart"):]
+    section = section[:section.index("\n## ")]
+    [snippet] = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    return snippet
 
 
 @pytest.mark.parametrize("machine", ["this_machine", "bfloat16_cpu"])
@@ -67,54 +80,37 @@ def _quickstart_runs(machine, tmp_path, monkeypatch, stack):
 
 
 def _custom_loop_snippet():
-    """The "Distributed training" section's loop driving the monitor: a bare ``` block
-    (not the quickstart's ```python), since it uses names the section describes
-    in prose: `model`, `dist_dataset` and `train_step`."""
-    [snippet] = [code for code in CODE_BLOCKS if "callbacks.on_train_begin()" in code]
+    """The distributed guide's custom loop driving the monitor under MirroredStrategy."""
+    [snippet] = [code for code in re.findall(r"```python\n(.*?)```", _page("docs/guides/distributed.md"), flags=re.S)
+                 if "callbacks.on_train_begin()" in code]
     return snippet
 
 
 def test_custom_loop_snippet_runs_as_written_and_logs_its_epoch(tmp_path, monkeypatch):
-    """Run with the default strategy: the loop is the same code under MirroredStrategy
-    (tests/test_distribute.py runs such loops on two logical CPUs)."""
+    """Run as pasted, in this process (one CPU: one replica; tests/test_distribute.py runs
+    such loops on two logical CPUs)."""
     monkeypatch.chdir(tmp_path)
-    strategy = tf.distribute.get_strategy()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", tfmp.PerformanceWarning)  # float16 on a CPU
-        tfmp.enable("mixed_float16", loss_scale_options={"initial_scale": 2.0**4, "dynamic_growth_steps": 1000})
+    namespace = {}
     try:
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
-        model.compile(keras.optimizers.SGD(0.01), "mse")
-        model.optimizer.build(model.trainable_variables)
-        rng = np.random.default_rng(0)
-        x, y = rng.random((32, 4), dtype="float32"), rng.random((32, 1), dtype="float32")
-        dist_dataset = strategy.experimental_distribute_dataset(
-            tf.data.Dataset.from_tensor_slices((x, y)).batch(8))
-
-        def replica_fn(x, y):
-            with tf.GradientTape() as tape:
-                per_example = keras.losses.mean_squared_error(y, model(x, training=True))
-                loss = tf.nn.compute_average_loss(per_example, global_batch_size=8)
-            grads = tfmp.scaled_gradients(tape, loss, model.trainable_variables, model.optimizer)
-            model.optimizer.apply(grads, model.trainable_variables)
-
-        @tf.function
-        def train_step(x, y):
-            strategy.run(replica_fn, args=(x, y))
-
-        namespace = {"keras": keras, "tfmp": tfmp, "model": model,
-                     "dist_dataset": dist_dataset, "train_step": train_step}
-        exec(compile(_custom_loop_snippet(), "README.md", "exec"), namespace)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", tfmp.PerformanceWarning)  # float16 on a CPU
+            exec(compile(_custom_loop_snippet(), "docs/guides/distributed.md", "exec"), namespace)
+        assert namespace["strategy"].num_replicas_in_sync >= 1
+        optimizer = namespace["model"].optimizer
+        assert isinstance(optimizer, tfmp.LossScaleOptimizer)
+        # 64 examples in global batches of 16: 4 steps, all finite at the scale 2**4.
+        assert int(optimizer.total_steps.numpy()) == 4
+        assert int(optimizer.overflow_count.numpy()) == 0
     finally:
+        namespace.clear()
         tfmp.disable()
     run = read_run(tmp_path / "logs" / "run")
     assert run["epoch_loss_scale"] == [(0, 16.0)]
     assert run["epoch_overflow_count"] == [(0, 0.0)]
-    assert int(model.optimizer.total_steps.numpy()) == 4
 
 
 def _tfmp_references():
-    """Every dotted name ``tfmp.a.b`` in the README's code, with the text around it."""
+    """Every dotted name ``tfmp.a.b`` in the code of README and the site, with the text around it."""
     found = {}
     for code in CODE_BLOCKS + CODE_SPANS:
         for match in re.finditer(r"\btfmp((?:\.[A-Za-z_]\w*)+)", code):
@@ -128,12 +124,12 @@ def test_every_tfmp_name_in_the_readme_exists():
     for dotted, code in references.items():
         target = tfmp
         for part in dotted.split("."):
-            assert hasattr(target, part), f"README names tfmp.{dotted} (in `{code}`): no {part!r}"
+            assert hasattr(target, part), f"the docs name tfmp.{dotted} (in `{code}`): no {part!r}"
             target = getattr(target, part)
 
 
 def _tfmp_calls():
-    """(dotted name, keyword names) of each ``tfmp.f(..., k=...)`` call in the README's code."""
+    """(dotted name, keyword names) of each ``tfmp.f(..., k=...)`` call in the docs' code."""
     calls = []
     for code in CODE_BLOCKS + CODE_SPANS:
         try:
@@ -157,7 +153,7 @@ def test_every_keyword_the_readme_passes_is_accepted():
             function = getattr(function, part)
         parameters = inspect.signature(function).parameters
         for keyword in keywords:
-            assert keyword in parameters, f"README calls tfmp.{dotted}({keyword}=...): not a parameter"
+            assert keyword in parameters, f"the docs call tfmp.{dotted}({keyword}=...): not a parameter"
         positional_slots = [
             p for p in parameters.values()
             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
@@ -174,21 +170,21 @@ def _number(text):
 
 def test_defaults_the_readme_states_are_the_real_ones():
     # "`min_scale` (default 1)": each such claim, against LossScaleOptimizer's signature.
-    claims = dict(re.findall(r"`(\w+)` \(default ([^)]+)\)", README))
+    claims = dict(re.findall(r"`(\w+)` \(default ([^)]+)\)", ALL_TEXT))
     assert claims == {"min_scale": "1", "max_scale": "2**24", "max_consecutive_overflows": "32"}
     parameters = inspect.signature(tfmp.LossScaleOptimizer).parameters
     for name, default in claims.items():
         assert parameters[name].default == _number(default), (name, default)
 
 
-# Paths the README names that are not in the repository: what runs write, and a
-# folder made by the set-up line.
-# Folders a run writes (logs, exported artifacts, the venv) and layer paths ("encoder/...").
-NOT_IN_THE_REPOSITORY = ("logs/", ".venv/", "exported/", "encoder/", "block/")  # outputs, layer paths
+# Paths the docs name that are not in the repository: folders a run writes (logs,
+# exported artifacts, the venv, a temporary folder "$out"), layer paths ("encoder/...").
+NOT_IN_THE_REPOSITORY = ("logs/", ".venv/", "exported/", "encoder/", "block/", "out/")
 
 
 def _repository_paths():
-    """Every path-like word (with a '/' or ending in .py/.md) of the README's code."""
+    """Every path-like word (with a '/' or ending in .py/.md) of the docs' code, from the
+    repository root, and every relative Markdown link, from its page's folder."""
     words = set()
     for code in CODE_BLOCKS + CODE_SPANS:
         for word in re.findall(r"[\w.\-/*<>]+", code):
@@ -197,46 +193,84 @@ def _repository_paths():
                 continue
             if "/" in word or re.search(r"\.(py|md)$", word):
                 words.add(word)
-    links = re.findall(r"\]\(([^)#:]+)\)", README)  # relative Markdown links
-    return {w for w in words | set(links) if not w.startswith(NOT_IN_THE_REPOSITORY)}
+    words = {w for w in words if not w.startswith(NOT_IN_THE_REPOSITORY)}
+    for path, text in PAGES.items():
+        folder = pathlib.PurePosixPath(path).parent
+        for link in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):  # relative Markdown links
+            words.add(os.path.normpath(folder / link))
+    return words
 
 
 def test_every_path_the_readme_names_exists():
     paths = _repository_paths()
     assert {"examples/train_digits.py", "tfmp/_src/keras_hooks/", ".ci/run",
-            "tfmp/docs/troubleshooting.md", "train_digits.py"} <= paths
+            "tfmp/docs/troubleshooting.md", "train_digits.py", "docs/guides/policy.md",
+            "benchmarks/README.md", "docs/images/tensorboard_main_job.png"} <= paths
     missing = []
     for path in sorted(paths):
-        if "/" in path:  # from the repository root, or from notebooks/ ("../examples")
-            found = (ROOT / path).exists() or (ROOT / "notebooks" / path).exists()
+        if "/" in path:  # from the repository root, notebooks/ ("../examples") or, in
+            # docs/architecture.md's tables, tfmp/_src/ ("policy/enable.py")
+            found = any((ROOT / folder / path).exists() for folder in ("", "notebooks", "tfmp/_src"))
         else:  # a bare file name, in the folder its sentence or table row names
             found = any(p for p in ROOT.rglob(path) if ".git" not in p.parts)
         if not found:
             missing.append(path)
-    assert not missing, f"README names paths that do not exist: {missing}"
+    assert not missing, f"the docs name paths that do not exist: {missing}"
 
 
 def test_layout_table_names_every_package_and_its_files():
-    rows = re.findall(r"^\| `(tfmp/[^`]+)`(.*)\|$", README[README.index("## Layout"):], flags=re.M)
-    named = {folder for folder, _ in rows}
-    packages = {f"tfmp/_src/{p.name}/" for p in (ROOT / "tfmp" / "_src").iterdir()
-                if p.is_dir() and list(p.glob("*.py"))}
-    assert "tfmp/_src/keras_hooks/" in packages
-    assert packages <= named, f"packages missing from the Layout table: {sorted(packages - named)}"
-    for folder, rest in rows:
-        for name in re.findall(r"`(\w+\.py)`", rest):
-            if folder.endswith("/"):
-                assert (ROOT / folder / name).is_file(), f"README: {folder}{name} does not exist"
+    """docs/architecture.md's table of tfmp/_src/: every package and module, and each file it names."""
+    architecture = _page("docs/architecture.md")
+    layout = architecture[architecture.index("## Layout"):]
+    layout = layout[:layout.index("\n## ")]
+    rows = re.findall(r"^\| `(\w+/|\w+\.py)` \|(.*)\|$", layout, flags=re.M)
+    named = {entry for entry, _ in rows}
+    source = ROOT / "tfmp" / "_src"
+    packages = {f"{p.name}/" for p in source.iterdir() if p.is_dir() and list(p.glob("*.py"))}
+    modules = {p.name for p in source.glob("*.py") if p.name != "__init__.py"}
+    assert "keras_hooks/" in packages and "errors.py" in modules
+    assert packages | modules <= named, f"missing from the Layout table: {sorted(packages | modules - named)}"
+    for entry, rest in rows:
+        if entry.endswith("/"):
+            for name in re.findall(r"`(\w+\.py)`", rest):
+                assert (source / entry / name).is_file(), f"docs/architecture.md: {entry}{name} does not exist"
 
 
 def test_readme_tables_list_every_notebook_and_example_script():
-    notebooks = set(re.findall(r"^\| `(\d\d_\w+)` \|", README, flags=re.M))
+    examples = _page("docs/examples.md")
+    notebooks = set(re.findall(r"^\| `(\d\d_\w+)` \|", examples, flags=re.M))
     assert notebooks == {p.stem for p in (ROOT / "notebooks").glob("*.ipynb")}
-    scripts = set(re.findall(r"^\| `(examples/\w+\.py)` \|", README, flags=re.M))
+    scripts = set(re.findall(r"^\| `(examples/\w+\.py)` \|", examples, flags=re.M))
     on_disk = {f"examples/{p.name}" for p in (ROOT / "examples").glob("*.py")}
     helpers = {"examples/example_utils.py", "examples/example_args.py",
                "examples/tfds_preflight.py"}
     assert scripts == on_disk - helpers
+
+
+def test_extras_table_lists_what_each_extra_installs():
+    """docs/guides/versions.md's table against setup.cfg's [options.extras_require]."""
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    extras = {
+        name: {re.split(r"[<>=~!; ]", line.strip())[0].lower() for line in value.splitlines()
+               if line.strip() and not line.strip().startswith("#")}
+        for name, value in config["options.extras_require"].items()
+    }
+    versions = _page("docs/guides/versions.md")
+    rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+) \|", versions, flags=re.M))
+    assert set(rows) == set(extras), (sorted(rows), sorted(extras))
+    for name, installs in rows.items():
+        listed = {package.strip().lower() for package in installs.split(",")}
+        assert listed == extras[name], f"extra {name!r}: the table says {sorted(listed)}, setup.cfg {sorted(extras[name])}"
+
+
+def test_readme_fits_a_first_reading():
+    """README is the first hour: a few hundred lines, every capability pointing to its guide."""
+    assert len(README.splitlines()) <= 250
+    assert not re.search(r"\bissue \d+", README)
+    guides = {f"docs/guides/{p.name}" for p in (DOCS / "guides").glob("*.md")}
+    linked = set(re.findall(r"\]\((docs/guides/[\w-]+\.md)(?:#[^)]*)?\)", README))
+    assert guides == linked, sorted(guides ^ linked)
 
 
 def test_ci_runs_the_readme_test_command():
@@ -246,7 +280,9 @@ def test_ci_runs_the_readme_test_command():
     assert test_command.startswith("python -m pytest")
     ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
     assert ci_lines[-1].strip() == test_command
-    assert 'pip install --quiet ".[test]"' in "\n".join(ci_lines)
+    # README's install, with the docs extra the site's build (the line before) needs.
+    assert 'pip install --quiet ".[test,docs]"' in "\n".join(ci_lines)
+    assert ci_lines[-2].split("--site-dir")[0].endswith("mkdocs build --strict --quiet ")
     # Every run names its slowest tests (setup.cfg's addopts, read by both CI tiers).
     addopts = configparser.ConfigParser()
     addopts.read(ROOT / "setup.cfg")
@@ -265,18 +301,23 @@ def test_modules_with_expensive_fixtures_are_one_unit_of_work():
 
 
 def test_main_job_screenshots_are_in_the_repository_with_their_commands():
-    images = re.findall(r"!\[[^\]]*\]\((docs/images/[\w.]+\.png)\)", README)
-    assert images == ["docs/images/tensorboard_main_job.png",
-                      "docs/images/tensorboard_main_job_fp16.png"]
+    tensorboard = _page("docs/guides/tensorboard.md")
+    images = re.findall(r"!\[[^\]]*\]\(\.\./(images/[\w.]+\.png)\)", tensorboard)
+    assert images == ["images/tensorboard_main_job.png", "images/tensorboard_main_job_fp16.png"]
     for image in images:
-        data = (ROOT / image).read_bytes()
+        data = (DOCS / image).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n"
         assert len(data) < 300 * 1024
-    # The README says how to make each again: the main job's run, then the script on its logs.
+    # The guide says how to make each again: the main job's run, then the script on its
+    # logs, both in a new temporary folder, never over the pictures in docs/images/.
+    assert 'out="$(mktemp -d)"\n' in tensorboard
     for policy, logs, image, options in [
-        ("mixed_bfloat16", "logs/digits_bf16", images[0], " --window-size 1400,1650"),
-        ("mixed_float16", "logs/digits_fp16", images[1], ""),
+        ("mixed_bfloat16", '"$out/digits_bf16"', images[0], " --window-size 1400,1650"),
+        ("mixed_float16", '"$out/digits_fp16"', images[1], ""),
     ]:
         assert (f"python examples/train_digits.py --policy {policy} --filters 4 --units 16 "
-                f"--log-dir {logs}") in README
-        assert f"python scripts/tensorboard_screenshot.py {logs} --output {image}{options}\n" in README
+                f"--log-dir {logs}\n") in tensorboard
+        name = pathlib.PurePosixPath(image).name
+        assert (f'python scripts/tensorboard_screenshot.py {logs} --output "$out/{name}"{options}\n'
+                in tensorboard)
+    assert "--output docs/images" not in ALL_TEXT

@@ -275,11 +275,11 @@ def audit(
             with at least one example, or does not match a graph model's input
             shapes; ``batch_size`` is neither None nor an int >= 1;
             ``tensor_cores`` is neither None nor a bool.
-        Exceptions of the forward pass propagate unchanged unless the failing op
-            itself said that two dtypes do not match (TensorFlow's TypeError,
-            InvalidArgumentError or tensor-conversion ValueError, see
-            `_DTYPE_MISMATCH`): shape bugs and any other error are raised, not
-            reported.
+        Exception: any error of the ``batch`` pass (a shape bug...) propagates
+            unchanged, unless the failing op itself said that two dtypes do not
+            match (TensorFlow's TypeError, InvalidArgumentError or
+            tensor-conversion ValueError, see `_DTYPE_MISMATCH`): that one is
+            reported as a ``dtype_mismatch`` warning instead.
 
     Example:
         >>> import keras, tfmp

@@ -188,9 +188,10 @@ def enable(
         loss_scale_options: Dict or None. Keyword arguments for
             `tfmp.LossScaleOptimizer` (e.g. ``{"initial_scale": 2.0**15}``).
             Its ``guard`` says what a step is checked for before it is applied:
-            by default the gradients under float16 (loss scaling needs it) and
-            the loss alone otherwise (one scalar); ``{"guard": "gradients"}``
-            checks every gradient under any policy, as ``debug`` does.
+            by default every gradient under float16 (loss scaling needs it)
+            and, otherwise, the batch, the loss and every gradient
+            (``"batch"``); ``{"guard": "loss"}`` checks the loss alone, so no
+            update waits for the backward pass.
         allow_pure_16bit: Bool. Accept ``"float16"``/``"bfloat16"`` policies, which
             keep no float32 master weights. Default False.
         tf32: Bool or None. Switch TF32 matmuls on GPUs of compute capability

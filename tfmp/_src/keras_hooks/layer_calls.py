@@ -59,6 +59,10 @@ SIGNATURES: Tuple[Tuple[type, str, Tuple[str, ...]], ...] = (
     # float32.build: `build(input_shape)`; float32.from_config: `from_config(config)`.
     (keras.layers.Layer, "build", ("input_shape",)),
     (keras.layers.Layer, "from_config", ("config",)),
+    # float32.outputs: a tied embedding's `call(inputs, reverse=False)` and
+    # `compute_output_spec(inputs, reverse=False)`, cast only when projecting (Keras >= 3.13).
+    *((cls, method, ("inputs", "reverse")) for cls in (getattr(keras.layers, "ReversibleEmbedding", None),)
+      if cls is not None for method in ("call", "compute_output_spec")),
 )
 
 #: (what tfmp relies on Keras doing, the test that checks it).

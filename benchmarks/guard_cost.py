@@ -4,16 +4,18 @@
     python benchmarks/guard_cost.py --workloads mlp --policies float32 --repeats 9
 
 Each workload of `benchmarks/workloads.py` (MLP, CNN with BatchNormalization,
-Transformer) is trained under each policy in four configurations that differ
-only in the optimizer: plain Keras (Adam alone) and
-`tfmp.LossScaleOptimizer(Adam, loss_scaling=False, guard=...)` with ``"batch"``
-(tfmp's default without loss scaling: the batch and the loss checked as the step
-starts), ``"gradients"`` (every gradient checked before any update) and
-``"values"`` (the batch, then every written value, with the step's writes put
-back on failure). Until 2026-12-03 each ratio was the guard's cost alone; since
-then tfmp's optimizer also runs Adam's update on TensorFlow's fused kernel
+Transformer) is trained under each policy in configurations that differ only
+in the optimizer: plain Keras (Adam alone) and
+`tfmp.LossScaleOptimizer(Adam, loss_scaling=False, guard=...)` with ``"loss"``
+(the loss alone: no update waits for the backward pass), ``"batch"`` (tfmp's
+default without loss scaling: the loss and every gradient, the batch checked
+for the cause), ``"gradients"`` (every gradient) and ``"values"`` (the batch
+guard, then every written value, with the step's writes put back on failure).
+The price of seeing the backward pass is the ``"batch"`` column over the
+``"loss"`` column of the same run. Since 2026-12-03 tfmp's optimizer also runs
+Adam's update on TensorFlow's fused kernel
 (`tfmp._src.loss_scale.fused_update`, timed alone by ``benchmarks/fused_update.py``),
-so each ratio is the guard's cost net of that gain. Each repeat runs one
+so each ratio to plain Keras is the guard's cost net of that gain. Each repeat runs one
 ``fit`` of ``--steps`` steps per configuration, rotating their order, in one
 process; a first untimed fit traces each train function. Reported per workload
 and policy: the median step time of each configuration, the median over repeats
@@ -44,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tfmp  # noqa: E402
 from benchmarks import workloads  # noqa: E402
 
-GUARDS = ("batch", "gradients", "values")
+GUARDS = ("loss", "batch", "gradients", "values")
 POLICIES = ("float32", "mixed_bfloat16")
 WORKLOADS = ("mlp", "cnn", "transformer")
 
@@ -58,7 +60,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     parser.add_argument("--guards", nargs="+", default=list(GUARDS), choices=GUARDS,
-                        help="guards timed beside plain Keras (default all three)")
+                        help="guards timed beside plain Keras (default all four)")
     return parser.parse_args(argv)
 
 

@@ -95,7 +95,8 @@ def test_audit_shows_the_output_dtype_contract(with_batch):
     assert [(w.kind, w.path, w.message) for w in report.warnings] == [(
         "consumer_dtype", "aux",
         ("'aux' (float32: output) hands float32 to 'mix', which computes in bfloat16: "
-         "the value is cast at that boundary."),
+         "the value is cast at that boundary. Nothing to change unless 'mix' needs it in "
+         "float32: then keep_float32=['mix'] in tfmp.enable() (keep=['mix'] in tfmp.force_float32)."),
     )]
     text = str(report)
     assert ("bfloat16*" in text) is not with_batch

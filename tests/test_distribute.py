@@ -225,10 +225,11 @@ def test_check_numerics_reports_the_earliest_layer_over_replicas(mirrored):
 
 def test_check_numerics_names_a_gradient_that_is_nan_on_replica_1_only(mirrored):
     run = case(mirrored, "numerics")["backward"]
-    # As on one replica: the NaN gradient nearest the loss is d1's bias (kernel and
-    # bias are both NaN); the trace holds the loss row of step 0 only.
-    assert run["raised"] == [["d1", "backward", 0, "nan", [0]]]
-    assert run["variable"] == [["d1/bias", 2]]
+    # As on one replica: d1's kernel and bias get NaN gradients, but the backward
+    # pass of sqrt made them (its output gradient is finite, its input gradient NaN,
+    # on replica 1 only); the trace holds the loss row of step 0 only.
+    assert run["raised"] == [["sqrt", "backward", 0, "nan", [0]]]
+    assert run["variable"] == [[None, 2]]
     assert run["step_copies"] == [1, 1]
 
 

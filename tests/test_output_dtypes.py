@@ -6,6 +6,7 @@ return float32. Keras layers that compute in float32 themselves stay 16-bit, and
 known-broken Keras layers are forced.
 """
 
+import importlib.util
 import importlib
 
 import keras
@@ -211,7 +212,12 @@ def stochastic_depth_model():
 
 
 def test_known_broken_classes_exist_in_this_keras():
+    """Every Keras class of the table exists; another package's only where that package is installed."""
+    keras_notes = [note for note in _registry.KNOWN_BROKEN if note.package == "keras"]
+    assert len(keras_notes) >= 4
     for note in _registry.KNOWN_BROKEN:
+        if note.package != "keras" and importlib.util.find_spec(note.class_path.split(".")[0]) is None:
+            continue
         assert issubclass(known_broken_class(note), keras.layers.Layer), note.class_path
     assert _registry.float32_layers().known_broken == _registry.KNOWN_BROKEN
 

@@ -40,8 +40,13 @@ Warning kinds (``AuditWarning.kind``):
   "Train With Mixed Precision", section "Optimizing for Tensor Cores"
   (docs.nvidia.com/deeplearning/performance/mixed-precision-training): for FP16,
   matrix dimensions and channel counts should be multiples of 8.
-* ``float32_heavy``: more than half of the parameters sit in float32-forced
-  layers, so mixed precision buys little.
+* ``float32_heavy``: more than half of the parameters the model multiplies per
+  example (all but embedding tables that are only looked up,
+  `tfmp._src.float32.audit_cost`) are multiplied in float32: in float32-forced
+  layers, or in a tied embedding's projection, which Keras runs in float32
+  inside a model forced or not. Mixed precision buys little; the message names
+  the largest such layers by path, their parameters, what each runs in float32
+  and the call that changes it.
 * ``consumer_dtype``: a forced layer's output dtype differs from the compute dtype
   of a layer that consumes it (in the graph; for a layer inside custom code, its
   parent), so the value is cast at that boundary: typically a float32 model output
@@ -61,11 +66,13 @@ import keras
 from tfmp._src.attachment import record as _record
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.errors import check_bool, check_model, check_positive_int, model_fix
+from tfmp._src.float32 import audit_cost as _cost
 from tfmp._src.float32 import force as _float32
 from tfmp._src.float32.audit_batch import check_batch, gradient_check
 from tfmp._src.float32.audit_report import AuditReport, AuditRow, AuditWarning
 from tfmp._src.float32 import fused_batchnorm as _fused_batchnorm
 from tfmp._src.float32.cast_back import handed_back_dtype
+from tfmp._src.float32.logits import projects, reverse_call
 from tfmp._src.float32 import reductions as _reductions
 from tfmp._src.float32 import registry as _registry
 from tfmp._src.keras_hooks import layer_calls
@@ -74,8 +81,9 @@ from tfmp._src.layer_tree import is_wiring, own_weights, walk
 from tfmp._src.policy import session
 from tfmp._src.policy.hardware import detect_device_facts
 
-FLOAT32_HEAVY_FRACTION = 0.5
 _LOW = LOW_PRECISION
+#: How a user gets tfmp's float32 forcing on a model it has not forced.
+_FORCE_FIX = "Compiling the model while tfmp is enabled, or tfmp.force_float32(model),"
 
 
 def _dims(layer: keras.layers.Layer) -> List[Tuple[str, Optional[int]]]:
@@ -125,34 +133,43 @@ def _layer_warnings(path, layer, reason, producers, policy, tensor_cores, built_
         reduction = _reductions.wide_reduction(layer)
         yield "sensitive_16bit", (
             f"'{path}' ({type(layer).__name__}) computes in {compute}; "
-            + (reduction.advice(path) if reduction else
-               "call tfmp.force_float32(model) or keep it float32 explicitly.")
+            + (reduction.advice(path) if reduction else _FORCE_FIX + " computes it in float32.")
         )
     if compute in _LOW and id(layer) in producers and reason not in _registry.CAST_ONLY:
         yield "output_16bit", (
-            f"'{path}' produces a model output in {compute}; outputs (and the loss) "
-            "should be float32. Call tfmp.force_float32(model)."
+            f"'{path}' produces a model output in {compute}; outputs (and the loss) should be float32. "
+            + (f"An exclusion keeps it out of float32: remove the target matching '{path}' from "
+               "exclude_float32= (tfmp.enable), exclude= (tfmp.force_float32) or "
+               "tfmp.register_float32(..., exclude=True) (tfmp.unregister_float32)."
+               if excluded else _FORCE_FIX + " makes its output float32.")
         )
     low_vars = sorted({w.dtype for w in own_weights(layer) if w.dtype in _LOW})
     if low_vars:
         yield "variables_16bit", (
             f"'{path}' stores its weights in {low_vars[0]}: no float32 master weights, "
-            "so small updates are lost. Use a 'mixed_*' policy instead of a pure 16-bit one."
+            f"so small updates are lost. Build it under a mixed policy: tfmp.enable('mixed_{low_vars[0]}') "
+            f"before building the model, or dtype='mixed_{low_vars[0]}' on the layer."
         )
     pinned = built_under_policy and layer.dtype_policy.name == "float32"
     if not reason and not pinned and keras.backend.is_float_dtype(compute) and layer.dtype_policy.name != policy:
         yield "policy_mismatch", (
             f"'{path}' uses policy '{layer.dtype_policy.name}' but '{policy}' is expected "
-            "(tfmp's policy for this model, else the model's); if the model was built "
-            "before tfmp.enable(), rebuild it."
+            "(tfmp's policy for this model, else the model's): if the model was built "
+            f"before tfmp.enable(), rebuild it after; if the layer was given "
+            f"dtype='{layer.dtype_policy.name}', pass dtype='{policy}' or leave dtype out."
         )
     if tensor_cores and compute in _LOW:
         for name, size in _dims(layer):
             if size is not None and size % 8:
                 yield "tensor_core_dims", (
                     f"'{path}' has {name} {size}, not a multiple of 8; Tensor Cores "
-                    "need multiples of 8 in 16 bits (NVIDIA mixed-precision guide)."
+                    f"need multiples of 8 in 16 bits (NVIDIA mixed-precision guide): use e.g. "
+                    f"{_next_multiple_of_8(size)}."
                 )
+
+
+def _next_multiple_of_8(size: int) -> int:
+    return -(-size // 8) * 8
 
 
 def _dtype(x: Any) -> Optional[str]:
@@ -160,19 +177,21 @@ def _dtype(x: Any) -> Optional[str]:
     return None if dtype is None else keras.backend.standardize_dtype(dtype)
 
 
-def _graph_facts(model: keras.Model, entries) -> Tuple[Dict[int, List[str]], Dict[int, list]]:
+def _graph_facts(model: keras.Model, entries) -> Tuple[Dict[int, List[str]], Dict[int, list], set]:
     """Output dtypes and consumers of every layer that has nodes in a Functional graph.
 
     Returns:
-        ``(outputs, consumers)``: layer id -> list of output dtypes (one per output
-        tensor of each of its nodes); layer id -> list of ``(consumer operation,
-        dtype of the tensor it receives)``.
+        ``(outputs, consumers, projecting)``: layer id -> list of output dtypes
+        (one per output tensor of each of its nodes); layer id -> list of
+        ``(consumer operation, dtype of the tensor it receives)``; ids of tied
+        embeddings with a ``reverse=True`` node.
     """
     graphs = [functional_graph(model)] + [
         functional_graph(layer) for _, layer, _ in entries if isinstance(layer, keras.Model)
     ]
     outputs: Dict[int, List[str]] = {}
     consumers: Dict[int, list] = {}
+    projecting = set()
     for graph in (g for g in graphs if g is not None):
         nodes = [node for level in nodes_by_depth(graph).values() for node in level]
         users: Dict[int, list] = {}
@@ -183,10 +202,12 @@ def _graph_facts(model: keras.Model, entries) -> Tuple[Dict[int, List[str]], Dic
             if node.is_input or node.operation is None:
                 continue
             key = id(node.operation)
+            if projects(node.operation) and reverse_call(tuple(node.arguments.args), dict(node.arguments.kwargs)):
+                projecting.add(key)
             for tensor in node.outputs:
                 outputs.setdefault(key, []).append(_dtype(tensor))
                 consumers.setdefault(key, []).extend((u, _dtype(tensor)) for u in users.get(id(tensor), []))
-    return outputs, consumers
+    return outputs, consumers, projecting
 
 
 def _record_outputs(layers: Sequence[keras.layers.Layer]) -> Tuple[Dict[int, List[str]], list]:
@@ -238,7 +259,9 @@ def _consumer_warnings(path, layer, why, out_dtypes, consumers, parent, paths):
         reported.add((where, dtype))
         yield "consumer_dtype", (
             f"'{path}' (float32: {why}) hands {dtype} to '{where}', which computes in "
-            f"{compute}: the value is cast at that boundary."
+            f"{compute}: the value is cast at that boundary. Nothing to change unless '{where}' "
+            f"needs it in float32: then keep_float32=['{where}'] in tfmp.enable() "
+            f"(keep=['{where}'] in tfmp.force_float32)."
         )
 
 
@@ -298,7 +321,9 @@ def audit(
     producers = {id(layer) for layer in _float32.output_producers(model)[0]}
     entries = walk(model)
     paths = {id(layer): path for path, layer, _ in entries}
-    graph_outputs, graph_consumers = _graph_facts(model, entries)
+    paths_to_layers = {path: layer for path, layer, _ in entries}
+    parents = {id(layer): parent for _, layer, parent in entries}
+    graph_outputs, graph_consumers, projecting = _graph_facts(model, entries)
     found: List[AuditWarning] = []
     late: List[AuditWarning] = []  # run-time findings, listed after the per-layer ones
     gradients, run_outputs = (), {}
@@ -313,11 +338,14 @@ def audit(
         late += errors
         for i, dtype in enumerate(out_dtypes):
             if dtype in _LOW:
-                late.append(AuditWarning("output_16bit", f"<output {i}>",
-                                          f"model output {i} is {dtype} at run time."))
+                late.append(AuditWarning("output_16bit", f"<output {i}>", (
+                    f"model output {i} is {dtype} at run time; {_FORCE_FIX} casts a subclassed "
+                    "model's outputs to float32 (or cast it in call(): keras.ops.cast(x, 'float32'))."
+                )))
         if batch_size is None:
             batch_size = int(keras.tree.flatten(batch)[0].shape[0])
-    rows, total, forced_params = [], 0, 0
+    rows, total, forced = [], 0, []  # forced: layers multiplying in float32 (`audit_cost.float32_heavy`)
+    compute_mixed = policy.startswith("mixed")
     for path, layer, parent in entries:
         reason = _float32.forced_reason(layer) or ""
         why = reason or _registry.keras_float32_reason(layer) or ""
@@ -329,8 +357,17 @@ def audit(
             out_dtypes, output_from = [_rule_dtype(layer, reason)], "rule"
         weights = own_weights(layer)
         params = sum(int(w.numpy().size) for w in weights)
-        total += params
-        forced_params += params if reason and reason not in _registry.CAST_ONLY else 0
+        # A tied embedding outside any graph is taken to project: that is what it is for.
+        projects_here = id(layer) in projecting if id(layer) in graph_outputs else projects(layer)
+        multiplied = _cost.multiplied_params(layer, weights, projects_here)
+        multiplied += _cost.borrowed_tables(layer, parents)
+        total += multiplied
+        if projects_here and layer.variable_dtype == "float32" and compute_mixed:
+            if _cost.float32_projection(layer):
+                forced.append((path, layer, reason if reason and reason not in _registry.CAST_ONLY
+                               else _cost.KERAS_PROJECTION, multiplied))
+        elif reason and reason not in _registry.CAST_ONLY:
+            forced.append((path, layer, reason, multiplied))
         kinds = []
         consumers = graph_consumers.get(id(layer)) if output_from == "graph" else None
         for kind, message in [
@@ -348,11 +385,11 @@ def audit(
     found += late
     global_compute = keras.config.dtype_policy().compute_dtype
     if tensor_cores and batch_size and batch_size % 8 and global_compute in _LOW:
-        found.append(AuditWarning("tensor_core_dims", "<batch>",
-                                  f"batch size {batch_size} is not a multiple of 8."))
-    fraction = forced_params / total if total else 0.0
-    if fraction > FLOAT32_HEAVY_FRACTION and policy.startswith("mixed"):
-        found.append(AuditWarning("float32_heavy", "<model>", (
-            f"{fraction:.0%} of parameters are in float32-forced layers; mixed "
-            "precision will speed up little. Consider exclude= for large layers.")))
+        found.append(AuditWarning("tensor_core_dims", "<batch>", (
+            f"batch size {batch_size} is not a multiple of 8; Tensor Cores need multiples of 8 "
+            f"in 16 bits: use e.g. {_next_multiple_of_8(batch_size)}.")))
+    fraction = sum(params for *_, params in forced) / total if total else 0.0
+    heavy = _cost.float32_heavy(forced, paths_to_layers, total, fraction, policy)
+    if heavy:
+        found.append(AuditWarning("float32_heavy", "<model>", heavy))
     return AuditReport(policy, tuple(rows), tuple(found), fraction, gradients, policy_source)

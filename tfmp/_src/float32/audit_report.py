@@ -88,7 +88,12 @@ class AuditReport:
             against (``policy_mismatch``), from `policy_source`.
         rows: Tuple of :class:`AuditRow`, parents before children.
         warnings: Tuple of :class:`AuditWarning`.
-        float32_fraction: Float in [0, 1]. Share of parameters in forced layers.
+        float32_fraction: Float in [0, 1]. Share of the parameters the model
+            multiplies per example (every weight but an ``Embedding`` table
+            that is only looked up; a tied ``ReversibleEmbedding`` that projects
+            counts its table once) that are multiplied in float32: in
+            float32-forced layers (cast-only output layers are not), or in a
+            tied projection Keras runs in float32 (`tfmp._src.float32.audit_cost`).
         gradients: Tuple of :class:`GradientRow`, empty unless ``batch`` was given.
         policy_source: String. Where `policy` comes from: ``"attachment"`` (the
             policy tfmp attached the model under, `tfmp.attachment`),
@@ -142,7 +147,8 @@ class AuditReport:
         if any(r.output_from == "rule" for r in self.rows):
             lines.append("* output dtype from tfmp's rule (layer inside custom code); "
                          "pass batch= to measure it.")
-        lines.append(f"Parameters in float32-forced layers: {self.float32_fraction:.1%}")
+        lines.append(f"Parameters multiplied in float32: {self.float32_fraction:.1%} (forced layers, "
+                     "tied projections; embedding lookups not counted)")
         lines += _batchnorm_lines(self.rows)
         if self.gradients:
             lines += ["", "Gradient check (one batch):"] + _table(

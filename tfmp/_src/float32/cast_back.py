@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import keras
 
@@ -81,12 +81,14 @@ def cast_float(x, dtype: str):
     return keras.ops.cast(x, dtype)
 
 
-def install(layer: keras.layers.Layer, parent) -> None:
+def install(layer: keras.layers.Layer, parent, only: Optional[Callable[[tuple, dict], bool]] = None) -> None:
     """Hooks ``layer.call`` and ``layer.compute_output_spec`` to hand back ``parent``'s dtype.
 
     The target is read at each call: the parent's compute dtype when it is 16-bit
     (float16/bfloat16), else no cast (a float32 parent takes float32 as it is).
-    Idempotent.
+    ``only``: optional callable ``(args, kwargs) -> bool``; the calls it refuses
+    are not cast (a tied embedding producing the model output: its projecting
+    calls). Idempotent.
     """
     if layer in _CAST_BACK or parent is None:
         return
@@ -102,7 +104,7 @@ def install(layer: keras.layers.Layer, parent) -> None:
         def cast_back(*args, **kwargs):
             outputs = original(*args, **kwargs)
             dtype = target()
-            if dtype is None:
+            if dtype is None or only is not None and not only(args, kwargs):
                 return outputs
             cast = keras.tree.map_structure(lambda x: cast_float(x, dtype), outputs)
             calls = _running_calls()
@@ -127,13 +129,16 @@ def remove(layer: keras.layers.Layer) -> None:
         hook.remove()
 
 
-def cast_outputs(model: keras.layers.Layer) -> bool:
+def cast_outputs(model: keras.layers.Layer, only: Optional[Callable[[tuple, dict], bool]] = None) -> bool:
     """Hooks ``model.call`` to return float32 outputs; False if already hooked.
 
     Args:
-        model: A subclassed ``keras.Model``, or a block (a layer that is not a
-            model) whose output is a model output: its ``compute_output_spec`` is
-            hooked too, so the symbolic graph shows float32.
+        model: A subclassed ``keras.Model``, or a layer that is not a model
+            whose output is a model output (a block, a logits layer): its
+            ``compute_output_spec`` is hooked too, so the symbolic graph shows float32.
+        only: Optional callable ``(args, kwargs) -> bool`` over a call's
+            arguments: only the calls it accepts are cast (a tied embedding's
+            projecting calls, `tfmp._src.float32.logits.reverse_call`); None casts all.
     """
     if layer_calls.subscribed(model, "call", "float32.outputs"):
         return False
@@ -142,6 +147,8 @@ def cast_outputs(model: keras.layers.Layer) -> bool:
     def wrap(original):
         @functools.wraps(original)
         def call(*args, **kwargs):
+            if only is not None and not only(args, kwargs):
+                return original(*args, **kwargs)
             running = _ModelCall(model_ref())
             calls = _running_calls()
             calls.append(running)

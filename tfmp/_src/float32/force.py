@@ -24,7 +24,8 @@ layer of a Functional/Sequential graph):
   forces it whole.
 * Likewise, under ``compile`` (the ``loss`` known), a linear output layer whose
   outputs are all logits of a from-logits cross-entropy keeps its 16-bit matmul
-  and returns float32 (``logits.LOGITS_CAST``; `tfmp._src.float32.logits`).
+  and returns float32 (``logits.LOGITS_CAST``; `tfmp._src.float32.logits`); for a
+  tied embedding (``ReversibleEmbedding``) only its projecting calls return float32.
 * Every other forced layer gets a hook (owner ``"float32.cast_back"``) on its
   ``call`` and ``compute_output_spec`` that casts floating outputs to its parent's
   compute dtype when that is 16-bit. So ``norm(x) + y`` and
@@ -80,7 +81,7 @@ from tfmp._src.float32 import pooling3d as _pooling3d
 from tfmp._src.float32 import registry as _registry
 from tfmp._src.float32 import unmatched as _unmatched
 from tfmp._src.float32.cast_back import casts_back
-from tfmp._src.float32.logits import logits_layers
+from tfmp._src.float32.logits import logits_layers, projects, reverse_call
 from tfmp._src.keras_hooks import layer_calls
 from tfmp._src.keras_hooks.object_state import PerObject
 from tfmp._src.keras_hooks.functional_graph import (
@@ -177,17 +178,15 @@ def _set_float32(layer: keras.layers.Layer, reason: str, parent=None, adopt: boo
     """
     if adopt and _saved_float32(layer, parent):
         _FORCED[layer] = reason
-        if reason != "output":
-            _cast_back.install(layer, parent)
-        return reason != "output"
-    if reason == "output" and casts_back(layer):
+        _hand_back(layer, reason, parent)
+        return reason != "output" or projects(layer)
+    if reason == "output" and casts_back(layer) and not projects(layer):
         _cast_back.remove(layer)
         _FORCED[layer] = reason
         return True
     if layer not in _FORCED and _exact.forced_when_created(layer):  # float32 since made
         _FORCED[layer] = reason
-        if reason != "output":
-            _cast_back.install(layer, parent)
+        _hand_back(layer, reason, parent)
         return True
     policy = layer.dtype_policy
     if layer.compute_dtype not in LOW_PRECISION or policy.quantization_mode:
@@ -195,9 +194,24 @@ def _set_float32(layer: keras.layers.Layer, reason: str, parent=None, adopt: boo
     layer.dtype_policy = "float32"
     _exact.refresh_state(layer)
     _FORCED[layer] = reason
+    _hand_back(layer, reason, parent)
+    return True
+
+
+def _looks_up(args: tuple, kwargs: dict) -> bool:
+    return not reverse_call(args, kwargs)
+
+
+def _hand_back(layer: keras.layers.Layer, reason: str, parent) -> None:
+    """Makes a forced layer hand back ``parent``'s dtype, but for the model output it produces.
+
+    An output producer returns float32; a tied embedding producing one returns
+    float32 from its projecting calls only: its lookups feed the 16-bit body.
+    """
     if reason != "output":
         _cast_back.install(layer, parent)
-    return True
+    elif projects(layer):
+        _cast_back.install(layer, parent, only=_looks_up)
 
 
 def _apply_rules(
@@ -241,7 +255,7 @@ def _apply_rules(
             reason = "output"  # float32 already (forced earlier, or loaded so): stays whole
         if reason in _registry.CAST_ONLY:
             _FORCED[layer] = reason
-            if _cast_back.cast_outputs(layer):
+            if _cast_back.cast_outputs(layer, only=reverse_call if projects(layer) else None):
                 changed.add(id(layer))
             continue  # its sublayers follow their own rules
         if reason is not None:

@@ -23,6 +23,16 @@ float32 (reason `LOGITS_CAST` in `tfmp.audit`). Everything else stays as
 given as a string or a function (which tfmp cannot read ``from_logits`` from),
 a `tfmp.force_float32` call (no loss known) and a layer a keep rule selects
 compute in float32.
+
+A tied output embedding (`REVERSIBLE_EMBEDDING`, Keras's ``ReversibleEmbedding``,
+which keras-hub's language models use) is one layer called twice: a lookup at the
+input, ``embedding(ids)``, and a linear projection of the last hidden state onto
+the same matrix, ``embedding(h, reverse=True)``: the logits. When that projection
+is a model output with a from-logits cross-entropy, the layer keeps its 16-bit
+policy and only the outputs of its projecting calls are cast to float32
+(`reverse_call`); the lookup hands the 16-bit body its 16-bit vectors as under
+plain Keras. Forced whole instead, its lookup and its projection run in float32
+(``benchmarks/tied_logits.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ from typing import Any, Dict, List, Set
 
 import keras
 
-from tfmp._src.keras_hooks.functional_graph import functional_graph, keras_history
+from tfmp._src.keras_hooks.functional_graph import functional_graph, inbound_node, keras_history
 from tfmp._src.keras_hooks.layer_calls import child_layers
 
 #: Losses that compute in float32 from logits when built with ``from_logits=True``.
@@ -44,6 +54,27 @@ CROSS_ENTROPY = (
 )
 #: Why a logits layer keeps its 16-bit policy and returns float32.
 LOGITS_CAST = "logits cast to float32 (16-bit matmul, float32 cross-entropy)"
+#: Keras's tied input/output embedding (Keras >= 3.13; None on an older Keras).
+REVERSIBLE_EMBEDDING = getattr(keras.layers, "ReversibleEmbedding", None)
+
+
+def projects(layer: Any) -> bool:
+    """True for a `REVERSIBLE_EMBEDDING`: its ``reverse=True`` call is a linear projection."""
+    return REVERSIBLE_EMBEDDING is not None and isinstance(layer, REVERSIBLE_EMBEDDING)
+
+
+def reverse_call(args: tuple, kwargs: dict) -> bool:
+    """True when ``ReversibleEmbedding.call(inputs, reverse=False)``'s arguments ask to project."""
+    return bool(kwargs["reverse"] if "reverse" in kwargs else len(args) > 1 and args[1])
+
+
+def linear_output(layer: Any, node_index: int = 0) -> bool:
+    """True when `layer`'s call at `node_index` is linear: a linear leaf, or a projecting
+    `REVERSIBLE_EMBEDDING` call (its Functional node's arguments)."""
+    if projects(layer):
+        node = inbound_node(layer, node_index)
+        return reverse_call(tuple(node.arguments.args), dict(node.arguments.kwargs))
+    return linear_leaf(layer)
 
 
 def takes_logits(loss: Any) -> bool:
@@ -63,20 +94,22 @@ def logits_layers(model: keras.Model, loss: Any) -> Set[int]:
 
     Returns:
         Set of ``id(layer)`` of layers that produce model outputs directly, have
-        ``activation`` ``linear`` and no sublayers, and each of whose outputs
+        ``activation`` ``linear`` and no sublayers (or are a `REVERSIBLE_EMBEDDING`
+        whose output calls project, `linear_output`), and each of whose outputs
         has a from-logits cross-entropy loss.
     """
     graph = functional_graph(model)
     if loss is None or graph is None:
         return set()
     per_output = _per_output(loss, list(getattr(model, "output_names", None) or []), len(graph.outputs))
-    verdicts: Dict[keras.layers.Layer, List[bool]] = {}  # producer -> does each of its outputs take logits
+    verdicts: Dict[keras.layers.Layer, List[bool]] = {}  # producer -> is each of its outputs linear logits
     for tensor, output_loss in zip(graph.outputs, per_output):
         history = keras_history(tensor)
         layer = None if history is None else history.operation
         if isinstance(layer, keras.layers.Layer) and not isinstance(layer, keras.Model):
-            verdicts.setdefault(layer, []).append(takes_logits(output_loss))
-    return {id(layer) for layer, logits in verdicts.items() if all(logits) and _linear_leaf(layer)}
+            verdicts.setdefault(layer, []).append(
+                takes_logits(output_loss) and linear_output(layer, history.node_index))
+    return {id(layer) for layer, logits in verdicts.items() if all(logits)}
 
 
 def _per_output(loss: Any, names: List[str], count: int) -> List[Any]:
@@ -88,7 +121,7 @@ def _per_output(loss: Any, names: List[str], count: int) -> List[Any]:
     return [loss] * count
 
 
-def _linear_leaf(layer: keras.layers.Layer) -> bool:
+def linear_leaf(layer: keras.layers.Layer) -> bool:
     """True for a layer without sublayers whose activation is ``linear``."""
     name = getattr(getattr(layer, "activation", None), "__name__", None)
     return name == "linear" and not child_layers(layer)

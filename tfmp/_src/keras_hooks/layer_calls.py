@@ -21,6 +21,7 @@ saved as the user's).
 | ``global_state`` attribute ``"name_scope_stack"`` (each ``name_scope``'s ``caller``) | ``keras/src/backend/common/name_scope.py``, ``Layer._open_name_scope`` | `calling_layer`: the innermost layer whose call is running in this thread |
 | ``Layer._convert_input_args`` | ``keras/src/layers/layer.py`` | `autocasts_inputs`: whether ``__call__`` casts float inputs |
 | ``Layer._build_shapes_dict``, ``Layer._tracker`` | ``keras/src/layers/layer.py`` | `build_state_restored_on_error`: a failed first call leaves the layer unbuilt |
+| ``backend.common.masking.get_keras_mask`` / ``set_keras_mask`` | ``keras/src/backend/common/masking.py`` | `carry_mask`: a tensor tfmp puts in place of a layer's input keeps its mask |
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ SIGNATURES: Tuple[Tuple[type, str, Tuple[str, ...]], ...] = (
     # float32.build: `build(input_shape)`; float32.from_config: `from_config(config)`.
     (keras.layers.Layer, "build", ("input_shape",)),
     (keras.layers.Layer, "from_config", ("config",)),
+    # float32.outputs: a tied embedding's `call(inputs, reverse=False)` and
+    # `compute_output_spec(inputs, reverse=False)`, cast only when projecting (Keras >= 3.13).
+    *((cls, method, ("inputs", "reverse")) for cls in (getattr(keras.layers, "ReversibleEmbedding", None),)
+      if cls is not None for method in ("call", "compute_output_spec")),
 )
 
 #: (what tfmp relies on Keras doing, the test that checks it).
@@ -115,6 +120,20 @@ def calling_layer() -> Optional[Any]:
         if isinstance(caller, keras.layers.Layer):
             return caller
     return None
+
+
+def carry_mask(source: Any, target: Any) -> Any:
+    """`target` with `source`'s Keras mask (the ``_keras_mask`` a masking layer set), if any.
+
+    A layer's ``call`` may read its input's mask from the tensor; a tensor tfmp
+    puts in its place (an identity) must carry it too.
+    """
+    from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
+
+    mask = get_keras_mask(source)
+    if mask is not None:
+        set_keras_mask(target, mask)
+    return target
 
 
 def autocasts_inputs(layer: Any) -> bool:

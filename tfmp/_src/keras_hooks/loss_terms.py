@@ -1,4 +1,4 @@
-"""The loss-terms surface: ``Layer.losses``, read by ``compute_loss``; its one subscriber casts 16-bit terms to float32.
+"""The loss-terms surface: ``Layer.losses``, read by ``compute_loss``; 16-bit terms cast to float32, each term's source.
 
 Keras's ``compute_loss`` sums the compiled loss (float32: a ``keras.losses.Loss``
 computes in ``floatx``) with every term of ``model.losses`` in one
@@ -25,11 +25,21 @@ which plain Keras could not add to the compiled loss anyway. A term read eagerly
 after the step that made it was traced (``model.losses`` after ``fit``, in a
 callback) is a symbolic tensor of that finished graph: it comes back as it is,
 as plain Keras hands it back, since no op can read it any more.
+
+Subscribers, innermost first: ``enable.losses`` (above) and ``numerics``
+(`tfmp.check_numerics`: each term of the model's total loss checked and named,
+subscribed with `watch` only while its model's train step is traced).
+
+| private name used | where in Keras | what tfmp does with it |
+|---|---|---|
+| ``Layer._losses_override`` | ``keras/src/layers/layer.py`` | `term_sources`: a model whose ``losses`` are overridden lists them as they are |
+| ``Layer._get_own_losses`` | ``keras/src/layers/layer.py`` | `term_sources`, `own_terms`: the terms one layer added (``add_loss``, its activity regularizer) |
+| ``Layer._flatten_layers`` | ``keras/src/layers/layer.py`` | `term_sources`: the sublayers ``losses`` reads, in its order |
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional, Tuple
 
 import keras
 import tensorflow as tf
@@ -40,12 +50,19 @@ from tfmp._src.keras_hooks import patches
 from tfmp._src.keras_hooks.patches import defining_class
 
 Hook = patches.Hook  # what subscribing returns: `.remove()` unsubscribes
-SURFACE = patches.Surface("loss terms", methods=("losses",), subscribers=("enable.losses",))
+SURFACE = patches.Surface("loss terms", methods=("losses",), subscribers=("enable.losses", "numerics"))
+
+#: (class, attribute) pairs that must exist on the installed Keras's classes.
+REQUIRED_ATTRIBUTES = ((keras.layers.Layer, "_get_own_losses"), (keras.layers.Layer, "_flatten_layers"))
 
 #: (what tfmp relies on Keras doing, the test that checks it).
 CALL_ORDER = (
     ("compute_loss sums `model.losses`, read through the Layer.losses property",
      "tests/test_attachment.py::test_a_model_compiled_while_enabled_sums_its_16_bit_loss_terms_after_disable"),
+    ("Layer.losses lists the layer's own terms, then each sublayer's own terms (_flatten_layers order), "
+     "then one weight-regularizer term per trainable weight with a regularizer; Layer.__call__ adds the "
+     "activity regularizer's term after call returns",
+     "tests/test_numerics_backward.py::test_term_sources_follow_keras_order_of_model_losses"),
 )
 
 
@@ -83,3 +100,53 @@ def install_losses_hook() -> patches.Hook:
     """
     owner = defining_class(keras.layers.Layer, "losses")
     return SURFACE.subscribe(owner, "losses", _wrap_losses, owner="enable.losses")
+
+
+def own_terms(layer: Any) -> List[Any]:
+    """The loss terms `layer` itself added this call (``add_loss``, its activity regularizer), in order."""
+    return layer._get_own_losses()
+
+
+def term_sources(layer: Any) -> Optional[List[Tuple[str, Any, Any]]]:
+    """Where each term of ``layer.losses`` comes from, in the order Keras lists them.
+
+    Returns:
+        List of ``("own", owner, term)`` (a term `owner` added: ``add_loss`` or
+        its activity regularizer; `term` is the tensor as Keras holds it) and
+        ``("weight", None, variable)`` (the regularizer of a trainable weight),
+        one per term; None when the layer's losses are overridden (no source
+        is known).
+    """
+    if getattr(layer, "_losses_override", None):
+        return None
+    sources: List[Tuple[str, Any, Any]] = [("own", layer, term) for term in own_terms(layer)]
+    for sublayer in layer._flatten_layers(include_self=False):
+        sources.extend(("own", sublayer, term) for term in own_terms(sublayer))
+    sources.extend(("weight", None, variable) for variable in layer.trainable_weights
+                   if variable.regularizer is not None)
+    return sources
+
+
+def watch(on_read: Callable[[Any, List[Any]], None]) -> patches.Hook:
+    """Calls ``on_read(layer, terms)`` whenever any layer's ``losses`` is read; owner ``"numerics"``.
+
+    `terms` is the list the reader gets (after ``enable.losses``' float32 casts).
+    Process-wide while on: the caller keeps it on only while it needs it and
+    `on_read` ignores the layers it does not watch.
+
+    Returns:
+        `patches.Hook`; remove it to take the watch off.
+    """
+
+    def wrap(original: Any) -> property:
+        getter: Callable[[Any], List[Any]] = original.fget if isinstance(original, property) else original
+
+        def losses(self: Any) -> List[Any]:
+            terms = getter(self)
+            on_read(self, terms)
+            return terms
+
+        losses.__doc__ = getter.__doc__
+        return property(losses)
+
+    return SURFACE.subscribe(defining_class(keras.layers.Layer, "losses"), "losses", wrap, owner="numerics")

@@ -8,7 +8,7 @@ never installs a hook or reads a private name itself
 |---|---|---|---|
 | the trainer (compile, loading, train/test/predict functions, ``fit``, saving) | `trainer` (+ `train_function`, `step_scope`, `fit_lifecycle`) | yes | yes |
 | ``Layer.call`` / ``build`` / output spec / ``__init__`` / ``from_config`` | `layer_calls` | yes | yes |
-| ``Layer.losses`` | `loss_terms` | yes | no |
+| ``Layer.losses`` | `loss_terms` | yes | yes |
 | the optimizer's ``apply`` / ``scale_loss`` / ``update_step`` | `optimizer_steps` | yes | yes |
 | the functional graph | `functional_graph` | no | yes |
 | Keras's backend ops (``gelu``, ``conv``, ``conv_transpose``, ``add``) | `backend_ops` | yes | yes |

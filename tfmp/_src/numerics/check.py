@@ -4,9 +4,13 @@
 loss scale backs off from a large start, the scaled gradients overflow on purpose and
 the optimizer skips those steps. The hooks here check
 
-* forward: every selected layer's output (each layer's `call` is wrapped), then the
-  loss (the optimizer's `scale_loss` is wrapped);
-* backward: the gradients handed to the optimizer (its `apply` is wrapped). Under a
+* forward: every selected layer's output (each layer's `call` is wrapped), then each
+  term of the model's losses (its `losses` read, `terms`), then the loss (the
+  optimizer's `scale_loss` is wrapped);
+* backward: the gradient at each selected layer call's outputs and inputs
+  (`backward`: identities around the call whose gradient notes its magnitude) and
+  the gradients handed to the optimizer (its `apply` is wrapped), so the layer
+  whose backward pass turned a finite gradient non-finite is named. Under a
   dynamic loss scale a non-finite gradient only counts once the scale is at its
   floor (`max(min_scale, 1)`), since above it the optimizer skips the step and halves
   the scale. Under a fixed scale (bfloat16, float32, no `LossScaleOptimizer`) every
@@ -38,12 +42,14 @@ import tensorflow as tf
 
 from tfmp._src.errors import (NonFiniteError, check_bool, check_model, check_positive_int, invalid_argument,
                               model_fix)
-from tfmp._src.keras_hooks import layer_calls, optimizer_steps, surfaces, train_function, trainer
+from tfmp._src.keras_hooks import layer_calls, loss_terms, optimizer_steps, surfaces, train_function, trainer
 from tfmp._src.keras_hooks.optimizer_steps import optimizer_variables
 from tfmp._src.numerics.layers import (LayerSpec, check_layer_spec, layer_paths, reduction_hint,
                                        scale_and_counts, select_layers)
+from tfmp._src.numerics.backward import Boundary, call_with_probes, trainable_ids
 from tfmp._src.numerics.record import LOSS_ENTRY, FailureRecorder, StepTrace, entry_row
 from tfmp._src.numerics.report import build_error
+from tfmp._src.numerics.terms import term_entries
 
 _ACTIONS = ("raise", "warn", "log")
 _PHASES = ("forward", "backward", "both")
@@ -115,8 +121,9 @@ class NumericsHandle:
         model: `keras.Model`. The instrumented model.
         action: String. `"raise"`, `"warn"` or `"log"`.
         phase: String. `"forward"`, `"backward"` or `"both"`.
-        layers: List of `keras.layers.Layer`. The hooked layers (empty for
-            `phase="backward"`).
+        layers: List of `keras.layers.Layer`. The hooked layers: their outputs are
+            checked in the forward phase, the gradients at their outputs, inputs
+            and weights in the backward phase.
         failures: List of `tfmp.NonFiniteError`. Failures met so far (with
             `"warn"`/`"log"`, up to 100; with `"raise"`, the one raised).
         active: Bool. False once `remove()` ran.
@@ -135,7 +142,7 @@ class NumericsHandle:
         check_model("model", model, expected="a keras.Model instance", fix=_MODEL_FIX)
         check_options(action, phase, layers, trace_length)
         self.model, self.action, self.phase = model, action, phase
-        selected = [] if phase == "backward" else select_layers(model, layers)
+        selected = select_layers(model, layers)
         self.layers = [layer for layer, _ in selected]
         self._paths = [path for _, path in selected]
         self.recorder = FailureRecorder(trace_length, model.distribute_strategy)
@@ -182,13 +189,23 @@ class NumericsHandle:
 
         @functools.wraps(original)
         def call(*args: Any, **kwargs: Any) -> Any:
-            outputs = original(*args, **kwargs)
             trace = _active_trace(self)
-            if trace is not None:
-                inputs = args[0] if args else kwargs.get(first)
+            if trace is None:
+                return original(*args, **kwargs)
+            before = {id(term) for term in loss_terms.own_terms(layer)}
+            inputs = args[0] if args else kwargs.get(first)
+            if self.phase == "forward":
+                outputs = original(*args, **kwargs)
+            else:
+                boundary = Boundary(path, type(layer).__name__, layer.compute_dtype, trainable_ids(layer))
+                trace.boundaries.append(boundary)
+                outputs = call_with_probes(original, args, kwargs, first, boundary, trace.graph)
+                boundary.end, trace.ended = trace.ended, trace.ended + 1
+            trace.added_in_call.update(id(term) for term in loss_terms.own_terms(layer) if id(term) not in before)
+            if self.phase != "backward":
                 row = entry_row(outputs, inputs)
                 if row is not None:
-                    trace.entries.append((path, type(layer).__name__, layer.compute_dtype, row))
+                    trace.entries.append((path, type(layer).__name__, layer.compute_dtype, row, None))
             return outputs
 
         return call
@@ -199,16 +216,34 @@ class NumericsHandle:
             self._hook_optimizer()
             trace = StepTrace(graph=tf.compat.v1.get_default_graph(), owner=self)
             outer, _local.trace = getattr(_local, "trace", None), trace
+            watch = loss_terms.watch(functools.partial(self._record_terms, trace))
             try:
                 logs = original(data)
             finally:
                 _local.trace = outer
+                watch.remove()
             flag = self.recorder.finish(trace)
             if isinstance(logs, dict):
                 logs = {**logs, _FLAG: flag}
             return logs
 
         return train_step
+
+    def _record_terms(self, trace: StepTrace, layer: Any, terms: list) -> None:
+        """The first read of the model's `losses` in the step: one trace row per term."""
+        if layer is not self.model or trace.terms_read or _active_trace(self) is not trace:
+            return
+        trace.terms_read = True
+        holders = {id(held): (path, type(held).__name__) for held, path in layer_paths(self.model)}
+        owners = self._owners()
+
+        def where(obj: Any) -> tuple:
+            if obj is self.model:
+                return None, type(obj).__name__
+            return owners.get(id(obj)) or holders.get(id(obj), (getattr(obj, "name", None), type(obj).__name__))
+
+        checked = {id(checked_layer) for checked_layer in self.layers}
+        trace.entries.extend(term_entries(self.model, terms, trace.added_in_call, checked, where))
 
     def _check_logs(self, logs: Any) -> Any:
         """After a step: takes the flag out of the logs and reports a recorded failure."""
@@ -229,7 +264,7 @@ class NumericsHandle:
                 trace = _active_trace(self)
                 row = entry_row(loss) if trace is not None else None
                 if row is not None:
-                    trace.entries.append((LOSS_ENTRY, "loss", tf.as_dtype(loss.dtype).name, row))
+                    trace.entries.append((LOSS_ENTRY, "loss", tf.as_dtype(loss.dtype).name, row, None))
                 return scale_loss(loss)
 
             return checked_scale_loss
@@ -277,7 +312,7 @@ class NumericsHandle:
         scaling = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
         scaling = scaling and getattr(optimizer, "loss_scaling", True)
         error = build_error(self.recorder, self._owners(), scaling,
-                            functools.partial(reduction_hint, self.model))
+                            functools.partial(reduction_hint, self.model), self.model.name)
         if error is None:
             return
         if len(self.failures) < _MAX_FAILURES:
@@ -322,11 +357,17 @@ def check_numerics(
         action: String. `"raise"` (default) raises `tfmp.NonFiniteError` after the
             step; `"warn"` issues a RuntimeWarning and `"log"` logs to the `"tfmp"`
             logger, once per (layer, phase, kind), and training goes on.
-        phase: String. `"forward"` checks layer outputs and the loss, `"backward"` the
-            loss and the gradients only (cheapest), `"both"` (default) all of them.
-        layers: Which layers to check in the forward phase: None (every layer that
-            computes something), a sequence of layer names, paths, Layer classes or
-            Layer instances, or a callable `layer -> bool`.
+        phase: String. `"forward"` checks layer outputs, the terms of
+            `model.losses` and the loss; `"backward"` the terms, the loss and the
+            gradients: at each checked layer call's outputs and inputs (two
+            identities with a custom gradient around the call, one max |gradient|
+            reduction per tensor) and at the weights, so that the layer whose
+            backward pass turned a finite gradient into NaN or inf is named
+            (`error.phase == "backward"`, `error.layer` that layer) rather than the
+            layer below it; `"both"` (default) all of them.
+        layers: Which layers to check: None (every layer that computes
+            something), a sequence of layer names, paths, Layer classes or Layer
+            instances, or a callable `layer -> bool`.
         trace_length: Int in [1, 1024]. Layer calls before the failure whose |value|
             range is attached to the error (`error.details["trace"]`). Default 8.
             Allocates two float32 `[trace_length, 6]` variables (48 bytes per

@@ -14,22 +14,27 @@ import numpy as np
 from tfmp._src.errors import NonFiniteError
 from tfmp._src.constants import FLOAT16_MAX, NON_FINITE_KINDS
 from tfmp._src.numerics.record import (
+    ABOVE,
     ABS_MAX,
     ABS_MIN,
     BAD_GRADS,
     FORWARD,
     HAS_INPUT,
+    IN_GRAD,
     IN_MAX,
     IN_MIN,
     INDEX,
     KIND,
+    LAYER_BACKWARD,
     LOSS_ENTRY,
+    OUT_GRAD,
     PHASE,
     STEP,
     VALID,
+    WEIGHT_GRAD,
     FailureRecorder,
 )
-
+from tfmp._src.numerics.terms import term_message
 
 
 def _kind(*values: float) -> Optional[str]:
@@ -46,11 +51,12 @@ def _trace(recorder: FailureRecorder, begin: int, step: int) -> list[dict]:
         position = begin - len(rows) + offset
         if row[VALID] == 0 or count == 0:
             continue
-        path, layer_class, dtype = names[position % count]
+        path, layer_class, dtype, term = names[position % count]
         trace.append(
             {
                 "step": step + position // count,
                 "layer": path,
+                "term": term,
                 "layer_class": layer_class,
                 "dtype": dtype,
                 "abs_min": float(row[ABS_MIN]),
@@ -63,17 +69,26 @@ def _trace(recorder: FailureRecorder, begin: int, step: int) -> list[dict]:
     return trace
 
 
+def _label(item: dict) -> str:
+    """A trace row's name: the layer path, and for a loss term which one."""
+    term = item.get("term")
+    if term is None:
+        return item["layer"]
+    return f"{item['layer'] or '(model)'} [{term.kind}{' ' + term.variable if term.variable else ''}]"
+
+
 def format_trace(trace: list[dict]) -> str:
     """One line per trace entry: step, layer path, class, |output| range, kind."""
     if not trace:
         return ""
-    width = max(len(item["layer"]) for item in trace)
-    lines = [f"Trace (|value| range per layer call, oldest first, last {len(trace)}):"]
-    for item in trace:
+    labels = [_label(item) for item in trace]
+    width = max(len(label) for label in labels)
+    lines = [f"Trace (|value| range per layer call and loss term, oldest first, last {len(trace)}):"]
+    for item, label in zip(trace, labels):
         mark = f"  <- {item['kind']}" if item["kind"] else ""
         mark += f"  <- {item['input_kind']} in inputs" if item["input_kind"] else ""
         lines.append(
-            f"  step {item['step']:>5}  {item['layer']:<{width}}  {item['layer_class']:<14} "
+            f"  step {item['step']:>5}  {label:<{width}}  {item['layer_class']:<14} "
             f"[{item['abs_min']:.4g}, {item['abs_max']:.4g}] {item['dtype']}{mark}"
         )
     return "\n".join(lines)
@@ -116,8 +131,43 @@ def _forward_message(item: dict, kind: str, step: int, hint: Optional[str]) -> s
     return text
 
 
+def _gradient(value: float) -> str:
+    """A max |gradient| for a message: its kind when non-finite, else the number."""
+    return _kind(value) or f"finite (max |g| {value:.4g})"
+
+
+def _backward_message(recorder: FailureRecorder, phase_code: int, index: int, kind: str, step: int) -> tuple:
+    """(message, layer path, layer class, details) of a failure named at a layer call's backward pass."""
+    path, layer_class, dtype, has_weights = recorder.boundary_names[index]
+    grads = [float(v) for v in recorder.boundary.numpy()]
+    details = {"layer_class": layer_class, "dtype": dtype, "output_gradient": grads[OUT_GRAD],
+               "input_gradient": grads[IN_GRAD], "weight_gradient": grads[WEIGHT_GRAD]}
+    if phase_code == ABOVE:
+        return (
+            f"The gradient reaching the output of layer '{path}' ({layer_class}) is already {kind} at train "
+            f"step {step} (phase 'backward'), and no checked layer after it made it: the loss function's "
+            "backward pass produced it (e.g. the derivative of sqrt, log or a norm of the prediction at 0 in "
+            "a custom loss), or an operation between this layer and the loss that is not checked.",
+            path, layer_class, details,
+        )
+    passed = [f"to its inputs {_gradient(grads[IN_GRAD])}"]
+    if has_weights:
+        passed.append(f"to its weights {_gradient(grads[WEIGHT_GRAD])}")
+    message = (
+        f"The backward pass of layer '{path}' ({layer_class}) turned a finite gradient into {kind} at train "
+        f"step {step} (phase 'backward'): the gradient reaching its output was {_gradient(grads[OUT_GRAD])}, "
+        f"the gradient it passed {', '.join(passed)}. Layers before it only passed the bad gradient on. "
+        "Look in its call for an operation whose derivative is infinite or undefined at the values it saw "
+        "(sqrt or a norm at 0, log at 0, pow with a fractional exponent at 0, a division by a value "
+        "reaching 0) or for a custom gradient; add a small epsilon (tf.sqrt(x + 1e-12)) or use a safe "
+        "form (tf.math.divide_no_nan)."
+    )
+    return message, path, layer_class, details
+
+
 def build_error(recorder: FailureRecorder, owners: dict, loss_scaling: bool,
-                hints: Callable[[str], Optional[str]] = lambda path: None) -> Optional[NonFiniteError]:
+                hints: Callable[[str], Optional[str]] = lambda path: None,
+                model_name: str = "model") -> Optional[NonFiniteError]:
     """Reads the recorded failure; None when nothing was recorded.
 
     Args:
@@ -127,6 +177,7 @@ def build_error(recorder: FailureRecorder, owners: dict, loss_scaling: bool,
             changes the wording for gradients).
         hints: Callable, layer path -> the cause and fix of that layer's known
             float16 hazard (a sentence), or None. Asked only for the failing layer.
+        model_name: String. The model's name, for a loss term it added itself.
 
     Returns:
         `tfmp.NonFiniteError` or None.
@@ -141,11 +192,24 @@ def build_error(recorder: FailureRecorder, owners: dict, loss_scaling: bool,
     if state[PHASE] == FORWARD and index < len(recorder.names):
         trace = _trace(recorder, index + 1, step)
         item = trace[-1]
-        hint = None if item["layer"] == LOSS_ENTRY else hints(item["layer"])
-        message = _forward_message(item, kind, step, hint)
-        is_loss = item["layer"] == LOSS_ENTRY
-        layer, phase = (None, "loss") if is_loss else (item["layer"], "forward")
+        term = item["term"]
+        if term is not None:
+            message = term_message(item, kind, step, model_name)
+            layer, phase = item["layer"], "loss"
+            details.update(loss_term=term.kind, variable=term.variable, regularizer=term.regularizer)
+        else:
+            hint = None if item["layer"] == LOSS_ENTRY else hints(item["layer"])
+            message = _forward_message(item, kind, step, hint)
+            is_loss = item["layer"] == LOSS_ENTRY
+            layer, phase = (None, "loss") if is_loss else (item["layer"], "forward")
         details.update(layer_class=item["layer_class"], input_range=item["input_range"], dtype=item["dtype"])
+    elif state[PHASE] in (LAYER_BACKWARD, ABOVE) and index < len(recorder.boundary_names):
+        trace = _trace(recorder, len(recorder.names), step)
+        message, layer, _, found = _backward_message(recorder, state[PHASE], index, kind, step)
+        message += (f" {state[BAD_GRADS]} of {len(recorder.variables)} weight gradients are non-finite, "
+                    f"loss scale {scale:g}.")
+        phase = "backward"
+        details.update(found, variable=None)
     else:
         trace = _trace(recorder, len(recorder.names), step)
         variable = recorder.variables[index] if index < len(recorder.variables) else None
@@ -158,12 +222,12 @@ def build_error(recorder: FailureRecorder, owners: dict, loss_scaling: bool,
             f"gradients are non-finite, loss scale {scale:g}. It is the non-finite gradient nearest the "
             "loss, so its layer's backward pass is the likely origin."
         )
-        if loss_scaling:
-            message += (
-                " The loss scale is already at its floor, so this is not an overflow that lowering the "
-                "scale can cure."
-            )
         details.update(layer_class=layer_class, variable=var_path)
+    if phase == "backward" and loss_scaling:
+        message += (
+            " The loss scale is already at its floor, so this is not an overflow that lowering the "
+            "scale can cure."
+        )
     details["trace"] = trace
     text = format_trace(trace)
     return NonFiniteError(

@@ -1,0 +1,184 @@
+"""What float32 forcing costs a model, for `tfmp.audit`: the ``float32_heavy`` finding.
+
+A forced layer's variables are float32 under a ``mixed_*`` policy whether forced
+or not; what forcing changes is the dtype its matmuls run in. So the cost is
+counted in *multiplied parameters*: the weights each example multiplies, one
+multiply-add per position the layer is applied to (a token, a pixel). That is
+every weight but an ``Embedding`` table that is only looked up (a gather, no
+matmul, whatever its size); a tied embedding (``ReversibleEmbedding``) whose
+``reverse=True`` call projects onto its table counts that table once, an untied
+one its ``reverse_embeddings``. A tied output written by hand, a custom layer
+holding an ``Embedding`` listed under another parent and multiplying by its
+table (``ops.matmul(x, ops.transpose(self.embedding.embeddings))``), is charged
+that table (`borrowed_tables`): the lookup is its parent's, the matmul its own.
+Parameters of a layer forced because it sits
+inside a forced one are charged to that one (`root`): excluding it is what
+changes them.
+
+A tied embedding's projection runs in float32 inside a 16-bit model whether
+tfmp forces the layer or not: Keras's ``Embedding`` sets ``autocast=False``, so
+inside a model (whose autocast scope it clears) its float32 table is not cast
+and ``ops.matmul`` promotes the 16-bit hidden state to float32 (Keras 3.15);
+only ``reverse_dtype`` set to a 16-bit dtype makes it a 16-bit matmul. So it is
+counted as float32 compute (`KERAS_PROJECTION`) unless ``reverse_dtype`` is
+16-bit, also when tfmp forced it whole.
+
+The finding names the largest forced layers by path, with their multiplied
+parameters, what each runs in float32, and the change that computes it in 16
+bits (the exact call, by the reason it was forced).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import keras
+
+from tfmp._src.constants import LOW_PRECISION
+from tfmp._src.float32 import logits as _logits
+from tfmp._src.keras_hooks.layer_calls import child_layers
+from tfmp._src.layer_tree import is_wiring, own_weights
+
+#: More than this share of multiplied parameters in forced layers is ``float32_heavy``.
+FLOAT32_HEAVY_FRACTION = 0.5
+#: How many forced layers the finding names, largest first.
+NAMED_LAYERS = 3
+_INSIDE = "inside "
+#: Why an unforced tied embedding's projection counts as float32 compute.
+KERAS_PROJECTION = "tied projection in float32 (Keras: table not autocast)"
+
+
+def float32_projection(layer: keras.layers.Layer) -> bool:
+    """True for a tied embedding whose ``reverse=True`` matmul runs in float32 inside a model."""
+    return _logits.projects(layer) and getattr(layer, "reverse_dtype", None) not in LOW_PRECISION
+
+
+def _size(variable) -> int:
+    size = 1
+    for dim in variable.shape:
+        size *= int(dim)
+    return size
+
+
+def multiplied_params(layer: keras.layers.Layer, weights: Sequence, projecting: bool) -> int:
+    """Parameters each example multiplies in ``layer``'s own ``weights``.
+
+    Args:
+        layer: The layer.
+        weights: Its own weights (`tfmp._src.layer_tree.own_weights`).
+        projecting: Bool. A ``ReversibleEmbedding`` called with ``reverse=True``.
+
+    Returns:
+        Int. The size of all ``weights``; for an ``Embedding``, 0 (a lookup), or
+        its projection matrix when ``projecting``.
+    """
+    if not isinstance(layer, keras.layers.Embedding):
+        return sum(_size(w) for w in weights)
+    if not projecting:
+        return 0
+    matrix = getattr(layer, "embeddings" if getattr(layer, "tie_weights", True) else "reverse_embeddings", None)
+    return _size(matrix) if matrix is not None else 0
+
+
+def borrowed_tables(layer: keras.layers.Layer, parents: Dict[int, object]) -> int:
+    """Size of the ``Embedding`` tables ``layer`` holds as sublayers listed under another parent.
+
+    Args:
+        layer: A layer; wiring (`tfmp._src.layer_tree.is_wiring`: a Functional
+            model lists the layers of its nested models' graphs too) gives 0.
+        parents: Layer id -> its parent in the model's walk.
+    """
+    if is_wiring(layer):
+        return 0
+    return sum(_size(child.embeddings) for child in child_layers(layer)
+               if isinstance(child, keras.layers.Embedding) and not _logits.projects(child)
+               and parents.get(id(child), layer) is not layer and getattr(child, "embeddings", None) is not None)
+
+
+def root(path: str, reason: str) -> str:
+    """The path of the layer a rule forced: ``path`` itself, or the forced layer it sits inside."""
+    return reason[len(_INSIDE):] if reason.startswith(_INSIDE) else path
+
+
+def _change(path: str, layer, reason: str, policy: str) -> str:
+    """What the user can change so that the forced layer at ``path`` computes in 16 bits."""
+    low = policy.split("_", 1)[-1]
+    exclude = (f"tfmp.enable('{policy}', exclude_float32=['{path}']) before compiling, or "
+               f"tfmp.force_float32(model, exclude=['{path}'])")
+    if _logits.projects(layer):
+        return (f"set reverse_dtype='{low}' on it (layer.reverse_dtype = '{low}' before compiling, or "
+                f"keras.layers.ReversibleEmbedding(..., reverse_dtype='{low}')) and compile the model with a "
+                "cross-entropy loss object built with from_logits=True (e.g. "
+                "loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)) while tfmp is enabled, "
+                f"without calling tfmp.force_float32 first: the matmul then runs in {low} and tfmp casts the "
+                "logits to float32")
+    if reason == "output" and _logits.linear_leaf(layer):
+        return (f"if it produces logits, compile the model with a cross-entropy loss object built with "
+                f"from_logits=True (e.g. loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)) "
+                f"while tfmp is enabled, without calling tfmp.force_float32 first: tfmp then keeps its "
+                f"matmul in {low} and casts the logits to float32")
+    if reason == "output":
+        return (f"it produces a model output, so its result is not rounded to 16 bits; to compute it in "
+                f"{low} anyway: {exclude}")
+    if reason == "user rule":
+        return (f"a keep rule selected it: remove the class or pattern matching '{path}' from keep_float32= "
+                "(tfmp.enable), keep= (tfmp.force_float32) or tfmp.register_float32 "
+                "(tfmp.unregister_float32)")
+    if reason.startswith("fused "):
+        activation = reason[len("fused "):]
+        return (f"only its fused {activation} needs float32: build it with activation=None followed by "
+                f"keras.layers.Activation('{activation}'), and tfmp forces only the activation")
+    return f"forced for its numerics ({reason}); to compute it in {low} at that risk: {exclude}"
+
+
+def _cost(layer, params: int) -> str:
+    if _logits.projects(layer):
+        return (f"its output projection (reverse=True) is a float32 matmul, {params:,} multiply-adds "
+                "per token (its lookup is a gather), forced or not: Keras's Embedding does not autocast "
+                "its table inside a model, so the 16-bit hidden state is promoted to float32")
+    return f"its {params:,} parameters are multiplied in float32 at every position it is applied to"
+
+
+def float32_heavy(
+    forced: Sequence[Tuple[str, keras.layers.Layer, str, int]],
+    layers: Dict[str, keras.layers.Layer],
+    total: int,
+    fraction: float,
+    policy: str,
+) -> Optional[str]:
+    """The ``float32_heavy`` message, or None when forced layers hold at most half the cost.
+
+    Args:
+        forced: ``(path, layer, reason, multiplied parameters)`` of every layer
+            that computes in float32: tfmp forced it whole (not the cast-only
+            ones), or it is a `float32_projection` (reason `KERAS_PROJECTION`).
+        layers: Path -> layer, for the forced layers' roots.
+        total: Int. Multiplied parameters of the whole model.
+        fraction: Float. The share of them in ``forced``.
+        policy: String. The report's policy; None is returned unless ``mixed_*``.
+
+    Returns:
+        String naming the share and up to `NAMED_LAYERS` roots, largest first:
+        path, class, multiplied parameters, share, reason, cost and change.
+    """
+    if fraction <= FLOAT32_HEAVY_FRACTION or not policy.startswith("mixed"):
+        return None
+    per_root: Dict[str, int] = {}
+    for path, _, reason, params in forced:
+        key = root(path, reason)
+        per_root[key] = per_root.get(key, 0) + params
+    reasons = {path: reason for path, _, reason, _ in forced}
+    named: List[str] = []
+    for path, params in sorted(per_root.items(), key=lambda item: -item[1])[:NAMED_LAYERS]:
+        layer, reason = layers[path], reasons.get(path, "")
+        if not params:
+            break
+        own = sum(_size(w) for w in own_weights(layer))
+        of = f" of its {own:,}" if own > params else " of the Embedding it holds" if own < params else ""
+        named.append(f"'{path}' ({type(layer).__name__}, {params:,} parameters{of}, {params / total:.0%}; "
+                     f"float32: {reason}): {_cost(layer, params)}. To change it: "
+                     f"{_change(path, layer, reason, policy)}.")
+    return (f"{fraction:.0%} of the parameters the model multiplies per example (embedding lookups not "
+            f"counted) are multiplied in float32, so mixed precision speeds up little. "
+            + " ".join(named))
+

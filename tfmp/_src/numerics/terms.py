@@ -1,0 +1,137 @@
+"""The terms of a model's total loss, each checked and named, for `tfmp.check_numerics`.
+
+Keras's ``compute_loss`` adds every term of ``model.losses`` (``add_loss`` terms,
+activity regularizers, weight regularizers) to the compiled loss. When one of
+them is inf or NaN the total loss is too, with every layer output finite: the
+report names the term, its layer and what to change, rather than the loss
+function. Each term the model's train step reads is reduced to a trace row
+(`record.entry_row`) right after the read (`keras_hooks.loss_terms.watch`), so
+the rows of the terms come after the layers' and before the loss's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import tensorflow as tf
+
+from tfmp._src.constants import LOW_PRECISION
+from tfmp._src.keras_hooks import loss_terms
+from tfmp._src.numerics.record import entry_row
+
+#: `TermSource.kind` values.
+ADD_LOSS, ACTIVITY, ADD_LOSS_OR_ACTIVITY, WEIGHT, UNKNOWN = (
+    "add_loss", "activity_regularizer", "add_loss_or_activity_regularizer", "weight_regularizer", "unknown")
+
+
+@dataclasses.dataclass(frozen=True)
+class TermSource:
+    """Where one term of ``model.losses`` comes from.
+
+    Attributes:
+        kind: String, one of ``"add_loss"``, ``"activity_regularizer"``,
+            ``"add_loss_or_activity_regularizer"`` (a layer not checked, holding
+            both), ``"weight_regularizer"`` or ``"unknown"`` (the model's
+            ``losses`` are overridden).
+        position: Int. The term's index in ``model.losses``.
+        variable: String or None. The regularized variable's path.
+        regularizer: String or None. The regularizer, e.g. ``"L2(l2=1e+30)"``.
+    """
+
+    kind: str
+    position: int
+    variable: Optional[str] = None
+    regularizer: Optional[str] = None
+
+
+def describe_regularizer(regularizer: Any) -> Optional[str]:
+    """``"L2(l2=0.01)"``: a regularizer's class and config (tfmp's float32 wrapper seen through)."""
+    if regularizer is None:
+        return None
+    regularizer = getattr(regularizer, "regularizer", regularizer)  # `Float32Regularizer`
+    try:
+        config = regularizer.get_config()
+    except (AttributeError, NotImplementedError, TypeError):
+        config = {}
+    shown = ", ".join(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value!r}"
+                      for key, value in config.items())
+    return f"{getattr(regularizer, '__name__', type(regularizer).__name__)}({shown})"
+
+
+def term_entries(
+    model: Any, terms: list, added_in_call: set, checked: set, where: Callable[[Any], tuple[Optional[str], str]]
+) -> list[tuple]:
+    """Trace entries `(path, class, dtype, row, TermSource)` for the terms of `model.losses`.
+
+    Args:
+        model: `keras.Model` whose ``losses`` was read.
+        terms: The list read (same length and order as Keras's).
+        added_in_call: Set of `id`s of terms a checked layer's own ``call`` added.
+        checked: Set of `id`s of the layers whose ``call`` is checked.
+        where: Callable, a layer or a variable -> (path, class name) of the layer
+            holding it (path None for the model itself).
+
+    Returns:
+        List of entries; terms that are not float tensors are left out.
+    """
+    sources = loss_terms.term_sources(model)
+    if sources is None or len(sources) != len(terms):
+        sources = [None] * len(terms)
+    entries = []
+    for position, (term, source) in enumerate(zip(terms, sources)):
+        row = entry_row(term)
+        if row is None:
+            continue
+        dtype = tf.as_dtype(term.dtype).name
+        if source is None:
+            path, layer_class = where(model)
+            entries.append((path, layer_class, dtype, row, TermSource(UNKNOWN, position)))
+            continue
+        origin, owner, detail = source
+        if origin == "weight":
+            path, layer_class = where(detail)
+            found = TermSource(WEIGHT, position, getattr(detail, "path", detail.name),
+                               describe_regularizer(detail.regularizer))
+        else:
+            path, layer_class = where(owner)
+            activity = getattr(owner, "activity_regularizer", None)
+            if activity is None or id(detail) in added_in_call:
+                kind = ADD_LOSS
+            else:
+                kind = ACTIVITY if id(owner) in checked else ADD_LOSS_OR_ACTIVITY
+            found = TermSource(kind, position, None, describe_regularizer(activity) if kind != ADD_LOSS else None)
+        entries.append((path, layer_class, dtype, row, found))
+    return entries
+
+
+def term_message(item: dict, kind: str, step: int, model_name: str) -> str:
+    """Names a non-finite loss term (a trace item whose ``"term"`` is a `TermSource`) and its fix."""
+    term: TermSource = item["term"]
+    layer = f"layer '{item['layer']}' ({item['layer_class']})" if item["layer"] else f"model '{model_name}'"
+    low = item["dtype"] in LOW_PRECISION
+    tail = (f" at train step {step} while every checked layer output before it was finite: the total loss "
+            "is non-finite because of this term, not the loss function.")
+    if term.kind == WEIGHT:
+        fix = (f" The term is computed in {item['dtype']}, the variable's dtype: use a mixed policy so the "
+               "weights stay float32, or lower the factor." if low else
+               " Lower the regularizer's factor: it multiplies a sum over the weights, and float32 holds at "
+               "most about 3.4e38.")
+        return (f"The loss term of regularizer {term.regularizer} on variable '{term.variable}' of {layer} "
+                f"is {kind}{tail}{fix}")
+    if term.kind == ACTIVITY:
+        return (f"The loss term of {layer}'s activity regularizer {term.regularizer} is {kind}{tail} "
+                f"Lower the regularizer's factor or keep the layer's outputs smaller (the term is computed "
+                f"in {item['dtype']}).")
+    add_loss = ("compute it in float32 (keras.ops.cast its inputs to 'float32' first) or guard it (an "
+                "epsilon, keras.ops.clip): the computation in the layer's call() that feeds add_loss produced "
+                "it (log of 0, sqrt of a negative number, 0/0, or an overflow"
+                + (f" of {item['dtype']}" if low else "") + ").")
+    if term.kind == ADD_LOSS:
+        return f"The loss term {layer} adds with add_loss is {kind}{tail} To fix it, {add_loss}"
+    if term.kind == ADD_LOSS_OR_ACTIVITY:
+        return (f"A loss term of {layer} (its activity regularizer {term.regularizer} or an add_loss term; the "
+                f"layer is not checked, so tfmp cannot tell which) is {kind}{tail} Lower the regularizer's "
+                f"factor, or for an add_loss term {add_loss}")
+    return (f"Term {term.position} of model.losses is {kind}{tail} (The model's losses are overridden, so "
+            "tfmp cannot name the layer that added it.)")

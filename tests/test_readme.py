@@ -47,10 +47,24 @@ def _quickstart():
     return snippet
 
 
+def _quickstart_output():
+    """The lines README shows the quickstart printing (the text block after it)."""
+    section = README[README.index("## Quickstart"):]
+    [output] = re.findall(r"```text\n(.*?)```", section[:section.index("\n## ")], flags=re.S)
+    return output.splitlines()
+
+
 @pytest.mark.parametrize("machine", ["this_machine", "bfloat16_cpu"])
-def test_quickstart_snippet_runs_and_logs_every_batch(machine, tmp_path, monkeypatch):
+def test_quickstart_snippet_runs_and_logs_every_batch(machine, tmp_path, monkeypatch, capsys):
     with contextlib.ExitStack() as stack:
         _quickstart_runs(machine, tmp_path, monkeypatch, stack)
+    if machine == "bfloat16_cpu":  # what README says it prints on a Zen 4, line for line
+        printed = capsys.readouterr().out.splitlines()
+        shown = _quickstart_output()
+        assert printed[0].startswith("tfmp policy: mixed_bfloat16 on CPU 'AMD EPYC")  # the CPU's name
+        assert shown[0].startswith("tfmp policy: mixed_bfloat16 on CPU 'AMD EPYC' (avx512_bf16).")
+        assert printed[0].split(". ", 1)[1] == shown[0].split(". ", 1)[1]
+        assert printed[1:] == shown[1:]
 
 
 def _quickstart_runs(machine, tmp_path, monkeypatch, stack):

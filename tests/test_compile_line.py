@@ -53,6 +53,12 @@ def test_float32_leaves_the_optimizer_alone(capsys):
     assert type(model.optimizer) is keras.optimizers.Adam
 
 
+def test_compiled_without_optimizer(capsys):
+    out, model = compiled_output(capsys, "mixed_bfloat16", optimizer=None)
+    assert out.endswith("float32: probs (model output); no optimizer\n")
+    assert model.optimizer is None
+
+
 def test_debug_says_check_numerics(capsys):
     out, _ = compiled_output(capsys, "mixed_bfloat16", debug=True)
     assert out.endswith("guard='gradients', fused updates on; check_numerics on\n")

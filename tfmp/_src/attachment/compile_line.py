@@ -26,7 +26,6 @@ from tfmp._src.keras_hooks.object_state import PerObject
 
 #: Layers named one by one; more are summarised as counts by reason.
 NAMED = 4
-_WRAPPED = "tfmp.LossScaleOptimizer("
 _KEPT = ": kept (float32 compute)"
 _said = PerObject("compile_line")  # the last line printed for a model
 
@@ -51,11 +50,10 @@ def _forced(forced: dict) -> str:
 def _optimizer(text: str) -> str:
     if not text:
         return "no optimizer"
-    if text.startswith(_WRAPPED):
-        return "optimizer " + text.replace("no loss scaling", "no loss scaling (fixed scale 1.0)", 1)
     if text.endswith(_KEPT):
         return f"optimizer {text[:-len(_KEPT)]} left alone (float32 compute)"
-    return f"optimizer {text}"
+    # "tfmp.LossScaleOptimizer(Adam): dynamic loss scale | no loss scaling, guard=..., fused updates ..."
+    return "optimizer " + text.replace("no loss scaling", "no loss scaling (fixed scale 1.0)", 1)
 
 
 def describe(found: Attachment) -> str:
@@ -66,16 +64,15 @@ def describe(found: Attachment) -> str:
 
     Returns:
         String, one line: ``"tfmp: model '<name>' compiled under <policy>;
-        <forced>; optimizer <what tfmp did>"``, plus the optimizers a custom
-        ``compile`` keeps (``"; also wrapped: d_optimizer"``) and
-        ``"; check_numerics on"`` under ``debug``. Up to `NAMED` forced layers
-        are named with their reason; more are counted by reason, the first
-        few named.
+        <forced>; optimizer <what tfmp did>"``, plus ``"; check_numerics on"``
+        under ``debug``. Up to `NAMED` forced layers are named with their
+        reason; more are counted by reason, the first few named. (Optimizers
+        a custom ``compile`` stores after ``super().compile()`` are wrapped
+        after the line is printed: `tfmp.attachment(model).custom_optimizers`
+        lists them.)
     """
     parts = [f"tfmp: model {found.model!r} compiled under {found.policy}", _forced(found.forced_float32),
              _optimizer(found.optimizer)]
-    if found.custom_optimizers:
-        parts.append("also wrapped: " + ", ".join(found.custom_optimizers))
     if found.check_numerics:
         parts.append("check_numerics on")
     return "; ".join(parts)

@@ -139,7 +139,7 @@ def read_scalars(
 
     Args:
         log_dir: String. The run's root folder (the monitor's `log_dir`).
-        tag: String. E.g. ``"batch_loss_scale"`` or ``"epoch_overflow_count"``.
+        tag: String. E.g. ``"precision/batch_loss_scale"`` or ``"precision/epoch_overflow_count"``.
         subdir: String or None. Folder below `log_dir` holding the event files.
 
     Returns:

@@ -7,7 +7,11 @@ images, no network needed). With a network, ``--dataset mnist`` or
     python examples/train_digits.py                 # digits, policy "auto"
     python examples/train_digits.py --policy float32 --epochs 5
     python examples/train_digits.py --policy mixed_float16 --filters 4 --units 16
-    tensorboard --logdir logs/digits                # view loss scale and overflows
+    tensorboard --logdir logs/digits                # opens on the loss and metrics
+
+It prints the policy and why it was chosen, then, at compile, what tfmp did to
+the model (layers forced to float32, the optimizer wrapped), then Keras's
+progress bars.
 """
 
 from __future__ import annotations

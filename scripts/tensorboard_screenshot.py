@@ -1,14 +1,16 @@
 """Screenshot of TensorBoard for a log folder, taken by headless Chromium.
 
 Serves TensorBoard on 127.0.0.1 for `logdir`, waits until it lists the run's
-data, opens one dashboard (by default Custom Scalars, the layout of
-`tfmp.LossScaleMonitor`) in headless Chromium and saves the page as a PNG, then
-stops the server. Nothing is fetched from the network: TensorBoard serves its
-own front end, and Chromium resolves every host but 127.0.0.1 to "not found".
-Chromium reaches TensorBoard through a small same-origin relay whose first page
-switches off "Ignore outliers in chart scaling" (a setting TensorBoard keeps in
-the browser's local storage), so every logged value is inside the charts.
-The README's pictures of the main job come from:
+data, opens one dashboard (by default Time Series, the tab TensorBoard opens on)
+in headless Chromium and saves the page as a PNG, then stops the server. Nothing
+is fetched from the network: TensorBoard serves its own front end, and Chromium
+resolves every host but 127.0.0.1 to "not found". Chromium reaches TensorBoard
+through a small same-origin relay whose first page writes TensorBoard's settings
+to the browser's local storage: "Ignore outliers in chart scaling" off (so every
+logged value is inside the charts), the chosen smoothing, and the Time Series
+settings pane closed (so the cards get the width). The PNG goes where
+``--output`` says (default ``tensorboard.png`` in the current folder); nothing
+else is written. The README's pictures of the main job come from:
 
     python examples/train_digits.py --policy mixed_bfloat16 --filters 4 --units 16 \\
         --log-dir logs/digits_bf16
@@ -16,7 +18,7 @@ The README's pictures of the main job come from:
         --output docs/images/tensorboard_main_job.png --window-size 1400,1650
     python examples/train_digits.py --policy mixed_float16 --filters 4 --units 16 \\
         --log-dir logs/digits_fp16
-    python scripts/tensorboard_screenshot.py logs/digits_fp16 \\
+    python scripts/tensorboard_screenshot.py logs/digits_fp16 --dashboard custom_scalars \\
         --output docs/images/tensorboard_main_job_fp16.png
 
 Needs TensorBoard (a dependency of tfmp) and Chromium (Debian: ``apt-get
@@ -41,7 +43,7 @@ import urllib.error
 import urllib.request
 from typing import Any, List, Optional, Sequence
 
-DASHBOARDS = ("custom_scalars", "timeseries", "scalars", "text")
+DASHBOARDS = ("timeseries", "custom_scalars", "scalars", "text")
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
 
 
@@ -53,8 +55,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("logdir", help="TensorBoard log folder (e.g. logs/digits)")
     parser.add_argument("--output", default="tensorboard.png",
                         help="PNG file to write (default tensorboard.png)")
-    parser.add_argument("--dashboard", choices=DASHBOARDS, default="custom_scalars",
-                        help="TensorBoard tab to capture (default custom_scalars)")
+    parser.add_argument("--dashboard", choices=DASHBOARDS, default="timeseries",
+                        help="TensorBoard tab to capture (default timeseries, the tab "
+                        "TensorBoard opens on)")
     parser.add_argument("--window-size", default="1400,2400",
                         help="browser window WIDTH,HEIGHT in pixels (default 1400,2400)")
     parser.add_argument("--smoothing", type=float, default=0.0,
@@ -122,11 +125,19 @@ def wait_for_runs(url: str, server: subprocess.Popen, timeout: float) -> List[st
 
 
 def page_path(dashboard: str, smoothing: float) -> str:
-    """The dashboard's path; TensorBoard reads the smoothing from the fragment."""
-    return f"/?darkMode=false#{dashboard}&_smoothingWeight={smoothing:g}"
+    """The dashboard's path: light theme, charts drawn as SVG (a headless browser's
+    shot can come before the default canvas worker draws), the smoothing in the fragment."""
+    return f"/?darkMode=false&forceSVG=true#{dashboard}&_smoothingWeight={smoothing:g}"
 
 
 SETUP_PATH = "/__screenshot_setup"
+#: TensorBoard's local-storage key of its settings (read by every dashboard).
+SETTINGS_KEY = "_tb_global_settings"
+
+
+def settings(smoothing: float) -> dict:
+    """TensorBoard's settings for the shot: every value in the charts, `smoothing`, no side pane."""
+    return {"ignoreOutliers": False, "scalarSmoothing": smoothing, "timeSeriesSettingsPaneOpened": False}
 
 
 class _Relay(http.server.BaseHTTPRequestHandler):
@@ -134,10 +145,13 @@ class _Relay(http.server.BaseHTTPRequestHandler):
 
     target = ""  # TensorBoard's address
     page = ""  # the dashboard path to open after the setup
+    settings: dict = {}  # TensorBoard's settings written at the setup
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         if self.path == SETUP_PATH:
             script = (f"localStorage.setItem('_ignoreYOutliers', 'false');"
+                      f"localStorage.setItem({json.dumps(SETTINGS_KEY)}, "
+                      f"{json.dumps(json.dumps(self.settings))});"
                       f"location.replace({json.dumps(self.page)});")
             self._reply(200, {"Content-Type": "text/html"},
                         f"<!doctype html><script>{script}</script>".encode())
@@ -173,9 +187,10 @@ class _Relay(http.server.BaseHTTPRequestHandler):
         pass  # quiet
 
 
-def start_relay(target: str, page: str) -> http.server.ThreadingHTTPServer:
-    """Serves `_Relay` on a free 127.0.0.1 port in a daemon thread."""
-    handler = type("Relay", (_Relay,), {"target": target, "page": page})
+def start_relay(target: str, page: str, tb_settings: Optional[dict] = None) -> http.server.ThreadingHTTPServer:
+    """Serves `_Relay` on a free 127.0.0.1 port in a daemon thread; its setup writes `tb_settings`."""
+    handler = type("Relay", (_Relay,), {"target": target, "page": page,
+                                        "settings": dict(tb_settings or {})})
     relay = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=relay.serve_forever, daemon=True).start()
     return relay
@@ -221,7 +236,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         runs = wait_for_runs(url, server, args.timeout)
         output = os.path.abspath(args.output)
         os.makedirs(os.path.dirname(output), exist_ok=True)
-        relay = start_relay(url, page_path(args.dashboard, args.smoothing))
+        relay = start_relay(url, page_path(args.dashboard, args.smoothing), settings(args.smoothing))
         try:
             start = f"http://127.0.0.1:{relay.server_address[1]}{SETUP_PATH}"
             with tempfile.TemporaryDirectory(prefix="tb-chromium-") as profile:

@@ -87,7 +87,7 @@ def test_enable_and_scope_refuse_float32_targets(targets, argument):
 
 
 @covers("enable")
-@given(flag=NON_BOOLS, argument=st.sampled_from(["allow_pure_16bit", "tf32"]))
+@given(flag=NON_BOOLS, argument=st.sampled_from(["allow_pure_16bit", "tf32", "verbose"]))
 @BAD_INPUT_SETTINGS
 def test_enable_refuses_flags(flag, argument):
     refused_without_change(lambda: tfmp.enable("float32", **{argument: flag}), argument)
@@ -170,7 +170,7 @@ def test_recommend_policy_decides_given_facts():
 @covers("policy_scope")
 @given(option=IDENTIFIERS.filter(lambda k: k not in (
     "keep_float32", "exclude_float32", "loss_scale_options", "allow_pure_16bit", "tf32", "debug", "device_facts",
-    "speedups")),
+    "speedups", "verbose")),
     value=st.integers())
 @BAD_INPUT_SETTINGS
 def test_policy_scope_refuses_an_unknown_option_as_enable_does(option, value):

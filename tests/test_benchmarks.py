@@ -230,8 +230,8 @@ def test_tfmp_config_ran_with_the_monitor(quick):
     calls = 1 + quick["written"]["suite"]["repeats"]
     for name in MODELS:
         run = read_run(quick["folder"] / "logs" / name)
-        assert sorted(step for step, _ in run["epoch_loss_scale"]) == [0, 1, 2] == list(range(calls)), name
-        assert "batch_loss_scale" not in run, name
+        assert sorted(step for step, _ in run["precision/epoch_loss_scale"]) == [0, 1, 2] == list(range(calls)), name
+        assert "precision/batch_loss_scale" not in run, name
 
 
 def test_printed_report_names_every_model(quick, capsys):

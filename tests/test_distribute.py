@@ -333,8 +333,8 @@ def test_two_workers_agree_and_only_the_chief_writes_events(launched):
     events = sorted(p.name for p in (log_dir / "train").iterdir())
     assert len(events) == 1 and f".{chief['pid']}." in events[0], events
     scalars = read_run(log_dir)
-    assert [v for _, v in scalars["batch_loss_scale"]] == SCALES
-    assert [v for _, v in scalars["batch_overflow_count"]] == [0.0, 1.0, 1.0, 1.0]
+    assert [v for _, v in scalars["precision/batch_loss_scale"]] == SCALES
+    assert [v for _, v in scalars["precision/batch_overflow_count"]] == [0.0, 1.0, 1.0, 1.0]
 
 
 # Helpers, in this process -------------------------------------------------------------

@@ -48,8 +48,8 @@ def the_run(log_dir):
 
 def assert_monitor_logged(run, policy):
     """The monitor's loss-scale tags, and overflow counts exactly when tfmp's optimizer is there."""
-    assert {"batch_loss_scale", "epoch_loss_scale"} <= set(run)
-    counts = {"batch_overflow_count", "epoch_overflow_count"}
+    assert {"precision/batch_loss_scale", "precision/epoch_loss_scale"} <= set(run)
+    counts = {"precision/batch_overflow_count", "precision/epoch_overflow_count"}
     if policy == "float32":
         assert not counts & set(run)
     else:
@@ -66,21 +66,29 @@ def test_main_job_trains_digits_with_auto_policy(tmp_path, capsys):
     assert "tfmp policy:" in out
     assert f"tensorboard --logdir {tmp_path} (this run: {the_run(tmp_path)})" in out
     assert f"tfmp policy: {AUTO} on " in out
+    # What tfmp did to the model, said once at compile (its tfmp.Attachment), before training.
+    forced = ("no layer forced to float32" if AUTO == "float32"
+              else "1 layer forced to float32: softmax (model output)")
+    scaling = "dynamic loss scale" if AUTO == "mixed_float16" else "no loss scaling (fixed scale 1.0)"
+    line = (f"tfmp: model 'digits_classifier' compiled under {AUTO}; {forced}; optimizer "
+            f"tfmp.LossScaleOptimizer(Adam): {scaling}, guard='auto', fused updates on\n")
+    assert out.count("tfmp: model ") == 1 and line in out
+    assert out.index("tfmp policy:") < out.index(line) < out.index("Epoch 1/15")
     run = read_run(the_run(tmp_path))
     # The main job passes loss-scale options, so even a float32 model gets tfmp's
     # optimizer: non-finite steps are skipped and counted at a fixed scale of 1.
     assert_monitor_logged(run, "mixed_bfloat16")
-    steps = len(run["batch_loss_scale"])
+    steps = len(run["precision/batch_loss_scale"])
     assert steps == 15 * 23  # 15 epochs of ceil(1437 / 64) batches
     if AUTO != "mixed_float16":  # a GPU of compute capability 7.x would scale
-        assert {v for _, v in run["batch_loss_scale"]} == {1.0}  # bfloat16 or float32
-        assert {v for _, v in run["batch_overflow_count"]} == {0.0}
+        assert {v for _, v in run["precision/batch_loss_scale"]} == {1.0}  # bfloat16 or float32
+        assert {v for _, v in run["precision/batch_overflow_count"]} == {0.0}
         # The story beside the flat scale: the note, the loss, the gradients, the updates.
         [(_, note)] = run["loss_scale_note"]
         assert note.startswith("The loss scale stays 1 (a flat chart): ")
     for tag in ("metrics/batch_loss", "metrics/batch_accuracy"):
         assert len(run[tag]) == steps, tag
-    for tag in ("grad_norm", "update_ratio", "bfloat16_relative_precision"):  # every 5 steps
+    for tag in ("optimizer/grad_norm", "optimizer/update_ratio", "precision/bfloat16_relative_precision"):  # every 5 steps
         assert [step for step, _ in run[tag]] == list(range(5, steps + 1, 5)), tag
     assert len(run["metrics/epoch_loss"]) == len(run["metrics/epoch_accuracy"]) == 15
     assert run["metrics/epoch_accuracy"][-1][1] >= 0.9
@@ -93,13 +101,13 @@ def test_main_job_digits_mixed_float16_scale_backs_off_and_grows(tmp_path):
     train_digits.main(["--policy", "mixed_float16", "--filters", "4", "--units", "16",
                        "--epochs", "2", "--log-dir", str(tmp_path)])
     run = read_run(the_run(tmp_path))
-    scales = np.array([v for _, v in run["batch_loss_scale"]])
+    scales = np.array([v for _, v in run["precision/batch_loss_scale"]])
     assert len(scales) == 46
     steps_down = np.flatnonzero(np.diff(np.concatenate([[2.0**24], scales])) < 0)
     steps_up = np.flatnonzero(np.diff(scales) > 0)
     assert len(steps_down) >= 1 and len(steps_up) >= 1
     assert steps_down[0] == 0  # 2**24 overflows at the first step
-    overflows = run["batch_overflow_count"][-1][1]
+    overflows = run["precision/batch_overflow_count"][-1][1]
     assert overflows == len(run["overflow_events"]) >= 1
     assert len(run["metrics/batch_loss"]) == len(run["metrics/batch_accuracy"]) == 46
     assert [step for step, _ in run["metrics/epoch_accuracy"]] == [0, 1]
@@ -116,8 +124,8 @@ def test_a_second_run_logs_to_its_own_folder(tmp_path, capsys):
     run(2)  # same --log-dir, fewer steps: its events must not mix with the first run's
     second = sorted(set(tmp_path.iterdir()) - {first})
     assert len(second) == 1 and second[0].name > first.name
-    assert [step for step, _ in read_run(first)["batch_loss_scale"]] == [1, 2, 3]
-    assert [step for step, _ in read_run(second[0])["batch_loss_scale"]] == [1, 2]
+    assert [step for step, _ in read_run(first)["precision/batch_loss_scale"]] == [1, 2, 3]
+    assert [step for step, _ in read_run(second[0])["precision/batch_loss_scale"]] == [1, 2]
     assert f"(this run: {second[0]})" in capsys.readouterr().out
 
 
@@ -139,8 +147,8 @@ def test_tfds_path_with_mock_data(tmp_path, dataset):
         )
     assert 0.0 <= accuracy <= 1.0
     run = read_run(the_run(tmp_path))  # the monitor logged each of the 2 batches and the epoch
-    assert [step for step, _ in run["batch_loss_scale"]] == [1, 2]
-    assert run["epoch_loss_scale"] == [(0, 1.0)]
+    assert [step for step, _ in run["precision/batch_loss_scale"]] == [1, 2]
+    assert run["precision/epoch_loss_scale"] == [(0, 1.0)]
 
 
 def test_policy_choices_are_tfmps():
@@ -249,7 +257,7 @@ def test_custom_training_loop_script(tmp_path, capsys):
     out = capsys.readouterr().out
     assert 0.0 <= accuracy <= 1.0
     assert "6 steps" in out and "loss scale" in out
-    steps, scales = example_utils.read_scalars(str(the_run(tmp_path)), "batch_loss_scale")
+    steps, scales = example_utils.read_scalars(str(the_run(tmp_path)), "precision/batch_loss_scale")
     assert list(steps) == [1, 2, 3, 4, 5, 6]
     assert scales[0] == 2.0**15  # mixed_float16: Keras's initial scale, dynamic scaling on
 
@@ -321,9 +329,9 @@ def test_read_scalars_and_overflow_steps(tmp_path):
     writer = tf.summary.create_file_writer(str(tmp_path / "train"))
     with writer.as_default():
         for step, count in enumerate([0, 1, 1, 3, 3], start=1):
-            tf.summary.scalar("batch_overflow_count", count, step=step)
+            tf.summary.scalar("precision/batch_overflow_count", count, step=step)
     writer.close()
-    steps, counts = example_utils.read_scalars(str(tmp_path), "batch_overflow_count")
+    steps, counts = example_utils.read_scalars(str(tmp_path), "precision/batch_overflow_count")
     assert list(steps) == [1, 2, 3, 4, 5] and list(counts) == [0, 1, 1, 3, 3]
     assert list(example_utils.overflow_steps(steps, counts)) == [2, 4]
     assert example_utils.read_scalars(str(tmp_path), "missing")[0].size == 0

@@ -40,14 +40,15 @@ pytestmark = pytest.mark.filterwarnings("ignore::tfmp.PerformanceWarning")
 
 INITIAL = 2.0**10
 LEVELS = ("batch_", "epoch_")
+#: The window scalars, by the group that orders them on TensorBoard's Time Series tab.
 WINDOW_TAGS = (
-    "loss_scale",
-    "overflow_count",
-    "skipped_steps",
-    "overflow_rate",
-    "consecutive_overflows",
-    "lr",
-    "samples_per_second",
+    "precision/{level}loss_scale",
+    "precision/{level}overflow_count",
+    "precision/{level}skipped_steps",
+    "precision/{level}overflow_rate",
+    "precision/{level}consecutive_overflows",
+    "optimizer/{level}lr",
+    "system/{level}samples_per_second",
 )
 
 
@@ -139,14 +140,14 @@ def test_per_batch_scalars(tmp_path, policy, scale):
             callbacks=[tfmp.LossScaleMonitor(tmp_path, update_freq="batch")],
         )
     run = read_run(tmp_path)
-    assert steps(run, "batch_loss_scale") == list(range(1, 9))
-    assert set(values(run, "batch_loss_scale")) == {scale}
+    assert steps(run, "precision/batch_loss_scale") == list(range(1, 9))
+    assert set(values(run, "precision/batch_loss_scale")) == {scale}
     if policy == "float32":  # tfmp leaves a float32 model's optimizer alone
-        assert "batch_overflow_count" not in run
+        assert "precision/batch_overflow_count" not in run
     else:
-        assert set(values(run, "batch_overflow_count")) == {0.0}
-    assert steps(run, "epoch_loss_scale") == [0, 1]
-    assert "overflow_scale" not in run
+        assert set(values(run, "precision/batch_overflow_count")) == {0.0}
+    assert steps(run, "precision/epoch_loss_scale") == [0, 1]
+    assert "precision/overflow_scale" not in run
 
 
 def test_overflow_shows_in_scalars(tmp_path):
@@ -167,8 +168,8 @@ def test_overflow_shows_in_scalars(tmp_path):
         )
     run = read_run(tmp_path)
     # 2**40 overflows float16 gradients: the first two steps are skipped and halve the scale.
-    assert run["batch_overflow_count"] == [(1, 1.0), (2, 2.0)]
-    assert run["batch_loss_scale"] == [(1, 2.0**39), (2, 2.0**38)]
+    assert run["precision/batch_overflow_count"] == [(1, 1.0), (2, 2.0)]
+    assert run["precision/batch_loss_scale"] == [(1, 2.0**39), (2, 2.0**38)]
     assert run["overflow_events"] == [
         (1, "step 1: non-finite gradients, scale 1099511627776 -> 549755813888"),
         (2, "step 2: non-finite gradients, scale 549755813888 -> 274877906944"),
@@ -190,9 +191,9 @@ def test_update_freq_every_n_and_steps_per_execution(tmp_path):
             callbacks=[tfmp.LossScaleMonitor(tmp_path, update_freq=4)],
         )
     run = read_run(tmp_path)
-    assert steps(run, "batch_loss_scale") == [4, 8]
+    assert steps(run, "precision/batch_loss_scale") == [4, 8]
     # A plain optimizer counts nothing, so no overflow scalars are made up.
-    assert not {"batch_overflow_count", "batch_skipped_steps", "epoch_overflow_count"} & set(run)
+    assert not {"precision/batch_overflow_count", "precision/batch_skipped_steps", "precision/epoch_overflow_count"} & set(run)
     assert "keeps no overflow counts" in run["monitor_notes"][0][1]
 
 
@@ -232,13 +233,13 @@ def test_driven_by_hand_through_a_callback_list(tmp_path, epoch_calls):
         callbacks.on_epoch_end(0)
     callbacks.on_train_end()
     run = read_run(tmp_path)
-    assert run["batch_loss_scale"] == [(1, 16.0), (2, 16.0), (3, 16.0)]
-    assert run["batch_overflow_count"] == [(1, 0.0), (2, 0.0), (3, 0.0)]
+    assert run["precision/batch_loss_scale"] == [(1, 16.0), (2, 16.0), (3, 16.0)]
+    assert run["precision/batch_overflow_count"] == [(1, 0.0), (2, 0.0), (3, 0.0)]
     if epoch_calls == "none":
-        assert "epoch_loss_scale" not in run
+        assert "precision/epoch_loss_scale" not in run
     else:
-        assert run["epoch_loss_scale"] == [(0, 16.0)]
-        assert run["epoch_skipped_steps"] == [(0, 0.0)]
+        assert run["precision/epoch_loss_scale"] == [(0, 16.0)]
+        assert run["precision/epoch_skipped_steps"] == [(0, 0.0)]
 
 
 def test_hooks_outside_a_training_run_raise_naming_the_missing_call(tmp_path):
@@ -279,9 +280,9 @@ def test_later_fits_continue_the_epoch_axis_and_initial_epoch_keeps_keras_number
     model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[monitor])
     model.fit(x, y, batch_size=4, epochs=7, initial_epoch=5, verbose=0, callbacks=[monitor])
     run = read_run(tmp_path)  # one event file per fit, read in file-name order
-    assert sorted(steps(run, "epoch_loss_scale")) == [0, 1, 2, 3, 5, 6]
+    assert sorted(steps(run, "precision/epoch_loss_scale")) == [0, 1, 2, 3, 5, 6]
     # Each epoch's point is written after its 2 steps: batches 2, 4, ..., 12.
-    assert values(run, "epoch_loss_scale") == [16.0] * 6
+    assert values(run, "precision/epoch_loss_scale") == [16.0] * 6
     assert int(model.optimizer.total_steps.numpy()) == 12
 
 
@@ -326,22 +327,22 @@ def test_exact_values_at_exact_steps(tmp_path, spe):
     run = read_run(tmp_path)
     truth = reference(poisoned, 12)
     logged = list(range(spe, 13, spe))
-    assert steps(run, "batch_loss_scale") == logged
-    assert values(run, "batch_loss_scale") == [truth[s][0] for s in logged]
-    assert values(run, "batch_overflow_count") == [truth[s][1] for s in logged]
-    assert values(run, "batch_consecutive_overflows") == [truth[s][2] for s in logged]
+    assert steps(run, "precision/batch_loss_scale") == logged
+    assert values(run, "precision/batch_loss_scale") == [truth[s][0] for s in logged]
+    assert values(run, "precision/batch_overflow_count") == [truth[s][1] for s in logged]
+    assert values(run, "precision/batch_consecutive_overflows") == [truth[s][2] for s in logged]
     skipped = [len([p for p in poisoned if s - spe < p <= s]) for s in logged]
-    assert values(run, "batch_skipped_steps") == skipped
-    assert values(run, "batch_overflow_rate") == [k / spe for k in skipped]
+    assert values(run, "precision/batch_skipped_steps") == skipped
+    assert values(run, "precision/batch_overflow_rate") == [k / spe for k in skipped]
     # The schedule follows applied steps: it switches after the 4th finite step.
     finite = [s - truth[s][1] for s in logged]
-    assert values(run, "batch_lr") == [0.0625 if f <= 4 else 0.03125 for f in finite]
-    assert run["epoch_loss_scale"] == [(0, 512.0), (1, 64.0), (2, 64.0)]
-    assert run["epoch_overflow_count"] == [(0, 1.0), (1, 4.0), (2, 4.0)]
-    assert run["epoch_skipped_steps"] == [(0, 1.0), (1, 3.0), (2, 0.0)]
-    assert run["epoch_overflow_rate"] == [(0, 0.25), (1, 0.75), (2, 0.0)]
+    assert values(run, "optimizer/batch_lr") == [0.0625 if f <= 4 else 0.03125 for f in finite]
+    assert run["precision/epoch_loss_scale"] == [(0, 512.0), (1, 64.0), (2, 64.0)]
+    assert run["precision/epoch_overflow_count"] == [(0, 1.0), (1, 4.0), (2, 4.0)]
+    assert run["precision/epoch_skipped_steps"] == [(0, 1.0), (1, 3.0), (2, 0.0)]
+    assert run["precision/epoch_overflow_rate"] == [(0, 0.25), (1, 0.75), (2, 0.0)]
     # Each overflow at its own step, also when one execution holds several.
-    assert run["overflow_scale"] == [(3, 1024.0), (6, 512.0), (7, 256.0), (8, 128.0)]
+    assert run["precision/overflow_scale"] == [(3, 1024.0), (6, 512.0), (7, 256.0), (8, 128.0)]
     assert values(run, "overflow_events") == [
         "step 3: non-finite gradients, scale 1024 -> 512",
         "step 6: non-finite gradients, scale 512 -> 256",
@@ -349,11 +350,11 @@ def test_exact_values_at_exact_steps(tmp_path, spe):
         "step 8: non-finite gradients, scale 128 -> 64",
     ]
     # Throughput at every logging point (each moved samples and time).
-    assert steps(run, "batch_samples_per_second") == logged
-    assert all(v > 0 for v in values(run, "batch_samples_per_second"))
-    expected_tags = {level + tag for level in LEVELS for tag in WINDOW_TAGS}
+    assert steps(run, "system/batch_samples_per_second") == logged
+    assert all(v > 0 for v in values(run, "system/batch_samples_per_second"))
+    expected_tags = {tag.format(level=level) for level in LEVELS for tag in WINDOW_TAGS}
     expected_tags |= {
-        "overflow_scale",
+        "precision/overflow_scale",
         "overflow_events",
         "monitor_notes",
         "custom_scalars__config__",
@@ -418,8 +419,8 @@ def test_crash_keeps_every_event_up_to_the_failing_batch(tmp_path, where, spe):
             model.fit(data_set, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
     run = read_run(tmp_path)
     last = [s for s in range(spe, 6, spe)] + ([5] if spe > 1 else [])
-    assert steps(run, "batch_loss_scale") == last
-    assert run["batch_overflow_count"][-1] == (5, 2.0)
+    assert steps(run, "precision/batch_loss_scale") == last
+    assert run["precision/batch_overflow_count"][-1] == (5, 2.0)
     assert run["overflow_events"] == [
         (2, "step 2: non-finite gradients, scale 1024 -> 512"),
         (5, "step 5: non-finite gradients, scale 512 -> 256"),
@@ -483,7 +484,7 @@ def test_any_error_out_of_fit_closes_the_monitor_and_the_next_fit_starts_clean(
     assert not monitor._events.is_open
     history = model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[monitor])
     assert len(history.history["loss"]) == 1
-    logged = steps(read_run(tmp_path), "batch_loss_scale")  # both fits' files
+    logged = steps(read_run(tmp_path), "precision/batch_loss_scale")  # both fits' files
     assert sorted(logged) == list(range(1, stopped_at + 1)) + [stopped_at + i for i in (1, 2, 3, 4)]
     assert sum("training stopped by" in text for _, text in read_run(tmp_path)["monitor_notes"]) == 1
 
@@ -506,8 +507,8 @@ def test_stuck_error_from_the_optimizer_is_logged_before_it_propagates(tmp_path)
                 callbacks=[tfmp.LossScaleMonitor(tmp_path, update_freq=100)],
             )
     run = read_run(tmp_path)
-    assert steps(run, "overflow_scale") == [3, 4, 5]
-    assert run["batch_overflow_count"] == [(5, 3.0)]
+    assert steps(run, "precision/overflow_scale") == [3, 4, 5]
+    assert run["precision/batch_overflow_count"] == [(5, 3.0)]
     assert "step 5: training stopped by NonFiniteError" in run["monitor_notes"][-1][1]
 
 
@@ -522,7 +523,7 @@ def test_skipped_step_text_names_what_the_guard_checks(tmp_path, guard, cause):
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
               callbacks=[tfmp.LossScaleMonitor(tmp_path, update_freq="batch")])
     run = read_run(tmp_path)
-    assert run["batch_overflow_count"] == [(1, 0.0), (2, 1.0)]
+    assert run["precision/batch_overflow_count"] == [(1, 0.0), (2, 1.0)]
     assert run["overflow_events"] == [(2, f"step 2: {cause}, scale 1 -> 1")]
 
 
@@ -546,8 +547,8 @@ def test_next_to_keras_tensorboard_and_layout(tmp_path):
     assert steps(run, "batch_loss") == list(range(1, 9))  # Keras's, intact
     assert steps(run, "epoch_loss") == [0, 1]
     assert steps(run, "epoch_learning_rate") == [0, 1]
-    assert steps(run, "batch_loss_scale") == list(range(1, 9))  # ours
-    assert run["epoch_overflow_count"] == [(0, 0.0), (1, 0.0)]
+    assert steps(run, "precision/batch_loss_scale") == list(range(1, 9))  # ours
+    assert run["precision/epoch_overflow_count"] == [(0, 0.0), (1, 0.0)]
     [(_, layout)] = run["custom_scalars__config__"]
     # No loss scaling: the loss first, the pairs of the fixed scale after it.
     assert [c.title for c in layout.category][:3] == [
@@ -556,8 +557,8 @@ def test_next_to_keras_tensorboard_and_layout(tmp_path):
         "loss scale (epoch, fixed at 1: no loss scaling under float32)",
     ]
     assert [chart.multiline.tag[0] for chart in layout.category[1].chart] == [
-        "^batch_loss_scale$",
-        "^batch_overflow_count$",
+        "^precision/batch_loss_scale$",
+        "^precision/batch_overflow_count$",
     ]
     for category in layout.category[1:3]:
         for chart in category.chart:
@@ -592,13 +593,16 @@ def test_gradient_statistics_exact(tmp_path):
         ],
     )
     run = read_run(tmp_path)
-    assert run["grad_underflow_fraction"] == [(2, 0.25), (4, 0.25)]
-    assert run["grad_overflow_fraction"] == [(2, 0.25), (4, 0.25)]
-    assert run["grad_zero_fraction"] == [(2, 0.25), (4, 0.25)]
-    assert values(run, "grad_norm") == pytest.approx([16385**0.5] * 2, rel=1e-6)
+    stats = GradientStats.of(optimizer, 2, model.distribute_strategy)
+    step, computed = stats.read()
+    assert step == 4
+    for name in ("grad_underflow_fraction", "grad_overflow_fraction", "grad_zero_fraction"):
+        assert computed[name] == 0.25, name
+        # float16 diagnostics: not written for a model computing in float32
+        assert f"precision/{name}" not in run, name
+    assert values(run, "optimizer/grad_norm") == pytest.approx([16385**0.5] * 2, rel=1e-6)
     # The hook stays traced in, paused: a second fit reuses the train function.
     traced = model.train_function
-    stats = GradientStats.of(optimizer, 2, model.distribute_strategy)
     assert not bool(stats._on.numpy())
     model.fit(np.ones((4, 1), "float32"), target, batch_size=1, verbose=0)
     assert model.train_function is traced
@@ -626,12 +630,12 @@ def test_throughput_and_gpu_memory(tmp_path, monkeypatch):
     )
     model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[monitor])
     run = read_run(tmp_path)
-    assert steps(run, "batch_samples_per_second") == list(range(2, 25, 2))
-    assert sorted(steps(run, "epoch_samples_per_second")) == [0, 1, 2]  # the second fit's epoch 0 is 2
-    assert all(v > 0 for v in values(run, "batch_samples_per_second"))
+    assert steps(run, "system/batch_samples_per_second") == list(range(2, 25, 2))
+    assert sorted(steps(run, "system/epoch_samples_per_second")) == [0, 1, 2]  # the second fit's epoch 0 is 2
+    assert all(v > 0 for v in values(run, "system/batch_samples_per_second"))
     assert len(run["monitor_notes"]) == 1  # first fit only: no GPU there
-    assert run["batch_gpu0_memory_mib"] == [(s, 3.0) for s in range(18, 25, 2)]
-    assert run["epoch_gpu0_memory_peak_mib"] == [(2, 5.0)]
+    assert run["system/batch_gpu0_memory_mib"] == [(s, 3.0) for s in range(18, 25, 2)]
+    assert run["system/epoch_gpu0_memory_peak_mib"] == [(2, 5.0)]
 
 
 def test_device_memory_reads_each_gpu(monkeypatch):
@@ -677,8 +681,8 @@ def test_only_the_chief_writes_under_a_strategy(tmp_path, task_id, monkeypatch):
         assert "apply" not in vars(model.optimizer)  # statistics not even computed
     else:
         run = read_run(tmp_path)
-        assert run["batch_loss_scale"] == [(s, INITIAL) for s in range(1, 5)]
-        assert steps(run, "grad_norm") == [2, 4]  # replica-local statistics work
+        assert run["precision/batch_loss_scale"] == [(s, INITIAL) for s in range(1, 5)]
+        assert steps(run, "optimizer/grad_norm") == [2, 4]  # replica-local statistics work
 
 
 _MIB = 2.0**20
@@ -759,10 +763,10 @@ def test_repeated_fits_trace_once_and_do_not_grow(tmp_path):
     stats = GradientStats.of(model.optimizer, 2, model.distribute_strategy)
     assert stats.read()[0] == 400
     run = read_run(tmp_path / "99")
-    assert steps(run, "batch_loss_scale") == [397, 398, 399, 400]
+    assert steps(run, "precision/batch_loss_scale") == [397, 398, 399, 400]
     # float16 on random data may skip a step now and then: the monitor logs exactly
     # the optimizer's count.
-    assert values(run, "batch_overflow_count")[-1] == int(model.optimizer.overflow_count.numpy())
+    assert values(run, "precision/batch_overflow_count")[-1] == int(model.optimizer.overflow_count.numpy())
     assert int(model.optimizer.total_steps.numpy()) == 400
     rss_growth = slope(rss)  # MiB per call over calls 50-100
     assert rss_growth < 0.05, f"RSS grew {1024 * rss_growth:.1f} KiB per fit call: {rss}"
@@ -830,7 +834,7 @@ def test_flat_scale_note_only_without_loss_scaling(tmp_path, policy, reason):
     [(step, note)] = run["loss_scale_note"]  # once, at the start
     assert step == 0
     assert note.startswith("The loss scale stays 1 (a flat chart): " + reason)
-    assert set(values(run, "batch_loss_scale")) == {1.0}
+    assert set(values(run, "precision/batch_loss_scale")) == {1.0}
 
 
 def test_update_ratio_exact(tmp_path):
@@ -845,10 +849,10 @@ def test_update_ratio_exact(tmp_path):
               verbose=0, callbacks=[tfmp.LossScaleMonitor(tmp_path, update_freq="batch",
                                                           grad_stats_freq=2)])
     run = read_run(tmp_path)
-    assert steps(run, "update_ratio") == [2]
-    assert values(run, "update_ratio") == pytest.approx([1 / 3], rel=1e-6)
-    assert run["bfloat16_relative_precision"] == [(2, 2.0**-8)]
-    assert values(run, "grad_norm") == pytest.approx([2**0.5], rel=1e-6)
+    assert steps(run, "optimizer/update_ratio") == [2]
+    assert values(run, "optimizer/update_ratio") == pytest.approx([1 / 3], rel=1e-6)
+    assert run["precision/bfloat16_relative_precision"] == [(2, 2.0**-8)]
+    assert values(run, "optimizer/grad_norm") == pytest.approx([2**0.5], rel=1e-6)
     np.testing.assert_array_equal(model.layers[0].kernel.numpy(), [[0.25, 0.25]])
 
 
@@ -960,8 +964,8 @@ def test_full_disk_warns_once_and_training_goes_on_and_the_note_follows(tmp_path
     assert disk.attempts == 7  # steps 6..11 and the end of epoch 0 retried, each refused
     run = read_run(tmp_path)
     # Before the failure and after space returned, every event; none in between.
-    assert steps(run, "batch_loss_scale") == [1, 2, 3, 4, *range(12, 25)]
-    assert steps(run, "epoch_loss_scale") == [1, 2]  # epoch 0 ended at step 8
+    assert steps(run, "precision/batch_loss_scale") == [1, 2, 3, 4, *range(12, 25)]
+    assert steps(run, "precision/epoch_loss_scale") == [1, 2]  # epoch 0 ended at step 8
     assert (12, "step 12: events from step 5 until before step 12 were not written "
             "(ResourceExhaustedError: No space left on device). The previous event file in "
             "this folder may end in a partial record, which TensorBoard skips.") in run["monitor_notes"]
@@ -978,7 +982,7 @@ def test_full_disk_until_the_end_gets_its_note_at_close(tmp_path, monkeypatch):
     assert history.epoch == [0, 1] and len(_logging_warnings(record)) == 1
     assert disk.attempts == 0  # not one new file per logging point on a full disk
     run = read_run(tmp_path)
-    assert steps(run, "batch_loss_scale") == [1, 2, 3, 4]
+    assert steps(run, "precision/batch_loss_scale") == [1, 2, 3, 4]
     assert run["monitor_notes"][-1] == (16, (
         "step 16: events from step 5 until step 16 were not written (ResourceExhaustedError: "
         "No space left on device). The previous event file in this folder may end in a "

@@ -1,9 +1,13 @@
 """The Custom Scalars layout of LossScaleMonitor, read back from its event files.
 
-The order of the categories and their closed flags decide TensorBoard's first
-screen: under dynamic loss scaling the loss scale and overflows come first;
-without loss scaling (a flat scale of 1) the loss, metrics and gradients do.
+The order of the categories and their closed flags decide the Custom Scalars
+tab's first screen: under dynamic loss scaling the loss scale and overflows come
+first; without loss scaling (a flat scale of 1) the loss, metrics and gradients
+do. The tags' groups decide the Time Series tab's (TensorBoard's default): the
+loss and metrics first under every policy.
 """
+
+import re
 
 import keras
 import numpy as np
@@ -33,8 +37,8 @@ FLOAT32 = [TRAINING, GRADIENTS,
            DETAILS_CLOSED, THROUGHPUT]
 
 
-def fit_and_read_layout(log_dir, policy, optimizer="sgd"):
-    """Trains a 4-8-1 model for 2 epochs of 2 batches; the layout its monitor wrote."""
+def fit_and_read(log_dir, policy, optimizer="sgd"):
+    """Trains a 4-8-1 model for 2 epochs of 2 batches; the events its monitor wrote."""
     with tfmp.policy_scope(policy):
         model = keras.Sequential(
             [keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
@@ -43,8 +47,20 @@ def fit_and_read_layout(log_dir, policy, optimizer="sgd"):
     x, y = rng.random((16, 4), dtype="float32"), rng.random((16, 1), dtype="float32")
     monitor = tfmp.LossScaleMonitor(log_dir, update_freq="batch", grad_stats_freq=1)
     model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[monitor])
-    [(_, layout)] = read_run(log_dir)["custom_scalars__config__"]
+    return read_run(log_dir)
+
+
+def fit_and_read_layout(log_dir, policy, optimizer="sgd"):
+    """The layout the monitor of `fit_and_read` wrote."""
+    [(_, layout)] = fit_and_read(log_dir, policy, optimizer)["custom_scalars__config__"]
     return layout
+
+
+def time_series_groups(run):
+    """The card groups of TensorBoard's Time Series tab, in its order: the scalar tags'
+    prefixes before the first "/" (a tag without one is its own group), sorted by name."""
+    scalars = [tag for tag, points in run.items() if isinstance(points[0][1], float)]
+    return list(dict.fromkeys(tag.split("/")[0] for tag in sorted(scalars)))
 
 
 def outline(layout):
@@ -55,6 +71,11 @@ def chart_titles(category):
     return [chart.title for chart in category.chart]
 
 
+FLOAT16_CHART = "float16 underflow / overflow / zero fractions"
+FRACTIONS = {"precision/grad_underflow_fraction", "precision/grad_overflow_fraction",
+             "precision/grad_zero_fraction"}
+
+
 @pytest.mark.parametrize(
     "policy, expected, scale_chart",
     [("mixed_bfloat16", BFLOAT16, "loss scale (batch, fixed at 1)"),
@@ -62,18 +83,38 @@ def chart_titles(category):
      ("mixed_float16", DYNAMIC, "loss scale (batch)")],
 )
 def test_first_screen_per_policy(tmp_path, policy, expected, scale_chart):
-    layout = fit_and_read_layout(tmp_path, policy)
+    run = fit_and_read(tmp_path, policy)
+    [(_, layout)] = run["custom_scalars__config__"]
     assert outline(layout) == expected
     by_title = {category.title: category for category in layout.category}
     assert chart_titles(by_title["training"]) == [
         "loss (batch)", "mae (batch)", "loss (epoch)", "mae (epoch)"]
+    float16 = policy == "mixed_float16"
     assert chart_titles(by_title["gradients and updates"]) == [
         "global gradient norm (unscaled)",
-        "update / weight (global norms) vs bfloat16's 2**-8",
-        "float16 underflow / overflow / zero fractions"]
+        "update / weight (global norms) vs bfloat16's 2**-8"] + ([FLOAT16_CHART] if float16 else [])
     [batch_pair] = [c for c in layout.category if c.chart[0].title == scale_chart]
     assert chart_titles(batch_pair) == [scale_chart, "overflow count (batch)"]
-    assert list(batch_pair.chart[0].multiline.tag) == ["^batch_loss_scale$"]
+    assert list(batch_pair.chart[0].multiline.tag) == ["^precision/batch_loss_scale$"]
+    # Every chart draws tags the run holds (none is left empty by a rename), but the
+    # overflow events (points at skipped steps only, and no step was skipped) and,
+    # under float32, the counts its plain SGD does not keep.
+    counted = policy != "float32"
+    for category in layout.category:
+        for chart in category.chart:
+            if chart.title == "overflow events (scale that overflowed)" or (
+                    not counted and "overflow" in chart.multiline.tag[0] + chart.multiline.tag[-1]):
+                assert not any(re.fullmatch(chart.multiline.tag[0], tag) for tag in run)
+                continue
+            for regex in chart.multiline.tag:
+                assert any(re.fullmatch(regex, tag) for tag in run), (chart.title, regex)
+    # The float16 diagnostics are written for a float16 model only.
+    assert (FRACTIONS <= set(run)) if float16 else not (FRACTIONS & set(run))
+    # The Time Series tab (TensorBoard's default) opens on the loss and metrics.
+    assert time_series_groups(run) == ["metrics", "optimizer", "precision", "system"]
+    first_cards = sorted(tag for tag in run if tag.startswith("metrics/"))
+    assert first_cards == ["metrics/batch_loss", "metrics/batch_mae", "metrics/epoch_loss",
+                           "metrics/epoch_mae"]
 
 
 def test_the_optimizer_decides_not_the_policy_name(tmp_path):

@@ -84,14 +84,14 @@ def _quickstart_runs(machine, tmp_path, monkeypatch, stack):
         assert isinstance(namespace["model"].optimizer, tfmp.LossScaleOptimizer)
     run = read_run(tmp_path / "logs" / "quickstart")
     # load_digits: 1797 samples, batch 64 -> 29 batches per epoch, 2 epochs.
-    assert steps(run, "batch_loss_scale") == list(range(1, 59))
-    assert steps(run, "epoch_loss_scale") == [0, 1]
+    assert steps(run, "precision/batch_loss_scale") == list(range(1, 59))
+    assert steps(run, "precision/epoch_loss_scale") == [0, 1]
     if decision.policy == "float32":  # the model keeps its optimizer: no counts
-        assert "batch_overflow_count" not in run
+        assert "precision/batch_overflow_count" not in run
     else:
-        assert values(run, "batch_overflow_count") == [0.0] * 58
+        assert values(run, "precision/batch_overflow_count") == [0.0] * 58
     if decision.policy in ("float32", "mixed_bfloat16"):
-        assert set(values(run, "batch_loss_scale")) == {1.0}  # no loss scaling
+        assert set(values(run, "precision/batch_loss_scale")) == {1.0}  # no loss scaling
 
 
 def _custom_loop_snippet():
@@ -120,8 +120,8 @@ def test_custom_loop_snippet_runs_as_written_and_logs_its_epoch(tmp_path, monkey
         namespace.clear()
         tfmp.disable()
     run = read_run(tmp_path / "logs" / "run")
-    assert run["epoch_loss_scale"] == [(0, 16.0)]
-    assert run["epoch_overflow_count"] == [(0, 0.0)]
+    assert run["precision/epoch_loss_scale"] == [(0, 16.0)]
+    assert run["precision/epoch_overflow_count"] == [(0, 0.0)]
 
 
 def _tfmp_references():

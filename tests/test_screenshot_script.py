@@ -20,7 +20,7 @@ def test_help_explains_every_option(capsys):
         shot.parse_args(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    for word in ("logdir", "--output", "--dashboard", "custom_scalars", "--window-size",
+    for word in ("logdir", "--output", "--dashboard", "timeseries", "custom_scalars", "--window-size",
                  "--smoothing", "--budget-ms", "--timeout", "--chromium", "127.0.0.1"):
         assert word in out, word
 
@@ -28,7 +28,7 @@ def test_help_explains_every_option(capsys):
 def test_defaults(tmp_path):
     args = shot.parse_args([str(tmp_path)])
     assert (args.output, args.dashboard, args.window_size, args.smoothing, args.budget_ms) == (
-        "tensorboard.png", "custom_scalars", "1400,2400", 0.0, 20000)
+        "tensorboard.png", "timeseries", "1400,2400", 0.0, 20000)
 
 
 @pytest.mark.parametrize(
@@ -68,7 +68,7 @@ def test_chromium_command_is_headless_local_and_fresh(tmp_path):
         assert flag in command, flag
     assert command[0] == "chromium" and command[-1] == "http://127.0.0.1:1/x"
     assert shot.page_path("custom_scalars", 0.0) == (
-        "/?darkMode=false#custom_scalars&_smoothingWeight=0")
+        "/?darkMode=false&forceSVG=true#custom_scalars&_smoothingWeight=0")
 
 
 class _Backend(http.server.BaseHTTPRequestHandler):
@@ -95,13 +95,17 @@ class _Backend(http.server.BaseHTTPRequestHandler):
 def test_relay_sets_the_outlier_setting_then_relays():
     backend = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Backend)
     threading.Thread(target=backend.serve_forever, daemon=True).start()
-    relay = shot.start_relay(f"http://127.0.0.1:{backend.server_address[1]}", "/dash#x")
+    relay = shot.start_relay(f"http://127.0.0.1:{backend.server_address[1]}", "/dash#x",
+                             shot.settings(0.25))
     base = f"http://127.0.0.1:{relay.server_address[1]}"
     try:
         with urllib.request.urlopen(base + shot.SETUP_PATH) as response:
             assert response.read().decode() == (
                 "<!doctype html><script>localStorage.setItem('_ignoreYOutliers', "
-                "'false');location.replace(\"/dash#x\");</script>")
+                "'false');localStorage.setItem(\"_tb_global_settings\", "
+                "\"{\\\"ignoreOutliers\\\": false, \\\"scalarSmoothing\\\": 0.25, "
+                "\\\"timeSeriesSettingsPaneOpened\\\": false}\");"
+                "location.replace(\"/dash#x\");</script>")
         with urllib.request.urlopen(base + "/data/runs?x=1") as response:
             assert response.read() == b"GET /data/runs?x=1 "
             assert response.headers["Content-Type"] == "text/plain"

@@ -88,8 +88,9 @@ def _run_one(
     `val` is ``(validation inputs, batch size, number of labels)`` when per-example
     predictions are wanted. Returns what the run measured and the trained model.
     """
-    # policy_scope: the same float32 forcing and optimizer wrapping as tfmp.enable().
-    with policy_scope(policy):
+    # policy_scope: the same float32 forcing and optimizer wrapping as tfmp.enable();
+    # quiet: the comparison's report says what ran, not a line per model compiled.
+    with policy_scope(policy, verbose=False):
         keras.utils.set_random_seed(seed)
         model = build_model()
         if not isinstance(model, keras.Model) or not model.compiled:

@@ -288,8 +288,9 @@ def step_scope(model: keras.Model) -> ContextManager[Optional[str]]:
     Example:
         >>> import keras, tfmp
         >>> with tfmp.policy_scope("float32"):
-        ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)], name="net")
         ...     model.compile("sgd", "mse")
+        tfmp: model 'net' compiled under float32; no layer forced to float32; optimizer SGD left alone (float32 compute)
         >>> with tfmp.step_scope(model) as name:
         ...     print(name)  # no scope for a float32 model
         None

@@ -1,34 +1,43 @@
 """`tfmp.LossScaleMonitor`: exact, cheap, crash-safe TensorBoard view of loss scaling.
 
 Event files go to ``<log_dir>/train``, the run `keras.callbacks.TensorBoard` uses
-for training, in a file of their own (see `tfmp._src.monitor.event_file`). Tags:
+for training, in a file of their own (see `tfmp._src.monitor.event_file`). The
+tags are grouped so that TensorBoard's default tab (Time Series) shows the loss
+and metrics first, then the optimizer, then precision, then the system
+(`tfmp._src.monitor.tags`):
 
-Per logging window, as ``batch_<name>`` (step = batches trained, skipped ones
-included, see `LossScaleState.step`) and ``epoch_<name>`` (step = epoch index):
+- ``metrics/batch_<name>``, ``metrics/epoch_<name>``: the training loss and
+  metrics of Keras's `logs` (``metrics/epoch_val_<name>`` for validation) at
+  the monitor's logging points (`tfmp._src.monitor.metrics`).
+- ``optimizer/<level>_lr``: the learning rate of the next step (named so as not
+  to collide with the ``epoch_learning_rate`` of `keras.callbacks.TensorBoard`);
+  with `grad_stats_freq`, ``optimizer/grad_norm`` and ``optimizer/update_ratio``
+  (see `tfmp._src.monitor.grad_stats`).
+- ``precision/<level>_loss_scale``: the loss scale after the window; 1.0
+  without loss scaling. ``precision/<level>_overflow_count``: cumulative
+  skipped (non-finite) steps; ``precision/<level>_skipped_steps``: skipped
+  steps in the window; ``precision/<level>_overflow_rate``: that over the steps
+  in the window; ``precision/<level>_consecutive_overflows``: skipped steps in a
+  row at the window's end (the four counts only with an optimizer that keeps
+  them, `tfmp.LossScaleOptimizer`). ``precision/overflow_scale``: at each skipped
+  step, the scale that overflowed. With `grad_stats_freq`,
+  ``precision/bfloat16_relative_precision`` (2**-8, the update ratio's
+  reference) and, for a model computing in float16 only,
+  ``precision/grad_underflow_fraction``, ``precision/grad_overflow_fraction``
+  and ``precision/grad_zero_fraction``.
+- ``system/<level>_samples_per_second``: samples trained over wall time in the
+  window (epochs: training batches only); ``system/<level>_gpu<i>_memory_mib`` /
+  ``system/<level>_gpu<i>_memory_peak_mib``: device memory in use and its peak,
+  MiB, per GPU.
 
-- ``loss_scale``: the loss scale after the window; 1.0 without loss scaling.
-- ``overflow_count``: cumulative skipped (non-finite) steps.
-- ``skipped_steps``: skipped steps in the window; ``overflow_rate``: that over
-  the steps in the window.
-- ``consecutive_overflows``: skipped steps in a row at the window's end.
-- ``lr``: the learning rate of the next step (named so as not to collide with
-  the ``epoch_learning_rate`` of `keras.callbacks.TensorBoard`).
-- ``samples_per_second``: samples trained over wall time in the window (epochs:
-  training batches only); ``gpu<i>_memory_mib`` / ``gpu<i>_memory_peak_mib``:
-  device memory in use and its peak, MiB, per GPU.
-
-Per event, at the step it happened: ``overflow_scale`` (scalar: the scale that
-overflowed) and ``overflow_events`` (text, "step 117: non-finite gradients, scale
-32768 -> 16384"; "non-finite loss or gradients" under the loss guard); with `grad_stats_freq`, ``grad_norm``,
-``grad_underflow_fraction``, ``grad_overflow_fraction`` and ``grad_zero_fraction``
-(see `tfmp._src.monitor.grad_stats`); ``monitor_notes`` (text: no device memory on CPU,
-overflows too old to itemize, training stopped by an exception). Plus the
-custom-scalars layout (`tfmp._src.monitor.layout`).
-
-The training loss and metrics of Keras's `logs`, as ``metrics/batch_<name>`` and
-``metrics/epoch_<name>`` at the same logging points (`tfmp._src.monitor.metrics`).
-At the start of training, when the scale cannot move (no loss scaling: bfloat16,
-float32), ``loss_scale_note`` (text) says why its chart is flat.
+``<level>`` is ``batch`` (per logging window, step = batches trained, skipped
+ones included, see `LossScaleState.step`) or ``epoch`` (step = epoch index).
+Text tags: ``overflow_events`` ("step 117: non-finite gradients, scale 32768 ->
+16384"; "non-finite loss or gradients" under the loss guard), ``monitor_notes``
+(no device memory on CPU, overflows too old to itemize, training stopped by an
+exception) and, at the start of training when the scale cannot move (no loss
+scaling: bfloat16, float32), ``loss_scale_note`` saying why its chart is flat.
+Plus the custom-scalars layout (`tfmp._src.monitor.layout`).
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ from tfmp._src.monitor.layout import DESCRIPTIONS
 from tfmp._src.monitor.layout import build_layout
 from tfmp._src.monitor.layout import layout_summary
 from tfmp._src.monitor import metrics as _metrics
+from tfmp._src.monitor import tags
 from tfmp._src.monitor.state import describe
 from tfmp._src.monitor.state import is_tfmp_optimizer
 from tfmp._src.monitor.state import read_overflow_events
@@ -194,6 +204,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._active = False
         self._layout_written = False
         self._memory_noted = False
+        self._float16 = False  # the model computes in float16 (set by on_train_begin)
         self._grad_stats: Optional[GradientStats] = None
         self._training = False  # between on_train_begin and on_train_end (or a crash)
         self._next_epoch = 0  # the epoch axis after the epochs logged so far, over every fit
@@ -237,6 +248,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._epoch_window = self._batch_window
         self._train_clock: Optional[float] = None
         self._has_gpu = bool(runtime.device_memory())
+        self._float16 = model.dtype_policy.compute_dtype == "float16"  # float16 diagnostics only then
         self._counts_overflows = is_tfmp_optimizer(model.optimizer)
         if not self._counts_overflows:
             self._warn_no_counters(state.step)
@@ -379,7 +391,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         window = self._batch_window if epoch is None else self._epoch_window
         steps = state.step - window.step
         skipped = state.overflow_count - window.overflows
-        scalars = {
+        scalars = {  # by name; written under `tags.window`
             "loss_scale": state.loss_scale,
             "overflow_count": state.overflow_count,
             "skipped_steps": skipped,
@@ -412,7 +424,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
             self._next_epoch = max(self._next_epoch, epoch + 1)
         self._events.write(
             state.step if epoch is None else epoch,
-            {**metrics, **{prefix + tag: value for tag, value in scalars.items()}},
+            {**metrics, **{tags.window(prefix, name): value for name, value in scalars.items()}},
             batch_step=state.step,
         )
         new_window = _Window(state.step, state.overflow_count, self._samples, clock)
@@ -433,7 +445,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
                 ("epoch_",) if self.update_freq == "epoch" else ("batch_", "epoch_")
             )
             layout = build_layout(prefixes, self._grad_stats is not None, metric_names,
-                                  fixed_scale=self._fixed_scale)
+                                  fixed_scale=self._fixed_scale, float16=self._float16)
             # Written again at the next logging point if the write failed.
             self._layout_written = self._events.write(
                 0, summaries=[layout_summary(layout)], batch_step=state.step)
@@ -454,13 +466,14 @@ class LossScaleMonitor(keras.callbacks.Callback):
         for event in events:
             self._events.write(
                 event.step,
-                {"overflow_scale": event.scale_before},
+                {tags.event("overflow_scale"): event.scale_before},
                 {"overflow_events": describe(event, cause)},
             )
         stats = self._grad_stats.read() if self._grad_stats is not None else None
         if stats is not None and stats[0] > self._last_grad_step:
             self._last_grad_step = stats[0]
-            self._events.write(stats[0], stats[1])
+            self._events.write(stats[0], {tags.event(name): value for name, value in stats[1].items()
+                                          if self._float16 or name not in tags.FLOAT16_ONLY})
 
     def _warn_no_counters(self, step: int) -> None:
         """Says that the optimizer counts no overflows: a note, and a warning in 16 bits.

@@ -17,6 +17,10 @@ reduces the gradients to four numbers kept in variables:
   after scaling, or non-finite: in float16 they are inf.
 
 Fractions are over all elements of all gradients (the `values` of sparse ones).
+`tfmp.LossScaleMonitor` writes the three fractions for a model computing in
+float16 only (``precision/grad_*_fraction``), and ``optimizer/grad_norm``,
+``optimizer/update_ratio`` and ``precision/bfloat16_relative_precision`` under
+every policy (`tfmp._src.monitor.tags`).
 
 - ``update_ratio``: ||w_after - w_before|| / ||w_before||, global L2 norms over
   all trainable weights the optimizer updates in the step (0 on a skipped step;

@@ -16,8 +16,11 @@ charts from a `Layout` proto found in the run's event files under the tag
   their titles saying the scale is fixed and why ("loss scale (batch, fixed at 1:
   no loss scaling under mixed_bfloat16)"), and the finer signals, closed too.
 
-Throughput is last and closed. Each chart matches its tags exactly (the tags are
-listed in `tfmp._src.monitor.callback`).
+Throughput is last and closed. The float16 underflow / overflow / zero fractions
+chart is drawn for a model computing in float16 only. Each chart matches its
+tags exactly (the tags are listed in `tfmp._src.monitor.callback` and named in
+`tfmp._src.monitor.tags`). TensorBoard opens on its Time Series tab, not this
+one: there the tags' groups put the loss and metrics first under every policy.
 """
 
 from __future__ import annotations
@@ -30,28 +33,27 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.custom_scalar import metadata as layout_metadata
 from tensorboard.plugins.custom_scalar import summary as custom_scalar_summary
 
-from tfmp._src.monitor.metrics import GROUP as METRICS_GROUP
+from tfmp._src.monitor import tags
+from tfmp._src.monitor.tags import METRICS as METRICS_GROUP
 
 #: Chart descriptions by tag (Markdown; TensorBoard shows them behind an info icon).
 DESCRIPTIONS = {
-    "overflow_scale": "Loss scale of a step skipped for non-finite gradients "
+    tags.event("overflow_scale"): "Loss scale of a step skipped for non-finite gradients "
     "(or loss, under the loss guard), at that step (one point per skipped step).",
     "overflow_events": "One line per skipped step: what was non-finite, the scale before and after.",
-    "update_ratio": "||weights after - before|| / ||weights before|| of one step "
+    tags.event("update_ratio"): "||weights after - before|| / ||weights before|| of one step "
     "(global L2 norms). Below 2**-8, a bfloat16 copy of the weights would not move.",
-    "bfloat16_relative_precision": "2**-8: relative changes smaller than this are "
+    tags.event("bfloat16_relative_precision"): "2**-8: relative changes smaller than this are "
     "lost when a weight is stored in bfloat16.",
 }
 for _prefix in ("batch_", "epoch_"):
     DESCRIPTIONS.update(
         {
-            _prefix + "loss_scale": "Loss scale (1.0 without loss scaling).",
-            _prefix
-            + "overflow_count": "Skipped (non-finite) steps since training began.",
-            _prefix
-            + "overflow_rate": "Skipped steps / steps, over the logging window.",
-            _prefix + "skipped_steps": "Skipped steps in the logging window.",
-            _prefix + "consecutive_overflows": "Skipped steps in a row.",
+            tags.window(_prefix, "loss_scale"): "Loss scale (1.0 without loss scaling).",
+            tags.window(_prefix, "overflow_count"): "Skipped (non-finite) steps since training began.",
+            tags.window(_prefix, "overflow_rate"): "Skipped steps / steps, over the logging window.",
+            tags.window(_prefix, "skipped_steps"): "Skipped steps in the logging window.",
+            tags.window(_prefix, "consecutive_overflows"): "Skipped steps in a row.",
         }
     )
 
@@ -74,16 +76,15 @@ def _pattern_chart(title: str, patterns: Sequence[str]) -> layout_pb2.Chart:
 
 #: The charts of gradient statistics (``grad_stats_freq``) and the update ratio.
 _GRADIENTS = (
-    _chart("global gradient norm (unscaled)", ["grad_norm"]),
+    _chart("global gradient norm (unscaled)", [tags.event("grad_norm")]),
     _chart(
         "update / weight (global norms) vs bfloat16's 2**-8",
-        ["update_ratio", "bfloat16_relative_precision"],
-    ),
-    _chart(
-        "float16 underflow / overflow / zero fractions",
-        ["grad_underflow_fraction", "grad_overflow_fraction", "grad_zero_fraction"],
+        [tags.event("update_ratio"), tags.event("bfloat16_relative_precision")],
     ),
 )
+#: Its float16 chart, drawn for a model computing in float16 only.
+_FLOAT16_GRADIENTS = _chart(
+    "float16 underflow / overflow / zero fractions", [tags.event(name) for name in tags.FLOAT16_ONLY])
 
 
 def _training_charts(prefixes: Sequence[str], metrics: Sequence[str]) -> list:
@@ -103,6 +104,7 @@ def build_layout(
     grad_stats: bool,
     metrics: Sequence[str] = (),
     fixed_scale: Optional[str] = None,
+    float16: bool = False,
 ) -> layout_pb2.Layout:
     """Builds the layout for the tags a monitor writes.
 
@@ -116,6 +118,8 @@ def build_layout(
             ``"no loss scaling under mixed_bfloat16"``, from
             `tfmp._src.monitor.metrics.fixed_scale_reason`); None under loss
             scaling.
+        float16: Bool. Whether the model computes in float16: only then is
+            the float16 fractions chart drawn (its tags are written then only).
 
     Returns:
         `layout_pb2.Layout`. Under loss scaling: per level a category "loss
@@ -136,7 +140,8 @@ def build_layout(
             layout_pb2.Category(title="training", chart=_training_charts(prefixes, metrics))
         )
     if grad_stats:
-        learning.append(layout_pb2.Category(title="gradients and updates", chart=_GRADIENTS))
+        charts = list(_GRADIENTS) + ([_FLOAT16_GRADIENTS] if float16 else [])
+        learning.append(layout_pb2.Category(title="gradients and updates", chart=charts))
     # A fixed scale draws flat lines: they follow, closed, the charts that move.
     closed = bool(fixed_scale and learning)
     pairs, details, speed = [], [], []
@@ -144,25 +149,25 @@ def build_layout(
         level = prefix.rstrip("_")
         scale_title = f"loss scale ({level}, fixed at 1)" if fixed_scale else f"loss scale ({level})"
         pair = [
-            _chart(scale_title, [f"{prefix}loss_scale"]),
-            _chart(f"overflow count ({level})", [f"{prefix}overflow_count"]),
+            _chart(scale_title, [tags.window(prefix, "loss_scale")]),
+            _chart(f"overflow count ({level})", [tags.window(prefix, "overflow_count")]),
         ]
         title = (f"loss scale ({level}, fixed at 1: {fixed_scale})" if fixed_scale
                  else f"loss scaling ({level})")
         pairs.append(layout_pb2.Category(title=title, chart=pair, closed=closed))
         details += [
-            _chart(f"overflow rate ({level})", [f"{prefix}overflow_rate"]),
+            _chart(f"overflow rate ({level})", [tags.window(prefix, "overflow_rate")]),
             _chart(
                 f"skipped steps ({level})",
-                [f"{prefix}skipped_steps", f"{prefix}consecutive_overflows"],
+                [tags.window(prefix, "skipped_steps"), tags.window(prefix, "consecutive_overflows")],
             ),
-            _chart(f"learning rate ({level})", [f"{prefix}lr"]),
+            _chart(f"learning rate ({level})", [tags.window(prefix, "lr")]),
         ]
         speed.append(
-            _chart(f"samples per second ({level})", [f"{prefix}samples_per_second"])
+            _chart(f"samples per second ({level})", [tags.window(prefix, "samples_per_second")])
         )
     details.append(
-        _chart("overflow events (scale that overflowed)", ["overflow_scale"])
+        _chart("overflow events (scale that overflowed)", [tags.event("overflow_scale")])
     )
     categories = learning + pairs if fixed_scale else pairs + learning
     categories += [

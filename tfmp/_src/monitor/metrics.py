@@ -18,8 +18,10 @@ from typing import Any, Dict, Mapping, Optional
 
 import keras
 
-#: Group (prefix before ``/``) of the tags of Keras's logs.
-GROUP = "metrics/"
+from tfmp._src.monitor import tags
+
+#: Group (prefix before ``/``) of the tags of Keras's logs; sorts first (`tags`).
+GROUP = tags.METRICS
 #: Keys of `logs` not written: the monitor logs the learning rate itself (``lr``).
 _SKIPPED = frozenset({"learning_rate"})
 #: Text tag of the note saying why the loss-scale chart is flat.
@@ -128,6 +130,6 @@ def flat_scale_note(optimizer: Any, compute_dtype: str) -> Optional[str]:
         why = f"{compute_dtype} needs no loss scaling"
     return (
         f"The loss scale stays 1 (a flat chart): {why}. Watch the skipped steps "
-        "(overflow_count) and, with grad_stats_freq, grad_norm and update_ratio "
-        "against 2**-8 instead."
+        "(precision/*_overflow_count) and, with grad_stats_freq, optimizer/grad_norm and "
+        "optimizer/update_ratio against 2**-8 instead."
     )

@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterator, List, Optional, Union
 import keras
 import tensorflow as tf
 
+from tfmp._src.attachment import compile_line
 from tfmp._src.attachment import hooks as attachment_hooks
 from tfmp._src.attachment.attach import attach, optimizer_decision
 from tfmp._src.attachment.record import Attachment
@@ -159,6 +160,7 @@ def enable(
     debug: Union[bool, dict] = False,
     device_facts: Optional[DeviceFacts] = None,
     speedups: Union[bool, dict] = True,
+    verbose: bool = True,
 ) -> PolicyDecision:
     """Sets the Keras global dtype policy and makes every model compiled use tfmp.
 
@@ -215,6 +217,13 @@ def enable(
             compiled or loaded with (`tfmp.attachment(model).speedups`; a
             file does not keep it); call `enable` again with other speedups
             before compiling another model.
+        verbose: Bool. True (default): each ``compile`` of a model prints one
+            line to stdout saying what tfmp did, read from its
+            `tfmp.attachment`: the policy, the layers forced to float32 and
+            why, the optimizer wrapped (and how it scales the loss) or left
+            alone. Printed once per compile, never by ``fit``; compiling the
+            same model again prints only when the line changed. False prints
+            nothing.
 
     Returns:
         `PolicyDecision`: `.policy` (Keras policy name) and `.reason`.
@@ -229,7 +238,8 @@ def enable(
             `debug` neither a bool nor a dict of `tfmp.check_numerics` options
             with values it accepts (an unknown ``action`` is named as `action`);
             `device_facts` neither None nor a `tfmp.DeviceFacts`; `speedups`
-            neither a bool nor a dict of known feature names -> bool.
+            neither a bool nor a dict of known feature names -> bool; `verbose`
+            not a bool.
 
     Warns:
         tfmp.PerformanceWarning: an explicit policy slower than float32 here.
@@ -246,7 +256,7 @@ def enable(
     return _start(
         policy, say_replaced=True, keep_float32=keep_float32, exclude_float32=exclude_float32,
         loss_scale_options=loss_scale_options, allow_pure_16bit=allow_pure_16bit, tf32=tf32,
-        debug=debug, device_facts=device_facts, speedups=speedups,
+        debug=debug, device_facts=device_facts, speedups=speedups, verbose=verbose,
     )
 
 
@@ -262,11 +272,13 @@ def _start(
     debug: Union[bool, dict],
     device_facts: Optional[DeviceFacts],
     speedups: Union[bool, dict],
+    verbose: bool,
 ) -> PolicyDecision:
     """`enable()` itself; `say_replaced` is False for `policy_scope`, which nests by design."""
     # Every argument is checked before any state changes: a bad call leaves
     # tfmp (and Keras) exactly as they were.
     check_bool("tf32", tf32, allow_none=True)
+    check_bool("verbose", verbose)
     keep_float32 = targets_from("keep_float32", keep_float32)
     exclude_float32 = targets_from("exclude_float32", exclude_float32)
     check_debug(debug)
@@ -285,7 +297,7 @@ def _start(
         previous_tf32 = tf.config.experimental.tensor_float_32_execution_enabled()
     _set_current(
         Session(decision, previous, previous_tf32, keep_float32, exclude_float32, loss_scale_options, debug,
-                wanted_speedups)
+                wanted_speedups, verbose)
     )
     if tf32 is not None:
         tf.config.experimental.enable_tensor_float_32_execution(tf32)
@@ -503,6 +515,8 @@ def _compile_with_tfmp(compile: Callable, model: keras.Model, args: tuple, kwarg
     if state.debug:
         options = {} if state.debug is True else state.debug
         check_numerics(model, **options)
-    _fix_and_attach(model, state, "compile")
+    found = _fix_and_attach(model, state, "compile")
     custom_optimizers.adopt(model, model.dtype_policy.compute_dtype, wrap_options)  # a custom compile's own
+    if state.verbose:
+        compile_line.say(model, found)
     return result

@@ -37,6 +37,8 @@ class Session:
         loss_scale_options: Dict of `tfmp.LossScaleOptimizer` arguments.
         debug: Bool or dict of `tfmp.check_numerics` options.
         speedups: Dict, speed feature -> wanted (`tfmp._src.policy.speedups`).
+        verbose: Bool. Each compile prints what tfmp did
+            (`tfmp._src.attachment.compile_line`).
     """
 
     decision: PolicyDecision
@@ -47,6 +49,7 @@ class Session:
     loss_scale_options: dict
     debug: Union[bool, dict] = False
     speedups: Optional[Dict[str, bool]] = None
+    verbose: bool = True
 
 
 # thread ident -> (the thread, its session). Python reuses the ident of a thread

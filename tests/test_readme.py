@@ -22,6 +22,7 @@ from _events import values
 from _machines import ZEN4
 
 import tfmp
+from tfmp._src.monitor import tags
 from tfmp._src.policy.hardware import injected_facts
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -193,8 +194,10 @@ def test_defaults_the_readme_states_are_the_real_ones():
 
 
 # Paths the docs name that are not in the repository: folders a run writes (logs,
-# exported artifacts, the venv, a temporary folder "$out"), layer paths ("encoder/...").
-NOT_IN_THE_REPOSITORY = ("logs/", ".venv/", "exported/", "encoder/", "block/", "out/")
+# exported artifacts, the venv, a temporary folder "$out"), layer paths ("encoder/..."),
+# and the monitor's TensorBoard tags ("metrics/batch_loss", "precision/").
+NOT_IN_THE_REPOSITORY = ("logs/", ".venv/", "exported/", "encoder/", "block/", "out/",
+                         tags.METRICS, tags.OPTIMIZER, tags.PRECISION, tags.SYSTEM)
 
 
 def _repository_paths():
@@ -331,7 +334,7 @@ def test_main_job_screenshots_are_in_the_repository_with_their_commands():
     assert 'out="$(mktemp -d)"\n' in tensorboard
     for policy, logs, image, options in [
         ("mixed_bfloat16", '"$out/digits_bf16"', images[0], " --window-size 1400,1650"),
-        ("mixed_float16", '"$out/digits_fp16"', images[1], ""),
+        ("mixed_float16", '"$out/digits_fp16"', images[1], " --dashboard custom_scalars"),
     ]:
         assert (f"python examples/train_digits.py --policy {policy} --filters 4 --units 16 "
                 f"--log-dir {logs}\n") in tensorboard

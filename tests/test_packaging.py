@@ -134,3 +134,18 @@ def test_installed_main_job_without_scikit_learn_says_the_fix(installed, tmp_pat
                   cwd=installed["outside"],
                   env=_clean_env(PYTHONPATH=without_module(tmp_path, "sklearn")), timeout=60)
     assert (result.returncode, result.stdout, result.stderr) == (1, "", MISSING_SKLEARN + "\n")
+
+
+def test_no_tracked_file_holds_a_merge_conflict_marker_and_ci_parses():
+    """A conflict left in a file breaks CI's script or a page without any test naming it."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    marked = []
+    for name in tracked.splitlines():
+        path = ROOT / name
+        if not path.is_file() or path.suffix in (".png", ".ipynb", ".npz", ".keras", ".h5"):
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if any(line.startswith(("<<<<<<< ", ">>>>>>> ")) for line in text.splitlines()):
+            marked.append(name)
+    assert marked == []
+    subprocess.run(["bash", "-n", str(ROOT / ".ci" / "run")], check=True)

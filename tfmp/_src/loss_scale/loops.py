@@ -20,7 +20,7 @@ from typing import Any, List
 import keras
 import tensorflow as tf
 
-from tfmp._src.errors import NonFiniteError, invalid_argument
+from tfmp._src.errors import NonFiniteError, invalid_argument, user_stacklevel
 from tfmp._src.keras_hooks import surfaces, train_function, trainer
 from tfmp._src.loss_scale import arguments, batch_check, saved_form, skips
 
@@ -49,7 +49,7 @@ def check(optimizer: Any) -> None:
     overflows = int(optimizer.overflow_count.numpy())
     if overflows == optimizer._checked_overflows:
         return  # no step skipped since the last check: the last step was finite
-    skips.warn_early(optimizer, stacklevel=4)
+    skips.warn_early(optimizer)
     limit = optimizer.max_consecutive_overflows
     consecutive = int(optimizer.consecutive_overflows.numpy())
     # Nothing to check again until a step is skipped, unless the run is overflowing.
@@ -65,7 +65,7 @@ def check(optimizer: Any) -> None:
     first_skipped = error.step - consecutive + 1  # identifies this run of overflows
     if optimizer._warned_run != first_skipped:
         optimizer._warned_run = first_skipped
-        warnings.warn(str(error), RuntimeWarning, stacklevel=3)
+        warnings.warn(str(error), RuntimeWarning, stacklevel=user_stacklevel())
 
 
 def _diagnose(optimizer: Any, consecutive: int, at_floor: int) -> NonFiniteError:

@@ -453,6 +453,8 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         already = self._origins.already_unscaled(grads, self._steps.take_unscaled())
         _guard.refuse_clipped_scaled(self, [g for g, done in zip(grads, already) if not done])
         _guard.warn_if_unscaled(self, self._steps, any(already))
+        if _guard.takes_as_unscaled(self, self._steps, loss_recorded) and not any(already):
+            already = [g is not None for g in grads]  # gradients of the true loss: not divided
         self._already_unscaled = {id(g) for g, done in zip(grads, already) if done}
         first = _guard.first_check(self.guard, self.loss_scaling)
         self._check_loss = first if loss_recorded and first in _guard.LOSS_GUARDS else ""

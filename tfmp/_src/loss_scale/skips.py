@@ -32,7 +32,7 @@ from typing import Any, Tuple
 import tensorflow as tf
 
 from tfmp._src.constants import NON_FINITE_KINDS
-from tfmp._src.errors import invalid_argument
+from tfmp._src.errors import invalid_argument, user_stacklevel
 
 #: Steps at the start of a fit that, all skipped, are warned about under loss scaling.
 EARLY_STEPS = 8
@@ -112,7 +112,7 @@ def start_fit(optimizer: Any) -> None:
         optimizer._fit_start = (total, int(optimizer.overflow_count.numpy()))
 
 
-def warn_early(optimizer: Any, stacklevel: int) -> None:
+def warn_early(optimizer: Any) -> None:
     """Warns once per fit when its skipped steps call for it (see the module docstring).
 
     Call after a step of which `consecutive_overflows` is at least 1.
@@ -146,5 +146,5 @@ def warn_early(optimizer: Any, stacklevel: int) -> None:
         "Warned once per fit; stuck detection stops the run after "
         f"{optimizer.max_consecutive_overflows} skipped steps in a row.",
         SkippedStepWarning,
-        stacklevel=stacklevel,
+        stacklevel=user_stacklevel(),  # the user's fit() or apply
     )

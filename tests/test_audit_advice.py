@@ -427,3 +427,32 @@ def test_keras_hub_lm_forced_by_hand_names_its_token_embedding_with_the_paramete
     message = heavy_message(report)
     assert f"'{path}' (ReversibleEmbedding, {projection:,} parameters" in message
     assert message.endswith(f"To change it: {projection_advice('bfloat16')}")
+
+
+@pytest.mark.parametrize("activation, loss, advised", [
+    ("softmax", "sparse_categorical_crossentropy", "SparseCategoricalCrossentropy(from_logits=True)"),
+    ("sigmoid", "binary_crossentropy", "BinaryCrossentropy(from_logits=True)"),
+])
+def test_a_softmax_or_sigmoid_head_is_told_to_move_its_activation_into_the_loss(session, activation, loss,
+                                                                                 advised):
+    """A wide head with a fused softmax/sigmoid: the advice names the from-logits loss, and following it
+    keeps the head's matmul 16-bit with float32 logits, which clears the warning."""
+
+    def wide_head(head_activation):
+        return keras.Sequential([keras.Input((16,)), keras.layers.Dense(16, name="body"),
+                                 keras.layers.Dense(4096, activation=head_activation, name="head")])
+
+    session("mixed_bfloat16")
+    model = wide_head(activation)
+    model.compile("sgd", loss=loss)
+    message = heavy_message(tfmp.audit(model, tensor_cores=False))
+    # head: 16 * 4096 + 4096 parameters, body 16 * 16 + 16: the head's share, from the shapes
+    share = (16 * 4096 + 4096) / (16 * 4096 + 4096 + 16 * 16 + 16)
+    assert f"{share:.0%}" in message and "'head'" in message
+    assert f"build it with activation=None and compile with loss=keras.losses.{advised}" in message
+    followed = wide_head(None)
+    followed.compile("sgd", loss=getattr(keras.losses, advised.split("(")[0])(from_logits=True))
+    report = tfmp.audit(followed, tensor_cores=False)
+    assert [w for w in report.warnings if w.kind == "float32_heavy"] == []
+    assert followed.get_layer("head").compute_dtype == "bfloat16"
+    assert followed(np.ones((2, 16), "float32")).dtype == "float32"

@@ -326,3 +326,31 @@ def test_the_slower_than_float32_warning_names_the_callers_line(entry):
                 pass
     slow = [w for w in caught if issubclass(w.category, tfmp.PerformanceWarning)]
     assert [w.filename for w in slow] == [__file__] and "slower than float32" in str(slow[0].message)
+
+
+def _dense_model():
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+
+
+@pytest.mark.parametrize("when", ["built_before_enable", "global_policy_changed_after_enable"])
+def test_a_model_under_another_policy_is_said_at_compile_with_its_cause(when):
+    try:
+        if when == "built_before_enable":
+            model = _dense_model()
+            tfmp.enable("mixed_bfloat16")
+        else:
+            tfmp.enable("mixed_bfloat16")
+            keras.mixed_precision.set_global_policy("float32")
+            model = _dense_model()
+        with pytest.warns(tfmp.PerformanceWarning) as record:
+            model.compile("sgd", "mse")
+    finally:
+        tfmp.disable()
+        keras.config.set_dtype_policy("float32")
+    [message] = [str(w.message) for w in record if "was built under the policy" in str(w.message)]
+    assert "Model 'sequential" in message and "'float32', not tfmp's 'mixed_bfloat16'" in message
+    if when == "built_before_enable":
+        assert message.endswith("build the model after tfmp.enable().")
+    else:
+        assert "The global policy is 'float32' now: it was changed after tfmp.enable()" in message
+        assert message.endswith("or call tfmp.enable('float32') instead.")

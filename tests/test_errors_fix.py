@@ -216,6 +216,7 @@ def test_refusal_names_the_value_what_is_expected_and_the_fix(model, tmp_path, c
     (lambda: tfmp.LossScaleOptimizer(sgd(), guard="gradeints"), "Did you mean 'gradients'?"),
     (lambda: tfmp.LossScaleOptimizer(sgd(), on_stuck="rasie"), "Did you mean 'raise'?"),
     (lambda: tfmp.export(None, "out", format="tflight"), "Did you mean 'tflite'?"),
+    (lambda: tfmp.enable("Mixed_BFloat16"), "Did you mean 'mixed_bfloat16'?"),  # only the case differs
 ])
 def test_a_typo_gets_the_suggestion_instead_of_the_fix(call, suggestion):
     with pytest.raises(ValueError) as info:

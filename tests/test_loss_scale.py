@@ -531,3 +531,16 @@ def test_an_inner_optimizers_argument_given_to_the_wrapper_is_sent_to_the_inner_
     with pytest.raises(ValueError, match=r"Unknown argument 'learning_rate': it is the inner optimizer's; set it "
                        r"there, e\.g\. tfmp\.LossScaleOptimizer\(keras\.optimizers\.SGD\(learning_rate=\.\.\.\)\)"):
         _optimizer(learning_rate=0.1)
+
+
+def test_the_optimizer_prints_what_it_is():
+    adam = tfmp.LossScaleOptimizer(keras.optimizers.Adam(), initial_scale=2.0**10, name="scaled")
+    assert repr(adam) == "tfmp.LossScaleOptimizer(Adam, name='scaled'): dynamic loss scale 1024, guard='auto'"
+    sgd = tfmp.LossScaleOptimizer(keras.optimizers.SGD(), loss_scaling=False, guard="values", name="fixed")
+    assert str(sgd) == "tfmp.LossScaleOptimizer(SGD, name='fixed'): no loss scaling, guard='values'"
+
+    @tf.function
+    def traced():
+        return tf.constant(len(repr(adam)))
+
+    assert int(traced()) == len("tfmp.LossScaleOptimizer(Adam, name='scaled'): dynamic loss scale, guard='auto'")

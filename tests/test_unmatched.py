@@ -52,6 +52,16 @@ def test_a_class_target_matching_no_layer_warns_with_the_model_classes():
     assert model.get_layer("proj").compute_dtype == "float32"  # the matching target applies
 
 
+def test_a_class_name_given_as_a_string_is_told_to_pass_the_class():
+    model = classifier()
+    with pytest.warns(tfmp.UnmatchedTargetWarning) as caught:
+        tfmp.force_float32(model, exclude=["Dense"])
+    [message] = unmatched(caught)
+    assert "Received: exclude='Dense'." in message
+    assert message.endswith("A string is a layer-path pattern; 'Dense' names a class. Pass the "
+                            "class itself: keras.layers.Dense.")
+
+
 def test_matching_targets_and_registered_ones_do_not_warn():
     model = classifier()
     with warnings.catch_warnings(), tfmp.register_float32("*not_in_this_model*"), \

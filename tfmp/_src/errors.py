@@ -141,9 +141,14 @@ def did_you_mean(received: Any, choices: Iterable[str], cutoff: float = 0.5) -> 
     Args:
         received: The value given; compared as a string.
         choices: Iterable of strings. Valid spellings.
-        cutoff: Float in [0, 1]. `difflib` similarity a choice needs.
+        cutoff: Float in [0, 1]. `difflib` similarity a choice needs; a choice
+            that differs only in case is named first.
     """
-    close = difflib.get_close_matches(str(received), list(choices), n=1, cutoff=cutoff)
+    choices = list(choices)
+    by_case = {choice.lower(): choice for choice in choices}
+    if str(received).lower() in by_case:  # only the case differs
+        return f"Did you mean {by_case[str(received).lower()]!r}?"
+    close = difflib.get_close_matches(str(received), choices, n=1, cutoff=cutoff)
     return f"Did you mean {close[0]!r}?" if close else ""
 
 

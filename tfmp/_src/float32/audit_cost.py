@@ -117,6 +117,15 @@ def _change(path: str, layer, reason: str, policy: str) -> str:
                 f"from_logits=True (e.g. loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)) "
                 f"while tfmp is enabled, without calling tfmp.force_float32 first: tfmp then keeps its "
                 f"matmul in {low} and casts the logits to float32")
+    activation = getattr(getattr(layer, "activation", None), "__name__", "")
+    if reason == "output" and activation in ("softmax", "sigmoid"):
+        loss = ("SparseCategoricalCrossentropy(from_logits=True) (or CategoricalCrossentropy)"
+                if activation == "softmax" else "BinaryCrossentropy(from_logits=True)")
+        return (f"its {activation} can move into the loss: build it with activation=None and compile with "
+                f"loss=keras.losses.{loss} while tfmp is enabled, without calling tfmp.force_float32 first: "
+                f"tfmp then keeps its matmul in {low} and casts the logits to float32 (apply "
+                f"keras.activations.{activation} to the predictions where probabilities are needed); or, "
+                f"rounding its output to 16 bits: {exclude}")
     if reason == "output":
         return (f"it produces a model output, so its result is not rounded to 16 bits; to compute it in "
                 f"{low} anyway: {exclude}")

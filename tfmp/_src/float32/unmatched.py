@@ -186,7 +186,8 @@ def message(model: keras.Model, argument: str, target: Any,
         expected = (
             "a glob pattern over the model's layer paths (fnmatch; `*` also crosses '/'), "
             f"such as {', '.join(map(repr, shown))} ({count}; print(tfmp.audit(model)) lists every path)")
-        fix = (_case_note(target, paths) or did_you_mean(target, _close_patterns(target, paths))
+        fix = (_class_note(target, entries) or _case_note(target, paths)
+               or did_you_mean(target, _close_patterns(target, paths))
                or "Correct the pattern to match a layer path, or leave it out.")
     else:
         classes = list(dict.fromkeys(type(layer).__name__ for _, layer, _ in entries))
@@ -205,6 +206,18 @@ def message(model: keras.Model, argument: str, target: Any,
             "while enabled; one meant for other models only can be registered with "
             "tfmp.register_float32(...) instead, which is not checked per model.")
     return text
+
+
+def _class_note(pattern: str, entries: Sequence[Tuple[str, Any, Any]]) -> str:
+    """The fix when ``pattern`` is the name of a class some layer of the model is an
+    instance of (a string is a path pattern; a class is passed as the class itself)."""
+    for _, layer, _ in entries:
+        for cls in type(layer).__mro__:
+            if cls.__name__ == pattern and issubclass(cls, keras.layers.Layer):
+                module = "keras.layers" if getattr(keras.layers, pattern, None) is cls else cls.__module__
+                return (f"A string is a layer-path pattern; {pattern!r} names a class. Pass the "
+                        f"class itself: {module}.{pattern}.")
+    return ""
 
 
 def _case_note(pattern: str, paths: Sequence[str]) -> str:

@@ -266,6 +266,14 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         self._origins = _guard.GradientOrigins()
         _loops.track(self)
 
+    def __repr__(self) -> str:
+        """E.g. ``tfmp.LossScaleOptimizer(Adam, name='loss_scale_optimizer'): dynamic loss scale 32768, guard='auto'``."""
+        scaling = "no loss scaling"
+        if self.loss_scaling:  # the value where it can be read (not while a step is traced)
+            scaling = f"dynamic loss scale {self.loss_scale:g}" if tf.executing_eagerly() else "dynamic loss scale"
+        return (f"tfmp.LossScaleOptimizer({type(self.inner_optimizer).__name__}, name={self.name!r}): "
+                f"{scaling}, guard={self.guard!r}")
+
     def __getattr__(self, name: str) -> Any:
         # Only called when normal lookup fails: public settings of the inner
         # optimizer's class (e.g. Adam's beta_1) read through the wrapper.

@@ -383,12 +383,19 @@ def _warn_if_built_before_enable(model: keras.Model, policy: str) -> None:
     if model.dtype_policy.name != policy:
         counts = collections.Counter(entry.layer.compute_dtype for entry in walk(model))
         layers = ", ".join(f"{dtype} ({n})" for dtype, n in counts.most_common())
+        now = keras.config.dtype_policy().name
+        cause = (
+            f"The global policy is {now!r} now: it was changed after tfmp.enable() "
+            "(keras.config.set_dtype_policy or keras.mixed_precision.set_global_policy). "
+            f"Leave the global policy to tfmp, or call tfmp.enable({now!r}) instead."
+            if now != policy else
+            "Layers take the global policy when they are created: build the model after tfmp.enable()."
+        )
         warnings.warn(
             f"Model {model.name!r} was built under the policy "
             f"{model.dtype_policy.name!r}, not tfmp's {policy!r}; its layers compute in "
             f"{layers or model.dtype_policy.compute_dtype} (layers per compute dtype), as "
-            "they were made. Layers take the global policy when they are created: build "
-            "the model after tfmp.enable().",
+            f"they were made. {cause}",
             PerformanceWarning,
             stacklevel=user_stacklevel(),
         )

@@ -100,11 +100,6 @@ def test_fused_sgd_runs_one_kernel_and_gives_kerass_weights_bit_for_bit(kind):
     assert int(optimizer.iterations) == 5 and "update_step" not in vars(optimizer)
 
 
-class OwnUpdate(keras.optimizers.Adam):
-    def update_step(self, gradient, variable, learning_rate):
-        super().update_step(gradient * 0.5, variable, learning_rate)
-
-
 @pytest.mark.parametrize("make_optimizer", [
     lambda: keras.optimizers.Adam(1e-2, amsgrad=True), lambda: OwnUpdate(1e-2),
     lambda: keras.optimizers.RMSprop(1e-2, momentum=0.9), lambda: keras.optimizers.Adamax(1e-2)],

@@ -62,9 +62,9 @@ def explanation(path: str, layer: Any, low: str, wide: str, received: bool = Fal
     cls = type(layer).__name__ if layer is not None else "its layer class"
     where = f"layer '{path}' ({cls})" if path else "a layer of this model"
     target = repr(path) if path else "'<layer path>'"
-    cast = (f"cast such tensors to dy.dtype (ops.cast(self.kernel, dy.dtype)) and return "
-            f"each gradient in the dtype of its input (a variable's gradient in the "
-            f"variable's dtype)")
+    cast = ("cast such tensors to dy.dtype (ops.cast(self.kernel, dy.dtype)) and return "
+            "each gradient in the dtype of its input (a variable's gradient in the "
+            "variable's dtype)")
     if received:
         return (
             f"tfmp: The backward pass of {where} received a {wide} gradient for its {low} "

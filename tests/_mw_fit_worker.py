@@ -22,9 +22,11 @@ Cases (one process runs them in this order; the result holds each one's findings
   same model under the strategy, and the error it raises.
 * ``fit``: `fit` (2 epochs, a `tfmp.LossScaleMonitor` on `--log-dir`, the loss after
   each batch, the scale after each step), then `evaluate` and `predict` on clean
-  rows; the optimizer's state and the weights.
+  rows; the optimizer's state and the weights; the chief saves the model
+  (`--out`.keras), which ``reference`` opens without a strategy.
 * ``dict``: a model with two named inputs, fitted on a dict dataset.
-* ``refused``: compiling with ``steps_per_execution=2`` under the strategy.
+* ``refused``: compiling with ``steps_per_execution=2`` under the strategy, and `fit`
+  after setting it to 2 on a model compiled with 1.
 * ``backup`` (with ``--backup``, instead of the others): 3 epochs with
   `keras.callbacks.BackupAndRestore` in this worker's own folder, saving each
   epoch; with ``--die-at E`` the process ends itself (exit code `DIED`) at batch 1 of
@@ -136,7 +138,7 @@ def finite_shards(data):
             for x, _ in STRATEGY.experimental_distribute_dataset(data)]
 
 
-def train(model, callbacks=()):
+def train(model, callbacks=(), saved=None):
     x, y = arrays()
     record = Record()
     shards = finite_shards(dataset(x, y))
@@ -144,6 +146,8 @@ def train(model, callbacks=()):
     clean_x, clean_y = arrays(bad=False)
     evaluated = model.evaluate(dataset(clean_x, clean_y), verbose=0)
     predicted = model.predict(dataset(clean_x, clean_y).map(lambda a, b: a), verbose=0)
+    if saved and is_chief(STRATEGY):
+        model.save(saved)  # opened without a strategy by `reference`
     return {
         "finite_shards": shards,
         "losses": record.losses,
@@ -182,11 +186,19 @@ def dict_case():
 
 
 def refused_case():
+    found = {"compile": None, "fit": None}
     try:
         compiled(STRATEGY, steps_per_execution=2)
     except ValueError as error:
-        return {"error": str(error)}
-    return {"error": None}
+        found["compile"] = str(error)
+    model = compiled(STRATEGY)
+    model.steps_per_execution = 2  # set after compile: refused when fit starts
+    x, y = arrays(bad=False)
+    try:
+        model.fit(dataset(x, y), epochs=1, verbose=0)
+    except ValueError as error:
+        found["fit"] = str(error)
+    return found
 
 
 class Progress(keras.callbacks.Callback):
@@ -224,14 +236,21 @@ def backup_case(args):
     return {"state": state(model), "weights": [w.tolist() for w in model.get_weights()]}
 
 
-def reference(epochs):
-    """The same training in one process, without a strategy, on the same global batches."""
+def reference(epochs, saved=None):
+    """The same training in one process, without a strategy, on the same global batches;
+    with `saved`, that file (saved under the strategy) opened without one."""
+    opened = {}
+    if saved and os.path.exists(saved):
+        loaded = keras.models.load_model(saved)
+        opened = {"optimizer": type(loaded.optimizer).__name__, "state": state(loaded),
+                  "weights": [w.tolist() for w in loaded.get_weights()]}
     model = compiled()
     x, y = arrays()
     record = Record()
     model.fit(dataset(x, y), epochs=epochs, verbose=0, callbacks=[record])
     clean_x, clean_y = arrays(bad=False)
     return {
+        "opened": opened,
         "losses": record.losses,
         "scales": record.scales,
         "state": state(model),
@@ -272,12 +291,13 @@ def main(argv):
         epochs = 3
     else:
         monitor = tfmp.LossScaleMonitor(args.log_dir, update_freq="batch")
-        run("fit", lambda: train(compiled(STRATEGY), [monitor]))
+        saved = args.out + ".keras"
+        run("fit", lambda: train(compiled(STRATEGY), [monitor], saved))
         run("dict", dict_case)
         run("refused", refused_case)
         epochs = EPOCHS
     if result["is_chief"]:
-        run("reference", lambda: reference(epochs))
+        run("reference", lambda: reference(epochs, None if args.backup else saved))
     pathlib.Path(args.out).write_text(json.dumps(result))
     return 0
 

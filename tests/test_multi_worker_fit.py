@@ -184,12 +184,21 @@ def test_dict_inputs_train_alike_on_every_worker(two, three):
         assert all(d == dicts[0] for d in dicts)
 
 
-def test_steps_per_execution_above_one_is_refused_at_compile(two):
+def test_steps_per_execution_above_one_is_refused_at_compile_and_at_fit(two):
     for result in two:
-        error = case(result, "refused")["error"]
-        assert error is not None and error.startswith("Invalid `steps_per_execution` argument. Expected 1 for model")
-        assert "across 2 workers" in error and "Received: steps_per_execution=2 (of type int)." in error
-        assert "Compile with steps_per_execution=1" in error
+        for error in case(result, "refused").values():
+            assert error is not None and error.startswith(
+                "Invalid `steps_per_execution` argument. Expected 1 for model")
+            assert "across 2 workers" in error and "Received: steps_per_execution=2 (of type int)." in error
+            assert "Compile with steps_per_execution=1" in error
+
+
+def test_a_model_saved_under_the_strategy_opens_without_one_with_its_scale_and_counters(two):
+    trained = case(two[0], "fit")
+    opened = case(two[0], "reference")["opened"]
+    assert opened["optimizer"] == "LossScaleOptimizer"
+    assert opened["state"] == trained["state"]
+    assert opened["weights"] == trained["weights"]
 
 
 def read_progress(path):

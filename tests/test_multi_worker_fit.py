@@ -65,27 +65,41 @@ def backup_args(root, die_at=None):
     return per_worker
 
 
+#: The clusters each test reads; the fixture starts only those of the selected tests
+#: (the oldest CI tier runs the contract test alone).
+NEEDS = {
+    "test_plain_keras_fit_still_fails_under_multi_worker_and_tfmp_fit_matches_one_process": {"three"},
+    "test_two_float16_workers_enabled_before_the_strategy_skip_the_same_steps": {"two"},
+    "test_dict_inputs_train_alike_on_every_worker": {"two", "three"},
+    "test_steps_per_execution_above_one_is_refused_at_compile_and_at_fit": {"two"},
+    "test_a_model_saved_under_the_strategy_opens_without_one_with_its_scale_and_counters": {"two"},
+    "test_backup_and_restore_resumes_every_worker_with_the_same_scale_and_counters": {"backup"},
+    "test_a_worker_whose_peer_never_starts_ends_in_bounded_time_naming_it": {"lonely"},
+}
+
+
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
+def launched(tmp_path_factory, request):
+    selected = {item.originalname for item in request.session.items if item.module is request.module}
+    needed = set().union(*(NEEDS[name] for name in selected))
     root = tmp_path_factory.mktemp("multi_worker")
     folders = {name: root / name for name in ("two", "three", "backup", "backup_again", "lonely")}
     for folder in folders.values():
         folder.mkdir()
-    two, _ = cluster_runs(2, ["--policy", "mixed_float16", "--order", "before",
-                              "--log-dir", str(folders["two"] / "logs")])
-    three, _ = cluster_runs(3, ["--policy", "auto", "--order", "after", "--plain",
-                                "--log-dir", str(folders["three"] / "logs")])
-    backup, _ = cluster_runs(2, ["--policy", "mixed_float16"], backup_args(root, die_at=1))
+    runs = {
+        "two": cluster_runs(2, ["--policy", "mixed_float16", "--order", "before",
+                                "--log-dir", str(folders["two"] / "logs")])[0],
+        "three": cluster_runs(3, ["--policy", "auto", "--order", "after", "--plain",
+                                  "--log-dir", str(folders["three"] / "logs")])[0],
+        "backup": cluster_runs(2, ["--policy", "mixed_float16"], backup_args(root, die_at=1))[0],
+    }
     lonely_runs, lonely_cluster = cluster_runs(2, ["--timeout", str(LONELY_TIMEOUT_S)])
+    runs["lonely"] = lonely_runs[:1]  # its peer never starts
     with contextlib.ExitStack() as stack:
-        launches = {
-            "two": stack.enter_context(started("_mw_fit_worker.py", two, folders["two"])),
-            "three": stack.enter_context(started("_mw_fit_worker.py", three, folders["three"])),
-            "backup": stack.enter_context(started("_mw_fit_worker.py", backup, folders["backup"])),
-            "lonely": stack.enter_context(started("_mw_fit_worker.py", lonely_runs[:1], folders["lonely"])),
-        }
+        launches = {name: stack.enter_context(started("_mw_fit_worker.py", runs[name], folders[name]))
+                    for name in runs if name in needed}
         yield {"launches": launches, "root": root, "folders": folders, "stack": stack,
-               "lonely_cluster": lonely_cluster, "started_at": time.monotonic()}
+               "lonely_cluster": lonely_cluster}
 
 
 def case(result, name):

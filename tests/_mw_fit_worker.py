@@ -6,15 +6,15 @@ run by tests/test_multi_worker_fit.py with `TF_CONFIG` naming every worker on 12
         [--backup DIR --progress FILE [--die-at EPOCH]]
 
 Every worker builds the same tiny Dense model (weights 0.125) and trains it with
-`model.fit` on the same global batches of `GLOBAL_PER_WORKER` rows per worker (a
-`tf.data` dataset, sharded by data): worker N's share of global batch B is rows
-N*4 .. N*4+3. Row 1 of the last worker's share of the last batch of each epoch is
+`model.fit` on the same global batches of `PER_WORKER` (4) rows per worker (a
+`tf.data` dataset, sharded by data): worker N's share of each global batch is its
+rows N*4 .. N*4+3. Row 1 of the last worker's share of the last batch of each epoch is
 inf, so that step overflows on one worker only (`BAD_STEP`). `--order` says
 whether `tfmp.enable()` (with `loss_scale_options`) comes before the strategy is
 created or after. The strategy comes from `tfmp.multi_worker_strategy` (`--timeout`:
-seconds to wait for the other workers; past it the process ends with exit code 75
-and a message naming the missing worker). The chief also trains the same model in one process, without
-a strategy, on the same global batches (`reference`).
+seconds to wait for the other workers; past it the process is killed after a
+message naming the missing worker). The chief also trains the same model in one
+process, without a strategy, on the same global batches (`reference`).
 
 Cases (one process runs them in this order; the result holds each one's findings):
 

@@ -18,12 +18,12 @@ import keras  # noqa: E402
 import pytest  # noqa: E402
 
 #: Test modules whose module fixtures take tens of seconds: MirroredStrategy
-#: subprocesses (distribute), trained models and TFLite files (deployment), policy
+#: subprocesses (distribute), multi-worker clusters (multi_worker_fit), trained models and TFLite files (deployment), policy
 #: comparisons (compare), benchmark and side-experiment runs, the wheel built and
 #: installed (packaging).
 ONE_WORKER_MODULES = frozenset({
     "test_benchmarks.py", "test_compare.py", "test_deployment.py", "test_distribute.py",
-    "test_packaging.py", "test_side_experiments.py", "test_softmax_precision.py",
+    "test_multi_worker_fit.py", "test_packaging.py", "test_side_experiments.py", "test_softmax_precision.py",
 })
 
 

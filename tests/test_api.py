@@ -47,6 +47,7 @@ PUBLIC_API = {
     "estimate_memory",
     "export",
     "float32_layers",
+    "multi_worker_strategy",
     "force_float32",
     "policy_scope",
     "recommend_policy",

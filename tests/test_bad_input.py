@@ -571,6 +571,17 @@ def test_attachment_record_refuses_fields(text, flag, count, mapping):
     assert tfmp.Attachment(**fields).remapper == "on"
 
 
+# multi_worker_strategy (refused before any TensorFlow runtime or server starts)
+
+@covers("multi_worker_strategy")
+@given(timeout=st.one_of(NON_NUMBERS, NON_FINITE, st.floats(max_value=0.0, allow_nan=False), st.booleans()),
+       options=st.one_of(st.integers(), st.text(max_size=3), st.dictionaries(st.text(max_size=2), st.integers())))
+@BAD_INPUT_SETTINGS
+def test_multi_worker_strategy_refuses_its_arguments(timeout, options):
+    assert_refused(lambda: tfmp.multi_worker_strategy(timeout), "timeout_s")
+    assert_refused(lambda: tfmp.multi_worker_strategy(60.0, communication_options=options),
+                   "communication_options")
+
 def test_this_module_covers_its_half_of_the_public_names():
     import sys
 
@@ -581,7 +592,7 @@ def test_this_module_covers_its_half_of_the_public_names():
         "unregister_float32", "float32_layers", "Float32Rules", "Registration", "LossScaleOptimizer",
         "LossScaleWarning", "SkippedStepWarning", "scaled_gradients", "LossScaleMonitor", "LoggingWarning",
         "check_numerics", "NumericsHandle", "NonFiniteError", "audit", "AuditReport", "attachment", "detach", "step_scope",
-        "Attachment", "PerformanceWarning", "PolicyDecision", "UnmatchedTargetWarning",
+        "Attachment", "multi_worker_strategy", "PerformanceWarning", "PolicyDecision", "UnmatchedTargetWarning",
     }
     assert covered_names([sys.modules[__name__]]) == half
     assert half <= set(tfmp.__all__)

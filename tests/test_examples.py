@@ -25,6 +25,7 @@ from tfmp._src.keras_hooks import runtime_options  # noqa: E402
 from tfmp._src.policy.hardware import injected_facts  # noqa: E402
 import train_digits  # noqa: E402
 import train_image_classifier  # noqa: E402
+import train_multi_worker  # noqa: E402
 import train_text_transformer  # noqa: E402
 
 # What "auto" picks on this machine: float32 on a CPU without bfloat16 hardware,
@@ -176,6 +177,8 @@ SCRIPTS = {
                    "--out-dir"),
     custom_training_loop: ("--policy", "--epochs", "--steps", "--learning-rate",
                            "--clipnorm", "--accumulation-steps", "--log-dir"),
+    train_multi_worker: ("TF_CONFIG", "--workers", "--cluster-timeout", "--policy", "--epochs",
+                         "--steps", "--batch-size", "--log-dir", "--seed"),
 }
 
 
@@ -196,6 +199,21 @@ def test_a_script_runs_from_the_command_line():
         [sys.executable, str(ROOT / "examples" / "custom_training_loop.py"), "--help"],
         capture_output=True, text=True, check=True)
     assert result.stdout.startswith("usage: custom_training_loop.py")
+
+
+def test_multi_worker_script_starts_two_local_workers_and_only_the_chief_logs(tmp_path, capsys, monkeypatch):
+    """As README shows it: no TF_CONFIG, so the script starts its own two workers."""
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    accuracy = train_multi_worker.main(["--epochs", "2", "--log-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert accuracy >= 0.9
+    assert "Started 2 workers on 127.0.0.1:" in out
+    assert f"tfmp policy: {AUTO}; 2 workers; " in out
+    assert f"{train_multi_worker.ACCURACY_LINE} ({AUTO}): {accuracy:.4f}" in out
+    run = the_run(tmp_path)  # the chief made the one run folder, and wrote its one event file
+    assert len(list((run / "train").iterdir())) == 1
+    if AUTO != "float32":  # tfmp's optimizer: the monitor logs its scale after each epoch
+        assert [step for step, _ in read_run(run)["epoch_loss_scale"]] == [0, 1]
 
 
 @pytest.mark.usefixtures("hosts_answer")

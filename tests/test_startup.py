@@ -42,7 +42,7 @@ def run_importtime(args, env=None):
 def test_every_example_script_is_covered():
     assert EXAMPLES == [
         "custom_training_loop.py", "export_model.py", "train_digits.py",
-        "train_image_classifier.py", "train_text_transformer.py",
+        "train_image_classifier.py", "train_multi_worker.py", "train_text_transformer.py",
     ]
 
 
@@ -65,7 +65,7 @@ def test_example_usage_error_before_tensorflow():
 
 
 @pytest.mark.parametrize("script", ["train_digits.py", "custom_training_loop.py",
-                                    "export_model.py"])
+                                    "export_model.py", "train_multi_worker.py"])
 def test_missing_scikit_learn_stops_before_tensorflow(script, tmp_path):
     """The digits scripts without the `examples` extra: the fix at once, no traceback."""
     env = script_env()

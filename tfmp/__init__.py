@@ -44,6 +44,8 @@ __all__ = [
     "LossScaleMonitor", "LoggingWarning",
     # What tfmp decided for one model
     "attachment", "detach", "step_scope", "Attachment",
+    # Several worker processes
+    "multi_worker_strategy",
     # Tooling, deployment: a float32 copy, SavedModel and TFLite
     "to_float32", "export", "ExportReport",
     # Tooling, advisors: the machine, a policy comparison, memory
@@ -126,6 +128,8 @@ if not _IMPORTS_DEFERRED:
     from tfmp._src.attachment.attach import detach as detach
     from tfmp._src.attachment.attach import step_scope as step_scope
     from tfmp._src.attachment.record import Attachment as Attachment
+    # Several worker processes (tfmp/_src/cluster.py)
+    from tfmp._src.cluster import multi_worker_strategy as multi_worker_strategy
     # Tooling, deployment: a float32 copy, SavedModel and TFLite (tfmp/_src/deployment)
     from tfmp._src.deployment.to_float32 import to_float32 as to_float32
     from tfmp._src.deployment.export import export as export

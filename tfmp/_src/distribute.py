@@ -30,7 +30,8 @@ from typing import Any, Optional
 
 import tensorflow as tf
 
-from tfmp._src.errors import user_stacklevel
+from tfmp._src.errors import invalid_argument, user_stacklevel
+from tfmp._src.keras_hooks import multi_worker
 from tfmp._src.keras_hooks.runtime_options import in_xla_context
 from tfmp._src.policy.policy import PerformanceWarning
 
@@ -230,3 +231,65 @@ def check_not_xla_replicated() -> None:
         "call tfmp.enable() before compile(): it turns XLA off for such models "
         "with a warning."
     )
+
+
+def workers(strategy: Any) -> int:
+    """Int >= 1. Worker processes `strategy` spans (1 for single-process strategies)."""
+    if not multi_worker.is_multi_worker(strategy):
+        return 1
+    return int(strategy.num_replicas_in_sync) // max(1, len(strategy.extended.worker_devices))
+
+
+def check_multi_worker_fit(model: Any) -> None:
+    """Refuses what ``fit`` / ``evaluate`` cannot do under a multi-worker strategy.
+
+    ``steps_per_execution`` > 1: Keras's multi-step loop (a ``tf.while_loop``
+    over ``get_next_as_optional`` of a distributed iterator) fails inside its
+    first execution on every worker (an ``InvalidArgumentError`` from a
+    placeholder of the loop's condition; measured on TF 2.21 / Keras 3.15).
+
+    Args:
+        model: `keras.Model`, compiled.
+
+    Raises:
+        ValueError: (template) ``steps_per_execution`` > 1 under a strategy of
+            several workers, naming the fix (compile with 1).
+    """
+    strategy = model.distribute_strategy
+    steps = getattr(model, "steps_per_execution", 1)
+    if steps == 1 or not multi_worker.is_multi_worker(strategy):
+        return
+    raise invalid_argument(
+        "steps_per_execution", steps,
+        f"1 for model {model.name!r} under tf.distribute.MultiWorkerMirroredStrategy across "
+        f"{workers(strategy)} workers: Keras runs several steps per call in a tf.while_loop over "
+        "the distributed iterator, which fails on every worker before the first step",
+        fix="Compile with steps_per_execution=1 (the default); each worker then runs one step per "
+        "call and the workers' collective ops overlap the host's work.",
+    )
+
+
+def prepare_multi_worker(model: Any) -> bool:
+    """Makes ``fit`` and ``evaluate`` of `model` work under a multi-worker strategy.
+
+    Called when tfmp attaches a model (compile or load while enabled). Under a
+    strategy of several workers it refuses what cannot work
+    (`check_multi_worker_fit`, again at each ``fit`` / ``evaluate``) and installs
+    `tfmp._src.keras_hooks.multi_worker`'s fix, which acts only where Keras's own
+    code fails; elsewhere it takes an earlier one off.
+
+    Args:
+        model: `keras.Model`.
+
+    Returns:
+        Bool. True when the fix is installed.
+
+    Raises:
+        ValueError: see `check_multi_worker_fit`.
+    """
+    if not multi_worker.is_multi_worker(getattr(model, "distribute_strategy", None)):
+        multi_worker.remove(model)
+        return False
+    check_multi_worker_fit(model)
+    multi_worker.install(model, check_multi_worker_fit)
+    return True

@@ -25,6 +25,7 @@ from tfmp._src.errors import invalid_argument
 from tfmp._src.float32 import activity_regularizers, bias_gradient, conv, fused_batchnorm, gelu
 from tfmp._src.float32.force import forced_reason
 from tfmp._src.keras_hooks import surfaces, train_function
+from tfmp._src.keras_hooks import multi_worker
 from tfmp._src.keras_hooks import step_scope as model_scopes
 from tfmp._src.layer_tree import walk
 from tfmp._src.numerics.check import check_numerics
@@ -245,6 +246,7 @@ def detach(model: keras.layers.Layer) -> Optional[Attachment]:
     if isinstance(model, keras.Model):
         check_numerics(model, enabled=False)
         model_scopes.remove(model)
+        multi_worker.remove(model)
     for holder in [model, *_attached_models_holding(model)]:  # traced with the detached part
         if isinstance(holder, keras.Model):
             holder.train_function = holder.test_function = holder.predict_function = None

@@ -61,6 +61,21 @@ KERAS_TEXTS: Dict[str, "re.Pattern[str]"] = {
 QUANTIZE_FLOAT16 = re.compile(r"Quantization mode='(\w+)' doesn't work well with compute_dtype='float16'")
 
 
+#: TensorFlow's refusal to reduce a tuple or dict of distributed values under
+#: `tf.distribute.MultiWorkerMirroredStrategy` (``strategy.reduce``, which Keras's
+#: ``_maybe_symbolic_build`` calls on the first batch of ``fit``): "Attempt to
+#: convert a value (PerReplica:{ 0: <tf.Tensor ...> }) with an unsupported type
+#: (<class 'tensorflow.python.distribute.values.PerReplica'>) to a Tensor."; for
+#: a dict of inputs "Attempt to convert a value ({'a': PerReplica:{...}, ...})
+#: with an unsupported type (<class 'dict'>) to a Tensor." Raised as ValueError. Measured on TF 2.21 with Keras 3.15 (`multi_worker`).
+PER_REPLICA_CONVERSION = re.compile(r"Attempt to convert a value \(.*PerReplica:.*\) with an unsupported type", re.S)
+
+
+def is_per_replica_conversion(error: BaseException) -> bool:
+    """Bool. Whether `error` is TensorFlow's `PER_REPLICA_CONVERSION` refusal."""
+    return isinstance(error, ValueError) and PER_REPLICA_CONVERSION.search(str(error)) is not None
+
+
 def mismatched_dtypes(message: str) -> Optional[Tuple[str, str]]:
     """The two float dtypes (Keras names) a TensorFlow dtype-mismatch text names, or None.
 

@@ -6,7 +6,7 @@ never installs a hook or reads a private name itself
 
 | surface | module | hooked methods | private names read |
 |---|---|---|---|
-| the trainer (compile, loading, train/test/predict functions, ``fit``, saving) | `trainer` (+ `train_function`, `step_scope`, `fit_lifecycle`) | yes | yes |
+| the trainer (compile, loading, train/test/predict functions, ``fit``, saving) | `trainer` (+ `train_function`, `step_scope`, `fit_lifecycle`, `multi_worker`) | yes | yes |
 | ``Layer.call`` / ``build`` / output spec / ``__init__`` / ``from_config`` | `layer_calls` | yes | yes |
 | ``Layer.losses`` | `loss_terms` | yes | yes |
 | the optimizer's ``apply`` / ``scale_loss`` / ``update_step`` | `optimizer_steps` | yes | yes |

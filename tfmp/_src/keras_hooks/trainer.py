@@ -2,20 +2,23 @@
 
 Subscribers, innermost first (`SURFACE`): ``custom_optimizers`` (a model's
 ``_setattr_hook``: optimizers a custom ``compile`` stores), ``numerics`` and
-``loss_scale.batch`` (a model's ``train_step``), ``enable.quantize_hint`` (a
+``loss_scale.batch`` (a model's ``train_step``), ``multi_worker`` (a model's
+``_maybe_symbolic_build``, ``train_step``, ``test_step``: ``fit`` under a
+multi-worker strategy, `multi_worker`), ``enable.quantize_hint`` (a
 model's ``quantize``), ``enable.compile`` (``compile``,
 ``compile_from_config``), ``loss_scale.fit_check`` and ``enable.first_step``
 (``make_train_function``), ``fit_lifecycle`` (``fit``, `fit_lifecycle`),
 ``step_scope`` (a model's ``make_*_function``, `step_scope`), ``saved_form``
 (``get_compile_config``) and ``train_function`` (a model's
 ``make_train_function``, `train_function`). This module holds the class-level
-hooks below; `train_function`, `step_scope` and `fit_lifecycle` are the
+hooks below; `train_function`, `step_scope`, `fit_lifecycle` and `multi_worker` are the
 per-model dispatchers built on the same surface.
 
 | private name used | where in Keras | what tfmp does with it |
 |---|---|---|
 | ``Trainer._loss_tracker`` | ``keras/src/trainers/trainer.py`` | `loss_tracker`: samples seen this epoch (the monitor's throughput) |
 | ``Trainer.compile`` identity in ``compile_from_config`` | ``keras/src/trainers/trainer.py`` | the compile hook is set on the class that defines ``compile`` (`patches.defining_class`), so loading still compiles |
+| ``Trainer._maybe_symbolic_build`` (`multi_worker.SYMBOLIC_BUILD`) | ``keras/src/backend/tensorflow/trainer.py`` | hooked per model under a multi-worker strategy (`multi_worker`) |
 | ``Layer._setattr_hook`` (`SETATTR_HOOK`) | ``keras/src/backend/tensorflow/layer.py``, ``keras/src/ops/operation.py`` | `tfmp._src.loss_scale.custom_optimizers` sees optimizers a custom ``compile`` stores on a model |
 
 - ``compile``: `install_compile_hook` routes every ``Model.compile`` call to tfmp's
@@ -59,9 +62,9 @@ Hook = patches.Hook  # what subscribing returns: `.remove()` unsubscribes
 SURFACE = patches.Surface(
     "trainer",
     methods=("compile", "compile_from_config", "get_compile_config", "make_train_function",
-             "make_test_function", "make_predict_function", "train_step", "fit", "_setattr_hook",
-             "quantize"),
-    subscribers=("custom_optimizers", "numerics", "loss_scale.batch", "enable.quantize_hint",
+             "make_test_function", "make_predict_function", "train_step", "test_step", "fit", "_setattr_hook",
+             "quantize", "_maybe_symbolic_build"),
+    subscribers=("custom_optimizers", "numerics", "loss_scale.batch", "multi_worker", "enable.quantize_hint",
                  "enable.compile", "loss_scale.fit_check", "enable.first_step", "fit_lifecycle",
                  "step_scope", "saved_form", "train_function"),
 )
@@ -83,7 +86,13 @@ SIGNATURES: Tuple[Tuple[type, str, Tuple[str, ...]], ...] = (
     (keras.Model, "train_step", ("data",)),
     # custom_optimizers: Layer.__setattr__ calls `_setattr_hook(name, value)`, which returns both.
     (keras.Model, "_setattr_hook", ("name", "value")),
+    # multi_worker: `train_step(data)`, `test_step(data)`, `_maybe_symbolic_build(iterator=None, data_batch=None)`.
+    (keras.Model, "test_step", ("data",)),
+    (keras.Model, "_maybe_symbolic_build", ("iterator", "data_batch")),
 )
+
+#: Private methods tfmp hooks per model, which the installed Keras must have.
+REQUIRED_ATTRIBUTES = ((keras.Model, "_maybe_symbolic_build"),)
 
 #: (what tfmp relies on Keras doing, the test that checks it).
 CALL_ORDER: Tuple[Tuple[str, str], ...] = (
@@ -105,6 +114,10 @@ CALL_ORDER: Tuple[Tuple[str, str], ...] = (
     ("fit, evaluate and predict call make_train/test/predict_function, then the model's "
      "train/test/predict_function, in the calling thread",
      "tests/test_float16_fusion.py::test_with_the_trap_a_float16_model_steps_without_fused_matmuls_and_a_float32_model_keeps_them"),
+    ("under a multi-worker strategy, fit and evaluate call _maybe_symbolic_build(iterator=...) before any "
+     "step, and Keras's own build raises error_texts.PER_REPLICA_CONVERSION there (multi_worker; the test "
+     "fails once Keras fixes it)",
+     "tests/test_multi_worker_fit.py::test_plain_keras_fit_still_fails_under_multi_worker_and_tfmp_fit_matches_one_process"),
 )
 
 #: The method ``Layer.__setattr__`` calls first, with ``(name, value)``, storing

@@ -71,6 +71,16 @@ def check_arguments(
             itself), ``dynamic=False``, or a base optimizer setting (e.g.
             ``clipnorm``) away from its default (it belongs on the inner optimizer).
     """
+    check_inner_optimizer(inner_optimizer)
+    check_settings(
+        initial_scale, dynamic_growth_steps, min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis,
+        max_consecutive_overflows=max_consecutive_overflows, on_stuck=on_stuck, loss_scaling=loss_scaling,
+        guard=guard, name=name, kwargs=kwargs, inner_optimizer=inner_optimizer,
+    )
+
+
+def check_inner_optimizer(inner_optimizer: Any) -> None:
+    """Raises the template error unless `inner_optimizer` is a Keras optimizer that does not scale the loss."""
     if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
         raise invalid_argument(
             "inner_optimizer", inner_optimizer,
@@ -78,6 +88,27 @@ def check_arguments(
             fix="Pass its inner optimizer: tfmp.LossScaleOptimizer(opt.inner_optimizer), or "
             "keep the one wrapper you have (loss scaling twice scales the loss twice).",
         )
+    if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+        raise invalid_argument(
+            "inner_optimizer", inner_optimizer, "a keras.optimizers.Optimizer instance",
+            "Pass an optimizer instance, e.g. tfmp.LossScaleOptimizer(keras.optimizers.get('adam')).",
+        )
+
+
+def check_settings(
+    initial_scale: Any, dynamic_growth_steps: Any, *, min_scale: Any, max_scale: Any, hysteresis: Any,
+    max_consecutive_overflows: Any, on_stuck: Any, loss_scaling: Any, guard: Any, name: Any,
+    kwargs: Dict[str, Any], inner_optimizer: Any = None,
+) -> None:
+    """Checks every argument of `tfmp.LossScaleOptimizer` but the inner optimizer.
+
+    Creates no variable and runs no TensorFlow op, so `tfmp.enable()` can check
+    its ``loss_scale_options`` before a multi-worker strategy configures the
+    runtime. `inner_optimizer` (or None) only names an unknown argument's owner.
+
+    Raises:
+        ValueError: as `check_arguments`, for every argument but `inner_optimizer`.
+    """
     for arg, value in (("initial_scale", initial_scale), ("min_scale", min_scale), ("max_scale", max_scale)):
         check_positive_number(arg, value, fix=f"Pass e.g. {arg}={_DEFAULTS[arg]} (the default).")
     for arg, value in (
@@ -106,11 +137,6 @@ def check_arguments(
                                fix="Pass on_stuck='raise' (stop the run, the default) or on_stuck='warn'.")
     check_bool("loss_scaling", loss_scaling)
     _guard.check_guard(guard, loss_scaling)
-    if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
-        raise invalid_argument(
-            "inner_optimizer", inner_optimizer, "a keras.optimizers.Optimizer instance",
-            "Pass an optimizer instance, e.g. tfmp.LossScaleOptimizer(keras.optimizers.get('adam')).",
-        )
     check_name(name)
     check_keras_kwargs(kwargs, inner_optimizer)
 

@@ -678,6 +678,27 @@ _DEFAULT_BOUNDS = {name: inspect.signature(LossScaleOptimizer).parameters[name].
                    for name in ("min_scale", "max_scale")}
 
 
+def check_wrap_options(compute_dtype: str, **options: Any) -> None:
+    """Checks `wrap_optimizer`'s options as `tfmp.LossScaleOptimizer` would, making none.
+
+    Creates no variable and runs no TensorFlow op (a throwaway optimizer would
+    start TensorFlow's runtime, which must wait for a multi-worker strategy).
+
+    Args:
+        compute_dtype: String, as for `wrap_optimizer`.
+        **options: Keyword arguments of `tfmp.LossScaleOptimizer`, all in `WRAP_OPTIONS`.
+
+    Raises:
+        ValueError: (template) a value `tfmp.LossScaleOptimizer` refuses.
+    """
+    parameters = inspect.signature(LossScaleOptimizer).parameters
+    values = {name: parameters[name].default for name in WRAP_OPTIONS}
+    values["loss_scaling"] = compute_dtype == "float16"
+    values.update(options)
+    initial_scale, growth = values.pop("initial_scale"), values.pop("dynamic_growth_steps")
+    _arguments.check_settings(initial_scale, growth, kwargs={}, **values)
+
+
 def wrap_optimizer(
     optimizer: str | dict | keras.optimizers.Optimizer,
     compute_dtype: str,

@@ -43,7 +43,7 @@ from tfmp._src.attachment import hooks as attachment_hooks
 from tfmp._src.attachment.attach import attach, optimizer_decision
 from tfmp._src.attachment.record import Attachment
 from tfmp._src.constants import LOW_PRECISION
-from tfmp._src.distribute import turn_off_xla_if_replicated
+from tfmp._src.distribute import prepare_multi_worker, turn_off_xla_if_replicated
 from tfmp._src.errors import check_bool, user_stacklevel
 from tfmp._src.keras_hooks import fit_lifecycle, surfaces, trainer
 from tfmp._src.deployment.quantize_hint import explain_quantize
@@ -435,6 +435,7 @@ def _fix_and_attach(model: keras.Model, state: Session, attached_by: str) -> Att
     """Exact token ids and dtype-error explanations, then the model's `Attachment`."""
     keep_exact_ids(model)
     warn_16bit_trainable(model)
+    prepare_multi_worker(model)
     explains = model.dtype_policy.compute_dtype in LOW_PRECISION
     if explains:
         explain_dtype_errors(model)

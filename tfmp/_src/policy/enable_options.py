@@ -10,18 +10,19 @@ import inspect
 from typing import Optional, Union
 
 from tfmp._src.errors import invalid_argument, unknown_key
-from tfmp._src.loss_scale import loops
 from tfmp._src.loss_scale.guard import LOSS_GUARDS
-from tfmp._src.loss_scale.optimizer import WRAP_OPTIONS, wrap_optimizer
+from tfmp._src.loss_scale.optimizer import WRAP_OPTIONS, check_wrap_options
 from tfmp._src.numerics.check import check_numerics, check_options
 
 
 def checked_loss_scale_options(options: Optional[dict], compute_dtype: str) -> dict:
-    """Validates `loss_scale_options` by building throwaway optimizers with them.
+    """Validates `loss_scale_options` as `tfmp.LossScaleOptimizer` would, making none.
 
     Once as for float16 (every bound is checked with loss scaling on; a
     ``guard="batch"`` or ``"loss"``, valid only without it, is left out there) and
-    once for the policy's `compute_dtype` (either under float16 raises).
+    once for the policy's `compute_dtype` (either under float16 raises). No
+    variable is made and no op runs: `enable()` may come before a multi-worker
+    strategy, which must configure TensorFlow's runtime first.
 
     Raises:
         ValueError: (template) not a dict or None, an unknown key, or a value
@@ -39,9 +40,8 @@ def checked_loss_scale_options(options: Optional[dict], compute_dtype: str) -> d
             raise unknown_key("loss_scale_options", options, key, WRAP_OPTIONS)
     probe = {key: value for key, value in options.items()
              if not (key == "guard" and value in LOSS_GUARDS)}
-    for checked in (wrap_optimizer("sgd", "float16", **probe),  # raises on a bad value
-                    wrap_optimizer("sgd", compute_dtype, **options)):
-        loops.untrack(checked)  # thrown away: no fit hook for it
+    check_wrap_options("float16", **probe)
+    check_wrap_options(compute_dtype, **options)
     return dict(options)
 
 

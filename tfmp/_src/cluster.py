@@ -1,0 +1,91 @@
+"""Joining a multi-worker cluster in bounded time: `tfmp.multi_worker_strategy`.
+
+`tf.distribute.MultiWorkerMirroredStrategy()` starts this task's server from
+``TF_CONFIG`` and then waits, inside TensorFlow's runtime, until every task of the
+cluster has connected to the coordination service, without a time limit
+(TF 2.21: a worker that never starts leaves its peers waiting for ever; the wait
+holds Python's global interpreter lock, so no Python thread runs meanwhile, and
+it ignores SIGTERM; the coordination service's ``cluster_register_timeout_in_ms``
+does not end it either; measured). `multi_worker_strategy` creates the strategy
+under a watchdog process instead (`tfmp._src.cluster_watchdog`, standard library
+only): past `timeout_s` it writes which task is missing and what to do to the
+worker's stderr and ends the worker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Optional
+
+import tensorflow as tf
+
+from tfmp._src import cluster_watchdog
+from tfmp._src.errors import check_positive_number, check_type
+
+
+def multi_worker_strategy(
+    timeout_s: float = 300.0,
+    *,
+    communication_options: Optional[tf.distribute.experimental.CommunicationOptions] = None,
+) -> tf.distribute.MultiWorkerMirroredStrategy:
+    """`tf.distribute.MultiWorkerMirroredStrategy` from ``TF_CONFIG``, failing in bounded time.
+
+    Creates the strategy exactly as ``tf.distribute.MultiWorkerMirroredStrategy(
+    communication_options=...)`` does. Call it in every worker at program start,
+    before any other TensorFlow work (the strategy must configure TensorFlow's
+    runtime first; `tfmp.enable()` may come before or after it). TensorFlow then
+    waits until every ``"chief"`` and ``"worker"`` task of the cluster has
+    started. If the cluster has not formed after `timeout_s`, a watchdog
+    process writes to this process's stderr at which peers' addresses no server
+    answers and how to fix it, and ends this process with SIGKILL (exit status
+    -9, 137 in a shell): TensorFlow's wait cannot be interrupted, so no
+    exception can be raised. Without a cluster in
+    ``TF_CONFIG`` (or with one task) nothing is waited for.
+
+    Args:
+        timeout_s: Float > 0. Seconds to wait for every task to start (default
+            300).
+        communication_options: `tf.distribute.experimental.CommunicationOptions`
+            or None, passed to the strategy (e.g. ``timeout_seconds`` for each
+            collective op once training runs).
+
+    Returns:
+        `tf.distribute.MultiWorkerMirroredStrategy`.
+
+    Raises:
+        ValueError: (template) `timeout_s` not a finite number > 0, or
+            `communication_options` not a `CommunicationOptions`.
+
+    Example (in each worker, ``TF_CONFIG`` set by the launcher)::
+
+        strategy = tfmp.multi_worker_strategy(timeout_s=120)
+        tfmp.enable()
+        with strategy.scope():
+            model = build_model()
+            model.compile("adam", "sparse_categorical_crossentropy")
+        model.fit(dataset, epochs=3)
+    """
+    check_positive_number("timeout_s", timeout_s, fix="Pass e.g. timeout_s=300.0 (the default).")
+    check_type("communication_options", communication_options,
+               tf.distribute.experimental.CommunicationOptions,
+               "a tf.distribute.experimental.CommunicationOptions or None", allow_none=True,
+               fix="Pass e.g. communication_options=tf.distribute.experimental.CommunicationOptions("
+               "timeout_seconds=60), or None.")
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    cluster = {job: list(tasks) for job, tasks in resolver.cluster_spec().as_dict().items()}
+    task = [resolver.task_type, resolver.task_id]
+    if not cluster_watchdog.peers(cluster, task):
+        return tf.distribute.MultiWorkerMirroredStrategy(communication_options=communication_options)
+    settings = {"cluster": cluster, "task": task, "timeout_s": float(timeout_s), "pid": os.getpid()}
+    watchdog = subprocess.Popen(
+        [sys.executable, cluster_watchdog.__file__, json.dumps(settings)],
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+    )
+    try:
+        return tf.distribute.MultiWorkerMirroredStrategy(communication_options=communication_options)
+    finally:
+        watchdog.stdin.close()  # the cluster formed (or creating the strategy raised)
+        watchdog.wait()

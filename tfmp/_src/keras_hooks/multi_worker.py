@@ -1,0 +1,158 @@
+"""``fit`` and ``evaluate`` of one model under a multi-worker `tf.distribute` strategy.
+
+Keras 3 (through 3.15 at least, keras-team/keras issues 20585 and 20329) fails
+there before the first step, in two places of its TensorFlow trainer
+(``keras/src/backend/tensorflow/trainer.py``):
+
+1. ``Trainer._maybe_symbolic_build(iterator=...)``, at the start of ``fit`` and
+   ``evaluate``, takes the first distributed batch and averages it over the
+   workers with ``strategy.reduce("MEAN", batch, axis=None)`` only to learn its
+   shapes. `tf.distribute.MultiWorkerMirroredStrategy` reduces one tensor, not
+   a tuple or dict of them: ``ValueError: Attempt to convert a value
+   (PerReplica:{...}) with an unsupported type`` (`error_texts.PER_REPLICA_CONVERSION`).
+   tfmp lets Keras try first; on exactly that error it hands Keras this
+   worker's own first replica's batch (``data_batch=``), which has the shapes
+   and dtypes the symbolic build needs, and records that the model needs the
+   second fix.
+2. ``reduce_per_replica(logs, strategy, "auto")`` after each step averages the
+   step's logs over the workers with ``strategy.reduce("MEAN", value, axis=0)``,
+   which fails on the scalar metric values a train or test step returns
+   ("Invalid reduction dimension 0 for input with 0 dimensions"). Once the
+   first fix was needed, the model's ``train_step`` and ``test_step`` hand
+   every scalar log back as a vector of one element: the mean over axis 0 of
+   every replica's one element is then the mean over replicas, the reduction
+   ``MirroredStrategy`` gets (``tf.reduce_mean`` of the local results), and
+   the logs come out as scalars again.
+
+``predict`` needs neither (its ``"concat"`` reduction gathers across workers).
+Where Keras fixes the first failure, its own build succeeds, nothing is
+recorded and the model trains as plain Keras would; the test asserting plain
+Keras still fails (``tests/test_multi_worker_fit.py``) then tells a maintainer
+to remove this module.
+
+| private name used | where in Keras | what tfmp does with it |
+|---|---|---|
+| ``Trainer._maybe_symbolic_build(iterator=None, data_batch=None)`` (`SYMBOLIC_BUILD`) | ``keras/src/backend/tensorflow/trainer.py`` | hooked per model: the batch Keras averages is replaced by this worker's own |
+
+The hooks sit on the trainer surface (owner ``"multi_worker"``), per model.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Optional
+
+import tensorflow as tf
+
+from tfmp._src.keras_hooks import error_texts, patches, trainer
+from tfmp._src.keras_hooks.object_state import PerObject
+
+#: Keras's method that builds a model from its first batch at ``fit`` / ``evaluate``.
+SYMBOLIC_BUILD = "_maybe_symbolic_build"
+_STATE = PerObject("multi_worker")
+_LOCK = threading.RLock()
+
+OnStart = Callable[[Any], None]
+
+
+def is_multi_worker(strategy: Any) -> bool:
+    """Bool. Whether `strategy` spans several worker processes (replicas beyond this worker's devices)."""
+    if strategy is None or not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return False
+    return int(strategy.num_replicas_in_sync) > len(strategy.extended.worker_devices)
+
+
+def local_batch(strategy: Any, batch: Any) -> Any:
+    """`batch` with each distributed value replaced by this worker's first replica's part."""
+    return tf.nest.map_structure(
+        lambda value: strategy.experimental_local_results(value)[0]
+        if isinstance(value, tf.distribute.DistributedValues) else value,
+        batch,
+    )
+
+
+def _as_vectors(logs: Any) -> Any:
+    """Every scalar tensor of `logs` as a vector of one element; anything else unchanged."""
+    return tf.nest.map_structure(
+        lambda value: tf.reshape(value, [1])
+        if tf.is_tensor(value) and value.shape.rank == 0 else value,
+        logs,
+    )
+
+
+class _ModelFix:
+    """The hooks of one model and whether Keras's own build failed on it."""
+
+    def __init__(self, model: Any, on_start: OnStart) -> None:
+        self.model, self.on_start = model, on_start
+        self.needed = False  # Keras's own build raised PER_REPLICA_CONVERSION
+        self.hooks = patches.install_all([
+            lambda: trainer.subscribe(model, SYMBOLIC_BUILD, self._wrap_build, owner="multi_worker"),
+            lambda: trainer.subscribe(model, "train_step", self._wrap_step, owner="multi_worker"),
+            lambda: trainer.subscribe(model, "test_step", self._wrap_step, owner="multi_worker"),
+        ])
+
+    def _wrap_build(self, build: Callable) -> Callable:
+        def symbolic_build(iterator: Any = None, data_batch: Any = None) -> Any:
+            strategy = self.model.distribute_strategy
+            if iterator is None or not is_multi_worker(strategy):
+                return build(iterator=iterator, data_batch=data_batch)
+            self.on_start(self.model)
+            try:
+                return build(iterator=iterator)
+            except ValueError as error:
+                if not error_texts.is_per_replica_conversion(error):
+                    raise
+            self.needed = True
+            for _, _, batches in iterator:
+                batch = next(batches)
+                break
+            return build(data_batch=local_batch(strategy, batch))
+
+        return symbolic_build
+
+    def _wrap_step(self, step: Callable) -> Callable:
+        def step_with_vector_logs(data: Any) -> Any:
+            logs = step(data)
+            if self.needed:
+                return _as_vectors(logs)
+            return logs
+
+        return step_with_vector_logs
+
+    def remove(self) -> None:
+        for hook in reversed(self.hooks):
+            hook.remove()
+
+
+def install(model: Any, on_start: OnStart) -> None:
+    """Makes `model`'s ``fit`` and ``evaluate`` work under a multi-worker strategy (see the module docstring).
+
+    Args:
+        model: `keras.Model`, made under the strategy's scope.
+        on_start: Callable taking the model, called at the start of each
+            ``fit`` and ``evaluate`` under a multi-worker strategy, before
+            Keras reads any batch; it may raise to refuse the call.
+
+    A second `install` on the same model replaces the first.
+
+    Raises:
+        Whatever installing a hook raises; the model is then as before.
+    """
+    with _LOCK:
+        remove(model)
+        _STATE[model] = _ModelFix(model, on_start)
+
+
+def remove(model: Any) -> None:
+    """Takes `model`'s hooks off (nothing when it has none)."""
+    with _LOCK:
+        fix = _STATE.pop(model, None)
+        if fix is not None:
+            fix.remove()
+
+
+def needed(model: Any) -> Optional[bool]:
+    """Whether Keras's own build failed on `model` under a multi-worker strategy; None when not installed."""
+    fix = _STATE.get(model)
+    return None if fix is None else fix.needed

@@ -325,18 +325,6 @@ def refuse_clipped_scaled(optimizer: Any, grads: list) -> None:
             "optimizer clip: keras.optimizers.Adam(global_clipnorm=1.0) inside tfmp.LossScaleOptimizer.")
 
 
-def takes_as_unscaled(optimizer: Any, record: StepRecord, loss_recorded: bool) -> bool:
-    """Bool: `apply` takes the gradients as they are, not divided by the scale.
-
-    True under dynamic loss scaling when no loss was ever scaled by the
-    optimizer (`scale_loss` never ran: a custom ``train_step`` written as in the
-    Keras guide): those gradients are of the true loss, and dividing them by the
-    scale would make every update 32768x too small. Every gradient is still
-    checked, and a non-finite step skipped and counted.
-    """
-    return bool(optimizer.loss_scaling) and not loss_recorded and not record.ever
-
-
 def warn_if_unscaled(optimizer: Any, record: StepRecord, from_unscale: bool) -> None:
     """Warns once per optimizer when dynamic loss scaling meets gradients of an unscaled loss.
 
@@ -344,24 +332,26 @@ def warn_if_unscaled(optimizer: Any, record: StepRecord, from_unscale: bool) -> 
     gradients came from `get_unscaled_gradients` (`from_unscale`), or once
     `scale_loss` has run on the optimizer, in any step or function: gradients
     computed in one `tf.function` and applied in another cannot be told apart,
-    so only an optimizer that never scaled a loss is reported (and its
-    gradients are applied as they are: `takes_as_unscaled`).
+    so only an optimizer that never scaled a loss is reported. Its gradients
+    are divided by the scale all the same: Keras's `LossScaleOptimizer.apply`
+    does so, and code written for it (a loss multiplied by the scale by hand)
+    must train the same.
 
     Warns:
-        tfmp.LossScaleWarning: what is lost (float16 gradients below its
-            smallest subnormal) and the fix.
+        tfmp.LossScaleWarning: naming the factor and the fix.
     """
     if not optimizer.loss_scaling or from_unscale or record.ever or record.warned:
         return
     record.warned = True
+    with tf.init_scope():
+        scale = optimizer.loss_scale
     warnings.warn(
         f"Gradients reached {type(optimizer).__name__} {optimizer.name!r} (dynamic loss "
-        "scaling), but no loss was ever scaled by it: tfmp applies them as they are (not "
-        "divided by the loss scale), checks every one and skips and counts a step with an "
-        "inf or NaN, but float16 gradients below float16's smallest subnormal (~6e-8) flush "
-        "to zero, so small updates are lost. Scale the loss inside the GradientTape, before "
-        "tape.gradient: `scaled_loss = self.optimizer.scale_loss(loss)`, then take the "
-        "gradients of `scaled_loss` (keep `loss` for the metrics), or `grads = "
+        f"scaling, scale {scale:g}), but no loss was scaled by it: `apply` divides the "
+        f"gradients by the scale, as Keras's LossScaleOptimizer does, so each update is "
+        f"{scale:g}x too small and training barely moves. Scale the loss inside the "
+        "GradientTape, before tape.gradient: `scaled_loss = self.optimizer.scale_loss(loss)`, "
+        "then take the gradients of `scaled_loss` (keep `loss` for the metrics), or `grads = "
         "tfmp.scaled_gradients(tape, loss, variables, optimizer)`. Warned once per "
         "optimizer; make it an error with warnings.simplefilter('error', tfmp.LossScaleWarning).",
         LossScaleWarning,

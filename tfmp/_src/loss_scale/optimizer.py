@@ -269,8 +269,13 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
     def __repr__(self) -> str:
         """E.g. ``tfmp.LossScaleOptimizer(Adam, name='loss_scale_optimizer'): dynamic loss scale 32768, guard='auto'``."""
         scaling = "no loss scaling"
-        if self.loss_scaling:  # the value where it can be read (not while a step is traced)
-            scaling = f"dynamic loss scale {self.loss_scale:g}" if tf.executing_eagerly() else "dynamic loss scale"
+        if self.loss_scaling:
+            scaling = "dynamic loss scale"
+            if not self.built or tf.executing_eagerly():  # a variable is not read while a step is traced
+                try:
+                    scaling += f" {self.loss_scale:g}"
+                except (TypeError, ValueError):  # left unset by a first step that failed while traced
+                    pass
         return (f"tfmp.LossScaleOptimizer({type(self.inner_optimizer).__name__}, name={self.name!r}): "
                 f"{scaling}, guard={self.guard!r}")
 
@@ -461,8 +466,6 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         already = self._origins.already_unscaled(grads, self._steps.take_unscaled())
         _guard.refuse_clipped_scaled(self, [g for g, done in zip(grads, already) if not done])
         _guard.warn_if_unscaled(self, self._steps, any(already))
-        if _guard.takes_as_unscaled(self, self._steps, loss_recorded) and not any(already):
-            already = [g is not None for g in grads]  # gradients of the true loss: not divided
         self._already_unscaled = {id(g) for g, done in zip(grads, already) if done}
         first = _guard.first_check(self.guard, self.loss_scaling)
         self._check_loss = first if loss_recorded and first in _guard.LOSS_GUARDS else ""

@@ -213,7 +213,7 @@ def test_multi_worker_script_starts_two_local_workers_and_only_the_chief_logs(tm
     run = the_run(tmp_path)  # the chief made the one run folder, and wrote its one event file
     assert len(list((run / "train").iterdir())) == 1
     if AUTO != "float32":  # tfmp's optimizer: the monitor logs its scale after each epoch
-        assert [step for step, _ in read_run(run)["epoch_loss_scale"]] == [0, 1]
+        assert [step for step, _ in read_run(run)["precision/epoch_loss_scale"]] == [0, 1]
 
 
 @pytest.mark.usefixtures("hosts_answer")

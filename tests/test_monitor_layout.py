@@ -38,10 +38,15 @@ FLOAT32 = [TRAINING, GRADIENTS,
 
 
 def fit_and_read(log_dir, policy, optimizer="sgd"):
-    """Trains a 4-8-1 model for 2 epochs of 2 batches; the events its monitor wrote."""
-    with tfmp.policy_scope(policy):
-        model = keras.Sequential(
-            [keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+    """Trains a 4-8-1 model for 2 epochs of 2 batches; the events its monitor wrote.
+
+    Seeded layers, and under float16 a scale of 2**8, so that no step overflows.
+    """
+    options = {"loss_scale_options": {"initial_scale": 2.0**8}} if policy == "mixed_float16" else {}
+    init = keras.initializers.GlorotUniform
+    with tfmp.policy_scope(policy, **options):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, kernel_initializer=init(seed=1)),
+                                  keras.layers.Dense(1, kernel_initializer=init(seed=2))])
         model.compile(optimizer=optimizer, loss="mse", metrics=["mae"])
     rng = np.random.default_rng(0)
     x, y = rng.random((16, 4), dtype="float32"), rng.random((16, 1), dtype="float32")

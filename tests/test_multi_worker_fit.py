@@ -188,7 +188,7 @@ def test_two_float16_workers_enabled_before_the_strategy_skip_the_same_steps(two
     log_dir = launched["folders"]["two"] / "logs"
     events = sorted(p.name for p in (log_dir / "train").iterdir())
     assert len(events) == 1 and f".{two[0]['pid']}." in events[0], events
-    assert [v for _, v in read_run(log_dir)["batch_loss_scale"]] == expected_scales("mixed_float16", EPOCHS)
+    assert [v for _, v in read_run(log_dir)["precision/batch_loss_scale"]] == expected_scales("mixed_float16", EPOCHS)
 
 
 def test_dict_inputs_train_alike_on_every_worker(two, three):

@@ -36,7 +36,7 @@ import sys
 from typing import Dict, List, Set
 
 STORE_CALLS = {"set", "dict", "list", "WeakSet", "WeakKeyDictionary", "WeakValueDictionary", "PerObject",
-               "local", "defaultdict", "OrderedDict"}
+               "PerObjectHooks", "local", "defaultdict", "OrderedDict"}
 
 
 def private_names() -> Set[str]:
@@ -132,7 +132,7 @@ def count(root: pathlib.Path, names: Set[str]) -> Dict[str, object]:
                 hidden.add(node.value)
             if isinstance(node, ast.Attribute) and node.attr.startswith("_tfmp_"):
                 hidden.add(node.attr)
-            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "PerObject" and node.args:
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("PerObject", "PerObjectHooks") and node.args:
                 per_object.add(ast.unparse(node.args[0]))
             if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "Surface":
                 surfaces += 1

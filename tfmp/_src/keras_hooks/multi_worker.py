@@ -39,18 +39,16 @@ The hooks sit on the trainer surface (owner ``"multi_worker"``), per model.
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Callable, Optional
 
 import tensorflow as tf
 
 from tfmp._src.keras_hooks import error_texts, patches, trainer
-from tfmp._src.keras_hooks.object_state import PerObject
+from tfmp._src.keras_hooks.object_state import PerObjectHooks
 
 #: Keras's method that builds a model from its first batch at ``fit`` / ``evaluate``.
 SYMBOLIC_BUILD = "_maybe_symbolic_build"
-_STATE = PerObject("multi_worker")
-_LOCK = threading.RLock()
+_STATE = PerObjectHooks("multi_worker")
 
 OnStart = Callable[[Any], None]
 
@@ -139,17 +137,12 @@ def install(model: Any, on_start: OnStart) -> None:
     Raises:
         Whatever installing a hook raises; the model is then as before.
     """
-    with _LOCK:
-        remove(model)
-        _STATE[model] = _ModelFix(model, on_start)
+    _STATE.replace(model, lambda: _ModelFix(model, on_start))
 
 
 def remove(model: Any) -> None:
     """Takes `model`'s hooks off (nothing when it has none)."""
-    with _LOCK:
-        fix = _STATE.pop(model, None)
-        if fix is not None:
-            fix.remove()
+    _STATE.discard(model)
 
 
 def needed(model: Any) -> Optional[bool]:

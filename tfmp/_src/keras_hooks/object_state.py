@@ -9,7 +9,8 @@ saved nor checkpointed), the state lives and dies with the object.
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from typing import Any, Callable
 
 _ABSENT = object()
 
@@ -42,3 +43,29 @@ class PerObject:
         if default is _ABSENT:
             raise KeyError(f"{type(obj).__name__} has no {self.attribute}")
         return default
+
+
+class PerObjectHooks(PerObject):
+    """A `PerObject` whose state holds hooks: one value per object, with a ``remove()``.
+
+    `replace` takes an object's previous value off before the new one goes in, and
+    `discard` takes it off; both under one lock, so two threads installing on the
+    same object leave one value and no stray hook.
+    """
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self._lock = threading.RLock()
+
+    def replace(self, obj: Any, make: Callable[[], Any]) -> None:
+        """Takes `obj`'s value off, then stores ``make()`` (whatever it raises leaves none)."""
+        with self._lock:
+            self.discard(obj)
+            self[obj] = make()
+
+    def discard(self, obj: Any) -> None:
+        """Takes `obj`'s value off (its ``remove()``), nothing when it has none."""
+        with self._lock:
+            value = self.pop(obj, None)
+            if value is not None:
+                value.remove()

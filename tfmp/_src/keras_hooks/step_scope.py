@@ -20,16 +20,14 @@ not put on again.
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Callable, ContextManager, Dict, Optional
 
 from tfmp._src.keras_hooks import patches, trainer
-from tfmp._src.keras_hooks.object_state import PerObject
+from tfmp._src.keras_hooks.object_state import PerObjectHooks
 
 #: The model functions a scope covers, as ``<kind>_function`` / ``make_<kind>_function``.
 KINDS = ("train", "test", "predict")
-_STATE = PerObject("step_scope")
-_LOCK = threading.RLock()
+_STATE = PerObjectHooks("step_scope")
 
 Scope = Callable[[], ContextManager[Any]]
 
@@ -118,17 +116,12 @@ def install(model: Any, scope: Scope, *, name: str) -> None:
     Raises:
         Whatever installing a hook raises; the model is then as before.
     """
-    with _LOCK:
-        remove(model)
-        _STATE[model] = _ModelScope(model, scope, name)
+    _STATE.replace(model, lambda: _ModelScope(model, scope, name))
 
 
 def remove(model: Any) -> None:
     """Takes `model`'s scope off (nothing when it has none); Keras's functions are back."""
-    with _LOCK:
-        state = _STATE.pop(model, None)
-        if state is not None:
-            state.remove()
+    _STATE.discard(model)
 
 
 def scope_entry(model: Any) -> Optional[Scope]:

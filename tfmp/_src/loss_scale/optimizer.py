@@ -70,7 +70,6 @@ FORWARDED_SETTINGS = (
 #: Bits of `last_loss_status`: what the last step found non-finite.
 STATUS_BITS = {"loss nan": 1, "loss inf": 2, "batch nan": 4, "batch inf": 8, "values": 16}
 _LOSS_BITS = 1 | 2
-_BATCH_BITS = 4 | 8
 #: Length of the overflow history ring buffers (`overflow_history_steps`,
 #: `overflow_history_scales`): how many skipped steps a reader polling between
 #: steps (tfmp.LossScaleMonitor) can itemize; older ones are only counted.

@@ -9,7 +9,6 @@ test by test.
 """
 
 import gc
-import importlib.util
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -61,8 +60,11 @@ def scheduling_unit(nodeid):
     return module if module.rsplit("/", 1)[-1] in ONE_WORKER_MODULES else nodeid
 
 
-if importlib.util.find_spec("xdist") is not None:
+class ModuleOrTestScheduler:
+    """The xdist hook, registered only where pytest-xdist is active (`pytest_configure`):
+    under ``-p no:xdist`` pytest refuses a conftest hook of an unknown plugin."""
 
+    @staticmethod
     def pytest_xdist_make_scheduler(config, log):
         """``--dist loadscope`` with `scheduling_unit` as the scope.
 
@@ -79,6 +81,11 @@ if importlib.util.find_spec("xdist") is not None:
                 return scheduling_unit(nodeid)
 
         return ModuleOrTestScheduling(config, log)
+
+
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(ModuleOrTestScheduler(), "tfmp-module-or-test-scheduler")
 
 
 def tfmp_leftovers():

@@ -1,13 +1,15 @@
 """The backend-ops surface: the functions of Keras's TensorFlow backend that ``keras.ops`` calls.
 
 ``keras.ops.gelu``, ``conv`` and ``conv_transpose`` look their backend function
-up on ``backend.nn``, ``keras.ops.add`` on ``backend.numpy``, at each call; a
-hook on the module's attribute sees every such call of every model in the
-process, so each subscriber decides per call from the attachment of the layer
-that calls it (`layer_calls.calling_layer`) and hands any other call on
-unchanged. Every subscriber here is an optional feature: where a Keras release
-moved what it hooks, installing fails and `availability` switches the feature
-off with one warning.
+up on the backend's nn module, ``keras.ops.add`` on its numpy module, at each
+call (``backend.nn`` / ``backend.numpy`` in Keras 3.12-3.15, ``backend.ops.nn``
+/ ``backend.ops.numpy`` from Keras 3.16; `PLACES`); a hook on the module's
+attribute sees every such call of every model in the process, so each
+subscriber decides per call from the attachment of the layer that calls it
+(`layer_calls.calling_layer`) and hands any other call on unchanged. Every
+subscriber here is an optional feature: where a Keras release moved what it
+hooks to a place `PLACES` does not know, installing fails and `availability`
+switches the feature off with one warning.
 
 Subscribers, innermost first (`SURFACE`): ``gelu`` (the 16-bit exact GELU in
 float32 inside, `tfmp._src.float32.gelu`), ``conv`` (float16 convolutions in
@@ -16,8 +18,10 @@ gradients summed with float32 accumulation, `tfmp._src.float32.bias_gradient`).
 
 | private name used | where in Keras | what tfmp does with it |
 |---|---|---|
-| ``keras.src.backend.tensorflow.nn`` (the module ``keras.ops.gelu`` reads ``gelu`` from at each call, as ``backend.nn``) | ``keras/src/backend/tensorflow/nn.py``, ``keras/src/ops/nn.py`` | `backend_nn`: the module whose ``gelu``, ``conv`` and ``conv_transpose`` are hooked |
-| ``keras.src.backend.tensorflow.numpy`` (the module ``keras.ops.add`` reads ``add`` from at each call, as ``backend.numpy``; its ``add`` takes ``tf.nn.bias_add`` for a bias vector) | ``keras/src/backend/tensorflow/numpy.py``, ``keras/src/ops/numpy.py`` | `backend_numpy`: the module whose ``add`` is hooked |
+| ``keras.src.backend.tensorflow.nn`` (Keras 3.12-3.15: the module ``keras.ops.gelu`` reads ``gelu`` from at each call, as ``backend.nn``) | ``keras/src/backend/tensorflow/nn.py``, ``keras/src/ops/nn.py`` | `backend_nn`: the module whose ``gelu``, ``conv`` and ``conv_transpose`` are hooked |
+| ``keras.src.backend.tensorflow.ops.nn`` (Keras 3.16: the same module moved, read as ``backend.ops.nn``) | ``keras/src/backend/tensorflow/ops/nn.py``, ``keras/src/ops/nn.py`` | `backend_nn`, as above |
+| ``keras.src.backend.tensorflow.numpy`` (Keras 3.12-3.15: the module ``keras.ops.add`` reads ``add`` from at each call, as ``backend.numpy``; its ``add`` takes ``tf.nn.bias_add`` for a bias vector) | ``keras/src/backend/tensorflow/numpy.py``, ``keras/src/ops/numpy.py`` | `backend_numpy`: the module whose ``add`` is hooked |
+| ``keras.src.backend.tensorflow.ops.numpy`` (Keras 3.16: the same module moved, read as ``backend.ops.numpy``) | ``keras/src/backend/tensorflow/ops/numpy.py``, ``keras/src/ops/numpy.py`` | `backend_numpy`, as above |
 """
 
 from __future__ import annotations
@@ -36,33 +40,79 @@ SURFACE = patches.Surface(
 #: (what tfmp relies on Keras doing, the test that checks it).
 CALL_ORDER: Tuple[Tuple[str, str], ...] = (
     ("keras.ops.gelu (so activation='gelu', keras.activations.gelu, Activation('gelu')) calls "
-     "gelu(x, approximate) looked up on backend.nn at each call",
+     "gelu(x, approximate) looked up on backend.nn (Keras 3.12-3.15) or backend.ops.nn (3.16) at each call",
      "tests/test_gelu.py::test_where_the_16_bit_gelu_is_slow_a_model_computes_its_exact_gelus_in_float32_only"),
     ("keras.ops.conv and conv_transpose (so Conv1D/2D/3D and their transposes) call "
-     "conv(inputs, kernel, ...) and conv_transpose(inputs, kernel, ...) looked up on backend.nn at each call",
+     "conv(inputs, kernel, ...) and conv_transpose(inputs, kernel, ...) looked up on backend.nn "
+     "(Keras 3.12-3.15) or backend.ops.nn (3.16) at each call",
      "tests/test_conv.py::test_keras_still_calls_the_backend_convolutions_by_module_attribute"),
     ("keras.ops.add (so Dense's and the convolutions' bias) calls add(x1, x2) looked up on "
-     "backend.numpy at each call, which adds a bias vector with tf.nn.bias_add",
+     "backend.numpy (Keras 3.12-3.15) or backend.ops.numpy (3.16) at each call, which adds a bias "
+     "vector with tf.nn.bias_add",
      "tests/test_bias_gradient.py::test_keras_still_calls_the_backend_add_by_module_attribute"),
 )
 
 
-def backend_numpy() -> Any:
-    """The module of Keras's TensorFlow backend ops that ``keras.ops`` calls (``backend.numpy``)."""
+#: Where ``keras.ops`` finds each backend module, as attribute paths on
+#: ``keras.src.backend``, the newest release's first: (``"nn"`` or ``"numpy"``,
+#: the paths). A path present is the module ``keras.ops`` reads (the contract
+#: tests in `CALL_ORDER` check it on the installed pair).
+PLACES: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
+    ("nn", ("ops.nn", "nn")),  # Keras 3.16: backend.ops.nn; 3.12-3.15: backend.nn
+    ("numpy", ("ops.numpy", "numpy")),  # Keras 3.16: backend.ops.numpy; 3.12-3.15: backend.numpy
+)
+
+
+def _backend_module(kind: str) -> Any:
+    """The backend module `kind` (a key of `PLACES`) at the first of its paths the installed Keras has.
+
+    Raises:
+        AttributeError: none of its paths exists (Keras moved it again).
+    """
     from keras.src import backend
 
-    return backend.numpy
+    paths = dict(PLACES)[kind]
+    for path in paths:
+        found: Any = backend
+        for part in path.split("."):
+            found = getattr(found, part, None)
+            if found is None:
+                break
+        else:
+            return found
+    raise AttributeError(
+        f"module 'keras.src.backend' has none of {', '.join(paths)} (the backend's {kind} module "
+        "keras.ops calls)")
+
+
+def backend_numpy() -> Any:
+    """The module of Keras's TensorFlow backend ops that ``keras.ops.add`` calls.
+
+    ``backend.ops.numpy`` from Keras 3.16, ``backend.numpy`` before (`PLACES`).
+
+    Raises:
+        AttributeError: the installed Keras has it at neither place.
+    """
+    return _backend_module("numpy")
 
 
 def backend_nn() -> Any:
-    """The module of Keras's TensorFlow backend ops that ``keras.ops`` calls (``backend.nn``)."""
-    from keras.src import backend
+    """The module of Keras's TensorFlow backend ops that ``keras.ops.gelu``, ``conv`` and ``conv_transpose`` call.
 
-    return backend.nn
+    ``backend.ops.nn`` from Keras 3.16, ``backend.nn`` before (`PLACES`).
+
+    Raises:
+        AttributeError: the installed Keras has it at neither place.
+    """
+    return _backend_module("nn")
 
 
 def module_of(function: str) -> Any:
-    """The backend module whose attribute `function` (one of `SURFACE.methods`) ``keras.ops`` reads."""
+    """The backend module whose attribute `function` (one of `SURFACE.methods`) ``keras.ops`` reads.
+
+    Raises:
+        AttributeError: the installed Keras has that module at none of its `PLACES`.
+    """
     return backend_numpy() if function == "add" else backend_nn()
 
 

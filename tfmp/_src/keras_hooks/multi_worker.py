@@ -4,8 +4,8 @@ Keras 3 (through 3.15 at least, keras-team/keras issues 20585 and 20329) fails
 there before the first step, in two places of its TensorFlow trainer
 (``keras/src/backend/tensorflow/trainer.py``):
 
-1. ``Trainer._maybe_symbolic_build(iterator=...)``, at the start of ``fit`` and
-   ``evaluate``, takes the first distributed batch and averages it over the
+1. The trainer's ``_maybe_symbolic_build(iterator=...)``, at the start of
+   ``fit`` and ``evaluate``, takes the first distributed batch and averages it over the
    workers with ``strategy.reduce("MEAN", batch, axis=None)`` only to learn its
    shapes. `tf.distribute.MultiWorkerMirroredStrategy` reduces one tensor, not
    a tuple or dict of them: ``ValueError: Attempt to convert a value
@@ -32,7 +32,7 @@ to remove this module.
 
 | private name used | where in Keras | what tfmp does with it |
 |---|---|---|
-| ``Trainer._maybe_symbolic_build(iterator=None, data_batch=None)`` (`SYMBOLIC_BUILD`) | ``keras/src/backend/tensorflow/trainer.py`` | hooked per model: the batch Keras averages is replaced by this worker's own |
+| ``TensorFlowTrainer._maybe_symbolic_build(iterator=None, data_batch=None)`` (Keras 3.12-3.15), ``Trainer._maybe_symbolic_build`` (3.16) (`SYMBOLIC_BUILD`) | ``keras/src/backend/tensorflow/trainer.py`` | hooked per model: the batch Keras averages is replaced by this worker's own |
 
 The hooks sit on the trainer surface (owner ``"multi_worker"``), per model.
 """

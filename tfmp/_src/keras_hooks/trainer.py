@@ -14,11 +14,17 @@ model's ``quantize``), ``enable.compile`` (``compile``,
 hooks below; `train_function`, `step_scope`, `fit_lifecycle` and `multi_worker` are the
 per-model dispatchers built on the same surface.
 
+Keras renamed its trainer classes in 3.16 (`BASE_TRAINER_NAMES`,
+`TENSORFLOW_TRAINER_NAMES`): the backend-independent base, ``Trainer`` in
+Keras 3.12-3.15, is ``BaseTrainer``; the TensorFlow backend's,
+``TensorFlowTrainer``, is ``Trainer``. tfmp finds each by the method it
+defines (`patches.defining_class`), never by name.
+
 | private name used | where in Keras | what tfmp does with it |
 |---|---|---|
-| ``Trainer._loss_tracker`` | ``keras/src/trainers/trainer.py`` | `loss_tracker`: samples seen this epoch (the monitor's throughput) |
-| ``Trainer.compile`` identity in ``compile_from_config`` | ``keras/src/trainers/trainer.py`` | the compile hook is set on the class that defines ``compile`` (`patches.defining_class`), so loading still compiles |
-| ``Trainer._maybe_symbolic_build`` (`multi_worker.SYMBOLIC_BUILD`) | ``keras/src/backend/tensorflow/trainer.py`` | hooked per model under a multi-worker strategy (`multi_worker`) |
+| ``Trainer._loss_tracker`` (Keras 3.12-3.15), ``BaseTrainer._loss_tracker`` (3.16) | ``keras/src/trainers/trainer.py`` | `loss_tracker`: samples seen this epoch (the monitor's throughput) |
+| ``Trainer.compile`` (Keras 3.12-3.15), ``BaseTrainer.compile`` (3.16): its identity in ``compile_from_config`` | ``keras/src/trainers/trainer.py`` | the compile hook is set on the class that defines ``compile`` (`patches.defining_class`), so loading still compiles |
+| ``TensorFlowTrainer._maybe_symbolic_build`` (Keras 3.12-3.15), ``Trainer._maybe_symbolic_build`` (3.16) (`multi_worker.SYMBOLIC_BUILD`) | ``keras/src/backend/tensorflow/trainer.py`` | hooked per model under a multi-worker strategy (`multi_worker`) |
 | ``Layer._setattr_hook`` (`SETATTR_HOOK`) | ``keras/src/backend/tensorflow/layer.py``, ``keras/src/ops/operation.py`` | `tfmp._src.loss_scale.custom_optimizers` sees optimizers a custom ``compile`` stores on a model |
 
 - ``compile``: `install_compile_hook` routes every ``Model.compile`` call to tfmp's
@@ -106,7 +112,7 @@ CALL_ORDER: Tuple[Tuple[str, str], ...] = (
      "tests/test_safety.py::test_one_nan_input_the_forward_pass_hides_is_skipped"),
     ("Layer.__setattr__ passes each assignment on a model through the instance's _setattr_hook",
      "tests/test_custom_compile.py::test_optimizers_set_before_super_compile_or_after_it_are_wrapped_and_lists_warned_about"),
-    ("saving writes model.get_compile_config() (Trainer's, hooked while tfmp optimizers live) and, under "
+    ("saving writes model.get_compile_config() (the base trainer's, hooked while tfmp optimizers live) and, under "
      "optimizer/<attribute>, every KerasSaveable attribute of the optimizer (loss_scale_counters); "
      "loading a built-in class accepts a registered_name equal to its class name and ignores "
      "unknown keys beside an entry's config (saved_form)",
@@ -119,6 +125,16 @@ CALL_ORDER: Tuple[Tuple[str, str], ...] = (
      "fails once Keras fixes it)",
      "tests/test_multi_worker_fit.py::test_plain_keras_fit_still_fails_under_multi_worker_and_tfmp_fit_matches_one_process"),
 )
+
+#: The names of Keras's backend-independent trainer class, which defines
+#: ``compile``, ``compile_from_config``, ``get_compile_config`` and ``fit``
+#: (``keras/src/trainers/trainer.py``): Keras 3.12-3.15's, then 3.16's.
+BASE_TRAINER_NAMES: Tuple[str, ...] = ("Trainer", "BaseTrainer")
+
+#: The names of the TensorFlow backend's trainer class, which defines
+#: ``make_train_function`` and ``_maybe_symbolic_build``
+#: (``keras/src/backend/tensorflow/trainer.py``): Keras 3.12-3.15's, then 3.16's.
+TENSORFLOW_TRAINER_NAMES: Tuple[str, ...] = ("TensorFlowTrainer", "Trainer")
 
 #: The method ``Layer.__setattr__`` calls first, with ``(name, value)``, storing
 #: the pair it returns (Keras's per-backend hook; ``Operation``'s returns both

@@ -26,6 +26,9 @@ ZEN4 = _cpu("zen4", "AMD EPYC (Zen 4)")
 SAPPHIRE_RAPIDS = _cpu("sapphirerapids", "Intel Xeon Platinum 8480+", "avx512_fp16")
 #: An Intel Xeon without bfloat16 (Cascade Lake). "auto" = float32.
 XEON_NO_BF16 = _cpu("cascadelake", "Intel Xeon Platinum 8259CL")
+#: AMD Zen 3: AVX2 only, none of the flags with which TensorFlow turns oneDNN on by
+#: default, so its Eigen kernels run everything. "auto" = float32.
+ZEN3 = _cpu("zen3", "AMD EPYC (Zen 3)")
 #: Sapphire Rapids with TensorFlow's oneDNN turned off: bfloat16 and float16 on Eigen.
 SAPPHIRE_RAPIDS_NO_ONEDNN = DeviceFacts(
     cpu_name=SAPPHIRE_RAPIDS.cpu_name, cpu_flags=SAPPHIRE_RAPIDS.cpu_flags,
@@ -35,7 +38,7 @@ A100 = DeviceFacts(gpus=(GpuFacts("NVIDIA A100-SXM4-40GB", (8, 0)),),
                    cpu_name=SAPPHIRE_RAPIDS.cpu_name, cpu_flags=SAPPHIRE_RAPIDS.cpu_flags)
 
 #: Every machine above, by name (pytest ids).
-ALL = {"zen4": ZEN4, "sapphire_rapids": SAPPHIRE_RAPIDS, "xeon_no_bf16": XEON_NO_BF16,
+ALL = {"zen4": ZEN4, "zen3": ZEN3, "sapphire_rapids": SAPPHIRE_RAPIDS, "xeon_no_bf16": XEON_NO_BF16,
        "sapphire_rapids_no_onednn": SAPPHIRE_RAPIDS_NO_ONEDNN, "a100": A100}
 #: The CPUs above on which a float16 model runs without Grappler's remapper, and not.
 REMAPPER_TRAP = {"sapphire_rapids": SAPPHIRE_RAPIDS, "zen4": ZEN4}

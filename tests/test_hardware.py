@@ -129,7 +129,33 @@ def test_auto_decides_from_what_archspec_reports(case, monkeypatch):
 
 
 ZEN4 = dict(cpu_name="AMD EPYC", cpu_flags=frozenset({"sse2", "avx512_bf16"}), cpu_target="zen4")
+#: x86 CPUs without bfloat16: Cascade Lake has AVX512_VNNI (oneDNN on by default on
+#: Linux), Zen 3 none of TensorFlow's oneDNN flags (off).
+CASCADE_LAKE = dict(cpu_name="Intel Xeon", cpu_flags=frozenset({"sse2", "avx512f", "avx512_vnni"}),
+                    cpu_target="cascadelake")
+ZEN3 = dict(cpu_name="AMD EPYC", cpu_flags=frozenset({"sse2", "avx2", "fma"}), cpu_target="zen3")
 V2 = dict(cpu_name="ARM neoverse_v2", cpu_flags=frozenset({"bf16"}), cpu_target="neoverse_v2")
+
+
+@pytest.mark.parametrize("facts, env, system, onednn", [
+    (CASCADE_LAKE, None, "Linux", True), (ZEN3, None, "Linux", False), (ZEN3, "1", "Linux", True),
+    (ZEN3, None, "Windows", True), (dict(ZEN3, cpu_flags=frozenset({"sse2", "avx_vnni"})), None, "Linux", True),
+    (dict(ZEN3, cpu_flags=frozenset({"sse2", "amx_tile"})), None, "Linux", True),
+])
+def test_onednn_default_on_linux_x86_needs_one_of_tensorflows_flags(facts, env, system, onednn):
+    device = tfmp.DeviceFacts(system=system, onednn_env=env, **facts)
+    assert device.onednn is onednn
+    assert device.onednn_float16 is False  # no float16 flag in any of them
+    assert tfmp.recommend_policy(device).policy == "float32"  # and no bfloat16 flag
+
+
+def test_the_onednn_rule_says_what_tensorflow_does_on_this_machine():
+    """The rule against TensorFlow's own answer here (`IsMklEnabled`), so a TensorFlow
+    release that changes its default, or a CPU the rule misreads, fails here."""
+    from tensorflow.python.util import _pywrap_util_port
+
+    facts = _hardware._read_device_facts()  # this machine's, never injected ones
+    assert facts.onednn is bool(_pywrap_util_port.IsMklEnabled()), facts
 
 
 @pytest.mark.parametrize("facts, env, system, onednn", [
@@ -231,12 +257,13 @@ def test_injected_facts_are_this_machines_in_every_thread_nested_and_come_off():
 
 
 @pytest.mark.parametrize("flags, env, expected", [
-    ({"sse2", "avx512bw", "avx512_fp16"}, None, True),  # Sapphire Rapids
-    ({"sse2", "avx512bw", "amx_fp16"}, None, True),  # AMX-FP16 (Granite Rapids)
-    ({"sse2", "avx_ne_convert"}, None, True),  # AVX-NE-CONVERT without AVX-512
-    ({"sse2", "avx512_fp16"}, None, False),  # AVX512_FP16 needs AVX512BW too
+    ({"sse2", "avx512bw", "avx512_vnni", "avx512_fp16"}, None, True),  # Sapphire Rapids
+    ({"sse2", "avx512bw", "avx512_vnni", "amx_fp16"}, None, True),  # AMX-FP16 (Granite Rapids)
+    ({"sse2", "avx_vnni", "avx_ne_convert"}, None, True),  # AVX-NE-CONVERT without AVX-512
+    ({"sse2", "avx512_vnni", "avx512_fp16"}, None, False),  # AVX512_FP16 needs AVX512BW too
     ({"sse2", "avx512bw", "avx512_bf16"}, None, False),  # Zen 4: bfloat16 only
-    ({"sse2", "avx512bw", "avx512_fp16"}, "0", False),  # oneDNN off: Eigen's float16
+    ({"sse2", "avx512bw", "avx512_vnni", "avx512_fp16"}, "0", False),  # oneDNN off: Eigen's float16
+    ({"sse2", "avx_ne_convert"}, None, False),  # no oneDNN default flag: oneDNN off
 ])
 def test_onednn_float16_follows_tensorflows_rule(flags, env, expected):
     """TensorFlow 2.21 ``IsDataTypeSupportedByOneDNNOnThisCPU(DT_HALF)``, written out."""

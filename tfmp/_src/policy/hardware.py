@@ -44,22 +44,34 @@ ONEDNN_ENV = "TF_ENABLE_ONEDNN_OPTS"
 ONEDNN_FLOAT16_FLAGS = ("avx512_fp16", "amx_fp16", "avx_ne_convert")
 
 
-def onednn_enabled(system: str, env_value: Optional[str], x86: bool, cpu_target: str) -> bool:
+#: x86 CPU flags with which TensorFlow turns oneDNN on by default on Linux: AVX512_VNNI,
+#: AVX512_BF16, AVX_VNNI or AMX (Intel Cascade Lake, Cooper Lake, Alder Lake,
+#: Sapphire Rapids and later, AMD Zen 4 and later). Without one (AMD Zen 3, Intel
+#: Skylake) TensorFlow runs Eigen's kernels. Source: TensorFlow 2.21
+#: ``tensorflow/core/util/port.cc``, ``DefaultOneDnnPolicy``.
+ONEDNN_DEFAULT_FLAGS = ("avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
+
+
+def onednn_enabled(system: str, env_value: Optional[str], x86: bool, cpu_target: str,
+                   cpu_flags: frozenset = frozenset()) -> bool:
     """Whether TensorFlow runs its oneDNN CPU kernels, hence hardware bfloat16 matmuls.
 
     TensorFlow 2.21's rule (``tensorflow/core/util/port.cc``, ``IsMklEnabled`` and
     ``DefaultOneDnnPolicy``): ``TF_ENABLE_ONEDNN_OPTS`` decides when it is
     ``0``/``false``/``1``/``true`` (any case); otherwise oneDNN is on by default on
-    Windows x86, and on Linux for x86 CPUs with AVX512_VNNI, AVX512_BF16, AVX_VNNI
-    or AMX (every x86 CPU with a bfloat16 flag has one of them) and for Arm
-    Neoverse V1 only; off elsewhere (macOS, other Arm CPUs on Linux). Without
-    oneDNN, bfloat16 runs on Eigen's kernels, which convert to float32 and back.
+    Windows x86, and on Linux for x86 CPUs with one of `ONEDNN_DEFAULT_FLAGS`
+    (every x86 CPU with a bfloat16 flag has one of them) and for Arm Neoverse V1
+    only; off elsewhere (macOS, other Arm CPUs on Linux, x86 CPUs without those
+    flags). Without oneDNN, bfloat16 runs on Eigen's kernels, which convert to
+    float32 and back. `tests/test_hardware.py` checks this rule against
+    TensorFlow's own answer on the machine the tests run on.
 
     Args:
         system: String, `platform.system()`: ``"Linux"``, ``"Windows"``, ``"Darwin"``.
         env_value: String or None. The value of ``TF_ENABLE_ONEDNN_OPTS``.
         x86: Bool. The CPU is x86 (else Arm).
         cpu_target: String. archspec's microarchitecture name, e.g. ``"neoverse_v1"``.
+        cpu_flags: Frozenset of lowercase CPU flags as Linux spells them.
 
     Returns:
         Bool.
@@ -72,7 +84,7 @@ def onednn_enabled(system: str, env_value: Optional[str], x86: bool, cpu_target:
     if system == "Windows":
         return x86
     if system == "Linux":
-        return x86 or cpu_target == "neoverse_v1"
+        return (x86 and bool(set(ONEDNN_DEFAULT_FLAGS) & cpu_flags)) or cpu_target == "neoverse_v1"
     return False
 
 
@@ -158,7 +170,7 @@ class DeviceFacts:
     def onednn(self) -> bool:
         """Bool. TensorFlow's oneDNN CPU kernels are on (see `onednn_enabled`)."""
         x86 = bool(set(self.cpu_bf16_flags) - {"bf16"}) or "sse2" in self.cpu_flags
-        return onednn_enabled(self.system, self.onednn_env, x86, self.cpu_target)
+        return onednn_enabled(self.system, self.onednn_env, x86, self.cpu_target, self.cpu_flags)
 
     @property
     def onednn_float16(self) -> bool:

@@ -363,7 +363,8 @@ def _onednn_off(facts: DeviceFacts, probe: Optional[SpeedProbe] = None) -> str:
     return (
         f"The CPU has {'/'.join(facts.cpu_bf16_flags).upper()}, but TensorFlow's oneDNN "
         f"kernels are off ({why}; TensorFlow 2.21 turns them on by default only on "
-        "Linux for x86 and Arm Neoverse V1, and on Windows x86): bfloat16 would run on "
+        "Linux for x86 CPUs with AVX512_VNNI, AVX512_BF16, AVX_VNNI or AMX and for Arm "
+        "Neoverse V1, and on Windows x86): bfloat16 would run on "
         "Eigen's kernels, which convert to float32 and back, slower than float32"
         f"{_measured('bfloat16', probe)}. "
         f"Set {ONEDNN_ENV}=1 before TensorFlow starts to use oneDNN."

@@ -1,0 +1,42 @@
+"""What TensorFlow itself does on the machine the tests run on, by the rules tfmp uses.
+
+A test of what tfmp decides injects the machine it needs (`_machines`) and passes
+on any CPU. A test that observes TensorFlow's own kernels or graphs (which kernel
+refuses, which ops Grappler fuses, which sum a kernel loses) reads its expectation
+here, from this machine's real facts (never injected ones) through tfmp's rules
+(`tfmp._src.policy.hardware`), or skips naming the premise that does not hold
+here. `tests/test_hardware.py` checks the oneDNN rule against TensorFlow's own
+answer, and each premise below has a test against the real kernels.
+"""
+
+import pytest
+
+from tfmp import DeviceFacts
+from tfmp._src.policy import hardware
+
+
+def this_machine() -> DeviceFacts:
+    """`DeviceFacts` of the machine the tests run on, whatever a test injected."""
+    return hardware._read_device_facts()
+
+
+def channels_first_conv_trains(dtype: str, facts: DeviceFacts = None) -> bool:
+    """Whether TensorFlow's CPU kernels train a ``channels_first`` Conv2D computing in `dtype`.
+
+    Only oneDNN's do (Eigen's ``Conv2D`` and ``Conv2DCustomBackpropFilterOp`` take
+    NHWC only), and oneDNN takes float16 only where `DeviceFacts.onednn_float16`.
+    """
+    facts = facts or this_machine()
+    return facts.onednn and (dtype != "float16" or facts.onednn_float16)
+
+
+def conv2d_bias_gradient_is_fused() -> bool:
+    """Whether a traced Conv2D's bias gradient comes out of oneDNN's fused filter-and-bias
+    kernel (float32 accumulation): where oneDNN is on."""
+    return this_machine().onednn
+
+
+def require(premise: bool, what: str) -> None:
+    """Skips the calling test where `premise` does not hold here; `what` names it."""
+    if not premise:
+        pytest.skip(f"premise does not hold on this machine ({this_machine().cpu_name}): {what}")

@@ -199,3 +199,18 @@ def restore_probe_caches():
     yield
     bias_gradient._cache.clear()
     bias_gradient._cache.update(before)
+
+
+# The XLA tier (tests/_xla.py): with TFMP_TEST_JIT_COMPILE=1, every compile whose
+# jit_compile is "auto" (Keras's default) uses XLA as on a GPU, for the whole
+# session (module fixtures included); Keras's own resolution is back at the end.
+@pytest.fixture(autouse=True, scope="session")
+def xla_tier_auto_jit_compile():
+    """Under ``TFMP_TEST_JIT_COMPILE=1``: ``jit_compile="auto"`` resolves as on a GPU (`_xla.gpu_like_auto_jit_compile`)."""
+    import _xla
+
+    if not _xla.xla_tier():
+        yield
+        return
+    with _xla.gpu_like_auto_jit_compile():
+        yield

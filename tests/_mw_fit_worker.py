@@ -2,7 +2,7 @@
 run by tests/test_multi_worker_fit.py with `TF_CONFIG` naming every worker on 127.0.0.1.
 
     TF_CONFIG=... python tests/_mw_fit_worker.py --out result.json --policy auto \
-        --order after --log-dir DIR [--plain] [--timeout S]
+        --order after --log-dir DIR [--plain] [--timeout S] [--machine zen4]
         [--backup DIR --progress FILE [--die-at EPOCH]]
 
 Every worker builds the same tiny Dense model (weights 0.125) and trains it with
@@ -53,6 +53,14 @@ TIMEOUT_S = float(sys.argv[sys.argv.index("--timeout") + 1]) if "--timeout" in s
 import tensorflow as tf  # noqa: E402
 
 import tfmp  # noqa: E402
+
+if "--machine" in sys.argv:  # a machine of tests/_machines.py made this process's, for its lifetime
+    from _machines import ALL  # noqa: E402
+
+    from tfmp._src.policy.hardware import injected_facts  # noqa: E402
+
+    MACHINE = injected_facts(ALL[sys.argv[sys.argv.index("--machine") + 1]])  # kept: collected, it ends
+    MACHINE.__enter__()
 
 LSO_OPTIONS = {"initial_scale": 2.0**10, "dynamic_growth_steps": 2}
 if ORDER == "before":
@@ -271,6 +279,7 @@ def main(argv):
     parser.add_argument("--die-at", type=int)
     parser.add_argument("--progress")
     parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--machine", help="a name of tests/_machines.py ALL whose facts the process takes")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore", tfmp.PerformanceWarning)  # float16 on a CPU
     result = {"pid": os.getpid(), "is_chief": is_chief(STRATEGY), "replicas": workers()}

@@ -7,12 +7,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from _collect import collect_everything
+from _machines import ZEN4
 
 import tfmp
 from tfmp._src.attachment import hooks as attachment_hooks
 from tfmp._src.float32 import fused_batchnorm
 from tfmp._src.keras_hooks import patches
 from tfmp._src.keras_hooks import backend_ops
+from tfmp._src.policy.hardware import injected_facts
 
 pytestmark = pytest.mark.filterwarnings("ignore::tfmp.PerformanceWarning")  # 16 bits emulated on CPUs
 X = np.random.RandomState(0).normal(size=(8, 6, 6, 3)).astype("float32")
@@ -387,8 +389,9 @@ def test_a_refused_model_argument_names_the_function_called_in_its_fix(function)
 
 
 def test_an_optional_feature_whose_keras_surface_moved_is_off_with_one_warning_and_training_goes_on(monkeypatch):
-    """As on keras-nightly 3.16, where ``keras.src.backend.nn`` and ``numpy`` moved: the GELU,
-    convolution and bias-gradient features switch off; enable, compile, fit, save and load work."""
+    """As on a Keras that moved the backend's nn and numpy modules where `backend_ops.PLACES` does not
+    look (as keras-nightly 3.16 did before tfmp knew ``backend.ops``): the GELU, convolution and
+    bias-gradient features switch off; enable, compile, fit, save and load work."""
     import warnings
 
     from tfmp._src.keras_hooks import availability
@@ -399,30 +402,31 @@ def test_an_optional_feature_whose_keras_surface_moved_is_off_with_one_warning_a
     monkeypatch.setattr(backend_ops, "backend_nn", moved)
     monkeypatch.setattr(backend_ops, "backend_numpy", moved)
     x, y = np.ones((8, 8), "float32"), np.ones((8, 2), "float32")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            with tfmp.policy_scope("mixed_bfloat16"):
-                model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation="gelu"),
-                                          keras.layers.Dense(2)])
-                model.compile("adam", "mse")
-        said = sorted(str(w.message) for w in caught if "turned one feature off" in str(w.message))
-        assert len(said) == 3  # gelu, conv, bias_gradient: once each
-        assert {w.filename for w in caught if "turned one feature off" in str(w.message)} == {__file__}
-        for feature, text in zip(("bfloat16 bias gradients", "exact GELU", "float16 convolutions"), said):
-            assert text.startswith(f"tfmp turned one feature off in this process, {feature}")
-            assert f"Keras {keras.__version__}" in text
-            assert "has no attribute 'nn'" in text and "work as under plain Keras" in text
-        found = tfmp.attachment(model)
-        assert found.gelu.startswith("keras: off, Keras ") and found.bias_gradient.startswith("keras: off, ")
-        assert found.conv == "keras"  # a bfloat16 model: the convolution rule does not apply
-        history = model.fit(x, y, batch_size=4, epochs=2, verbose=0)
-        assert all(np.isfinite(history.history["loss"]))
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # said once per process
-            with tfmp.policy_scope("mixed_bfloat16"):
-                again = keras.models.clone_model(model)
-                again.compile("adam", "mse")
-        assert tfmp.attachment(again).gelu.startswith("keras: off, ")
-    finally:
-        availability.clear()
+    with injected_facts(ZEN4):  # a CPU where mixed_bfloat16 is fast: no PerformanceWarning
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with tfmp.policy_scope("mixed_bfloat16"):
+                    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation="gelu"),
+                                              keras.layers.Dense(2)])
+                    model.compile("adam", "mse")
+            said = sorted(str(w.message) for w in caught if "turned one feature off" in str(w.message))
+            assert len(said) == 3  # gelu, conv, bias_gradient: once each
+            assert {w.filename for w in caught if "turned one feature off" in str(w.message)} == {__file__}
+            for feature, text in zip(("bfloat16 bias gradients", "exact GELU", "float16 convolutions"), said):
+                assert text.startswith(f"tfmp turned one feature off in this process, {feature}")
+                assert f"Keras {keras.__version__}" in text
+                assert "has no attribute 'nn'" in text and "work as under plain Keras" in text
+            found = tfmp.attachment(model)
+            assert found.gelu.startswith("keras: off, Keras ") and found.bias_gradient.startswith("keras: off, ")
+            assert found.conv == "keras"  # a bfloat16 model: the convolution rule does not apply
+            history = model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+            assert all(np.isfinite(history.history["loss"]))
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # said once per process
+                with tfmp.policy_scope("mixed_bfloat16"):
+                    again = keras.models.clone_model(model)
+                    again.compile("adam", "mse")
+            assert tfmp.attachment(again).gelu.startswith("keras: off, ")
+        finally:
+            availability.clear()

@@ -5,7 +5,8 @@ One module fixture starts every cluster at once (they share the cores while the
 tests wait; each wait is bounded and whatever still runs is killed at the end):
 
 * two workers, ``mixed_float16``, `tfmp.enable()` before the strategy is created;
-* three workers, "auto" (``mixed_bfloat16`` on this CPU), `tfmp.enable()` after it,
+* three workers, "auto" (``mixed_bfloat16``: the workers take a Zen 4's facts,
+  tests/_machines.py), `tfmp.enable()` after it,
   plain Keras's `fit` first;
 * two workers training with ``BackupAndRestore``, worker 1 ending itself in
   epoch 1 (then both are restarted, as a job scheduler would);
@@ -89,7 +90,7 @@ def launched(tmp_path_factory, request):
     runs = {
         "two": cluster_runs(2, ["--policy", "mixed_float16", "--order", "before",
                                 "--log-dir", str(folders["two"] / "logs")])[0],
-        "three": cluster_runs(3, ["--policy", "auto", "--order", "after", "--plain",
+        "three": cluster_runs(3, ["--policy", "auto", "--machine", "zen4", "--order", "after", "--plain",
                                   "--log-dir", str(folders["three"] / "logs")])[0],
         "backup": cluster_runs(2, ["--policy", "mixed_float16"], backup_args(root, die_at=1))[0],
     }

@@ -208,3 +208,20 @@ def test_where_fused_sgd_differs_from_keras_it_is_grapplers_reordering_of_kerass
     assert {"ResourceApplyKerasMomentum", "ResourceApplyGradientDescent"} & fused_ops
     for a, b in zip(got, expected):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_an_optimizer_made_before_enable_without_speedups_keeps_kerass_update(monkeypatch):
+    """`enable(speedups=False)` is the model's switch: a tfmp optimizer made before it (with
+    fused updates on) is switched off when the model is attached, and its steps never reach
+    the fused kernel."""
+    calls = []
+    monkeypatch.setattr(fused_update, "_fused_update_step", lambda *args: calls.append(args))
+    optimizer = tfmp.LossScaleOptimizer(keras.optimizers.Adam(1e-2))
+    assert optimizer.fused_updates is True  # made outside any session: the default
+    with tfmp.policy_scope("mixed_bfloat16", speedups=False):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+        model.compile(optimizer, "mse")
+    assert model.optimizer is optimizer and optimizer.fused_updates is False
+    assert tfmp.attachment(model).speedups["fused_update"].startswith("off")
+    model.fit(np.ones((8, 4), "float32"), np.ones((8, 1), "float32"), batch_size=4, epochs=1, verbose=0)
+    assert calls == [] and int(optimizer.iterations) == 2

@@ -1,12 +1,12 @@
 """Writes what tfmp decides in a fresh process, as JSON to ``--out`` (tests/test_reproducible.py).
 
 Under "auto" and ``mixed_float16``: the policy and its reason, and the attachment of
-a small model with a GELU Dense, a Conv2D and BatchNormalization (every per-model
-decision). Any timing probe that runs fails the process: nothing tfmp decides may
+a small model with a GELU Dense, a Conv2D and BatchNormalization (every field of its `tfmp.Attachment`). Any timing probe that runs fails the process: nothing tfmp decides may
 rest on one.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import warnings
@@ -34,10 +34,10 @@ def decided(policy: str) -> dict:
             x = keras.layers.Dense(16, activation="gelu")(keras.layers.Flatten()(x))
             model = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(x))
             model.compile("adam", "sparse_categorical_crossentropy")
-    found = tfmp.attachment(model)
+    # Every field of the attachment: each per-model decision (remapper, GELU, bias
+    # gradients, convolutions, BatchNormalization kernel, speedups, optimizer...).
     return {"policy": decision.policy, "reason": decision.reason,
-            "remapper": found.remapper, "gelu": found.gelu, "bias_gradient": found.bias_gradient,
-            "layer_policies": found.layer_policies, "forced_float32": found.forced_float32,
+            "attachment": dataclasses.asdict(tfmp.attachment(model)),
             "optimizer": type(model.optimizer).__name__}
 
 

@@ -2,8 +2,9 @@
 
 Several fresh processes run tests/_decisions.py while two other processes keep both
 cores busy: each must choose the same "auto" policy with the same reason and make
-the same per-model decisions (remapper, GELU, bias gradients, layer policies,
-float32 forcing, optimizer) for the same model, and none may run a timing probe
+the same per-model decisions for the same model (every field of its
+`tfmp.Attachment`: remapper, GELU, bias gradients, convolutions, the
+BatchNormalization kernel, speedups, layer policies, float32 forcing, optimizer), and none may run a timing probe
 (the script fails if one runs). The branches other CPUs take are run in-process by
 the tests of each decision, with the facts of those CPUs injected (tests/_machines.py).
 """

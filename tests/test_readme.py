@@ -299,11 +299,13 @@ def test_ci_runs_the_readme_test_command():
     assert len(setup_lines) == 2, setup_lines
     test_command = setup_lines[1].split("&&")[-1].strip()
     assert test_command.startswith("python -m pytest")
-    ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
-    assert ci_lines[-1].strip() == test_command
-    # README's install, with the docs extra the site's build (the line before) needs.
-    assert 'pip install --quiet ".[test,docs]"' in "\n".join(ci_lines)
-    assert ci_lines[-2].split("--site-dir")[0].endswith("mkdocs build --strict --quiet ")
+    ci = (ROOT / ".ci" / "run").read_text()
+    tiers = [line.strip() for line in ci.splitlines() if line.strip().startswith("tier ")]
+    # The last tier, in the environment the site's build (the first of those tiers) used.
+    assert tiers[-1] == f'tier "README\'s test command" {test_command}'
+    assert "mkdocs build --strict --quiet " in tiers[-4]
+    # README's install, with the docs extra the site's build needs.
+    assert 'pip install --quiet ".[test,docs]"' in ci
     # Every run names its slowest tests (setup.cfg's addopts, read by both CI tiers).
     addopts = configparser.ConfigParser()
     addopts.read(ROOT / "setup.cfg")

@@ -102,7 +102,9 @@ def test_breakdown_of_a_hand_made_trace():
 
 def test_profile_of_a_tiny_model_adds_up(tmp_path):
     workload = run.workloads(quick=True)["mlp"]
-    prepared = harness.prepare(workload, "tfmp", "mixed_bfloat16", str(tmp_path), 2)
+    # tfmp enables mixed_bfloat16 whatever "auto" picks on this CPU (float32 without bfloat16).
+    prepared = harness.prepare(workload, "tfmp", "mixed_bfloat16", str(tmp_path), 2,
+                               harness.Overrides(tfmp_policy="mixed_bfloat16"))
     b = profile_step.profile_run(prepared, 2, tempfile.mkdtemp(dir=tmp_path))
     assert set(b["shares"]) == set(op_classes.CATEGORIES)
     assert sum(b["shares"].values()) == pytest.approx(1.0, abs=1e-6)

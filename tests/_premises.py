@@ -31,9 +31,9 @@ def channels_first_conv_trains(dtype: str, facts: DeviceFacts = None) -> bool:
 
 
 def conv2d_bias_gradient_is_fused() -> bool:
-    """Whether a traced Conv2D's bias gradient comes out of oneDNN's fused filter-and-bias
-    kernel (float32 accumulation): where oneDNN is on."""
-    return this_machine().onednn
+    """Whether a traced bfloat16 Conv2D's bias gradient comes out of oneDNN's fused
+    filter-and-bias kernel (float32 accumulation): where oneDNN takes bfloat16."""
+    return this_machine().onednn_bfloat16
 
 
 def require(premise: bool, what: str) -> None:

@@ -149,6 +149,17 @@ def test_onednn_default_on_linux_x86_needs_one_of_tensorflows_flags(facts, env, 
     assert tfmp.recommend_policy(device).policy == "float32"  # and no bfloat16 flag
 
 
+@pytest.mark.parametrize("flags, env, expected", [
+    ({"sse2", "avx512f", "avx512_vnni"}, None, True),  # Cascade Lake: bfloat16 emulated on AVX-512
+    ({"sse2", "avx512f", "avx512_vnni"}, "0", False),
+    ({"sse2", "avx2", "avx_vnni", "avx_ne_convert"}, None, True),  # AVX-NE-CONVERT without AVX-512
+    ({"sse2", "avx2"}, "1", False),  # Zen 3 with oneDNN forced on: Eigen's bfloat16
+])
+def test_onednn_bfloat16_follows_tensorflows_rule(flags, env, expected):
+    """TensorFlow 2.21 ``IsDataTypeSupportedByOneDNNOnThisCPU(DT_BFLOAT16)``, written out."""
+    assert tfmp.DeviceFacts(cpu_flags=frozenset(flags), onednn_env=env).onednn_bfloat16 is expected
+
+
 def test_the_onednn_rule_says_what_tensorflow_does_on_this_machine():
     """The rule against TensorFlow's own answer here (`IsMklEnabled`), so a TensorFlow
     release that changes its default, or a CPU the rule misreads, fails here."""

@@ -173,6 +173,15 @@ class DeviceFacts:
         return onednn_enabled(self.system, self.onednn_env, x86, self.cpu_target, self.cpu_flags)
 
     @property
+    def onednn_bfloat16(self) -> bool:
+        """Bool. TensorFlow's oneDNN kernels take bfloat16 on this CPU: oneDNN on, with
+        AVX512F or AVX-NE-CONVERT (TensorFlow 2.21 ``tensorflow/core/util/util.cc``,
+        ``IsDataTypeSupportedByOneDNNOnThisCPU(DT_BFLOAT16)``); elsewhere bfloat16
+        runs on Eigen's kernels. Every CPU with `CPU_BF16_FLAGS` on x86 has AVX512F.
+        """
+        return self.onednn and bool({"avx512f", "avx_ne_convert"} & self.cpu_flags)
+
+    @property
     def onednn_float16(self) -> bool:
         """Bool. TensorFlow's oneDNN kernels take float16 on this CPU (`ONEDNN_FLOAT16_FLAGS`).
 

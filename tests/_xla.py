@@ -17,6 +17,7 @@ reads a kernel only that path runs, or makes XLA fail on purpose) is marked
 import contextlib
 import os
 
+import numpy as np
 import pytest
 
 #: The environment variable that turns the tier on ("1").
@@ -81,3 +82,26 @@ def gpu_like_auto_jit_compile():
         yield
     finally:
         trainer.Trainer._resolve_auto_jit_compile = original
+
+
+def assert_same_step_results(plain_losses, plain_weights, hooked_losses, hooked_weights):
+    """Asserts a checked run's losses and weights are a plain run's: bitwise without XLA, within 1e-5 under XLA.
+
+    Args:
+        plain_losses, hooked_losses: Lists of floats, the losses per step or epoch.
+        plain_weights, hooked_weights: Lists of NumPy arrays, the weights after.
+
+    Raises:
+        AssertionError: when they differ (bitwise; under XLA beyond rounding).
+
+    XLA fuses the step anew around the checks' reductions and may sum the loss
+    and the gradients in another order: the checked run differs by float32
+    rounding (1 ulp of the first loss here), never by more.
+    """
+    if not xla_tier():
+        assert plain_losses == hooked_losses
+        assert all(np.array_equal(a, b) for a, b in zip(plain_weights, hooked_weights))
+        return
+    np.testing.assert_allclose(hooked_losses, plain_losses, rtol=1e-5)
+    for a, b in zip(plain_weights, hooked_weights):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)

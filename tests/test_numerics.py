@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 import tfmp
+from _xla import assert_same_step_results, not_under_xla
 
 BATCH = 8
 
@@ -157,6 +158,12 @@ def _sqrt_relu_model(seed=2):
     )
 
 
+#: The premise of `_sqrt_relu_model`'s NaN, which XLA does not keep.
+RELU_GRAD_NAN = ("the NaN gradient is TensorFlow's ReluGrad kernel multiplying inf by 0 at relu(0); "
+                 "XLA's ReluGrad is a select that passes 0 there, so every gradient stays finite")
+
+
+@not_under_xla(RELU_GRAD_NAN)
 def test_non_finite_gradient_counts_at_once_in_float32():
     model = _sqrt_relu_model()
     model.compile("sgd", "mse")
@@ -170,6 +177,7 @@ def test_non_finite_gradient_counts_at_once_in_float32():
     assert error.details["bad_gradients"] == 2 and error.details["variable"] is None
 
 
+@not_under_xla(RELU_GRAD_NAN)
 def test_float16_gradient_counts_only_once_the_scale_is_at_its_floor():
     keras.config.set_dtype_policy("mixed_float16")
     model = _sqrt_relu_model()
@@ -259,8 +267,7 @@ def test_hooks_are_transparent_and_removable():
         losses = [float(model.train_on_batch(x[i : i + BATCH], y[i : i + BATCH])) for i in range(0, len(x), BATCH)]
         results.append((losses, [w.numpy() for w in model.weights]))
     (plain_losses, plain_weights), (hooked_losses, hooked_weights) = results
-    assert plain_losses == hooked_losses
-    assert all(np.array_equal(a, b) for a, b in zip(plain_weights, hooked_weights))
+    assert_same_step_results(plain_losses, plain_weights, hooked_losses, hooked_weights)
 
     handle.remove()
     assert all("call" not in vars(layer) for layer in model.layers)

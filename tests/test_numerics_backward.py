@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 import tfmp
+from _xla import assert_same_step_results, not_under_xla
 from tfmp._src.keras_hooks import loss_terms, surfaces
 
 BATCH = 8
@@ -103,6 +104,15 @@ def policy_restored():
     keras.config.set_dtype_policy(before)
 
 
+#: The premise of `NormShift`'s NaN (the kind, the messages saying "nan"), which XLA does not keep.
+NORM_GRAD_NAN = ("NormShift's NaN input gradient is TensorFlow's gradient kernels for the norm of a zero "
+                 "row (0 / 0); XLA rewrites that gradient and gives inf, so the kind and the messages differ")
+#: The premise of sqrt(relu(0))'s NaN gradient, which XLA does not keep.
+RELU_GRAD_NAN = ("the NaN gradient is TensorFlow's ReluGrad kernel multiplying inf by 0 at relu(0); "
+                 "XLA's ReluGrad is a select that passes 0 there, so every gradient stays finite")
+
+
+@not_under_xla(NORM_GRAD_NAN)
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 def test_functional_culprit_nan_only_in_dx_is_named_and_nothing_is_applied(policy, policy_restored):
     keras.config.set_dtype_policy(policy)
@@ -138,6 +148,7 @@ def test_functional_culprit_nan_only_in_dx_is_named_and_nothing_is_applied(polic
     assert int(model.optimizer.overflow_count.numpy()) == 1  # the guard skipped the step
 
 
+@not_under_xla(NORM_GRAD_NAN)
 def test_subclassed_culprit_with_finite_weight_gradients_is_named():
     model = Subclassed()
     x, y = _data()
@@ -175,10 +186,10 @@ def test_healthy_model_raises_nothing_and_the_probes_change_no_value():
             handle.remove()
     (plain_loss, plain_weights), *hooked = results
     for loss, weights in hooked:
-        assert loss == plain_loss
-        assert all(np.array_equal(a, b) for a, b in zip(plain_weights, weights))
+        assert_same_step_results(plain_loss, plain_weights, loss, weights)
 
 
+@not_under_xla(RELU_GRAD_NAN)
 def test_a_gradient_non_finite_from_the_loss_names_the_loss_backward_pass():
     """sqrt(relu(p - p)) is 0 forward; its derivative is inf * 0 = NaN for every prediction."""
     model = _functional(culprit=lambda name: keras.layers.Dense(8, name=name))

@@ -23,6 +23,9 @@ the flag after every step (no extra device read on the healthy path), take it ou
 the logs, and raise, warn or log.
 This works the same in `fit` (graph mode), eagerly (`run_eagerly=True`) and under
 `jit_compile=True`, since the added ops are plain reductions and variable writes.
+Without XLA a checked step computes bit for bit what the unchecked one does; XLA
+fuses the step anew around the added reductions, so there the losses and weights
+may differ from an unchecked run's by float32 rounding (one ulp).
 Under `tf.distribute.MirroredStrategy` the replicas agree on one failure per step
 (`FailureRecorder`), so the step, the layer and the single report are those of a
 one-replica run.

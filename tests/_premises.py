@@ -10,8 +10,10 @@ answer, and each premise below has a test against the real kernels.
 """
 
 import pytest
+from _xla import xla_tier
 
 from tfmp import DeviceFacts
+from tfmp._src.keras_hooks import versions
 from tfmp._src.policy import hardware
 
 
@@ -20,12 +22,23 @@ def this_machine() -> DeviceFacts:
     return hardware._read_device_facts()
 
 
-def channels_first_conv_trains(dtype: str, facts: DeviceFacts = None) -> bool:
-    """Whether TensorFlow's CPU kernels train a ``channels_first`` Conv2D computing in `dtype`.
+#: The first Keras whose TensorFlow backend compiles a ``channels_first`` convolution
+#: with XLA on a machine with CPUs only (``keras/src/backend/tensorflow/ops/nn.py``,
+#: ``conv``: "Channels first ... are broken on CPU without XLA").
+KERAS_CHANNELS_FIRST_XLA = "3.16"
 
-    Only oneDNN's do (Eigen's ``Conv2D`` and ``Conv2DCustomBackpropFilterOp`` take
-    NHWC only), and oneDNN takes float16 only where `DeviceFacts.onednn_float16`.
+
+def channels_first_conv_trains(dtype: str, facts: DeviceFacts = None) -> bool:
+    """Whether plain Keras trains a ``channels_first`` Conv2D computing in `dtype` on a CPU.
+
+    Where Keras compiles it with XLA (`KERAS_CHANNELS_FIRST_XLA` and newer, or a step
+    compiled with XLA in the XLA tier) it does. Otherwise TensorFlow's CPU kernels
+    decide: only oneDNN's train it (Eigen's ``Conv2D`` and
+    ``Conv2DCustomBackpropFilterOp`` take NHWC only), and oneDNN takes float16 only
+    where `DeviceFacts.onednn_float16`.
     """
+    if versions.keras_at_least(KERAS_CHANNELS_FIRST_XLA) or xla_tier():
+        return True
     facts = facts or this_machine()
     return facts.onednn and (dtype != "float16" or facts.onednn_float16)
 

@@ -200,8 +200,9 @@ def test_a_channels_first_float16_conv_trains_in_float32_inside_where_tensorflow
     in float32 inside. Skipped where the premise does not hold, naming it."""
     require(channels_first_conv_trains("float32"), "TensorFlow trains channels_first Conv2D in "
             "float32 only with oneDNN on; Eigen's kernels refuse it in every dtype")
-    require(not channels_first_conv_trains("float16"), "this CPU's oneDNN trains float16 "
-            "channels_first Conv2D itself (AVX512_FP16): plain Keras has nothing to refuse")
+    require(not channels_first_conv_trains("float16"), "plain Keras trains a float16 channels_first "
+            "Conv2D here (this CPU's oneDNN takes float16, or Keras compiles it with XLA): "
+            "it has nothing to refuse")
     x = np.transpose(X, (0, 3, 1, 2))
     keras.config.set_dtype_policy("mixed_float16")  # restored by the conftest fixture
     plain = _channels_first_model()

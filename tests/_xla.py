@@ -58,11 +58,30 @@ def _gpu_like_resolution(model) -> bool:
     return bool(trainer.model_supports_jit(model))
 
 
+def base_trainer() -> type:
+    """Keras's base trainer class, which defines ``_resolve_auto_jit_compile``: ``Trainer``
+    in Keras 3.12-3.15, ``BaseTrainer`` from 3.16 (`trainer.BASE_TRAINER_NAMES`).
+
+    Raises:
+        AttributeError: when no such class defines the method (Keras moved it).
+    """
+    from keras.src.trainers import trainer
+
+    from tfmp._src.keras_hooks.trainer import BASE_TRAINER_NAMES
+
+    for name in BASE_TRAINER_NAMES:
+        if "_resolve_auto_jit_compile" in vars(getattr(trainer, name, object)):
+            return getattr(trainer, name)
+    raise AttributeError(
+        f"{VARIABLE}=1: this Keras has no {' or '.join(BASE_TRAINER_NAMES)}._resolve_auto_jit_compile, "
+        "so the XLA tier cannot resolve jit_compile='auto' as on a GPU; update tests/_xla.py for it.")
+
+
 @contextlib.contextmanager
 def gpu_like_auto_jit_compile():
     """Resolves ``jit_compile="auto"`` as Keras does on a GPU while the block runs.
 
-    Replaces ``keras.src.trainers.trainer.Trainer._resolve_auto_jit_compile``
+    Replaces ``_resolve_auto_jit_compile`` of Keras's base trainer (``keras.src.trainers.trainer``)
     (which ``compile(jit_compile="auto")`` and an uncompiled model's
     ``jit_compile`` call) and puts Keras's own back on exit, also on errors.
 
@@ -70,18 +89,13 @@ def gpu_like_auto_jit_compile():
         AttributeError: when this Keras has no such method: the tier cannot
             force XLA there, and says so rather than run the plain tier.
     """
-    from keras.src.trainers import trainer
-
-    original = trainer.Trainer.__dict__.get("_resolve_auto_jit_compile")
-    if original is None:
-        raise AttributeError(
-            f"{VARIABLE}=1: this Keras has no Trainer._resolve_auto_jit_compile, so the XLA tier "
-            "cannot resolve jit_compile='auto' as on a GPU; update tests/_xla.py for it.")
-    trainer.Trainer._resolve_auto_jit_compile = _gpu_like_resolution
+    base = base_trainer()
+    original = vars(base)["_resolve_auto_jit_compile"]
+    base._resolve_auto_jit_compile = _gpu_like_resolution
     try:
         yield
     finally:
-        trainer.Trainer._resolve_auto_jit_compile = original
+        base._resolve_auto_jit_compile = original
 
 
 def assert_same_step_results(plain_losses, plain_weights, hooked_losses, hooked_weights):

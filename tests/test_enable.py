@@ -354,3 +354,53 @@ def test_a_model_under_another_policy_is_said_at_compile_with_its_cause(when):
     else:
         assert "The global policy is 'float32' now: it was changed after tfmp.enable()" in message
         assert message.endswith("or call tfmp.enable('float32') instead.")
+
+
+@pytest.mark.skipif(bool(tf.config.list_physical_devices("GPU")), reason="the XLA failure is the CPU compiler's")
+def test_compile_hook_turns_xla_off_for_a_16_bit_bilinear_upsampling_on_one_replica():
+    """The compile hook asks the bilinear rule when the replica rule turned nothing off (one
+    replica): a bfloat16 bilinear UpSampling2D compiled with jit_compile=True gets
+    jit_compile=False, with its warning (openxla/xla#43052; test_public_bug_kinds_errors.py
+    trains such a model)."""
+    tfmp.enable("mixed_bfloat16", device_facts=A100)
+    model = keras.Sequential([keras.Input((4, 4, 2)), keras.layers.Conv2D(2, 1, activation="tanh"),
+                              keras.layers.UpSampling2D(interpolation="bilinear", name="up"),
+                              keras.layers.Flatten(), keras.layers.Dense(1)])
+    with pytest.warns(tfmp.PerformanceWarning, match=r"XLA \(jit_compile=True\) on the CPU cannot train bfloat16"):
+        model.compile("sgd", "mse", jit_compile=True)
+    assert model.jit_compile is False
+
+
+@pytest.mark.parametrize("guard", ["batch", "loss"])
+def test_a_loss_only_guard_passes_the_options_check_without_loss_scaling_only(guard):
+    """`loss_scale_options` are checked as for float16 with a loss-only guard left out, then for
+    the policy's compute dtype: ``guard="batch"`` or ``"loss"`` is accepted under bfloat16
+    (no loss scaling) and refused under float16 (test_safety.py and test_loss_scale_guard.py
+    train with them)."""
+    tfmp.enable("mixed_bfloat16", device_facts=A100, loss_scale_options={"guard": guard})
+    tfmp.disable()
+    with pytest.raises(ValueError, match="Invalid `guard` argument"):
+        tfmp.enable("mixed_float16", device_facts=V100, loss_scale_options={"guard": guard})
+
+
+def test_a_loaded_model_compiled_again_without_tfmp_is_warned_about_at_fit(tmp_path):
+    """A model Keras compiled while loading it under tfmp counts as tfmp's (no warning at fit)
+    until it is compiled again: compiled in a thread without a session, it trains without
+    tfmp, and fit under the session warns that it was compiled before tfmp.enable()."""
+    import threading
+
+    tfmp.enable("mixed_bfloat16", device_facts=A100)
+    model = mlp()
+    model.compile("sgd", "mse")
+    x, y = np.ones((8, 784), "float32"), np.zeros((8, 10), "float32")
+    model.fit(x, y, epochs=1, verbose=0)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tfmp.PerformanceWarning)
+        loaded.fit(x, y, epochs=1, verbose=0)  # restored by Keras under tfmp: no warning
+    thread = threading.Thread(target=lambda: loaded.compile("sgd", "mse"))  # no session there
+    thread.start()
+    thread.join()
+    with pytest.warns(tfmp.PerformanceWarning, match="was compiled before tfmp.enable"):
+        loaded.fit(x, y, epochs=1, verbose=0)

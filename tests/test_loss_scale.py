@@ -546,3 +546,27 @@ def test_the_optimizer_prints_what_it_is():
         return tf.constant(len(repr(adam)))
 
     assert int(traced()) == len("tfmp.LossScaleOptimizer(Adam, name='scaled'): dynamic loss scale, guard='auto'")
+
+
+def test_a_gradient_without_a_graph_op_is_unscaled_not_refused_in_a_traced_step():
+    """The check for gradients clipped while scaled (`guard.clipped_while_scaled`) follows only
+    gradients that have a graph op: a NumPy gradient handed in a traced step is unscaled like
+    a tensor, and a None stays None."""
+    optimizer = tfmp.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=4.0)
+
+    @tf.function
+    def unscale():
+        return optimizer.get_unscaled_gradients([np.full((2,), 8.0, "float32"), None])
+
+    got, missing = unscale()
+    np.testing.assert_array_equal(got.numpy(), [2.0, 2.0])
+    assert missing is None
+
+
+def test_the_inner_optimizers_public_settings_read_through_the_wrapper():
+    """`LossScaleOptimizer.__getattr__` hands a public name it lacks to the inner optimizer
+    (Adam's beta_1 and amsgrad); a private one stays an AttributeError of the wrapper."""
+    optimizer = tfmp.LossScaleOptimizer(keras.optimizers.Adam(1e-3, beta_1=0.8))
+    assert optimizer.beta_1 == 0.8 and optimizer.amsgrad is False
+    with pytest.raises(AttributeError, match="'LossScaleOptimizer' object has no attribute '_not_there'"):
+        optimizer._not_there  # noqa: B018

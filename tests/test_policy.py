@@ -247,3 +247,19 @@ def test_nothing_is_measured_to_decide_on_any_machine(monkeypatch):
                 for name in ("mixed_bfloat16", "mixed_float16", "float32"):
                     resolve_policy(name)
     assert tfmp.recommend_policy().reason == tfmp.recommend_policy().reason
+
+
+def test_a_bfloat16_step_at_exactly_the_floor_factor_gets_no_advice_to_pin_float32():
+    """The advice to pin float32 starts below `MIN_BFLOAT16_FACTOR` (0.7x float32's speed), not at it."""
+    at_floor = tfmp.SpeedProbe(float32_ms=7.0, bfloat16_ms=10.0, float16_ms=50.0)
+    assert at_floor.factor("bfloat16") == _policy.MIN_BFLOAT16_FACTOR
+    decision = tfmp.recommend_policy(CPU_AMX_BF16, speed_probe=at_floor)
+    assert decision.policy == "mixed_bfloat16"
+    assert decision.reason.endswith("runs 0.7x float32's speed).")
+
+
+@pytest.mark.parametrize("policy", ["mixed_bf16", "float64", "auto"])
+def test_a_hand_made_decision_with_a_string_that_is_no_policy_tfmp_applies_is_refused(policy):
+    """`PolicyDecision` checks that its policy is a string and one tfmp applies (both)."""
+    with pytest.raises(ValueError, match="Invalid `policy` argument"):
+        tfmp.PolicyDecision(policy, "reason", "device")

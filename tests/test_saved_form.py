@@ -214,3 +214,19 @@ def test_a_model_saved_under_another_policy_is_said_and_its_attachment_names_tha
         warnings.simplefilter("error", UserWarning)  # the same policy: nothing to say
         again = keras.models.load_model(path)
     assert tfmp.attachment(again).policy == "mixed_float16"
+
+
+def test_reading_the_keras_form_leaves_the_config_it_reads_unchanged():
+    """`saved_form.from_keras_form` copies the inner optimizer's entry before taking tfmp's
+    settings out of it: the config it is handed keeps them, and a second read of the same
+    config gives the same arguments."""
+    import copy
+
+    optimizer = tfmp.LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=8.0, guard="gradients")
+    config = saved_form.keras_form(keras.saving.serialize_keras_object(optimizer))["config"]
+    kept = copy.deepcopy(config)
+    first = saved_form.from_keras_form(config)
+    assert config == kept
+    assert saved_form.from_keras_form(config) == first
+    assert first["initial_scale"] == 8.0 and first["guard"] == "gradients"
+    assert saved_form.SETTINGS_KEY not in first["inner_optimizer"]

@@ -837,14 +837,17 @@ def test_flat_scale_note_only_without_loss_scaling(tmp_path, policy, reason):
     assert set(values(run, "precision/batch_loss_scale")) == {1.0}
 
 
-def test_update_ratio_exact(tmp_path):
+@pytest.mark.parametrize("jit_compile", ["auto", True], ids=["auto", "xla"])
+def test_update_ratio_exact(tmp_path, jit_compile):
     # Kernel [1, 1], input 1, loss = sum of outputs: each gradient is 1, so SGD(0.25)
     # moves each weight by 0.25: [0.75, 0.75] then [0.5, 0.5]. Ratios 0.25/1 and 0.25/0.75.
+    # Under XLA too (a GPU's "auto"): the weights' copy before the update once failed
+    # to compile there (a tf.cond whose branches differ in shape).
     model = keras.Sequential(
         [keras.Input((1,)), keras.layers.Dense(2, use_bias=False, kernel_initializer="ones")]
     )
     model.compile(optimizer=keras.optimizers.SGD(0.25),
-                  loss=lambda y_true, y_pred: tf.reduce_sum(y_pred, axis=-1))
+                  loss=lambda y_true, y_pred: tf.reduce_sum(y_pred, axis=-1), jit_compile=jit_compile)
     model.fit(np.ones((3, 1), "float32"), np.zeros((3, 2), "float32"), batch_size=1,
               verbose=0, callbacks=[tfmp.LossScaleMonitor(tmp_path, update_freq="batch",
                                                           grad_stats_freq=2)])

@@ -49,6 +49,7 @@ from tfmp._src.constants import BFLOAT16_EPSILON, FLOAT16_MAX, FLOAT16_SMALLEST_
 from tfmp._src.distribute import replica_local_variable
 from tfmp._src.keras_hooks import optimizer_steps
 from tfmp._src.keras_hooks.object_state import PerObject
+from tfmp._src.keras_hooks.runtime_options import in_xla_context
 
 NAMES = (
     "grad_norm",
@@ -166,12 +167,18 @@ class GradientStats:
         if not variables:
             self._ratio.assign(np.float32("nan"))
             return apply(grads, variables)
-        # Copies only when due: the update writes new buffers while these are alive.
-        before = tf.cond(
-            due,
-            lambda: [tf.identity(v.value) for v in variables],
-            lambda: [tf.zeros([0], v.dtype) for v in variables],
-        )
+        if in_xla_context():
+            # XLA compiles a tf.cond only when both branches give the same shapes
+            # ("left_branch_shape.dimensions_size() != right_branch_shape...");
+            # XLA's buffer assignment keeps the values read before the update.
+            before = [tf.identity(v.value) for v in variables]
+        else:
+            # Copies only when due: the update writes new buffers while these are alive.
+            before = tf.cond(
+                due,
+                lambda: [tf.identity(v.value) for v in variables],
+                lambda: [tf.zeros([0], v.dtype) for v in variables],
+            )
         result = apply(grads, variables)
 
         def ratio() -> tf.Tensor:

@@ -627,3 +627,66 @@ def test_tensorflow_still_runs_an_op_gradient_in_the_gradient_frame():
     with pytest.raises(tf.errors.InvalidArgumentError):
         step(tf.ones((2, 2), tf.bfloat16))  # eagerly: no scope recorded
     assert seen == [(True, [("outer/MatMul", ("float32",))]), (True, [("", ("float32",))])]
+
+
+def test_a_step_scope_wraps_the_functions_keras_already_made_and_remove_gives_them_back():
+    """`step_scope.install` wraps the train function Keras made before it, and each one Keras
+    makes anew later; `remove` puts Keras's function back and the next steps run outside it."""
+    import contextlib
+
+    from tfmp._src.keras_hooks import step_scope
+
+    entered = []
+
+    @contextlib.contextmanager
+    def scope():
+        entered.append(True)
+        yield
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    x, y = np.ones((4, 2), "float32"), np.ones((4, 1), "float32")
+    model.train_on_batch(x, y)
+    made = model.train_function
+    step_scope.install(model, scope, name="test scope")
+    try:
+        assert step_scope.scope_of(model) == "test scope"
+        assert model.train_function is not made and model.train_function.tfmp_inner is made
+        model.train_on_batch(x, y)
+        assert entered
+        model.make_train_function(force=True)  # a function Keras makes anew is wrapped too
+        assert model.train_function.tfmp_scope == "test scope"
+        made = model.train_function.tfmp_inner
+        step_scope.remove(model)
+        assert step_scope.scope_of(model) is None and model.train_function is made
+        entered.clear()
+        model.train_on_batch(x, y)
+        assert not entered
+    finally:
+        step_scope.remove(model)
+
+
+def test_a_train_step_check_added_after_keras_made_the_train_function_wraps_it_at_once():
+    """`train_function.add_check` on a model whose train function Keras already made wraps that
+    function at once (a custom loop calling ``model.train_function`` runs the check too, before
+    any ``make_train_function``); removing the last check puts Keras's function back."""
+    from tfmp._src.keras_hooks import train_function as step_checks
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    model.train_on_batch(np.ones((4, 2), "float32"), np.ones((4, 1), "float32"))
+    made = model.train_function
+    name = step_checks.CHECK_ORDER[0]
+    step_checks.add_check(model, name, lambda logs: logs)
+    try:
+        assert model.train_function is not made and model.train_function.tfmp_inner is made
+    finally:
+        step_checks.remove_check(model, name)
+    assert model.train_function is made
+
+
+def test_keras_at_least_holds_for_the_installed_version_itself():
+    """`versions.keras_at_least` is inclusive: the installed Keras is at least its own version."""
+    major, minor = (int(part) for part in keras.__version__.split(".")[:2])
+    assert versions.keras_at_least(keras.__version__) and versions.keras_at_least(f"{major}.{minor}")
+    assert not versions.keras_at_least(f"{major}.{minor + 1}")

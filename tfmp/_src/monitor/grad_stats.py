@@ -33,6 +33,8 @@ every policy (`tfmp._src.monitor.tags`).
 Under a distribution strategy the statistics are those of the first replica's
 gradients. On other steps the cost is one counter increment and three `tf.cond`s;
 on a computing step the weights are copied once (the copy the update leaves).
+Under XLA (``jit_compile=True``) the weights are copied at every step: XLA
+compiles a `tf.cond` only when both branches give the same shapes.
 """
 
 from __future__ import annotations

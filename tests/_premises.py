@@ -9,6 +9,8 @@ here. `tests/test_hardware.py` checks the oneDNN rule against TensorFlow's own
 answer, and each premise below has a test against the real kernels.
 """
 
+from typing import Optional
+
 import pytest
 from _xla import xla_tier
 
@@ -28,7 +30,7 @@ def this_machine() -> DeviceFacts:
 KERAS_CHANNELS_FIRST_XLA = "3.16"
 
 
-def channels_first_conv_trains(dtype: str, facts: DeviceFacts = None) -> bool:
+def channels_first_conv_trains(dtype: str, facts: Optional[DeviceFacts] = None) -> bool:
     """Whether plain Keras trains a ``channels_first`` Conv2D computing in `dtype` on a CPU.
 
     Where Keras compiles it with XLA (`KERAS_CHANNELS_FIRST_XLA` and newer, or a step

@@ -26,7 +26,8 @@ gradients summed with float32 accumulation, `tfmp._src.float32.bias_gradient`).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Tuple
+import operator
+from typing import Any, Callable, Dict, Tuple
 
 from tfmp._src.keras_hooks import patches
 
@@ -53,14 +54,14 @@ CALL_ORDER: Tuple[Tuple[str, str], ...] = (
 )
 
 
-#: Where ``keras.ops`` finds each backend module, as attribute paths on
-#: ``keras.src.backend``, the newest release's first: (``"nn"`` or ``"numpy"``,
-#: the paths). A path present is the module ``keras.ops`` reads (the contract
-#: tests in `CALL_ORDER` check it on the installed pair).
-PLACES: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
-    ("nn", ("ops.nn", "nn")),  # Keras 3.16: backend.ops.nn; 3.12-3.15: backend.nn
-    ("numpy", ("ops.numpy", "numpy")),  # Keras 3.16: backend.ops.numpy; 3.12-3.15: backend.numpy
-)
+#: Where ``keras.ops`` finds each backend module: ``"nn"`` or ``"numpy"`` -> attribute
+#: paths on ``keras.src.backend``, the newest release's first. A path present is the
+#: module ``keras.ops`` reads (the contract tests in `CALL_ORDER` check it on the
+#: installed pair).
+PLACES: Dict[str, Tuple[str, ...]] = {
+    "nn": ("ops.nn", "nn"),  # Keras 3.16: backend.ops.nn; 3.12-3.15: backend.nn
+    "numpy": ("ops.numpy", "numpy"),  # Keras 3.16: backend.ops.numpy; 3.12-3.15: backend.numpy
+}
 
 
 def _backend_module(kind: str) -> Any:
@@ -71,17 +72,13 @@ def _backend_module(kind: str) -> Any:
     """
     from keras.src import backend
 
-    paths = dict(PLACES)[kind]
-    for path in paths:
-        found: Any = backend
-        for part in path.split("."):
-            found = getattr(found, part, None)
-            if found is None:
-                break
-        else:
-            return found
+    for path in PLACES[kind]:
+        try:
+            return operator.attrgetter(path)(backend)
+        except AttributeError:
+            continue
     raise AttributeError(
-        f"module 'keras.src.backend' has none of {', '.join(paths)} (the backend's {kind} module "
+        f"module 'keras.src.backend' has none of {', '.join(PLACES[kind])} (the backend's {kind} module "
         "keras.ops calls)")
 
 

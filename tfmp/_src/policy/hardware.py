@@ -53,7 +53,7 @@ ONEDNN_DEFAULT_FLAGS = ("avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "a
 
 
 def onednn_enabled(system: str, env_value: Optional[str], x86: bool, cpu_target: str,
-                   cpu_flags: frozenset = frozenset()) -> bool:
+                   cpu_flags: frozenset) -> bool:
     """Whether TensorFlow runs its oneDNN CPU kernels, hence hardware bfloat16 matmuls.
 
     TensorFlow 2.21's rule (``tensorflow/core/util/port.cc``, ``IsMklEnabled`` and

@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from _machines import A100, SAPPHIRE_RAPIDS, ZEN4
+from _collect import collect_everything
 from _traced import forward_and_backward_ops, fused_matmuls, op_counts, post_optimization_ops
 
 import tfmp
 from tfmp._src.float32 import bias_gradient
-from tfmp._src.keras_hooks import availability, step_scope
+from tfmp._src.attachment import hooks as attachment_hooks
+from tfmp._src.keras_hooks import availability, step_scope, surfaces
 from tfmp._src.policy import float16_fusion, speedups
 from tfmp._src.policy.hardware import injected_facts
 
@@ -75,6 +77,25 @@ def test_speedups_false_gives_the_step_keras_paths_and_the_attachment_says_so():
     # What is not a speed feature stays: float32 outputs and the loss-scale optimizer.
     assert model.layers[-1].dtype_policy.name == "float32"
     assert isinstance(model.optimizer, tfmp.LossScaleOptimizer)
+
+
+def _speed_hooks():
+    """The speed features with a hook now on a Keras class or module."""
+    return sorted({hook.owner for hook in surfaces.process_wide()} & attachment_hooks.SPEED)
+
+
+def test_speedups_false_installs_no_speed_hook_and_one_feature_on_installs_its_own():
+    collect_everything()
+    tfmp.disable()  # no earlier model holds the hooks
+    assert _speed_hooks() == []
+    plain = _compiled("mixed_bfloat16", False)
+    assert _speed_hooks() == []
+    plain.fit(X, Y, batch_size=2, verbose=0)
+    assert _speed_hooks() == []
+    _compiled("mixed_bfloat16", {"gelu": False, "conv": False})
+    assert _speed_hooks() == ["fused_batchnorm"]
+    _compiled("mixed_bfloat16", True)
+    assert _speed_hooks() == ["conv", "fused_batchnorm", "gelu"]
 
 
 def test_one_feature_off_leaves_the_others_on():

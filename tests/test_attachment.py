@@ -226,7 +226,7 @@ def test_detach_gives_the_model_back_to_keras():
     assert [getattr(backend_ops.backend_nn(), name) for name in ("conv", "conv_transpose")] == original_convs
 
 
-def test_the_attachment_lists_every_subscription_and_detach_keeps_only_float32_forcing_and_the_optimizers():
+def test_the_attachment_lists_every_subscription_and_detach_leaves_only_float32_forcing_and_the_optimizers():
     from tfmp._src.attachment.attach import subscriptions
     from tfmp._src.keras_hooks import surfaces, train_function
 
@@ -236,6 +236,7 @@ def test_the_attachment_lists_every_subscription_and_detach_keeps_only_float32_f
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu", name="hidden"),
                               keras.layers.Dense(2, activation="softmax", name="probs")])
     model.compile(keras.optimizers.Adam(1e-3), "categorical_crossentropy")
+    model.second_optimizer = keras.optimizers.SGD()  # an optimizer a custom compile keeps: wrapped
     model.fit(*data, batch_size=4, verbose=0)
     found = tfmp.attachment(model).subscriptions
     rows = {row for object_rows in found.values() for row in object_rows}
@@ -252,16 +253,17 @@ def test_the_attachment_lists_every_subscription_and_detach_keeps_only_float32_f
         left.pop("optimizer", None)  # the optimizer is kept, with what the monitor or user put on it
         return {row.rsplit(" ", 1)[-1] for rows_ in left.values() for row in rows_}
 
-    optimizers = {"(loss_scale.batch)", "(train_function)", "stuck"}  # "... check stuck": the kept optimizer's
-    assert optimizers <= owners() <= optimizers | {"(float32.outputs)", "(float32.cast_back)"}
+    assert owners() <= {"(float32.outputs)", "(float32.cast_back)"}
+    assert [(getattr(obj, "name", obj), name) for obj in [model, *model.layers] for name in vars(obj)
+            if name.startswith("_tfmp_")] == []
+    assert isinstance(model.second_optimizer, tfmp.LossScaleOptimizer)  # kept, as model.optimizer is
     nan_batch = np.full((8, 4), np.nan, "float32"), data[1]
     weights = [w.numpy() for w in model.weights]
-    model.fit(*nan_batch, batch_size=8, verbose=0)  # still guarded: skipped, counted
+    model.fit(*nan_batch, batch_size=8, verbose=0)  # the kept optimizer still skips and counts
     assert all(np.array_equal(a, w.numpy()) for a, w in zip(weights, model.weights, strict=True))
     assert int(model.optimizer.overflow_count.numpy()) == 1
-    model.compile(keras.optimizers.Adam(1e-3), "categorical_crossentropy")  # another optimizer, plain Keras
-    model.fit(*data, batch_size=4, verbose=0)
-    assert owners() <= {"(float32.outputs)", "(float32.cast_back)"} and not train_function.has_check(model, "stuck")
+    assert owners() <= {"(float32.outputs)", "(float32.cast_back)"}  # fit put nothing back
+    assert not train_function.has_check(model, "stuck") and "_tfmp_batch_check" not in vars(model)
     model = found = None  # `owners` holds `model` through its closure
     collect_everything()
     tfmp.disable()

@@ -28,6 +28,7 @@ from tfmp._src.keras_hooks import surfaces, train_function
 from tfmp._src.keras_hooks import multi_worker
 from tfmp._src.keras_hooks import step_scope as model_scopes
 from tfmp._src.layer_tree import walk
+from tfmp._src.loss_scale import custom_optimizers, loops
 from tfmp._src.numerics.check import check_numerics
 from tfmp._src.policy import float16_fusion
 from tfmp._src.policy import speedups as speedup_rules
@@ -38,11 +39,8 @@ from tfmp._src.policy import speedups as speedup_rules
 #: The name of the step scope of a model run without Grappler's remapper.
 REMAPPER_OFF = "remapper off"
 #: Subscribers `detach` leaves on a model: float32 forcing's, which make the layer
-#: policies it keeps (saved with the model) compute as their dtypes say; and the
-#: companions of the tfmp optimizer it keeps (its ``"batch"`` guard's record of
-#: each batch and the step wrapper running its stuck check), which come off when
-#: the model's optimizer is no longer a tfmp one (`tfmp._src.loss_scale.loops`).
-KEPT_OWNERS = ("float32.build", "float32.outputs", "float32.cast_back", "loss_scale.batch", "train_function")
+#: policies it keeps (saved with the model) compute as their dtypes say.
+KEPT_OWNERS = ("float32.build", "float32.outputs", "float32.cast_back")
 
 
 def _check_model(model: Any, function: str) -> None:
@@ -209,25 +207,25 @@ def subscriptions(model: keras.layers.Layer) -> Dict[str, List[str]]:
 
 
 def detach(model: keras.layers.Layer) -> Optional[Attachment]:
-    """Takes tfmp's trace-time changes off `model`; the next `fit` traces plain Keras code.
+    """Gives `model` back to Keras: its next `fit` traces plain Keras code.
 
-    Removes the model's and its layers' attachment, for good (also when the
-    model is a part of an attached model: it no longer takes that model's
-    attachment), so that the fused
-    BatchNormalization kernel, the float32-inside GELU and the float32 loss-term
-    casts no longer apply;
-    every subscription tfmp made on the model and its layers (the exact-token-id,
-    dtype-error and quantize hooks, the hook wrapping optimizers stored on the
-    model (those wrapped stay), `tfmp.check_numerics`, the float16 step scope)
-    but float32 forcing's and the kept optimizer's (`KEPT_OWNERS`); and resets
-    the train, test and predict functions of the model, and of any attached model
-    holding it, so that they are traced again.
-    Kept: the layers' dtype policies (float32 forcing's, saved with the model) and
-    the optimizer, with what guards its steps: a `tfmp.LossScaleOptimizer` keeps
-    its ``"batch"`` guard's record of each batch and its stuck check after each
-    step, so a detached model is never less safe than it was. To train with
-    another optimizer, compile the model again after `tfmp.disable()`: at its next
-    `fit` those come off too. Once no model is attached and no thread is enabled, tfmp's
+    Takes off the attachment of the model and its layers, for good (a detached
+    part of an attached model no longer takes that model's attachment), so the
+    fused BatchNormalization kernel, the float32-inside GELU and convolutions and
+    the float32 loss-term casts no longer apply; every hook tfmp put on the model
+    and its layers but float32 forcing's (`KEPT_OWNERS`, needed only by a
+    subclassed model or a forced layer with sublayers): `tfmp.check_numerics`,
+    the train-step checks (the stuck check, the ``"batch"`` guard's record of each
+    batch, the monitors' error handlers), the hooks wrapping optimizers stored on
+    the model, the exact-token-id, dtype-error and quantize hooks, the float16 step
+    scope; and every ``_tfmp_*`` attribute. The train, test and predict functions
+    of the model, and of any attached model holding it, are reset, so they are
+    traced again.
+    Kept, as Keras state: the layers' dtype policies (saved with the model) and
+    ``model.optimizer``. A `tfmp.LossScaleOptimizer` still skips and counts
+    non-finite steps (``overflow_count``); `fit` no longer stops a stuck run for
+    it: call ``model.optimizer.raise_if_stuck()`` in a callback, or compile again
+    under tfmp. Once no model is attached and no thread is enabled, tfmp's
     model-level class hooks come off Keras.
 
     Args:
@@ -247,6 +245,9 @@ def detach(model: keras.layers.Layer) -> Optional[Attachment]:
         check_numerics(model, enabled=False)
         model_scopes.remove(model)
         multi_worker.remove(model)
+        loops.forget(model)
+        custom_optimizers.forget(model)
+        train_function.remove_all(model)
     for holder in [model, *_attached_models_holding(model)]:  # traced with the detached part
         if isinstance(holder, keras.Model):
             holder.train_function = holder.test_function = holder.predict_function = None

@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import collections
 import sys
+import weakref
+from typing import Any
 
 from tfmp._src.attachment.record import Attachment
-from tfmp._src.keras_hooks.object_state import PerObject
 
 #: Layers named one by one; more are summarised as counts by reason.
 NAMED = 4
 _KEPT = ": kept (float32 compute)"
-_said = PerObject("compile_line")  # the last line printed for a model
+#: The last line printed for a model (kept off the model: `tfmp.detach` leaves it as Keras made it).
+_said: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
 
 
 def _reason(reason: str) -> str:

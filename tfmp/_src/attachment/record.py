@@ -24,7 +24,9 @@ from tfmp._src.keras_hooks.object_state import PerObject
 from tfmp._src.policy import session, speedups
 
 _MARK = PerObject("attachment")
-_DETACHED = PerObject("detached")  # `tfmp.detach` took the mark off: no mark comes back by itself
+#: What `tfmp.detach` took the mark off: no mark comes back by itself (kept off the object,
+#: which detach leaves as Keras made it).
+_DETACHED: "weakref.WeakSet[Any]" = weakref.WeakSet()
 #: Objects that carry a mark; while one is alive the model-level hooks stay installed.
 _marked: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _lock = threading.RLock()
@@ -168,7 +170,7 @@ def mark(objects: Iterable[Any], record: Attachment) -> None:
     with _lock:
         for obj in objects:
             _MARK[obj] = record
-            _DETACHED.pop(obj, None)
+            _DETACHED.discard(obj)
             _marked.add(obj)
 
 
@@ -183,7 +185,13 @@ def unmark(objects: Iterable[Any], *, detached: bool = False) -> None:
             _MARK.pop(obj, None)
             _marked.discard(obj)
             if detached:
-                _DETACHED[obj] = True
+                _DETACHED.add(obj)
+
+
+def detached(obj: Any) -> bool:
+    """Bool. `tfmp.detach` took `obj`'s mark off, and no compile or load under tfmp gave one back."""
+    with _lock:
+        return obj in _DETACHED
 
 
 def any_marked() -> bool:

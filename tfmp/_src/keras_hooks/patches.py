@@ -174,7 +174,7 @@ class _Slot:
             object.__delattr__(self.target, self.name)
         else:
             _set(self.target, self.name, self.saved, self.is_class)
-        _slots(self.target).pop(self.name, None)
+        _forget_slot(self.target, self.name)
 
 
 def _pass_through(slot: _Slot, original: Any) -> Any:
@@ -210,12 +210,31 @@ def _set(target: Any, name: str, value: Any, is_class: bool) -> None:
 
 
 def _slots(target: Any) -> Dict[str, _Slot]:
+    """The slots of `target` (method name -> slot); empty and not stored when it has none."""
     if isinstance(target, type):
-        return _CLASS_SLOTS.setdefault(id(target), {})
-    slots = _INSTANCE_SLOTS.get(target)
-    if slots is None:
-        slots = _INSTANCE_SLOTS[target] = {}
-    return slots
+        return _CLASS_SLOTS.get(id(target), {})
+    return _INSTANCE_SLOTS.get(target, {})
+
+
+def _store_slot(slot: _Slot) -> None:
+    if slot.is_class:
+        _CLASS_SLOTS.setdefault(id(slot.target), {})[slot.name] = slot
+    else:
+        slots = _INSTANCE_SLOTS.get(slot.target)
+        if slots is None:
+            slots = _INSTANCE_SLOTS[slot.target] = {}
+        slots[slot.name] = slot
+
+
+def _forget_slot(target: Any, name: str) -> None:
+    """Drops `target`'s slot `name`; with its last slot, `target` keeps nothing of tfmp."""
+    slots = _slots(target)
+    slots.pop(name, None)
+    if not slots:
+        if isinstance(target, type):
+            _CLASS_SLOTS.pop(id(target), None)
+        else:
+            _INSTANCE_SLOTS.pop(target, None)
 
 
 class Surface:
@@ -264,14 +283,13 @@ class Surface:
             raise KeyError(f"Unknown hook owner {owner!r} on the {self.name} surface; known: "
                            f"{', '.join(self.subscribers)}.")
         with _LOCK:
-            slots = _slots(target)
-            slot = slots.get(method) or _Slot(target, method)
+            slot = _slots(target).get(method) or _Slot(target, method)
             if slot.hooks and slot.hooks[0].surface is not self:
                 raise RuntimeError(f"{slot.describe()} is hooked through the {slot.hooks[0].surface.name} "
                                    f"surface, not the {self.name} one.")
             hook = Hook(slot, self, owner, wrap)
             slot.set_hooks(slot.hooks + [hook])  # raises before anything changes
-            slots[method] = slot
+            _store_slot(slot)
             collecting = getattr(_installing, "hooks", None)
             if collecting is not None:
                 collecting.append(hook)
@@ -352,6 +370,6 @@ def class_slots() -> List[Dict[str, _Slot]]:
 def installed(target: Any, name: Optional[str] = None) -> List[Hook]:
     """The active hooks on `target` (on its method `name`, or on all), innermost first."""
     with _LOCK:
-        slots = _slots(target) if isinstance(target, type) else _INSTANCE_SLOTS.get(target, {})
+        slots = _slots(target)
         chosen = [slots[name]] if name in slots else ([] if name else list(slots.values()))
         return [h for slot in chosen for h in sorted(slot.hooks, key=lambda h: h.rank)]

@@ -167,6 +167,16 @@ def remove_error_handler(model: Any, key: Any) -> None:
     _remove(model, "handlers", key)
 
 
+def remove_all(model: Any) -> None:
+    """Drops every check and error handler of `model` and its wrapper: its train function is Keras's."""
+    with _LOCK:
+        hooks = vars(model).get(_ATTR)
+        if hooks is not None:
+            hooks.checks.clear()
+            hooks.handlers.clear()
+            hooks.remove_if_unused()
+
+
 def has_check(model: Any, name: str) -> bool:
     """Bool. Whether the check `name` runs after `model`'s train steps."""
     hooks = vars(model).get(_ATTR)

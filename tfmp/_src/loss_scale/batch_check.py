@@ -40,16 +40,17 @@ def watch(model: Any) -> None:
     model.make_train_function(force=True)
 
 
-def unwatch(model: Any) -> None:
-    """Takes the ``train_step`` hook off `model` (its optimizer is no longer a tfmp one).
+def unwatch(model: Any, *, remake: bool = True) -> None:
+    """Takes the ``train_step`` hook off `model` (its optimizer is no longer a tfmp one, or it was detached).
 
-    Called as Keras makes the train function, before it is traced: the function is
-    made again to take Keras's own ``train_step``.
+    Called as Keras makes the train function, before it is traced: with `remake`
+    the function is made again to take Keras's own ``train_step``.
     """
     hook = vars(model).pop(_ATTR, None)
     if hook is not None and hook.active:
         hook.remove()
-        model.make_train_function(force=True)
+        if remake:
+            model.make_train_function(force=True)
 
 
 def _wrap(model: Any, next_step: Callable) -> Callable:

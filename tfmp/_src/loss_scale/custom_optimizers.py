@@ -157,6 +157,16 @@ def _check_when_stuck(model: keras.Model, optimizer: LossScaleOptimizer) -> None
         train_function.add_check(model, _STUCK, functools.partial(_raise_if_stuck, weakref.ref(model)))
 
 
+def forget(model: keras.Model) -> None:
+    """Takes the setattr hook, the stuck check and the record of wrappers off `model` (`tfmp.detach`).
+
+    The wrappers stay where they are stored, as ``model.optimizer`` does.
+    """
+    trainer.SURFACE.unsubscribe(model, SETATTR_HOOK, OWNER)
+    train_function.remove_check(model, _STUCK)
+    _STORED.pop(model, None)
+
+
 def _raise_if_stuck(model_ref: Callable, logs: Any) -> Any:
     model = model_ref()
     for optimizer in list(_STORED.get(model, ())) if model is not None else ():

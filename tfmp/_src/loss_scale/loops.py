@@ -20,6 +20,7 @@ from typing import Any, List
 import keras
 import tensorflow as tf
 
+from tfmp._src.attachment import record
 from tfmp._src.errors import NonFiniteError, invalid_argument, user_stacklevel
 from tfmp._src.keras_hooks import surfaces, train_function, trainer
 from tfmp._src.loss_scale import arguments, batch_check, saved_form, skips
@@ -155,7 +156,13 @@ def release_if_unused() -> None:
 
 
 def _attach(model: Any) -> None:
-    """Adds the stuck check and the batch record to `model` when its optimizer is a tfmp one."""
+    """Adds the stuck check and the batch record to `model` when its optimizer is a tfmp one.
+
+    Not to a model `tfmp.detach` gave back to Keras: its optimizer still skips and
+    counts non-finite steps, and `fit` runs Keras's train function alone.
+    """
+    if record.detached(model):
+        return
     optimizer = getattr(model, "optimizer", None)
     if optimizer in _live:
         build_before_tracing(model, optimizer)
@@ -167,6 +174,12 @@ def _attach(model: Any) -> None:
         train_function.remove_check(model, "stuck")
         batch_check.unwatch(model)
     release_if_unused()
+
+
+def forget(model: Any) -> None:
+    """Takes the stuck check and the batch record off `model` (`tfmp.detach`), without making its train function."""
+    train_function.remove_check(model, "stuck")
+    batch_check.unwatch(model, remake=False)
 
 
 def build_before_tracing(model: Any, optimizer: Any) -> None:

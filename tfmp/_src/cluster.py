@@ -1,14 +1,11 @@
 """Joining a multi-worker cluster in bounded time: `tfmp.multi_worker_strategy`.
 
 `tf.distribute.MultiWorkerMirroredStrategy()` starts this task's server from
-``TF_CONFIG`` and then waits, inside TensorFlow's runtime, until every task of the
-cluster has connected to the coordination service, without a time limit
-(TF 2.21: a worker that never starts leaves its peers waiting for ever; the wait
-holds Python's global interpreter lock, so no Python thread runs meanwhile, and
-it ignores SIGTERM; the coordination service's ``cluster_register_timeout_in_ms``
-does not end it either; measured). `multi_worker_strategy` creates the strategy
-under a watchdog process instead (`tfmp._src.cluster_watchdog`, standard library
-only): past `timeout_s` it writes which task is missing and what to do to the
+``TF_CONFIG`` and then waits inside TensorFlow's runtime, without a time limit, until
+every task of the cluster has connected; Python cannot interrupt the wait (details:
+docs/guides/distributed.md, "Several worker processes"). `multi_worker_strategy` creates
+the strategy under a watchdog process instead (`tfmp._src.cluster_watchdog`, standard
+library only): past `timeout_s` it writes which task is missing and what to do to the
 worker's stderr and ends the worker.
 """
 

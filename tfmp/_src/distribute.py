@@ -1,24 +1,15 @@
 """tfmp under `tf.distribute`: one loss scale and one verdict for all replicas.
 
-Under `tf.distribute.MirroredStrategy` and `MultiWorkerMirroredStrategy` every
-replica keeps its own copy of each optimizer variable (created with
-``aggregation="none"``) and updates it from its own replica context. The copies stay
-equal only while every replica takes the same branch with the same values. Keras
-3.15's `LossScaleOptimizer` breaks that: it checks each replica's *local* gradients
-for inf/NaN, before the all-reduce, and the merge-call path then keeps replica 0's
-answer. An overflow confined to another replica's shard is not seen, the all-reduced
-gradients carry the inf into every weight, and nothing is counted (measured on two
-logical CPU devices, TF 2.21; see tests/test_distribute.py). The helpers below
-combine such per-replica facts over all replicas in sync, so that every replica
-skips the same steps, holds the same scale and counts each skipped step once.
-
-XLA: Keras compiles the whole ``strategy.run`` step when ``jit_compile=True``.
-Under a multi-replica strategy this fails: with merge calls (CPUs, mixed devices)
-XLA cannot reach the other devices' variables, and on GPUs Keras's loss-scale
-optimizer crashes with a `merge_call` RuntimeError (keras-team/keras issue 21366).
-tfmp therefore turns XLA off for such models, with a warning, when it compiles them
-(`tfmp.enable`), and refuses, with a message saying so, an XLA step it did not
-compile.
+Under `tf.distribute.MirroredStrategy` and `MultiWorkerMirroredStrategy` every replica
+updates its own copy of each optimizer variable (``aggregation="none"``); the copies stay
+equal only while every replica takes the same branch. Keras 3.15's `LossScaleOptimizer`
+checks each replica's local gradients before the all-reduce and keeps replica 0's answer,
+so an overflow on another replica's shard reaches every weight uncounted
+(tests/test_distribute.py). The helpers below combine such facts over all replicas in
+sync: every replica skips the same steps, holds the same scale, counts each skip once.
+XLA under a multi-replica strategy fails in Keras (keras-team/keras issue 21366), so
+tfmp compiles such models without it, with a warning, and refuses an XLA step it did
+not compile.
 """
 
 from __future__ import annotations

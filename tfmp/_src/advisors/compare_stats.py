@@ -1,25 +1,18 @@
 """The statistics of `tfmp.compare`, on plain numbers (no Keras, no training).
 
-* `paired_interval`: mean of per-seed differences (policy minus reference, same
-  seed, same data order) with a Student t confidence interval. Pairing by seed
-  removes what the two runs share (initial weights, batch order).
-* `decide`: "pass" when the interval lies within +-tolerance, "fail" when it lies
-  entirely outside, "inconclusive" when it straddles a bound.
-* `seeds_needed` and `examples_needed`: how many seeds, or validation examples
-  per seed, would make the interval narrow enough to decide.
-* `agreement` and `mcnemar`: per-example comparisons of two classifiers on the same
-  validation examples. They see a precision problem (predictions that flip)
-  before the mean accuracy moves, because flips in both directions cancel in the
-  mean but not in the agreement.
+* `paired_interval`: mean of per-seed differences (policy minus reference, same seed and
+  data order, which removes what the two runs share) with a Student t interval.
+* `decide`: "pass" when the interval lies within +-tolerance, "fail" when entirely
+  outside, "inconclusive" when it straddles a bound.
+* `seeds_needed`, `examples_needed`: how many seeds, or validation examples per seed,
+  would make the interval narrow enough to decide.
+* `agreement`, `mcnemar`: per-example comparisons of two classifiers, which see flipped
+  predictions before the mean accuracy moves. McNemar's test is the exact one (a
+  two-sided binomial test of the discordant pairs, `scipy.stats.binomtest`): the
+  chi-square form is poor on the handful of discordant pairs two close policies give.
 
-McNemar's test here is the exact one: a two-sided binomial test of the discordant
-pairs (`scipy.stats.binomtest` with p = 0.5). The chi-square form with continuity
-correction approximates it only when the discordant count is large (about 25 or
-more); on a few hundred validation examples two close policies disagree on a
-handful, where the approximation is poor, and the exact test costs nothing.
-
-scipy is an optional dependency (the ``compare`` extra): it is imported on the
-first statistic, not with tfmp, and `scipy_stats` says the fix when it is missing.
+scipy (the ``compare`` extra) is imported on the first statistic; `scipy_stats` says
+the fix when it is missing.
 """
 
 from __future__ import annotations

@@ -1,28 +1,14 @@
 """`tfmp doctor`: what this machine offers for mixed precision, in one report.
 
-Gathers what practitioners otherwise check by hand (nvidia-smi, nvcc, listing
-devices): TensorFlow and Keras versions, each device with its compute capability and
-whether it runs float16 and bfloat16 (and, on a GPU, TF32) in hardware, the CPU's
-bfloat16 flags and its measured training step in each dtype with its spread over
-rounds (`tfmp._src.policy.speed_probe`, when the CPU runs the steps: advice only, the
-recommendation rests on the facts as "auto" does), XLA, the current
-global policy, and the policy "auto" would pick with its reason. Device facts can
-be injected (`DeviceFacts`, and a `SpeedProbe`), so the report can be produced
-for a machine this one is not.
-
-The text shows what applies to the devices present: the CUDA/cuDNN build
-(`tf.sysconfig.get_build_info()`), TF32 and its switch only with a GPU; on a
-machine without one, CUDA is named once, in the note on a CUDA build that sees no
-GPU. The JSON (`DoctorReport.to_dict`) always has every key.
-
-Per-device support follows the same rules as "auto" (`tfmp._src.policy.policy`): float16
-Tensor Cores from compute capability 7.0, bfloat16 Tensor Cores and TF32 from 8.0;
-on a CPU, bfloat16 with AVX512_BF16, AMX-BF16 or Arm BF16 and oneDNN on, float16 never.
-
-Its time is TensorFlow's import (which imports Keras): gathering the facts takes
-milliseconds and the speed probe a few tenths of a second (on a 2-core AMD EPYC
-Zen 3 shared with other processes, ``import tensorflow`` alone took 9-27 s and as
-long as a whole ``python -m tfmp doctor``; the probe 0.2-0.7 s of it).
+What practitioners otherwise check by hand: TensorFlow and Keras versions, each device
+with its compute capability and whether it runs float16 and bfloat16 (on a GPU also
+TF32) in hardware, by the rules of "auto" (`tfmp._src.policy.policy`); the CPU's
+bfloat16 flags and its timed step per dtype (`tfmp._src.policy.speed_probe`, advice
+only); XLA; the global policy; and what "auto" would pick, with its reason. Facts can
+be injected (`DeviceFacts`, a `SpeedProbe`) to report on another machine. The text
+shows what applies to the devices present (the CUDA/cuDNN build and TF32 only with a
+GPU); the JSON (`DoctorReport.to_dict`) always has every key. Most of its time is
+TensorFlow's import. Measurements: docs/guides/policy.md, "Advisors".
 """
 
 from __future__ import annotations

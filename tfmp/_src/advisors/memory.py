@@ -1,27 +1,14 @@
 """Memory estimates: what a model, its optimizer and its activations take, per policy.
 
-Parameter, gradient and optimizer bytes are counted from real variables, so they are
-exact for the built objects; activation bytes are an estimate. Assumptions:
-
-* Parameters: every variable of the model (`model.variables`: trainable weights,
-  non-trainable statistics such as batch-norm moving means, and random-seed states),
-  each at its own dtype. Mixed policies keep float32 master weights, so they cost the
-  same as under float32. The 16-bit copies Keras casts each weight to inside a layer
-  call are short-lived and not counted.
-* Gradients: one per trainable variable, in the variable's dtype (Keras differentiates
-  with respect to the float32 master weights, so gradients arrive in float32).
-* Optimizer: every variable the built optimizer holds (`optimizer.variables`): its
-  slots (Adam: momentum and velocity per parameter; SGD without momentum: none) and
-  its scalars (iteration counter, learning rate; with loss scaling also the scale and
-  its step counter). The float32 column uses the same optimizer.
-* Activations: one output tensor per leaf layer for a batch of `batch_size`, at the
-  dtype that layer outputs: the policy's compute dtype (2 bytes for float16 or
-  bfloat16, 4 for float32). These are the tensors backpropagation keeps; temporary
-  buffers, activation gradients, kernel workspaces, the input batch, metric variables
-  and the allocator's own overhead are not counted, and TensorFlow may fuse or free
-  some of them, so read the number as an order of magnitude, not a peak.
-
-Troubleshooting (mixed policy but no memory saving):
+Parameters (every variable of the model, at its own dtype: float32 master weights cost
+as under float32), gradients (one per trainable variable, in its dtype) and optimizer
+variables (slots and scalars; the float32 column uses the same optimizer) are counted
+from the built objects, so they are exact. Activations are an estimate: one output per
+leaf layer for ``batch_size`` examples at the dtype the layer outputs, the tensors
+backpropagation keeps; temporary buffers, activation gradients, workspaces, the input
+batch and the allocator's overhead are not counted, and TensorFlow may fuse or free
+some, so read it as an order of magnitude, not a peak. The 16-bit weight copies made
+inside a call are short-lived and not counted. Troubleshooting (no memory saving):
 tfmp/docs/troubleshooting.md#no-memory-saving.
 """
 

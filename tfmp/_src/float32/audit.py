@@ -1,59 +1,22 @@
 """`tfmp.audit(model)`: a per-layer dtype report with warnings.
 
-One row per layer: path, class, compute dtype, the dtype its output really has,
-variable dtype (of the layer's own weights when it has any, else its policy's),
-why it computes in float32 (tfmp's reason for forcing it, or "float32 inside Keras
-3.15" for a layer Keras computes in float32 itself), own parameter count, and
-warning kinds. ``print(report)`` gives an aligned table; ``report.rows`` and
-``report.warnings`` are data.
+One `AuditRow` per layer: compute, output and variable dtypes, why it computes in
+float32, its parameters, its warning kinds; the output dtype comes from the symbolic
+graph, a ``batch=`` forward pass or the output-dtype rule (``output_from``). Warning
+kinds (``AuditWarning.kind``):
 
-The output dtype comes from the model's symbolic graph for layers of a
-Functional/Sequential graph; for layers inside custom code (subclassed layers and
-models), from the forward pass when ``batch=`` is given, else from tfmp's
-output-dtype rule (a forced layer hands back its parent's 16-bit dtype, an output
-producer returns float32, any other layer returns its compute dtype).
-``AuditRow.output_from`` says which (``"graph"``, ``"run"`` or ``"rule"``).
-
-For a BatchNormalization, ``AuditRow.batchnorm_kernel`` says whether it runs on
-TensorFlow's fused kernel (``"fused"``) or Keras's path and why
-(`tfmp._src.float32.fused_batchnorm`); the table ends with a line counting them.
-
-Warning kinds (``AuditWarning.kind``):
-
-* ``sensitive_16bit``: a softmax/normalization layer (``tfmp._src.float32.registry`` rules)
-  computes in float16/bfloat16, unless a user exclusion keeps it there; for a
-  layer whose float16 reduction can exceed 65504 (`tfmp._src.float32.reductions`),
-  the message says which reduction, over how many values, and the fix.
-* ``output_16bit``: a layer producing a model output computes in 16 bits (not a
-  block whose output tfmp casts to float32), or (with ``batch=``) a model output
-  is 16-bit at run time.
-* ``variables_16bit``: 16-bit variables, so no float32 master weights; small
-  updates vanish when added to them.
-* ``policy_mismatch``: a layer's policy differs from tfmp's (the policy tfmp
-  attached the model under, else the calling thread's while enabled, else the
-  model's own) and tfmp did not set it (typically the model was built
-  before ``tfmp.enable()``). A layer set to ``"float32"`` in a model that was
-  itself made under that policy is its author's choice (keras-hub pins its
-  attention softmax so) and is not flagged.
-* ``tensor_core_dims``: on a Tensor Core GPU (compute capability >= 7.0), a 16-bit
-  Dense/Conv dimension or the batch size is not a multiple of 8. Source: NVIDIA,
-  "Train With Mixed Precision", section "Optimizing for Tensor Cores"
-  (docs.nvidia.com/deeplearning/performance/mixed-precision-training): for FP16,
-  matrix dimensions and channel counts should be multiples of 8.
-* ``float32_heavy``: more than half of the parameters the model multiplies per
-  example (all but embedding tables that are only looked up,
-  `tfmp._src.float32.audit_cost`) are multiplied in float32: in float32-forced
-  layers, or in a tied embedding's projection, which Keras runs in float32
-  inside a model forced or not. Mixed precision buys little; the message names
-  the largest such layers by path, their parameters, what each runs in float32
-  and the call that changes it.
-* ``consumer_dtype``: a forced layer's output dtype differs from the compute dtype
-  of a layer that consumes it (in the graph; for a layer inside custom code, its
-  parent), so the value is cast at that boundary: typically a float32 model output
-  that also feeds a 16-bit layer.
-* ``dtype_mismatch``: (with ``batch=``) the forward pass failed because an op
-  was given two different dtypes (e.g. a float32 constant added to a bfloat16
-  tensor); the message names the layer, TensorFlow's line and the fix.
+* ``sensitive_16bit``: a layer a registry rule keeps in float32 (wide float16
+  reductions included) computes in 16 bits, and no user exclusion keeps it there;
+* ``output_16bit``: a model output's layer computes in 16 bits, or (``batch=``) an
+  output is 16-bit at run time;
+* ``variables_16bit``: 16-bit variables, so no float32 master weights;
+* ``policy_mismatch``: a layer's policy differs from tfmp's and tfmp did not set it;
+* ``tensor_core_dims``: on a Tensor Core GPU, a 16-bit Dense/Conv dimension or the
+  batch size is not a multiple of 8 (NVIDIA, "Train With Mixed Precision");
+* ``float32_heavy``: over half the multiplied parameters run in float32
+  (`tfmp._src.float32.audit_cost`);
+* ``consumer_dtype``: a forced layer's output dtype differs from its consumer's;
+* ``dtype_mismatch``: (``batch=``) the forward pass failed on two dtypes in one op.
 """
 
 from __future__ import annotations

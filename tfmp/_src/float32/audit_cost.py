@@ -1,31 +1,14 @@
 """What float32 forcing costs a model, for `tfmp.audit`: the ``float32_heavy`` finding.
 
-A forced layer's variables are float32 under a ``mixed_*`` policy whether forced
-or not; what forcing changes is the dtype its matmuls run in. So the cost is
-counted in *multiplied parameters*: the weights each example multiplies, one
-multiply-add per position the layer is applied to (a token, a pixel). That is
-every weight but an ``Embedding`` table that is only looked up (a gather, no
-matmul, whatever its size); a tied embedding (``ReversibleEmbedding``) whose
-``reverse=True`` call projects onto its table counts that table once, an untied
-one its ``reverse_embeddings``. A tied output written by hand, a custom layer
-holding an ``Embedding`` listed under another parent and multiplying by its
-table (``ops.matmul(x, ops.transpose(self.embedding.embeddings))``), is charged
-that table (`borrowed_tables`): the lookup is its parent's, the matmul its own.
-Parameters of a layer forced because it sits
-inside a forced one are charged to that one (`root`): excluding it is what
-changes them.
-
-A tied embedding's projection runs in float32 inside a 16-bit model whether
-tfmp forces the layer or not: Keras's ``Embedding`` sets ``autocast=False``, so
-inside a model (whose autocast scope it clears) its float32 table is not cast
-and ``ops.matmul`` promotes the 16-bit hidden state to float32 (Keras 3.15);
-only ``reverse_dtype`` set to a 16-bit dtype makes it a 16-bit matmul. So it is
-counted as float32 compute (`KERAS_PROJECTION`) unless ``reverse_dtype`` is
-16-bit, also when tfmp forced it whole.
-
-The finding names the largest forced layers by path, with their multiplied
-parameters, what each runs in float32, and the change that computes it in 16
-bits (the exact call, by the reason it was forced).
+Forcing changes the dtype a layer's matmuls run in, not its variables' (float32 under a
+``mixed_*`` policy anyway), so the cost is counted in *multiplied parameters*: every
+weight but an ``Embedding`` table that is only looked up. A tied embedding's projection
+(``ReversibleEmbedding``, ``reverse=True``) counts its table once and runs in float32
+inside a 16-bit model forced or not (Keras 3.15's ``Embedding`` does not autocast;
+`KERAS_PROJECTION`) unless ``reverse_dtype`` is 16-bit; a custom layer multiplying by
+another layer's table is charged that table (`borrowed_tables`); a layer forced inside
+a forced one is charged to that one (`root`). The finding names the largest forced
+layers, their multiplied parameters and the call that computes each in 16 bits.
 """
 
 from __future__ import annotations

@@ -1,46 +1,15 @@
 """The bias gradient of a 16-bit Dense or convolution summed with float32 accumulation on a CPU.
 
-Keras adds a Dense or convolution layer's bias with ``tf.nn.bias_add`` (its
-TensorFlow backend's ``add`` takes that path when the second operand is a bias
-vector), whose gradient is TensorFlow's ``BiasAddGrad``: the sum of the output
-gradient over every row (batch, and sequence or image positions). TensorFlow's CPU
-kernel accumulates that sum in bfloat16 itself, so once the running sum is large
-enough that half its unit in the last place exceeds a row's value, adding a row
-changes nothing. Measured on an AMD EPYC Zen 4, TensorFlow 2.21 (and 2.17),
-2026-12-03, with the output gradient fed into a traced ``tf.function`` (a
-constant one is folded by Grappler with the same kernel): every output gradient
-0.01 (0.01001 in bfloat16), the bias gradient of a bfloat16 ``Dense(4)`` over
-8,192 rows is 4.0 instead of 82.0, and so is that of a ``Dense`` over 64 x 128
-positions, a ``Conv1D``, a ``Conv3D`` and a ``DepthwiseConv2D``; 8,192 x 512
-standard normal values, whose column sums have a standard deviation of 90, come
-out up to 73 off. A ``Conv2D``'s comes out exact: oneDNN fuses its filter's and
-bias's gradients into one kernel (``_MklNativeConv2DBackpropFilterWithBias``),
-which accumulates in float32. float16 accumulates correctly in ``BiasAddGrad``
-(4,096 rows of 0.01: 40.97, exact), and so does TensorFlow's ``Sum`` of bfloat16
-values (the gradient of a plain broadcasting add; its float16 ``Sum`` does not,
-40.56): exact to its one rounding, and no slower there (8,192 x 512: 0.78 ms
-against ``BiasAddGrad``'s 1.24 ms; 64 x 128 x 128: 0.28 against 0.61 ms;
-fastest of 30 calls each).
-
-For an attached model whose attachment says so (`decision`, recorded as
-``Attachment.bias_gradient``), the hook (owner ``"bias_gradient"`` in
-``keras_hooks.backend_ops.SURFACE``) on ``add`` of Keras's TensorFlow backend
-(`backend_ops.backend_numpy`, which ``keras.ops.add`` reads at each call)
-keeps Keras's forward pass (the same ``BiasAdd``, so Grappler fuses it as
-before) and gives the bias the gradient ``reduce_sum(dy)`` over every axis but
-the channel, in the bias's dtype. Decided once per model, when tfmp attaches it,
-from `probe`: known-answer checks of this process's kernels, the plain kernel
-and a traced Conv2D (about 0.04 s once per process on the Zen 4; run eagerly also
-while a step is traced, so a layer attached at its first call gets it too). Where the traced
-Conv2D keeps the sum, a Conv2D's bias whose filter trains keeps Keras's fused
-gradient (replacing it cost ResNet50 3-9% of its speed in two runs:
-`benchmarks/side_experiments.py bias-gradient-resnet50`); with a frozen filter
-(bias-only fine-tuning) there is no filter gradient to fuse with, and it is
-summed. A step that asks for a Conv2D bias's gradient but not for its trainable
-filter's (a custom loop's own choice) keeps Keras's kernel, and its loss.
-Only a 16-bit model on a machine without GPUs or TPUs is checked; GPU kernels
-are not measured here and keep Keras's gradient. Tests inject a result with
-`injected`.
+Keras adds a bias with ``tf.nn.bias_add``; TensorFlow's CPU ``BiasAddGrad`` accumulates
+the sum over every row in bfloat16, so rows stop counting once the running sum is large.
+oneDNN's fused Conv2D filter-and-bias gradient and TensorFlow's ``Sum`` accumulate in
+float32. For a model whose attachment says so (`decision`, ``Attachment.bias_gradient``),
+the hook on ``add`` (owner ``"bias_gradient"``, `keras_hooks.backend_ops`) keeps Keras's
+forward pass and gives the bias ``reduce_sum(dy)`` over every axis but the channel,
+except a Conv2D bias whose filter trains where the fused kernel keeps the sum. Decided
+once per 16-bit model on a machine without GPUs or TPUs from `probe` (known-answer
+checks of this process's kernels); tests inject a result with `injected`.
+Measurements: benchmarks/README.md, "Bias gradients".
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """Dtype-mismatch errors while a Functional model is built, explained while enabled.
 
-Calling a layer on ``keras.Input`` tensors makes Keras infer its output by
-tracing its ``call`` (``Layer.compute_output_spec``). A layer that mixes its
-16-bit inputs with a float32 tensor it creates itself (the keras.io VAE's
-``Sampling`` layer: ``z_mean + ops.exp(0.5 * z_log_var) * keras.random.normal(...)``)
-fails there, under any mixed policy, with Keras's "Could not automatically infer
-the output shape / dtype of 'sampling' (of type Sampling)" wrapped around
-TensorFlow's mismatch text. That is before ``compile``, so the per-model hooks of
-`tfmp._src.float32.dtype_errors` are not on yet.
-
-While a session is open, `install` hooks ``keras.layers.Layer.compute_output_spec``
-(owner ``"enable.build_errors"``): in a thread with a session, such an error is
-raised again as the same type, Keras's text followed by tfmp's (the failing
-layer's path, both dtypes, the remedies that work before ``compile``), the
-original chained as ``__cause__``. Any other exception passes unchanged; a layer
-that builds pays one ``try`` per symbolic call.
+A layer mixing its 16-bit inputs with a float32 tensor it creates (the keras.io VAE's
+``Sampling``) fails when called on ``keras.Input`` tensors, in
+``Layer.compute_output_spec``: before ``compile``, so before the hooks of
+`tfmp._src.float32.dtype_errors`. While a session is open, `install` hooks
+``compute_output_spec`` (owner ``"enable.build_errors"``): in a thread with a session
+such an error is raised again as the same type, Keras's text followed by tfmp's (the
+layer's path, both dtypes, the remedies that work before ``compile``), the original as
+``__cause__``. Any other exception passes unchanged.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """What a forced layer hands back: its parent's 16-bit dtype, or float32 for a model output.
 
-`tfmp._src.float32.force` decides which layers compute in float32; this module
-installs the two hooks that make the dtypes around them match plain Keras:
+`tfmp._src.float32.force` decides which layers compute in float32; the two hooks here
+make the dtypes around them match plain Keras:
 
 * ``"float32.cast_back"`` on a forced layer's ``call`` and ``compute_output_spec``:
-  floating outputs are cast to the compute dtype of its parent (the enclosing
-  layer, or the model) when that is float16/bfloat16, read at each call.
-* ``"float32.outputs"`` on a subclassed model's ``call``, and on the ``call`` and
-  ``compute_output_spec`` of a block producing a model output (its body computes
-  in 16 bits, `tfmp._src.float32.registry.is_block`): 16-bit floating outputs
-  are cast to float32. An output that is exactly what a forced direct sublayer of
-  the model (or block) handed back (``return self.head(x)``, ``head`` a forced softmax) is
-  replaced by that sublayer's float32 result, so the probabilities the loss sees
-  are not rounded to 16 bits and back. The model's own code still receives the
-  16-bit tensor, as under plain Keras. The match is by tensor identity within one
-  call of the model (eager or traced).
+  floating outputs cast to its parent's compute dtype (read at each call) when 16-bit.
+* ``"float32.outputs"`` on a subclassed model's ``call``, and on a block producing a
+  model output (`tfmp._src.float32.registry.is_block`): 16-bit floating outputs cast to
+  float32; an output that is exactly (by tensor identity, within one call) what a forced
+  direct sublayer handed back is replaced by that sublayer's float32 result.
 """
 
 from __future__ import annotations

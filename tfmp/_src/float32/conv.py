@@ -1,45 +1,15 @@
 """float16 convolutions computed in float32 inside, per model, on CPUs (no fast float16 conv kernels there).
 
-TensorFlow has no fast float16 convolution kernels on a CPU: where its oneDNN does
-not take float16 (AMD Zen 4, Intel CPUs before Sapphire Rapids) a float16 Conv2D
-runs on Eigen's kernels, and where it does (Sapphire Rapids: AVX512_FP16) oneDNN's
-float16 convolutions crawl. Measured on an AMD EPYC Zen 4, TensorFlow 2.21,
-2026-12-04 (fastest of 5, forward and both gradients of a 3x3 Conv2D, 32 x 32 x 32
-x 64 -> 64): float32 24.0 ms, float16 234 ms (9.7x slower), float16 computed in
-float32 inside 25.1 ms. On a Sapphire Rapids, two Conv2D layers' training step ran
-147-240x float32's in float16 (2026-12-04). `benchmarks/float16_cpu.py` measures
-the model-level effect on the running CPU.
-
-`float32_inside` casts the 16-bit input and kernel to float32 (exact: every
-float16 value is a float32 value), convolves in float32 and rounds the result once
-to float16: float32 accumulation of float16 products, which is what TensorFlow asks
-of cuDNN for float16 convolutions on an NVIDIA GPU (``TF_FP16_CONV_USE_FP32_COMPUTE``,
-on by default), so a CPU run matches a float16 GPU run's arithmetic more closely
-than Eigen's float16 kernel does. Its ``tf.custom_gradient`` keeps only the 16-bit
-input and kernel for the backward pass, whose gradients are computed in float32
-and rounded once to float16 the same way.
-
-Decided per model, once, when tfmp attaches it (`decision`, recorded as
-``Attachment.conv``), from facts that do not move: a model computing in float16 on
-a machine without GPUs or TPUs. GPUs keep Keras's convolutions (cuDNN's float16
-kernels are the fast path there); bfloat16 models keep them too (oneDNN's bfloat16
-convolutions are fast: 14.5 ms in the measurement above), as does a float32 model.
-
-The hook (owner ``"conv"`` in ``keras_hooks.backend_ops.SURFACE``) replaces ``conv`` and
-``conv_transpose`` of Keras's TensorFlow backend module (`backend_ops.backend_nn`),
-which ``keras.ops.conv`` / ``conv_transpose`` (so Conv1D/2D/3D and their transposes)
-look up at each call; it is one of the model-level hooks
-(`tfmp._src.attachment.hooks`). A call takes `float32_inside` when the input and
-kernel are float16 and the layer computing it carries an attachment whose ``conv``
-starts with `FLOAT32_INSIDE`. Depthwise and separable convolutions keep Keras's
-kernels (float16 2.1x slower than float32 on the Zen 4 for a 3x3 depthwise
-convolution, and no faster in float32 inside, the casts costing what it saves):
-``Attachment.conv`` is the model's rule, and says nothing of a model that has none
-of the convolutions hooked. One more effect: TensorFlow's CPU kernels refuse a
-float16 ``channels_first`` convolution's gradients (``Conv2DCustomBackpropFilterOp
-only supports NHWC``), which plain Keras ``mixed_float16`` meets in ``fit``; in
-float32 inside such a model trains, and fails again in float16 once detached or
-loaded without tfmp.
+A float16 convolution on a CPU runs on Eigen's slow kernels, or on oneDNN's slower ones
+where oneDNN takes float16 (AVX512_FP16). `float32_inside` widens the float16 input and
+kernel to float32 (exact), convolves and computes both gradients in float32 and rounds
+each result once to float16: float32 accumulation, as TensorFlow asks of cuDNN on a GPU
+(``TF_FP16_CONV_USE_FP32_COMPUTE``). The rule (`decision`, ``Attachment.conv``): a
+float16 model on a machine without GPUs or TPUs; bfloat16 and float32 models keep
+Keras's kernels. The hook (owner ``"conv"``, `keras_hooks.backend_ops`) covers ``conv``
+and ``conv_transpose``; depthwise and separable convolutions keep Keras's. A float16
+``channels_first`` model, whose gradients TensorFlow's CPU kernels refuse (NHWC only),
+trains this way. Measurements: benchmarks/README.md, "float16 on a CPU".
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
 """Dtype-mismatch errors that say which layer and what to do.
 
-A layer that mixes a tensor it creates itself (``tf.random.uniform(...)``,
-``tf.constant(1.0)``, a raw TF op in a ``Lambda``: float32 by default) with its
-16-bit inputs fails under any mixed policy, plain Keras's too, with TensorFlow's
-terse text ("Input 'y' of 'Mul' Op has type float32 that does not match type
-bfloat16 of argument 'x'"). For every model tfmp compiles, `explain_dtype_errors`
-hooks the model's ``build`` and ``call`` (owner ``"enable.dtype_errors"``, once
-per model): ``fit``, ``evaluate``, ``predict`` and ``model(x)`` all go through
-them when Keras traces or runs the forward pass. An exception whose text is such
-a mismatch between a 16-bit and a wider float dtype is raised again as the same
-type, with Keras's/TensorFlow's text followed by the failing layer's path, the
-two dtypes and the remedies, and the original chained as ``__cause__``. Any other
-exception passes unchanged. The error is raised while tracing, so a working model
-pays nothing per step. Errors of the backward pass (a ``tf.custom_gradient``
-function mixing dtypes) are explained by `tfmp._src.float32.gradient_errors`.
-
-The failing layer is the innermost frame of the traceback running a layer's
-``call``; when Keras filtered that frame out (a ``Lambda``), the layer named in
-Keras's "Exception encountered when calling <Class>.call()" or "of '<name>' (of
-type <Class>)" text.
+A layer mixing a tensor it creates (float32 by default: ``tf.constant(1.0)``, a raw TF
+op in a ``Lambda``) with its 16-bit inputs fails under any mixed policy with TensorFlow's
+terse text. For every model tfmp compiles, `explain_dtype_errors` hooks the model's
+``build`` and ``call`` (owner ``"enable.dtype_errors"``): such a mismatch is raised again
+as the same type, the text followed by the failing layer's path (the innermost frame
+running a layer's ``call``, else the layer Keras's text names), both dtypes and the
+remedies, the original as ``__cause__``. Other exceptions pass unchanged; the error comes
+while tracing, so a working model pays nothing per step. The backward pass:
+`tfmp._src.float32.gradient_errors`.
 """
 
 from __future__ import annotations

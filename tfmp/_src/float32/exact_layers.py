@@ -1,32 +1,16 @@
 """Exact preprocessing layers compute in float32 wherever they run.
 
-Keras's preprocessing layers cast their inputs to the layer's compute dtype: in a
-``tf.data`` map (``DataLayer.__call__`` in a TensorFlow graph) and in a model's
-traced call alike. For the layers of `registry.EXACT_PREPROCESSING` that cast
-changes the result, not its precision: under ``mixed_bfloat16`` a
-``Discretization`` of values around 1,000 over 256 buckets puts 253 of 256 in
-the wrong bucket (tensorflow#43502), ``CategoryEncoding`` encodes id 1999 as 2000
-(keras#19583), and ``Normalization`` turns 10000.3 into 10048 before subtracting
-its mean (keras-core#412).
-
-Such a layer is often never part of a compiled model (``dataset.map(layer)``),
-so forcing at ``compile`` cannot reach it. While the calling thread has a
-session, the ``__init__`` of each of these classes (owner ``"float32.exact"``, a
-session hook installed by `tfmp._src.policy.enable`) gives a new layer a
-float32 policy, unless a class the session or the registry excludes matches it.
-The policy belongs to the layer, so it holds wherever the layer runs later: in a
-model or a ``tf.data`` map, before or after ``compile``, after `tfmp.disable()`.
-A layer created before `enable()` with a 16-bit policy is forced at ``compile``
-like any other rule's layer, and its state Keras stored in the old compute dtype
-is cast again from its float32 source (`refresh_state`).
-
-The dtype it hands on: in a ``tf.data`` map there is no parent, so the layer
-returns float32 (or the integers it computes); the model the data feeds casts
-its inputs itself. Once a model holding it is compiled, the output-dtype rule
-applies as to every forced layer (`tfmp._src.float32.cast_back`): it hands back
-its parent's 16-bit dtype, unless it produces a model output (float32). A path
-pattern the session excludes (``exclude_float32="prep/*"``) is only known then:
-``compile`` puts such a layer back to the policy it was created with.
+Keras's preprocessing layers cast their inputs to the compute dtype, in a ``tf.data`` map
+and in a model alike; for `registry.EXACT_PREPROCESSING` that changes the result: under
+``mixed_bfloat16`` a ``Discretization`` of values around 1,000 over 256 buckets puts 253
+in the wrong bucket (tensorflow#43502), ``CategoryEncoding`` encodes id 1999 as 2000
+(keras#19583), ``Normalization`` turns 10000.3 into 10048 (keras-core#412). While the
+thread has a session, the ``__init__`` of these classes (owner ``"float32.exact"``) gives
+a new layer a float32 policy unless excluded, which holds wherever it runs (a
+``dataset.map`` no model reaches, after `tfmp.disable()`). One made before `enable()` is
+forced at ``compile``, its stored state cast again from float32 (`refresh_state`). In a
+``tf.data`` map it returns float32; in a model the output-dtype rule applies
+(`tfmp._src.float32.cast_back`); a path excluded at ``compile`` gets its first policy back.
 """
 
 from __future__ import annotations

@@ -1,67 +1,16 @@
 """`tfmp.force_float32`: compute precision-sensitive layers and model outputs in float32.
 
-Under a mixed policy every layer computes in 16 bits unless told otherwise. This
-module sets a float32 ``DTypePolicy`` on the layers chosen by
-``tfmp._src.float32.registry`` (softmax, fused softmax, normalization that Keras
-computes in 16 bits, known-broken Keras layers, float16 reductions past 65504,
-user targets) and on the layers producing the model's outputs, then makes the
-model's symbolic graph agree.
-
-The output-dtype rule. Forcing makes a layer *compute* in float32 (``Layer.__call__``
-casts its float inputs up); the dtype it hands back is the one the code around it
-expects, the compute dtype of its parent (the enclosing layer, or the model for a
-layer of a Functional/Sequential graph):
-
-* Layers producing the model's outputs return float32 (the loss is computed in
-  float32); no cast back.
-* A block producing an output (`registry.is_block`: sublayers of its own, a
-  ``call`` that is not Keras's, e.g. a transformer block whose result is returned
-  beside the logits) is not forced: forcing it would run its whole body in
-  float32. It keeps its 16-bit policy, its sublayers follow the rules, and its
-  ``call`` and ``compute_output_spec`` get the ``"float32.outputs"`` hook that
-  subclassed models get (`cast_back.cast_outputs`): it returns float32 (reason
-  ``registry.OUTPUT_CAST``). A built-in or user rule selecting the block still
-  forces it whole.
-* Likewise, under ``compile`` (the ``loss`` known), a linear output layer whose
-  outputs are all logits of a from-logits cross-entropy keeps its 16-bit matmul
-  and returns float32 (``logits.LOGITS_CAST``; `tfmp._src.float32.logits`); for a
-  tied embedding (``ReversibleEmbedding``) only its projecting calls return float32.
-* Every other forced layer gets a hook (owner ``"float32.cast_back"``) on its
-  ``call`` and ``compute_output_spec`` that casts floating outputs to its parent's
-  compute dtype when that is 16-bit. So ``norm(x) + y`` and
-  ``tf.matmul(softmax(scores), v)`` inside a custom layer see the same dtypes as
-  under plain Keras, and the symbolic graph shows the same dtypes as plain Keras
-  except the model outputs.
-* Layers Keras already computes in float32 (`registry.FLOAT32_INSIDE_KERAS`:
-  BatchNormalization, LayerNormalization, GroupNormalization, RMSNormalization)
-  are not forced at all.
-
-How each model kind is handled:
-
-* Functional (and built Sequential, via its inner Functional graph): output
-  tensors are walked back through raw ops (``keras.ops.*``) to the layers that
-  produce them; nested models are entered recursively. After forcing, the symbolic
-  specs are recomputed node by node (see :func:`_refresh_graph`).
-* Unbuilt Sequential: its last layer produces the output; the graph built later
-  picks up the new policies by itself.
-* Subclassed models have no graph to walk: their ``call`` is wrapped once so that
-  16-bit float outputs are cast to float32 (this also covers outputs computed with
-  raw tensor ops after the last layer). Their forced layers hand back the model's
-  16-bit dtype, as any layer inside custom code; an output that is exactly what a
-  forced layer handed back is returned as that layer's float32 result instead
-  (`tfmp._src.float32.cast_back`), so a final softmax is not rounded to 16 bits.
-* A model loaded while enabled (`force_loaded`) keeps its saved policies and gets
-  the hooks back: saving keeps policies, not hooks.
-* Layers not built yet (lazy subclassed models, MultiHeadAttention, whose
-  ``_softmax`` sublayer only exists after ``build``) get a one-shot hook that
-  applies the same rules to the sublayers their ``build`` creates.
-
-Forcing a layer forces its sublayers too (a float32 block with float16 children
-would cast straight back down); their parent then computes in float32, so they
-hand back float32. MultiHeadAttention's fused path, ``ops.dot_product_attention``,
-already runs its softmax in float32 on the TensorFlow backend; its explicit path
-(dropout, or ``return_attention_scores``) uses the ``Softmax`` sublayer, which the
-built-in rule forces and which hands 16-bit probabilities back to the attention.
+Sets a float32 ``DTypePolicy`` on the layers `tfmp._src.float32.registry` chooses and on
+the layers producing the model's outputs (with their sublayers), then makes the model's
+symbolic graph agree (:func:`_refresh_graph`). The output-dtype rule: a forced layer
+computes in float32 and hands back its parent's compute dtype (hook
+``"float32.cast_back"``, `tfmp._src.float32.cast_back`); output layers return float32;
+a block producing an output (`registry.is_block`) and a logits layer
+(`tfmp._src.float32.logits`) keep their 16-bit policy and only their outputs are cast;
+layers Keras already computes in float32 (`registry.FLOAT32_INSIDE_KERAS`) are left alone.
+A Functional graph is walked back from its outputs, nested models included; a subclassed
+model gets its outputs cast (``"float32.outputs"``); layers built later get a one-shot
+build hook; a model loaded while enabled gets its hooks back (`force_loaded`).
 """
 
 from __future__ import annotations

@@ -1,39 +1,16 @@
 """BatchNormalization on TensorFlow's fused kernel for the mixed-policy layers tfmp attached.
 
-Keras 3.15's `keras.layers.BatchNormalization.call` casts 16-bit inputs to
-float32, computes the moments and the normalization with separate ops, and casts
-back. TensorFlow's fused kernel (``tf.raw_ops.FusedBatchNormV3``) takes the
-16-bit ``x`` with float32 scale, offset, mean and variance, computes the
-statistics and the arithmetic in float32 inside one op and returns ``y`` in the
-dtype of ``x``; its gradient is one op too (``FusedBatchNormGradV3``).
-
-`install` hooks ``BatchNormalization.call`` on the class (owner
-``"fused_batchnorm"`` in ``keras_hooks.layer_calls.SURFACE``), installed while a thread
-is enabled or an attached model is alive (`tfmp._src.attachment`); the class
-itself is unchanged, so a saved model is a plain Keras BatchNormalization. Every
-training call of an attached layer, on either path, keeps its moving statistics
-finite and restorable by a skipped step (`tfmp._src.loss_scale.step_state`). A call
-takes the fused kernel when `call_reason` returns ``""``, else Keras's own code:
-
-* the layer is attached to tfmp (its model was compiled or loaded while enabled,
-  or the layer was first called while enabled), which is decided once and kept
-  with the layer, whatever thread traces it later; and it computes in
-  float16/bfloat16 with float32 variables (a ``mixed_*`` policy);
-* its attachment has the ``fused_batchnorm`` speed feature on
-  (`tfmp._src.policy.speedups`: not with ``enable(speedups=False)``, nor on a
-  machine with a GPU or TPU, where the kernel was not measured);
-* ``synchronized=False`` and ``renorm=False``; no ``mask``;
-* a 4D or 5D input of float16, bfloat16 or float32, normalized over the last
-  axis (NHWC/NDHWC) or axis 1 (NCHW/NCDHW);
-* ``training`` a Python bool or None (Keras's own test ``training and
-  self.trainable`` picks batch or moving statistics, as here).
-
-Moving statistics are updated with Keras's expression,
-``moving * momentum + batch * (1 - momentum)`` in float32, from the batch mean
-and the biased batch variance. The kernel returns the Bessel-corrected variance
-(multiplied by ``n / max(n - 1, 1)``, n the number of values per channel,
-TensorFlow's ``fused_batch_norm_op.cc``; measured on TF 2.21, CPU, oneDNN on and
-off, all four data formats), which is multiplied back by ``max(n - 1, 1) / n``.
+Keras's `keras.layers.BatchNormalization.call` casts 16-bit inputs to float32 and runs
+separate ops; TensorFlow's ``FusedBatchNormV3`` takes the 16-bit ``x`` with float32
+parameters and computes in float32 inside one op (its gradient too). `install` hooks
+``BatchNormalization.call`` on the class (owner ``"fused_batchnorm"``,
+`keras_hooks.layer_calls`); a saved model keeps a plain Keras layer. A call takes the
+kernel when `call_reason` returns ``""``: an attached layer under a ``mixed_*`` policy
+with the ``fused_batchnorm`` speed feature on, no ``synchronized``, ``renorm`` or mask,
+a 4D/5D input normalized over the last axis or axis 1, ``training`` a bool or None.
+Moving statistics follow Keras's formula with the biased variance (the kernel's
+Bessel-corrected one times ``max(n - 1, 1) / n``); `tfmp._src.loss_scale.step_state`
+keeps them on a skipped step. Measurements: benchmarks/README.md, "BatchNormalization".
 """
 
 from __future__ import annotations

@@ -1,55 +1,15 @@
 """Exact GELU computed in float32 inside, per model, where the CPU's bfloat16 GELU is the slow path.
 
-Keras's exact GELU (``activation="gelu"``, ``keras.activations.gelu``,
-``keras.ops.gelu(x, approximate=False)``) ends in TensorFlow's ``tf.nn.gelu``,
-``0.5 * x * erfc(-x / sqrt(2))``: a chain of elementwise ops in the compute
-dtype, and a longer one for its gradient. TensorFlow's CPU kernels for 16-bit
-elementwise ops convert every value to float32 and back inside each op, so the
-chain costs more in bfloat16 than in float32. Measured on an AMD EPYC Zen 4
-(AVX512_BF16), TensorFlow 2.21, 2026-12-03 17:21 UTC, a bfloat16 Dense layer with
-the exact GELU, forward and backward (`benchmarks/gelu.py`, fastest of 15
-alternated calls): the benchmark Transformer's FFN (8192 x 128 -> 512) 27.4 ms
-with Keras's GELU, 10.6 ms with float32 inside (2.57x; 1.40x before its gradient
-was fused by XLA, `fused_gradient`); the ViT's MLP (4096 x 64 -> 128) 4.2 vs 1.9
-ms (2.18x); its head (64 x 4096 -> 2048, the matmul's time) 8.5 vs 8.0 ms.
-float16 would gain 1.7-1.9x there but is never tfmp's choice on a CPU: left to
-Keras, as is the tanh approximation (bfloat16 1.06x standalone, before fusing).
-
-`float32_inside` casts ``x`` to float32 once, computes GELU (forward) and its
-derivative ``Phi(x) + x * phi(x)`` (backward) in float32 and rounds each result
-once to ``x``'s dtype: the output dtype is Keras's, and each value is the exact
-GELU rounded once instead of after every op of the chain (bfloat16, 100,000
-values from N(0, 9) against float64: mean error 8.2e-4 against Keras's 9.8e-4,
-largest 7.8e-3 against 9.8e-3; gradients 7.7e-4 against 1.1e-3, largest 3.9e-3
-against 7.9e-3). Its ``tf.custom_gradient`` keeps only the 16-bit ``x`` for the
-backward pass, no more than autodiff keeps of Keras's chain.
-
-Decided per model, once, when tfmp attaches it (`decision`, recorded as
-``Attachment.gelu``), from facts that do not move: a model computing in bfloat16
-on a machine without GPUs or TPUs takes float32 inside. TensorFlow's bfloat16
-elementwise CPU kernels are Eigen's, which convert each value to float32 and back
-inside every op on every CPU (AVX512_BF16 and AMX-BF16 serve matmuls, not
-``Erfc`` or ``Mul``), so the rule holds wherever the model runs on the CPU; no
-timing decides it, as a timing under load would give two processes of one script
-two numerics. `measure` times both variants for `benchmarks/gelu.py` (on the Zen
-4, 1.45-2.3x in fresh processes, 2.13x-2.57x in the benchmark). GPUs keep Keras's
-GELU: their 16-bit elementwise kernels compute natively, as does a layer attached
-at its first call (a custom training loop over a model never compiled: its
-attachment records no per-model decisions).
-
-The hook (owner ``"gelu"`` in ``keras_hooks.backend_ops.SURFACE``) replaces ``gelu`` of
-Keras's TensorFlow backend module (`backend_ops.backend_nn`), which
-``keras.ops.gelu`` looks up at each call; it is one of the model-level hooks
-(`tfmp._src.attachment.hooks`). A call takes `float32_inside` when
-``approximate`` is False, ``x`` is bfloat16, and the layer computing it (the
-innermost layer whose call is running) carries an attachment whose ``gelu``
-starts with `FLOAT32_INSIDE`: an attached model keeps its decision when it is
-called inside a model tfmp did not attach, and a layer `tfmp.detach` took off
-computes Keras's GELU. A layer whose ``call`` a wrapper runs directly, not
-through ``__call__`` (``TimeDistributed`` does), follows its wrapper's
-attachment; a layer shared by two models carries the attachment of the one
-attached last, as with every attachment. Every other call is Keras's own. Tests
-inject a probe result with `injected`.
+Keras's exact GELU ends in ``tf.nn.gelu``, a chain of elementwise ops (longer for its
+gradient); TensorFlow's bfloat16 elementwise CPU kernels are Eigen's on every CPU and
+convert each value to float32 and back inside every op, so the chain costs more in
+bfloat16 than in float32. `float32_inside` casts ``x`` up once, computes GELU and its
+derivative in float32 (the gradient by `fused_gradient`) and rounds each result once to
+``x``'s dtype, keeping only the 16-bit ``x`` for the backward pass. The rule (`decision`,
+``Attachment.gelu``): a bfloat16 model on a machine without GPUs or TPUs, from facts,
+never a timing (`measure` serves ``benchmarks/gelu.py``). The hook (owner ``"gelu"``,
+`keras_hooks.backend_ops`) follows the attachment of the layer computing the GELU.
+Measurements: benchmarks/README.md, "Exact GELU".
 """
 
 from __future__ import annotations
@@ -180,18 +140,14 @@ def fused_gradient() -> Callable:
 
     TensorFlow runs the gradient's dozen elementwise ops one after the other,
     each a pass over float32 memory; XLA fuses them into one loop reading the
-    16-bit ``x`` and ``dy`` and writing the 16-bit result. Measured on the AMD
-    EPYC Zen 4, 2026-12-03 17:17 UTC (fastest of 15 alternated calls, a bfloat16
-    Dense + exact GELU forward and backward): the benchmark Transformer's FFN
-    (8192 x 128 -> 512) 32.4 ms with Keras's GELU, 22.1 ms with float32 inside by
-    TensorFlow's ops, 12.1 ms with this gradient. XLA compiles it once per
-    distinct shape of ``x`` (about 0.1 s on that CPU, 0.2 s for the process's
-    first); `float32_inside` calls it only where every dimension but the batch
+    16-bit ``x`` and ``dy`` and writing the 16-bit result (timings:
+    benchmarks/README.md, "Exact GELU"). XLA compiles it once per distinct shape
+    of ``x``; `float32_inside` calls it only where every dimension but the batch
     is known when the step is traced, so a run compiles it once per batch size.
-    The forward pass stays TensorFlow's (four ops; fusing it too took another
-    0-10% off there), so inference never runs XLA; a SavedModel of an attached
-    model (``model.export``) stores this gradient beside it, as TensorFlow saves
-    custom gradients, and loads and serves without tfmp.
+    The forward pass stays TensorFlow's (four ops), so inference never runs
+    XLA; a SavedModel of an attached model (``model.export``) stores this
+    gradient beside it, as TensorFlow saves custom gradients, and loads and
+    serves without tfmp.
     """
     import tensorflow as tf
 

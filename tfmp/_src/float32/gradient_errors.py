@@ -1,38 +1,16 @@
 """Dtype-mismatch errors of the backward pass that say which layer and what to do.
 
-A layer with its own gradient (``@tf.custom_gradient``) whose gradient function
-mixes a float32 tensor (its kernel read directly, ``self.kernel`` instead of
-``ops.cast(self.kernel, dy.dtype)``; a ``tf.constant``) with the 16-bit upstream
-gradient fails under any mixed policy, plain Keras's too, with TensorFlow's
-terse text ("Input 'b' of 'MatMul' Op has type float32 that does not match type
-float16 of argument 'a'."), raised by ``tape.gradient`` while Keras traces the
-train step. The forward-pass hooks (`tfmp._src.float32.dtype_errors`) do not see
-it: the backward pass runs outside the model's ``call``.
-
-`install` hooks ``tf.GradientTape.gradient`` on the class (owner
-``"enable.gradient_errors"``), held with the other model-level hooks
-(`tfmp._src.attachment.hooks`): Keras's ``train_step`` (``fit``,
-``train_on_batch``) and a custom training loop's own ``tape.gradient`` both go
-through it. An exception whose text is a mismatch between a 16-bit and a wider
-float dtype (`dtype_errors.mismatched_dtypes`), raised for a model attached with
-``explains_dtype_errors`` (compiled or loaded while tfmp was enabled under a
-16-bit policy, not detached), is raised again as the same type with the text
-followed by the layer's path, both dtypes and the fix, the original chained as
-``__cause__``. Any other exception passes unchanged; a gradient without error
-pays one ``try``.
-
-The layer is found from the traceback below ``gradient``, innermost first: a
-frame holding a layer of an attached model (the gradient function's ``self``, or
-a layer it closes over); else the model whose variables are the tape's
-``sources`` and in it the one layer of the class the gradient function was
-defined in (its ``__qualname__``, e.g. ``"Scaled.call.<locals>.grad"``); else,
-when the failing gradient is a built-in op's (`error_texts.GRADIENT_FRAME`), the
-layer whose name scope the op was made in. When that op's incoming gradient is
-already the wider dtype (a gradient function after it returned float32: under
-``mixed_bfloat16``, ``tf.matmul`` of a bfloat16 ``dy`` and the float32
-``self.kernel`` gives float32 instead of failing), the text says that layer
-received a gradient of the wrong dtype from a layer after it. Else the model
-without a layer named.
+A ``tf.custom_gradient`` function mixing a float32 tensor (``self.kernel`` not cast to
+``dy.dtype``, a ``tf.constant``) with the 16-bit upstream gradient fails in
+``tape.gradient`` under any mixed policy, outside the ``call`` that
+`tfmp._src.float32.dtype_errors` watches. `install` hooks ``tf.GradientTape.gradient``
+(owner ``"enable.gradient_errors"``, a model-level hook of `tfmp._src.attachment.hooks`):
+a 16-bit/wider mismatch (`dtype_errors.mismatched_dtypes`) for a model attached with
+``explains_dtype_errors`` is raised again as the same type with the layer's path, both
+dtypes and the fix, the original as ``__cause__``. The layer: a frame of the traceback
+holding one of the model's layers, else the gradient function's class among the tape's
+sources' model, else the failing op's name scope (`error_texts.GRADIENT_FRAME`); a
+gradient already wider on arrival names the layer after it. Other errors pass unchanged.
 """
 
 from __future__ import annotations

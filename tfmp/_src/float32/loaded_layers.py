@@ -1,27 +1,15 @@
 """A layer saved in float32 rebuilds its sublayers in float32 when loaded while enabled.
 
-Float32 forcing sets a float32 policy on a layer and on all its sublayers (a
-custom layer producing a model output, such as the keras.io miniature GPT's
-``TransformerBlock`` returning ``[logits, x]``). A saved file keeps the custom
-layer's policy only: its sublayers are made again by its ``__init__``, which
-gives them the global policy. Loaded under a 16-bit global policy the layer
-computes in float32 around 16-bit sublayers and fails ("Input 'y' of 'AddV2' Op
-has type bfloat16 that does not match type float32"). Keras's own composite
-layers pass their policy to their sublayers (``dtype=self.dtype_policy``);
-custom code as the keras.io examples write it does not.
-
-While the calling thread has a session, ``from_config`` (the classmethod every
-layer is made with from its config, by ``load_model``, ``clone_model`` or
-``deserialize``: Keras's ``Operation.from_config``, owner
-``"float32.from_config"``) builds a custom layer whose saved policy computes in
-float32 with the global policy set to float32, so sublayers created in its
-``__init__`` compute in float32 as they did when it was saved. Left as Keras
-makes them: Keras's own layers (they pass their policy on themselves), a class
-the session excludes (``exclude_float32=[MyBlock]``), any layer made outside a
-session. A custom layer a user set to float32 by hand gets float32 sublayers
-too; to keep one in 16 bits, give it ``dtype=`` explicitly in ``__init__``. A
-custom layer whose own ``from_config`` does not call ``super().from_config`` is
-not seen.
+Forcing sets float32 on a layer and its sublayers, but a saved file keeps the custom
+layer's policy only: its ``__init__`` makes the sublayers again under the global policy,
+and under a 16-bit one the layer computes in float32 around 16-bit sublayers and fails.
+While the thread has a session, Keras's ``Operation.from_config`` (owner
+``"float32.from_config"``) builds a custom layer whose saved policy computes in float32
+with the global policy set to float32. Left as Keras makes them: Keras's own layers
+(they pass their policy on), a class the session excludes, layers made outside a
+session, a custom layer whose ``from_config`` does not call ``super().from_config``. A
+custom layer set to float32 by hand gets float32 sublayers too unless it gives them
+``dtype=``.
 """
 
 from __future__ import annotations

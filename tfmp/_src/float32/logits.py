@@ -1,38 +1,15 @@
 """The logits rule: an output layer whose output only feeds a from-logits cross-entropy.
 
-A model output is float32 (the loss is computed in float32, every term of it).
-Most output layers compute in float32 for that, as the whole layer: a
-regression head's Dense rounded to bfloat16 returns 3000 in steps of 16, and a
-probability rounded to 16 bits turns 0.9995 into 1.0. Logits are different:
-the loss (``keras.losses.SparseCategoricalCrossentropy(from_logits=True)`` and
-the other cross-entropies with ``from_logits=True``) converts them to float32
-and computes the log-softmax there, so a 16-bit rounding of a logit moves the
-loss by about the same relative 2**-8 (bfloat16) as any 16-bit activation; this
-is what the Keras mixed-precision guide does (a 16-bit ``Dense`` for the logits,
-then a float32 ``softmax``; https://keras.io/guides/mixed_precision/) and what
-PyTorch's autocast does (``linear`` in 16 bits, ``cross_entropy`` in float32).
-The logits layer is often the widest matmul of a model (a language model's
-vocabulary projection: two thirds of the keras.io miniature GPT's matmul work),
-so computing it in float32 costs most of mixed precision's speed there.
-
-So a leaf output layer with a linear activation whose every output is matched,
-in the ``loss`` given to ``compile``, by one of `CROSS_ENTROPY` with
-``from_logits=True``, keeps its 16-bit policy and only its output is cast to
-float32 (reason `LOGITS_CAST` in `tfmp.audit`). Everything else stays as
-`tfmp._src.float32.registry.decide` says: a softmax or sigmoid head, a loss
-given as a string or a function (which tfmp cannot read ``from_logits`` from),
-a `tfmp.force_float32` call (no loss known) and a layer a keep rule selects
-compute in float32.
-
-A tied output embedding (`REVERSIBLE_EMBEDDING`, Keras's ``ReversibleEmbedding``,
-which keras-hub's language models use) is one layer called twice: a lookup at the
-input, ``embedding(ids)``, and a linear projection of the last hidden state onto
-the same matrix, ``embedding(h, reverse=True)``: the logits. When that projection
-is a model output with a from-logits cross-entropy, the layer keeps its 16-bit
-policy and only the outputs of its projecting calls are cast to float32
-(`reverse_call`); the lookup hands the 16-bit body its 16-bit vectors as under
-plain Keras. Forced whole instead, its lookup and its projection run in float32
-(``benchmarks/tied_logits.py``).
+Model outputs are float32, and most output layers compute in float32 whole. Logits need
+not: a from-logits cross-entropy converts them to float32 and computes the log-softmax
+there (as the Keras mixed-precision guide and PyTorch's autocast have it), and the
+logits layer is often a model's widest matmul. So a leaf output layer with a linear
+activation whose every output has one of `CROSS_ENTROPY` with ``from_logits=True`` in
+``compile``'s ``loss`` keeps its 16-bit policy and only its output is cast to float32
+(`LOGITS_CAST`); anything else follows `tfmp._src.float32.registry.decide`. A tied
+embedding (`REVERSIBLE_EMBEDDING`) keeps its 16-bit lookup, and only the outputs of its
+projecting calls are cast (`reverse_call`). Measurements: benchmarks/README.md, "Where
+the time goes", and ``benchmarks/tied_logits.py``.
 """
 
 from __future__ import annotations

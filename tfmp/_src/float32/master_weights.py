@@ -1,20 +1,13 @@
 """16-bit trainable variables in a mixed-precision model: no float32 master weights, said once per model.
 
-Under a ``mixed_*`` policy Keras keeps every variable in float32 (the master
-weights) and casts it to the compute dtype in ``call``; the optimizer updates the
-float32 copy. A variable created in 16 bits anyway (``add_weight(dtype=...)``,
-or a layer given a pure 16-bit policy) is updated in 16 bits, and so are the
-optimizer's slots for it, which take the variable's dtype:
-
-- bfloat16 keeps 8 significant bits: around 1.0 its spacing is 2**-7
-  (0.0078), an update smaller than half of that rounds away, and Adam's
-  ``beta_2 = 0.999`` is 1.0 in bfloat16, so the variable stops learning;
-- float16 keeps 11 significant bits and holds at most 65504: updates below
-  2**-11 of the weight round away, and a squared gradient above 65504
-  (|g| > 256) overflows Adam's second moment, so the variable stalls or runs away.
-
-Numbers: IEEE 754 binary16 and the bfloat16 format (8-bit exponent, 7 stored
-fraction bits), as in ``ml_dtypes.finfo``.
+Under a ``mixed_*`` policy Keras keeps every variable in float32 (the master weights),
+casts it in ``call`` and the optimizer updates the float32 copy. A variable created in
+16 bits anyway (``add_weight(dtype=...)``, a pure 16-bit policy) is updated in 16 bits,
+with slots of its dtype. bfloat16 keeps 8 significant bits: around 1.0 an update below
+half of 2**-7 rounds away and Adam's ``beta_2 = 0.999`` is 1.0, so it stops learning.
+float16 keeps 11 and holds at most 65504: updates below 2**-11 of the weight round away
+and a squared gradient above 65504 (|g| > 256) overflows Adam's second moment. Numbers:
+IEEE 754 binary16 and bfloat16, as in ``ml_dtypes.finfo``.
 """
 
 from __future__ import annotations

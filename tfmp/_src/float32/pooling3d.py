@@ -1,21 +1,13 @@
 """float16 3-D pooling layers forced to float32 on machines without a GPU or TPU.
 
-TensorFlow registers no float16 CPU kernel for ``MaxPool3D`` or ``AvgPool3D``
-(TensorFlow 2.21: float32, float64 and bfloat16 on CPUs; float16 on GPUs and
-under XLA), so a ``MaxPooling3D`` or ``AveragePooling3D`` under plain Keras
-``mixed_float16`` on a CPU fails at its first call with TensorFlow's bare
-"Could not find device for node: {{node MaxPool3D}}" (eagerly) or "No OpKernel
-was registered to support Op 'MaxPool3D'" (in ``fit``). bfloat16 has those
-kernels, and so do GPUs and TPUs: there Keras's own float16 pooling is kept.
-
-`reason` is a built-in rule of `tfmp._src.float32.registry.builtin_reason`: such a
-layer computes in float32 and hands its parent's float16 back (the forced-layer
-rule of `tfmp._src.float32.force`), so max pooling returns exactly the float16
-maximum and average pooling the float32 mean rounded once. The float32 policy is
-saved with the model, so the file runs in plain Keras on a CPU too. A user
-exclusion cannot leave such a layer in float16 on this machine: forcing refuses
-it at once with `excluded_error`, naming the layer and the fix, instead of
-TensorFlow's bare error at its first call.
+TensorFlow 2.21 registers no float16 CPU kernel for ``MaxPool3D`` or ``AvgPool3D``
+(float16 only on GPUs and under XLA), so under plain Keras ``mixed_float16`` a
+``MaxPooling3D`` or ``AveragePooling3D`` fails at its first call on a CPU with a bare
+"Could not find device" or "No OpKernel was registered" error; bfloat16, GPUs and TPUs
+keep Keras's pooling. `reason` is a built-in rule of
+`tfmp._src.float32.registry.builtin_reason`: the layer computes in float32 and hands
+float16 back (the exact maximum; the mean rounded once), and the float32 policy is saved,
+so the file runs in plain Keras too. A user exclusion is refused at once (`excluded_error`).
 """
 
 from __future__ import annotations

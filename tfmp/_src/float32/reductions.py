@@ -1,42 +1,16 @@
 """The wide float16 reduction rule: a layer whose own code sums float16 values past 65504.
 
-IEEE 754 binary16 holds at most 65504 (`FLOAT16_MAX`), and ``exp(x)`` exceeds it
-for ``x > ln 65504 = 11.09`` (`EXP_LIMIT`). TensorFlow's ``Sum`` and ``Mean`` return
-float16 for float16 inputs, so a sum beyond 65504 is inf however it is
-accumulated (``tf.reduce_sum`` of 76,800 float16 ones is inf, ``tf.reduce_mean``
-of them NaN; ``keras.ops.mean`` casts to float32 first and gives 1). A sum of
-``N`` terms of magnitude at most ``M`` can reach ``N * M``:
-
-* ``logsumexp`` (``keras.ops.logsumexp`` calls TensorFlow's ``reduce_logsumexp``):
-  a ``Sum`` of ``Exp(x - max(x))``, terms at most 1, so it reaches ``N`` when the
-  values are equal: inf for ``N > 65504``, although the result, ``max + log N``, is
-  small (google-research/last#43: 65,536 zeros give inf instead of
-  ``log 65536 = 11.09``).
-* A ``Sum``/``Mean`` of ``Exp`` of a value not shifted by its maximum: one term alone
-  is inf for ``x > 11.09``, so it is flagged at any extent (``sum of exp``).
-* Any other float16 ``Sum``/``Mean``: terms of unit scale (probabilities, masks,
-  normalized activations) reach ``N``: flagged for ``N > 65504``. Values of
-  magnitude ``M`` overflow from ``N > 65504 / M`` on; that depends on data tfmp
-  has not seen, and `tfmp.check_numerics` names the layer when it happens.
-
-The extent ``N`` is the product of the reduced axes' static sizes (an axis of
-unknown size, such as the batch, counts as 1). What tfmp sees: layers computing
-in float16 that have a call in a Functional or Sequential graph (which gives
-their input shapes) and whose ``call`` is user code (a custom layer, a
-``Lambda``). Each is traced once on float16 placeholders, under
-``keras.StatelessScope`` (no variable changes); an op inside a sublayer's name
-scope is that sublayer's (so a ``Lambda`` inside a custom block is found, and a
-block is not forced whole for it). Keras's own layers are not traced on their
-own: each trace costs tens of milliseconds at ``compile``, and their 16-bit
-behaviour is the registry's tables. A subclassed model called on data only (no
-graph call, so no known input shapes) is not traced. Under bfloat16 (largest value about 3.4e38) a sum does not
-overflow: nothing is flagged.
-
-`registry.builtin_reason` returns the reason (``"float16 reduction: logsumexp over
-76,800 values"``), so tfmp forces such a layer to float32 like a softmax: its
-reduction then computes in float32, and its result is cast back to its parent's
-float16. ``log N`` fits there; a sum that is itself beyond 65504 does not, and
-needs a float32 consumer (or be a model output, which is float32).
+float16 holds at most 65504 (`FLOAT16_MAX`) and TensorFlow's ``Sum`` and ``Mean`` return
+float16 for float16 inputs, so a sum of ``N`` terms of magnitude up to ``M`` overflows
+once ``N * M`` passes it. Flagged: a ``logsumexp`` or other ``Sum``/``Mean`` over more
+than 65504 values (``N``: the reduced axes' static sizes, an unknown one counting 1), and
+a sum of ``exp`` not shifted by its maximum at any extent (`EXP_LIMIT`); larger terms
+depend on data (`tfmp.check_numerics` names the layer). Traced once, on float16
+placeholders under ``keras.StatelessScope``: each float16 layer of a Functional or
+Sequential graph whose ``call`` is user code (an op in a sublayer's name scope is the
+sublayer's); not Keras's own layers (the registry's tables) nor a subclassed model
+without a graph call. Under bfloat16 nothing overflows. `registry.builtin_reason`
+returns the reason; forced, the layer reduces in float32 and hands float16 back.
 """
 
 from __future__ import annotations

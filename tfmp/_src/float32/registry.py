@@ -1,73 +1,19 @@
 """Which layers tfmp keeps in float32: built-in rules, two tables of Keras layers, user rules.
 
-Built-in rules (why: 16 bits cannot hold the numbers these layers produce):
-
-* Softmax layers and ``Activation("softmax"/"log_softmax")``: ``exp`` of a logit
-  above ~11 overflows float16 (largest finite value 65504); row sums lose digits.
-  Under bfloat16 too, though TensorFlow's oneDNN CPU kernel already computes the
-  forward pass in float32: the gradient ``y * (g - sum(g * y))`` rounds the sum
-  to 8 bits before subtracting, so on peaked rows (logits spread over tens, as in
-  trained attention) half the rows' gradients are off by 3-6% and one in a
-  hundred by more than its own size, where the forced layer's float32 gradient
-  is off by 0.15% (median; ``benchmarks/softmax_precision.py``, Zen 4).
-* Normalization layers whose Keras code computes in the layer's own dtype
-  (``UnitNormalization``: ``ops.normalize`` squares and sums in 16 bits, and a
-  value above 256 squared overflows float16).
-* Layers with a fused ``softmax``/``log_softmax`` activation (e.g.
-  ``Dense(10, activation="softmax")``), anywhere in the model.
-* Attention layers whose softmax is inside their own ``call`` (``Attention``,
-  ``AdditiveAttention``: `SOFTMAX_INSIDE`); their scores are dot products that
-  exceed 65504 long before the softmax's ``exp`` sees them.
-* Preprocessing layers whose result must be exact (`EXACT_PREPROCESSING`:
-  ``Discretization``, ``CategoryEncoding``, ``Normalization``): Keras casts their
-  inputs (and their stored statistics) to the compute dtype, so a value near
-  1,000 lands in the wrong bucket, id 1999 is encoded as 2000 under bfloat16 and
-  10000.3 becomes 10048. They are forced when created while tfmp is enabled
-  (`tfmp._src.float32.exact_layers`), so they stay exact wherever they run, and
-  at ``compile`` when created before.
-* ``MaxPooling3D`` and ``AveragePooling3D`` computing in float16 on a machine
-  without GPUs or TPUs (`tfmp._src.float32.pooling3d`): TensorFlow has no float16
-  CPU kernel for their ops, so plain Keras fails at their first call.
-* Layers whose own code reduces float16 values past 65504 (`tfmp._src.float32.reductions`:
-  a ``logsumexp`` or sum over more than 65504 values, a sum of unshifted
-  exponentials; google-research/last#43), seen by tracing user-code layers of a
-  graph; reason ``"float16 reduction: <kind> over <N> values"``.
-* Layers that produce a model output (handled in ``tfmp._src.float32.force``), which also
-  covers a fused ``sigmoid`` in output position. Keras's own mixed-precision guide
-  asks for float32 outputs for the same reason. A *block* producing an output (a
-  layer with sublayers whose ``call`` is not Keras's own, such as a custom
-  transformer block; `is_block`) is not forced whole: its sublayers follow the
-  rules above and only its output is cast to float32 (reason `OUTPUT_CAST`),
-  unless a built-in or user rule selects the block itself.
-
-Two tables name Keras layers by the class whose ``call`` runs (module and class
-name, so a subclass that keeps Keras's ``call`` matches and one that overrides
-it does not), each entry with the Keras version whose source was read:
-
-* `FLOAT32_INSIDE_KERAS`: layers whose ``call`` already computes in float32 for
-  16-bit inputs (BatchNormalization, LayerNormalization, GroupNormalization,
-  RMSNormalization). tfmp leaves them in the 16-bit policy: no extra casts, the
-  same dtypes as plain Keras; `tfmp.audit` shows "float32 inside Keras >= 3.12".
-  Each entry names the first Keras version that does so; on an older Keras the
-  layer is forced like any other normalization layer.
-* `KNOWN_BROKEN`: layers that fail or compute wrongly under any mixed policy in
-  plain Keras (ConvNeXt's ``StochasticDepth``, ``STFTSpectrogram``,
-  ``MelSpectrogram``, ``SpectralNormalization``, and keras-hub's
-  ``SinePositionEncoding``, matched by its class path: tfmp never imports
-  keras-hub); tfmp forces them to float32 (reason ``"known fix: ..."``). To add
-  one, append a `KerasLayerNote` with the class path printed by
-  ``f"{cls.__module__}.{cls.__qualname__}"``, the version you checked (and the
-  package, when not Keras) and the reason, plus a test that compares the layer
-  under a mixed policy with float32.
-
-Users add targets (layer classes, or glob patterns over layer paths such as
-``"encoder/*_norm"``) with :func:`register_float32`, and opt out of any rule,
-built-in or not, with ``register_float32(..., exclude=True)``. Exclusion always
-wins over keeping. Registrations are process-wide until removed with
-:func:`unregister_float32`, or undone on leaving a ``with`` block::
-
-    with tfmp.register_float32("*logits"):
-        tfmp.force_float32(model)
+Built-in rules (`builtin_reason`), for layers whose numbers 16 bits cannot hold: softmax
+layers and fused softmax/log_softmax activations (float16 overflow; under bfloat16 the
+gradient's sum, ``benchmarks/softmax_precision.py``), normalization Keras computes in the
+layer's dtype (``UnitNormalization``), attention with its softmax inside
+(`SOFTMAX_INSIDE`), exact preprocessing (`EXACT_PREPROCESSING`), float16 3-D pooling on
+CPUs (`tfmp._src.float32.pooling3d`), wide float16 reductions
+(`tfmp._src.float32.reductions`) and model outputs (`tfmp._src.float32.force`; a block
+producing one, `is_block`, only has its output cast, `OUTPUT_CAST`). Two tables name
+Keras layers by the class whose ``call`` runs, each entry with the version read:
+`FLOAT32_INSIDE_KERAS` (float32 inside already: left 16-bit) and `KNOWN_BROKEN` (forced;
+to add one, append a `KerasLayerNote` with ``f"{cls.__module__}.{cls.__qualname__}"``,
+the version checked and the reason, and a test against float32). Users add targets with
+:func:`register_float32` (``exclude=True`` opts out; exclusion wins), process-wide
+until :func:`unregister_float32` or the end of its ``with`` block.
 """
 
 from __future__ import annotations

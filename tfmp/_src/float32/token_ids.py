@@ -1,32 +1,15 @@
 """Exact token ids for an ``Embedding`` inside 16-bit custom code.
 
-Many tutorials declare token ids as a float input (``keras.Input(shape=(64,))``).
-``Embedding`` itself never autocasts (it casts float ids to int32), but a custom
-layer or subclassed model around it does: ``Layer.__call__`` casts every float
-input to the layer's 16-bit compute dtype before ``call`` runs, and bfloat16
-holds integers exactly only up to 256 (float16 up to 2048). Under plain Keras
-mixed precision the embedding then looks up rounded ids (1001 -> 1000 in
-bfloat16), silently, or fails for ids rounded past the vocabulary ("indices[0,0]
-= 2000 is not in [0, 2000)").
-
-`keep_exact_ids(model)` (applied when tfmp attaches a model: compiled or loaded
-while enabled) fixes that for every
-``Embedding`` under such an autocasting ancestor, without changing what the
-ancestor's code receives (still the 16-bit tensor, as under plain Keras):
-
-* the ancestor gets its own copy of its dtype policy (the same name, so its
-  config and saved file do not change) whose ``convert_input`` records, for
-  each float tensor it casts down to 16 bits, the tensor it was cast from;
-* the records live until the ancestor's next call converts its inputs (a
-  subclassed model runs ``call`` twice in its first ``__call__``: once to build);
-* the ``Embedding``'s ``call`` looks its ids up with the recorded original
-  (float32, cast to int32 by Keras: exact up to 2**24) when it receives a cast
-  tensor unchanged; any other input is looked up as Keras does.
-
-Ids that pass through another op first (``x[:, :8]``, ``tf.cast(x, "int32")``)
-were rounded by the ancestor's cast before that op and stay rounded: declare an
-integer input (``keras.Input(shape=(64,), dtype="int32")``) there. All hooks
-have owner ``"float32.ids"`` and stay with the model until `tfmp.detach`.
+``Embedding`` casts float ids to int32 itself, but a custom layer or subclassed model
+around it first casts every float input to its 16-bit compute dtype, which holds
+integers exactly only up to 256 (bfloat16) or 2048 (float16): plain Keras looks up
+rounded ids. `keep_exact_ids(model)` (when tfmp attaches a model) gives each such
+ancestor its own copy of its dtype policy (same name and config) whose ``convert_input``
+records the original of each float tensor it casts down, until its next call converts
+inputs; the ``Embedding``'s ``call`` looks up that float32 original (exact to 2**24)
+when it receives the cast tensor unchanged. The ancestor's code still receives the
+16-bit tensor. Ids passed through another op first stay rounded: declare an integer
+input. The hooks (owner ``"float32.ids"``) stay with the model until `tfmp.detach`.
 """
 
 from __future__ import annotations

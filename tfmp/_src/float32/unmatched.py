@@ -1,25 +1,13 @@
 """`tfmp.UnmatchedTargetWarning`: a keep or exclude target that matched no layer of its model.
 
-A target given with one model (``tfmp.force_float32(model, keep=..., exclude=...)``)
-or with a session (``tfmp.enable(keep_float32=..., exclude_float32=...)``, applied
-to every model compiled while enabled) that selects no layer of the model changes
-nothing. A misspelt pattern (``exclude_float32=["*softmx"]``) would otherwise go
-unnoticed, so when forcing a model finishes each such target is named, once per
-model and target, with a few of the model's layer paths (or classes) and the
-closest pattern that would have matched.
-
-Targets registered with `tfmp.register_float32` apply to every model and are not
-judged per model.
-
-Deferred layers. A layer not built when its model is forced may create sublayers
-in its ``build`` (MultiHeadAttention's softmax, a custom layer's sublayers); the
-rules reach them through a one-shot build hook (`tfmp._src.float32.force`). A
-target still unmatched is judged only when none of the model's layers with a
-``build`` of their own is waiting for that hook: every build that applies the
-rules late also matches the new sublayers against the targets, and the last one
-judges. A layer whose class keeps Keras's default ``build`` (a subclassed
-model without one) creates nothing there, so it is not waited for. A model
-some of whose layers are never built (never called) is never judged.
+A target given with one model (``force_float32(model, keep=..., exclude=...)``) or a
+session (``enable(keep_float32=..., exclude_float32=...)``) that selects no layer changes
+nothing, so a misspelt pattern is named once per model and target, with some of the
+model's layer paths and the closest pattern. Targets of `tfmp.register_float32` apply to
+every model and are not judged. A target is judged once no layer with a ``build`` of its
+own still waits for the one-shot build hook of `tfmp._src.float32.force` (each such build
+matches its new sublayers, and the last one judges); a model some of whose layers are
+never built is never judged.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """16-bit bilinear ``UpSampling2D`` under XLA on the CPU: compiled without XLA, with a warning.
 
-A model with ``UpSampling2D(interpolation="bilinear")`` computing in bfloat16 or
-float16, compiled with ``jit_compile=True`` on a machine without an accelerator,
-cannot train, plain Keras included (openxla/xla#43052): the resize's gradient
-(``ResizeBilinearGrad``) comes out in float32 and meets the 16-bit gradient of the
-op before it (``TanhGrad``, ``ReluGrad``, ``SigmoidGrad``, a GELU's ``Mul``), and
-XLA's CPU compiler stops the first step with ``InternalError: Seen floating point
-types of different precisions in %TanhGrad ... but mixed precision is disallowed``.
-
-`turn_off_xla_for_bilinear` runs in tfmp's compile handler, after Keras's
-``compile``, before any train function exists: for such a model it sets
-``model.jit_compile = False`` and warns once, naming the layers and both ways to
-choose otherwise. The layer kept in float32 (``keep_float32``) trains under XLA;
-a model whose bilinear layers already compute in float32 is left alone, and so
-is any model when a GPU or TPU is visible (Keras's own test for "auto").
+Such a model compiled with ``jit_compile=True`` on a machine without an accelerator
+cannot train, plain Keras included (openxla/xla#43052): the resize's gradient comes out
+in float32, meets a 16-bit one (``TanhGrad``, ``ReluGrad``...) and XLA's CPU compiler
+stops the first step. `turn_off_xla_for_bilinear`, in tfmp's compile handler after
+Keras's ``compile``, sets ``model.jit_compile = False`` and warns once, naming the layers
+and both ways to choose otherwise. Left alone: a model whose bilinear layers compute in
+float32 (``keep_float32`` keeps XLA), and any model when a GPU or TPU is visible.
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """The backend-ops surface: the functions of Keras's TensorFlow backend that ``keras.ops`` calls.
 
-``keras.ops.gelu``, ``conv`` and ``conv_transpose`` look their backend function
-up on the backend's nn module, ``keras.ops.add`` on its numpy module, at each
-call (``backend.nn`` / ``backend.numpy`` in Keras 3.12-3.15, ``backend.ops.nn``
-/ ``backend.ops.numpy`` from Keras 3.16; `PLACES`); a hook on the module's
-attribute sees every such call of every model in the process, so each
-subscriber decides per call from the attachment of the layer that calls it
-(`layer_calls.calling_layer`) and hands any other call on unchanged. Every
-subscriber here is an optional feature: where a Keras release moved what it
-hooks to a place `PLACES` does not know, installing fails and `availability`
-switches the feature off with one warning.
-
-Subscribers, innermost first (`SURFACE`): ``gelu`` (the 16-bit exact GELU in
-float32 inside, `tfmp._src.float32.gelu`), ``conv`` (float16 convolutions in
-float32 inside, `tfmp._src.float32.conv`), ``bias_gradient`` (16-bit bias
-gradients summed with float32 accumulation, `tfmp._src.float32.bias_gradient`).
+``keras.ops.gelu``, ``conv`` and ``conv_transpose`` look their backend function up on the
+backend's nn module, ``keras.ops.add`` on its numpy module, at each call (`PLACES`): a
+hook on the module's attribute sees every such call in the process, so each subscriber
+decides per call from the attachment of the calling layer (`layer_calls.calling_layer`)
+and hands any other call on unchanged. Subscribers, innermost first (`SURFACE`):
+``gelu`` (`tfmp._src.float32.gelu`), ``conv`` (`tfmp._src.float32.conv`),
+``bias_gradient`` (`tfmp._src.float32.bias_gradient`); all optional features, switched
+off with one warning (`availability`) where a Keras release moved what they hook.
 
 | private name used | where in Keras | what tfmp does with it |
 |---|---|---|

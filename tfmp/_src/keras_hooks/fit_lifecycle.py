@@ -1,22 +1,14 @@
 """One hook on Keras's ``fit``: what tfmp opened for a ``fit`` call closes however it ends.
 
-Keras 3 has no callback for an exception out of ``fit``: a user callback that
-raises, Ctrl-C (`KeyboardInterrupt`) in a callback or between steps, an
-`OSError` from a full disk all leave ``fit`` without ``on_train_end``. The step
-wrapper (`keras_hooks.train_function`) sees only what the train function itself
-raises. This hook wraps ``fit`` on the class that defines it (owner
-``"fit_lifecycle"``): when ``fit`` raises, every handler registered for that
-model with `on_fit_error` is called with the error, once, and the error then
-propagates unchanged.
-
-The hook is installed while an object that `needs` it is alive (each
-`tfmp.LossScaleMonitor`) and while a thread has a tfmp session, and comes off in
-`release_if_unused`: at the end of every ``fit`` call, and from
-`tfmp.disable()`; never from a garbage-collection callback. A ``fit`` that was
-looked up before the hook came (``model.fit(..., callbacks=[LossScaleMonitor(...)])``
-with neither tfmp enabled nor another monitor alive: Python reads ``model.fit``
-before it makes the arguments) runs unhooked: its step errors still reach the
-monitor (`keras_hooks.train_function`), its callback errors do not.
+Keras 3 has no callback for an exception out of ``fit`` (a raising callback, Ctrl-C, a
+full disk): ``on_train_end`` never comes, and the step wrapper
+(`keras_hooks.train_function`) sees only what the train function raises. This hook
+wraps ``fit`` on its defining class (owner ``"fit_lifecycle"``): when ``fit`` raises,
+each handler registered for the model with `on_fit_error` is called once with the
+error, which then propagates unchanged. Installed while an object that `needs` it is
+alive (each `tfmp.LossScaleMonitor`) or a thread has a session; `release_if_unused`
+takes it off at the end of every ``fit`` and from `tfmp.disable()`. A ``fit`` looked up
+before the hook came runs unhooked: its callback errors do not reach the monitor.
 """
 
 from __future__ import annotations

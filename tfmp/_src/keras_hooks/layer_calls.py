@@ -1,18 +1,11 @@
 """The layer surface: ``Layer.call``, ``build``, ``compute_output_spec``, ``__init__``, ``from_config``, and the policy's ``convert_input``.
 
-Subscribers, innermost first (`SURFACE`): ``fused_batchnorm``
-(``BatchNormalization.call``: the fused kernel for attached layers),
-``float32.build`` (a forced layer's sublayers made at build time),
-``float32.exact`` (exact preprocessing layers made in float32),
-``float32.from_config`` (a float32 layer's sublayers when loaded),
-``float32.outputs`` (a subclassed model's outputs to float32),
-``float32.cast_back`` (a forced layer hands back its parent's dtype),
-``float32.ids`` (exact float token ids), ``enable.dtype_errors`` (a 16-bit
-model's dtype mismatches explained), ``numerics`` (`tfmp.check_numerics`),
-``enable.build_errors`` (build-time mismatches explained),
-``audit.outputs`` (`tfmp.audit(batch=...)`) and ``float32.regularizer`` (a
-layer's ``get_config`` while its activity regularizer computes in float32:
-saved as the user's).
+Subscribers, innermost first (`SURFACE`): ``fused_batchnorm`` (BatchNormalization's
+fused kernel), ``float32.build``, ``float32.exact``, ``float32.from_config``,
+``float32.outputs``, ``float32.cast_back``, ``float32.ids`` (`tfmp._src.float32`),
+``enable.dtype_errors``, ``numerics`` (`tfmp.check_numerics`), ``enable.build_errors``,
+``audit.outputs`` (`tfmp.audit(batch=...)`) and ``float32.regularizer`` (a layer's
+``get_config`` while its activity regularizer computes in float32).
 
 | private name used | where in Keras | what tfmp does with it |
 |---|---|---|

@@ -1,34 +1,14 @@
 """The loss-terms surface: ``Layer.losses``, read by ``compute_loss``; 16-bit terms cast to float32, each term's source.
 
-Keras's ``compute_loss`` sums the compiled loss (float32: a ``keras.losses.Loss``
-computes in ``floatx``) with every term of ``model.losses`` in one
-``ops.sum``. A term a layer adds with ``self.add_loss(...)`` from its 16-bit
-tensors (the KL term of the Keras VAE example), an activity regularizer's term,
-or a weight regularizer's term over 16-bit variables (pure 16-bit policies) is a
-float16/bfloat16 tensor, and the sum fails under plain Keras mixed precision
-("Cannot convert a list containing a tensor of dtype bfloat16 to float32").
-
-For a model tfmp attached (`tfmp._src.attachment`: compiled or loaded while
-enabled, or first read while enabled), ``Layer.losses`` (the property every
-loss term is read through: Keras's ``compute_loss``, a user's ``compute_loss``
-or custom loop summing ``model.losses``, ``stateless_call``) hands back each
-16-bit floating term cast to float32, so the total loss is summed in float32.
-The hook is on the class, installed while a thread is enabled or an attached
-model is alive; it decides by the object's attachment, never by the thread that
-reads the property, so the model keeps this after `tfmp.disable()` and in
-`tf.distribute` replica threads. Any other object's terms come back as Keras
-hands them back. Terms already in
-float32 (weight regularizers over float32 master weights under a mixed policy)
-come back as they are, the very same tensors. This is the one visible change:
-``model.losses`` holds float32 tensors where plain Keras would hold 16-bit ones,
-which plain Keras could not add to the compiled loss anyway. A term read eagerly
-after the step that made it was traced (``model.losses`` after ``fit``, in a
-callback) is a symbolic tensor of that finished graph: it comes back as it is,
-as plain Keras hands it back, since no op can read it any more.
-
+Keras's ``compute_loss`` sums the float32 compiled loss with every term of
+``model.losses`` in one ``ops.sum``, which fails under plain Keras mixed precision on a
+16-bit term (an ``add_loss`` term such as the Keras VAE's KL term, an activity
+regularizer's, a weight regularizer's over 16-bit variables). For a model tfmp attached,
+``Layer.losses`` (hooked on the class, decided by the object's attachment, never by the
+reading thread) hands each 16-bit floating term back cast to float32; float32 terms, and
+terms of a finished trace read eagerly, come back as they are, as do any other object's.
 Subscribers, innermost first: ``enable.losses`` (above) and ``numerics``
-(`tfmp.check_numerics`: each term of the model's total loss checked and named,
-subscribed with `watch` only while its model's train step is traced).
+(`tfmp.check_numerics`, subscribed with `watch` while its model's train step is traced).
 
 | private name used | where in Keras | what tfmp does with it |
 |---|---|---|

@@ -1,34 +1,16 @@
 """``fit`` and ``evaluate`` of one model under a multi-worker `tf.distribute` strategy.
 
-Keras 3 (through 3.15 at least, keras-team/keras issues 20585 and 20329) fails
-there before the first step, in two places of its TensorFlow trainer
-(``keras/src/backend/tensorflow/trainer.py``):
-
-1. The trainer's ``_maybe_symbolic_build(iterator=...)``, at the start of
-   ``fit`` and ``evaluate``, takes the first distributed batch and averages it over the
-   workers with ``strategy.reduce("MEAN", batch, axis=None)`` only to learn its
-   shapes. `tf.distribute.MultiWorkerMirroredStrategy` reduces one tensor, not
-   a tuple or dict of them: ``ValueError: Attempt to convert a value
-   (PerReplica:{...}) with an unsupported type`` (`error_texts.PER_REPLICA_CONVERSION`).
-   tfmp lets Keras try first; on exactly that error it hands Keras this
-   worker's own first replica's batch (``data_batch=``), which has the shapes
-   and dtypes the symbolic build needs, and records that the model needs the
-   second fix.
-2. ``reduce_per_replica(logs, strategy, "auto")`` after each step averages the
-   step's logs over the workers with ``strategy.reduce("MEAN", value, axis=0)``,
-   which fails on the scalar metric values a train or test step returns
-   ("Invalid reduction dimension 0 for input with 0 dimensions"). Once the
-   first fix was needed, the model's ``train_step`` and ``test_step`` hand
-   every scalar log back as a vector of one element: the mean over axis 0 of
-   every replica's one element is then the mean over replicas, the reduction
-   ``MirroredStrategy`` gets (``tf.reduce_mean`` of the local results), and
-   the logs come out as scalars again.
-
-``predict`` needs neither (its ``"concat"`` reduction gathers across workers).
-Where Keras fixes the first failure, its own build succeeds, nothing is
-recorded and the model trains as plain Keras would; the test asserting plain
-Keras still fails (``tests/test_multi_worker_fit.py``) then tells a maintainer
-to remove this module.
+Keras 3 (through 3.15 at least, keras-team/keras issues 20585 and 20329) fails there
+before the first step, twice in ``keras/src/backend/tensorflow/trainer.py``. (1)
+``_maybe_symbolic_build`` averages the first distributed batch over the workers only to
+learn its shapes, and `tf.distribute.MultiWorkerMirroredStrategy` reduces one tensor,
+not a structure (`error_texts.PER_REPLICA_CONVERSION`): on exactly that error tfmp hands
+Keras this worker's own first replica's batch (``data_batch=``) and records that the
+model needs the second fix. (2) ``reduce_per_replica`` averages each step's logs over
+axis 0, which fails on scalars: the model's ``train_step`` and ``test_step`` return each
+scalar log as a one-element vector, whose mean over replicas comes out a scalar again.
+``predict`` needs neither. Once Keras fixes (1) nothing is recorded, and
+``tests/test_multi_worker_fit.py`` tells a maintainer to remove this module.
 
 | private name used | where in Keras | what tfmp does with it |
 |---|---|---|

@@ -1,21 +1,14 @@
 """A context manager around each call of one model's train, test and predict functions.
 
-Keras builds ``model.train_function`` (``fit``, ``train_on_batch``),
-``model.test_function`` (``evaluate``, validation, ``test_on_batch``) and
-``model.predict_function`` (``predict``, ``predict_on_batch``) in its
-``make_*_function`` methods and calls them once per execution. `install` puts
-one wrapper on each that enters a scope (a callable returning a context
-manager, e.g. `tfmp._src.policy.float16_fusion.remapper_off`) around the call,
-so that everything the function runs (tracing, Grappler, the step) runs inside
-it, on the calling thread. The wrapper is installed through `patches` on the
-model's own ``make_*_function`` (a function Keras builds later is wrapped too);
-`remove` takes it off. A model without a scope has no wrapper at all.
-
-The scope sits below `tfmp._src.keras_hooks.train_function`'s wrapper (owner
-``"step_scope"`` is inner to ``"train_function"`` in `trainer.SURFACE`): the
-per-step checks run on the host after the scoped call. Each wrapper carries the
-function it wraps as ``tfmp_inner``; a wrapper already anywhere in that chain is
-not put on again.
+`install` wraps the model's own ``make_train_function``, ``make_test_function`` and
+``make_predict_function`` through `patches`, so each function Keras builds runs inside a
+scope (a callable returning a context manager, e.g.
+`tfmp._src.policy.float16_fusion.remapper_off`): tracing, Grappler and the step run in
+it, on the calling thread. `remove` takes it off; a model without a scope has no
+wrapper. The scope is inner to `tfmp._src.keras_hooks.train_function`'s wrapper (owner
+``"step_scope"`` inside ``"train_function"`` in `trainer.SURFACE`), whose checks run on
+the host after the call. Each wrapper carries what it wraps as ``tfmp_inner`` and is
+not put on twice.
 """
 
 from __future__ import annotations

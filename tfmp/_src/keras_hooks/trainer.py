@@ -1,24 +1,15 @@
 """The trainer surface: compile, loading, the train/test/predict functions, ``fit``, the saved compile config.
 
-Subscribers, innermost first (`SURFACE`): ``custom_optimizers`` (a model's
-``_setattr_hook``: optimizers a custom ``compile`` stores), ``numerics`` and
-``loss_scale.batch`` (a model's ``train_step``), ``multi_worker`` (a model's
-``_maybe_symbolic_build``, ``train_step``, ``test_step``: ``fit`` under a
-multi-worker strategy, `multi_worker`), ``enable.quantize_hint`` (a
-model's ``quantize``), ``enable.compile`` (``compile``,
-``compile_from_config``), ``loss_scale.fit_check`` and ``enable.first_step``
-(``make_train_function``), ``fit_lifecycle`` (``fit``, `fit_lifecycle`),
-``step_scope`` (a model's ``make_*_function``, `step_scope`), ``saved_form``
-(``get_compile_config``) and ``train_function`` (a model's
-``make_train_function``, `train_function`). This module holds the class-level
-hooks below; `train_function`, `step_scope`, `fit_lifecycle` and `multi_worker` are the
-per-model dispatchers built on the same surface.
-
-Keras renamed its trainer classes in 3.16 (`BASE_TRAINER_NAMES`,
-`TENSORFLOW_TRAINER_NAMES`): the backend-independent base, ``Trainer`` in
-Keras 3.12-3.15, is ``BaseTrainer``; the TensorFlow backend's,
-``TensorFlowTrainer``, is ``Trainer``. tfmp finds each by the method it
-defines (`patches.defining_class`), never by name.
+Subscribers, innermost first (`SURFACE`): ``custom_optimizers`` (``_setattr_hook``),
+``numerics`` and ``loss_scale.batch`` (``train_step``), ``multi_worker``
+(`multi_worker`), ``enable.quantize_hint`` (``quantize``), ``enable.compile``
+(``compile``, ``compile_from_config``), ``loss_scale.fit_check`` and
+``enable.first_step`` (``make_train_function``), ``fit_lifecycle``, ``step_scope``
+(``make_*_function``), ``saved_form`` (``get_compile_config``) and ``train_function``.
+The class-level hooks are here; `train_function`, `step_scope`, `fit_lifecycle` and
+`multi_worker` are per-model dispatchers on the same surface. Keras 3.16 renamed the
+trainer classes (`BASE_TRAINER_NAMES`, `TENSORFLOW_TRAINER_NAMES`): tfmp finds each by
+the method it defines (`patches.defining_class`).
 
 | private name used | where in Keras | what tfmp does with it |
 |---|---|---|
@@ -27,29 +18,14 @@ defines (`patches.defining_class`), never by name.
 | ``TensorFlowTrainer._maybe_symbolic_build`` (Keras 3.12-3.15), ``Trainer._maybe_symbolic_build`` (3.16) (`multi_worker.SYMBOLIC_BUILD`) | ``keras/src/backend/tensorflow/trainer.py`` | hooked per model under a multi-worker strategy (`multi_worker`) |
 | ``Layer._setattr_hook`` (`SETATTR_HOOK`) | ``keras/src/backend/tensorflow/layer.py``, ``keras/src/ops/operation.py`` | `tfmp._src.loss_scale.custom_optimizers` sees optimizers a custom ``compile`` stores on a model |
 
-- ``compile``: `install_compile_hook` routes every ``Model.compile`` call to tfmp's
-  handler (float32 forcing, optimizer wrapping, numerics), on the class that
-  defines ``compile`` (see `patches.defining_class`), so that Keras's
-  ``compile_from_config`` still sees an unchanged ``compile`` and compiles models
-  it loads.
-- ``compile_from_config``: while Keras compiles a model it is loading, tfmp's
-  handler is bypassed: the model comes back exactly as it was saved (optimizer
-  class, iterations, slots, loss scale and counters). Where the caller asks for
-  it (`install_compile_hook`'s ``keep_saved``), Keras's own ``auto_scale_loss``
-  is off for that compile too: Keras would otherwise wrap a saved plain
-  optimizer in its ``LossScaleOptimizer`` when the global policy is
-  ``mixed_float16`` (a ``Sequential`` model takes the global policy, not its
-  saved one, when loaded), and then skip loading the saved optimizer variables
-  because their count differs. The caller's ``on_load`` runs first (tfmp puts
-  back its float32 forcing hooks, which saving does not keep).
-- ``get_compile_config`` (`install_compile_config_hook`): what Keras's saving
-  writes as a model's compile config, rewritten.
-- ``make_train_function``: `install_make_train_function_hook` calls a handler
-  when ``fit`` starts, e.g. to warn about a model compiled before `tfmp.enable()`
-  or to attach the loss-scale optimizer's stuck check to the model.
-
-The handlers decide per thread whether tfmp is on (Keras keeps its dtype policy
-per thread, and so does tfmp); the hooks themselves are process-wide.
+`install_compile_hook` routes every ``Model.compile`` call to tfmp's handler, on the
+class defining ``compile``, so ``compile_from_config`` still compiles a model Keras
+loads; there the handler is bypassed and the model comes back as saved, and with
+``keep_saved`` Keras's ``auto_scale_loss`` is off too (under a ``mixed_float16`` global
+policy Keras would wrap a saved plain optimizer, then skip loading its variables);
+``on_load`` runs first. `install_compile_config_hook` rewrites ``get_compile_config``;
+`install_make_train_function_hook` calls a handler when ``fit`` starts. The handlers
+decide per thread whether tfmp is on; the hooks are process-wide.
 """
 
 from __future__ import annotations

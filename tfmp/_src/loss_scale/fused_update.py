@@ -1,50 +1,18 @@
 """Adam's and SGD's updates in one TensorFlow kernel, for the optimizers `tfmp.LossScaleOptimizer` wraps.
 
-Keras 3's optimizers update each variable with a chain of separate TensorFlow ops,
-each one pass over the variable's memory: Adam two ``assign_add``, a square, a
-square root, a division and an ``assign_sub``; SGD with momentum two multiplies,
-a subtraction, an ``assign`` and an ``assign_add``. TensorFlow's training kernels
-(``tensorflow/core/kernels/training_ops.cc``; what tf.keras 2's optimizers ran)
-compute the same formulas in one pass, sharded over the CPU's threads:
-
-=========================================  ==================================  ==================================
-Keras update                               kernel                              formula
-=========================================  ==================================  ==================================
-``Adam.update_step`` (Adam, AdamW)         ``ResourceApplyAdam``               ``alpha = lr * sqrt(1 - beta_2**t) / (1 - beta_1**t)``;
-                                                                               ``m += (g - m) * (1 - beta_1)``;
-                                                                               ``v += (g**2 - v) * (1 - beta_2)``;
-                                                                               ``var -= m * alpha / (sqrt(v) + epsilon)``
-``SGD.update_step``, ``momentum == 0``     ``ResourceApplyGradientDescent``    ``var -= lr * g``
-``SGD.update_step``, ``momentum > 0``      ``ResourceApplyKerasMomentum``      ``m = m * momentum - lr * g``; ``var += m``
-                                                                               (Nesterov: ``var += m * momentum - lr * g``)
-=========================================  ==================================  ==================================
-
-SGD's kernels compute Keras's float32 operations in Keras's order: the weights
-equal Keras's bit for bit, with or without momentum, weight decay, ``clipnorm``,
-``clipvalue``, schedules and EMA. With ``global_clipnorm``, gradient accumulation
-(a count not a power of two) or XLA they may differ by float32 rounding (up to
-1.5e-8 seen after 3 steps): Grappler's arithmetic optimizer reorders the
-multiplies and divides of Keras's own chain of ops, which the kernel takes as
-one operand (with it off the two are equal; ``tests/test_fused_update.py``),
-and XLA compiles the two differently. Adam's differ in rounding only: Keras computes ``1 - beta_1`` in
-double precision before casting it, the kernel in the variable's dtype, so ``m``
-and ``v`` move by a few float32 ulps. Speed of the update alone on an AMD Zen 4
-(2 cores, ``benchmarks/fused_update.py``): see benchmarks/README.md.
-
-tfmp runs the inner optimizer's ``apply`` with the kernel update when the
-wrapper's ``fused_updates`` is True (not under ``enable(speedups=False)``, nor
-by default on a machine with a GPU or TPU: measured on CPUs only;
-`tfmp._src.policy.speedups`) and `fusable`:
-``update_step`` is Keras's Adam's (Adam, AdamW, and subclasses that keep it) with
-``amsgrad`` off, or Keras's SGD's (SGD and subclasses that keep it), and the
-instance has no ``update_step`` of its own. Per variable it falls back to Keras's
-own update for a sparse gradient (``tf.IndexedSlices``), a variable that is not
-float32/float64, and under a ``tf.distribute`` strategy. Everything else of
-``apply`` stays Keras's: weight decay, clipping, gradient accumulation, EMA, the
-learning-rate schedule and the ``iterations`` count. The switch is a hook on the
-optimizer's ``update_step`` through `tfmp._src.keras_hooks.optimizer_steps` (owner
-``"fused_update"``) that lasts for the ``apply`` call only (its trace, under
-``tf.function``), so nothing stays on the user's optimizer.
+Keras 3 updates each variable with a chain of ops, each a pass over its memory;
+TensorFlow's training kernels (``tensorflow/core/kernels/training_ops.cc``, what tf.keras
+2 ran) compute the same formula in one pass: ``ResourceApplyAdam`` for Keras's
+``Adam.update_step`` (Adam, AdamW), ``ResourceApplyGradientDescent`` and
+``ResourceApplyKerasMomentum`` for ``SGD.update_step``. SGD's weights equal Keras's bit
+for bit, but for float32 rounding with ``global_clipnorm``, gradient accumulation or XLA
+(Grappler or XLA reorder Keras's chain); Adam's differ by a few ulps (``1 - beta_1`` in
+the variable's dtype). Used when the wrapper's ``fused_updates`` is on
+(`tfmp._src.policy.speedups`) and `fusable` (Keras's Adam without ``amsgrad``, or SGD,
+no ``update_step`` of the instance's own); per variable, Keras's update for sparse
+gradients, non-float32/64 variables and under ``tf.distribute``. The hook on
+``update_step`` (owner ``"fused_update"``, `tfmp._src.keras_hooks.optimizer_steps`)
+lasts for one ``apply`` call. Measurements: benchmarks/README.md, "Optimizer updates".
 """
 
 from __future__ import annotations

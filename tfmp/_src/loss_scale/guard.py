@@ -1,48 +1,17 @@
 """What `tfmp.LossScaleOptimizer` checks before applying a step, and whether the loss was scaled.
 
-Guards (the `guard` argument). A step is skipped, and counted, when its check fails:
-
-- ``"batch"``: the loss passed to `scale_loss` and every gradient are finite
-  on every replica, and every float tensor of the batch `fit` /
-  `train_on_batch` hands to ``train_step`` (inputs, targets, sample weights) is
-  checked as the step starts, to name the cause of a skip. Catches a NaN or
-  inf in the data, also where the forward pass hides it (a ReLU turns NaN into
-  0, the loss stays finite, the first layer's gradient is NaN), a diverging
-  run (non-finite loss) and an inf or NaN born in the backward pass alone (a
-  custom gradient, a ``sqrt`` or a norm at 0); a skipped step's
-  `last_loss_status` says which (batch bits, loss bits, or none: the
-  gradients). Misses a step whose finite update overflows the weights (a huge
-  learning rate): ``"values"`` catches that. Only without loss scaling. Every
-  update waits for the pass over all gradients; measured beside plain Keras
-  and the ``"loss"`` guard in `benchmarks/guard_cost.py`.
-- ``"loss"``: the loss alone (the batch is not checked, the gradients are not
-  read, so no update waits for the backward pass to end). Misses a bad batch
-  the forward pass hides and anything born in the backward pass. Only without
-  loss scaling.
-- ``"gradients"``: every gradient finite on every replica. What dynamic loss
-  scaling needs (an overflow shows up only in the gradients).
-- ``"values"``: ``"gradients"`` (with loss scaling) or ``"batch"`` (without),
-  and then every value the step writes into a trainable variable is finite: the
-  variables and the inner optimizer's variables are read before the update and
-  put back when a new trainable value is not finite, so the step changes
-  nothing (the optimizer's float slots are checked too). Catches a learning
-  rate that blows the weights up. Costs a pass over the weights and slots and a
-  copy of what the step writes; not under a `tf.distribute` strategy.
-- ``"auto"`` (default): ``"gradients"`` with loss scaling, ``"batch"`` without.
-
-The batch and loss checks need the batch and the loss: Keras's `train_step`
-(hence `fit`) passes the loss to `scale_loss`, and tfmp records the batch of each
-model's ``train_step`` whose optimizer is a tfmp one (`tfmp._src.loss_scale.batch_check`).
-A step that calls `apply` without a `scale_loss` call recorded for it (see
-`StepRecord`) gets the gradients check instead, so a custom loop is never left
-unguarded; a custom loop's batch is not seen (`tfmp.scaled_gradients` records the
-loss only).
-
-Unscaled loss (`LossScaleWarning`): with dynamic loss scaling `apply` divides the
-gradients by the scale, so gradients of a loss that was never multiplied by it
-(a custom `train_step` written as in the Keras guide, without `scale_loss`) make
-every update `scale` times too small. `warn_if_unscaled` warns once per optimizer
-when gradients arrive and `scale_loss` has never run on it.
+Guards (the `guard` argument); a step whose check fails is skipped and counted.
+``"batch"`` (no loss scaling): the loss and every gradient finite on every replica, and
+the float tensors of the batch `fit` hands to ``train_step`` checked as the step starts
+(`tfmp._src.loss_scale.batch_check`), to name a skip's cause (`last_loss_status`).
+``"loss"`` (no loss scaling): the loss alone, so no update waits for the backward pass.
+``"gradients"``: every gradient finite, what dynamic loss scaling needs. ``"values"``:
+the above, then every value the step writes into a trainable variable or the inner
+optimizer's variables finite, else all put back (not under ``tf.distribute``).
+``"auto"``: ``"gradients"`` with loss scaling, ``"batch"`` without. An `apply` with no
+`scale_loss` call recorded for its step (`StepRecord`: a custom loop) gets the gradients
+check. `warn_if_unscaled` warns once (`LossScaleWarning`) when gradients reach a
+dynamic-scale optimizer whose `scale_loss` never ran. Costs: ``benchmarks/guard_cost.py``.
 """
 
 from __future__ import annotations

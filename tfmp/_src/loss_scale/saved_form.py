@@ -1,44 +1,18 @@
 """The saved form of `tfmp.LossScaleOptimizer`: a `.keras` file plain Keras opens.
 
-A model whose optimizer is a `tfmp.LossScaleOptimizer` saves it as Keras's own
-``keras.optimizers.LossScaleOptimizer``, so a file shared with someone who has
-never installed tfmp opens with ``keras.models.load_model`` and trains on. This
-holds for every such model (compiled while enabled or by hand, loaded with or
-without `tfmp.enable`, detached): while a `tfmp.LossScaleOptimizer` is alive, a
-hook on Keras's ``Model.get_compile_config`` (owner ``"saved_form"``, installed
-with the stuck check by `tfmp._src.loss_scale.loops.track`) rewrites the
-compile config saving writes. Not rewritten: a subclass's own
-``get_compile_config`` that does not call Keras's, the legacy ``.h5`` format
-(deprecated by Keras), and ``keras.saving.serialize_keras_object(optimizer)``
-of the optimizer alone; those keep tfmp's form, which opens where tfmp is
-imported.
-
-- config.json (the model's ``compile_config``, rewritten by `compile_config_in_keras_form`):
-  ``{"module": "keras.optimizers", "class_name": "LossScaleOptimizer",
-  "registered_name": "LossScaleOptimizer", "config": {...}}`` with Keras's
-  four keys (``name``, ``inner_optimizer``, ``initial_scale``,
-  ``dynamic_growth_steps``). A registered name equal to the class name is the
-  one Keras accepts beside a built-in class. Under a fixed scale
-  (``loss_scaling=False``, bfloat16 or float32 compute) Keras reads an initial
-  scale of 1.0 that never grows (`FIXED_SCALE_GROWTH_STEPS`), as under tfmp.
-  tfmp's own settings (the bounds, hysteresis, guard, ...; `get_config`'s keys)
-  ride in the inner optimizer's entry under `SETTINGS_KEY`, a key Keras's
-  deserialization does not read.
-- model.weights.h5: the optimizer's variables in Keras's order and number
-  (its own four, then the inner optimizer's; `keras_layout`), which Keras's
-  ``LossScaleOptimizer`` loads; tfmp's counters in a group of their own,
-  ``optimizer/loss_scale_counters`` (`CounterStore`), which plain Keras never
-  visits.
-
-Where tfmp is imported, the registered name ``"LossScaleOptimizer"`` resolves
-to tfmp's class (registered under that name in
-``keras.saving.get_custom_objects()``), which reads the settings and the
-counters back. Files Keras writes itself carry ``"registered_name": null`` and
-keep Keras's class. Files of earlier tfmp versions (every variable in one
-group, class ``"tfmp>LossScaleOptimizer"``) still load under tfmp.
-Only public Keras API is used: the serialized dict format, ``get_compile_config``,
-``save_own_variables`` / ``load_own_variables`` and a ``keras.layers.Layer`` as the
-counters' saveable.
+While a `tfmp.LossScaleOptimizer` is alive, a hook on ``Model.get_compile_config`` (owner
+``"saved_form"``, installed by `tfmp._src.loss_scale.loops.track`) saves it as Keras's
+``keras.optimizers.LossScaleOptimizer``. config.json (`compile_config_in_keras_form`):
+``{"module": "keras.optimizers", "class_name": "LossScaleOptimizer", "registered_name":
+"LossScaleOptimizer", "config": {...}}`` with Keras's four keys (a fixed scale as 1.0
+that never grows, `FIXED_SCALE_GROWTH_STEPS`) and tfmp's own settings under
+`SETTINGS_KEY` in the inner optimizer's entry, which Keras does not read.
+model.weights.h5: the variables in Keras's order and number (`keras_layout`), tfmp's
+counters in a group of their own, ``optimizer/loss_scale_counters`` (`CounterStore`).
+Where tfmp is imported the registered name resolves to tfmp's class, which reads both
+back; earlier tfmp files (``"tfmp>LossScaleOptimizer"``) still load. Not rewritten: a
+subclass's own ``get_compile_config``, ``.h5`` files, ``serialize_keras_object`` of the
+optimizer alone.
 """
 
 from __future__ import annotations

@@ -1,27 +1,15 @@
 """Skipped steps said at once: why a step was skipped, and the early warning.
 
-Stuck detection (`loops.check`) raises only after a run of skipped steps
-(`max_consecutive_overflows`, 32 by default). A fit whose 12 steps are all skipped
-would end before it, with nothing said but ``inf`` in the history. So, after an
-execution of `model.fit`'s train function (or an eager `apply`) that skipped a
-step (`overflow_count` moved, whatever `steps_per_execution` is), `warn_early`
-warns once per window (`SkippedStepWarning`) when:
-
-- the skip cannot be a loss-scale overflow: the batch or the loss was
-  non-finite, a written value was (the ``"values"`` guard), or the optimizer
-  does not scale the loss (every skip then is a bad batch or a diverging run);
-  warned at the first such skip;
-- with dynamic loss scaling, the first `EARLY_STEPS` (8) steps of the fit were
-  all skipped (a healthy start halves the scale from 2**15 a few times), or more
-  than `EARLY_RATE` (5%) of the fit's steps were skipped, at least 8 of them.
-
-A window starts at a `fit` (or `train_on_batch`) call that comes at least
-`EARLY_STEPS` steps after the window before it began: one warning per `fit`,
-at most one per 8 steps of a `train_on_batch` loop. The warning names the step,
-the counts, the cause as `last_overflow_status` records it, what was kept, and
-the tool that finds the source (`tfmp.check_numerics`, `tfmp.check_dataset`).
-Healthy steps read one scalar as before (`overflow_count`); the others are read
-after a skipped step only.
+Stuck detection (`loops.check`) raises only after `max_consecutive_overflows` skips in a
+row, so a short fit could end with nothing said but ``inf``. After an execution of the
+train function (or an eager `apply`) that skipped a step, `warn_early` warns once per
+window (`SkippedStepWarning`): at the first skip that cannot be a loss-scale overflow (a
+non-finite batch, loss or written value, or no loss scaling), or, under dynamic loss
+scaling, when the first `EARLY_STEPS` steps of the fit were all skipped or more than
+`EARLY_RATE` of its steps, at least `EARLY_STEPS`. A window starts at a `fit` or
+`train_on_batch` call at least `EARLY_STEPS` steps after the last one began. The warning
+names the step, the counts, the cause (`last_overflow_status`) and the tool that finds
+the source; healthy steps read one scalar (`overflow_count`).
 """
 
 from __future__ import annotations

@@ -1,32 +1,15 @@
 """The non-trainable state a training step writes, kept when the step is skipped.
 
-A step that `tfmp.LossScaleOptimizer` skips must change nothing. Its weights and
-optimizer slots are never written (the inner optimizer's `apply` does not run),
-but the forward pass has already written one kind of state by then:
-`keras.layers.BatchNormalization`'s moving mean and moving variance, updated in
-``call`` during training. A batch holding an inf turns them into NaN, and every
-later prediction with them is NaN (PyTorch's GradScaler leaves the same hole).
-
-For every BatchNormalization layer attached to tfmp (the layer hook of
-`tfmp._src.float32.fused_batchnorm`, Keras's path and the fused kernel alike),
-`kept_statistics` reads both statistics before the layer's training call and,
-after it:
-
-1. writes back the values read before when a new value is not finite (this
-   layer alone, at once: with a tfmp optimizer or without one);
-2. notes the values read before, with the model the call runs in (Keras's
-   entry layer), for this thread's step; a tfmp optimizer that skips the step
-   (`take` as `apply` starts, `put_back` in the skip branch) writes back the
-   first value noted for each statistic of the models whose variables it
-   updates, so a step skipped for a gradient overflow leaves the statistics as
-   they were too (a layer called twice in the step included), and never touches
-   another model's.
-
-With several replicas in sync (`tf.distribute`) only 1 applies. Other state a
-step changes is left as Keras has it: the compiled metrics see the skipped
-batch (the loss in the history is the non-finite value that explains the skip)
-and random seeds advance. Cost: two reads and two writes of per-channel vectors
-per BatchNormalization layer and step.
+A skipped step must change nothing, but its forward pass has already updated
+`keras.layers.BatchNormalization`'s moving mean and variance, which an inf in the batch
+turns into NaN for every later prediction. For every BatchNormalization layer attached
+to tfmp (`tfmp._src.float32.fused_batchnorm`, either path), `kept_statistics` reads both
+statistics before a training call and, after it, (1) writes them back at once where a
+new value is not finite and (2) notes them with the model the call runs in, so that a
+tfmp optimizer skipping the step (`take`, `put_back`) restores the first value noted for
+the models whose variables it updates. With several replicas in sync only (1) applies.
+Compiled metrics and random seeds still see the skipped batch. Cost: two reads and two
+writes of per-channel vectors per layer and step.
 """
 
 from __future__ import annotations

@@ -1,43 +1,18 @@
 """`tfmp.LossScaleMonitor`: exact, cheap, crash-safe TensorBoard view of loss scaling.
 
-Event files go to ``<log_dir>/train``, the run `keras.callbacks.TensorBoard` uses
-for training, in a file of their own (see `tfmp._src.monitor.event_file`). The
-tags are grouped so that TensorBoard's default tab (Time Series) shows the loss
-and metrics first, then the optimizer, then precision, then the system
-(`tfmp._src.monitor.tags`):
-
-- ``metrics/batch_<name>``, ``metrics/epoch_<name>``: the training loss and
-  metrics of Keras's `logs` (``metrics/epoch_val_<name>`` for validation) at
-  the monitor's logging points (`tfmp._src.monitor.metrics`).
-- ``optimizer/<level>_lr``: the learning rate of the next step (named so as not
-  to collide with the ``epoch_learning_rate`` of `keras.callbacks.TensorBoard`);
-  with `grad_stats_freq`, ``optimizer/grad_norm`` and ``optimizer/update_ratio``
-  (see `tfmp._src.monitor.grad_stats`).
-- ``precision/<level>_loss_scale``: the loss scale after the window; 1.0
-  without loss scaling. ``precision/<level>_overflow_count``: cumulative
-  skipped (non-finite) steps; ``precision/<level>_skipped_steps``: skipped
-  steps in the window; ``precision/<level>_overflow_rate``: that over the steps
-  in the window; ``precision/<level>_consecutive_overflows``: skipped steps in a
-  row at the window's end (the four counts only with an optimizer that keeps
-  them, `tfmp.LossScaleOptimizer`). ``precision/overflow_scale``: at each skipped
-  step, the scale that overflowed. With `grad_stats_freq`,
-  ``precision/bfloat16_relative_precision`` (2**-8, the update ratio's
-  reference) and, for a model computing in float16 only,
-  ``precision/grad_underflow_fraction``, ``precision/grad_overflow_fraction``
-  and ``precision/grad_zero_fraction``.
-- ``system/<level>_samples_per_second``: samples trained over wall time in the
-  window (epochs: training batches only); ``system/<level>_gpu<i>_memory_mib`` /
-  ``system/<level>_gpu<i>_memory_peak_mib``: device memory in use and its peak,
-  MiB, per GPU.
-
-``<level>`` is ``batch`` (per logging window, step = batches trained, skipped
-ones included, see `LossScaleState.step`) or ``epoch`` (step = epoch index).
-Text tags: ``overflow_events`` ("step 117: non-finite gradients, scale 32768 ->
-16384"; "non-finite loss or gradients" under the loss guard), ``monitor_notes``
-(no device memory on CPU, overflows too old to itemize, training stopped by an
-exception) and, at the start of training when the scale cannot move (no loss
-scaling: bfloat16, float32), ``loss_scale_note`` saying why its chart is flat.
-Plus the custom-scalars layout (`tfmp._src.monitor.layout`).
+Event files go to ``<log_dir>/train``, the run `keras.callbacks.TensorBoard` trains into,
+in a file of their own (`tfmp._src.monitor.event_file`). Scalars, grouped for
+TensorBoard's first screen (`tfmp._src.monitor.tags`), ``<level>`` being ``batch`` (per
+logging window; step = batches trained, skipped ones included, `LossScaleState.step`)
+or ``epoch``: ``metrics/`` (Keras's logs, `tfmp._src.monitor.metrics`);
+``optimizer/<level>_lr``, with `grad_stats_freq` ``grad_norm`` and ``update_ratio``;
+``precision/``: the loss scale, ``overflow_count``, ``skipped_steps``,
+``overflow_rate``, ``consecutive_overflows`` (with a `tfmp.LossScaleOptimizer`),
+``overflow_scale`` at each skipped step, with `grad_stats_freq`
+``bfloat16_relative_precision`` and, under float16, the ``grad_*_fraction`` tags
+(`tfmp._src.monitor.grad_stats`); ``system/``: samples per second, GPU memory. Text
+tags: ``overflow_events``, ``monitor_notes``, ``loss_scale_note`` (why a scale is
+flat). Plus the custom-scalars layout (`tfmp._src.monitor.layout`).
 """
 
 from __future__ import annotations

@@ -1,40 +1,15 @@
 """Is loss scaling doing its job? Gradient statistics, every N steps, in the graph.
 
-`GradientStats` hooks the optimizer's `apply` (the call that receives the
-gradients of the scaled loss in `fit`) with a `tf.cond` that, every `every` steps,
-reduces the gradients to four numbers kept in variables:
-
-- ``grad_norm``: the global L2 norm of the gradients after unscaling
-  (sqrt of the sum of squares of every element, divided by the loss scale).
-- ``grad_underflow_fraction``: elements whose magnitude after scaling is below
-  2**-24, the smallest float16 subnormal (IEEE 754 binary16), but not zero: in
-  float16 they would flush to zero. Values computed in float16 have already
-  flushed, so this counts what float32 computations (layers kept in float32,
-  bfloat16 or float32 runs) hand over.
-- ``grad_zero_fraction``: elements exactly zero; in a float16 run it includes the
-  values that underflowed (compare with a float32 run of the same model).
-- ``grad_overflow_fraction``: elements above 65504, the largest float16 value,
-  after scaling, or non-finite: in float16 they are inf.
-
-Fractions are over all elements of all gradients (the `values` of sparse ones).
-`tfmp.LossScaleMonitor` writes the three fractions for a model computing in
-float16 only (``precision/grad_*_fraction``), and ``optimizer/grad_norm``,
-``optimizer/update_ratio`` and ``precision/bfloat16_relative_precision`` under
-every policy (`tfmp._src.monitor.tags`).
-
-- ``update_ratio``: ||w_after - w_before|| / ||w_before||, global L2 norms over
-  all trainable weights the optimizer updates in the step (0 on a skipped step;
-  inf when the weights were all zero and moved). A weight stored in bfloat16 keeps
-  8 significant bits, so a change below about 2**-8 of its magnitude
-  (`BFLOAT16_EPSILON`, written beside it as ``bfloat16_relative_precision``) is
-  rounded away; with float32 master weights (Keras's mixed policies) the ratio
-  shows how close the updates come to that.
-
-Under a distribution strategy the statistics are those of the first replica's
-gradients. On other steps the cost is one counter increment and three `tf.cond`s;
-on a computing step the weights are copied once (the copy the update leaves).
-Under XLA (``jit_compile=True``) the weights are copied at every step: XLA
-compiles a `tf.cond` only when both branches give the same shapes.
+`GradientStats` hooks the optimizer's `apply` with a `tf.cond` that, every `every` steps,
+reduces the gradients (the first replica's under a strategy; the `values` of sparse
+ones) to numbers kept in variables: ``grad_norm``, the global L2 norm after unscaling;
+``grad_underflow_fraction``, nonzero elements below 2**-24 (float16's smallest
+subnormal) after scaling, which float16 would flush; ``grad_zero_fraction``;
+``grad_overflow_fraction``, elements above 65504 or non-finite; and ``update_ratio``,
+||w_after - w_before|| / ||w_before|| (0 on a skipped step), read against
+`BFLOAT16_EPSILON` (2**-8: a smaller relative change rounds away in bfloat16). Other
+steps cost a counter increment and three `tf.cond`s; a computing step copies the
+weights once (under XLA, every step: both branches must give the same shapes).
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
 """The TensorBoard custom-scalars layout written by `tfmp.LossScaleMonitor`.
 
-TensorBoard's Custom Scalars tab (`tensorboard.plugins.custom_scalar`) lays out
-charts from a `Layout` proto found in the run's event files under the tag
-``custom_scalars__config__``. The first screen shows what can move:
-
-- Under dynamic loss scaling (mixed_float16), the first categories put the loss
-  scale and the cumulative overflow count side by side, one category per logging
-  level (batch, epoch), so a halving of the scale lines up with the overflow that
-  caused it; next come the training loss and metrics from Keras's logs, then,
-  when enabled, the gradient statistics and update ratio, and the finer
-  loss-scaling signals.
-- Without loss scaling (mixed_bfloat16, float32: the scale stays 1, the overflow
-  count 0 unless a step goes non-finite), the loss and metrics come first, then
-  the gradient statistics and update ratio; the loss-scale pairs follow, closed,
-  their titles saying the scale is fixed and why ("loss scale (batch, fixed at 1:
-  no loss scaling under mixed_bfloat16)"), and the finer signals, closed too.
-
-Throughput is last and closed. The float16 underflow / overflow / zero fractions
-chart is drawn for a model computing in float16 only. Each chart matches its
-tags exactly (the tags are listed in `tfmp._src.monitor.callback` and named in
-`tfmp._src.monitor.tags`). TensorBoard opens on its Time Series tab, not this
-one: there the tags' groups put the loss and metrics first under every policy.
+TensorBoard's Custom Scalars tab lays out charts from a `Layout` proto under the tag
+``custom_scalars__config__``. What can move comes first: under dynamic loss scaling the
+loss scale beside the cumulative overflow count, per level (batch, epoch), then the loss
+and metrics, the gradient statistics and the finer signals; without loss scaling the
+loss and metrics, the gradient statistics, then the loss-scale pairs, closed, their
+titles saying why the scale is fixed. Throughput is last and closed; the float16
+fractions chart only for a float16 model. Each chart matches its tags exactly
+(`tfmp._src.monitor.callback`, `tfmp._src.monitor.tags`).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Everything comes from variables that training updates in the graph, so a read
 between two executions of the train function sees every step in between, however
 many steps one execution runs (`steps_per_execution`). A read costs one
-device-to-host copy per variable (a few tens of microseconds on a CPU); the
-monitor reads only at its logging points, never per step.
+device-to-host copy per variable (docs/guides/tensorboard.md, "Failures, distribution
+and cost"); the monitor reads only at its logging points, never per step.
 """
 
 from __future__ import annotations

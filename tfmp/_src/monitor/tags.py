@@ -1,26 +1,13 @@
 """The scalar tags of `tfmp.LossScaleMonitor`, named for TensorBoard's first screen.
 
-TensorBoard opens on its Time Series tab, which groups the cards by the part of
-the tag before the first ``/`` (a tag without one is a group of its own) and
-sorts the groups, and the cards in each, by name. The monitor's scalars are
-named so that the groups come in this order under every policy, and so that
-runs under different policies put the same tag on the same card:
-
-1. ``metrics/``: the training loss and metrics of Keras's logs
-   (`tfmp._src.monitor.metrics`);
-2. ``optimizer/``: the learning rate, with `grad_stats_freq` the gradient norm
-   and the update ratio;
-3. ``precision/``: the loss scale, the skipped-step counts and, with
-   `grad_stats_freq`, bfloat16's relative precision (the update ratio's
-   reference line) and, under float16 only, the float16 underflow, overflow and
-   zero fractions of the gradients;
-4. ``system/``: samples per second and GPU memory.
-
-Without loss scaling the loss scale stays 1 and the counts 0 unless a step
-goes non-finite: those flat lines come after what moves. The Custom Scalars
-tab (`tfmp._src.monitor.layout`) puts the loss scale first where it moves.
-Text tags (``overflow_events``, ``monitor_notes``, ``loss_scale_note``) are
-on the Text tab and keep their names.
+TensorBoard's Time Series tab groups cards by the part of the tag before the first ``/``
+and sorts groups and cards by name. The groups come in this order under every policy,
+and runs under different policies put the same tag on the same card: ``metrics/``
+(Keras's logs, `tfmp._src.monitor.metrics`), ``optimizer/`` (learning rate, gradient
+norm, update ratio), ``precision/`` (loss scale, skipped-step counts, bfloat16's relative
+precision, float16's gradient fractions), ``system/`` (samples per second, GPU memory).
+Without loss scaling the flat scale and counts come after what moves. Text tags
+(``overflow_events``, ``monitor_notes``, ``loss_scale_note``) keep their names.
 """
 
 from __future__ import annotations

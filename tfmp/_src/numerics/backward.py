@@ -1,19 +1,13 @@
 """The backward pass seen at layer boundaries, for `tfmp.check_numerics(phase="backward" | "both")`.
 
-The gradients handed to the optimizer say which weights got a non-finite gradient,
-not which layer made it: a layer whose backward pass turns a finite dL/d(output)
-into a NaN dL/d(input) (the derivative of ``sqrt`` or of a norm at 0, a custom
-gradient) leaves its own weights' gradients finite, and the first weights to go
-NaN are those of the layer below. So each checked layer call is bracketed by two
-identities with a custom gradient: one on each float input, one on each float
-output. Their gradient functions hand the incoming gradient back unchanged and
-note its largest magnitude (one reduction per tensor) in the step's trace. The
-report then names the layer whose output gradient was finite while its input
-or weight gradient was not (`record.FailureRecorder`).
-
-Values and gradients are unchanged: the forward op is ``tf.identity`` and the
-gradient function returns its upstream as it is. A tensor that no gradient
-reaches (a model input, an output the loss does not use) notes nothing.
+The optimizer's gradients say which weights went non-finite, not which layer's backward
+pass turned a finite gradient into NaN (a ``sqrt`` or a norm at 0, a custom gradient):
+that layer's own weight gradients stay finite. So each checked layer call is bracketed
+by identities with a custom gradient on each float input and output, which hand the
+gradient back unchanged and note its largest magnitude in the step's trace; the report
+names the layer whose output gradient was finite while its input or weight gradient was
+not (`record.FailureRecorder`). Values and gradients are unchanged; a tensor no gradient
+reaches notes nothing.
 """
 
 from __future__ import annotations

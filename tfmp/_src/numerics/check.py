@@ -1,34 +1,15 @@
 """`tfmp.check_numerics`: name the first layer that goes NaN or Inf, and live with loss scaling.
 
-`tf.debugging.enable_check_numerics()` aborts healthy float16 runs: while a dynamic
-loss scale backs off from a large start, the scaled gradients overflow on purpose and
-the optimizer skips those steps. The hooks here check
-
-* forward: every selected layer's output (each layer's `call` is wrapped), then each
-  term of the model's losses (its `losses` read, `terms`), then the loss (the
-  optimizer's `scale_loss` is wrapped);
-* backward: the gradient at each selected layer call's outputs and inputs
-  (`backward`: identities around the call whose gradient notes its magnitude) and
-  the gradients handed to the optimizer (its `apply` is wrapped), so the layer
-  whose backward pass turned a finite gradient non-finite is named. Under a
-  dynamic loss scale a non-finite gradient only counts once the scale is at its
-  floor (`max(min_scale, 1)`), since above it the optimizer skips the step and halves
-  the scale. Under a fixed scale (bfloat16, float32, no `LossScaleOptimizer`) every
-  non-finite gradient counts. Finiteness does not change on unscaling, so checking
-  before the optimizer divides by the scale gives the same answer.
-
-The results of a step are written into variables (`_numerics_record.py`) and a flag
-rides along in the step's logs; the model's `train_function` is wrapped to look at
-the flag after every step (no extra device read on the healthy path), take it out of
-the logs, and raise, warn or log.
-This works the same in `fit` (graph mode), eagerly (`run_eagerly=True`) and under
-`jit_compile=True`, since the added ops are plain reductions and variable writes.
-Without XLA a checked step computes bit for bit what the unchecked one does; XLA
-fuses the step anew around the added reductions, so there the losses and weights
-may differ from an unchecked run's by float32 rounding (one ulp).
-Under `tf.distribute.MirroredStrategy` the replicas agree on one failure per step
-(`FailureRecorder`), so the step, the layer and the single report are those of a
-one-replica run.
+`tf.debugging.enable_check_numerics()` aborts healthy float16 runs, whose scaled
+gradients overflow on purpose while the loss scale backs off. The hooks here check,
+forward, each selected layer's output, each loss term (`terms`) and the loss
+(`scale_loss`); backward, the gradients at each layer call (`backward`) and those given
+to `apply`. Under a dynamic scale a non-finite gradient counts only at the scale's floor
+(``max(min_scale, 1)``); under a fixed one, always. Results go to variables and a flag in
+the step's logs, which the wrapped `train_function` reads after every step (no extra
+device read when healthy). The same in `fit`, eagerly and under XLA; a checked step
+computes an unchecked one's results bit for bit, under XLA within one float32 ulp. Under
+`tf.distribute.MirroredStrategy` the replicas agree on one failure per step (`FailureRecorder`).
 """
 
 from __future__ import annotations

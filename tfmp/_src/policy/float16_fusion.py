@@ -1,35 +1,17 @@
 """The fused float16 matmul trap on CPUs: decided from the CPU's facts, and the remapper switch.
 
-Grappler's *remapper* rewrites a MatMul followed by a bias add (``BiasAdd``,
-which is what Keras's ``Dense`` emits, or under oneDNN an ``AddV2`` with a 1-D
-bias) and an activation into one fused matmul. On CPUs where TensorFlow's oneDNN
-takes float16 (`DeviceFacts.onednn_float16`: AVX512_FP16 or AMX-FP16, e.g.
-Intel Sapphire Rapids, TensorFlow 2.17-2.21), that fused float16 kernel is
-100-500x slower than the same ops unfused (measured on Sapphire Rapids, TensorFlow
-2.21: a 1024-1024-1024-10 MLP step 17,027 ms under ``mixed_float16``, 37.5 ms with
-the remapper off, 36.8 ms in float32), while the remapper speeds float32 and
-bfloat16 up (24.5 vs 29.5 ms, 13.6 vs 15.1 ms). So the switch is per model,
-never global:
-
-* `remapper_trap` is what `tfmp._src.attachment.attach` asks when it attaches
-  a model: a model computing in float16 on a machine without GPUs whose CPU
-  facts say oneDNN takes float16 gets its train, test and predict functions
-  run inside `remapper_off` (`tfmp._src.keras_hooks.step_scope`), recorded as
-  ``Attachment.remapper``. Other models are untouched. The decision rests on
-  the CPU's flags and TensorFlow's oneDNN setting, which do not move while the
-  machine and its software stay the same: never on a timing, which on a loaded
-  2-core machine scatters enough to give two processes of one script two
-  different graphs. A custom loop gets the same graph options from
-  `tfmp.step_scope`.
-* `remapper_off` is a context manager that runs the tf.function calls of the
-  calling thread, and only those, without the remapper
-  (`runtime_options.function_call_config`).
-* `measure` times the float16 Dense step with the remapper on and off, for
-  benchmarks and advice; it decides nothing.
-* `warning_clause` is appended to the float16-on-CPU `tfmp.PerformanceWarning`.
-
-Tests make another CPU's facts this machine's with
-`tfmp._src.policy.hardware.injected_facts`.
+Grappler's remapper fuses a MatMul, its bias add and an activation into one kernel. Where
+TensorFlow's oneDNN takes float16 (`DeviceFacts.onednn_float16`: AVX512_FP16 or
+AMX-FP16, e.g. Intel Sapphire Rapids) the fused float16 kernel is far slower than the
+same ops unfused, while the remapper speeds float32 and bfloat16 up; so the switch is
+per model, never global. `remapper_trap`, asked when `tfmp._src.attachment.attach`
+attaches a model (``Attachment.remapper``): a float16 model on such a CPU without GPUs
+runs its train, test and predict functions inside `remapper_off`
+(`tfmp._src.keras_hooks.step_scope`; `tfmp.step_scope` in a custom loop), which runs the
+calling thread's tf.function calls without the remapper. Decided from the CPU's flags
+and oneDNN's setting, never a timing. `measure` times both for benchmarks and advice;
+`warning_clause` extends the float16-on-CPU `tfmp.PerformanceWarning`. Measurements:
+docs/guides/speed.md, "float16 on a CPU".
 """
 
 from __future__ import annotations

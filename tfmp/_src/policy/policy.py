@@ -1,8 +1,5 @@
 """Choosing a Keras dtype policy: the hardware rules for "auto" and checks of explicit ones.
 
-Rules (NVIDIA "Train With Mixed Precision" guide and the TensorFlow mixed-precision
-guide; on a CPU, the flags and a measurement on the CPU itself):
-
 | hardware                                   | policy           |
 |--------------------------------------------|------------------|
 | TPU                                        | mixed_bfloat16   |
@@ -12,21 +9,12 @@ guide; on a CPU, the flags and a measurement on the CPU itself):
 | CPU with AVX512_BF16, AMX-BF16 or Arm BF16 | mixed_bfloat16   |
 | any other CPU                              | float32          |
 
-CPU flags as `tfmp._src.policy.hardware.CPU_BF16_FLAGS` lists them (sources there);
-bfloat16 needs TensorFlow's oneDNN kernels too. The decision rests on facts that
-do not move while a machine and its software stay the same (devices, CPU flags,
-the operating system, ``TF_ENABLE_ONEDNN_OPTS``), never on a timing: on a shared
-2-core Sapphire Rapids a small timed step scattered from 0.62x to 5.4x float32's
-speed across 20 processes under load, which made the same script train in float32
-in some processes and in bfloat16 in others. A measured `SpeedProbe` is advice
-(`tfmp doctor` measures one with its spread): given to `recommend_policy`, it is
-quoted in the reason, and one whose bfloat16 factor is below
-`MIN_BFLOAT16_FACTOR` adds how to pin float32, but it never changes the policy.
-
-float16 is never chosen on a CPU: TensorFlow has no fast float16 CPU kernels for
-training (AVX512_FP16 included: on Sapphire Rapids a float16 step runs 100-500x
-slower than float32). Tensor Cores arrived with compute capability 7.0 (Volta);
-bfloat16 Tensor Cores and TF32 with 8.0 (Ampere).
+Sources: NVIDIA's "Train With Mixed Precision" and TensorFlow's mixed-precision guides;
+CPU flags as `tfmp._src.policy.hardware.CPU_BF16_FLAGS` lists them, with oneDNN on.
+Decided from facts that do not move, never a timing: a `SpeedProbe` is quoted in the
+reason (below `MIN_BFLOAT16_FACTOR` with how to pin float32) and never changes the
+policy. float16 is never chosen on a CPU (no fast float16 CPU kernels for training).
+Measurements: docs/guides/policy.md.
 """
 
 from __future__ import annotations

@@ -1,56 +1,16 @@
 """How fast this CPU runs a small training step in float32, bfloat16 and float16.
 
-Advice, never a decision: `tfmp doctor` shows it (`measure_rounds`, with its spread
-over rounds), and a `SpeedProbe` given to `tfmp.recommend_policy` is quoted in the
-reason. What tfmp decides ("auto", the per-model choices) rests on facts that do
-not move (`tfmp._src.policy.policy`): on a shared 2-core Intel Sapphire Rapids
-under load, this probe's bfloat16 factor ranged from 0.62x to 5.4x across 20
-processes while a 2048 matmul there runs bfloat16 at 4.2-4.5x float32's speed.
-
-What it measures: one Dense-like training step inside a `tf.function` (so Grappler
-optimizes it as it does Keras's train step, with ``jit_compile=False`` as Keras's
-``"auto"`` is on a CPU), on the ``/CPU:0`` device, with TensorFlow's threads as the
-process has them:
-
-- inputs: ``x`` of shape ``(BATCH, UNITS)`` = (128, 256); float32 master weights
-  ``w`` of shape ``(UNITS, UNITS)`` = (256, 256) and ``b`` of shape ``(UNITS,)``;
-- forward, in the compute dtype: ``relu(bias_add(matmul(x, cast(w)), cast(b)))``,
-  the MatMul + BiasAdd + ReLU that a Keras Dense layer is and that Grappler's
-  remapper fuses; the loss ``mean(y**2)`` in float32, as Keras's mixed policies
-  compute it;
-- backward: the gradients of the float32 ``w`` and ``b`` through the casts, as
-  `tf.GradientTape` gives them to an optimizer.
-
-About 34 million floating point operations per step (forward and weight gradient).
-Each dtype is traced, run once untimed (warm-up: Grappler, kernel set-up and one
-step), then timed up to `REPEATS` times in rounds over the dtypes; the fastest step
-counts, so a burst of load from other processes does not. A dtype stops repeating
-once its timed steps took `BUDGET_MS`, or once one step took more than `FAR_SLOWER`
-times float32's. The warm-up never stands for a step: its one-time set-up can be
-far slower than the steps after it (on an AMD EPYC Zen 4, 2026-12-03: a first
-bfloat16 step of 228 ms against 0.6-0.8 ms for the next ones, in about one
-process in five, which read as bfloat16 at 0.003x float32's speed before this
-rule). So where float16 crawls at 500x float32 (float32 steps of 0.5-1 ms) it
-costs its warm-up and one timed step of 0.25-0.5 s each and the probe stays
-under about a second and a half (on Sapphire Rapids, where
-TensorFlow 2.21 runs the fused float16 MatMul+BiasAdd at 10-15 ns per multiply-add,
-see examples/train_digits.py, the 8.4 million forward multiply-adds take 0.08-0.13
-s); where every dtype runs well, one round takes 0.2-0.3 s, tracing included
-(measured on a 2-core AMD EPYC Zen 3 at a load average of 3 from other processes;
-up to 0.7 s at a load average of 5; 1.4-3.6 s under load on a 2-core Sapphire
-Rapids). `measure_rounds` runs `ROUNDS` rounds each time it is called (nothing is
-cached: nothing decides from it). Its inputs come from stateless
-random ops, so the process's random streams (TensorFlow's global seed, Keras's
-seed generator) are left as they were.
-
-Why it predicts a training step: a Keras model's step on a CPU is mostly its
-layers' matmuls and their gradients, in the compute dtype, on the kernels Grappler
-picks for them (a Dense layer's MatMul + BiasAdd + ReLU is fused the same way); the
-probe is the smallest such step, and tells a dtype that has fast kernels here (a factor near
-or above 1) from one that does not (a factor far below 1). At this size the
-per-step overhead (about 0.3-0.5 ms) weighs more than in a large model, so a
-factor above 1 understates the matmul speed-up (measured elsewhere: bfloat16
-matmuls 2.4-4.2x float32 with AMX) while a factor far below 1 is exact enough.
+Advice, never a decision: `tfmp doctor` shows it (`measure_rounds`, with its spread over
+`ROUNDS` rounds, nothing cached) and a `SpeedProbe` given to `tfmp.recommend_policy` is
+quoted in the reason; what tfmp decides rests on facts that do not move
+(`tfmp._src.policy.policy`), as a timing scatters under load. The step: a Dense layer's
+MatMul + BiasAdd + ReLU on ``x`` of shape (`BATCH`, `UNITS`) with float32 master
+weights cast to the compute dtype, a float32 ``mean(y**2)`` loss and the weights'
+gradients, in a `tf.function` on ``/CPU:0``. Each dtype is traced and run once untimed
+(its first step's set-up can be far slower than a step), then timed in rounds until
+`REPEATS`, `BUDGET_MS` or a step `FAR_SLOWER` than float32's; the fastest step counts.
+Stateless random inputs leave the process's random streams as they were.
+Measurements: docs/guides/policy.md, "Facts, not timings".
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """tfmp.check_numerics names the layer whose backward pass made a gradient non-finite, and loss terms.
 
 The culprit layers here are finite forward and NaN only in the gradient with
-respect to their input: ``tf.norm`` of a zero vector has the value 0 and the
-derivative v / |v| = 0 / 0. Their own weights (if any) get finite gradients, so
+respect to their input: the Euclidean norm of a zero vector, spelled
+``sqrt(sum(v ** 2))``, has the value 0 and the derivative 2v * 1 / (2 sqrt(0)) =
+0 * inf = NaN (``tf.norm`` itself has a finite gradient at 0 from TensorFlow 2.23). Their own weights (if any) get finite gradients, so
 the first weights with a NaN gradient are those of the layer below; the report
 must name the culprit. Expected gradients are computed independently with a
 plain `tf.GradientTape` over the same layers, without tfmp's hooks.
@@ -24,7 +25,7 @@ class NormShift(keras.layers.Layer):
     """x + |x - x| row-wise: the value is x, the gradient w.r.t. x is NaN (d|v|/dv at v = 0)."""
 
     def call(self, x):
-        return x + tf.norm(x - x, axis=-1, keepdims=True)
+        return x + tf.sqrt(tf.reduce_sum(tf.square(x - x), axis=-1, keepdims=True))
 
 
 class ScaledNormShift(NormShift):
@@ -105,8 +106,8 @@ def policy_restored():
 
 
 #: The premise of `NormShift`'s NaN (the kind, the messages saying "nan"), which XLA does not keep.
-NORM_GRAD_NAN = ("NormShift's NaN input gradient is TensorFlow's gradient kernels for the norm of a zero "
-                 "row (0 / 0); XLA rewrites that gradient and gives inf, so the kind and the messages differ")
+NORM_GRAD_NAN = ("NormShift's NaN input gradient is TensorFlow's Sqrt and Square gradient kernels at a zero "
+                 "row (0 * inf); XLA rewrites that gradient, so the kind and the messages differ")
 #: The premise of sqrt(relu(0))'s NaN gradient, which XLA does not keep.
 RELU_GRAD_NAN = ("the NaN gradient is TensorFlow's ReluGrad kernel multiplying inf by 0 at relu(0); "
                  "XLA's ReluGrad is a select that passes 0 there, so every gradient stays finite")

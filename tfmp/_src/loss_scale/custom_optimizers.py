@@ -1,42 +1,17 @@
 """Optimizers a custom ``compile`` keeps on the model: wrapped, and safe without loss scaling.
 
-A model class may override ``compile`` to take optimizers of its own and keep
-them as attributes, applying their gradients in its ``train_step`` (the keras.io
-DCGAN: ``compile(d_optimizer, g_optimizer, loss_fn)`` calls ``super().compile()``
-and then sets ``self.d_optimizer = d_optimizer``). Keras knows only
-``model.optimizer``; tfmp's compile handler (`tfmp._src.policy.enable`) calls
-`adopt`, which wraps every optimizer held in an attribute of the model when
-Keras's ``compile`` returns, and hooks the model's ``_setattr_hook`` (Keras's
-per-backend hook of ``Layer.__setattr__``, `trainer.SETATTR_HOOK`) so
-that one assigned afterwards, as in the DCGAN, is wrapped as it is stored.
-Each is `wrap_optimizer`'s `tfmp.LossScaleOptimizer` with the session's
-options: dynamic loss scaling under float16, a fixed scale of 1.0 and the step
-check otherwise; settings such as ``learning_rate`` read and write through to
-the optimizer the user gave. An optimizer stored under two names, or also
-passed as ``optimizer=``, gets one wrapper. Kept as it
-is: ``model.optimizer`` (Keras's own compile argument, wrapped by the handler),
-an optimizer already a `tfmp.LossScaleOptimizer`, and optimizers inside a list,
-tuple or dict, which cannot be replaced safely: those are warned about with the
-fix when stored.
-
-Such a ``train_step`` seldom scales its loss. Under dynamic loss scaling, a
-wrapped optimizer whose ``apply`` runs (or is traced) in a step where its
-``scale_loss`` did not run takes the gradients as they are, without dividing
-them by the scale (which would make every update 32768x too small); every
-gradient is still checked, and a non-finite step is skipped and counted (the
-``"gradients"`` guard of `tfmp._src.loss_scale.guard`); `model.fit` stops a
-run that keeps skipping steps (`tfmp.LossScaleOptimizer.raise_if_stuck` after
-every step, as for ``model.optimizer``). It warns once
-(`tfmp.LossScaleWarning`) that float16 gradients below float16's smallest
-subnormal (2**-24, about 6e-8) flush to zero, with the fix:
-``grads = tfmp.scaled_gradients(tape, loss, variables, self.d_optimizer)``. In a
-step that does call ``scale_loss`` (``tfmp.scaled_gradients``,
-``get_scaled_loss``) it is an ordinary dynamic `tfmp.LossScaleOptimizer`.
-
-"The step" is the graph being traced (or one enclosing it) for a `tf.function`
-step, and "since the previous eager ``apply``" for an eager one
-(`guard.ScaleLossCalls`); a loss scaled in one `tf.function` and applied in another
-counts as not scaled.
+A model may keep optimizers of its own as attributes (the keras.io DCGAN's
+``self.d_optimizer``). tfmp's compile handler calls `adopt`: each optimizer held in an
+attribute when Keras's ``compile`` returns, or stored later (the model's
+``_setattr_hook``, `trainer.SETATTR_HOOK`), is wrapped once in `wrap_optimizer`'s
+`tfmp.LossScaleOptimizer` with the session's options. Kept as they are:
+``model.optimizer`` (the handler wraps it), tfmp optimizers, and optimizers in a list,
+tuple or dict (warned about). Such a ``train_step`` seldom scales its loss: under dynamic
+loss scaling, an ``apply`` in a step (the graph being traced, or since the previous eager
+``apply``: `guard.ScaleLossCalls`) where its ``scale_loss`` did not run takes the
+gradients unscaled, still checked (the ``"gradients"`` guard), and warns once
+(`tfmp.LossScaleWarning`) that float16 gradients below 2**-24 flush to zero, with the
+fix: ``tfmp.scaled_gradients(tape, loss, variables, self.d_optimizer)``.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ def test_attention_scores_near_1e5_keep_float32_values_tensorflow_46064():
     weights = reference.get_weights()
     expected = reference.predict(x, verbose=0)
     plain, _ = _predict_under("mixed_float16", _attention_model, weights, x, with_tfmp=False)
-    assert np.isnan(plain).all()  # the report's failure, in plain Keras
+    assert np.isnan(plain).any()  # the report's failure in plain Keras (Keras 3.16 keeps a few rows finite)
     got, model = _predict_under("mixed_float16", _attention_model, weights, x, with_tfmp=True)
     assert got.dtype == np.float32 and np.isfinite(got).all()
     # The attention's inputs arrive in float16 (relative step 2**-10), so its output

@@ -16,6 +16,7 @@ from _collect import collect_everything
 
 import tfmp
 from tfmp._src.keras_hooks import (
+    backend_ops,
     contracts,
     functional_graph,
     layer_calls,
@@ -583,6 +584,13 @@ def test_keras_still_has_each_hooked_signature(cls, name, expected):
     owner = patches.defining_class(cls, name)
     method = vars(owner)[name]
     parameters = list(inspect.signature(getattr(method, "__func__", method)).parameters)[1:]
+    assert parameters[:len(expected)] == list(expected)
+
+
+@pytest.mark.parametrize("function, expected", sorted(backend_ops.FUNCTION_SIGNATURES.items()))
+def test_keras_still_has_each_hooked_backend_function_signature(function, expected):
+    # A hook's pass-through carries the signature of the function it replaced.
+    parameters = list(inspect.signature(getattr(backend_ops.module_of(function), function)).parameters)
     assert parameters[:len(expected)] == list(expected)
 
 

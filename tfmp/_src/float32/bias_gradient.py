@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from typing import Any, Callable, Iterator, List, Optional
 
 from tfmp._src.attachment import record
@@ -273,26 +272,23 @@ def bias_add_summed(x: Any, bias: Any, add: Callable) -> Any:
     return biased(x, bias)
 
 
-def _wrap(next_add: Callable) -> Callable:
-    @functools.wraps(next_add)
-    def add(x1, x2):
-        import tensorflow as tf
+def _replace(call: backend_ops.OpCall) -> Any:
+    import tensorflow as tf
 
-        # Cheap tests first: every keras.ops.add of any model passes here while hooked.
-        if isinstance(x1, tf.Tensor) and x1.dtype.name in LOW_PRECISION:  # not a SparseTensor
-            layer = layer_calls.calling_layer()
-            decided = layer_decision(layer)
-            if decided.startswith(SUMMED):
-                import keras
+    x1, x2 = call.inputs
+    # Cheap tests first: every keras.ops.add of any model passes here while hooked.
+    if isinstance(x1, tf.Tensor) and x1.dtype.name in LOW_PRECISION:  # not a SparseTensor
+        layer = layer_calls.calling_layer()
+        decided = layer_decision(layer)
+        if decided.startswith(SUMMED):
+            import keras
 
-                bias = x2.value if isinstance(x2, keras.Variable) else x2  # its autocast value
-                if takes_summed_gradient(x1, bias, decided, layer):
-                    return bias_add_summed(x1, bias, next_add)
-        return next_add(x1, x2)
-
-    return add
+            bias = x2.value if isinstance(x2, keras.Variable) else x2  # its autocast value
+            if takes_summed_gradient(x1, bias, decided, layer):
+                return bias_add_summed(x1, bias, call.keras)
+    return backend_ops.KERAS
 
 
 def install() -> backend_ops.Hook:
     """Hooks Keras's TensorFlow backend ``add``; ``.remove()`` the returned `Hook` to undo."""
-    return backend_ops.subscribe("add", _wrap, owner="bias_gradient")
+    return backend_ops.subscribe("add", _replace, owner="bias_gradient")

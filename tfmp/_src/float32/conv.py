@@ -14,7 +14,6 @@ trains this way. Measurements: benchmarks/README.md, "float16 on a CPU".
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Optional
 
 from tfmp._src.float32 import inside
@@ -101,19 +100,15 @@ def _dtype_name(value: Any) -> Optional[str]:
     return dtype if isinstance(dtype, str) else getattr(dtype, "name", None)
 
 
-def _wrap(next_conv: Callable) -> Callable:
-    @functools.wraps(next_conv)
-    def conv(inputs, kernel, *args, **kwargs):
-        if takes_float32_inside(inputs, kernel):
-            import tensorflow as tf
+def _replace(call: backend_ops.OpCall) -> Any:
+    inputs, kernel = call.inputs
+    if not takes_float32_inside(inputs, kernel):
+        return backend_ops.KERAS
+    import tensorflow as tf
 
-            # a Keras variable reads as its float16 value here (autocast); its gradient
-            # flows back through that read to the float32 variable
-            kernel = tf.convert_to_tensor(kernel)
-            return float32_inside(lambda x, k: next_conv(x, k, *args, **kwargs), inputs, kernel)
-        return next_conv(inputs, kernel, *args, **kwargs)
-
-    return conv
+    # a Keras variable reads as its float16 value here (autocast); its gradient
+    # flows back through that read to the float32 variable
+    return float32_inside(call.keras, inputs, tf.convert_to_tensor(kernel))
 
 
 def install() -> None:
@@ -123,4 +118,4 @@ def install() -> None:
     together) and installs neither when one fails.
     """
     for name in FUNCTIONS:
-        backend_ops.subscribe(name, _wrap, owner="conv")
+        backend_ops.subscribe(name, _replace, owner="conv")

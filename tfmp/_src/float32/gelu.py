@@ -249,16 +249,11 @@ def takes_float32_inside(x: Any, approximate: bool) -> bool:
     return inside.calling_layer_takes("gelu")
 
 
-def _wrap(next_gelu: Callable) -> Callable:
-    @functools.wraps(next_gelu)
-    def gelu(x, approximate=True):
-        if takes_float32_inside(x, approximate):
-            return float32_inside(x)
-        return next_gelu(x, approximate)
-
-    return gelu
+def _replace(call: backend_ops.OpCall) -> Any:
+    (x,) = call.inputs
+    return float32_inside(x) if takes_float32_inside(x, not call.exact) else backend_ops.KERAS
 
 
 def install() -> backend_ops.Hook:
     """Hooks Keras's TensorFlow backend ``gelu``; ``.remove()`` the returned `Hook` to undo."""
-    return backend_ops.subscribe("gelu", _wrap, owner="gelu")
+    return backend_ops.subscribe("gelu", _replace, owner="gelu")

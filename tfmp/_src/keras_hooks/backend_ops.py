@@ -2,9 +2,11 @@
 
 ``keras.ops.gelu``, ``conv`` and ``conv_transpose`` look their backend function up on the
 backend's nn module, ``keras.ops.add`` on its numpy module, at each call (`PLACES`): a
-hook on the module's attribute sees every such call in the process, so each subscriber
-decides per call from the attachment of the calling layer (`layer_calls.calling_layer`)
-and hands any other call on unchanged. Subscribers, innermost first (`SURFACE`):
+hook on the module's attribute sees every such call in the process. The one wrapper per
+function here follows Keras's signature (`FUNCTION_SIGNATURES`) and hands its subscriber an
+`OpCall`; the subscriber decides per call from the attachment of the calling layer
+(`layer_calls.calling_layer`) and returns `KERAS` for any call it leaves to Keras.
+Subscribers (`SURFACE`):
 ``gelu`` (`tfmp._src.float32.gelu`), ``conv`` (`tfmp._src.float32.conv`),
 ``bias_gradient`` (`tfmp._src.float32.bias_gradient`); all optional features, switched
 off with one warning (`availability`) where a Keras release moved what they hook.
@@ -19,8 +21,9 @@ off with one warning (`availability`) where a Keras release moved what they hook
 
 from __future__ import annotations
 
+import functools
 import operator
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Tuple
 
 from tfmp._src.keras_hooks import patches
 
@@ -106,12 +109,78 @@ def module_of(function: str) -> Any:
     return backend_numpy() if function == "add" else backend_nn()
 
 
-def subscribe(function: str, wrap: Callable[[Callable], Callable], *, owner: str) -> patches.Hook:
-    """Hooks the backend function `function` for subscriber `owner` (see `patches.Surface.subscribe`).
+#: The parameters of each hooked backend function that its wrapper names, in Keras's
+#: order (``tests/test_keras_hooks.py`` checks them on the installed Keras).
+FUNCTION_SIGNATURES: Dict[str, Tuple[str, ...]] = {
+    "gelu": ("x", "approximate"),
+    "conv": ("inputs", "kernel"),
+    "conv_transpose": ("inputs", "kernel"),
+    "add": ("x1", "x2"),
+}
+
+
+class OpCall(NamedTuple):
+    """One call of a hooked backend function, as its subscriber sees it.
+
+    Attributes:
+        inputs: Tuple of the tensors a subscriber may compute from or replace:
+            ``(x,)`` for ``gelu``, ``(inputs, kernel)`` for the convolutions,
+            ``(x1, x2)`` for ``add``.
+        exact: Bool. ``gelu``: the exact (erf) form was asked for
+            (``approximate=False``); True for the others.
+        keras: Callable taking as many tensors as `inputs`: Keras's function on
+            them, every other argument as the caller gave it.
+    """
+
+    inputs: Tuple[Any, ...]
+    exact: bool
+    keras: Callable[..., Any]
+
+
+#: What a subscriber returns for a call it leaves to Keras.
+KERAS = object()
+
+
+def _wrapper(function: str, replace: Callable[[OpCall], Any]) -> Callable[[Callable], Callable]:
+    """The hook factory of `function`: Keras's signature on the outside, an `OpCall` to `replace` inside."""
+
+    def run(call: OpCall) -> Any:
+        result = replace(call)
+        return call.keras(*call.inputs) if result is KERAS else result
+
+    def wrap(next_function: Callable) -> Callable:
+        if function == "gelu":
+            def gelu(x: Any, approximate: bool = True) -> Any:
+                return run(OpCall((x,), not approximate, lambda x: next_function(x, approximate)))
+
+            hooked = gelu
+        elif function == "add":
+            def add(x1: Any, x2: Any) -> Any:
+                return run(OpCall((x1, x2), True, next_function))
+
+            hooked = add
+        else:  # conv, conv_transpose: the arguments after the kernel pass as given
+            def convolution(inputs: Any, kernel: Any, *args: Any, **kwargs: Any) -> Any:
+                return run(OpCall((inputs, kernel), True, lambda x, k: next_function(x, k, *args, **kwargs)))
+
+            hooked = convolution
+        return functools.wraps(next_function)(hooked)
+
+    return wrap
+
+
+def subscribe(function: str, replace: Callable[[OpCall], Any], *, owner: str) -> patches.Hook:
+    """Routes every call of the backend function `function` through `replace` (subscriber `owner`).
+
+    Args:
+        function: String, a key of `FUNCTION_SIGNATURES`.
+        replace: Callable taking an `OpCall` and returning the result, or `KERAS`
+            to let Keras's function compute it.
+        owner: String, one of `SURFACE.subscribers`.
 
     Raises:
         KeyError: `function` or `owner` is not of this surface.
         AttributeError: Keras moved the backend module or the function (the caller
             switches its feature off, `availability`).
     """
-    return SURFACE.subscribe(module_of(function), function, wrap, owner=owner)
+    return SURFACE.subscribe(module_of(function), function, _wrapper(function, replace), owner=owner)

@@ -8,7 +8,8 @@ surface module's table, `REQUIRED_ATTRIBUTES` here) and the error texts
 * `HOOKED_SIGNATURES`: the parameters of each Keras method a hook replaces and
   names (it declares them, passes them on by name or sets one): ``(class, method,
   parameters)``, the parameters in Keras's order after ``self``/``cls``. A hook
-  passing ``*args, **kwargs`` through unchanged needs no row.
+  passing ``*args, **kwargs`` through unchanged needs no row. The backend functions
+  `backend_ops` hooks have theirs in `backend_ops.FUNCTION_SIGNATURES`.
 * `CALL_ORDER`: the order in which Keras calls what tfmp hooks, each with the
   test that checks it on the installed pair (``tests/<module>::<test>``).
 

@@ -226,21 +226,17 @@ def install_compile_config_hook(rewrite: Callable[[Any], Any], *, owner: str) ->
     return subscribe(trainer, "get_compile_config", wrap, owner=owner)
 
 
-def install_make_train_function_hook(handler: Callable[[Any], None], *, owner: str,
-                                     before: Optional[Callable[[Any], None]] = None) -> patches.Hook:
+def install_make_train_function_hook(handler: Callable[[Any], None], *, owner: str) -> patches.Hook:
     """Calls ``handler(model)`` each time Keras makes a model's train function.
 
     Keras makes it at every ``fit`` and ``train_on_batch`` call (building it the
-    first time or after a forced retrace, else returning the one it has), binding
-    ``model.train_step`` as it makes it. The handler runs after Keras, so the
-    model's ``train_function`` exists; `before` runs before Keras (a hook on the
-    model's ``train_step`` put on there is the one Keras binds). Both should be
-    cheap and idempotent.
+    first time or after a forced retrace, else returning the one it has). The
+    handler runs after Keras, so the model's ``train_function`` exists; it should
+    be cheap and idempotent.
 
     Args:
         handler: Callable taking the model.
         owner: String, the hook's owner (one of `SURFACE.subscribers`).
-        before: Callable taking the model, or None.
 
     Returns:
         `patches.Hook`; remove it to undo.
@@ -249,8 +245,6 @@ def install_make_train_function_hook(handler: Callable[[Any], None], *, owner: s
     def wrap(make: Callable) -> Callable:
         @functools.wraps(make)
         def make_train_function(self: Any, force: bool = False) -> Any:
-            if before is not None:
-                before(self)
             result = make(self, force)
             handler(self)
             return result

@@ -134,8 +134,7 @@ def track(optimizer: Any) -> None:
             _class_hooks.clear()
         if not _class_hooks:
             _class_hooks.extend(surfaces.all_or_none([
-                lambda: trainer.install_make_train_function_hook(
-                    _attach, before=_record_batches, owner="loss_scale.fit_check"),
+                lambda: trainer.install_make_train_function_hook(_attach, owner="loss_scale.fit_check"),
                 lambda: trainer.install_compile_config_hook(
                     saved_form.compile_config_in_keras_form, owner="saved_form"),
             ]))
@@ -156,18 +155,8 @@ def release_if_unused() -> None:
             _class_hooks.pop()
 
 
-def _record_batches(model: Any) -> None:
-    """Before Keras makes `model`'s train function: its ``train_step`` records each batch while its optimizer is a tfmp one."""
-    if record.detached(model):
-        return
-    if getattr(model, "optimizer", None) in _live:
-        batch_check.watch(model)
-    else:  # compiled with another optimizer since
-        batch_check.unwatch(model)
-
-
 def _attach(model: Any) -> None:
-    """Adds the stuck check to `model` when its optimizer is a tfmp one, and takes it off when not.
+    """Adds the stuck check and the batch record to `model` when its optimizer is a tfmp one.
 
     Not to a model `tfmp.detach` gave back to Keras: its optimizer still skips and
     counts non-finite steps, and `fit` runs Keras's train function alone.
@@ -178,17 +167,19 @@ def _attach(model: Any) -> None:
     if optimizer in _live:
         build_before_tracing(model, optimizer)
         skips.start_fit(optimizer)
-        if not train_function.has_check(model, "stuck"):
-            train_function.add_check(model, "stuck", functools.partial(_check_after_step, model))
-    elif train_function.has_check(model, "stuck"):  # compiled with another one
+    if optimizer in _live and not train_function.has_check(model, "stuck"):
+        train_function.add_check(model, "stuck", functools.partial(_check_after_step, model))
+        batch_check.watch(model)  # makes the train function again: the check above is kept
+    elif optimizer not in _live and train_function.has_check(model, "stuck"):  # compiled with another one
         train_function.remove_check(model, "stuck")
+        batch_check.unwatch(model)
     release_if_unused()
 
 
 def forget(model: Any) -> None:
     """Takes the stuck check and the batch record off `model` (`tfmp.detach`), without making its train function."""
     train_function.remove_check(model, "stuck")
-    batch_check.unwatch(model)
+    batch_check.unwatch(model, remake=False)
 
 
 def build_before_tracing(model: Any, optimizer: Any) -> None:

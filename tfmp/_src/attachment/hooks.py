@@ -29,7 +29,7 @@ from tfmp._src.attachment import record
 from tfmp._src.float32 import bias_gradient, conv, fused_batchnorm, gelu, gradient_errors
 from tfmp._src.keras_hooks import surfaces
 from tfmp._src.keras_hooks.loss_terms import install_losses_hook
-from tfmp._src.policy import session
+from tfmp._src.policy import session, speedups
 
 _hooks: Dict[str, List[surfaces.Hook]] = {}  # "losses" or an optional feature -> its hooks
 _lock = threading.RLock()
@@ -39,7 +39,7 @@ OPTIONAL = (("fused_batchnorm", fused_batchnorm.install), ("gradient_errors", gr
             ("gelu", gelu.install), ("conv", conv.install), ("bias_gradient", bias_gradient.install))
 #: The speed features of `OPTIONAL` (`tfmp._src.policy.speedups.FEATURES`): installed
 #: only where a session's or an attached model's ``speedups`` has them on.
-SPEED = frozenset({"fused_batchnorm", "gelu", "conv"})
+SPEED = frozenset(feature for feature, _ in OPTIONAL if feature in speedups.FEATURES)
 
 
 def hold(speed_features: Iterable[str] = ()) -> None:

@@ -71,7 +71,7 @@ def attach(model: keras.Model, policy: str, *, attached_by: str, exact_ids: int,
     Raises:
         Whatever installing the model-level hooks raises; nothing is marked then.
     """
-    hooks.hold(name for name in hooks.SPEED if speedups is None or speedups[name])
+    hooks.hold(hooks.speed_features(speedups))
     speeds = speedup_rules.decided(speedups)
     remapper = _remapper_decision(model, allowed=speeds["remapper"] == speedup_rules.ON)
     entries = walk(model)

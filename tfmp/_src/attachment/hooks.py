@@ -23,7 +23,7 @@ callback, which can run in any thread while another holds the hooks' lock).
 from __future__ import annotations
 
 import threading
-from typing import Dict, Iterable, List
+from typing import Dict, FrozenSet, Iterable, List, Mapping, Optional
 
 from tfmp._src.attachment import record
 from tfmp._src.float32 import bias_gradient, conv, fused_batchnorm, gelu, gradient_errors
@@ -40,6 +40,16 @@ OPTIONAL = (("fused_batchnorm", fused_batchnorm.install), ("gradient_errors", gr
 #: The speed features of `OPTIONAL` (`tfmp._src.policy.speedups.FEATURES`): installed
 #: only where a session's or an attached model's ``speedups`` has them on.
 SPEED = frozenset(feature for feature, _ in OPTIONAL if feature in speedups.FEATURES)
+
+
+def speed_features(speedups: Optional[Mapping[str, bool]]) -> FrozenSet[str]:
+    """The features of `SPEED` a ``speedups`` switch leaves on (None: all of them).
+
+    Args:
+        speedups: Dict of speed feature -> wanted (a session's or an attached
+            model's, `tfmp._src.policy.speedups.checked_speedups`), or None.
+    """
+    return frozenset(name for name in SPEED if speedups is None or speedups[name])
 
 
 def hold(speed_features: Iterable[str] = ()) -> None:

@@ -97,11 +97,12 @@ def _set_current(state: Optional[Session]) -> None:
     Raises:
         Whatever installing a hook raises; this thread's session is then as before.
     """
+    speed = attachment_hooks.speed_features(state.speedups) if state else frozenset()
     with session.lock:
         before = session.replace(state)
         if session.any_open() and _session_hooks:
             try:
-                attachment_hooks.hold(_speed_features(state))  # back on if a detach took them off
+                attachment_hooks.hold(speed)  # back on if a detach took them off
             except BaseException:
                 session.replace(before)
                 raise
@@ -114,7 +115,7 @@ def _set_current(state: Optional[Session]) -> None:
                 for feature, install in _OPTIONAL_SESSION_HOOKS:  # each off alone where Keras moved it
                     installed += surfaces.optional(feature, install)
                 try:
-                    attachment_hooks.hold(_speed_features(state))
+                    attachment_hooks.hold(speed)
                     fit_lifecycle.needs(_SESSIONS_OPEN)  # the error out of fit reaches monitors
                 except BaseException:
                     for hook in reversed(installed):
@@ -130,13 +131,6 @@ def _set_current(state: Optional[Session]) -> None:
                 _session_hooks.pop()
             fit_lifecycle.not_needed_by(_SESSIONS_OPEN)
             _release_unused_hooks()
-
-
-def _speed_features(state: Optional[Session]) -> List[str]:
-    """The speed features whose hooks `state` needs: those its ``speedups`` switch leaves on."""
-    if state is None:
-        return []
-    return [name for name in attachment_hooks.SPEED if state.speedups is None or state.speedups[name]]
 
 
 def _release_unused_hooks() -> None:

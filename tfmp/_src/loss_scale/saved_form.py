@@ -1,18 +1,15 @@
 """The saved form of `tfmp.LossScaleOptimizer`: a `.keras` file plain Keras opens.
 
-While a `tfmp.LossScaleOptimizer` is alive, a hook on ``Model.get_compile_config`` (owner
-``"saved_form"``, installed by `tfmp._src.loss_scale.loops.track`) saves it as Keras's
-``keras.optimizers.LossScaleOptimizer``. config.json (`compile_config_in_keras_form`):
-``{"module": "keras.optimizers", "class_name": "LossScaleOptimizer", "registered_name":
-"LossScaleOptimizer", "config": {...}}`` with Keras's four keys (a fixed scale as 1.0
-that never grows, `FIXED_SCALE_GROWTH_STEPS`) and tfmp's own settings under
-`SETTINGS_KEY` in the inner optimizer's entry, which Keras does not read.
-model.weights.h5: the variables in Keras's order and number (`keras_layout`), tfmp's
-counters in a group of their own, ``optimizer/loss_scale_counters`` (`CounterStore`).
-Where tfmp is imported the registered name resolves to tfmp's class, which reads both
-back; earlier tfmp files (``"tfmp>LossScaleOptimizer"``) still load. Not rewritten: a
-subclass's own ``get_compile_config``, ``.h5`` files, ``serialize_keras_object`` of the
-optimizer alone.
+While a tfmp optimizer is alive, a hook on ``Model.get_compile_config`` (owner
+``"saved_form"``, installed by `loops.track`) saves it as Keras's
+``keras.optimizers.LossScaleOptimizer``: Keras's config keys (a fixed scale as 1.0 that
+never grows, `FIXED_SCALE_GROWTH_STEPS`), tfmp's settings under `SETTINGS_KEY` in the
+inner optimizer's entry, which Keras does not read. model.weights.h5: the variables in
+Keras's order and number, tfmp's counters in a group of their own,
+``optimizer/loss_scale_counters`` (`CounterStore`). Where tfmp is imported the
+registered name resolves to tfmp's class; earlier tfmp files (``"tfmp>LossScaleOptimizer"``)
+still load. Not rewritten: a subclass's own ``get_compile_config``, ``.h5`` files,
+``serialize_keras_object`` of the optimizer alone.
 """
 
 from __future__ import annotations
@@ -40,17 +37,7 @@ def _keras_keys() -> frozenset:
 
 
 def keras_form(serialized: Any) -> Any:
-    """Rewrites tfmp's serialized optimizer as Keras's `LossScaleOptimizer`.
-
-    Args:
-        serialized: The dict `keras.saving.serialize_keras_object` made of an
-            optimizer. Anything other than a `tfmp.LossScaleOptimizer` entry is
-            returned unchanged.
-
-    Returns:
-        A new dict in the Keras form (see the module docstring); the argument is
-        not changed.
-    """
+    """A new dict: `serialized` (an optimizer's `serialize_keras_object`) in Keras's form if it is tfmp's."""
     if not (isinstance(serialized, dict) and serialized.get("registered_name") == _TFMP_NAME):
         return serialized
     settings = {k: v for k, v in serialized["config"].items() if k not in ("name", "inner_optimizer")}
@@ -62,15 +49,7 @@ def keras_form(serialized: Any) -> Any:
 
 
 def from_keras_form(config: dict) -> dict:
-    """The arguments of `tfmp.LossScaleOptimizer` in a config `keras_form` wrote.
-
-    Args:
-        config: The ``config`` entry of a serialized loss-scale optimizer (either form).
-
-    Returns:
-        A new dict: the config with tfmp's settings put back in place of Keras's
-        values; a config of the tfmp form comes back as it was.
-    """
+    """A new dict: a loss-scale optimizer's ``config`` (either form) with tfmp's settings back in place."""
     inner = config.get("inner_optimizer")
     if not (isinstance(inner, dict) and SETTINGS_KEY in inner):
         return dict(config)
@@ -87,24 +66,19 @@ def compile_config_in_keras_form(config: Any) -> Any:
 
 
 def keras_layout(optimizer: Any, counters: List[Any]) -> List[Any]:
-    """The variables Keras's `LossScaleOptimizer` saves, in its order: its own, then the inner's.
-
-    Args:
-        optimizer: A `tfmp.LossScaleOptimizer`.
-        counters: Its tfmp counter variables (left out).
-    """
+    """The variables Keras's `LossScaleOptimizer` saves, in its order: `optimizer`'s but `counters`."""
     ids = {id(v) for v in counters}
     return [v for v in optimizer.variables if id(v) not in ids]
 
 
 def save_variables(variables: List[Any], store: Any) -> None:
-    """Writes `variables` as ``store["0"], store["1"], ...`` (Keras's layout of a saveable's own variables)."""
+    """Writes `variables` as ``store["0"], store["1"], ...`` (Keras's layout)."""
     for i, variable in enumerate(variables):
         store[str(i)] = variable.numpy()
 
 
 def load_variables(variables: List[Any], store: Any) -> bool:
-    """Assigns ``store["0"], store["1"], ...`` to `variables`; False (nothing assigned) if the counts differ."""
+    """Assigns ``store["0"], ...`` to `variables`; False (nothing assigned) if the counts differ."""
     if len(store.keys()) != len(variables):
         return False
     for i, variable in enumerate(variables):
@@ -113,13 +87,9 @@ def load_variables(variables: List[Any], store: Any) -> bool:
 
 
 class CounterStore(keras.layers.Layer):
-    """Saves and loads a `tfmp.LossScaleOptimizer`'s counters in a group of their own.
+    """Saves and loads an optimizer's counters, as its ``loss_scale_counters`` (a weak reference).
 
-    Reached by Keras's saving as the optimizer's ``loss_scale_counters``
-    attribute (path ``optimizer/loss_scale_counters``); holds no variable of its
-    own, only a weak reference to the optimizer. A missing group (a file of
-    plain Keras or of an earlier tfmp) or one of another length leaves the
-    counters as they are.
+    A missing group, or one of another length, leaves the counters as they are.
     """
 
     def __init__(self, optimizer: Any) -> None:

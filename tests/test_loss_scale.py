@@ -516,7 +516,7 @@ def test_stateless_apply_is_refused_with_what_to_call_instead():
 @pytest.mark.parametrize("loss_scaling", [True, False])
 def test_a_non_finite_loss_is_explained_by_the_compute_dtypes_range(loss_scaling):
     from tfmp._src.constants import NON_FINITE_KINDS
-    from tfmp._src.loss_scale import skips
+    from tfmp._src.loss_scale import loops as skips
 
     nan = next(bits for bits, kind in NON_FINITE_KINDS.items() if kind == "nan")
     phase, kind, sentence = skips.cause(nan, loss_scaling)  # the loss's bits, a finite batch

@@ -113,7 +113,7 @@ if not _IMPORTS_DEFERRED:
     from tfmp._src.loss_scale.optimizer import LossScaleOptimizer as LossScaleOptimizer
     from tfmp._src.loss_scale.loops import scaled_gradients as scaled_gradients
     from tfmp._src.loss_scale.guard import LossScaleWarning as LossScaleWarning
-    from tfmp._src.loss_scale.skips import SkippedStepWarning as SkippedStepWarning
+    from tfmp._src.loss_scale.loops import SkippedStepWarning as SkippedStepWarning
     # Finding the first non-finite value (tfmp/_src/numerics, tfmp/_src/errors.py)
     from tfmp._src.numerics.check import check_numerics as check_numerics
     from tfmp._src.numerics.check import NumericsHandle as NumericsHandle

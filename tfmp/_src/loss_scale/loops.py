@@ -1,10 +1,12 @@
-"""Where `tfmp.LossScaleOptimizer` meets training loops.
+"""Where `tfmp.LossScaleOptimizer` meets training loops: skipped steps said, stuck runs stopped.
 
-`model.fit`: stuck detection. A run is stuck when it keeps skipping steps: lowering
-the loss scale has not made the gradients finite, or cannot (the scale is at
-`min_scale`, or the loss itself is NaN). The counters live in optimizer variables;
-`check` reads them between steps and `track` makes `fit` call it.
-
+`model.fit`: a hook on Keras's ``make_train_function`` (`track`) adds `check` after each
+step and hooks the model's ``train_step`` to record its batch (the ``"batch"`` guard: a
+NaN in the data can leave the loss finite, ``relu(NaN)`` is 0, while the gradient is NaN).
+Checks run between steps, not in the graph: XLA drops ``tf.debugging.Assert`` and an
+error raised in a graph reaches the caller as a ``tf.errors.OpError``. `check` reads one
+scalar per healthy step; after a skipped step it warns once per fit window
+(`SkippedStepWarning`, `warn_early`) and raises `NonFiniteError` once the run is stuck.
 Custom loops: `scaled_gradients` (Keras 3 dropped tf.keras 2's `get_scaled_loss`).
 """
 
@@ -15,86 +17,170 @@ import threading
 import warnings
 import weakref
 from collections.abc import Sequence
-from typing import Any, List
+from typing import Any, Callable, List, Tuple
 
 import keras
 import tensorflow as tf
 
 from tfmp._src.attachment import record
+from tfmp._src.constants import NON_FINITE_KINDS
 from tfmp._src.errors import NonFiniteError, invalid_argument, user_stacklevel
 from tfmp._src.keras_hooks import surfaces, train_function, trainer
-from tfmp._src.loss_scale import arguments, batch_check, saved_form, skips
+from tfmp._src.loss_scale import arguments, saved_form
 
-#: Default of `max_consecutive_overflows`: more than the 24 halvings that take the
-#: scale from `max_scale` 2**24 down to 1, so a healthy start never trips it.
+#: Default of `max_consecutive_overflows`: more than the 24 halvings from `max_scale` 2**24
+#: down to 1, so a healthy start never trips it.
 DEFAULT_MAX_CONSECUTIVE_OVERFLOWS = 32
-#: Consecutive overflows at `min_scale` after which the run counts as stuck: the
-#: scale cannot be lowered any further, so retrying only burns batches.
+#: Overflows in a row at `min_scale` that count as stuck: the scale cannot go lower.
 MIN_SCALE_PATIENCE = 3
+#: Steps at the start of a fit that, all skipped, are warned about under loss scaling.
+EARLY_STEPS = 8
+#: Share of a fit's steps skipped (with at least `EARLY_STEPS` of them) that is warned about.
+EARLY_RATE = 0.05
+_BATCH_HOOK = "_tfmp_batch_check"  # on a model: its train_step hook
+
+
+class SkippedStepWarning(RuntimeWarning):
+    """Steps of a fit were skipped for a cause loss scaling cannot fix, or too many of them.
+
+    Make it an error with ``warnings.simplefilter("error", tfmp.SkippedStepWarning)``.
+    """
+
+
+def cause(status: int, loss_scaling: bool) -> Tuple[str, str, str]:
+    """(phase, kind, sentence): why the last skipped step was skipped.
+
+    Args:
+        status: Int. The optimizer's `last_overflow_status` bits (`STATUS_BITS`).
+        loss_scaling: Bool. Whether the optimizer scales the loss dynamically.
+
+    Returns:
+        Tuple of strings: the phase (``"batch"``, ``"loss"``, ``"values"`` or
+        ``"gradients"``), the kind (``"nan"``, ``"inf"``, ``"nan+inf"`` or ``""``) and a
+        sentence naming the cause and what to look at.
+    """
+    batch = NON_FINITE_KINDS.get((status >> 2) & 3, "")
+    loss = NON_FINITE_KINDS.get(status & 3, "")
+    if batch:
+        return "batch", batch, (
+            f"The batch itself holds {batch} (its inputs, targets or sample weights): "
+            "the data pipeline produced it; lowering the loss scale cannot help. Find the "
+            "records with tfmp.check_dataset(dataset)."
+        )
+    if loss:
+        where = ("(a float16 overflow: float16 holds at most 65504)" if loss_scaling else
+                 "(not a range overflow of the compute dtype: bfloat16 and float32 hold up to "
+                 "about 3.4e38, so the values themselves diverged)")
+        return "loss", loss, (
+            f"The loss itself is non-finite ({loss}): it comes from the forward pass "
+            f"{where}, the data or the learning rate, and lowering the loss scale cannot help."
+        )
+    if status & 16:
+        return "values", "", (
+            "The update would have written a non-finite value into a trainable "
+            "variable although the gradients were finite: the learning rate (or the "
+            "optimizer's epsilon) is too large or too small for these gradients."
+        )
+    if loss_scaling:
+        return "gradients", "", (
+            "The loss is finite but the gradients overflow (float16 holds at most "
+            "65504) even at this scale: look for exploding activations or gradients, "
+            "or lower the learning rate."
+        )
+    return "gradients", "", (
+        "The loss is finite but a gradient is not: an inf or NaN born in the "
+        "backward pass (a custom gradient, a sqrt or log at 0)."
+    )
+
+
+def _read(optimizer: Any, name: str) -> int:
+    return int(getattr(optimizer, name).numpy())
+
+
+def start_fit(optimizer: Any) -> None:
+    """At a `fit` or `train_on_batch` call: a new warning window when the last began `EARLY_STEPS` steps ago."""
+    start = getattr(optimizer, "_fit_start", None)
+    if not optimizer.built:
+        optimizer._fit_start = start or (0, 0)  # built by the first step: counters at 0
+        return
+    counter = optimizer.total_steps.numpy()
+    if counter.shape != ():  # built in a trace that failed: Keras never initialized the variables
+        raise invalid_argument(
+            "optimizer", optimizer, "an optimizer whose variables were initialized",
+            fix=f"The optimizer {optimizer.name!r} was built inside a first step that failed while "
+            "tracing, so Keras never initialized its variables (slots, loss scale, counters). "
+            "Compile the model again with a new optimizer, e.g. model.compile(keras.optimizers."
+            f"{type(optimizer.inner_optimizer).__name__}(...), loss=...), then fit.")
+    total = int(counter)
+    if start is None or total - start[0] >= EARLY_STEPS:
+        optimizer._fit_start = (total, _read(optimizer, "overflow_count"))
+
+
+def warn_early(optimizer: Any) -> None:
+    """Warns (`SkippedStepWarning`) once per fit window at the first skip loss scaling cannot
+    cause, or when the first `EARLY_STEPS` steps, or more than `EARLY_RATE` of at least
+    `EARLY_STEPS`, were skipped under loss scaling. Call after a skipped step."""
+    start_total, start_skips = getattr(optimizer, "_fit_start", (0, 0))
+    if optimizer._warned_fit == (start_total, start_skips):
+        return
+    steps = _read(optimizer, "total_steps") - start_total
+    skips = _read(optimizer, "overflow_count") - start_skips
+    if skips <= 0:
+        return
+    phase, _, sentence = cause(_read(optimizer, "last_overflow_status"), optimizer.loss_scaling)
+    not_overflow = phase != "gradients" or not optimizer.loss_scaling
+    all_first = steps >= EARLY_STEPS and skips == steps
+    rate = skips >= EARLY_STEPS and skips > EARLY_RATE * steps
+    if not (not_overflow or all_first or rate):
+        return
+    optimizer._warned_fit = (start_total, start_skips)
+    kept = "weights and optimizer slots keep their values"
+    if tf.distribute.get_strategy().num_replicas_in_sync == 1:  # see step_state
+        kept = "weights, optimizer slots and BatchNormalization statistics keep their values"
+    warnings.warn(
+        f"tfmp skipped step {_read(optimizer, 'last_overflow_step')} ({skips} of the {steps} steps since step "
+        f"{start_total}; loss scale {optimizer.loss_scale:g}): nothing was written ({kept}). {sentence} "
+        "Run tfmp.check_numerics(model) to find the first layer that goes non-finite. "
+        "Warned once per fit; stuck detection stops the run after "
+        f"{optimizer.max_consecutive_overflows} skipped steps in a row.",
+        SkippedStepWarning,
+        stacklevel=user_stacklevel(),  # the user's fit() or apply
+    )
 
 
 def check(optimizer: Any) -> None:
-    """Raises or warns, per `optimizer.on_stuck`, when the run is stuck.
-
-    Reads one scalar variable on a healthy step; after a skipped step, warns
-    early when the skips call for it (`skips.warn_early`).
-
-    Args:
-        optimizer: `tfmp.LossScaleOptimizer`, built.
-
-    Raises:
-        NonFiniteError: With `on_stuck="raise"`, when `consecutive_overflows`
-            reached `max_consecutive_overflows` or `min_scale_overflows` reached
-            `MIN_SCALE_PATIENCE`.
-    """
-    overflows = int(optimizer.overflow_count.numpy())
+    """Raises `NonFiniteError` or warns, per `optimizer.on_stuck` (a built `tfmp.LossScaleOptimizer`),
+    when the run is stuck (see `LossScaleOptimizer.raise_if_stuck`); warns early after a skip."""
+    overflows = _read(optimizer, "overflow_count")
     if overflows == optimizer._checked_overflows:
         return  # no step skipped since the last check: the last step was finite
-    skips.warn_early(optimizer)
+    warn_early(optimizer)
     limit = optimizer.max_consecutive_overflows
-    consecutive = int(optimizer.consecutive_overflows.numpy())
+    consecutive = _read(optimizer, "consecutive_overflows")
     # Nothing to check again until a step is skipped, unless the run is overflowing.
     optimizer._checked_overflows = overflows if consecutive == 0 else None
     if consecutive < min(limit, MIN_SCALE_PATIENCE):
         return
-    at_floor = int(optimizer.min_scale_overflows.numpy())
+    at_floor = _read(optimizer, "min_scale_overflows")
     if consecutive < limit and at_floor < MIN_SCALE_PATIENCE:
         return
-    error = _diagnose(optimizer, consecutive, at_floor)
+    step, scale = _read(optimizer, "last_overflow_step"), optimizer.loss_scale
+    phase, kind, sentence = cause(_read(optimizer, "last_overflow_status"), optimizer.loss_scaling)
+    if consecutive >= limit:
+        rule = f"{consecutive} non-finite steps in a row (max_consecutive_overflows={limit})"
+    else:
+        rule = f"{at_floor} non-finite steps in a row at min_scale={optimizer.min_scale:g}"
+    error = NonFiniteError(
+        f"Training is stuck: {rule}; last skipped step {step}, loss scale {scale:g}. {sentence} Run "
+        "tfmp.check_numerics(model) to find the first layer that produces it.",
+        phase=phase, step=step, kind=kind or None,
+        details={"scale": scale, "overflow_count": overflows, "consecutive_overflows": consecutive,
+                 "min_scale_overflows": at_floor})
     if optimizer.on_stuck == "raise":
         raise error
-    first_skipped = error.step - consecutive + 1  # identifies this run of overflows
-    if optimizer._warned_run != first_skipped:
-        optimizer._warned_run = first_skipped
+    if optimizer._warned_run != step - consecutive + 1:  # the first skipped step names this run
+        optimizer._warned_run = step - consecutive + 1
         warnings.warn(str(error), RuntimeWarning, stacklevel=user_stacklevel())
-
-
-def _diagnose(optimizer: Any, consecutive: int, at_floor: int) -> NonFiniteError:
-    """Builds the error: a non-finite loss versus gradient overflow."""
-    step = int(optimizer.last_overflow_step.numpy())
-    scale = optimizer.loss_scale
-    phase, kind, cause = skips.cause(int(optimizer.last_overflow_status.numpy()), optimizer.loss_scaling)
-    if consecutive >= optimizer.max_consecutive_overflows:
-        rule = (
-            f"{consecutive} non-finite steps in a row "
-            f"(max_consecutive_overflows={optimizer.max_consecutive_overflows})"
-        )
-    else:
-        rule = (
-            f"{at_floor} non-finite steps in a row at min_scale={optimizer.min_scale:g}"
-        )
-    message = (
-        f"Training is stuck: {rule}; last skipped step {step}, loss scale {scale:g}. "
-        f"{cause} Run tfmp.check_numerics(model) to find the first layer that "
-        "produces it."
-    )
-    details = {
-        "scale": scale,
-        "overflow_count": int(optimizer.overflow_count.numpy()),
-        "consecutive_overflows": consecutive,
-        "min_scale_overflows": at_floor,
-    }
-    return NonFiniteError(message, phase=phase, step=step, kind=kind or None, details=details)
 
 
 _live: "weakref.WeakSet[Any]" = weakref.WeakSet()  # tfmp optimizers not yet collected
@@ -103,28 +189,12 @@ _lock = threading.RLock()
 
 
 def track(optimizer: Any) -> None:
-    """Makes `model.fit` call `optimizer.raise_if_stuck()` after every step.
+    """Makes `model.fit` check `optimizer` after every step, and saves it in Keras's form (`saved_form`).
 
-    Called by every `tfmp.LossScaleOptimizer` when it is created. Why a check
-    between steps: `fit` runs the step in a `tf.function`, XLA-compiled by default
-    on GPUs, where `tf.debugging.Assert` is dropped and `tf.py_function` does not
-    compile; an error raised inside the graph would also reach the caller as a
-    `tf.errors.OpError`, not as `NonFiniteError`. While at least one such optimizer
-    exists, a hook on Keras's ``make_train_function`` (see `keras_hooks`) adds the
-    check to each model whose optimizer is one, when its ``fit`` starts; the check
-    reads one scalar per step, and `fit` already waits for each step's result. A
-    custom loop in a `tf.function` calls `optimizer.raise_if_stuck()` itself.
-
-    Beside it, a hook on Keras's ``get_compile_config`` saves such an optimizer
-    in Keras's form, so plain Keras opens the file (`saved_form`).
-
-    The hooks come off in `release_if_unused`, once the last such optimizer has been
-    garbage-collected: at the next ``make_train_function`` or `tfmp.disable()`.
-    Never from a garbage-collection callback, which can run in any thread while
-    another holds the hooks' lock.
-
-    Args:
-        optimizer: `tfmp.LossScaleOptimizer`.
+    Called by every `tfmp.LossScaleOptimizer` as it is made. The two class hooks (on
+    ``make_train_function`` and ``get_compile_config``) come off in `release_if_unused`
+    once the last such optimizer is collected: never from a garbage-collection callback,
+    which can run in any thread while another holds the hooks' lock.
     """
     with _lock:
         _live.add(optimizer)
@@ -140,13 +210,6 @@ def track(optimizer: Any) -> None:
             ]))
 
 
-def untrack(optimizer: Any) -> None:
-    """Forgets `optimizer` (one made only to check options), then `release_if_unused`."""
-    with _lock:
-        _live.discard(optimizer)
-    release_if_unused()
-
-
 def release_if_unused() -> None:
     """Takes the ``make_train_function`` and ``get_compile_config`` hooks off when no tfmp optimizer is alive."""
     with _lock:
@@ -156,43 +219,66 @@ def release_if_unused() -> None:
 
 
 def _attach(model: Any) -> None:
-    """Adds the stuck check and the batch record to `model` when its optimizer is a tfmp one.
-
-    Not to a model `tfmp.detach` gave back to Keras: its optimizer still skips and
-    counts non-finite steps, and `fit` runs Keras's train function alone.
-    """
+    """As Keras makes `model`'s train function: adds the stuck check and the batch record when its
+    optimizer is a tfmp one, takes them off when it is no longer; nothing on a detached model."""
     if record.detached(model):
         return
     optimizer = getattr(model, "optimizer", None)
     if optimizer in _live:
         build_before_tracing(model, optimizer)
-        skips.start_fit(optimizer)
+        start_fit(optimizer)
     if optimizer in _live and not train_function.has_check(model, "stuck"):
         train_function.add_check(model, "stuck", functools.partial(_check_after_step, model))
-        batch_check.watch(model)  # makes the train function again: the check above is kept
+        _watch_batches(model)  # makes the train function again: the check above is kept
     elif optimizer not in _live and train_function.has_check(model, "stuck"):  # compiled with another one
         train_function.remove_check(model, "stuck")
-        batch_check.unwatch(model)
+        _unwatch_batches(model)
     release_if_unused()
 
 
 def forget(model: Any) -> None:
     """Takes the stuck check and the batch record off `model` (`tfmp.detach`), without making its train function."""
     train_function.remove_check(model, "stuck")
-    batch_check.unwatch(model, remake=False)
+    _unwatch_batches(model, remake=False)
+
+
+def _watch_batches(model: Any) -> None:
+    """Hooks `model`'s ``train_step`` (owner ``"loss_scale.batch"``) to hand each batch to the
+    optimizer's `record_batch`, then makes the train function again (not yet traced) to bind it."""
+    hook = vars(model).get(_BATCH_HOOK)
+    if hook is not None and hook.active:
+        return
+    hook = trainer.subscribe(model, "train_step", functools.partial(_recording_step, model), owner="loss_scale.batch")
+    object.__setattr__(model, _BATCH_HOOK, hook)
+    model.make_train_function(force=True)
+
+
+def _unwatch_batches(model: Any, *, remake: bool = True) -> None:
+    """Takes the ``train_step`` hook off `model`; with `remake`, the train function is made again without it."""
+    hook = vars(model).pop(_BATCH_HOOK, None)
+    if hook is not None and hook.active:
+        hook.remove()
+        if remake:
+            model.make_train_function(force=True)
+
+
+def _recording_step(model: Any, next_step: Callable) -> Callable:
+    @functools.wraps(next_step)
+    def train_step(data: Any) -> Any:
+        optimizer = getattr(model, "optimizer", None)
+        record_batch = getattr(optimizer, "record_batch", None)
+        if record_batch is not None and getattr(optimizer, "built", False):
+            record_batch(data)
+        return next_step(data)
+
+    return train_step
 
 
 def build_before_tracing(model: Any, optimizer: Any) -> None:
-    """Builds `optimizer` for `model`'s trainable variables now, when both can be.
+    """Builds `optimizer` for `model`'s trainable variables now, as Keras does under a strategy.
 
-    Without a `tf.distribute` strategy Keras builds the optimizer inside the first
-    trace of the train function; its variables are initialized when that function
-    first runs, so a step that fails while tracing (a shape mismatch in the loss,
-    a bug in a custom `train_step`) leaves every slot and counter uninitialized
-    (read back as an empty array) and the optimizer unusable. Built here, as
-    Keras's own symbolic build does under a strategy
-    (``optimizer.build(model.trainable_variables)``), they are created eagerly and
-    survive a failed trace. A model not built yet keeps Keras's order.
+    Built inside the first trace, a step that fails while tracing would leave every slot
+    and counter uninitialized and the optimizer unusable. A model not built keeps Keras's order.
     """
     if not optimizer.built and model.built and model.trainable_variables:
         with model.distribute_strategy.scope():
@@ -221,30 +307,27 @@ def scaled_gradients(
         grads = tfmp.scaled_gradients(tape, loss, model.trainable_variables, opt)
         opt.apply(grads, model.trainable_variables)
 
-    When the step runs in a `tf.function`, call `opt.raise_if_stuck()` after it
-    (eager `apply` and `model.fit` do so already). Works for any Keras optimizer: a `LossScaleOptimizer` multiplies by its current
-    scale (and records whether the loss is finite), a plain one by its
-    `loss_scale_factor`, if any. Code moved from tf.keras 2 may instead keep
-    `get_scaled_loss` and `get_unscaled_gradients` followed by `apply_gradients`.
+    When the step runs in a `tf.function`, call `opt.raise_if_stuck()` after it (eager
+    `apply` and `model.fit` do so already). Works for any Keras optimizer: a
+    `LossScaleOptimizer` multiplies by its current scale (and records whether the loss is
+    finite), a plain one by its `loss_scale_factor`, if any.
 
     Args:
-        tape: `tf.GradientTape` that recorded `loss` and has not yet computed
-            gradients (unless persistent); the scaling is recorded on it too.
+        tape: `tf.GradientTape` that recorded `loss` and has not yet computed gradients
+            (unless persistent); the scaling is recorded on it too.
         loss: Scalar float tensor. The unscaled loss (float32 under mixed policies).
         variables: Sequence of `keras.Variable`, e.g. `model.trainable_variables`.
         optimizer: `keras.optimizers.Optimizer`. The optimizer that will apply them.
 
     Returns:
-        List with one tensor per variable (None if unconnected), still multiplied
-        by the loss scale.
+        List with one tensor per variable (None if unconnected), still multiplied by the
+        loss scale.
 
     Raises:
-        ValueError: (template) `tape` is not a `tf.GradientTape`; `loss` is not
-            a scalar float tensor (a Python number or list, which the tape did
-            not record, or a vector loss, which needs a reduction first);
-            `variables` is not a non-empty list or tuple of variables or
-            tensors; `optimizer` is not a `keras.optimizers.Optimizer`.
-            Checked in Python: once per trace inside a `tf.function`.
+        ValueError: (template) `tape` is not a `tf.GradientTape`; `loss` is not a scalar
+            float tensor; `variables` is not a non-empty list or tuple of variables or
+            tensors; `optimizer` is not a `keras.optimizers.Optimizer`. Checked once per
+            trace inside a `tf.function`.
     """
     if not isinstance(tape, tf.GradientTape):
         raise invalid_argument(

@@ -1,17 +1,13 @@
 """Optimizers a custom ``compile`` keeps on the model: wrapped, and safe without loss scaling.
 
 A model may keep optimizers of its own as attributes (the keras.io DCGAN's
-``self.d_optimizer``). tfmp's compile handler calls `adopt`: each optimizer held in an
-attribute when Keras's ``compile`` returns, or stored later (the model's
-``_setattr_hook``, `trainer.SETATTR_HOOK`), is wrapped once in `wrap_optimizer`'s
-`tfmp.LossScaleOptimizer` with the session's options. Kept as they are:
-``model.optimizer`` (the handler wraps it), tfmp optimizers, and optimizers in a list,
-tuple or dict (warned about). Such a ``train_step`` seldom scales its loss: under dynamic
-loss scaling, an ``apply`` in a step (the graph being traced, or since the previous eager
-``apply``: `guard.ScaleLossCalls`) where its ``scale_loss`` did not run takes the
-gradients unscaled, still checked (the ``"gradients"`` guard), and warns once
-(`tfmp.LossScaleWarning`) that float16 gradients below 2**-24 flush to zero, with the
-fix: ``tfmp.scaled_gradients(tape, loss, variables, self.d_optimizer)``.
+``self.d_optimizer``). `adopt` wraps each optimizer held in an attribute after Keras's
+``compile``, or stored later (the model's ``_setattr_hook``, `trainer.SETATTR_HOOK`), once
+in `wrap_optimizer`'s `tfmp.LossScaleOptimizer`. Kept as they are: ``model.optimizer`` (the
+compile handler wraps it), tfmp optimizers, and optimizers in a list, tuple or dict
+(warned about). Such a ``train_step`` seldom scales its loss: under dynamic loss scaling an
+``apply`` in a step where its ``scale_loss`` did not run takes the gradients as given,
+still checked, and warns once (`tfmp.LossScaleWarning`) with the fix.
 """
 
 from __future__ import annotations
@@ -26,8 +22,8 @@ import keras
 from tfmp._src.attachment import record
 from tfmp._src.errors import user_stacklevel
 from tfmp._src.keras_hooks import optimizer_steps, train_function, trainer
-from tfmp._src.keras_hooks.trainer import SETATTR_HOOK
 from tfmp._src.keras_hooks.object_state import PerObject
+from tfmp._src.keras_hooks.trainer import SETATTR_HOOK
 from tfmp._src.loss_scale.guard import LossScaleWarning, ScaleLossCalls
 from tfmp._src.loss_scale.optimizer import LossScaleOptimizer, wrap_optimizer
 
@@ -40,25 +36,25 @@ _STORED = PerObject("custom_optimizers")  # model -> WeakSet of the wrappers sto
 _STUCK = "stuck.custom_optimizers"  # the model's check after each train step
 
 
+def _plain(value: Any) -> bool:
+    return isinstance(value, keras.optimizers.Optimizer) and not isinstance(value, LossScaleOptimizer)
+
+
 def adopt(model: keras.Model, compute_dtype: str, options: Dict[str, Any] | None) -> None:
     """Wraps the optimizers `model` holds in attributes now and those stored on it later.
 
-    Called by tfmp's compile handler after Keras's ``compile`` and after the
-    model is attached; a later compile replaces the hook. The attributes whose
-    optimizer was wrapped are listed in the model's
-    `tfmp.Attachment.custom_optimizers`; `tfmp.detach` takes the hook off (the
-    wrappers stay, as ``model.optimizer`` does).
+    Called by tfmp's compile handler after Keras's ``compile``; a later compile replaces
+    the hook, `tfmp.detach` takes it off (the wrappers stay). The attributes wrapped are
+    listed in `tfmp.Attachment.custom_optimizers`.
 
     Args:
         model: `keras.Model` tfmp just compiled.
         compute_dtype: String. The model's compute dtype, e.g. ``"float16"``.
-        options: Dict of `tfmp.LossScaleOptimizer` keyword options (the
-            session's), or None: the model keeps its optimizers as they are
-            (a float32 model without ``debug`` or ``loss_scale_options``).
+        options: Dict of `tfmp.LossScaleOptimizer` keyword options (the session's), or
+            None: the model keeps its optimizers as they are.
 
     Raises:
-        ValueError: from `wrap_optimizer`, for options it refuses (the session
-            checked them already).
+        ValueError: from `wrap_optimizer`, for options it refuses.
     """
     trainer.SURFACE.unsubscribe(model, SETATTR_HOOK, OWNER)
     if options is None:
@@ -68,7 +64,7 @@ def adopt(model: keras.Model, compute_dtype: str, options: Dict[str, Any] | None
     for name, value in list(vars(model).items()):
         if name == KERAS_ATTRIBUTE:
             continue
-        if isinstance(value, keras.optimizers.Optimizer) and not isinstance(value, LossScaleOptimizer):
+        if _plain(value):
             setattr(model, name, value)  # through the hook, which wraps it
         elif isinstance(value, LossScaleOptimizer) and _ADOPTED.get(value) is not None:
             _record(model, name)  # wrapped at an earlier compile: on the new attachment too
@@ -91,12 +87,13 @@ def _wrap_setattr_hook(model: keras.Model, compute_dtype: str, options: Dict[str
             owner = model_ref()
             if owner is None or name == KERAS_ATTRIBUTE:
                 return name, value
-            if isinstance(value, keras.optimizers.Optimizer) and not isinstance(value, LossScaleOptimizer):
+            if _plain(value):
                 known = wrappers.get(value)
                 value = known if known is not None else _wrapped(owner, name, value, compute_dtype, options)
                 wrappers[value.inner_optimizer] = value
                 _record(owner, name)
-            elif _holds_plain_optimizer(value):
+            elif isinstance(value, (list, tuple, dict)) and any(
+                    map(_plain, value.values() if isinstance(value, dict) else value)):
                 _warn_container(owner, name, compute_dtype)
             return name, value
 
@@ -107,36 +104,24 @@ def _wrap_setattr_hook(model: keras.Model, compute_dtype: str, options: Dict[str
 
 def _wrapped(model: keras.Model, name: str, optimizer: Any, compute_dtype: str,
              options: Dict[str, Any]) -> LossScaleOptimizer:
-    """The `tfmp.LossScaleOptimizer` to store under `name` for a plain `optimizer`."""
+    """The `tfmp.LossScaleOptimizer` to store under `name` for a plain `optimizer`, checked after each fit step."""
     keras_wrapped = vars(model).get(KERAS_ATTRIBUTE)
     if isinstance(keras_wrapped, LossScaleOptimizer) and keras_wrapped.inner_optimizer is optimizer:
         return keras_wrapped  # also passed as compile's `optimizer=`: one wrapper, one scale
     wrapped = wrap_optimizer(optimizer, compute_dtype, **options)
     _ADOPTED[wrapped] = name
-    _check_when_stuck(model, wrapped)
+    if _STORED.get(model) is None:
+        _STORED[model] = weakref.WeakSet()
+    _STORED.get(model).add(wrapped)
+    if not train_function.has_check(model, _STUCK):  # `loops` checks ``model.optimizer`` only
+        train_function.add_check(model, _STUCK, functools.partial(_raise_if_stuck, weakref.ref(model)))
     if wrapped.loss_scaling:
         _apply_unscaled_gradients_as_given(wrapped, model.name, name)
     return wrapped
 
 
-def _check_when_stuck(model: keras.Model, optimizer: LossScaleOptimizer) -> None:
-    """Makes `model.fit` call `optimizer.raise_if_stuck()` after every step.
-
-    `tfmp._src.loss_scale.loops` does so for ``model.optimizer`` only.
-    """
-    stored = _STORED.get(model)
-    if stored is None:
-        stored = _STORED[model] = weakref.WeakSet()
-    stored.add(optimizer)
-    if not train_function.has_check(model, _STUCK):
-        train_function.add_check(model, _STUCK, functools.partial(_raise_if_stuck, weakref.ref(model)))
-
-
 def forget(model: keras.Model) -> None:
-    """Takes the setattr hook, the stuck check and the record of wrappers off `model` (`tfmp.detach`).
-
-    The wrappers stay where they are stored, as ``model.optimizer`` does.
-    """
+    """Takes the setattr hook, the stuck check and the record of wrappers off `model` (`tfmp.detach`)."""
     trainer.SURFACE.unsubscribe(model, SETATTR_HOOK, OWNER)
     train_function.remove_check(model, _STUCK)
     _STORED.pop(model, None)
@@ -148,14 +133,6 @@ def _raise_if_stuck(model_ref: Callable, logs: Any) -> Any:
         if optimizer.built:
             optimizer.raise_if_stuck()
     return logs
-
-
-def _holds_plain_optimizer(value: Any) -> bool:
-    if isinstance(value, dict):
-        value = list(value.values())
-    return isinstance(value, (list, tuple)) and any(
-        isinstance(v, keras.optimizers.Optimizer) and not isinstance(v, LossScaleOptimizer) for v in value
-    )
 
 
 def _warn_container(model: keras.Model, name: str, compute_dtype: str) -> None:
@@ -177,7 +154,7 @@ def _warn_container(model: keras.Model, name: str, compute_dtype: str) -> None:
 def _apply_unscaled_gradients_as_given(optimizer: LossScaleOptimizer, model_name: str, name: str) -> None:
     """Hooks `optimizer`'s ``scale_loss`` and ``apply`` (see the module docstring)."""
     steps = ScaleLossCalls()
-    warned = False  # one LossScaleWarning per optimizer
+    warned = []  # one LossScaleWarning per optimizer
 
     def wrap_scale_loss(scale_loss: Callable) -> Callable:
         @functools.wraps(scale_loss)
@@ -190,11 +167,10 @@ def _apply_unscaled_gradients_as_given(optimizer: LossScaleOptimizer, model_name
     def wrap_apply(apply: Callable) -> Callable:
         @functools.wraps(apply)
         def apply_unscaled_as_given(grads: Any, trainable_variables: Any = None) -> Any:
-            nonlocal warned
             grads = list(grads)
             if not steps.take():
                 if not warned:
-                    warned = True
+                    warned.append(True)
                     _warn_unscaled(optimizer, model_name, name)
                 optimizer._origins.note([], grads)  # as get_unscaled_gradients' tensors: not divided
             return apply(grads, trainable_variables)

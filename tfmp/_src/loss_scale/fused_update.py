@@ -1,18 +1,13 @@
 """Adam's and SGD's updates in one TensorFlow kernel, for the optimizers `tfmp.LossScaleOptimizer` wraps.
 
-Keras 3 updates each variable with a chain of ops, each a pass over its memory;
-TensorFlow's training kernels (``tensorflow/core/kernels/training_ops.cc``, what tf.keras
-2 ran) compute the same formula in one pass: ``ResourceApplyAdam`` for Keras's
-``Adam.update_step`` (Adam, AdamW), ``ResourceApplyGradientDescent`` and
-``ResourceApplyKerasMomentum`` for ``SGD.update_step``. SGD's weights equal Keras's bit
-for bit, but for float32 rounding with ``global_clipnorm``, gradient accumulation or XLA
-(Grappler or XLA reorder Keras's chain); Adam's differ by a few ulps (``1 - beta_1`` in
-the variable's dtype). Used when the wrapper's ``fused_updates`` is on
-(`tfmp._src.policy.speedups`) and `fusable` (Keras's Adam without ``amsgrad``, or SGD,
-no ``update_step`` of the instance's own); per variable, Keras's update for sparse
-gradients, non-float32/64 variables and under ``tf.distribute``. The hook on
-``update_step`` (owner ``"fused_update"``, `tfmp._src.keras_hooks.optimizer_steps`)
-lasts for one ``apply`` call. Measurements: benchmarks/README.md, "Optimizer updates".
+Keras 3 updates each variable with a chain of ops, each a pass over its memory; TensorFlow's
+training kernels (``tensorflow/core/kernels/training_ops.cc``, what tf.keras 2 ran) compute
+the same formula in one pass: ``ResourceApplyAdam`` for Keras's ``Adam.update_step`` (Adam,
+AdamW), ``ResourceApplyGradientDescent`` and ``ResourceApplyKerasMomentum`` for
+``SGD.update_step``. SGD's weights equal Keras's bit for bit, but for float32 rounding with
+``global_clipnorm``, gradient accumulation or XLA; Adam's differ by a few ulps (``1 -
+beta_1`` in the variable's dtype). Keras's update stays for sparse gradients, variables not
+float32/64 and under ``tf.distribute``. Measurements: benchmarks/README.md, "Optimizer updates".
 """
 
 from __future__ import annotations
@@ -42,42 +37,26 @@ def _adam(optimizer: Any, gradient: tf.Tensor, variable: Any, learning_rate: Any
     dtype = variable.dtype
     momentum, velocity = adam_slots(optimizer, variable)
     step = ops.cast(optimizer.iterations + 1, dtype)
-    beta_1 = ops.cast(optimizer.beta_1, dtype)
-    beta_2 = ops.cast(optimizer.beta_2, dtype)
+    beta_1, beta_2 = ops.cast(optimizer.beta_1, dtype), ops.cast(optimizer.beta_2, dtype)
     tf.raw_ops.ResourceApplyAdam(
-        var=_handle(variable),
-        m=_handle(momentum),
-        v=_handle(velocity),
-        beta1_power=ops.power(beta_1, step),
-        beta2_power=ops.power(beta_2, step),
-        lr=ops.cast(learning_rate, dtype),
-        beta1=beta_1,
-        beta2=beta_2,
-        epsilon=ops.cast(optimizer.epsilon, dtype),
-        grad=ops.cast(gradient, dtype),
-        use_locking=False,
-    )
+        var=_handle(variable), m=_handle(momentum), v=_handle(velocity), beta1_power=ops.power(beta_1, step),
+        beta2_power=ops.power(beta_2, step), lr=ops.cast(learning_rate, dtype), beta1=beta_1, beta2=beta_2,
+        epsilon=ops.cast(optimizer.epsilon, dtype), grad=ops.cast(gradient, dtype), use_locking=False)
 
 
 def _sgd(optimizer: Any, gradient: tf.Tensor, variable: Any, learning_rate: Any) -> None:
     """`keras.optimizers.SGD.update_step` on ``ResourceApplyGradientDescent`` (no momentum)
     or ``ResourceApplyKerasMomentum``."""
     dtype = variable.dtype
-    learning_rate = ops.cast(learning_rate, dtype)
-    gradient = ops.cast(gradient, dtype)
+    learning_rate, gradient = ops.cast(learning_rate, dtype), ops.cast(gradient, dtype)
     if optimizer.momentum == 0:
         tf.raw_ops.ResourceApplyGradientDescent(
             var=_handle(variable), alpha=learning_rate, delta=gradient, use_locking=False)
         return
     tf.raw_ops.ResourceApplyKerasMomentum(
-        var=_handle(variable),
-        accum=_handle(sgd_momentum_slot(optimizer, variable)),
-        lr=learning_rate,
-        grad=gradient,
-        momentum=ops.cast(optimizer.momentum, dtype),
-        use_locking=False,
-        use_nesterov=bool(optimizer.nesterov),
-    )
+        var=_handle(variable), accum=_handle(sgd_momentum_slot(optimizer, variable)), lr=learning_rate,
+        grad=gradient, momentum=ops.cast(optimizer.momentum, dtype), use_locking=False,
+        use_nesterov=bool(optimizer.nesterov))
 
 
 #: Keras's update_step -> (its kernel version, whether an optimizer's settings allow it).
@@ -91,30 +70,19 @@ def _kernel_update(optimizer: Any) -> Optional[Callable]:
     """The kernel version of `optimizer`'s ``update_step``, or None (Keras's stays)."""
     if "update_step" in vars(optimizer):
         return None
-    kernel_update, allowed = _KERNEL_UPDATES.get(getattr(type(optimizer), "update_step", None),
-                                                 (None, None))
+    kernel_update, allowed = _KERNEL_UPDATES.get(getattr(type(optimizer), "update_step", None), (None, None))
     return kernel_update if kernel_update is not None and allowed(optimizer) else None
 
 
 def fusable(optimizer: Any) -> bool:
-    """Whether `optimizer`'s updates can run on a fused kernel.
-
-    Args:
-        optimizer: A Keras optimizer (the inner optimizer of a
-            `tfmp.LossScaleOptimizer`).
-
-    Returns:
-        Bool. True for an optimizer whose class keeps ``keras.optimizers.Adam``'s
-        ``update_step`` with ``amsgrad`` off, or ``keras.optimizers.SGD``'s, and
-        that has no instance-level ``update_step``.
-    """
+    """Bool: True for a Keras optimizer whose class keeps ``keras.optimizers.Adam``'s ``update_step``
+    with ``amsgrad`` off, or ``keras.optimizers.SGD``'s, and that has no instance-level ``update_step``."""
     return _kernel_update(optimizer) is not None
 
 
 def _fused_update_step(optimizer: Any, kernel_update: Callable, keras_update: Callable,
                        gradient: Any, variable: Any, learning_rate: Any) -> None:
-    """``kernel_update`` where it applies, else ``keras_update`` (the update below the hook:
-    Keras's own)."""
+    """``kernel_update`` where it applies, else ``keras_update`` (Keras's own, below the hook)."""
     if (isinstance(gradient, tf.IndexedSlices) or variable.dtype not in FUSED_DTYPES
             or tf.distribute.has_strategy() or availability.off("fused_update")):
         keras_update(gradient, variable, learning_rate)
@@ -128,17 +96,8 @@ def _fused_update_step(optimizer: Any, kernel_update: Callable, keras_update: Ca
 
 @contextlib.contextmanager
 def fused_updates(optimizer: Any) -> Iterator[None]:
-    """Within the block, `optimizer`'s ``update_step`` runs on a fused kernel (if `fusable`).
-
-    The switch is a hook on this optimizer's ``update_step`` (owner
-    ``"fused_update"``, `tfmp._src.keras_hooks.optimizer_steps`), taken off on leaving.
-
-    Args:
-        optimizer: A Keras optimizer.
-
-    Yields:
-        None. On leaving, the optimizer's own ``update_step`` is back.
-    """
+    """Within the block, the Keras `optimizer`'s ``update_step`` runs on a fused kernel (if `fusable`):
+    a hook (owner ``"fused_update"``, `keras_hooks.optimizer_steps`) taken off on leaving."""
     kernel_update = _kernel_update(optimizer)
     if kernel_update is None or availability.off("fused_update"):
         yield

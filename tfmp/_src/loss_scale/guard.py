@@ -1,17 +1,12 @@
 """What `tfmp.LossScaleOptimizer` checks before applying a step, and whether the loss was scaled.
 
-Guards (the `guard` argument); a step whose check fails is skipped and counted.
-``"batch"`` (no loss scaling): the loss and every gradient finite on every replica, and
-the float tensors of the batch `fit` hands to ``train_step`` checked as the step starts
-(`tfmp._src.loss_scale.batch_check`), to name a skip's cause (`last_loss_status`).
-``"loss"`` (no loss scaling): the loss alone, so no update waits for the backward pass.
-``"gradients"``: every gradient finite, what dynamic loss scaling needs. ``"values"``:
-the above, then every value the step writes into a trainable variable or the inner
-optimizer's variables finite, else all put back (not under ``tf.distribute``).
-``"auto"``: ``"gradients"`` with loss scaling, ``"batch"`` without. An `apply` with no
-`scale_loss` call recorded for its step (`StepRecord`: a custom loop) gets the gradients
-check. `warn_if_unscaled` warns once (`LossScaleWarning`) when gradients reach a
-dynamic-scale optimizer whose `scale_loss` never ran. Costs: ``benchmarks/guard_cost.py``.
+Guards (the `guard` argument): ``"batch"`` (no loss scaling: the loss and every gradient
+finite on every replica, the train step's batch checked to name a skip's cause),
+``"loss"`` (no loss scaling: the loss alone, so no update waits for the backward pass),
+``"gradients"`` (what dynamic loss scaling needs), ``"values"`` (then every value the step
+writes finite, else all put back), ``"auto"`` (``"gradients"`` with loss scaling,
+``"batch"`` without). An `apply` with no `scale_loss` recorded for its step (`StepRecord`:
+a custom loop) gets the gradients check. Costs: ``benchmarks/guard_cost.py``.
 """
 
 from __future__ import annotations
@@ -29,6 +24,12 @@ from tfmp._src.errors import invalid_argument, user_stacklevel
 GUARDS = ("auto", "batch", "loss", "gradients", "values")
 #: Guards that check the loss (and the batch) instead of the gradients: only without loss scaling.
 LOSS_GUARDS = ("batch", "loss")
+#: How many ops back from a gradient `GradientOrigins` looks for one `get_unscaled_gradients` saw.
+ORIGIN_SEARCH_DEPTH = 8
+#: Name scopes of TensorFlow's clipping functions, as their ops are named in a graph.
+CLIP_SCOPES = ("clip_by_global_norm", "clip_by_norm", "clip_by_value")
+#: How many ops back from a gradient `clipped_while_scaled` looks.
+CLIP_SEARCH_DEPTH = 4
 
 
 class LossScaleWarning(UserWarning):
@@ -45,13 +46,7 @@ class LossScaleWarning(UserWarning):
 
 
 def check_guard(guard: Any, loss_scaling: bool) -> None:
-    """Validates the `guard` argument against `loss_scaling`.
-
-    Raises:
-        ValueError: In the project's template, for an unknown guard, or
-            ``"batch"`` / ``"loss"`` together with loss scaling (an overflow shows up only in the
-            gradients).
-    """
+    """Raises ValueError (template) for an unknown guard, or ``"batch"`` / ``"loss"`` with loss scaling."""
     if guard not in GUARDS:
         raise invalid_argument("guard", guard, "one of " + ", ".join(map(repr, GUARDS)), choices=GUARDS,
                                fix="Pass e.g. guard='auto' (the default: 'gradients' with loss scaling, "
@@ -64,11 +59,24 @@ def check_guard(guard: Any, loss_scaling: bool) -> None:
         )
 
 
+def resolve(guard: str, loss_scaling: bool) -> str:
+    """String, ``"batch"``, ``"loss"``, ``"gradients"`` or ``"values"``: what a `guard` value stands for."""
+    if guard == "auto":
+        return "gradients" if loss_scaling else "batch"
+    return guard
+
+
+def first_check(guard: str, loss_scaling: bool) -> str:
+    """String, ``"batch"``, ``"loss"`` or ``"gradients"``: the check made before the update."""
+    resolved = resolve(guard, loss_scaling)
+    return resolve("auto", loss_scaling) if resolved == "values" else resolved
+
+
 def graph_lineage() -> list:
     """The graph being traced and every graph enclosing it, innermost first ([] when eager).
 
-    "This step" for a `tf.function` step: `scale_loss` may run in the train
-    function's graph and `apply` in a `cond` branch or a nested function inside it.
+    "This step" for a `tf.function` step: `scale_loss` may run in the train function's
+    graph and `apply` in a `cond` branch or a nested function inside it.
     """
     if tf.executing_eagerly():
         return []
@@ -79,46 +87,22 @@ def graph_lineage() -> list:
     return lineage
 
 
-def resolve(guard: str, loss_scaling: bool) -> str:
-    """String, ``"batch"``, ``"loss"``, ``"gradients"`` or ``"values"``: what a `guard` value stands for."""
-    if guard == "auto":
-        return "gradients" if loss_scaling else "batch"
-    return guard
-
-
-def first_check(guard: str, loss_scaling: bool) -> str:
-    """String, ``"batch"``, ``"loss"`` or ``"gradients"``: the check made before the update.
-
-    ``"values"`` checks the batch (or, with loss scaling, the gradients) first and
-    the written values after.
-    """
-    resolved = resolve(guard, loss_scaling)
-    if resolved == "values":
-        return "gradients" if loss_scaling else "batch"
-    return resolved
-
-
 class ScaleLossCalls:
-    """Whether `scale_loss` ran on one optimizer in the step now traced or run.
-
-    A `tf.function` step is traced once, so for a traced step this means "in the
-    graph now being traced, or one enclosing it" (a set of graphs, held weakly);
-    for an eager step, "since the previous `take`" (a flag).
-    """
+    """Whether a call was noted in the step now traced (this graph or one enclosing it, held
+    weakly) or, for an eager step, since the previous `take`."""
 
     def __init__(self) -> None:
         self._graphs: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._eager = False
 
     def note(self) -> None:
-        """Called by `scale_loss`."""
         if tf.executing_eagerly():
             self._eager = True
         else:
             self._graphs.add(tf.compat.v1.get_default_graph())
 
     def take(self) -> bool:
-        """Bool. Called by `apply`: whether `note` was called in this step (eager: clears it)."""
+        """Bool: whether `note` was called in this step (eager: clears it)."""
         if tf.executing_eagerly():
             noted, self._eager = self._eager, False
             return noted
@@ -126,38 +110,28 @@ class ScaleLossCalls:
 
 
 class StepRecord:
-    """Python-side record of `scale_loss` calls on one optimizer (nothing runs per step).
-
-    A `tf.function` step is traced once: `scale_loss` and `apply` of Keras's
-    `train_step` both run while its graph is traced, so "the loss was recorded in
-    this step" means "in the graph now being traced, or one enclosing it". An
-    eager step means "since the previous eager `apply`" (with one replica; under
-    several replicas eager steps get the gradients check).
+    """Python-side record of one optimizer's steps (nothing runs per step).
 
     Attributes:
+        unscaled: `ScaleLossCalls` of `get_unscaled_gradients`.
         ever: Bool. `scale_loss` ran on this optimizer at least once.
         warned: Bool. `warn_if_unscaled` has warned for this optimizer.
     """
 
     def __init__(self) -> None:
-        self._scaled = ScaleLossCalls()
-        self._unscaled = ScaleLossCalls()  # get_unscaled_gradients calls, the same way
-        self._batch = threading.local()  # .noted: (graph or None when eager, status tensor)
+        self._scaled = ScaleLossCalls()  # scale_loss calls that recorded the loss's status
+        self.unscaled = ScaleLossCalls()
+        self._batch = threading.local()  # .noted: (graph or None when eager, status), per replica thread
         self.ever = False
         self.warned = False
 
     def note_batch(self, status: Any) -> None:
-        """Called as a train step starts: `status` is the batch's bits (scalar int64 tensor).
-
-        Kept per thread (a `tf.distribute` strategy traces each replica in its
-        own thread) and per graph, for the `scale_loss` of the same step.
-        """
+        """As a train step starts: `status` is the batch's (nan, inf) scalar bool tensors."""
         self._batch.noted = (None if tf.executing_eagerly() else tf.compat.v1.get_default_graph(), status)
 
     def take_batch_status(self) -> Any:
         """The status `note_batch` kept for this step (its graph or one enclosing it), else None."""
-        noted = getattr(self._batch, "noted", None)
-        self._batch.noted = None
+        noted, self._batch.noted = getattr(self._batch, "noted", None), None
         if noted is None:
             return None
         graph, status = noted
@@ -171,16 +145,8 @@ class StepRecord:
         if loss_recorded:
             self._scaled.note()
 
-    def note_unscaled(self) -> None:
-        """Called by `get_unscaled_gradients`: this step's gradients were divided by the scale."""
-        self._unscaled.note()
-
-    def take_unscaled(self) -> bool:
-        """Bool. Called by `apply`: whether `get_unscaled_gradients` ran in this step."""
-        return self._unscaled.take()
-
     def take_loss_recorded(self) -> bool:
-        """Bool. Called by `apply`: whether this step's loss status was recorded."""
+        """Bool. Called by `apply`: whether this step's loss status was recorded (eager: with one replica)."""
         recorded = self._scaled.take()
         if tf.executing_eagerly():
             context = tf.distribute.get_replica_context()  # None in a cross-replica context
@@ -188,18 +154,13 @@ class StepRecord:
         return recorded
 
 
-#: How many ops back from a gradient `GradientOrigins` looks for one `get_unscaled_gradients` saw.
-ORIGIN_SEARCH_DEPTH = 8
-
-
 class GradientOrigins:
     """Which gradients `get_unscaled_gradients` took (scaled) and handed back (unscaled).
 
-    `apply` divides a gradient by the loss scale unless it descends from one
-    handed back: the very tensor, or, in a traced step, a tensor up to
-    `ORIGIN_SEARCH_DEPTH` ops below one (a ``tf.identity``, a cast, clipping).
-    A tensor found nowhere (an eager step's result of an op) counts as unscaled
-    when `get_unscaled_gradients` ran in the same step, as in tf.keras 2 code.
+    `apply` divides a gradient by the loss scale unless it descends from one handed back:
+    the very tensor or, traced, a tensor up to `ORIGIN_SEARCH_DEPTH` ops below one (a cast,
+    clipping). A tensor found nowhere counts as unscaled when `get_unscaled_gradients` ran
+    in the same step, as in tf.keras 2 code.
     """
 
     def __init__(self) -> None:
@@ -241,19 +202,9 @@ class GradientOrigins:
         return unscaled_in_step
 
 
-#: Name scopes of TensorFlow's clipping functions, as their ops are named in a graph.
-CLIP_SCOPES = ("clip_by_global_norm", "clip_by_norm", "clip_by_value")
-#: How many ops back from a gradient `clipped_while_scaled` looks.
-CLIP_SEARCH_DEPTH = 4
-
-
 def clipped_while_scaled(grads: list) -> str:
-    """The clipping op one of `grads` went through, in a traced step, or ``""``.
-
-    Looks up to `CLIP_SEARCH_DEPTH` ops back from each gradient in the graph now
-    traced for an op of TensorFlow's clipping functions (`CLIP_SCOPES`, or the
-    ``ClipByValue`` kernel). An eager step has no graph to read: ``""``.
-    """
+    """The name of a clipping op (`CLIP_SCOPES` or ``ClipByValue``) up to `CLIP_SEARCH_DEPTH` ops
+    back from one of `grads` in the graph now traced, or ``""`` (always when eager)."""
     if tf.executing_eagerly():
         return ""
     seen, frontier = set(), [g.op for g in grads if g is not None and hasattr(g, "op")]
@@ -263,8 +214,7 @@ def clipped_while_scaled(grads: list) -> str:
             if op.name in seen:
                 continue
             seen.add(op.name)
-            scopes = op.name.split("/")
-            if op.type == "ClipByValue" or any(part.startswith(CLIP_SCOPES) for part in scopes):
+            if op.type == "ClipByValue" or any(part.startswith(CLIP_SCOPES) for part in op.name.split("/")):
                 return op.name
             following += [tensor.op for tensor in op.inputs]
         frontier = following
@@ -273,18 +223,13 @@ def clipped_while_scaled(grads: list) -> str:
 
 @tf.autograph.experimental.do_not_convert  # Python run once per trace, never graph code
 def refuse_clipped_scaled(optimizer: Any, grads: list) -> None:
-    """Refuses gradients clipped while still multiplied by the loss scale (dynamic loss scaling only).
-
-    Clipping a scaled gradient to a norm of, say, 1.0 and then dividing it by
-    the scale (32768 at first) leaves an update about 1/32768 of the intended one,
-    silently.
+    """Refuses gradients clipped while still multiplied by the loss scale (dynamic loss scaling only):
+    the update would silently be about 1/scale of the intended one.
 
     Raises:
         ValueError: (template, naming `grads`) with the clipping op and the fix.
     """
-    if not optimizer.loss_scaling:
-        return
-    clip = clipped_while_scaled(grads)
+    clip = clipped_while_scaled(grads) if optimizer.loss_scaling else ""
     if clip:
         raise invalid_argument(
             "grads", f"gradients clipped by the op {clip} while multiplied by the loss scale",
@@ -295,19 +240,12 @@ def refuse_clipped_scaled(optimizer: Any, grads: list) -> None:
 
 
 def warn_if_unscaled(optimizer: Any, record: StepRecord, from_unscale: bool) -> None:
-    """Warns once per optimizer when dynamic loss scaling meets gradients of an unscaled loss.
+    """Warns (`LossScaleWarning`) once per dynamic-scale optimizer that never scaled a loss when
+    gradients reach it, unless they came from `get_unscaled_gradients` (`from_unscale`).
 
-    Silent when the optimizer does not scale (`loss_scaling=False`), when the
-    gradients came from `get_unscaled_gradients` (`from_unscale`), or once
-    `scale_loss` has run on the optimizer, in any step or function: gradients
-    computed in one `tf.function` and applied in another cannot be told apart,
-    so only an optimizer that never scaled a loss is reported. Its gradients
-    are divided by the scale all the same: Keras's `LossScaleOptimizer.apply`
-    does so, and code written for it (a loss multiplied by the scale by hand)
-    must train the same.
-
-    Warns:
-        tfmp.LossScaleWarning: naming the factor and the fix.
+    Gradients made in one `tf.function` and applied in another cannot be told apart, so only
+    an optimizer that never scaled is reported; they are divided by the scale all the same,
+    as Keras's `LossScaleOptimizer.apply` does.
     """
     if not optimizer.loss_scaling or from_unscale or record.ever or record.warned:
         return

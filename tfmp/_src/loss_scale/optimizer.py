@@ -322,7 +322,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         scale = self.dynamic_scale if self.built else self.initial_scale
         unscaled = [None if g is None else ops.divide(g, ops.cast(scale, g.dtype)) for g in grads]
         self._origins.note(list(grads), unscaled)
-        self._steps.note_unscaled()
+        self._steps.unscaled.note()
         return unscaled
 
     def apply(self, grads: list, trainable_variables: list | None = None) -> None:
@@ -341,7 +341,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         _distribute.check_not_xla_replicated()
         grads = list(grads)
         loss_recorded = self._steps.take_loss_recorded()
-        already = self._origins.already_unscaled(grads, self._steps.take_unscaled())
+        already = self._origins.already_unscaled(grads, self._steps.unscaled.take())
         _guard.refuse_clipped_scaled(self, [g for g, done in zip(grads, already) if not done])
         _guard.warn_if_unscaled(self, self._steps, any(already))
         first = _guard.first_check(self.guard, self.loss_scaling)

@@ -1,16 +1,13 @@
 """The arguments of `tfmp.LossScaleOptimizer` and `tfmp.scaled_gradients`, checked up front.
 
-Each check raises the project's template error (`tfmp._src.errors`) naming the
-argument, at the public call: never inside a traced training step, so a step
-costs nothing more. `scaled_gradients` runs its checks once per trace when its
-step is a `tf.function`.
+Each check raises the project's template error (`tfmp._src.errors`) naming the argument, at
+the public call, never inside a traced step (`scaled_gradients`: once per trace).
 """
 
 from __future__ import annotations
 
 import inspect
-
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import keras
 import tensorflow as tf
@@ -53,34 +50,13 @@ def _bounds_fix(initial_scale: float, min_scale: float, max_scale: float, loss_s
     return f"Pass e.g. {', '.join(passed)} with max_scale={max_scale!r}."
 
 
-def check_arguments(
-    inner_optimizer: Any, initial_scale: Any, dynamic_growth_steps: Any, *, min_scale: Any,
-    max_scale: Any, hysteresis: Any, max_consecutive_overflows: Any, on_stuck: Any,
-    loss_scaling: Any, guard: Any, name: Any, kwargs: Dict[str, Any],
-) -> None:
-    """Checks every argument of `tfmp.LossScaleOptimizer` (see its docstring).
+def check_arguments(inner_optimizer: Any, initial_scale: Any, dynamic_growth_steps: Any, **settings: Any) -> None:
+    """Checks every argument of `tfmp.LossScaleOptimizer` (`check_settings`, and `inner_optimizer`).
 
     Raises:
-        ValueError: (template, naming the argument) `inner_optimizer` is not a
-            Keras optimizer, or is a loss-scale optimizer itself; a scale not a
-            finite number > 0, `min_scale` > `max_scale`, `initial_scale`
-            outside [`min_scale`, `max_scale`] with loss scaling; a count not an
-            int >= 1; `on_stuck` or `guard` not one of their choices;
-            `loss_scaling` not a bool; `name` neither None nor a non-empty
-            string without ``/``; a keyword argument it does not take (named by
-            itself), ``dynamic=False``, or a base optimizer setting (e.g.
-            ``clipnorm``) away from its default (it belongs on the inner optimizer).
+        ValueError: (template) `inner_optimizer` is not a Keras optimizer, or is a
+            loss-scale optimizer itself; or as `check_settings`.
     """
-    check_inner_optimizer(inner_optimizer)
-    check_settings(
-        initial_scale, dynamic_growth_steps, min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis,
-        max_consecutive_overflows=max_consecutive_overflows, on_stuck=on_stuck, loss_scaling=loss_scaling,
-        guard=guard, name=name, kwargs=kwargs, inner_optimizer=inner_optimizer,
-    )
-
-
-def check_inner_optimizer(inner_optimizer: Any) -> None:
-    """Raises the template error unless `inner_optimizer` is a Keras optimizer that does not scale the loss."""
     if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
         raise invalid_argument(
             "inner_optimizer", inner_optimizer,
@@ -93,6 +69,7 @@ def check_inner_optimizer(inner_optimizer: Any) -> None:
             "inner_optimizer", inner_optimizer, "a keras.optimizers.Optimizer instance",
             "Pass an optimizer instance, e.g. tfmp.LossScaleOptimizer(keras.optimizers.get('adam')).",
         )
+    check_settings(initial_scale, dynamic_growth_steps, inner_optimizer=inner_optimizer, **settings)
 
 
 def check_settings(
@@ -100,31 +77,29 @@ def check_settings(
     max_consecutive_overflows: Any, on_stuck: Any, loss_scaling: Any, guard: Any, name: Any,
     kwargs: Dict[str, Any], inner_optimizer: Any = None,
 ) -> None:
-    """Checks every argument of `tfmp.LossScaleOptimizer` but the inner optimizer.
-
-    Creates no variable and runs no TensorFlow op, so `tfmp.enable()` can check
-    its ``loss_scale_options`` before a multi-worker strategy configures the
-    runtime. `inner_optimizer` (or None) only names an unknown argument's owner.
+    """Checks every argument of `tfmp.LossScaleOptimizer` but the inner optimizer (which, or None,
+    only names an unknown argument's owner). Creates no variable and runs no TensorFlow op.
 
     Raises:
-        ValueError: as `check_arguments`, for every argument but `inner_optimizer`.
+        ValueError: (template, naming the argument) a scale not a finite number > 0,
+            `min_scale` > `max_scale`, `initial_scale` outside [`min_scale`, `max_scale`]
+            with loss scaling; a count not an int >= 1; `on_stuck` or `guard` not one of
+            their choices; `loss_scaling` not a bool; `name` neither None nor a non-empty
+            string without ``/``; an unknown keyword argument, ``dynamic=False``, or a base
+            optimizer setting (e.g. ``clipnorm``) away from its default.
     """
     for arg, value in (("initial_scale", initial_scale), ("min_scale", min_scale), ("max_scale", max_scale)):
         check_positive_number(arg, value, fix=f"Pass e.g. {arg}={_DEFAULTS[arg]} (the default).")
-    for arg, value in (
-        ("dynamic_growth_steps", dynamic_growth_steps),
-        ("hysteresis", hysteresis),
-        ("max_consecutive_overflows", max_consecutive_overflows),
-    ):
+    for arg, value in (("dynamic_growth_steps", dynamic_growth_steps), ("hysteresis", hysteresis),
+                       ("max_consecutive_overflows", max_consecutive_overflows)):
         check_positive_int(arg, value, fix=f"Pass e.g. {arg}={_DEFAULTS[arg]} (the default).")
     if min_scale > max_scale:
         # Name the bound the user set: max_scale alone below the default min_scale blames max_scale.
-        name, value, expected = (
+        bound, value, expected = (
             ("max_scale", max_scale, f"a value >= min_scale={min_scale!r}")
             if min_scale == DEFAULT_MIN_SCALE else
             ("min_scale", min_scale, f"a value <= max_scale={max_scale!r}"))
-        raise invalid_argument(name, value, expected,
-                               fix=_bounds_fix(initial_scale, min_scale, max_scale, loss_scaling))
+        raise invalid_argument(bound, value, expected, fix=_bounds_fix(initial_scale, min_scale, max_scale, loss_scaling))
     if loss_scaling and not min_scale <= initial_scale <= max_scale:
         raise invalid_argument(
             "initial_scale", initial_scale,
@@ -137,15 +112,10 @@ def check_settings(
                                fix="Pass on_stuck='raise' (stop the run, the default) or on_stuck='warn'.")
     check_bool("loss_scaling", loss_scaling)
     _guard.check_guard(guard, loss_scaling)
-    check_name(name)
-    check_keras_kwargs(kwargs, inner_optimizer)
-
-
-def check_name(name: Any) -> None:
-    """Raises the template error unless `name` is None or a non-empty string without ``/``."""
     if name is not None and not (isinstance(name, str) and name and "/" not in name):
         raise invalid_argument("name", name, "None or a non-empty string without '/'",
                                fix="Pass e.g. name='loss_scale_optimizer'.")
+    _check_keras_kwargs(kwargs, inner_optimizer)
 
 
 def _unknown_argument_fix(key: str, inner: Any) -> str:
@@ -157,14 +127,9 @@ def _unknown_argument_fix(key: str, inner: Any) -> str:
     return unknown_fix(f"Unknown argument {key!r}.", key, _ARGUMENTS)
 
 
-def check_keras_kwargs(kwargs: Dict[str, Any], inner: Any = None) -> None:
-    """Accepts only Keras's backwards-compatibility keyword arguments, at their defaults.
-
-    Raises:
-        ValueError: (template) an unknown keyword (the message names every unknown
-            one, each with its likeliest spelling), or a compatibility keyword
-            away from its default.
-    """
+def _check_keras_kwargs(kwargs: Dict[str, Any], inner: Any) -> None:
+    """Accepts only Keras's backwards-compatibility keyword arguments, at their defaults (the
+    message names every unknown one, each with its likeliest spelling)."""
     unknown = [key for key in kwargs if key != "dynamic" and key not in KERAS_COMPAT_DEFAULTS]
     if unknown:
         raise invalid_argument(
@@ -173,41 +138,33 @@ def check_keras_kwargs(kwargs: Dict[str, Any], inner: Any = None) -> None:
             fix=" ".join(_unknown_argument_fix(key, inner) for key in unknown),
         )
     for key, value in kwargs.items():
-        if key == "dynamic":
-            if value is not True:
-                raise invalid_argument(
-                    "dynamic", value, "True (Keras's old flag; the scale is always dynamic)",
-                    fix="For a fixed scale of 1.0 pass loss_scaling=False, or set `loss_scale_factor` on "
-                    "the `inner_optimizer` and use it without the wrapper.",
-                )
-        else:
-            default = KERAS_COMPAT_DEFAULTS[key]
-            if value is not default and value != default:
-                raise invalid_argument(
-                    key, value, f"{default!r} (the base optimizer's default) on the wrapper",
-                    fix=f"Set `{key}` on the `inner_optimizer` instead, e.g. keras.optimizers.SGD({key}=...).",
-                )
-
-
-def _is_float_tensor(value: Any) -> bool:
-    return (tf.is_tensor(value) or isinstance(value, (tf.Variable, keras.Variable))) and \
-        tf.as_dtype(value.dtype).is_floating
+        if key == "dynamic" and value is not True:
+            raise invalid_argument(
+                "dynamic", value, "True (Keras's old flag; the scale is always dynamic)",
+                fix="For a fixed scale of 1.0 pass loss_scaling=False, or set `loss_scale_factor` on "
+                "the `inner_optimizer` and use it without the wrapper.",
+            )
+        default = KERAS_COMPAT_DEFAULTS.get(key)
+        if key != "dynamic" and value is not default and value != default:
+            raise invalid_argument(
+                key, value, f"{default!r} (the base optimizer's default) on the wrapper",
+                fix=f"Set `{key}` on the `inner_optimizer` instead, e.g. keras.optimizers.SGD({key}=...).",
+            )
 
 
 def check_gradient_arguments(loss: Any, variables: Any, optimizer: Any) -> list:
-    """Checks `tfmp.scaled_gradients`'s `loss`, `variables` and `optimizer`.
-
-    Returns:
-        List of the variables.
+    """Checks `tfmp.scaled_gradients`'s `loss`, `variables` and `optimizer`; returns the variables as a list.
 
     Raises:
-        ValueError: (template) `loss` is not a scalar float tensor (a Python
-            number or list was not recorded by the tape; a vector loss needs a
-            reduction first); `variables` is not a non-empty list or tuple of
-            variables or tensors; `optimizer` is not a Keras optimizer.
+        ValueError: (template) `loss` is not a scalar float tensor (a Python number or list
+            was not recorded by the tape; a vector loss needs a reduction first);
+            `variables` is not a non-empty list or tuple of variables or tensors;
+            `optimizer` is not a Keras optimizer.
     """
-    rank: Optional[int] = loss.shape.rank if tf.is_tensor(loss) else None
-    if not _is_float_tensor(loss) or rank not in (0, None):
+    rank = loss.shape.rank if tf.is_tensor(loss) else None
+    floating = (tf.is_tensor(loss) or isinstance(loss, (tf.Variable, keras.Variable))) and \
+        tf.as_dtype(loss.dtype).is_floating
+    if not floating or rank not in (0, None):
         raise invalid_argument(
             "loss", loss, "a scalar float tensor computed inside the tape",
             fix="Compute the loss inside `with tf.GradientTape() as tape:` and reduce it to a "

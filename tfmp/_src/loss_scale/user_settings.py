@@ -1,16 +1,11 @@
-"""Loss-scaling settings a user gave that tfmp changes or does not use: said, once.
+"""Loss-scaling settings a user gave that tfmp changes or does not use: said once (`tfmp.LossScaleWarning`).
 
-Two cases, each a `tfmp.LossScaleWarning` naming what changed and the fix:
-
-- a Keras `keras.optimizers.LossScaleOptimizer` handed to ``compile()`` while
-  tfmp is enabled becomes a `tfmp.LossScaleOptimizer` around the same inner
-  optimizer, keeping its ``initial_scale`` and ``dynamic_growth_steps`` (Keras's
-  own checks each replica's gradients apart under `tf.distribute`; see README,
-  "Distributed training"); warned once per Keras optimizer;
-- settings that only matter with loss scaling (``initial_scale``,
-  ``dynamic_growth_steps``, ``min_scale``, ``max_scale``, ``hysteresis``), given
-  for a model that computes in bfloat16 or float32, where tfmp fixes the scale
-  at 1.0 unless ``loss_scaling=True`` is asked for.
+A Keras `keras.optimizers.LossScaleOptimizer` given to ``compile()`` under tfmp becomes a
+`tfmp.LossScaleOptimizer` around the same inner optimizer, keeping its ``initial_scale`` and
+``dynamic_growth_steps`` (Keras's own checks each replica's gradients apart under
+`tf.distribute`; README, "Distributed training"); and scaling settings given for a model
+that computes in bfloat16 or float32 are unused: the scale stays 1.0 unless
+``loss_scaling=True`` is asked for.
 """
 
 from __future__ import annotations
@@ -48,27 +43,15 @@ def keras_settings(optimizer: keras.optimizers.LossScaleOptimizer) -> Dict[str, 
             "dynamic_growth_steps": int(optimizer.dynamic_growth_steps)}
 
 
-def take_keras_settings(
-    optimizer: keras.optimizers.LossScaleOptimizer,
-    options: Mapping[str, Any],
-    default_bounds: Mapping[str, float],
-) -> Dict[str, Any]:
-    """The options of the `tfmp.LossScaleOptimizer` that replaces `optimizer`.
+def take_keras_settings(optimizer: keras.optimizers.LossScaleOptimizer, options: Mapping[str, Any],
+                        default_bounds: Mapping[str, float]) -> Dict[str, Any]:
+    """Dict: the options of the `tfmp.LossScaleOptimizer` replacing `optimizer`.
 
-    Args:
-        optimizer: The Keras `LossScaleOptimizer` the user gave.
-        options: Dict. `tfmp.LossScaleOptimizer` options already chosen (they win).
-        default_bounds: Dict. The defaults of ``min_scale`` and ``max_scale``.
-
-    Returns:
-        Dict: `options`, plus the Keras optimizer's `KERAS_SETTINGS` for the keys
-        they leave out, and, when its ``initial_scale`` lies outside the default
-        bounds (Keras has none, e.g. ``2.0**30``), the bound it passes set to it,
-        so that the user's scale is kept instead of refused.
+    `options` win; the Keras optimizer's `KERAS_SETTINGS` fill the keys they leave out, and
+    an ``initial_scale`` outside `default_bounds` (``min_scale``, ``max_scale``; Keras has
+    none) sets the bound it passes, so the user's scale is kept instead of refused.
     """
-    chosen = dict(options)
-    for key, value in keras_settings(optimizer).items():
-        chosen.setdefault(key, value)
+    chosen = {**keras_settings(optimizer), **options}
     initial = chosen["initial_scale"]
     if "max_scale" not in chosen and initial > default_bounds["max_scale"]:
         chosen["max_scale"] = initial
@@ -77,25 +60,14 @@ def take_keras_settings(
     return chosen
 
 
-def warn_keras_optimizer_replaced(
-    optimizer: keras.optimizers.LossScaleOptimizer,
-    options: Mapping[str, Any],
-    compute_dtype: str,
-) -> None:
-    """Warns once per `optimizer` that tfmp's wrapper takes the place of Keras's.
-
-    Args:
-        optimizer: The Keras `LossScaleOptimizer` the user gave.
-        options: Dict. The options the replacement is built with (the session's
-            `loss_scale_options`, then the Keras optimizer's settings for the
-            keys they leave out, and ``loss_scaling``).
-        compute_dtype: String. The model's compute dtype.
+def warn_keras_optimizer_replaced(optimizer: keras.optimizers.LossScaleOptimizer, options: Mapping[str, Any],
+                                  compute_dtype: str) -> None:
+    """Warns once per Keras `optimizer` that tfmp's wrapper, built with `options`, takes its place.
 
     Warns:
-        tfmp.LossScaleWarning: naming the Keras optimizer's settings, what the
-            replacement uses instead when it differs (a fixed scale of 1.0 without
-            loss scaling, or `loss_scale_options` that set the same keys), and how
-            to keep Keras's optimizer (compile after `tfmp.disable()`).
+        tfmp.LossScaleWarning: naming the Keras optimizer's settings, what the replacement
+            uses instead (a fixed scale of 1.0 without loss scaling, or `loss_scale_options`
+            that set the same keys), and how to keep Keras's (compile after `tfmp.disable()`).
     """
     if optimizer in _warned_keras_optimizers:
         return
@@ -123,24 +95,15 @@ def warn_keras_optimizer_replaced(
 
 
 def warn_unused_scaling_options(options: Mapping[str, Any], policy: str, compute_dtype: str) -> None:
-    """Warns when `loss_scale_options` set scaling settings that a fixed scale of 1.0 ignores.
-
-    Args:
-        options: Dict. The `loss_scale_options` given to `tfmp.enable`.
-        policy: String. The policy `tfmp.enable` put in force, for the message.
-        compute_dtype: String. Its compute dtype; only ``"float16"`` scales by default.
+    """Warns when `tfmp.enable`'s `loss_scale_options` set `SCALING_SETTINGS` that a fixed scale ignores.
 
     Warns:
         tfmp.LossScaleWarning: `options` hold any of `SCALING_SETTINGS` without a
-            ``loss_scaling`` key while `compute_dtype` is not float16: they are
-            kept in the optimizer's config but the scale stays 1.0. An explicit
-            ``loss_scaling`` (True: scale anyway; False: fixed scale) is the fix
-            and silences it.
+            ``loss_scaling`` key while `compute_dtype` is not float16 (`policy` is named).
+            An explicit ``loss_scaling`` is the fix and silences it.
     """
-    if compute_dtype == "float16" or "loss_scaling" in options:
-        return
     given = {key: options[key] for key in SCALING_SETTINGS if key in options}
-    if not given:
+    if compute_dtype == "float16" or "loss_scaling" in options or not given:
         return
     warnings.warn(
         f"tfmp.enable(loss_scale_options=...) sets {_listed(given)}, but under the policy "

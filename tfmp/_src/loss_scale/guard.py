@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import warnings
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 import tensorflow as tf
 
@@ -188,18 +188,23 @@ class GradientOrigins:
             if tensors.get(id(grad)) is grad:
                 return unscaled
         names = self._graphs.get(getattr(grad, "graph", None)) if not tf.executing_eagerly() else None
-        if names:
-            frontier, seen = [grad], set()
-            for _ in range(ORIGIN_SEARCH_DEPTH):
-                following = []
-                for tensor in frontier:
-                    if tensor.name in names:
-                        return names[tensor.name]
-                    if tensor.op.name not in seen:
-                        seen.add(tensor.op.name)
-                        following += list(tensor.op.inputs)
-                frontier = following
+        for tensor in _back([grad], ORIGIN_SEARCH_DEPTH) if names else ():
+            if tensor.name in names:
+                return names[tensor.name]
         return unscaled_in_step
+
+
+def _back(tensors: list, depth: int) -> Iterator[Any]:
+    """`tensors`, then the inputs of their ops, breadth first, `depth` levels (each op expanded once)."""
+    seen = set()
+    for _ in range(depth):
+        following = []
+        for tensor in tensors:
+            yield tensor
+            if tensor.op.name not in seen:
+                seen.add(tensor.op.name)
+                following += list(tensor.op.inputs)
+        tensors = following
 
 
 def clipped_while_scaled(grads: list) -> str:
@@ -207,17 +212,10 @@ def clipped_while_scaled(grads: list) -> str:
     back from one of `grads` in the graph now traced, or ``""`` (always when eager)."""
     if tf.executing_eagerly():
         return ""
-    seen, frontier = set(), [g.op for g in grads if g is not None and hasattr(g, "op")]
-    for _ in range(CLIP_SEARCH_DEPTH):
-        following = []
-        for op in frontier:
-            if op.name in seen:
-                continue
-            seen.add(op.name)
-            if op.type == "ClipByValue" or any(part.startswith(CLIP_SCOPES) for part in op.name.split("/")):
-                return op.name
-            following += [tensor.op for tensor in op.inputs]
-        frontier = following
+    for tensor in _back([g for g in grads if g is not None and hasattr(g, "op")], CLIP_SEARCH_DEPTH):
+        op = tensor.op
+        if op.type == "ClipByValue" or any(part.startswith(CLIP_SCOPES) for part in op.name.split("/")):
+            return op.name
     return ""
 
 

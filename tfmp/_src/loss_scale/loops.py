@@ -12,12 +12,13 @@ Custom loops: `scaled_gradients` (Keras 3 dropped tf.keras 2's `get_scaled_loss`
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import warnings
 import weakref
 from collections.abc import Sequence
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import keras
 import tensorflow as tf
@@ -38,6 +39,16 @@ EARLY_STEPS = 8
 #: Share of a fit's steps skipped (with at least `EARLY_STEPS` of them) that is warned about.
 EARLY_RATE = 0.05
 _BATCH_HOOK = "_tfmp_batch_check"  # on a model: its train_step hook
+
+
+@dataclasses.dataclass
+class Watch:
+    """What the checks between steps remember of one optimizer (host-side, not saved)."""
+
+    fit_start: Optional[Tuple[int, int]] = None  # (total_steps, overflow_count) as the warning window began
+    warned_fit: Optional[Tuple[int, int]] = None  # the window `warn_early` warned about
+    warned_run: Optional[int] = None  # the first skipped step of the stuck run `check` warned about
+    checked: Optional[int] = 0  # overflow_count at the last `check` (None: check again)
 
 
 class SkippedStepWarning(RuntimeWarning):
@@ -99,9 +110,9 @@ def _read(optimizer: Any, name: str) -> int:
 
 def start_fit(optimizer: Any) -> None:
     """At a `fit` or `train_on_batch` call: a new warning window when the last began `EARLY_STEPS` steps ago."""
-    start = getattr(optimizer, "_fit_start", None)
+    watch = optimizer._watch
     if not optimizer.built:
-        optimizer._fit_start = start or (0, 0)  # built by the first step: counters at 0
+        watch.fit_start = watch.fit_start or (0, 0)  # built by the first step: counters at 0
         return
     counter = optimizer.total_steps.numpy()
     if counter.shape != ():  # built in a trace that failed: Keras never initialized the variables
@@ -112,16 +123,17 @@ def start_fit(optimizer: Any) -> None:
             "Compile the model again with a new optimizer, e.g. model.compile(keras.optimizers."
             f"{type(optimizer.inner_optimizer).__name__}(...), loss=...), then fit.")
     total = int(counter)
-    if start is None or total - start[0] >= EARLY_STEPS:
-        optimizer._fit_start = (total, _read(optimizer, "overflow_count"))
+    if watch.fit_start is None or total - watch.fit_start[0] >= EARLY_STEPS:
+        watch.fit_start = (total, _read(optimizer, "overflow_count"))
 
 
 def warn_early(optimizer: Any) -> None:
     """Warns (`SkippedStepWarning`) once per fit window at the first skip loss scaling cannot
     cause, or when the first `EARLY_STEPS` steps, or more than `EARLY_RATE` of at least
     `EARLY_STEPS`, were skipped under loss scaling. Call after a skipped step."""
-    start_total, start_skips = getattr(optimizer, "_fit_start", (0, 0))
-    if optimizer._warned_fit == (start_total, start_skips):
+    watch = optimizer._watch
+    start_total, start_skips = watch.fit_start or (0, 0)
+    if watch.warned_fit == (start_total, start_skips):
         return
     steps = _read(optimizer, "total_steps") - start_total
     skips = _read(optimizer, "overflow_count") - start_skips
@@ -133,7 +145,7 @@ def warn_early(optimizer: Any) -> None:
     rate = skips >= EARLY_STEPS and skips > EARLY_RATE * steps
     if not (not_overflow or all_first or rate):
         return
-    optimizer._warned_fit = (start_total, start_skips)
+    watch.warned_fit = (start_total, start_skips)
     kept = "weights and optimizer slots keep their values"
     if tf.distribute.get_strategy().num_replicas_in_sync == 1:  # see step_state
         kept = "weights, optimizer slots and BatchNormalization statistics keep their values"
@@ -151,14 +163,14 @@ def warn_early(optimizer: Any) -> None:
 def check(optimizer: Any) -> None:
     """Raises `NonFiniteError` or warns, per `optimizer.on_stuck` (a built `tfmp.LossScaleOptimizer`),
     when the run is stuck (see `LossScaleOptimizer.raise_if_stuck`); warns early after a skip."""
-    overflows = _read(optimizer, "overflow_count")
-    if overflows == optimizer._checked_overflows:
+    overflows, watch = _read(optimizer, "overflow_count"), optimizer._watch
+    if overflows == watch.checked:
         return  # no step skipped since the last check: the last step was finite
     warn_early(optimizer)
     limit = optimizer.max_consecutive_overflows
     consecutive = _read(optimizer, "consecutive_overflows")
     # Nothing to check again until a step is skipped, unless the run is overflowing.
-    optimizer._checked_overflows = overflows if consecutive == 0 else None
+    watch.checked = overflows if consecutive == 0 else None
     if consecutive < min(limit, MIN_SCALE_PATIENCE):
         return
     at_floor = _read(optimizer, "min_scale_overflows")
@@ -178,8 +190,8 @@ def check(optimizer: Any) -> None:
                  "min_scale_overflows": at_floor})
     if optimizer.on_stuck == "raise":
         raise error
-    if optimizer._warned_run != step - consecutive + 1:  # the first skipped step names this run
-        optimizer._warned_run = step - consecutive + 1
+    if watch.warned_run != step - consecutive + 1:  # the first skipped step names this run
+        watch.warned_run = step - consecutive + 1
         warnings.warn(str(error), RuntimeWarning, stacklevel=user_stacklevel())
 
 

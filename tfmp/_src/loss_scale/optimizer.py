@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any
+from typing import Any, NamedTuple
 
 import keras
 import tensorflow as tf
@@ -50,9 +50,20 @@ FORWARDED_SETTINGS = ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm"
 #: Bits of `last_loss_status`: what the last step found non-finite.
 STATUS_BITS = {"loss nan": 1, "loss inf": 2, "batch nan": 4, "batch inf": 8, "values": 16}
 _LOSS_BITS = 1 | 2
+
 #: Length of the overflow history ring buffers: how many skipped steps a reader polling
 #: between steps (tfmp.LossScaleMonitor) can itemize; older ones are only counted.
 OVERFLOW_HISTORY = 64
+
+
+class _Applying(NamedTuple):
+    """The `apply` under way: the loss check made instead of the gradients' (``""``: none), the
+    ``"values"`` guard, ids of gradients not to divide again, statistics a skipped step puts back."""
+
+    check_loss: str = ""
+    check_values: bool = False
+    unscaled: frozenset = frozenset()
+    statistics: tuple = ()
 
 
 def _status(flags: dict) -> Any:
@@ -177,14 +188,11 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         for key, value in settings.items():
             setattr(self, key, value)
         self.fused_updates = speedups.on_now("fused_update")
-        self._warned_run = None  # the stuck run `loops.check` warned about
-        self._warned_fit = None  # the fit window `loops.warn_early` warned about
-        self._checked_overflows = 0  # overflow_count at the last `raise_if_stuck` (None: check again)
+        self._watch = _loops.Watch()
         self._steps = _guard.StepRecord()  # scale_loss and get_unscaled_gradients calls, per step
         self._origins = _guard.GradientOrigins()  # what get_unscaled_gradients took and handed back
-        # The `apply` under way: (first check, "values" guard, ids of gradients not to divide,
-        # BatchNormalization statistics to put back); past Keras's tracking.
-        object.__setattr__(self, "_applying", ("", False, set(), ()))
+        # Past Keras's tracking, which would track the statistics as optimizer variables.
+        object.__setattr__(self, "_applying", _Applying())
         _loops.track(self)
 
     def __repr__(self) -> str:
@@ -290,7 +298,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         `tfmp._src.distribute`); inside an `apply` under the ``"loss"`` guard, the loss
         recorded by `scale_loss` instead; under ``"batch"``, the loss and the gradients.
         """
-        check_loss = self._applying[0]
+        check_loss = self._applying.check_loss
         if not check_loss:
             return self._gradients_finite(grads)
         loss_finite = ops.equal(tf.bitwise.bitwise_and(self.last_loss_status.value, _LOSS_BITS), 0)
@@ -354,15 +362,15 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
             )
         variables = list(trainable_variables or optimizer_variables(self))
         warn_16bit_applied(self, variables)
-        object.__setattr__(self, "_applying", (
+        object.__setattr__(self, "_applying", _Applying(
             first if loss_recorded and first in _guard.LOSS_GUARDS else "", check_values,
-            {id(g) for g, done in zip(grads, already) if done}, tuple(_step_state.take(variables))))
+            frozenset(id(g) for g, done in zip(grads, already) if done), tuple(_step_state.take(variables))))
         if not loss_recorded:
             self._record_status()  # a step without `scale_loss`: its batch's bits still explain a skip
         try:
             super().apply(grads, trainable_variables)
         finally:
-            object.__setattr__(self, "_applying", ("", False, set(), ()))
+            object.__setattr__(self, "_applying", _Applying())
         if tf.executing_eagerly():
             self.raise_if_stuck()
 
@@ -385,7 +393,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
     def _apply_inner(self, grads: list, trainable_variables: list | None) -> None:
         """The inner optimizer's `apply` of the unscaled gradients (fused: `fused_update`)."""
         if self.loss_scaling:
-            unscaled = self._applying[2]
+            unscaled = self._applying.unscaled
             grads = [g if g is None or overwrites_with_gradient(self, v) or id(g) in unscaled
                      else ops.divide(g, self.dynamic_scale)
                      for g, v in zip(grads, trainable_variables or optimizer_variables(self))]
@@ -393,7 +401,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
             self.inner_optimizer.apply(grads, trainable_variables=trainable_variables)
 
     def _finite_step(self, grads: list, trainable_variables: list | None) -> None:
-        if not self._applying[1]:
+        if not self._applying.check_values:
             self._apply_inner(grads, trainable_variables)
             self._count_finite_step()
             return
@@ -431,7 +439,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         ops.cond(ops.equal(self.step_counter, self.dynamic_growth_steps - 1), grow, count)
 
     def _non_finite_step(self) -> None:
-        _step_state.put_back(self._applying[3])
+        _step_state.put_back(self._applying.statistics)
         self.last_overflow_status.assign(self.last_loss_status)
         slot = ops.reshape(ops.mod(self.overflow_count, OVERFLOW_HISTORY), (1, 1))
         before = tf.identity(self.dynamic_scale)  # read now, before the update

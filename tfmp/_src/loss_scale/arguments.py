@@ -99,7 +99,8 @@ def check_settings(
             ("max_scale", max_scale, f"a value >= min_scale={min_scale!r}")
             if min_scale == DEFAULT_MIN_SCALE else
             ("min_scale", min_scale, f"a value <= max_scale={max_scale!r}"))
-        raise invalid_argument(bound, value, expected, fix=_bounds_fix(initial_scale, min_scale, max_scale, loss_scaling))
+        raise invalid_argument(bound, value, expected,
+                               fix=_bounds_fix(initial_scale, min_scale, max_scale, loss_scaling))
     if loss_scaling and not min_scale <= initial_scale <= max_scale:
         raise invalid_argument(
             "initial_scale", initial_scale,

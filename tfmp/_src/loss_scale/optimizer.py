@@ -506,7 +506,8 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
     def get_config(self) -> dict:
         """Keras's config plus every tfmp argument (round-trips through `from_config`)."""
         config = super().get_config()
-        config.update({name: getattr(self, name) for name in WRAP_OPTIONS[2:-1]}, initial_scale=self._config_initial_scale)
+        tfmp_settings = WRAP_OPTIONS[2:-1]  # min_scale ... guard: not Keras's two, nor the name
+        config.update({name: getattr(self, name) for name in tfmp_settings}, initial_scale=self._config_initial_scale)
         return config
 
 

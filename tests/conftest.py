@@ -93,12 +93,11 @@ def tfmp_leftovers():
 
     The stuck check's ``make_train_function`` hook and the saved form's
     ``get_compile_config`` hook may stay while a `tfmp.LossScaleOptimizer` is alive, and the model-level hooks
-    (``Layer.losses``, ``BatchNormalization.call``, the backend's ``gelu``...) while an attached model is
-    alive (a module fixture's model holds both); `no_tfmp_state_at_module_end`
+    (``Layer.losses``, ``BatchNormalization.call``, the backend's ``gelu``...) while a layer attached at its
+    first call is alive (a module fixture's model may hold both); `no_tfmp_state_at_module_end`
     checks that they go with the models.
     """
     from tfmp._src.attachment import hooks as attachment_hooks
-    from tfmp._src.attachment import record
     from tfmp._src.keras_hooks import fit_lifecycle
     from tfmp._src.loss_scale import loops
     from tfmp._src.policy import session
@@ -107,7 +106,7 @@ def tfmp_leftovers():
     allowed = {hook.owner for hook in loops._class_hooks}
     if fit_lifecycle._needed_by:
         allowed.add("fit_lifecycle")
-    if record.any_marked():
+    if attachment_hooks._first_call_attached():
         allowed |= {hook.owner for hook in attachment_hooks.installed()}
     hooks = [hook for hook in _class_hooks() if hook.owner not in allowed]
     return threads, hooks

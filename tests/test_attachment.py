@@ -270,20 +270,84 @@ def test_the_attachment_lists_every_subscription_and_detach_leaves_only_float32_
     assert [hook for hook in surfaces.process_wide() if hook not in before] == []
 
 
-def test_the_model_level_hooks_stay_while_an_attached_model_lives():
-    tfmp.enable("mixed_bfloat16")
-    model = cnn()
-    model.compile("sgd", "mse")
-    tfmp.disable()
-    owners = sorted(hook.owner for hook in attachment_hooks.installed())
-    assert owners == ["bias_gradient", "conv", "conv", "enable.gradient_errors", "enable.losses",
+MODEL_LEVEL_OWNERS = ["bias_gradient", "conv", "conv", "enable.gradient_errors", "enable.losses",
                       "fused_batchnorm", "gelu"]  # conv: the backend's conv and conv_transpose
-    tfmp.disable()  # the model is alive: they stay
-    assert len(attachment_hooks.installed()) == len(owners)
+
+
+def test_without_a_session_the_model_level_hooks_are_on_only_while_an_attached_model_traces_its_step():
+    tfmp.enable("mixed_bfloat16")
+    model = cnn(kl=True)
+    model.compile("sgd", "mse")
+    assert sorted(hook.owner for hook in attachment_hooks.installed()) == MODEL_LEVEL_OWNERS
+    tfmp.disable()
+    assert attachment_hooks.installed() == []  # the attached model is alive, but not stepping
+    seen = []
+    bn = model.get_layer("bn")
+    bn_call = bn.call
+    bn.call = lambda *args, **kwargs: seen.append(sorted(h.owner for h in attachment_hooks.installed())) or bn_call(
+        *args, **kwargs)
+    model.fit(X, Y, batch_size=4, verbose=0)  # plain Keras would raise on the 16-bit KL term
+    assert seen and seen[0] == MODEL_LEVEL_OWNERS  # on while Keras traced the step
+    assert attachment_hooks.installed() == []  # and off after it
+    with tfmp.step_scope(model):  # a custom loop's block
+        assert sorted(hook.owner for hook in attachment_hooks.installed()) == MODEL_LEVEL_OWNERS
+    assert attachment_hooks.installed() == []
+
+
+def test_a_custom_loop_model_attached_at_its_first_call_keeps_the_model_level_hooks_while_it_lives():
+    tfmp.enable("mixed_bfloat16")
+    model = cnn()  # never compiled: no step tfmp can wrap
+    model(X[:2], training=True)
+    tfmp.disable()
+    assert sorted(hook.owner for hook in attachment_hooks.installed()) == MODEL_LEVEL_OWNERS
     del model
     collect_everything()
     tfmp.disable()
     assert attachment_hooks.installed() == []
+
+
+def _tfmp_frames(run):
+    """Counts, per ``file:function``, the calls of tfmp's own code while `run()` runs (a profile hook)."""
+    import collections
+    import os
+    import sys
+
+    root = os.path.dirname(tfmp.__file__)
+    seen = collections.Counter()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(root):
+            seen[f"{os.path.relpath(frame.f_code.co_filename, root)}:{frame.f_code.co_name}"] += 1
+
+    threading.setprofile(profile)  # also the threads Keras's fit may start
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    return dict(seen)
+
+
+def test_a_model_tfmp_did_not_attach_runs_no_tfmp_code_in_its_fit_while_an_attached_one_lives():
+    def gelu_cnn():
+        inputs = keras.Input((6, 6, 3))
+        x = keras.layers.Conv2D(4, 3, activation="gelu", name="conv")(inputs)
+        x = keras.layers.BatchNormalization(name="bn")(x)
+        x = keras.layers.GlobalAveragePooling2D()(x)
+        return keras.Model(inputs, keras.layers.Dense(2, activation="softmax", dtype="float32")(x))
+
+    tfmp.enable("mixed_bfloat16")
+    attached = gelu_cnn()
+    attached.compile("adam", "categorical_crossentropy")
+    tfmp.disable()
+    keras.config.set_dtype_policy("mixed_bfloat16")  # plain Keras mixed precision (restored by conftest)
+    plain = gelu_cnn()
+    plain.compile("adam", "categorical_crossentropy")
+    attached_frames = _tfmp_frames(lambda: attached.fit(X, Y, batch_size=4, verbose=0))
+    plain_frames = _tfmp_frames(lambda: plain.fit(X, Y, batch_size=4, verbose=0))
+    assert plain_frames == {}
+    assert any(name.startswith("_src/float32/") for name in attached_frames)  # the profile sees tfmp's code
 
 
 @keras.saving.register_keras_serializable(package="tfmp_tests")

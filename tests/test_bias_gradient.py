@@ -211,9 +211,10 @@ def test_a_float32_model_and_a_bias_add_outside_a_layer_are_kerass():
     with tfmp.policy_scope("mixed_bfloat16"), bias_gradient.injected(loses=True):
         alive = _mlp_and_cnn()
     assert tfmp.attachment(alive).bias_gradient.startswith("summed")
-    assert "bias_gradient" in {hook.owner for hook in attachment_hooks.installed()}
     x, bias = tf.ones((4, 3), tf.bfloat16), tf.ones((3,), tf.bfloat16)
-    graph = tf.function(lambda a, b: keras.ops.add(a, b)).get_concrete_function(x, bias).graph
+    with tfmp.step_scope(alive):  # the hook on, as in the model's step
+        assert "bias_gradient" in {hook.owner for hook in attachment_hooks.installed()}
+        graph = tf.function(lambda a, b: keras.ops.add(a, b)).get_concrete_function(x, bias).graph
     assert "BiasAdd" in {op.type for op in graph.get_operations()}
     assert not any(op.type == "IdentityN" for op in graph.get_operations())
 

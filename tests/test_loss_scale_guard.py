@@ -198,6 +198,26 @@ def test_bfloat16_default_skips_a_nan_loss_batch():
     assert [int(getattr(optimizer, n).numpy()) for n in ("overflow_count", "total_steps")] == [1, 2]
 
 
+def test_the_batch_record_is_in_the_train_function_keras_makes_once():
+    """The ``"batch"`` guard's hook goes on ``train_step`` before Keras makes the train
+    function (which binds the step), so ``fit`` never makes it a second time."""
+    with tfmp.policy_scope("mixed_bfloat16"):
+        model = _guard_model()
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+    keras_make = model.make_train_function
+    made = []
+
+    def counted(force=False):
+        made.append(force)
+        return keras_make(force)
+
+    model.make_train_function = counted  # the instance's, below tfmp's own hooks
+    with pytest.warns(tfmp.SkippedStepWarning, match="The batch itself holds nan"):
+        before, after = _fit_one_batch(model, np.array([[1.0, 1.0], [np.nan, 1.0]], "float32"))
+    np.testing.assert_array_equal(after, before)
+    assert made == [False]
+
+
 @pytest.mark.parametrize(
     "options, caught",
     [

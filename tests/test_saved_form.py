@@ -181,6 +181,27 @@ def test_every_model_with_tfmps_optimizer_saves_keras_form(tmp_path):
     assert int(keras.models.load_model(tmp_path / "detached.keras").optimizer.overflow_count.numpy()) == 2
 
 
+def test_an_attached_model_saves_keras_form_by_its_own_hook_and_once_detached_by_the_class_hook(tmp_path):
+    from _collect import collect_everything
+
+    from tfmp._src.keras_hooks import surfaces, trainer
+    from tfmp._src.loss_scale import loops
+
+    collect_everything()
+    model, optimizer = _trained("mixed_float16")
+    tfmp.disable()
+    assert trainer.subscribed(model, "get_compile_config", "saved_form")  # the model's own
+    if all(other in loops._served for other in loops._live):  # no other test's optimizer needs the class hook
+        assert "saved_form" not in {hook.owner for hook in surfaces.process_wide()}
+    model.save(tmp_path / "attached.keras")
+    assert _saved_optimizer_entry(tmp_path / "attached.keras")["registered_name"] == saved_form.KERAS_NAME
+    tfmp.detach(model)
+    assert not trainer.subscribed(model, "get_compile_config", "saved_form")
+    assert "saved_form" in {hook.owner for hook in surfaces.process_wide()}  # while the kept optimizer lives
+    model.save(tmp_path / "detached.keras")
+    assert _saved_optimizer_entry(tmp_path / "detached.keras")["registered_name"] == saved_form.KERAS_NAME
+
+
 def test_keras_form_leaves_other_entries_and_its_argument_alone():
     adam = keras.saving.serialize_keras_object(keras.optimizers.Adam())
     assert saved_form.keras_form(adam) is adam

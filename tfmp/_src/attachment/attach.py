@@ -69,9 +69,12 @@ def attach(model: keras.Model, policy: str, *, attached_by: str, exact_ids: int,
         The `Attachment`, replacing any earlier one of the model.
 
     Raises:
-        Whatever installing the model-level hooks raises; nothing is marked then.
+        Whatever installing the step hooks raises; nothing is marked then.
     """
-    hooks.hold(hooks.speed_features(speedups))
+    features = hooks.speed_features(speedups)
+    if isinstance(model, keras.Model):  # the model-level hooks while Keras traces its steps
+        model_scopes.trace_in(model, lambda: hooks.in_step(features))
+        loops.serve(model)  # the stuck check, batch record and saved form on the model itself
     speeds = speedup_rules.decided(speedups)
     remapper = _remapper_decision(model, allowed=speeds["remapper"] == speedup_rules.ON)
     entries = walk(model)
@@ -93,6 +96,7 @@ def attach(model: keras.Model, policy: str, *, attached_by: str, exact_ids: int,
             e.path for e in entries if activity_regularizers.regularize_in_float32(e.layer)),
     )
     record.mark([model, *(e.layer for e in entries)], found)
+    hooks.hold_in_calls([model, *(e.layer for e in entries)], features)
     found.batchnorm_kernel = {
         e.path: fused_batchnorm.audit_note(e.layer)
         for e in entries if isinstance(e.layer, keras.layers.BatchNormalization)
@@ -225,8 +229,9 @@ def detach(model: keras.layers.Layer) -> Optional[Attachment]:
     ``model.optimizer``. A `tfmp.LossScaleOptimizer` still skips and counts
     non-finite steps (``overflow_count``); `fit` no longer stops a stuck run for
     it: call ``model.optimizer.raise_if_stuck()`` in a callback, or compile again
-    under tfmp. Once no model is attached and no thread is enabled, tfmp's
-    model-level class hooks come off Keras.
+    under tfmp. The model-level class hooks are not on for the detached model's
+    calls and steps any more (only while a session is open or an attached model
+    computes).
 
     Args:
         model: `keras.Model` (or a layer: it and its sublayers). A model that is
@@ -244,6 +249,7 @@ def detach(model: keras.layers.Layer) -> Optional[Attachment]:
     if isinstance(model, keras.Model):
         check_numerics(model, enabled=False)
         model_scopes.remove(model)
+        model_scopes.untrace(model)
         multi_worker.remove(model)
         loops.forget(model)
         custom_optimizers.forget(model)
@@ -272,9 +278,13 @@ def step_scope(model: keras.Model) -> ContextManager[Optional[str]]:
     graph as `fit`, hence the same kernels and the same rounding. Today the one
     such option is Grappler's remapper, off for a ``mixed_float16`` model on a CPU
     where TensorFlow's oneDNN fuses float16 matmuls into a kernel that crawls
-    (``tfmp.attachment(model).remapper``); for every other model the block
-    changes nothing. Only the calling thread is affected. Also usable as a
-    decorator of a Python function that calls the step.
+    (``tfmp.attachment(model).remapper``). Graph options affect only the calling
+    thread. The block also keeps tfmp's model-level hooks on, as `fit` does while
+    it traces the model's step (the model's own calls do so anyway): once no
+    thread is enabled, a custom loop needs it for ``model.losses`` read outside the
+    model's call (16-bit terms summed in float32) and for backward-pass dtype
+    errors explained. Also usable as a decorator of a Python function that calls
+    the step.
 
     Args:
         model: `keras.Model`. One compiled under tfmp (attached) gets the options
@@ -309,9 +319,8 @@ def step_scope(model: keras.Model) -> ContextManager[Optional[str]]:
 
 @contextlib.contextmanager
 def _in_scope(model: keras.Model) -> Iterator[Optional[str]]:
-    scope = model_scopes.scope_entry(model)
-    if scope is None:
-        yield None
-        return
-    with scope():
+    with contextlib.ExitStack() as stack:
+        for scope in (model_scopes.trace_scope_entry(model), model_scopes.scope_entry(model)):
+            if scope is not None:
+                stack.enter_context(scope())
         yield model_scopes.scope_of(model)

@@ -1,4 +1,4 @@
-"""The model-level class hooks: held while a session is open or an attached object lives.
+"""The model-level class hooks: on while a session is open or an attached model traces a step.
 
 Hooks that act on attached models only, deciding per object (`record.of`), never
 by the calling thread: ``Layer.losses`` (16-bit loss terms summed in float32,
@@ -11,28 +11,33 @@ Keras's backend ``gelu`` (float32 inside, `tfmp._src.float32.gelu`), its ``conv`
 and ``conv_transpose`` (float16 convolutions in float32 inside,
 `tfmp._src.float32.conv`).
 
-`hold` installs the first three when a session opens or a model is attached, and
-a speed feature's only for a session or a model that has the feature on
-(``tfmp.enable(speedups=...)``): ``tfmp.enable(speedups=False)`` installs none. They stay while an attached
-model may still trace a step, also after `tfmp.disable()`; `release_if_unused`
-takes them off once no thread has a session and no attached object is alive
-(called by `tfmp.disable()` and `tfmp.detach()`, never from a garbage-collection
-callback, which can run in any thread while another holds the hooks' lock).
+`hold` installs them while a session is open, a speed feature's only where the
+session's ``speedups`` has it on. Without a session they are on inside `in_step`
+(a compiled attached model's step while Keras traces it, see
+`tfmp._src.keras_hooks.step_scope`, or a `tfmp.step_scope` block) and while a layer
+attached at its first call lives (a custom loop over a model never compiled, whose
+step tfmp cannot wrap). So once no thread is enabled, a model tfmp did not attach
+runs none of them beside compiled models. `release_if_unused` takes them off when
+nothing holds them (never from a garbage-collection callback, which can run in any
+thread while another holds the hooks' lock).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
-from typing import Dict, FrozenSet, Iterable, List, Mapping, Optional
+from typing import Any, Callable, Dict, FrozenSet, Iterable, Iterator, List, Mapping, Optional
 
 from tfmp._src.attachment import record
 from tfmp._src.float32 import bias_gradient, conv, fused_batchnorm, gelu, gradient_errors
-from tfmp._src.keras_hooks import surfaces
+from tfmp._src.keras_hooks import layer_calls, surfaces
 from tfmp._src.keras_hooks.loss_terms import install_losses_hook
 from tfmp._src.policy import session, speedups
 
 _hooks: Dict[str, List[surfaces.Hook]] = {}  # "losses" or an optional feature -> its hooks
 _lock = threading.RLock()
+_steps = 0  # `in_step` blocks open, in any thread
 #: The optional features among them, each installed on its own: where its Keras surface
 #: is missing it is switched off with one warning (`availability`), and the rest go on.
 OPTIONAL = (("fused_batchnorm", fused_batchnorm.install), ("gradient_errors", gradient_errors.install),
@@ -72,16 +77,79 @@ def hold(speed_features: Iterable[str] = ()) -> None:
                 _hooks[feature] = surfaces.optional(feature, install)
 
 
+@contextlib.contextmanager
+def in_step(speed_features: Iterable[str] = ()) -> Iterator[None]:
+    """Keeps the model-level hooks, and the speed features' named, on inside the block.
+
+    Entered by an attached layer's call, while Keras traces an attached model's
+    step, and by `tfmp.step_scope`; a step already traced runs in its graph
+    without Python, so in `fit` the hooks go on and off once per trace. Without
+    a session, an eager call of an attached model installs and removes them
+    at each outermost call.
+
+    Args:
+        speed_features: Names of `SPEED` that the model has on.
+
+    Raises:
+        Whatever `hold` raises; the block does not run then.
+    """
+    global _steps
+    with _lock:
+        hold(speed_features)
+        _steps += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _steps -= 1
+            last = not _steps
+        if last:
+            release_if_unused()
+
+
+def hold_in_calls(layers: Iterable[Any], speed_features: Iterable[str] = ()) -> None:
+    """Makes each of `layers` keep the model-level hooks on while its own ``call`` runs.
+
+    A per-object hook on ``call`` (owner ``"attachment"``, outermost) enters `in_step`:
+    an attached model's layer called in a custom loop, in eager code or inside a
+    model tfmp did not attach computes as in the model's step, also after
+    `tfmp.disable()`. A second call replaces a layer's hook (the speed features
+    may differ); `tfmp.detach` takes them off.
+
+    Raises:
+        Whatever installing a hook raises; the layers hooked before stay hooked.
+    """
+    wrap = functools.partial(_call_in_step, frozenset(speed_features))
+    for layer in layers:
+        for hook in surfaces.subscriptions_on(layer):
+            if hook.owner == "attachment" and hook.name == "call":
+                hook.remove()
+        layer_calls.subscribe(layer, "call", wrap, owner="attachment")
+
+
+def _call_in_step(speed_features: FrozenSet[str], call: Callable) -> Callable:
+    def attached_call(*args: Any, **kwargs: Any) -> Any:
+        with in_step(speed_features):
+            return call(*args, **kwargs)
+
+    return attached_call
+
+
 def release_if_unused() -> None:
-    """Takes the model-level hooks off when no session is open and no attached object is alive."""
+    """Takes the model-level hooks off when no session is open, no `in_step` block runs
+    and no layer attached at its first call is alive."""
     with session.lock, _lock:  # session.lock first, as enable() takes them
-        if _hooks and not session.any_open() and not record.any_marked():
+        if _hooks and not session.any_open() and not _steps and not _first_call_attached():
             for feature in reversed(list(_hooks)):
                 hooks = _hooks[feature]
                 while hooks:
                     hooks[-1].remove()  # kept in the list if removing raises
                     hooks.pop()
                 del _hooks[feature]
+
+
+def _first_call_attached() -> bool:
+    return any(getattr(record.of(obj), "attached_by", None) == "first call" for obj in record.marked_objects())
 
 
 def installed() -> List[surfaces.Hook]:

@@ -3,8 +3,8 @@
 Every object tfmp attached (the model and each of its layers) carries the same
 `Attachment` in its own ``__dict__`` (`PerObject`, so it lives and dies with the
 model and is neither tracked nor saved by Keras). tfmp's model-level hooks
-(``Layer.losses``, ``BatchNormalization.call``) read only this mark while a step
-is traced, never the calling thread's session: a layer without one takes its
+(``Layer.losses``, ``BatchNormalization.call``, Keras's backend ops) read only this
+mark, never the calling thread's session: a layer without one takes its
 model's when called inside it. A layer of a model never compiled (a custom
 training loop) is attached the first time a model-level hook sees it while its
 thread has a session; one of a model compiled without tfmp never is
@@ -27,7 +27,7 @@ _MARK = PerObject("attachment")
 #: What `tfmp.detach` took the mark off: no mark comes back by itself (kept off the object,
 #: which detach leaves as Keras made it).
 _DETACHED: "weakref.WeakSet[Any]" = weakref.WeakSet()
-#: Objects that carry a mark; while one is alive the model-level hooks stay installed.
+#: Objects that carry a mark (one attached at its first call keeps the model-level hooks on).
 _marked: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _lock = threading.RLock()
 

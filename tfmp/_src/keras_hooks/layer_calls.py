@@ -4,8 +4,9 @@ Subscribers, innermost first (`SURFACE`): ``fused_batchnorm`` (BatchNormalizatio
 fused kernel), ``float32.build``, ``float32.exact``, ``float32.from_config``,
 ``float32.outputs``, ``float32.cast_back``, ``float32.ids`` (`tfmp._src.float32`),
 ``enable.dtype_errors``, ``numerics`` (`tfmp.check_numerics`), ``enable.build_errors``,
-``audit.outputs`` (`tfmp.audit(batch=...)`) and ``float32.regularizer`` (a layer's
-``get_config`` while its activity regularizer computes in float32).
+``audit.outputs`` (`tfmp.audit(batch=...)`), ``float32.regularizer`` (a layer's
+``get_config`` while its activity regularizer computes in float32) and ``attachment``
+(an attached layer's ``call`` keeps the model-level hooks on, `tfmp._src.attachment.hooks`).
 
 | private name used | where in Keras | what tfmp does with it |
 |---|---|---|
@@ -33,7 +34,7 @@ SURFACE = patches.Surface(
     methods=("call", "build", "compute_output_spec", "__init__", "from_config", "convert_input", "get_config"),
     subscribers=("fused_batchnorm", "float32.build", "float32.exact", "float32.from_config",
                  "float32.outputs", "float32.cast_back", "float32.ids", "enable.dtype_errors",
-                 "numerics", "enable.build_errors", "audit.outputs", "float32.regularizer"),
+                 "numerics", "enable.build_errors", "audit.outputs", "float32.regularizer", "attachment"),
 )
 subscribe = SURFACE.subscribe
 defining_class = patches.defining_class

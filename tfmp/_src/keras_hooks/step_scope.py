@@ -1,6 +1,9 @@
-"""A context manager around each call of one model's train, test and predict functions.
+"""Context managers around one model's train, test and predict functions and steps.
 
-`install` wraps the model's own ``make_train_function``, ``make_test_function`` and
+`trace_in` wraps the model's own ``train_step``, ``test_step`` and ``predict_step``
+(owner ``"attachment"``, outermost on each): Keras calls them only while it traces the
+function, so a scope there (`tfmp._src.attachment.hooks.in_step`) is entered once per
+trace, not per batch (per batch under ``run_eagerly``). `install` wraps the model's own ``make_train_function``, ``make_test_function`` and
 ``make_predict_function`` through `patches`, so each function Keras builds runs inside a
 scope (a callable returning a context manager, e.g.
 `tfmp._src.policy.float16_fusion.remapper_off`): tracing, Grappler and the step run in
@@ -18,9 +21,10 @@ from typing import Any, Callable, ContextManager, Dict, Optional
 from tfmp._src.keras_hooks import patches, trainer
 from tfmp._src.keras_hooks.object_state import PerObjectHooks
 
-#: The model functions a scope covers, as ``<kind>_function`` / ``make_<kind>_function``.
+#: The model functions a scope covers, as ``<kind>_function`` / ``make_<kind>_function`` / ``<kind>_step``.
 KINDS = ("train", "test", "predict")
 _STATE = PerObjectHooks("step_scope")
+_TRACED = PerObjectHooks("trace_scope")
 
 Scope = Callable[[], ContextManager[Any]]
 
@@ -127,3 +131,49 @@ def scope_of(model: Any) -> Optional[str]:
     """The name of the scope `model`'s functions run in, or None."""
     state = _STATE.get(model)
     return None if state is None else state.name
+
+
+class _TraceScope:
+    """The scope entered around one model's steps, and its hooks on them."""
+
+    def __init__(self, model: Any, scope: Scope) -> None:
+        self.scope = scope
+        self.hooks = patches.install_all([
+            (lambda kind=kind: trainer.subscribe(model, f"{kind}_step", self._wrap, owner="attachment"))
+            for kind in KINDS
+        ])
+
+    def _wrap(self, step: Callable) -> Callable:
+        def scoped_step(data: Any) -> Any:
+            with self.scope():
+                return step(data)
+
+        return scoped_step
+
+    def remove(self) -> None:
+        for hook in reversed(self.hooks):
+            hook.remove()
+
+
+def trace_in(model: Any, scope: Scope) -> None:
+    """Runs `model`'s ``train_step``, ``test_step`` and ``predict_step`` inside `scope()`.
+
+    Keras binds the steps when it makes a function: call before it does (at
+    compile, which drops the functions Keras made). A second call replaces the
+    first scope.
+
+    Raises:
+        Whatever installing a hook raises; the model is then as before.
+    """
+    _TRACED.replace(model, lambda: _TraceScope(model, scope))
+
+
+def untrace(model: Any) -> None:
+    """Takes `model`'s step scope off (nothing when it has none)."""
+    _TRACED.discard(model)
+
+
+def trace_scope_entry(model: Any) -> Optional[Scope]:
+    """The scope callable `model`'s steps run in (`tfmp.step_scope` enters it too), or None."""
+    state = _TRACED.get(model)
+    return None if state is None else state.scope

@@ -5,7 +5,8 @@ Subscribers, innermost first (`SURFACE`): ``custom_optimizers`` (``_setattr_hook
 (`multi_worker`), ``enable.quantize_hint`` (``quantize``), ``enable.compile``
 (``compile``, ``compile_from_config``), ``loss_scale.fit_check`` and
 ``enable.first_step`` (``make_train_function``), ``fit_lifecycle``, ``step_scope``
-(``make_*_function``), ``saved_form`` (``get_compile_config``) and ``train_function``.
+(``make_*_function``), ``saved_form`` (``get_compile_config``), ``train_function`` and
+``attachment`` (``train_step``, ``test_step``, ``predict_step``: `step_scope.trace_in`).
 The class-level hooks are here; `train_function`, `step_scope`, `fit_lifecycle` and
 `multi_worker` are per-model dispatchers on the same surface. Keras 3.16 renamed the
 trainer classes (`BASE_TRAINER_NAMES`, `TENSORFLOW_TRAINER_NAMES`): tfmp finds each by
@@ -44,11 +45,11 @@ Hook = patches.Hook  # what subscribing returns: `.remove()` unsubscribes
 SURFACE = patches.Surface(
     "trainer",
     methods=("compile", "compile_from_config", "get_compile_config", "make_train_function",
-             "make_test_function", "make_predict_function", "train_step", "test_step", "fit", "_setattr_hook",
+             "make_test_function", "make_predict_function", "train_step", "test_step", "predict_step", "fit", "_setattr_hook",
              "quantize", "_maybe_symbolic_build"),
     subscribers=("custom_optimizers", "numerics", "loss_scale.batch", "multi_worker", "enable.quantize_hint",
                  "enable.compile", "loss_scale.fit_check", "enable.first_step", "fit_lifecycle",
-                 "step_scope", "saved_form", "train_function"),
+                 "step_scope", "saved_form", "train_function", "attachment"),
 )
 subscribe = SURFACE.subscribe
 subscribed = SURFACE.subscribed
@@ -70,6 +71,8 @@ SIGNATURES: Tuple[Tuple[type, str, Tuple[str, ...]], ...] = (
     (keras.Model, "_setattr_hook", ("name", "value")),
     # multi_worker: `train_step(data)`, `test_step(data)`, `_maybe_symbolic_build(iterator=None, data_batch=None)`.
     (keras.Model, "test_step", ("data",)),
+    # step_scope: `train_step(data)`, `test_step(data)`, `predict_step(data)`.
+    (keras.Model, "predict_step", ("data",)),
     (keras.Model, "_maybe_symbolic_build", ("iterator", "data_batch")),
 )
 
@@ -199,8 +202,8 @@ def install_compile_hook(
     ]
 
 
-def install_compile_config_hook(rewrite: Callable[[Any], Any], *, owner: str) -> patches.Hook:
-    """Routes what every model's ``get_compile_config()`` returns through ``rewrite``.
+def install_compile_config_hook(rewrite: Callable[[Any], Any], *, owner: str, model: Any = None) -> patches.Hook:
+    """Routes what ``get_compile_config()`` returns through ``rewrite``: every model's, or `model`'s.
 
     Keras's saving calls ``get_compile_config`` on the model to write its
     compile config into the file. A subclass that overrides the method without
@@ -210,6 +213,7 @@ def install_compile_config_hook(rewrite: Callable[[Any], Any], *, owner: str) ->
         rewrite: Callable taking the config Keras made (dict or None) and
             returning the one to save.
         owner: String, the hook's owner (one of `SURFACE.subscribers`).
+        model: `keras.Model` whose own method is hooked, or None (the class's).
 
     Returns:
         `patches.Hook`; remove it to undo.
@@ -217,17 +221,18 @@ def install_compile_config_hook(rewrite: Callable[[Any], Any], *, owner: str) ->
 
     def wrap(get_compile_config: Callable) -> Callable:
         @functools.wraps(get_compile_config)
-        def rewritten(self: Any) -> Any:
-            return rewrite(get_compile_config(self))
+        def rewritten(*self: Any) -> Any:  # (self,) on the class, () on a model
+            return rewrite(get_compile_config(*self))
 
         return rewritten
 
-    trainer = defining_class(keras.Model, "get_compile_config")
-    return subscribe(trainer, "get_compile_config", wrap, owner=owner)
+    target = defining_class(keras.Model, "get_compile_config") if model is None else model
+    return subscribe(target, "get_compile_config", wrap, owner=owner)
 
 
-def install_make_train_function_hook(handler: Callable[[Any], None], *, owner: str) -> patches.Hook:
-    """Calls ``handler(model)`` each time Keras makes a model's train function.
+def install_make_train_function_hook(handler: Callable[[Any], None], *, owner: str,
+                                     model: Any = None) -> patches.Hook:
+    """Calls ``handler(model)`` each time Keras makes a model's train function: any model's, or `model`'s.
 
     Keras makes it at every ``fit`` and ``train_on_batch`` call (building it the
     first time or after a forced retrace, else returning the one it has). The
@@ -237,12 +242,22 @@ def install_make_train_function_hook(handler: Callable[[Any], None], *, owner: s
     Args:
         handler: Callable taking the model.
         owner: String, the hook's owner (one of `SURFACE.subscribers`).
+        model: `keras.Model` whose own method is hooked, or None (the class's).
 
     Returns:
         `patches.Hook`; remove it to undo.
     """
 
     def wrap(make: Callable) -> Callable:
+        if model is not None:
+            @functools.wraps(make)
+            def make_model_train_function(force: bool = False) -> Any:
+                result = make(force)
+                handler(model)
+                return result
+
+            return make_model_train_function
+
         @functools.wraps(make)
         def make_train_function(self: Any, force: bool = False) -> Any:
             result = make(self, force)
@@ -251,8 +266,8 @@ def install_make_train_function_hook(handler: Callable[[Any], None], *, owner: s
 
         return make_train_function
 
-    trainer = defining_class(keras.Model, "make_train_function")
-    return subscribe(trainer, "make_train_function", wrap, owner=owner)
+    target = defining_class(keras.Model, "make_train_function") if model is None else model
+    return subscribe(target, "make_train_function", wrap, owner=owner)
 
 
 def mark_compiled_by_tfmp(model: Any) -> None:

@@ -24,6 +24,7 @@ from tfmp._src.errors import user_stacklevel
 from tfmp._src.keras_hooks import optimizer_steps, train_function, trainer
 from tfmp._src.keras_hooks.object_state import PerObject
 from tfmp._src.keras_hooks.trainer import SETATTR_HOOK
+from tfmp._src.loss_scale import loops
 from tfmp._src.loss_scale.guard import LossScaleWarning, ScaleLossCalls
 from tfmp._src.loss_scale.optimizer import LossScaleOptimizer, wrap_optimizer
 
@@ -109,6 +110,7 @@ def _wrapped(model: keras.Model, name: str, optimizer: Any, compute_dtype: str,
     if isinstance(keras_wrapped, LossScaleOptimizer) and keras_wrapped.inner_optimizer is optimizer:
         return keras_wrapped  # also passed as compile's `optimizer=`: one wrapper, one scale
     wrapped = wrap_optimizer(optimizer, compute_dtype, **options)
+    loops.serve_optimizer(wrapped)  # checked after each step below, not part of the saved compile config
     _ADOPTED[wrapped] = name
     if _STORED.get(model) is None:
         _STORED[model] = weakref.WeakSet()

@@ -1,8 +1,11 @@
 """Where `tfmp.LossScaleOptimizer` meets training loops: skipped steps said, stuck runs stopped.
 
-`model.fit`: a hook on Keras's ``make_train_function`` (`track`) adds `check` after each
-step and hooks the model's ``train_step`` to record its batch (the ``"batch"`` guard: a
-NaN in the data can leave the loss finite, ``relu(NaN)`` is 0, while the gradient is NaN).
+`model.fit`: an attached model's own hooks (`serve`, at attach) run `check` after each
+step and record each batch its ``train_step`` gets; a model tfmp did not attach gets them
+from a class hook on Keras's ``make_train_function`` while its tfmp optimizer lives
+(`track`), which makes the train function a second time to bind the ``train_step`` hook.
+The batch record is for the ``"batch"`` guard: a NaN in the data can leave the loss
+finite (``relu(NaN)`` is 0) while the gradient is NaN.
 Checks run between steps, not in the graph: XLA drops ``tf.debugging.Assert`` and an
 error raised in a graph reaches the caller as a ``tf.errors.OpError``. `check` reads one
 scalar per healthy step; after a skipped step it warns once per fit window
@@ -196,6 +199,7 @@ def check(optimizer: Any) -> None:
 
 
 _live: "weakref.WeakSet[Any]" = weakref.WeakSet()  # tfmp optimizers not yet collected
+_served: "weakref.WeakSet[Any]" = weakref.WeakSet()  # those an attached model's own hooks serve (`serve`)
 _class_hooks: List[trainer.Hook] = []  # the stuck check's and the saved form's
 _lock = threading.RLock()
 
@@ -203,13 +207,20 @@ _lock = threading.RLock()
 def track(optimizer: Any) -> None:
     """Makes `model.fit` check `optimizer` after every step, and saves it in Keras's form (`saved_form`).
 
-    Called by every `tfmp.LossScaleOptimizer` as it is made. The two class hooks (on
-    ``make_train_function`` and ``get_compile_config``) come off in `release_if_unused`
-    once the last such optimizer is collected: never from a garbage-collection callback,
-    which can run in any thread while another holds the hooks' lock.
+    Called by every `tfmp.LossScaleOptimizer` as it is made. Until an attached model
+    holds it (`serve`), two class hooks serve it, on ``make_train_function`` and
+    ``get_compile_config`` (a model tfmp did not attach may be compiled with it);
+    they come off in `release_if_unused` once an attached model serves every tfmp optimizer alive:
+    never from a garbage-collection callback, which can run in any thread while
+    another holds the hooks' lock.
     """
     with _lock:
         _live.add(optimizer)
+        _hold_class_hooks()
+
+
+def _hold_class_hooks() -> None:
+    with _lock:
         if any(not hook.active for hook in _class_hooks):  # one taken off from outside: start again
             for hook in _class_hooks:
                 hook.remove()
@@ -223,23 +234,62 @@ def track(optimizer: Any) -> None:
 
 
 def release_if_unused() -> None:
-    """Takes the ``make_train_function`` and ``get_compile_config`` hooks off when no tfmp optimizer is alive."""
+    """Takes the ``make_train_function`` and ``get_compile_config`` class hooks off when an
+    attached model serves every tfmp optimizer alive (or none is alive)."""
     with _lock:
-        while not _live and _class_hooks:
+        while _class_hooks and all(optimizer in _served for optimizer in _live):
             _class_hooks[-1].remove()
             _class_hooks.pop()
 
 
+def serve(model: Any) -> None:
+    """Gives attached `model` its own hooks: the stuck check after each step and the batch record
+    (acting while its optimizer is a tfmp one), the saved form; its tfmp optimizer needs no class hook.
+
+    Called at attach, before Keras makes the model's functions: the ``train_step`` hook of
+    the batch record goes on now, so Keras binds it (no second make).
+
+    Raises:
+        Whatever installing a hook raises; the model is then as before.
+    """
+    if not _serves_itself(model):
+        surfaces.all_or_none([
+            lambda: trainer.install_make_train_function_hook(_attach, owner="loss_scale.fit_check", model=model),
+            lambda: trainer.install_compile_config_hook(
+                saved_form.compile_config_in_keras_form, owner="saved_form", model=model),
+            lambda: _batch_hook(model),
+        ])
+        # Its wrapper's make hook goes on now, outermost, so the checks wrap the step scope.
+        train_function.add_check(model, "stuck", functools.partial(_check_after_step, model))
+    if getattr(model, "optimizer", None) in _live:  # at load, the optimizer comes later (`_attach`)
+        serve_optimizer(model.optimizer)
+
+
+def _serves_itself(model: Any) -> bool:
+    return trainer.subscribed(model, "make_train_function", "loss_scale.fit_check")
+
+
+def serve_optimizer(optimizer: Any) -> None:
+    """Counts `optimizer` as served by its model's own checks (a custom compile's optimizer that
+    `tfmp._src.loss_scale.custom_optimizers` wrapped): it needs no class hook."""
+    _served.add(optimizer)
+    release_if_unused()
+
+
 def _attach(model: Any) -> None:
-    """As Keras makes `model`'s train function: adds the stuck check and the batch record when its
-    optimizer is a tfmp one, takes them off when it is no longer; nothing on a detached model."""
+    """As Keras makes `model`'s train function. A model `serve` hooked has its check and batch record
+    already; another gets them while its optimizer is a tfmp one (the train function made again to
+    bind the ``train_step`` hook), and loses them when it is not. Nothing on a detached model."""
     if record.detached(model):
         return
     optimizer = getattr(model, "optimizer", None)
     if optimizer in _live:
         build_before_tracing(model, optimizer)
         start_fit(optimizer)
-    if optimizer in _live and not train_function.has_check(model, "stuck"):
+    if _serves_itself(model):
+        if optimizer in _live:
+            _served.add(optimizer)
+    elif optimizer in _live and not train_function.has_check(model, "stuck"):
         train_function.add_check(model, "stuck", functools.partial(_check_after_step, model))
         _watch_batches(model)  # makes the train function again: the check above is kept
     elif optimizer not in _live and train_function.has_check(model, "stuck"):  # compiled with another one
@@ -249,9 +299,20 @@ def _attach(model: Any) -> None:
 
 
 def forget(model: Any) -> None:
-    """Takes the stuck check and the batch record off `model` (`tfmp.detach`), without making its train function."""
+    """Takes the stuck check and the batch record off `model` (`tfmp.detach`), without making its
+    train function; its optimizer is served by the class hooks again (saving still writes Keras's form)."""
     train_function.remove_check(model, "stuck")
     _unwatch_batches(model, remake=False)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer in _served:
+        _served.discard(optimizer)
+        _hold_class_hooks()
+
+
+def _batch_hook(model: Any) -> trainer.Hook:
+    hook = trainer.subscribe(model, "train_step", functools.partial(_recording_step, model), owner="loss_scale.batch")
+    object.__setattr__(model, _BATCH_HOOK, hook)
+    return hook
 
 
 def _watch_batches(model: Any) -> None:
@@ -260,8 +321,7 @@ def _watch_batches(model: Any) -> None:
     hook = vars(model).get(_BATCH_HOOK)
     if hook is not None and hook.active:
         return
-    hook = trainer.subscribe(model, "train_step", functools.partial(_recording_step, model), owner="loss_scale.batch")
-    object.__setattr__(model, _BATCH_HOOK, hook)
+    _batch_hook(model)
     model.make_train_function(force=True)
 
 

@@ -1,7 +1,8 @@
 """The saved form of `tfmp.LossScaleOptimizer`: a `.keras` file plain Keras opens.
 
-While a tfmp optimizer is alive, a hook on ``Model.get_compile_config`` (owner
-``"saved_form"``, installed by `loops.track`) saves it as Keras's
+A hook on ``Model.get_compile_config`` (owner ``"saved_form"``: an attached model's own,
+`loops.serve`, or the class's while a tfmp optimizer no attached model holds is alive,
+`loops.track`) saves it as Keras's
 ``keras.optimizers.LossScaleOptimizer``: Keras's config keys (a fixed scale as 1.0 that
 never grows, `FIXED_SCALE_GROWTH_STEPS`), tfmp's settings under `SETTINGS_KEY` in the
 inner optimizer's entry, which Keras does not read. model.weights.h5: the variables in

@@ -17,10 +17,12 @@ Class-level hooks into Keras, all through the surfaces of `tfmp._src.keras_hooks
   before `enable()`), ``from_config`` (a layer saved in float32 makes its
   sublayers in float32, `tfmp._src.float32.loaded_layers`), the ``__init__`` of
   the exact preprocessing layers (made in float32, `tfmp._src.float32.exact_layers`);
-- model-level hooks, on while a session is open or an attached model is alive
-  (`tfmp._src.attachment.hooks`): ``Layer.losses`` and
-  ``BatchNormalization.call``. They decide by the model's attachment, so a model
-  traces the same graph inside or outside a scope and after `disable()`.
+- model-level hooks, on while a session is open, while an attached model's
+  layer is called or its step traced, and while a layer attached at its first
+  call lives (`tfmp._src.attachment.hooks`): ``Layer.losses``,
+  ``BatchNormalization.call``, Keras's backend ``gelu``/``conv``/``add``... They
+  decide by the model's attachment, so a model traces the same graph inside or
+  outside a scope and after `disable()`.
 
 `disable()` ends the thread's session, restores the previous global policy and
 the TF32 setting, and takes off every class-level hook nothing needs any more.
@@ -91,8 +93,8 @@ def _set_current(state: Optional[Session]) -> None:
 
     The session hooks (``compile``, ``compile_from_config``,
     ``make_train_function``, ``from_config``, the exact layers' ``__init__``) are
-    on while a thread has a session; the model-level hooks (`tfmp._src.attachment.hooks`) also while an attached
-    model is alive.
+    on while a thread has a session; the model-level hooks (`tfmp._src.attachment.hooks`) also while an
+    attached model computes.
 
     Raises:
         Whatever installing a hook raises; this thread's session is then as before.
@@ -329,9 +331,10 @@ def disable() -> None:
     float32 loss terms, exact token ids; `tfmp.detach(model)` takes those off one
     model. Models compiled from now on in this thread are plain Keras. The
     session hooks into Keras come off when no live thread is enabled any more (a
-    thread that ended without `disable()` counts as disabled); the model-level
-    hooks once, besides, no attached model is alive, checked here (also when this
-    thread was not enabled) and by `tfmp.detach`.
+    thread that ended without `disable()` counts as disabled), and so do the
+    model-level hooks, which an attached model puts back only while its layers
+    compute (`tfmp._src.attachment.hooks`); a model tfmp did not attach then runs
+    no tfmp code.
     """
     state = session.current()
     _set_current(None)  # also forgets threads that ended while enabled

@@ -17,7 +17,8 @@ session's ``speedups`` has it on. Without a session they are on inside `in_step`
 `tfmp._src.keras_hooks.step_scope`, or a `tfmp.step_scope` block) and while a layer
 attached at its first call lives (a custom loop over a model never compiled, whose
 step tfmp cannot wrap). So once no thread is enabled, a model tfmp did not attach
-runs none of them beside compiled models. `release_if_unused` takes them off when
+runs none of them, unless it runs while an attached model computes in another thread
+(the hooks are on for the process then, and leave it to Keras). `release_if_unused` takes them off when
 nothing holds them (never from a garbage-collection callback, which can run in any
 thread while another holds the hooks' lock).
 """

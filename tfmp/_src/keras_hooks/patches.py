@@ -198,8 +198,16 @@ def _pass_through(slot: _Slot, original: Any) -> Any:
 
     functools.update_wrapper(pass_through, original)
     with contextlib.suppress(TypeError, ValueError):  # a callable without a signature
-        pass_through.__signature__ = inspect.signature(original)
+        permanent = slot.is_class or isinstance(slot.target, types.ModuleType)  # Keras's own function
+        pass_through.__signature__ = _signature(original) if permanent else inspect.signature(original)
     return pass_through
+
+
+@functools.lru_cache(maxsize=256)
+def _signature(function: Callable) -> inspect.Signature:
+    """The signature of a class's or module's function, read once: the model-level hooks go on
+    and off at each outermost call of an attached model, each time with a new pass-through."""
+    return inspect.signature(function)
 
 
 def _set(target: Any, name: str, value: Any, is_class: bool) -> None:

@@ -98,6 +98,7 @@ def tfmp_leftovers():
     checks that they go with the models.
     """
     from tfmp._src.attachment import hooks as attachment_hooks
+    from tfmp._src.attachment import record
     from tfmp._src.keras_hooks import fit_lifecycle
     from tfmp._src.loss_scale import loops
     from tfmp._src.policy import session
@@ -106,7 +107,7 @@ def tfmp_leftovers():
     allowed = {hook.owner for hook in loops._class_hooks}
     if fit_lifecycle._needed_by:
         allowed.add("fit_lifecycle")
-    if attachment_hooks._first_call_attached():
+    if record.any_attached_at_first_call():
         allowed |= {hook.owner for hook in attachment_hooks.installed()}
     hooks = [hook for hook in _class_hooks() if hook.owner not in allowed]
     return threads, hooks

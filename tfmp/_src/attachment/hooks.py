@@ -17,10 +17,11 @@ session's ``speedups`` has it on. Without a session they are on inside `in_step`
 `tfmp._src.keras_hooks.step_scope`, or a `tfmp.step_scope` block) and while a layer
 attached at its first call lives (a custom loop over a model never compiled, whose
 step tfmp cannot wrap). So once no thread is enabled, a model tfmp did not attach
-runs none of them, unless it runs while an attached model computes in another thread
-(the hooks are on for the process then, and leave it to Keras). `release_if_unused` takes them off when
-nothing holds them (never from a garbage-collection callback, which can run in any
-thread while another holds the hooks' lock).
+runs none of them, unless it runs while an attached model computes in another
+thread (the hooks are on for the process then, and leave it to Keras).
+`release_if_unused` takes them off when nothing holds them (never from a
+garbage-collection callback, which can run in any thread while another holds the
+hooks' lock).
 """
 
 from __future__ import annotations
@@ -140,17 +141,13 @@ def release_if_unused() -> None:
     """Takes the model-level hooks off when no session is open, no `in_step` block runs
     and no layer attached at its first call is alive."""
     with session.lock, _lock:  # session.lock first, as enable() takes them
-        if _hooks and not session.any_open() and not _steps and not _first_call_attached():
+        if _hooks and not session.any_open() and not _steps and not record.any_attached_at_first_call():
             for feature in reversed(list(_hooks)):
                 hooks = _hooks[feature]
                 while hooks:
                     hooks[-1].remove()  # kept in the list if removing raises
                     hooks.pop()
                 del _hooks[feature]
-
-
-def _first_call_attached() -> bool:
-    return any(getattr(record.of(obj), "attached_by", None) == "first call" for obj in record.marked_objects())
 
 
 def installed() -> List[surfaces.Hook]:

@@ -27,8 +27,10 @@ _MARK = PerObject("attachment")
 #: What `tfmp.detach` took the mark off: no mark comes back by itself (kept off the object,
 #: which detach leaves as Keras made it).
 _DETACHED: "weakref.WeakSet[Any]" = weakref.WeakSet()
-#: Objects that carry a mark (one attached at its first call keeps the model-level hooks on).
+#: Objects that carry a mark, and those of them attached at their first call (which keep
+#: the model-level hooks on, `tfmp._src.attachment.hooks`).
 _marked: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_first_call: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _lock = threading.RLock()
 
 
@@ -172,6 +174,10 @@ def mark(objects: Iterable[Any], record: Attachment) -> None:
             _MARK[obj] = record
             _DETACHED.discard(obj)
             _marked.add(obj)
+            if record.attached_by == "first call":
+                _first_call.add(obj)
+            else:
+                _first_call.discard(obj)
 
 
 def unmark(objects: Iterable[Any], *, detached: bool = False) -> None:
@@ -184,6 +190,7 @@ def unmark(objects: Iterable[Any], *, detached: bool = False) -> None:
         for obj in objects:
             _MARK.pop(obj, None)
             _marked.discard(obj)
+            _first_call.discard(obj)
             if detached:
                 _DETACHED.add(obj)
 
@@ -198,6 +205,12 @@ def any_marked() -> bool:
     """Bool. Whether an object with a mark is still alive (not yet garbage-collected)."""
     with _lock:
         return len(_marked) > 0
+
+
+def any_attached_at_first_call() -> bool:
+    """Bool. Whether an object attached at its first call (not by compile or load) is alive."""
+    with _lock:
+        return len(_first_call) > 0
 
 
 def marked_objects() -> List[Any]:

@@ -3,8 +3,8 @@
 `trace_in` wraps the model's own ``train_step``, ``test_step`` and ``predict_step``
 (owner ``"attachment"``, outermost on each): Keras calls them only while it traces the
 function, so a scope there (`tfmp._src.attachment.hooks.in_step`) is entered once per
-trace, not per batch (per batch under ``run_eagerly``). `install` wraps the model's own ``make_train_function``, ``make_test_function`` and
-``make_predict_function`` through `patches`, so each function Keras builds runs inside a
+trace, not per batch (per batch under ``run_eagerly``). `install` wraps the model's own
+``make_train_function``, ``make_test_function`` and ``make_predict_function`` through `patches`, so each function Keras builds runs inside a
 scope (a callable returning a context manager, e.g.
 `tfmp._src.policy.float16_fusion.remapper_off`): tracing, Grappler and the step run in
 it, on the calling thread. `remove` takes it off; a model without a scope has no

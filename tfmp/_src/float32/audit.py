@@ -1,22 +1,8 @@
 """`tfmp.audit(model)`: a per-layer dtype report with warnings.
 
 One `AuditRow` per layer: compute, output and variable dtypes, why it computes in
-float32, its parameters, its warning kinds; the output dtype comes from the symbolic
-graph, a ``batch=`` forward pass or the output-dtype rule (``output_from``). Warning
-kinds (``AuditWarning.kind``):
-
-* ``sensitive_16bit``: a layer a registry rule keeps in float32 (wide float16
-  reductions included) computes in 16 bits, and no user exclusion keeps it there;
-* ``output_16bit``: a model output's layer computes in 16 bits, or (``batch=``) an
-  output is 16-bit at run time;
-* ``variables_16bit``: 16-bit variables, so no float32 master weights;
-* ``policy_mismatch``: a layer's policy differs from tfmp's and tfmp did not set it;
-* ``tensor_core_dims``: on a Tensor Core GPU, a 16-bit Dense/Conv dimension or the
-  batch size is not a multiple of 8 (NVIDIA, "Train With Mixed Precision");
-* ``float32_heavy``: over half the multiplied parameters run in float32
-  (`tfmp._src.float32.audit_cost`);
-* ``consumer_dtype``: a forced layer's output dtype differs from its consumer's;
-* ``dtype_mismatch``: (``batch=``) the forward pass failed on two dtypes in one op.
+float32, its parameters and warning kinds (listed at `AuditReport.warnings`); the output
+dtype comes from the symbolic graph, a ``batch=`` forward pass or the output-dtype rule.
 """
 
 from __future__ import annotations
@@ -67,13 +53,7 @@ def _has_tensor_cores() -> bool:
 
 
 def _expected_policy(model: keras.Model) -> Tuple[str, str]:
-    """The policy the model's layers should have, and where it comes from.
-
-    Returns:
-        Tuple (policy name, source): the one tfmp attached the model under
-        (``"attachment"``), else the calling thread's session's (``"enable"``),
-        else the model's own (``"model"``); see `AuditReport.policy_source`.
-    """
+    """``(policy name, source)`` the model's layers should have (`AuditReport.policy_source`)."""
     attached = _record.of(model)
     current = session.current()
     if attached is not None:
@@ -86,9 +66,8 @@ def _expected_policy(model: keras.Model) -> Tuple[str, str]:
 def _layer_warnings(path, layer, reason, producers, policy, tensor_cores, built_under_policy=False):
     """Yields ``(kind, message)`` pairs for one layer.
 
-    `built_under_policy`: the model itself took `policy` when it was made, so a
-    layer its author set to ``"float32"`` is a deliberate choice (keras-hub's
-    attention softmax), not a layer built before `tfmp.enable()`.
+    With `built_under_policy` (the model was made under `policy`), a float32
+    layer is its author's choice, not a policy mismatch.
     """
     compute = layer.compute_dtype
     excluded = _float32.excluded_by_user(layer) or _registry.is_excluded(layer, path, ())
@@ -141,13 +120,10 @@ def _dtype(x: Any) -> Optional[str]:
 
 
 def _graph_facts(model: keras.Model, entries) -> Tuple[Dict[int, List[str]], Dict[int, list], set]:
-    """Output dtypes and consumers of every layer that has nodes in a Functional graph.
+    """Per layer in a Functional graph: ``(outputs, consumers, projecting)``.
 
-    Returns:
-        ``(outputs, consumers, projecting)``: layer id -> list of output dtypes
-        (one per output tensor of each of its nodes); layer id -> list of
-        ``(consumer operation, dtype of the tensor it receives)``; ids of tied
-        embeddings with a ``reverse=True`` node.
+    Layer id -> output dtypes; layer id -> ``(consumer op, dtype it receives)``
+    pairs; ids of tied embeddings with a ``reverse=True`` node.
     """
     graphs = [functional_graph(model)] + [
         functional_graph(layer) for _, layer, _ in entries if isinstance(layer, keras.Model)
@@ -240,13 +216,10 @@ def audit(
     Args:
         model: ``keras.Model``, built or not (unbuilt layers show 0 params).
         batch: Optional input batch ``x`` or tuple ``(x, y, ...)``. When given,
-            one forward/backward pass lists each trainable variable's dtype and
-            its gradient's dtype, checks runtime output dtypes and turns mixed
-            dtype failures into a ``dtype_mismatch`` warning. The pass runs in
-            training mode (dropout and noise layers compute only there); every
-            variable of the model, trainable or not (BatchNormalization's moving
-            statistics, random layers' seed states), is put back afterwards, so no
-            variable changes.
+            one training-mode forward/backward pass lists each trainable
+            variable's and its gradient's dtype, checks runtime output dtypes and
+            turns mixed-dtype failures into a ``dtype_mismatch`` warning; every
+            variable of the model is put back afterwards.
         batch_size: Optional int checked against Tensor Core alignment; defaults
             to the batch's leading size.
         tensor_cores: Optional bool. Whether to apply the multiple-of-8 checks;
@@ -256,16 +229,14 @@ def audit(
         :class:`AuditReport`.
 
     Raises:
-        ValueError: (project template) ``model`` is not a ``keras.Model`` or has
-            no layer; ``batch`` is not an array, tensor or structure of them
-            with at least one example, or does not match a graph model's input
-            shapes; ``batch_size`` is neither None nor an int >= 1;
-            ``tensor_cores`` is neither None nor a bool.
-        Exception: any error of the ``batch`` pass (a shape bug...) propagates
-            unchanged, unless the failing op itself said that two dtypes do not
-            match (TensorFlow's TypeError, InvalidArgumentError or
-            tensor-conversion ValueError, see `_DTYPE_MISMATCH`): that one is
-            reported as a ``dtype_mismatch`` warning instead.
+        ValueError: ``model`` is not a ``keras.Model`` or has no layer; ``batch``
+            is not an array, tensor or structure of them with at least one
+            example, or does not match a graph model's input shapes;
+            ``batch_size`` is neither None nor an int >= 1; ``tensor_cores`` is
+            neither None nor a bool.
+        Exception: any error of the ``batch`` pass propagates unchanged, unless
+            the failing op said two dtypes do not match: that one becomes a
+            ``dtype_mismatch`` warning.
 
     Example:
         >>> import keras, tfmp

@@ -1,8 +1,4 @@
-"""The result of `tfmp.audit`: rows per layer, gradient rows, warnings, and its table.
-
-`tfmp._src.float32.audit` builds an `AuditReport`; this module holds its data
-classes and the text ``print(report)`` shows.
-"""
+"""The result of `tfmp.audit` (built by `tfmp._src.float32.audit`): its data classes and table."""
 
 from __future__ import annotations
 
@@ -23,7 +19,7 @@ POLICY_LABELS = {
 
 @dataclasses.dataclass(frozen=True)
 class AuditWarning:
-    """One finding. ``kind`` is one of the module's warning kinds; ``path`` the layer."""
+    """One finding. ``kind`` is one of those listed at `AuditReport.warnings`; ``path`` the layer."""
 
     kind: str
     path: str
@@ -42,10 +38,9 @@ class AuditRow:
             when they differ; ``"-"`` when it never ran in the ``batch=`` pass).
         variable_dtype: String. Dtype of its own weights (else its policy's).
         forced: String. tfmp's reason for forcing it to float32 (``"output"``,
-            ``"softmax"``, ``"known fix: ..."``, ``"float16 reduction: logsumexp over
-            76,800 values"``, ``"user rule"``, ``"inside <path>"``...)
-            or ``""``; for a block producing a model output, ``"output cast to
-            float32 (body 16-bit)"``: it computes in 16 bits, its output is cast.
+            ``"softmax"``, ``"known fix: ..."``, ``"user rule"``, ``"inside <path>"``...)
+            or ``""``; ``"output cast to float32 (body 16-bit)"`` for a block
+            producing a model output, computing in 16 bits.
         why: String. ``forced``, or ``"float32 inside Keras >= 3.12"`` for a layer
             Keras itself computes in float32, or ``""``.
         params: Int. Its own parameter count.
@@ -87,20 +82,25 @@ class AuditReport:
         policy: String. Name of the dtype policy the model's layers are checked
             against (``policy_mismatch``), from `policy_source`.
         rows: Tuple of :class:`AuditRow`, parents before children.
-        warnings: Tuple of :class:`AuditWarning`.
-        float32_fraction: Float in [0, 1]. Share of the parameters the model
-            multiplies per example (every weight but an ``Embedding`` table
-            that is only looked up; a tied ``ReversibleEmbedding`` that projects
-            counts its table once) that are multiplied in float32: in
-            float32-forced layers (cast-only output layers are not), or in a
-            tied projection Keras runs in float32 (`tfmp._src.float32.audit_cost`).
+        warnings: Tuple of :class:`AuditWarning`, of kinds ``sensitive_16bit`` (a
+            layer a registry rule keeps in float32 computes in 16 bits, not by
+            exclusion); ``output_16bit`` (a model output's layer, or with
+            ``batch=`` an output at run time, is 16-bit); ``variables_16bit`` (no
+            float32 master weights); ``policy_mismatch`` (a policy tfmp did not
+            set differs from the expected one); ``tensor_core_dims`` (on a Tensor
+            Core GPU, a 16-bit Dense/Conv dimension or the batch size is not a
+            multiple of 8, NVIDIA "Train With Mixed Precision"); ``float32_heavy``
+            (over half the multiplied parameters run in float32); ``consumer_dtype``
+            (a forced layer's output dtype differs from its consumer's);
+            ``dtype_mismatch`` (``batch=`` pass failed on two dtypes in one op).
+        float32_fraction: Float in [0, 1]. Share of the parameters multiplied per
+            example (not an ``Embedding`` table only looked up) that are
+            multiplied in float32: in forced layers (not cast-only outputs) or in
+            a tied projection Keras runs in float32 (`tfmp._src.float32.audit_cost`).
         gradients: Tuple of :class:`GradientRow`, empty unless ``batch`` was given.
-        policy_source: String. Where `policy` comes from: ``"attachment"`` (the
-            policy tfmp attached the model under, `tfmp.attachment`),
-            ``"enable"`` (this thread's `tfmp.enable()`, for a model tfmp did not
-            attach) or ``"model"`` (the model's own ``dtype_policy``, tfmp not
-            involved). Never Keras's global policy, which may have changed since
-            the model was built.
+        policy_source: String. Where `policy` comes from: ``"attachment"``
+            (`tfmp.attachment`), ``"enable"`` (this thread's `tfmp.enable()`) or
+            ``"model"`` (its own ``dtype_policy``); never Keras's global policy.
     """
 
     policy: str
@@ -111,11 +111,11 @@ class AuditReport:
     policy_source: str = "model"
 
     def __post_init__(self) -> None:
-        """Checks the fields (a report made by hand fails here, not when printed).
+        """Checks the fields, so a report made by hand fails here, not when printed.
 
         Raises:
-            ValueError: (template) a field of another type, `float32_fraction`
-                outside [0, 1] or `policy_source` not a key of `POLICY_LABELS`.
+            ValueError: a field of another type, `float32_fraction` outside [0, 1]
+                or `policy_source` not a key of `POLICY_LABELS`.
         """
         check_type("policy", self.policy, str, "a dtype policy name string", fix="Pass e.g. policy='mixed_float16'.")
         for name, kind in (("rows", AuditRow), ("warnings", AuditWarning), ("gradients", GradientRow)):

@@ -1,15 +1,9 @@
 """The bias gradient of a 16-bit Dense or convolution summed with float32 accumulation on a CPU.
 
-Keras adds a bias with ``tf.nn.bias_add``; TensorFlow's CPU ``BiasAddGrad`` accumulates
-the sum over every row in bfloat16, so rows stop counting once the running sum is large.
-oneDNN's fused Conv2D filter-and-bias gradient and TensorFlow's ``Sum`` accumulate in
-float32. For a model whose attachment says so (`decision`, ``Attachment.bias_gradient``),
-the hook on ``add`` (owner ``"bias_gradient"``, `keras_hooks.backend_ops`) keeps Keras's
-forward pass and gives the bias ``reduce_sum(dy)`` over every axis but the channel,
-except a Conv2D bias whose filter trains where the fused kernel keeps the sum. Decided
-once per 16-bit model on a machine without GPUs or TPUs from `probe` (known-answer
-checks of this process's kernels); tests inject a result with `injected`.
-Measurements: benchmarks/README.md, "Bias gradients".
+TensorFlow's CPU ``BiasAddGrad`` accumulates in bfloat16 and loses large sums; ``Sum``
+accumulates in float32. For a model whose attachment says so (`decision`, from the
+known-answer `probe` of this process's kernels), the hook on ``add`` keeps Keras's forward
+pass and gives the bias ``reduce_sum(dy)``. Measurements: benchmarks/README.md, "Bias gradients".
 """
 
 from __future__ import annotations
@@ -26,8 +20,7 @@ from tfmp._src.policy.probe_cache import ProbeCache
 
 #: ``Attachment.bias_gradient`` of a model whose 16-bit bias gradients tfmp sums.
 SUMMED = "summed"
-#: ... of one whose bias gradients tfmp sums except after a Conv2D, where oneDNN's fused
-#: filter-and-bias gradient kernel measured exact.
+#: ... except after a Conv2D, where oneDNN's fused filter-and-bias gradient kernel keeps the sum.
 SUMMED_EXCEPT_CONV2D = "summed except after Conv2D"
 #: ``Attachment.bias_gradient`` of a model that keeps Keras's gradient without a check.
 KERAS = "keras"
@@ -35,12 +28,11 @@ KERAS = "keras"
 #: the Conv2D check has `ROWS` positions (`CONV_BATCH` images of `CONV_SIDE` squared).
 ROWS, COLUMNS, VALUE = 4096, 8, 0.01
 CONV_BATCH, CONV_SIDE = 16, 16
-#: A sum is lost when it is off by more than this fraction (four bfloat16 units in
-#: the last place); a float32 accumulation rounded once is off by at most 2**-9.
+#: A sum is lost when off by more than this fraction (four bfloat16 units in the last place).
 LOST = 2.0**-6
 
 _probes = ProbeCache()
-_cache = _probes.cache  # dtype -> BiasGradientProbe measured in this process
+_cache = _probes.cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,10 +45,8 @@ class BiasGradientProbe:
         bias_add_grad: Float. Column 0 of TensorFlow's ``BiasAddGrad`` of the
             `ROWS` x `COLUMNS` gradient (NaN when it could not run).
         summed: Float. Column 0 of ``tf.reduce_sum`` over the rows, in `dtype`.
-        conv2d: Float. ``BiasAddGrad`` of the same gradient (`ROWS` positions) in a
-            traced ``tf.function`` beside a Conv2D filter's gradient of it, fed in
-            (so Grappler cannot fold it): where oneDNN fuses the two into one
-            kernel, that kernel's sum.
+        conv2d: Float. The same ``BiasAddGrad`` traced beside a Conv2D filter's
+            gradient, as oneDNN fuses them where it can.
         source: String. ``"measured"``, ``"injected"`` (tests) or ``"failed: <error>"``.
     """
 
@@ -90,9 +80,7 @@ class BiasGradientProbe:
 
 
 def _conv2d_bias_gradient() -> Any:
-    """A `tf.function` ``(x, dy) -> BiasAddGrad(dy)`` beside the filter's gradient of a 1x1
-    Conv2D of ``x``: the pattern of a Conv2D with a bias in a training step, which
-    oneDNN's graph pass fuses into one kernel where it applies."""
+    """A `tf.function` ``(x, dy) -> BiasAddGrad(dy)`` beside a 1x1 Conv2D's filter gradient (oneDNN fuses them)."""
     import tensorflow as tf
 
     @tf.function(autograph=False)
@@ -113,7 +101,7 @@ def measure(dtype: str) -> BiasGradientProbe:
 
     Returns:
         `BiasGradientProbe` (``source="failed: ..."`` with NaN sums when
-        TensorFlow cannot run it here). About 0.04 s on the Zen 4 (the Conv2D check is traced).
+        TensorFlow cannot run it here).
     """
     import tensorflow as tf
 
@@ -141,16 +129,10 @@ def probe(dtype: str) -> BiasGradientProbe:
 @contextlib.contextmanager
 def injected(loses: bool, dtypes: tuple = LOW_PRECISION,
              conv2d_loses: bool = False) -> Iterator[List[BiasGradientProbe]]:
-    """Makes `probe` return a given result for each of `dtypes` inside the block (tests), also nested.
+    """Makes `probe` return a given result for each of `dtypes` inside the block (tests).
 
-    Args:
-        loses: Bool. Whether ``BiasAddGrad`` loses the known sum (4.0 for 41.0) or not.
-        dtypes: Tuple of strings. The dtypes injected (default both 16-bit ones).
-        conv2d_loses: Bool. Whether a traced Conv2D's bias gradient loses it too
-            (False: oneDNN's fused kernel keeps it, as on the CPUs measured).
-
-    Yields:
-        List of the injected `BiasGradientProbe`s (``source="injected"``).
+    ``loses``/``conv2d_loses``: whether ``BiasAddGrad`` alone / a traced Conv2D's
+    lose the known sum. Yields the injected `BiasGradientProbe`s.
     """
     with _probes.injected(
             BiasGradientProbe(dtype, 41.0, 4.0 if loses else 41.0, 41.0, 4.0 if conv2d_loses else 41.0, "injected")
@@ -167,11 +149,9 @@ def decision(compute_dtype: str, facts: Optional[DeviceFacts] = None) -> str:
             checked and Keras's gradient is kept.
 
     Returns:
-        String: `KERAS` (not 16-bit, or a GPU/TPU); ``"summed: <check>"`` (this
-        CPU's ``BiasAddGrad`` lost the known sum, a traced Conv2D's too);
-        ``"summed except after Conv2D: <check>"`` (the traced Conv2D's fused
-        kernel kept it); ``"keras: <check>"`` (not lost); ``"keras: off, <why>"``
-        (its Keras surface is missing in this process, `availability`).
+        String: `KERAS` (not 16-bit, or a GPU/TPU); ``"summed: <check>"``,
+        ``"summed except after Conv2D: <check>"``, ``"keras: <check>"`` (sum kept)
+        or ``"keras: off, <why>"`` (Keras surface missing, `availability`).
     """
     if compute_dtype not in LOW_PRECISION:
         return KERAS
@@ -191,8 +171,7 @@ def channel_axis(x: Any, bias: Any) -> Optional[int]:
     """The axis of `x` Keras's backend ``add`` adds `bias` along with ``tf.nn.bias_add``, or None.
 
     Mirrors ``keras.src.backend.tensorflow.numpy.add``: `bias` squeezes to one
-    known dimension, `x` has rank 2 or more, and that dimension is `x`'s last
-    (NHWC, checked first) or its second (NCHW).
+    known dimension, `x`'s last (checked first) or second.
     """
     squeezed = [d for d in bias.shape.as_list() if d is None or d > 1]
     if len(squeezed) != 1 or squeezed[0] is None or len(x.shape) < 2:
@@ -206,14 +185,10 @@ def channel_axis(x: Any, bias: Any) -> Optional[int]:
 def takes_summed_gradient(x: Any, bias: Any, decided: str, layer: Any = None) -> bool:
     """Bool. Whether this call of the backend's ``add`` gets `bias_add_summed`.
 
-    True when both are dense tensors of one 16-bit dtype, `bias` is a bias `x`
-    takes with ``tf.nn.bias_add`` (`channel_axis`), and `decided` (the calling
-    layer's ``Attachment.bias_gradient``) sums it: `SUMMED`, or
-    `SUMMED_EXCEPT_CONV2D` unless `x` is a traced Conv2D's output in `layer`
-    (the calling layer) whose other weights all train, so that oneDNN fuses the
-    bias's gradient with the filter's (exact where measured so). A Conv2D with a
-    frozen filter (bias-only fine-tuning) has no filter gradient to fuse with and
-    is summed.
+    True when both are dense tensors of one 16-bit dtype, `channel_axis` places
+    `bias`, and `decided` sums it: `SUMMED`, or `SUMMED_EXCEPT_CONV2D` unless `x`
+    is a traced Conv2D's output in `layer` whose filter trains (then oneDNN fuses
+    the bias gradient with the filter's).
     """
     import tensorflow as tf
 
@@ -236,10 +211,7 @@ def _filters_train(layer: Any) -> bool:
 
 
 def layer_decision(layer: Any) -> str:
-    """``Attachment.bias_gradient`` of `layer`, the layer whose call runs in this thread
-    (the innermost; `layer_calls.calling_layer`): its own model's decision, also
-    inside a model tfmp did not attach; `KERAS` outside a layer, for a layer not
-    attached, and after `tfmp.detach`."""
+    """``Attachment.bias_gradient`` of the calling `layer`'s model; `KERAS` outside an attached layer."""
     found = record.of_calling(layer)
     return found.bias_gradient if found is not None else KERAS
 

@@ -1,16 +1,8 @@
 """`tfmp.force_float32`: compute precision-sensitive layers and model outputs in float32.
 
-Sets a float32 ``DTypePolicy`` on the layers `tfmp._src.float32.registry` chooses and on
-the layers producing the model's outputs (with their sublayers), then makes the model's
-symbolic graph agree (:func:`_refresh_graph`). The output-dtype rule: a forced layer
-computes in float32 and hands back its parent's compute dtype (hook
-``"float32.cast_back"``, `tfmp._src.float32.cast_back`); output layers return float32;
-a block producing an output (`registry.is_block`) and a logits layer
-(`tfmp._src.float32.logits`) keep their 16-bit policy and only their outputs are cast;
-layers Keras already computes in float32 (`registry.FLOAT32_INSIDE_KERAS`) are left alone.
-A Functional graph is walked back from its outputs, nested models included; a subclassed
-model gets its outputs cast (``"float32.outputs"``); layers built later get a one-shot
-build hook; a model loaded while enabled gets its hooks back (`force_loaded`).
+Sets a float32 policy on the layers `registry` selects and on the model's output
+layers, then brings the symbolic graph's dtypes in line (:func:`_refresh_graph`).
+A forced layer hands back its parent's dtype (`cast_back`); output layers return float32.
 """
 
 from __future__ import annotations
@@ -46,9 +38,8 @@ from tfmp._src.layer_tree import walk
 _FORCED: "weakref.WeakKeyDictionary[keras.layers.Layer, str]" = weakref.WeakKeyDictionary()
 #: Layers a user exclusion kept out of float32 (`excluded_by_user`).
 _EXCLUDED: "weakref.WeakSet[keras.layers.Layer]" = weakref.WeakSet()
-#: Layers whose ``build`` is hooked: layer -> [hook, (path, keep, exclude, forced_as)].
-_DEFERRED = PerObject("deferred_forcing")  # unbuilt layer -> [build hook, rules]
-
+#: Unbuilt layers whose ``build`` is hooked: layer -> [hook, (path, keep, exclude, forced_as)].
+_DEFERRED = PerObject("deferred_forcing")
 
 
 def forced_reason(layer: keras.layers.Layer) -> Optional[str]:
@@ -60,9 +51,7 @@ def forced_reason(layer: keras.layers.Layer) -> Optional[str]:
 
 
 def excluded_by_user(layer: keras.layers.Layer) -> bool:
-    """True when an exclusion (``exclude``/``exclude_float32``, or
-    ``register_float32(..., exclude=True)``) kept ``layer`` out of float32 when
-    tfmp last forced its model."""
+    """True when an exclusion kept ``layer`` out of float32 when tfmp last forced its model."""
     return layer in _EXCLUDED
 
 
@@ -106,11 +95,7 @@ def output_producers(model: keras.Model) -> Tuple[List[keras.layers.Layer], List
 
 
 def _saved_float32(layer: keras.layers.Layer, parent) -> bool:
-    """True when a loaded ``layer`` has the float32 policy forcing gave it before saving.
-
-    That is a plain float32 policy under a 16-bit parent, or under a parent
-    forced itself (the sublayers of a forced layer).
-    """
+    """True when a loaded ``layer`` has float32 under a 16-bit or forced parent, as forcing left it."""
     if layer in _FORCED or layer.dtype_policy.name != "float32":
         return False
     return getattr(parent, "compute_dtype", None) in LOW_PRECISION or parent in _FORCED
@@ -119,11 +104,8 @@ def _saved_float32(layer: keras.layers.Layer, parent) -> bool:
 def _set_float32(layer: keras.layers.Layer, reason: str, parent=None, adopt: bool = False) -> bool:
     """Sets a float32 policy on a 16-bit float layer; True when it changed.
 
-    Every forced layer but an output producer also hands back ``parent``'s dtype
-    (`cast_back.install`). A layer forced earlier that now produces a model
-    output loses that hook. With ``adopt`` (a model being loaded), a layer saved
-    with the float32 policy forcing gave it is recorded as forced and gets its
-    hook back (True: the graph Keras rebuilt without the hook needs refreshing).
+    With ``adopt`` (a model being loaded), a layer saved as forcing left it is
+    recorded as forced and gets its cast-back hook again.
     """
     if adopt and _saved_float32(layer, parent):
         _FORCED[layer] = reason
@@ -152,10 +134,9 @@ def _looks_up(args: tuple, kwargs: dict) -> bool:
 
 
 def _hand_back(layer: keras.layers.Layer, reason: str, parent) -> None:
-    """Makes a forced layer hand back ``parent``'s dtype, but for the model output it produces.
+    """Makes a forced layer hand back ``parent``'s dtype, except where it produces a model output.
 
-    An output producer returns float32; a tied embedding producing one returns
-    float32 from its projecting calls only: its lookups feed the 16-bit body.
+    A tied embedding producing an output casts back only its lookups.
     """
     if reason != "output":
         _cast_back.install(layer, parent)
@@ -167,22 +148,14 @@ def _apply_rules(
     entries, outputs: Set[int], keep, exclude, inherited: Dict[int, str], adopt: bool = False,
     logits: Set[int] = frozenset(),
 ) -> Set[int]:
-    """Forces every entry some rule selects; returns ids of changed layers.
+    """Forces every ``(path, layer, parent)`` entry some rule selects; returns ids of changed layers.
 
-    Args:
-        entries: List of ``(path, layer, parent)`` from :func:`tfmp._src.layer_tree.walk`.
-        outputs: Set of ids of output-producing layers.
-        keep: Tuple of call-level keep targets.
-        exclude: Tuple of call-level exclude targets (they win over everything).
-        inherited: Dict, layer id -> path of the forced layer it sits in; updated
-            so that sublayers of a forced layer are forced too.
-        adopt: Bool. The model is being loaded (see :func:`_set_float32`).
-        logits: Set of ids of output layers producing only logits
-            (`tfmp._src.float32.logits.logits_layers`).
+    ``outputs`` and ``logits`` are ids of output (and logits-only output) layers;
+    ``inherited`` maps a layer id to the path of the forced layer it sits in, and
+    is updated so that sublayers of a forced layer are forced too.
 
     Raises:
-        ValueError: (template) an exclusion matches a float16 3-D pooling layer on
-            a machine without GPUs or TPUs (`pooling3d.excluded_error`).
+        ValueError: an exclusion matches a float16 3-D pooling layer on a CPU-only machine.
     """
     for path, layer, _ in entries:  # before changing anything
         if layer.compute_dtype == "float16" and _pooling3d.reason(layer) and \
@@ -221,11 +194,7 @@ def _apply_rules(
 
 
 def _defer(layer, path: str, keep, exclude, forced_as: Optional[str]) -> None:
-    """Re-applies the rules to the sublayers ``layer.build()`` will create.
-
-    Hooks the instance's ``build`` once (through `keras_hooks.layer_calls`); a later
-    call only updates the options. The hook comes off after the first build.
-    """
+    """Re-applies the rules to the sublayers ``layer.build()`` creates (a one-shot ``build`` hook)."""
     pending = _DEFERRED.get(layer)
     if pending is not None:
         pending[1] = (path, keep, exclude, forced_as)
@@ -283,20 +252,10 @@ def _casts_inputs(op) -> bool:
 def _refresh_graph(graph, changed_ops: Set[int]) -> bool:
     """Recomputes the dtypes of a Functional graph's symbolic tensors in place.
 
-    ``KerasTensor.dtype`` has no setter, and a graph's tensors cannot be swapped
-    for new ones: every downstream node refers to them by identity. So, walking
-    the nodes from inputs to outputs, each node whose operation changed (or whose
-    inputs changed and that does not autocast them) gets its output spec
-    recomputed by Keras's own ``compute_output_spec`` on its recorded arguments,
-    and the new dtype is written into the tensor's ``_dtype`` slot, the same slot
-    Keras's ``Function.compute_output_shape`` writes. No node is created or removed.
-
-    Args:
-        graph: A Functional model (or a Sequential's inner Functional).
-        changed_ops: Set of ids of operations whose dtype behaviour changed.
-
-    Returns:
-        True when a dtype of one of the graph's outputs changed.
+    Downstream nodes hold the tensors by identity, so from inputs to outputs each
+    node whose operation (in ``changed_ops``) or non-autocast inputs changed gets
+    Keras's ``compute_output_spec`` again and its new dtype written into the
+    tensor's ``_dtype`` slot. Returns True when a graph output's dtype changed.
     """
     changed_tensors: Set[int] = set()
     nodes = nodes_by_depth(graph)
@@ -330,24 +289,19 @@ def _refresh_graph(graph, changed_ops: Set[int]) -> bool:
 def force_float32(model: keras.Model, *, keep=(), exclude=()) -> keras.Model:
     """Computes precision-sensitive layers in float32 and returns float32 model outputs.
 
-    Sets a float32 ``DTypePolicy`` (float32 compute and variables) on: layers
-    producing model outputs (a custom block producing one keeps its 16-bit
-    policy and only its output is cast to float32); Softmax layers and normalization layers Keras
-    computes in 16 bits (UnitNormalization); layers with a fused
-    softmax/log_softmax activation; known-broken Keras layers
-    (``registry.KNOWN_BROKEN``); layers whose own float16 ``logsumexp`` or sum
-    can exceed 65504 (``tfmp._src.float32.reductions``); registered and
-    ``keep`` targets; and all sublayers of those. Output producers return float32; every other forced
-    layer hands back its parent's 16-bit compute dtype, so the code around it
-    sees the dtypes it sees under plain Keras. Only layers computing in
-    float16/bfloat16 are touched; nothing else changes. Idempotent. Works before or after build and for
-    Sequential, Functional, nested and multi-output models. A subclassed model has
-    no graph that tells which layers produce its outputs: its sensitive layers are
-    forced and its ``call`` casts 16-bit outputs to float32, but its last layer
-    keeps its 16-bit policy. Called by hand it knows no loss, so a layer
-    producing logits is forced like any output layer; ``compile`` under
-    `tfmp.enable` keeps one whose loss is a from-logits cross-entropy 16-bit,
-    its output cast to float32 (`tfmp._src.float32.logits`).
+    Sets a float32 ``DTypePolicy`` on: layers producing model outputs (a custom
+    block producing one keeps its 16-bit policy, its output cast to float32);
+    Softmax, UnitNormalization and fused softmax/log_softmax layers; known-broken
+    Keras layers (``registry.KNOWN_BROKEN``); layers whose own float16
+    ``logsumexp`` or sum can exceed 65504 (``tfmp._src.float32.reductions``);
+    registered and ``keep`` targets; and all sublayers of those. Every forced layer
+    but an output producer hands back its parent's 16-bit dtype, as under plain
+    Keras. Only float16/bfloat16 layers are touched. Idempotent; works before or
+    after build, for Sequential, Functional, nested and multi-output models. A
+    subclassed model has no graph: its sensitive layers are forced and its
+    ``call`` casts 16-bit outputs to float32. Called by hand it knows no loss, so
+    a logits layer is forced like any output layer (``compile`` under
+    `tfmp.enable` keeps a from-logits one 16-bit, `tfmp._src.float32.logits`).
 
     Args:
         model: ``keras.Model``. Changed in place.
@@ -360,22 +314,17 @@ def force_float32(model: keras.Model, *, keep=(), exclude=()) -> keras.Model:
         which layers were forced and why.
 
     Raises:
-        ValueError: (project template) ``model`` is not a ``keras.Model`` or has
-            no layer (an unbuilt model with layers is fine: its layers are
-            forced as they are built), or ``keep``/``exclude`` is None (``()``
-            means none) or holds an element that is not a Layer class or a
-            non-empty pattern, or an exclusion matches a float16 3-D pooling
-            layer on a machine without GPUs or TPUs, which TensorFlow cannot
-            run (`tfmp._src.float32.pooling3d`).
+        ValueError: ``model`` is not a ``keras.Model`` or has no layer (unbuilt
+            layers are forced as they are built); ``keep``/``exclude`` is None
+            (``()`` means none) or holds something other than a Layer class or a
+            non-empty pattern; or an exclusion matches a float16 3-D pooling
+            layer on a machine without GPUs or TPUs, which TensorFlow cannot run
+            (`tfmp._src.float32.pooling3d`).
 
     Warns:
-        tfmp.UnmatchedTargetWarning: a ``keep`` or ``exclude`` target (class or
-            pattern) matches no layer of ``model``, so it changes nothing (a
-            misspelt pattern): once per model and target, naming the target, a
-            few of the model's layer paths and the closest matching pattern. For
-            a model with unbuilt layers that have a ``build`` of their own
-            (which may create the sublayers a target names), once the last of
-            them is built (the model's first call). Targets registered with
+        tfmp.UnmatchedTargetWarning: a ``keep`` or ``exclude`` target matches no
+            layer of ``model`` (once per model and target; for layers with a
+            ``build`` of their own, once they are built). Targets registered with
             `tfmp.register_float32` are not checked per model.
 
     Example:
@@ -394,13 +343,9 @@ def force_float32(model: keras.Model, *, keep=(), exclude=()) -> keras.Model:
 def force_compiled(model: keras.Model, *, keep=(), exclude=(), loss=None) -> keras.Model:
     """`force_float32` as ``compile()`` under `tfmp.enable` calls it, with its ``loss``.
 
-    A model without layers yet (an empty Sequential) is left as it is: plain
-    Keras compiles it, and `force_float32` would refuse it. An output layer
-    whose outputs are all logits of a from-logits cross-entropy in ``loss``
-    keeps its 16-bit policy, its output cast to float32 (`tfmp._src.float32.logits`).
-    ``keep`` and ``exclude`` are the session's ``keep_float32`` and
-    ``exclude_float32``: a target matching no layer of this model warns under
-    those names (`tfmp.UnmatchedTargetWarning`).
+    A model without layers yet is left as it is. An output layer producing only
+    logits of a from-logits loss keeps its 16-bit policy, its output cast
+    (`tfmp._src.float32.logits`). Unmatched targets warn as ``keep_float32``/``exclude_float32``.
     """
     if not [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]:
         return model
@@ -408,11 +353,7 @@ def force_compiled(model: keras.Model, *, keep=(), exclude=(), loss=None) -> ker
 
 
 def _checked_force(model: keras.Model, keep, exclude, loss=None, *, arguments) -> keras.Model:
-    """`_force` after the argument checks `force_float32` documents.
-
-    ``arguments`` names ``keep`` and ``exclude`` as the user gave them, for
-    `tfmp.UnmatchedTargetWarning`.
-    """
+    """`_force` after `force_float32`'s argument checks; ``arguments`` names keep/exclude for warnings."""
     check_model("model", model, expected="a keras.Model (Sequential, Functional or subclassed)",
                 fix="Wrap a single layer in keras.Sequential([layer]) first.")
     keep, exclude = _registry.targets_from("keep", keep), _registry.targets_from("exclude", exclude)
@@ -422,16 +363,11 @@ def _checked_force(model: keras.Model, keep, exclude, loss=None, *, arguments) -
 
 
 def force_loaded(model: keras.Model, *, keep=(), exclude=(), loss=None) -> keras.Model:
-    """`force_float32` for a model Keras is loading (called as it compiles it).
+    """`force_compiled` for a model Keras is loading, to give its forced layers their hooks back.
 
-    A saved model keeps its layers' policies, but not tfmp's hooks: without
-    them a forced layer inside custom code hands back float32 again, and a
-    subclassed model's outputs are not cast. This applies the same rules, and
-    a layer saved with the float32 policy that a rule selects, under a 16-bit
-    parent, is taken as forced: it gets its cast-back hook and its reason in
-    `tfmp.audit`. A model none of whose layers computes in 16 bits (a plain
-    float32 model) is left as it is. Same arguments and return value as
-    `force_compiled` (``loss`` is the saved compile config's).
+    A saved model keeps its policies but not tfmp's hooks; a layer saved in
+    float32 under a 16-bit parent that a rule selects is taken as forced. A
+    model with no 16-bit layer is left as it is.
     """
     if not any(entry.layer.compute_dtype in LOW_PRECISION for entry in walk(model)):
         return model

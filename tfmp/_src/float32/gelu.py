@@ -1,15 +1,9 @@
 """Exact GELU computed in float32 inside, per model, where the CPU's bfloat16 GELU is the slow path.
 
-Keras's exact GELU ends in ``tf.nn.gelu``, a chain of elementwise ops (longer for its
-gradient); TensorFlow's bfloat16 elementwise CPU kernels are Eigen's on every CPU and
-convert each value to float32 and back inside every op, so the chain costs more in
-bfloat16 than in float32. `float32_inside` casts ``x`` up once, computes GELU and its
-derivative in float32 (the gradient by `fused_gradient`) and rounds each result once to
-``x``'s dtype, keeping only the 16-bit ``x`` for the backward pass. The rule (`decision`,
-``Attachment.gelu``): a bfloat16 model on a machine without GPUs or TPUs, from facts,
-never a timing (`measure` serves ``benchmarks/gelu.py``). The hook (owner ``"gelu"``,
-`keras_hooks.backend_ops`) follows the attachment of the layer computing the GELU.
-Measurements: benchmarks/README.md, "Exact GELU".
+TensorFlow's bfloat16 elementwise CPU kernels convert to float32 and back inside every op
+of Keras's GELU chain. `float32_inside` casts ``x`` up once, computes GELU and its gradient
+in float32 and rounds each result once. The rule (`decision`): a bfloat16 model on a machine
+without GPUs or TPUs. Measurements: benchmarks/README.md, "Exact GELU".
 """
 
 from __future__ import annotations
@@ -25,7 +19,7 @@ from tfmp._src.float32 import inside
 from tfmp._src.keras_hooks import backend_ops
 from tfmp._src.policy.hardware import DeviceFacts
 
-#: The one compute dtype measured and changed (float16 is never tfmp's choice on a CPU).
+#: The one compute dtype changed (float16 is never tfmp's choice on a CPU).
 DTYPE = "bfloat16"
 #: ``Attachment.gelu`` of a model whose 16-bit exact GELU is computed in float32 inside.
 FLOAT32_INSIDE = inside.FLOAT32_INSIDE
@@ -39,8 +33,7 @@ RULE = ("TensorFlow's bfloat16 elementwise CPU kernels convert to float32 and ba
 TRACING = "failed: called while tracing"
 #: `benchmarks/gelu.py` reports float32 inside as faster from this ratio of Keras's time to its own.
 FASTER_RATIO = 1.2
-#: The probe's Dense: 1024 rows of 64 features in, 512 out (GELU over 1024 x 512 values;
-#: smaller ones weigh the per-call overhead more).
+#: The probe's Dense: rows, input features, units.
 ROWS, INPUTS, UNITS = 1024, 64, 512
 #: Seconds of timed calls after the first (tracing) call of each variant.
 BUDGET_S = 0.3
@@ -57,15 +50,10 @@ class GeluProbe:
 
     Attributes:
         dtype: String. ``"bfloat16"`` or ``"float16"``.
-        keras_ms: Float, milliseconds. Fastest call of the probe's Dense step in
-            `dtype` with Keras's GELU (``tf.nn.gelu(x, approximate=False)``),
-            forward and backward; NaN when it could not run.
-        float32_ms: Float, milliseconds. Fastest call of the same step with
-            `float32_inside`.
+        keras_ms: Float, milliseconds. Fastest step with Keras's GELU; NaN when it could not run.
+        float32_ms: Float, milliseconds. Fastest step with `float32_inside`.
         source: String. ``"measured"``, ``"injected"`` (tests) or ``"failed: <error>"``.
-        paired_ratio: Float. Median over the timed rounds of Keras's time over
-            float32 inside's in the same round (NaN when not measured); the
-            decision reads `ratio`, of the fastest calls.
+        paired_ratio: Float. Median over rounds of Keras's time over float32 inside's (NaN when not measured).
     """
 
     dtype: str
@@ -102,11 +90,10 @@ def float32_inside(x: Any) -> Any:
         x: float16 or bfloat16 `tf.Tensor`, any shape.
 
     Returns:
-        `tf.Tensor` of `x`'s shape and dtype. Its gradient is
-        ``dy * (Phi(x) + x * phi(x))`` computed in float32 from the saved 16-bit
-        `x` and rounded once to `x`'s dtype: by one XLA-compiled kernel
-        (`fused_gradient`) when every dimension of `x` but the first is known
-        where it is traced, else by TensorFlow's ops one after the other.
+        `tf.Tensor` of `x`'s shape and dtype. Its gradient
+        ``dy * (Phi(x) + x * phi(x))`` is computed in float32 from the saved 16-bit
+        `x` and rounded once, by `fused_gradient` when all but the first dimension
+        of `x` are known, else by TensorFlow's ops.
     """
     import tensorflow as tf
 
@@ -138,16 +125,9 @@ def _gradient(x: Any, dy: Any) -> Any:
 def fused_gradient() -> Callable:
     """The GELU gradient ``(x, dy) -> dy * GELU'(x)`` as one XLA-compiled `tf.function`.
 
-    TensorFlow runs the gradient's dozen elementwise ops one after the other,
-    each a pass over float32 memory; XLA fuses them into one loop reading the
-    16-bit ``x`` and ``dy`` and writing the 16-bit result (timings:
-    benchmarks/README.md, "Exact GELU"). XLA compiles it once per distinct shape
-    of ``x``; `float32_inside` calls it only where every dimension but the batch
-    is known when the step is traced, so a run compiles it once per batch size.
-    The forward pass stays TensorFlow's (four ops), so inference never runs
-    XLA; a SavedModel of an attached model (``model.export``) stores this
-    gradient beside it, as TensorFlow saves custom gradients, and loads and
-    serves without tfmp.
+    XLA fuses the gradient's dozen elementwise ops into one loop over the 16-bit
+    ``x`` and ``dy``, compiled once per shape of ``x`` (so once per batch size).
+    The forward pass stays TensorFlow's, so inference never runs XLA.
     """
     import tensorflow as tf
 
@@ -172,14 +152,9 @@ def measure(dtype: str, budget_s: float = BUDGET_S, repeats: int = REPEATS,
             shape: Tuple[int, int, int] = (ROWS, INPUTS, UNITS)) -> GeluProbe:
     """Times a 16-bit Dense + GELU with Keras's GELU and with `float32_inside`, now (not cached).
 
-    What is timed is a Dense layer's forward and backward pass in `dtype`,
-    ``gelu(x @ w + b)`` with ``x`` of shape ``(rows, inputs)`` and ``w`` of
-    shape ``(inputs, units)``, the gradients of ``x``, ``w`` and ``b``: the
-    matmul is included so that a CPU where Grappler fuses the MatMul, bias add
-    and Keras's GELU into one kernel measures that fusion too. Each variant is a
-    `tf.function` of its own, called once first (tracing), then the two are
-    timed alternately, up to `repeats` calls each, stopping once `budget_s`
-    seconds of timed calls have passed; the fastest of each is kept.
+    Times ``gelu(x @ w + b)`` forward and backward (the matmul included, so a
+    Grappler fusion counts too), the two variants alternately after a tracing
+    call, up to `repeats` calls each or `budget_s` seconds; the fastest counts.
 
     Args:
         dtype: String. ``"bfloat16"`` or ``"float16"``.
@@ -239,10 +214,8 @@ def decision(compute_dtype: str, facts: Optional[DeviceFacts] = None) -> str:
 def takes_float32_inside(x: Any, approximate: bool) -> bool:
     """Bool. Whether this call of Keras's backend GELU is computed by `float32_inside`.
 
-    True when `approximate` is False, `x` is a bfloat16 tensor and the layer whose
-    call computes it (the innermost layer called, `layer_calls.calling_layer`)
-    is attached with ``gelu`` starting with `FLOAT32_INSIDE`: its own model's
-    decision, also inside a model tfmp did not attach; not after `tfmp.detach`.
+    True for an exact GELU of a bfloat16 `x` in a layer attached with ``gelu``
+    starting with `FLOAT32_INSIDE` (`inside.calling_layer_takes`).
     """
     if approximate or getattr(getattr(x, "dtype", None), "name", None) != DTYPE:
         return False

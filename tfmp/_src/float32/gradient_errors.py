@@ -1,16 +1,9 @@
 """Dtype-mismatch errors of the backward pass that say which layer and what to do.
 
-A ``tf.custom_gradient`` function mixing a float32 tensor (``self.kernel`` not cast to
-``dy.dtype``, a ``tf.constant``) with the 16-bit upstream gradient fails in
-``tape.gradient`` under any mixed policy, outside the ``call`` that
-`tfmp._src.float32.dtype_errors` watches. `install` hooks ``tf.GradientTape.gradient``
-(owner ``"enable.gradient_errors"``, a model-level hook of `tfmp._src.attachment.hooks`):
-a 16-bit/wider mismatch (`dtype_errors.mismatched_dtypes`) for a model attached with
-``explains_dtype_errors`` is raised again as the same type with the layer's path, both
-dtypes and the fix, the original as ``__cause__``. The layer: a frame of the traceback
-holding one of the model's layers, else the gradient function's class among the tape's
-sources' model, else the failing op's name scope (`error_texts.GRADIENT_FRAME`); a
-gradient already wider on arrival names the layer after it. Other errors pass unchanged.
+A ``tf.custom_gradient`` mixing a float32 tensor with the 16-bit upstream gradient fails
+in ``tape.gradient``, outside the ``call`` `dtype_errors` watches. `install` hooks
+``tf.GradientTape.gradient``: for a model attached with ``explains_dtype_errors`` such an
+error is raised again, same type, with the layer's path, both dtypes and the fix.
 """
 
 from __future__ import annotations
@@ -134,10 +127,10 @@ def _by_scope(model: Any, scope: str) -> Tuple[str, Any]:
 def _failing_layer(error: BaseException, sources: Any) -> Optional[Tuple[str, Any, bool]]:
     """(path, layer, received) for the layer whose backward pass raised `error`.
 
-    None when no model whose dtype errors tfmp explains is concerned; the path
-    ``""`` (and the layer None) when only the model is known. `received`: the
-    failing gradient is TensorFlow's own (a built-in op's), fed a gradient of
-    another dtype by a layer after it.
+    Found from a traceback frame holding a layer, else the failing function's
+    class, else the op's name scope. None when no explaining model is concerned;
+    path ``""`` when only the model is known. `received`: the failing gradient
+    is TensorFlow's, fed a wider one by a layer after it.
     """
     models = _explaining_models()
     if not models:
@@ -163,15 +156,9 @@ def _failing_layer(error: BaseException, sources: Any) -> Optional[Tuple[str, An
 def annotate(error: BaseException, sources: Any) -> BaseException:
     """The exception to raise for `error` out of ``tape.gradient(target, sources)``.
 
-    Args:
-        error: Exception raised by ``tf.GradientTape.gradient``.
-        sources: What the tape differentiated with respect to.
-
-    Returns:
-        `error` unchanged unless its text is a 16-bit/float32 dtype mismatch not
-        explained yet, for a model whose dtype errors tfmp explains. Otherwise a
-        new exception of the same type chained to `error`
-        (`dtype_errors.with_explanation`).
+    `error` unchanged unless it is a 16-bit/float32 dtype mismatch not explained
+    yet, for a model whose dtype errors tfmp explains; else a new exception of
+    the same type (`dtype_errors.with_explanation`).
     """
     message = error.message if isinstance(error, tf.errors.OpError) else str(error)
     dtypes = dtype_errors.mismatched_dtypes(message)
@@ -199,9 +186,5 @@ def _wrap(gradient: Callable) -> Callable:
 
 
 def install() -> gradient_tape.Hook:
-    """Hooks ``tf.GradientTape.gradient`` to explain backward-pass dtype mismatches.
-
-    Returns:
-        `gradient_tape.Hook`; remove it to undo.
-    """
+    """Hooks ``tf.GradientTape.gradient`` to explain backward-pass dtype mismatches; returns the `Hook`."""
     return gradient_tape.subscribe(_wrap, owner=_OWNER)

@@ -1,19 +1,9 @@
 """Which layers tfmp keeps in float32: built-in rules, two tables of Keras layers, user rules.
 
-Built-in rules (`builtin_reason`), for layers whose numbers 16 bits cannot hold: softmax
-layers and fused softmax/log_softmax activations (float16 overflow; under bfloat16 the
-gradient's sum, ``benchmarks/softmax_precision.py``), normalization Keras computes in the
-layer's dtype (``UnitNormalization``), attention with its softmax inside
-(`SOFTMAX_INSIDE`), exact preprocessing (`EXACT_PREPROCESSING`), float16 3-D pooling on
-CPUs (`tfmp._src.float32.pooling3d`), wide float16 reductions
-(`tfmp._src.float32.reductions`) and model outputs (`tfmp._src.float32.force`; a block
-producing one, `is_block`, only has its output cast, `OUTPUT_CAST`). Two tables name
-Keras layers by the class whose ``call`` runs, each entry with the version read:
-`FLOAT32_INSIDE_KERAS` (float32 inside already: left 16-bit) and `KNOWN_BROKEN` (forced;
-to add one, append a `KerasLayerNote` with ``f"{cls.__module__}.{cls.__qualname__}"``,
-the version checked and the reason, and a test against float32). Users add targets with
-:func:`register_float32` (``exclude=True`` opts out; exclusion wins), process-wide
-until :func:`unregister_float32` or the end of its ``with`` block.
+`builtin_reason` covers layers whose numbers 16 bits cannot hold; `FLOAT32_INSIDE_KERAS`
+(left 16-bit) and `KNOWN_BROKEN` (forced) name Keras layers by the class whose ``call``
+runs, with the version read. Users add targets with :func:`register_float32`
+(``exclude=True`` opts out; exclusion wins) until :func:`unregister_float32`.
 """
 
 from __future__ import annotations
@@ -42,12 +32,10 @@ class KerasLayerNote:
         class_path: String. ``module.ClassName`` of the class defining the ``call``
             that runs, e.g. ``"keras.src.applications.convnext.StochasticDepth"``.
         keras_version: String. The first version of `package` whose source does
-            this (checked there and on every later one tfmp is tested on); for
-            Keras, on an older Keras the note does not apply.
+            this; on an older Keras the note does not apply.
         why: String. What that source does with 16-bit inputs.
-        package: String. The distribution defining the class: ``"keras"``
-            (default) or ``"keras-hub"``. tfmp never imports it: a note matches
-            by `class_path` alone (`note_for_path`).
+        package: String. ``"keras"`` (default) or ``"keras-hub"``; never imported,
+            a note matches by `class_path` alone.
     """
 
     class_path: str
@@ -94,17 +82,10 @@ KNOWN_BROKEN: Tuple[KerasLayerNote, ...] = (
         "positions and angles in the compute dtype (bfloat16: positions >= 256 collide, "
         "error up to 1.99)", package="keras-hub"),
 )
-#: Why a ``Dot(normalize=True)`` is kept in float32: it l2-normalizes its inputs,
-#: whose squared norm leaves float16's range (65504) for inputs of a few hundred:
-#: cosines of 0.99 came back 0.0 in float16 and 0.992-1.0 in bfloat16.
+#: Why a ``Dot(normalize=True)`` is kept in float32: its inputs' squared norm leaves float16's range.
 COSINE = "cosine (Dot normalize=True)"
 
-#: Layers whose ``call`` takes a softmax of scores it computes itself, with no
-#: Softmax sublayer for the rule above to reach: forced whole (tensorflow#46064:
-#: masked dot-product scores near 1e5 overflow float16, and ``predict`` returns NaN).
-#: MultiHeadAttention is not among them: its softmax is a Softmax sublayer.
-#: Preprocessing layers whose result is exact in float32 and wrong in 16 bits, wherever
-#: they run (in a model, in a ``tf.data`` map): forced, reason ``"exact preprocessing"``.
+#: Preprocessing layers whose result is exact in float32 and wrong in 16 bits: forced.
 EXACT_PREPROCESSING: Tuple[KerasLayerNote, ...] = (
     KerasLayerNote(
         "keras.src.layers.preprocessing.discretization.Discretization", "3.12",
@@ -119,6 +100,7 @@ EXACT_PREPROCESSING: Tuple[KerasLayerNote, ...] = (
         "inputs, mean and variance cast to the compute dtype (keras-core#412: 10000.3 "
         "becomes 10048 under bfloat16)"),
 )
+#: Layers taking a softmax of their own scores, with no Softmax sublayer: forced whole (tensorflow#46064).
 SOFTMAX_INSIDE: Tuple[type, ...] = (keras.layers.Attention, keras.layers.AdditiveAttention)
 BUILTIN_CLASSES: Tuple[type, ...] = (
     keras.layers.Softmax, keras.layers.UnitNormalization, *SOFTMAX_INSIDE)
@@ -158,12 +140,10 @@ class Float32Rules:
     exact_preprocessing: Tuple[KerasLayerNote, ...] = EXACT_PREPROCESSING
 
     def __post_init__(self) -> None:
-        """Checks the fields' forms (a snapshot made by hand fails here, not when read).
+        """Checks the fields' forms, so a snapshot made by hand fails here.
 
         Raises:
-            ValueError: (template) `builtin` is not a tuple of classes, `keep` or
-                `exclude` not a tuple of targets (`targets_from`), a note table
-                not a tuple of `KerasLayerNote`.
+            ValueError: a field is not a tuple of what its attribute lists.
         """
         check_type("builtin", self.builtin, tuple, "a tuple of keras.layers.Layer classes", items=type,
                    fix="Pass e.g. builtin=(keras.layers.Softmax,), or take the rules from tfmp.float32_layers().")
@@ -179,20 +159,18 @@ class Float32Rules:
 class Registration:
     """Handle returned by :func:`register_float32`; a ``with`` block undoes it.
 
-    On exit (also when the body raised) it removes exactly the targets this call
-    added, so targets registered earlier stay registered.
+    On exit it removes exactly the targets this call added; earlier ones stay.
     """
 
     def __init__(self, added: List[Target], exclude: bool) -> None:
         """Made by `register_float32`.
 
         Args:
-            added: List or tuple of targets (`targets_from`): those this call added.
+            added: List or tuple of targets (classes, patterns) this call added.
             exclude: Bool. Whether they were added as exclusions.
 
         Raises:
-            ValueError: (template) `added` is not a list or tuple of targets, or
-                `exclude` not a bool.
+            ValueError: `added` is not a list or tuple of targets, or `exclude` not a bool.
         """
         check_type("added", added, (list, tuple), "a list of Layer classes and pattern strings",
                    fix="Pass e.g. added=['head/*']; tfmp.register_float32('head/*') makes one for you.")
@@ -220,17 +198,14 @@ def targets_from(name: str, targets: Union[Target, Iterable[Target], None]) -> T
 
     Args:
         name: String. Argument name used in error messages, e.g. ``"keep"``.
-        targets: A layer class, a glob pattern string, or a list, tuple or set of
-            those (empty: no targets). Any other single value is checked as one
-            target.
+        targets: A layer class, a glob pattern, or a list, tuple or set of those.
 
     Returns:
         Tuple of layer classes and pattern strings.
 
     Raises:
-        ValueError: (project template) `targets` is None (``()`` means none), or
-            an element is neither a subclass of ``keras.layers.Layer`` nor a
-            non-empty string.
+        ValueError: `targets` is None (``()`` means none), or an element is
+            neither a ``keras.layers.Layer`` subclass nor a non-empty string.
     """
     if targets is None:
         raise invalid_argument(
@@ -265,18 +240,16 @@ def register_float32(*targets: Target, exclude: bool = False) -> Registration:
         exclude: Bool. False (default) adds keep rules; True adds exclusion
             rules, which win over every keep rule, built-in ones included.
 
-    A registered target applies to every model forced from now on, so one
-    matching no layer of some model is not warned about
-    (`tfmp.UnmatchedTargetWarning` is for the targets given to
-    `tfmp.force_float32` and `tfmp.enable`).
+    A registered target applies to every model forced from now on, so it is not
+    checked per model (`tfmp.UnmatchedTargetWarning`).
 
     Returns:
         A :class:`Registration`; use it as a context manager to undo on exit.
 
     Raises:
-        ValueError: (project template) no target given, a target is neither a
-            Layer subclass nor a non-empty string (a list is refused: unpack it,
-            ``register_float32(*targets)``), or `exclude` is not a bool.
+        ValueError: no target given, a target is neither a Layer subclass nor a
+            non-empty string (unpack a list: ``register_float32(*targets)``), or
+            `exclude` is not a bool.
 
     Example:
         >>> import tfmp, keras
@@ -296,9 +269,8 @@ def unregister_float32(*targets: Target) -> None:
     """Removes targets added by :func:`register_float32` (keep or exclude).
 
     Raises:
-        ValueError: (project template) no target given, a target is neither a
-            Layer subclass nor a non-empty string, or was never registered (the
-            message lists the registered ones).
+        ValueError: no target given, a target is neither a Layer subclass nor a
+            non-empty string, or was never registered (the message lists those registered).
     """
     _check_some("unregister_float32", targets)
     for target in targets_from("targets", targets):
@@ -382,12 +354,9 @@ def keras_float32_reason(layer: keras.layers.Layer) -> Optional[str]:
 
 
 def is_block(layer: keras.layers.Layer) -> bool:
-    """True for a layer with sublayers of its own whose ``call`` is not Keras's.
+    """True for a layer with sublayers whose ``call`` is not Keras's (a custom block).
 
-    Such a block (a custom transformer block, a residual stage) does most of a
-    model's work when it produces an output; a Keras layer with sublayers
-    (MultiHeadAttention, TimeDistributed, Bidirectional, an RNN and its cell) is
-    one computation and counts as a leaf.
+    A Keras layer with sublayers (MultiHeadAttention, an RNN) is one computation: a leaf.
     """
     return bool(child_layers(layer)) and not _call_class_path(layer).startswith("keras.")
 
@@ -396,12 +365,9 @@ def builtin_reason(layer: keras.layers.Layer) -> Optional[str]:
     """Why a built-in rule keeps ``layer`` in float32, or None.
 
     Returns:
-        ``"softmax"``, ``"known fix: <why>"`` (a `KNOWN_BROKEN` layer),
-        ``"softmax inside"`` (a `SOFTMAX_INSIDE` layer), `COSINE` (a ``Dot`` with
-        ``normalize=True``), `pooling3d.REASON` (a float16 3-D pooling layer on a
-        machine without GPUs or TPUs), ``"exact preprocessing"``
-        (an `EXACT_PREPROCESSING` layer), ``"normalization"``, ``"fused
-        <activation>"`` or ``"float16 reduction: ..."`` (`reductions.reason`), or None.
+        ``"softmax"``, `EXACT`, ``"known fix: <why>"``, ``"softmax inside"``,
+        `COSINE`, `pooling3d.REASON`, ``"normalization"``, ``"fused <activation>"``,
+        ``"float16 reduction: ..."`` (`reductions.reason`), or None.
     """
     if isinstance(layer, keras.layers.Softmax):
         return "softmax"
@@ -438,12 +404,9 @@ def decide(
 ) -> Optional[str]:
     """Reason to keep ``layer`` in float32 under all rules, or None.
 
-    Order: any exclusion (call or registry) wins; then output position; then
-    built-in rules; then user keep targets (call or registry). An output-producing
-    block (`is_block`) is ``"output"`` (forced whole) only when a built-in or keep
-    rule selects it, else `OUTPUT_CAST`: its output is cast, its body stays 16-bit.
-    So is an output layer producing only logits (``logits``, see
-    `tfmp._src.float32.logits`), with `LOGITS_CAST`.
+    Order: any exclusion wins; then output position; then built-in rules; then
+    keep targets. An output-producing block or logits layer is ``"output"`` only
+    when a rule selects it, else `OUTPUT_CAST` / `LOGITS_CAST` (only its output cast).
     """
     if matches(layer, path, exclude + tuple(_exclude)):
         return None

@@ -1,13 +1,8 @@
 """`tfmp.UnmatchedTargetWarning`: a keep or exclude target that matched no layer of its model.
 
-A target given with one model (``force_float32(model, keep=..., exclude=...)``) or a
-session (``enable(keep_float32=..., exclude_float32=...)``) that selects no layer changes
-nothing, so a misspelt pattern is named once per model and target, with some of the
-model's layer paths and the closest pattern. Targets of `tfmp.register_float32` apply to
-every model and are not judged. A target is judged once no layer with a ``build`` of its
-own still waits for the one-shot build hook of `tfmp._src.float32.force` (each such build
-matches its new sublayers, and the last one judges); a model some of whose layers are
-never built is never judged.
+A target given with one model or session that selects no layer changes nothing (a
+misspelt pattern): it is named once per model and target, with the closest pattern.
+Judged once no layer with a ``build`` of its own still waits for its build hook.
 """
 
 from __future__ import annotations
@@ -36,16 +31,13 @@ _WARNED = PerObject("unmatched_warned")  # model -> set of (argument, target) al
 class UnmatchedTargetWarning(UserWarning):
     """A keep or exclude target matched no layer of the model it was given for.
 
-    Warned once per model and target when forcing a model finishes (in
-    `tfmp.force_float32`, and in ``compile()`` while `tfmp.enable` is on) and a
-    layer class or path pattern given as ``keep``/``exclude`` (or as
-    ``keep_float32``/``exclude_float32`` to `tfmp.enable`) selects no layer of
-    that model, so it changes nothing. The message names the argument, the
-    target, the model, a few of its layer paths (or classes), a
-    "Did you mean ...?" when a pattern is close to one that matches, and the fix.
-    A model with unbuilt layers that have a ``build`` of their own is judged
-    once they are built (its first call). Targets registered with
-    `tfmp.register_float32` apply to every model and are not checked.
+    Warned once per model and target when forcing a model finishes
+    (`tfmp.force_float32`, or ``compile()`` under `tfmp.enable`) and a
+    ``keep``/``exclude`` (``keep_float32``/``exclude_float32``) target selects
+    no layer of it. The message names the argument, the target, the model, a few
+    of its layer paths or classes, a "Did you mean ...?" and the fix. Unbuilt
+    layers with a ``build`` of their own are judged once built (the first call).
+    Targets registered with `tfmp.register_float32` are not checked.
 
     Make it an error with ``warnings.simplefilter("error", tfmp.UnmatchedTargetWarning)``.
     """
@@ -74,21 +66,11 @@ def check(
     entries: Sequence[Tuple[str, Any, Any]],
     deferred: Container[Any],
 ) -> None:
-    """Judges ``model``'s call-level targets once forcing it finished.
+    """Judges ``model``'s call-level targets once forcing it finished (replacing an earlier check).
 
-    Replaces an earlier check of the same model (the deferred builds apply the
-    latest options too).
-
-    Args:
-        model: ``keras.Model`` just forced.
-        targets: Sequence of ``(argument name, tuple of targets)``, e.g.
-            ``(("keep", ("head/*",)), ("exclude", (keras.layers.Softmax,)))``.
-        entries: The walk of ``model`` (`tfmp._src.layer_tree.walk`).
-        deferred: Container of the layers whose build hook has not run yet.
-
-    Warns:
-        UnmatchedTargetWarning: a target matches no layer and no deferred build
-            of the model is left that could add one.
+    ``targets`` is a sequence of ``(argument name, tuple of targets)``; ``entries``
+    the walk of ``model``; ``deferred`` the layers whose build hook has not run.
+    Warns `UnmatchedTargetWarning` once no deferred build could match a target.
     """
     unmatched = list(dict.fromkeys(
         (argument, target) for argument, given in targets for target in given
@@ -100,18 +82,7 @@ def check(
 
 
 def after_build(layer: keras.layers.Layer, deferred: Container[Any]) -> None:
-    """Matches the sublayers ``layer``'s deferred build created for each model waiting on it.
-
-    Called by the build hook after it applied the rules. The last pending build
-    of a model judges its targets.
-
-    Args:
-        layer: ``keras.layers.Layer`` just built.
-        deferred: As for `check`; the new unbuilt sublayers are in it already.
-
-    Warns:
-        UnmatchedTargetWarning: as for `check`.
-    """
+    """Matches the sublayers ``layer``'s deferred build created; a model's last pending build judges."""
     for model_ref, path in _WAITING.pop(layer, {}).values():
         model = model_ref()
         found = None if model is None else _CHECKS.get(model)
@@ -145,9 +116,8 @@ def _judge(model: keras.Model, found: _Check) -> None:
     _CHECKS.pop(model, None)
     if not found.unmatched:
         return
-    warned = _WARNED.get(model)
-    if warned is None:
-        warned = _WARNED[model] = set()
+    warned = _WARNED.get(model) or set()
+    _WARNED[model] = warned
     entries = walk(model)
     for argument, target in found.unmatched:
         if (argument, target) in warned:
@@ -159,14 +129,7 @@ def _judge(model: keras.Model, found: _Check) -> None:
 
 def message(model: keras.Model, argument: str, target: Any,
             entries: Sequence[Tuple[str, Any, Any]]) -> str:
-    """The warning's text for ``target`` given as ``argument`` and matching no layer of ``model``.
-
-    Args:
-        model: ``keras.Model``.
-        argument: String. The argument the target came in, e.g. ``"exclude_float32"``.
-        target: Layer class or pattern string.
-        entries: The walk of ``model``.
-    """
+    """The warning's text for ``target``, given as ``argument``, matching none of ``entries``."""
     paths = [path for path, _, _ in entries]
     count = f"{len(paths)} layer{'s' if len(paths) != 1 else ''}"
     if isinstance(target, str):
@@ -197,8 +160,7 @@ def message(model: keras.Model, argument: str, target: Any,
 
 
 def _class_note(pattern: str, entries: Sequence[Tuple[str, Any, Any]]) -> str:
-    """The fix when ``pattern`` is the name of a class some layer of the model is an
-    instance of (a string is a path pattern; a class is passed as the class itself)."""
+    """The fix when ``pattern`` names a class of some layer of the model (pass the class itself)."""
     for _, layer, _ in entries:
         for cls in type(layer).__mro__:
             if cls.__name__ == pattern and issubclass(cls, keras.layers.Layer):
@@ -209,9 +171,7 @@ def _class_note(pattern: str, entries: Sequence[Tuple[str, Any, Any]]) -> str:
 
 
 def _case_note(pattern: str, paths: Sequence[str]) -> str:
-    """The fix when ``pattern`` matches some path once case is ignored (patterns are
-    case-sensitive: Keras names BatchNormalization layers ``..._BN`` in some
-    keras.applications models), else ``""``."""
+    """The fix when ``pattern`` matches some path once case is ignored, else ``""``."""
     matched = [path for path in paths if fnmatch.fnmatchcase(path.lower(), pattern.lower())]
     if not matched:
         return ""
@@ -226,14 +186,10 @@ LENGTH_SLACK = 2
 
 
 def _close_patterns(pattern: str, paths: Sequence[str]) -> List[str]:
-    """Patterns matching a layer, shaped like ``pattern``, for `did_you_mean`.
+    """Patterns matching some layer, shaped like ``pattern``, for `did_you_mean`.
 
-    The paths themselves; for a pattern starting with ``*`` (``"*softmx"``), ``*``
-    before each path's trailing parts after a ``/`` and before each of its
-    endings about as long as the typed ending (``"*depthwise_BN"``); for one
-    ending with ``*`` (``"block_17_*"``), each path's leading parts before
-    ``/*`` and each of its beginnings about as long as the typed one, then ``*``
-    (``"block_16_*"``). Every candidate matches at least one layer.
+    The paths, and for a leading (trailing) ``*`` each path's trailing (leading)
+    ``/`` parts and its endings (beginnings) about as long as the typed one.
     """
     candidates = dict.fromkeys(paths)
     for path in paths:

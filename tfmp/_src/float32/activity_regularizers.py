@@ -1,17 +1,9 @@
 """Activity regularizers of 16-bit layers computed on the output cast to float32.
 
-Keras's ``Layer.__call__`` adds ``activity_regularizer(output)`` to the layer's
-loss terms, computed in the output's dtype. `keras.regularizers.L2` sums
-``x**2`` first: over float16 activations of about 120 the sum passes 65504 (the
-largest float16) after a few dozen values, so the term is inf at every step and
-dynamic loss scaling skips steps it cannot fix (the later float32 cast of the
-term, `tfmp._src.keras_hooks.loss_terms`, comes too late). bfloat16 keeps the
-range but rounds the sum to 8 significant bits.
-
-For a layer tfmp attaches that computes in 16 bits, the regularizer is called on
-the output cast to float32 (`Float32Regularizer`); saving writes the user's own
-regularizer (a hook on the layer's ``get_config``, owner
-``"float32.regularizer"``), and `tfmp.detach` puts it back.
+Keras computes ``activity_regularizer(output)`` in the output's dtype: an L2 sum of
+float16 activations overflows 65504 within a few dozen values (inf at every step), and
+bfloat16 rounds it to 8 significant bits. For a 16-bit layer tfmp attaches, the
+regularizer gets the output cast to float32; saving and `tfmp.detach` keep the user's own.
 """
 
 from __future__ import annotations
@@ -45,12 +37,7 @@ class Float32Regularizer:
 
 
 def regularize_in_float32(layer: Any) -> bool:
-    """Makes `layer`'s activity regularizer compute in float32 when the layer computes in 16 bits.
-
-    Returns:
-        Bool. True when `layer` has an activity regularizer and computes in
-        float16 or bfloat16 (now, or already before).
-    """
+    """Makes a 16-bit `layer`'s activity regularizer compute in float32; True when it has one."""
     regularizer = getattr(layer, "activity_regularizer", None)
     if regularizer is None or layer.compute_dtype not in LOW_PRECISION:
         return False

@@ -1,9 +1,7 @@
 """`tfmp.audit(model, batch=...)`: one forward and backward pass, leaving the model as it was.
 
-The pass runs with ``training=True`` (dropout and noise layers compute nothing in
-inference) inside `_variables_restored`; it reports each gradient's dtype and the
-outputs' dtypes, and turns an error that says two dtypes do not match into a
-``dtype_mismatch`` warning. Every other error propagates.
+Reports each gradient's and output's dtype, and turns an error that says two dtypes do
+not match into a ``dtype_mismatch`` warning; every other error propagates.
 """
 
 from __future__ import annotations
@@ -42,12 +40,8 @@ def _message(error: BaseException) -> str:
 def _as_raised(error: BaseException) -> BaseException:
     """The error as the failing op raised it, before Keras added call information.
 
-    Keras re-raises an error from a layer's `call` as a new error of the same class
-    whose message wraps the original one ("Exception encountered when calling
-    X.call()", the original text, then "Arguments received by X.call()" with every
-    argument's shape and dtype), raised while handling the original, so the original
-    is the new error's `__context__`. The chain is followed only while each step is
-    such a re-raise: same class, message contained in the outer one.
+    Follows `__context__` while each step is a Keras re-raise: same class, message
+    contained in the outer one.
     """
     for _ in range(8):  # one step per Keras wrapper; a bound against cycles
         inner = error.__context__
@@ -59,12 +53,7 @@ def _as_raised(error: BaseException) -> BaseException:
 
 
 def _dtype_mismatch_line(error: BaseException) -> Optional[str]:
-    """The first line of `error` when it says two dtypes do not match, else None.
-
-    Decided from the error as the failing op raised it (`_as_raised`): its class and
-    its first line, never from Keras's dump of the call's arguments, which names a
-    dtype for every tensor argument whatever went wrong.
-    """
+    """The first line of `error` as the op raised it (`_as_raised`) when it says two dtypes do not match."""
     raised = _as_raised(error)
     lines = _message(raised).strip().splitlines()
     first = lines[0].strip() if lines else ""
@@ -76,15 +65,10 @@ def _dtype_mismatch_line(error: BaseException) -> Optional[str]:
 
 @contextlib.contextmanager
 def _variables_restored(model: keras.Model) -> Iterator[None]:
-    """Puts every variable of `model` back as it was when the block exits.
+    """Puts every variable of `model` back as it was when the block exits, also when it raises.
 
-    The gradient check runs the model with ``training=True``, since some dtype
-    errors only show there (dropout and noise layers compute nothing in inference),
-    and a training call updates state: BatchNormalization's moving mean and
-    variance, the seed generators of random layers. Their values are copied before
-    and assigned back after, also when the block raises. Variables the block
-    creates (a model built by this first call) go back to the value they were
-    created with, so an unbuilt model ends as if it had only been built.
+    A training call updates moving statistics and seed states; variables the
+    block creates go back to their initial value.
     """
     saved = {id(v): (v, v.numpy()) for v in list(model.variables) + list(model.metrics_variables)}
     created: List[Tuple[Any, Any]] = []
@@ -114,9 +98,8 @@ def check_batch(model: keras.Model, batch: Any) -> None:
     """Checks `tfmp.audit`'s `batch` before the pass: arrays, and the inputs' shapes where known.
 
     Raises:
-        ValueError: (template) `batch` (or its ``x``, for a tuple) is not made of
-            arrays or tensors with a non-empty leading (batch) axis, or does not
-            match the shapes of a graph model's inputs (rank and known sizes).
+        ValueError: `batch` (or its ``x``) is not made of arrays or tensors with a
+            non-empty batch axis, or does not match a graph model's input shapes.
     """
     x = batch[0] if isinstance(batch, tuple) and batch else batch
     leaves = keras.tree.flatten(x)
@@ -140,12 +123,9 @@ def check_batch(model: keras.Model, batch: Any) -> None:
 
 
 def gradient_check(model, batch, entries):
-    """Runs one forward/backward pass; returns (gradient rows, output dtypes, warnings).
+    """Runs one training-mode forward/backward pass; returns (gradient rows, output dtypes, warnings).
 
-    Every variable of `model` holds the same value afterwards (`_variables_restored`),
-    and a pass that raises leaves the model's build state (what is saved as its
-    build config) as it was. Errors other than a dtype mismatch between two tensors
-    propagate.
+    Variables and build state are left as they were; errors other than a dtype mismatch propagate.
     """
     x = batch[0] if isinstance(batch, tuple) else batch
     with _variables_restored(model), build_state_restored_on_error(model):

@@ -1,14 +1,9 @@
 """What float32 forcing costs a model, for `tfmp.audit`: the ``float32_heavy`` finding.
 
-Forcing changes the dtype a layer's matmuls run in, not its variables' (float32 under a
-``mixed_*`` policy anyway), so the cost is counted in *multiplied parameters*: every
-weight but an ``Embedding`` table that is only looked up. A tied embedding's projection
-(``ReversibleEmbedding``, ``reverse=True``) counts its table once and runs in float32
-inside a 16-bit model forced or not (Keras 3.15's ``Embedding`` does not autocast;
-`KERAS_PROJECTION`) unless ``reverse_dtype`` is 16-bit; a custom layer multiplying by
-another layer's table is charged that table (`borrowed_tables`); a layer forced inside
-a forced one is charged to that one (`root`). The finding names the largest forced
-layers, their multiplied parameters and the call that computes each in 16 bits.
+Forcing changes the dtype a layer's matmuls run in, so the cost is counted in
+*multiplied parameters*: every weight but an ``Embedding`` table only looked up (a tied
+projection counts its table once). The finding names the largest forced layers, their
+multiplied parameters and the change that computes each in 16 bits.
 """
 
 from __future__ import annotations
@@ -46,14 +41,8 @@ def _size(variable) -> int:
 def multiplied_params(layer: keras.layers.Layer, weights: Sequence, projecting: bool) -> int:
     """Parameters each example multiplies in ``layer``'s own ``weights``.
 
-    Args:
-        layer: The layer.
-        weights: Its own weights (`tfmp._src.layer_tree.own_weights`).
-        projecting: Bool. A ``ReversibleEmbedding`` called with ``reverse=True``.
-
-    Returns:
-        Int. The size of all ``weights``; for an ``Embedding``, 0 (a lookup), or
-        its projection matrix when ``projecting``.
+    For an ``Embedding``, 0 (a lookup), or its projection matrix when
+    ``projecting`` (called with ``reverse=True``).
     """
     if not isinstance(layer, keras.layers.Embedding):
         return sum(_size(w) for w in weights)
@@ -64,12 +53,9 @@ def multiplied_params(layer: keras.layers.Layer, weights: Sequence, projecting: 
 
 
 def borrowed_tables(layer: keras.layers.Layer, parents: Dict[int, object]) -> int:
-    """Size of the ``Embedding`` tables ``layer`` holds as sublayers listed under another parent.
+    """Size of the ``Embedding`` tables ``layer`` holds as sublayers walked under another parent.
 
-    Args:
-        layer: A layer; wiring (`tfmp._src.layer_tree.is_wiring`: a Functional
-            model lists the layers of its nested models' graphs too) gives 0.
-        parents: Layer id -> its parent in the model's walk.
+    ``parents``: layer id -> its parent in the model's walk. Wiring gives 0.
     """
     if is_wiring(layer):
         return 0
@@ -140,18 +126,11 @@ def float32_heavy(
 ) -> Optional[str]:
     """The ``float32_heavy`` message, or None when forced layers hold at most half the cost.
 
-    Args:
-        forced: ``(path, layer, reason, multiplied parameters)`` of every layer
-            that computes in float32: tfmp forced it whole (not the cast-only
-            ones), or it is a `float32_projection` (reason `KERAS_PROJECTION`).
-        layers: Path -> layer, for the forced layers' roots.
-        total: Int. Multiplied parameters of the whole model.
-        fraction: Float. The share of them in ``forced``.
-        policy: String. The report's policy; None is returned unless ``mixed_*``.
-
-    Returns:
-        String naming the share and up to `NAMED_LAYERS` roots, largest first:
-        path, class, multiplied parameters, share, reason, cost and change.
+    ``forced`` holds ``(path, layer, reason, multiplied parameters)`` of every
+    layer computing in float32 (forced whole, or a `float32_projection`);
+    ``layers`` maps paths to layers; ``total`` and ``fraction`` are the model's
+    multiplied parameters and the share forced. None unless ``policy`` is ``mixed_*``.
+    The message names up to `NAMED_LAYERS` roots, largest first.
     """
     if fraction <= FLOAT32_HEAVY_FRACTION or not policy.startswith("mixed"):
         return None

@@ -1,13 +1,9 @@
 """Dtype-mismatch errors while a Functional model is built, explained while enabled.
 
-A layer mixing its 16-bit inputs with a float32 tensor it creates (the keras.io VAE's
-``Sampling``) fails when called on ``keras.Input`` tensors, in
-``Layer.compute_output_spec``: before ``compile``, so before the hooks of
-`tfmp._src.float32.dtype_errors`. While a session is open, `install` hooks
-``compute_output_spec`` (owner ``"enable.build_errors"``): in a thread with a session
-such an error is raised again as the same type, Keras's text followed by tfmp's (the
-layer's path, both dtypes, the remedies that work before ``compile``), the original as
-``__cause__``. Any other exception passes unchanged.
+A layer mixing its 16-bit inputs with a float32 tensor it creates fails when called on
+``keras.Input`` tensors, before ``compile`` and so before `dtype_errors`' hooks. `install`
+hooks ``compute_output_spec``: in a thread with a session such an error is raised again,
+same type, with the layer's path, both dtypes and the remedies that work before ``compile``.
 """
 
 from __future__ import annotations
@@ -24,13 +20,8 @@ from tfmp._src.layer_tree import walk
 from tfmp._src.policy import session
 
 
-def _failing_layer(root: Any, error: BaseException, message: str) -> tuple:
-    """(path, layer) of the layer whose ``call`` raised inside `root`'s symbolic call.
-
-    `root` is the layer Keras is inferring the output of: a layer called on
-    ``keras.Input`` tensors, so its path is its name (no model exists yet). A
-    sublayer it calls is named below it (``"block/noise"``).
-    """
+def _failing_layer(root: Any, error: BaseException) -> tuple:
+    """(path, layer) of the layer whose ``call`` raised inside `root`'s symbolic call (paths start at its name)."""
     entries = [(root.name, root)] + [(entry.path, entry.layer) for entry in walk(root, root.name)]
     by_id = {id(layer): path for path, layer in entries}
     for owner in error_texts.call_frame_owners(error):
@@ -42,20 +33,14 @@ def _failing_layer(root: Any, error: BaseException, message: str) -> tuple:
 def annotate(layer: Any, error: BaseException) -> BaseException:
     """The exception to raise for `error` met inferring `layer`'s output: explained, or `error`.
 
-    Args:
-        layer: `keras.layers.Layer` whose ``compute_output_spec`` raised.
-        error: The exception it raised.
-
-    Returns:
-        `error` itself unless its text is a 16-bit/wider float mismatch
-        (`dtype_errors.mismatched_dtypes`) not explained yet; else a new exception
-        of the same type (`dtype_errors.with_explanation`).
+    `error` itself unless it is a 16-bit/wider float mismatch not explained yet;
+    else a new exception of the same type (`dtype_errors.with_explanation`).
     """
     message = error.message if isinstance(error, tf.errors.OpError) else str(error)
     dtypes = dtype_errors.mismatched_dtypes(message)
     if dtypes is None or dtype_errors.explained(error) or "\n\ntfmp: " in message:
         return error
-    path, failing = _failing_layer(layer, error, message)
+    path, failing = _failing_layer(layer, error)
     return dtype_errors.with_explanation(
         error, dtype_errors.explanation(path, failing, *dtypes, at_build=True))
 

@@ -1,14 +1,9 @@
 """What a forced layer hands back: its parent's 16-bit dtype, or float32 for a model output.
 
-`tfmp._src.float32.force` decides which layers compute in float32; the two hooks here
-make the dtypes around them match plain Keras:
-
-* ``"float32.cast_back"`` on a forced layer's ``call`` and ``compute_output_spec``:
-  floating outputs cast to its parent's compute dtype (read at each call) when 16-bit.
-* ``"float32.outputs"`` on a subclassed model's ``call``, and on a block producing a
-  model output (`tfmp._src.float32.registry.is_block`): 16-bit floating outputs cast to
-  float32; an output that is exactly (by tensor identity, within one call) what a forced
-  direct sublayer handed back is replaced by that sublayer's float32 result.
+``"float32.cast_back"`` casts a forced layer's floating outputs to its parent's 16-bit
+compute dtype (read at each call). ``"float32.outputs"`` casts a subclassed model's or
+output block's 16-bit outputs to float32, taking back a forced sublayer's float32 result
+where the output is exactly what that sublayer handed back.
 """
 
 from __future__ import annotations
@@ -26,7 +21,7 @@ from tfmp._src.keras_hooks.object_state import PerObject
 from tfmp._src.keras_hooks.loss_terms import to_float32
 
 #: Forced layers handing back their parent's dtype: layer -> [call hook, spec hook, target].
-_CAST_BACK = PerObject("cast_back")  # layer -> [call hook, compute_output_spec hook, target]
+_CAST_BACK = PerObject("cast_back")
 _local = threading.local()
 
 
@@ -78,11 +73,8 @@ def cast_float(x, dtype: str):
 def install(layer: keras.layers.Layer, parent, only: Optional[Callable[[tuple, dict], bool]] = None) -> None:
     """Hooks ``layer.call`` and ``layer.compute_output_spec`` to hand back ``parent``'s dtype.
 
-    The target is read at each call: the parent's compute dtype when it is 16-bit
-    (float16/bfloat16), else no cast (a float32 parent takes float32 as it is).
-    ``only``: optional callable ``(args, kwargs) -> bool``; the calls it refuses
-    are not cast (a tied embedding producing the model output: its projecting
-    calls). Idempotent.
+    The target is read at each call: the parent's compute dtype when 16-bit, else
+    no cast. ``only(args, kwargs)``, when given, selects the calls cast. Idempotent.
     """
     if layer in _CAST_BACK or parent is None:
         return
@@ -126,13 +118,9 @@ def remove(layer: keras.layers.Layer) -> None:
 def cast_outputs(model: keras.layers.Layer, only: Optional[Callable[[tuple, dict], bool]] = None) -> bool:
     """Hooks ``model.call`` to return float32 outputs; False if already hooked.
 
-    Args:
-        model: A subclassed ``keras.Model``, or a layer that is not a model
-            whose output is a model output (a block, a logits layer): its
-            ``compute_output_spec`` is hooked too, so the symbolic graph shows float32.
-        only: Optional callable ``(args, kwargs) -> bool`` over a call's
-            arguments: only the calls it accepts are cast (a tied embedding's
-            projecting calls, `tfmp._src.float32.logits.reverse_call`); None casts all.
+    ``model`` is a subclassed model, or a layer producing a model output (then
+    ``compute_output_spec`` is hooked too). ``only(args, kwargs)``, when given,
+    selects the calls cast.
     """
     if layer_calls.subscribed(model, "call", "float32.outputs"):
         return False

@@ -1,14 +1,9 @@
 """Dtype-mismatch errors that say which layer and what to do.
 
-A layer mixing a tensor it creates (float32 by default: ``tf.constant(1.0)``, a raw TF
-op in a ``Lambda``) with its 16-bit inputs fails under any mixed policy with TensorFlow's
-terse text. For every model tfmp compiles, `explain_dtype_errors` hooks the model's
-``build`` and ``call`` (owner ``"enable.dtype_errors"``): such a mismatch is raised again
-as the same type, the text followed by the failing layer's path (the innermost frame
-running a layer's ``call``, else the layer Keras's text names), both dtypes and the
-remedies, the original as ``__cause__``. Other exceptions pass unchanged; the error comes
-while tracing, so a working model pays nothing per step. The backward pass:
-`tfmp._src.float32.gradient_errors`.
+A layer mixing a tensor it creates (float32 by default) with its 16-bit inputs fails with
+TensorFlow's terse text. `explain_dtype_errors` hooks a compiled model's ``build`` and
+``call``: such an error is raised again, same type, with the failing layer's path, both
+dtypes and the remedies. The backward pass: `tfmp._src.float32.gradient_errors`.
 """
 
 from __future__ import annotations
@@ -29,14 +24,8 @@ _MARK = "tfmp_dtype_hint"
 def mismatched_dtypes(message: str) -> Optional[Tuple[str, str]]:
     """The (16-bit, wider) float dtypes a TensorFlow dtype-mismatch text names, or None.
 
-    Args:
-        message: String, an exception's text.
-
-    Returns:
-        Tuple of two Keras dtype names, e.g. ``("bfloat16", "float32")``, when the
-        text is one of TensorFlow's dtype-mismatch messages
-        (`keras_hooks.error_texts.DTYPE_MISMATCH`) between a float16 or bfloat16
-        tensor and a tensor of another float dtype; else None.
+    E.g. ``("bfloat16", "float32")`` for a mismatch between a 16-bit tensor and
+    one of another float dtype (`keras_hooks.error_texts.DTYPE_MISMATCH`).
     """
     pair = error_texts.mismatched_dtypes(message)
     if pair is None:
@@ -66,17 +55,9 @@ def _failing_layer(model: Any, error: BaseException, message: str) -> Tuple[str,
 def explanation(path: str, layer: Any, low: str, wide: str, *, at_build: bool = False) -> str:
     """The text tfmp appends: the layer, both dtypes and the remedies.
 
-    Args:
-        path: String. The layer's path (`tfmp._src.layer_tree`); "" when unknown.
-        layer: The failing `keras.layers.Layer`, or None when unknown.
-        low: String. The 16-bit dtype, "float16" or "bfloat16".
-        wide: String. The other float dtype, e.g. "float32".
-        at_build: Bool. The error came while a Functional model was being built
-            (before ``compile``): tfmp's forcing does not apply yet, so the float32
-            remedy is the layer's own ``dtype="float32"``.
-
-    Returns:
-        String, starting with "tfmp: ".
+    ``path`` is "" and ``layer`` None when unknown. With ``at_build`` (before
+    ``compile``, forcing does not apply yet) the float32 remedy is the layer's own
+    ``dtype="float32"``. Starts with "tfmp: ".
     """
     cls = type(layer).__name__ if layer is not None else "its layer class"
     where = f"Layer '{path}' ({cls})" if path else "A layer of this model"
@@ -115,14 +96,7 @@ def _rebuilt(error: BaseException, text: str) -> Optional[BaseException]:
 
 
 def annotate(model: Any, error: BaseException) -> BaseException:
-    """The exception to raise for `error` met in `model`: explained, or `error` itself.
-
-    Returns `error` unchanged unless its text is a 16-bit/float32 dtype mismatch
-    (see `mismatched_dtypes`) not explained yet. Otherwise a new exception of the
-    same type (TensorFlow's ``OpError`` rebuilt with its node and op), chained to
-    `error`; when the type cannot be rebuilt, `error` itself with the explanation
-    as a note (Python 3.11+).
-    """
+    """The exception to raise for `error` met in `model`: explained (`with_explanation`), or `error` itself."""
     message = error.message if isinstance(error, tf.errors.OpError) else str(error)
     dtypes = mismatched_dtypes(message)
     if dtypes is None or explained(error):

@@ -1,16 +1,9 @@
 """Exact preprocessing layers compute in float32 wherever they run.
 
-Keras's preprocessing layers cast their inputs to the compute dtype, in a ``tf.data`` map
-and in a model alike; for `registry.EXACT_PREPROCESSING` that changes the result: under
-``mixed_bfloat16`` a ``Discretization`` of values around 1,000 over 256 buckets puts 253
-in the wrong bucket (tensorflow#43502), ``CategoryEncoding`` encodes id 1999 as 2000
-(keras#19583), ``Normalization`` turns 10000.3 into 10048 (keras-core#412). While the
-thread has a session, the ``__init__`` of these classes (owner ``"float32.exact"``) gives
-a new layer a float32 policy unless excluded, which holds wherever it runs (a
-``dataset.map`` no model reaches, after `tfmp.disable()`). One made before `enable()` is
-forced at ``compile``, its stored state cast again from float32 (`refresh_state`). In a
-``tf.data`` map it returns float32; in a model the output-dtype rule applies
-(`tfmp._src.float32.cast_back`); a path excluded at ``compile`` gets its first policy back.
+`registry.EXACT_PREPROCESSING` layers cast inputs to the compute dtype, in a ``tf.data``
+map and in a model alike, which makes their results wrong in 16 bits. While the thread has
+a session, their ``__init__`` gives a new layer a float32 policy unless excluded; one made
+before `enable()` is forced at ``compile`` (`refresh_state`).
 """
 
 from __future__ import annotations
@@ -56,11 +49,7 @@ def force_if_enabled(layer: keras.layers.Layer) -> None:
 
 
 def unforce(layer: keras.layers.Layer) -> bool:
-    """Puts a layer forced when created back to its policy (an exclusion found at compile).
-
-    Returns:
-        Bool. True when the policy changed.
-    """
+    """Puts a layer forced when created back to its policy (an exclusion found at compile); True if changed."""
     if not forced_when_created(layer):
         return False
     layer.dtype_policy = _CREATED.pop(layer)
@@ -71,10 +60,8 @@ def unforce(layer: keras.layers.Layer) -> bool:
 def refresh_state(layer: keras.layers.Layer) -> None:
     """Casts again, to the layer's current compute dtype, the state Keras stored in the old one.
 
-    Of the exact layers only ``Normalization`` keeps such state: the mean and
-    variance its ``build`` (given ``mean``/``variance``) or ``finalize_state``
-    (after ``adapt``, from its float32 variables) cast to the compute dtype. Keras
-    does the same again here through public methods; other layers are left alone.
+    Only ``Normalization`` keeps such state (mean and variance), redone here by
+    Keras's own ``build_from_config`` or ``finalize_state``.
     """
     if not isinstance(layer, keras.layers.Normalization) or not layer.built:
         return

@@ -1,16 +1,9 @@
 """BatchNormalization on TensorFlow's fused kernel for the mixed-policy layers tfmp attached.
 
-Keras's `keras.layers.BatchNormalization.call` casts 16-bit inputs to float32 and runs
-separate ops; TensorFlow's ``FusedBatchNormV3`` takes the 16-bit ``x`` with float32
-parameters and computes in float32 inside one op (its gradient too). `install` hooks
-``BatchNormalization.call`` on the class (owner ``"fused_batchnorm"``,
-`keras_hooks.layer_calls`); a saved model keeps a plain Keras layer. A call takes the
-kernel when `call_reason` returns ``""``: an attached layer under a ``mixed_*`` policy
-with the ``fused_batchnorm`` speed feature on, no ``synchronized``, ``renorm`` or mask,
-a 4D/5D input normalized over the last axis or axis 1, ``training`` a bool or None.
-Moving statistics follow Keras's formula with the biased variance (the kernel's
-Bessel-corrected one times ``max(n - 1, 1) / n``); `tfmp._src.loss_scale.step_state`
-keeps them on a skipped step. Measurements: benchmarks/README.md, "BatchNormalization".
+Keras's ``BatchNormalization.call`` casts 16-bit inputs to float32 and runs separate ops;
+``FusedBatchNormV3`` takes the 16-bit ``x`` and computes in float32 inside one op. `install`
+hooks the class's ``call``; a call takes the kernel when `call_reason` returns ``""``.
+Moving statistics follow Keras's formula. Measurements: benchmarks/README.md, "BatchNormalization".
 """
 
 from __future__ import annotations
@@ -49,13 +42,8 @@ def _shape_reason(layer: keras.layers.Layer, rank: Optional[int]) -> str:
 def layer_reason(layer: keras.layers.Layer) -> str:
     """Why `layer` cannot take the fused kernel, from its configuration alone.
 
-    Args:
-        layer: A `keras.layers.BatchNormalization`.
-
-    Returns:
-        String. ``""`` when every call without a mask would take the fused kernel,
-        else the first reason not to, e.g. ``"synchronized=True"`` or
-        ``"input rank 3 (the fused kernel takes 4 or 5)"``.
+    ``""`` when every call without a mask would take it, else the first reason
+    not to, e.g. ``"synchronized=True"``.
     """
     if not record.would_attach(layer):
         return NOT_ATTACHED
@@ -104,12 +92,7 @@ def last_call_reason(layer: keras.layers.Layer) -> Optional[str]:
 
 
 def audit_note(layer: keras.layers.Layer) -> str:
-    """`"fused"`, ``"keras: <reason>"`` for a BatchNormalization, ``""`` for any other layer.
-
-    The reason is the configuration's (`layer_reason`), or the last call's when
-    the configuration allows the fused kernel but that call did not take it (a
-    mask, a float64 input).
-    """
+    """``"fused"`` or ``"keras: <reason>"`` (configuration's, else last call's) for a BatchNormalization, else ``""``."""
     if not isinstance(layer, keras.layers.BatchNormalization):
         return ""
     why = layer_reason(layer) or _last_call.get(layer, "")
@@ -119,14 +102,8 @@ def audit_note(layer: keras.layers.Layer) -> str:
 def fused_call(layer: keras.layers.Layer, inputs: Any, training: Optional[bool]) -> tf.Tensor:
     """BatchNormalization's forward pass on ``FusedBatchNormV3``; updates the moving statistics in training.
 
-    Args:
-        layer: A built `keras.layers.BatchNormalization` that `call_reason` accepts.
-        inputs: 4D or 5D tensor of float16, bfloat16 or float32.
-        training: Bool or None. With ``layer.trainable``, normalize by the batch
-            statistics and update the moving ones; else by the moving ones.
-
-    Returns:
-        Tensor of `inputs`' shape in ``layer.compute_dtype``.
+    With ``training`` and ``layer.trainable``, normalizes by the batch statistics
+    and updates the moving ones with the biased variance; returns ``layer.compute_dtype``.
     """
     rank = inputs.shape.rank
     axis = layer.axis % rank

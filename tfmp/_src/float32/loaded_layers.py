@@ -1,15 +1,9 @@
 """A layer saved in float32 rebuilds its sublayers in float32 when loaded while enabled.
 
-Forcing sets float32 on a layer and its sublayers, but a saved file keeps the custom
-layer's policy only: its ``__init__`` makes the sublayers again under the global policy,
-and under a 16-bit one the layer computes in float32 around 16-bit sublayers and fails.
-While the thread has a session, Keras's ``Operation.from_config`` (owner
-``"float32.from_config"``) builds a custom layer whose saved policy computes in float32
-with the global policy set to float32. Left as Keras makes them: Keras's own layers
-(they pass their policy on), a class the session excludes, layers made outside a
-session, a custom layer whose ``from_config`` does not call ``super().from_config``. A
-custom layer set to float32 by hand gets float32 sublayers too unless it gives them
-``dtype=``.
+A saved file keeps a forced custom layer's policy but its ``__init__`` makes the sublayers
+again under the global 16-bit policy. While the thread has a session, Keras's
+``from_config`` builds a custom (non-Keras, not excluded) layer whose saved policy
+computes in float32 with the global policy set to float32.
 """
 
 from __future__ import annotations

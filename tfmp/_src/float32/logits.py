@@ -1,15 +1,9 @@
 """The logits rule: an output layer whose output only feeds a from-logits cross-entropy.
 
-Model outputs are float32, and most output layers compute in float32 whole. Logits need
-not: a from-logits cross-entropy converts them to float32 and computes the log-softmax
-there (as the Keras mixed-precision guide and PyTorch's autocast have it), and the
-logits layer is often a model's widest matmul. So a leaf output layer with a linear
-activation whose every output has one of `CROSS_ENTROPY` with ``from_logits=True`` in
-``compile``'s ``loss`` keeps its 16-bit policy and only its output is cast to float32
-(`LOGITS_CAST`); anything else follows `tfmp._src.float32.registry.decide`. A tied
-embedding (`REVERSIBLE_EMBEDDING`) keeps its 16-bit lookup, and only the outputs of its
-projecting calls are cast (`reverse_call`). Measurements: benchmarks/README.md, "Where
-the time goes", and ``benchmarks/tied_logits.py``.
+A from-logits cross-entropy computes its log-softmax in float32 (Keras mixed-precision
+guide), so a linear leaf output layer whose outputs all have one in ``compile``'s ``loss``
+keeps its 16-bit policy, its output cast to float32 (`LOGITS_CAST`); a tied embedding
+casts only its projecting calls. Measurements: benchmarks/README.md, "Where the time goes".
 """
 
 from __future__ import annotations
@@ -46,8 +40,7 @@ def reverse_call(args: tuple, kwargs: dict) -> bool:
 
 
 def linear_output(layer: Any, node_index: int = 0) -> bool:
-    """True when `layer`'s call at `node_index` is linear: a linear leaf, or a projecting
-    `REVERSIBLE_EMBEDDING` call (its Functional node's arguments)."""
+    """True when `layer`'s call at `node_index` is linear: a linear leaf or a projecting embedding."""
     if projects(layer):
         node = inbound_node(layer, node_index)
         return reverse_call(tuple(node.arguments.args), dict(node.arguments.kwargs))
@@ -62,24 +55,15 @@ def takes_logits(loss: Any) -> bool:
 def logits_layers(model: keras.Model, loss: Any) -> Set[int]:
     """Ids of the leaf layers of ``model`` whose outputs are all logits of ``loss``.
 
-    Args:
-        model: ``keras.Model`` with a graph (Functional, or Sequential built on an
-            ``Input``); a model without one gives the empty set.
-        loss: What ``compile`` receives: one loss for every output, a list (one
-            per output, in order) or a dict (by output name); None gives the
-            empty set.
-
-    Returns:
-        Set of ``id(layer)`` of layers that produce model outputs directly, have
-        ``activation`` ``linear`` and no sublayers (or are a `REVERSIBLE_EMBEDDING`
-        whose output calls project, `linear_output`), and each of whose outputs
-        has a from-logits cross-entropy loss.
+    ``loss`` is what ``compile`` receives (one loss, a list or a dict by output
+    name). Empty for a model without a graph or without a loss. A layer counts
+    when it produces outputs directly, `linear_output`, each with a from-logits loss.
     """
     graph = functional_graph(model)
     if loss is None or graph is None:
         return set()
     per_output = _per_output(loss, list(getattr(model, "output_names", None) or []), len(graph.outputs))
-    verdicts: Dict[keras.layers.Layer, List[bool]] = {}  # producer -> is each of its outputs linear logits
+    verdicts: Dict[keras.layers.Layer, List[bool]] = {}
     for tensor, output_loss in zip(graph.outputs, per_output):
         history = keras_history(tensor)
         layer = None if history is None else history.operation

@@ -1,13 +1,8 @@
 """16-bit trainable variables in a mixed-precision model: no float32 master weights, said once per model.
 
-Under a ``mixed_*`` policy Keras keeps every variable in float32 (the master weights),
-casts it in ``call`` and the optimizer updates the float32 copy. A variable created in
-16 bits anyway (``add_weight(dtype=...)``, a pure 16-bit policy) is updated in 16 bits,
-with slots of its dtype. bfloat16 keeps 8 significant bits: around 1.0 an update below
-half of 2**-7 rounds away and Adam's ``beta_2 = 0.999`` is 1.0, so it stops learning.
-float16 keeps 11 and holds at most 65504: updates below 2**-11 of the weight round away
-and a squared gradient above 65504 (|g| > 256) overflows Adam's second moment. Numbers:
-IEEE 754 binary16 and bfloat16, as in ``ml_dtypes.finfo``.
+A variable created in 16 bits under a ``mixed_*`` policy is updated in 16 bits: bfloat16's
+8 significant bits round small updates away, float16's 65504 overflows Adam's second
+moment (`EFFECT`; IEEE 754 binary16 and bfloat16, as in ``ml_dtypes.finfo``).
 """
 
 from __future__ import annotations
@@ -41,14 +36,8 @@ def trainable_16bit(model: Any) -> List[Tuple[str, Any]]:
 def warn_16bit_trainable(model: Any) -> None:
     """At attach: warns when a built mixed-precision model trains variables stored in 16 bits.
 
-    Silent for a model whose own policy keeps 16-bit variables (a pure
-    ``"float16"``/``"bfloat16"`` policy, which `tfmp.enable` accepts only with
-    ``allow_pure_16bit=True``) and for a model not built yet: its variables are
-    said when `tfmp.LossScaleOptimizer` first applies to them
-    (`warn_16bit_applied`). Each variable is said once.
-
-    Warns:
-        UserWarning: see `_warn`.
+    Silent under a pure 16-bit policy and for an unbuilt model (then
+    `warn_16bit_applied` says it). Each variable is said once (`_warn`).
     """
     if model.dtype_policy.variable_dtype in LOW_PRECISION or not model.built:
         return
@@ -59,12 +48,8 @@ def warn_16bit_trainable(model: Any) -> None:
 def warn_16bit_applied(optimizer: Any, variables: List[Any]) -> None:
     """At a traced or eager `apply`: warns about 16-bit variables among float32 ones.
 
-    For a model built after it was attached (a subclassed model, at its first
-    step) and for a custom loop. Silent when every variable is 16-bit (a pure
-    16-bit policy) or when they were said already.
-
-    Warns:
-        UserWarning: see `_warn`.
+    For a model built after attach and for a custom loop; silent when every
+    variable is 16-bit or they were said already.
     """
     low = [variable for variable in variables if variable.dtype in LOW_PRECISION]
     if low and len(low) < len(variables):
@@ -72,12 +57,7 @@ def warn_16bit_applied(optimizer: Any, variables: List[Any]) -> None:
 
 
 def _warn(owner: str, found: List[Tuple[str, Any]]) -> None:
-    """Warns once per variable: up to 5 named with their dtype, what they do, the fix.
-
-    Warns:
-        UserWarning: naming each variable (up to 5) with its path and dtype, what
-            it does under this policy (`EFFECT`), and the fix.
-    """
+    """Warns (UserWarning) once per variable: up to 5 named with their dtype, what they do (`EFFECT`), the fix."""
     found = [(name, weight) for name, weight in found if _named.get(id(weight)) is not weight]
     if not found:
         return

@@ -1,16 +1,9 @@
 """The wide float16 reduction rule: a layer whose own code sums float16 values past 65504.
 
-float16 holds at most 65504 (`FLOAT16_MAX`) and TensorFlow's ``Sum`` and ``Mean`` return
-float16 for float16 inputs, so a sum of ``N`` terms of magnitude up to ``M`` overflows
-once ``N * M`` passes it. Flagged: a ``logsumexp`` or other ``Sum``/``Mean`` over more
-than 65504 values (``N``: the reduced axes' static sizes, an unknown one counting 1), and
-a sum of ``exp`` not shifted by its maximum at any extent (`EXP_LIMIT`); larger terms
-depend on data (`tfmp.check_numerics` names the layer). Traced once, on float16
-placeholders under ``keras.StatelessScope``: each float16 layer of a Functional or
-Sequential graph whose ``call`` is user code (an op in a sublayer's name scope is the
-sublayer's); not Keras's own layers (the registry's tables) nor a subclassed model
-without a graph call. Under bfloat16 nothing overflows. `registry.builtin_reason`
-returns the reason; forced, the layer reduces in float32 and hands float16 back.
+TensorFlow's ``Sum`` and ``Mean`` return float16 for float16 inputs. Flagged, by tracing a
+float16 layer's user code once on placeholders: a ``logsumexp`` or other sum/mean over
+more than 65504 values (static sizes), and a sum of ``exp`` not shifted by its maximum
+(`EXP_LIMIT`). Keras's own layers and subclassed models without a graph call are skipped.
 """
 
 from __future__ import annotations
@@ -73,10 +66,8 @@ _FOUND: "weakref.WeakKeyDictionary[keras.layers.Layer, Optional[WideReduction]]"
 def wide_reduction(layer: keras.layers.Layer) -> Optional[WideReduction]:
     """The widest overflowing float16 reduction in ``layer``'s own code, or None.
 
-    Traces the layer once (see the module docstring for which layers); the
-    findings are kept for the layers' life, so a layer forced since keeps its
-    finding. A trace also decides for every layer inside it: a sublayer has no
-    call of its own in a graph, so ask for its parents first (a pre-order walk).
+    Traced once and kept for the layer's life. A trace also decides for every
+    sublayer (which has no graph call of its own): ask for parents first.
     """
     if layer not in _FOUND:
         _analyze(layer)
@@ -117,11 +108,7 @@ def _analyze(layer: keras.layers.Layer) -> None:
 
 
 def _trace(layer: keras.layers.Layer, args: tuple, kwargs: dict) -> Optional[tf.Graph]:
-    """The graph of ``layer(*args, **kwargs)`` on placeholders of the recorded shapes, or None.
-
-    None when an argument is not a dense tensor spec or the trace fails: the
-    rule then cannot see the layer, and nothing else changes.
-    """
+    """The graph of ``layer(*args, **kwargs)`` on placeholders, or None (sparse input, or the trace failed)."""
     def spec(x: Any) -> Any:
         if isinstance(x, keras.KerasTensor):
             if x.sparse or x.ragged:
@@ -139,11 +126,7 @@ def _trace(layer: keras.layers.Layer, args: tuple, kwargs: dict) -> Optional[tf.
 
 
 def _owner(layer: keras.layers.Layer, op_name: str) -> keras.layers.Layer:
-    """The innermost layer whose ``__call__`` made the op ``op_name`` in ``layer``'s trace.
-
-    Each ``__call__`` opens a name scope named after its layer (TensorFlow adds
-    ``_1``, ``_2``... to a scope used twice): ``"block_1/dense_2/MatMul"``.
-    """
+    """The innermost layer whose ``__call__`` name scope (maybe suffixed ``_1``...) holds ``op_name``."""
     owner = layer
     for scope in op_name.split("/")[1:-1]:
         child = next((c for c in child_layers(owner)

@@ -1,15 +1,9 @@
 """Exact token ids for an ``Embedding`` inside 16-bit custom code.
 
-``Embedding`` casts float ids to int32 itself, but a custom layer or subclassed model
-around it first casts every float input to its 16-bit compute dtype, which holds
-integers exactly only up to 256 (bfloat16) or 2048 (float16): plain Keras looks up
-rounded ids. `keep_exact_ids(model)` (when tfmp attaches a model) gives each such
-ancestor its own copy of its dtype policy (same name and config) whose ``convert_input``
-records the original of each float tensor it casts down, until its next call converts
-inputs; the ``Embedding``'s ``call`` looks up that float32 original (exact to 2**24)
-when it receives the cast tensor unchanged. The ancestor's code still receives the
-16-bit tensor. Ids passed through another op first stay rounded: declare an integer
-input. The hooks (owner ``"float32.ids"``) stay with the model until `tfmp.detach`.
+A custom layer or subclassed model around an ``Embedding`` casts float ids to its 16-bit
+compute dtype, exact only up to 256 (bfloat16) or 2048 (float16). `keep_exact_ids` gives
+each such ancestor a policy copy whose ``convert_input`` records the float original of each
+tensor it casts down; the ``Embedding`` looks that original up when it receives the cast tensor.
 """
 
 from __future__ import annotations
@@ -116,13 +110,7 @@ def _casting_ancestors(model: Any) -> Dict[int, Tuple[Any, List[Any]]]:
 def keep_exact_ids(model: keras.Model) -> int:
     """Makes every ``Embedding`` under 16-bit autocasting code look up the ids as given.
 
-    Args:
-        model: ``keras.Model``; changed in place (see the module docstring).
-            Idempotent.
-
-    Returns:
-        Int. Number of Embedding layers newly hooked (0 when none is under a
-        custom layer or subclassed model computing in 16 bits).
+    Changes ``model`` in place, idempotently; returns the number of Embeddings newly hooked.
     """
     count = 0
     for embedding, ancestors in _casting_ancestors(model).values():

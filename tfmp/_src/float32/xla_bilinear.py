@@ -1,12 +1,8 @@
 """16-bit bilinear ``UpSampling2D`` under XLA on the CPU: compiled without XLA, with a warning.
 
-Such a model compiled with ``jit_compile=True`` on a machine without an accelerator
-cannot train, plain Keras included (openxla/xla#43052): the resize's gradient comes out
-in float32, meets a 16-bit one (``TanhGrad``, ``ReluGrad``...) and XLA's CPU compiler
-stops the first step. `turn_off_xla_for_bilinear`, in tfmp's compile handler after
-Keras's ``compile``, sets ``model.jit_compile = False`` and warns once, naming the layers
-and both ways to choose otherwise. Left alone: a model whose bilinear layers compute in
-float32 (``keep_float32`` keeps XLA), and any model when a GPU or TPU is visible.
+XLA's CPU compiler cannot train it (openxla/xla#43052: the resize's gradient comes out in
+float32 and meets a 16-bit one). After Keras's ``compile``, `turn_off_xla_for_bilinear`
+sets ``model.jit_compile = False`` and warns once; not when a GPU or TPU is visible.
 """
 
 from __future__ import annotations
@@ -38,16 +34,7 @@ def _cpu_only() -> bool:
 def turn_off_xla_for_bilinear(model: keras.Model) -> bool:
     """Switches `model.jit_compile` off when XLA on the CPU cannot train its 16-bit bilinear resizes.
 
-    Args:
-        model: `keras.Model`, compiled.
-
-    Returns:
-        Bool. True when XLA was turned off.
-
-    Warns:
-        tfmp.PerformanceWarning: when XLA was turned off, naming the layers, the
-            failure and the two fixes (``keep_float32`` to keep XLA,
-            ``jit_compile=False`` to compile without it and without the warning).
+    Returns True when it did, with a `tfmp.PerformanceWarning` naming the layers and both fixes.
     """
     if model.jit_compile is not True or not _cpu_only():
         return False

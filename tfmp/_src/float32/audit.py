@@ -46,12 +46,6 @@ def _dims(layer: keras.layers.Layer) -> List[Tuple[str, Optional[int]]]:
     return []
 
 
-def _has_tensor_cores() -> bool:
-    """Tensor Cores arrived with compute capability 7.0 (NVIDIA, Volta)."""
-    capability = detect_device_facts().min_compute_capability
-    return capability is not None and capability >= (7, 0)
-
-
 def _expected_policy(model: keras.Model) -> Tuple[str, str]:
     """``(policy name, source)`` the model's layers should have (`AuditReport.policy_source`)."""
     attached = _record.of(model)
@@ -251,7 +245,9 @@ def audit(
                        fix="Pass the batch size training uses, e.g. batch_size=32, or None.")
     check_bool("tensor_cores", tensor_cores, allow_none=True)
     policy, policy_source = _expected_policy(model)
-    tensor_cores = _has_tensor_cores() if tensor_cores is None else tensor_cores
+    if tensor_cores is None:  # Tensor Cores arrived with compute capability 7.0 (NVIDIA, Volta)
+        capability = detect_device_facts().min_compute_capability
+        tensor_cores = capability is not None and capability >= (7, 0)
     producers = {id(layer) for layer in _float32.output_producers(model)[0]}
     entries = walk(model)
     paths = {id(layer): path for path, layer, _ in entries}

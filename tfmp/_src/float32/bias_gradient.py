@@ -42,9 +42,8 @@ class BiasGradientProbe:
     Attributes:
         dtype: String. ``"bfloat16"`` or ``"float16"``.
         exact: Float. `ROWS` times `VALUE` rounded to `dtype` (41.0 in bfloat16).
-        bias_add_grad: Float. Column 0 of TensorFlow's ``BiasAddGrad`` of the
-            `ROWS` x `COLUMNS` gradient (NaN when it could not run).
-        summed: Float. Column 0 of ``tf.reduce_sum`` over the rows, in `dtype`.
+        bias_add_grad: Float. Column 0 of ``BiasAddGrad`` of the `ROWS` x `COLUMNS` gradient.
+        summed: Float. Column 0 of ``tf.reduce_sum`` over the rows.
         conv2d: Float. The same ``BiasAddGrad`` traced beside a Conv2D filter's
             gradient, as oneDNN fuses them where it can.
         source: String. ``"measured"``, ``"injected"`` (tests) or ``"failed: <error>"``.
@@ -94,14 +93,9 @@ def _conv2d_bias_gradient() -> Any:
 
 
 def measure(dtype: str) -> BiasGradientProbe:
-    """Runs the known-answer checks now (not cached), eagerly even while a function is traced.
+    """Runs the known-answer checks in `dtype` now (not cached), eagerly even while a function is traced.
 
-    Args:
-        dtype: String. ``"bfloat16"`` or ``"float16"``.
-
-    Returns:
-        `BiasGradientProbe` (``source="failed: ..."`` with NaN sums when
-        TensorFlow cannot run it here).
+    ``source="failed: ..."`` with NaN sums when TensorFlow cannot run them here.
     """
     import tensorflow as tf
 
@@ -143,15 +137,9 @@ def injected(loses: bool, dtypes: tuple = LOW_PRECISION,
 def decision(compute_dtype: str, facts: Optional[DeviceFacts] = None) -> str:
     """``Attachment.bias_gradient`` for a model computing in `compute_dtype` on this machine.
 
-    Args:
-        compute_dtype: String. The model's compute dtype; only 16-bit ones are checked.
-        facts: `DeviceFacts` or None (this machine's). With a GPU or TPU nothing is
-            checked and Keras's gradient is kept.
-
-    Returns:
-        String: `KERAS` (not 16-bit, or a GPU/TPU); ``"summed: <check>"``,
-        ``"summed except after Conv2D: <check>"``, ``"keras: <check>"`` (sum kept)
-        or ``"keras: off, <why>"`` (Keras surface missing, `availability`).
+    `KERAS` when not 16-bit or ``facts`` (None: this machine's) show a GPU or TPU;
+    else ``"summed: <check>"``, ``"summed except after Conv2D: <check>"``,
+    ``"keras: <check>"`` (sum kept) or ``"keras: off, <why>"`` (`availability`).
     """
     if compute_dtype not in LOW_PRECISION:
         return KERAS
@@ -219,15 +207,7 @@ def layer_decision(layer: Any) -> str:
 def bias_add_summed(x: Any, bias: Any, add: Callable) -> Any:
     """``add(x, bias)`` (Keras's ``tf.nn.bias_add``), with the bias gradient a float32-accumulated ``Sum``.
 
-    Args:
-        x: 16-bit `tf.Tensor` of rank >= 2.
-        bias: `tf.Tensor` of `x`'s dtype that `channel_axis` places.
-        add: Keras's backend ``add``.
-
-    Returns:
-        `tf.Tensor`, ``add(x, bias)``. Gradients: `x`'s is the output gradient
-        ``dy``; `bias`'s is ``dy`` summed over every axis but the channel,
-        reshaped to `bias`'s shape.
+    `bias`'s gradient is ``dy`` summed over every axis but the `channel_axis`; `x`'s is ``dy``.
     """
     import tensorflow as tf
 

@@ -1,15 +1,9 @@
 """float16 convolutions computed in float32 inside, per model, on CPUs (no fast float16 conv kernels there).
 
-A float16 convolution on a CPU runs on Eigen's slow kernels, or on oneDNN's slower ones
-where oneDNN takes float16 (AVX512_FP16). `float32_inside` widens the float16 input and
-kernel to float32 (exact), convolves and computes both gradients in float32 and rounds
-each result once to float16: float32 accumulation, as TensorFlow asks of cuDNN on a GPU
-(``TF_FP16_CONV_USE_FP32_COMPUTE``). The rule (`decision`, ``Attachment.conv``): a
-float16 model on a machine without GPUs or TPUs; bfloat16 and float32 models keep
-Keras's kernels. The hook (owner ``"conv"``, `keras_hooks.backend_ops`) covers ``conv``
-and ``conv_transpose``; depthwise and separable convolutions keep Keras's. A float16
-``channels_first`` model, whose gradients TensorFlow's CPU kernels refuse (NHWC only),
-trains this way. Measurements: benchmarks/README.md, "float16 on a CPU".
+`float32_inside` widens the float16 input and kernel to float32, convolves and computes
+both gradients in float32 and rounds each result once to float16 (float32 accumulation,
+as TensorFlow asks of cuDNN on a GPU). The rule (`decision`): a float16 model on a machine
+without GPUs or TPUs. Measurements: benchmarks/README.md, "float16 on a CPU".
 """
 
 from __future__ import annotations
@@ -36,13 +30,8 @@ FUNCTIONS = ("conv", "conv_transpose")
 def decision(compute_dtype: str, facts: Optional[DeviceFacts] = None) -> str:
     """``Attachment.conv`` for a model computing in `compute_dtype` on this machine.
 
-    Args:
-        compute_dtype: String. The model's compute dtype; only ``"float16"`` changes.
-        facts: `DeviceFacts` or None (this machine's, `detect_device_facts`). With
-            a GPU or TPU Keras's convolutions are kept.
-
-    Returns:
-        String: `KERAS`, or ``"float32 inside: "`` + `RULE`.
+    Only ``"float16"`` changes, without a GPU or TPU in ``facts`` (None: this
+    machine's): ``"float32 inside: "`` + `RULE`, else `KERAS` (`inside.decided`).
     """
     return inside.decided("conv", compute_dtype, DTYPE, RULE, facts)
 
@@ -50,16 +39,8 @@ def decision(compute_dtype: str, facts: Optional[DeviceFacts] = None) -> str:
 def float32_inside(convolve: Callable, inputs: Any, kernel: Any) -> Any:
     """``convolve(inputs, kernel)`` computed in float32 and rounded once to `inputs`' dtype.
 
-    Args:
-        convolve: Callable ``(inputs, kernel) -> output`` (Keras's backend
-            ``conv`` with its other arguments bound).
-        inputs: float16 `tf.Tensor`.
-        kernel: float16 `tf.Tensor`.
-
-    Returns:
-        float16 `tf.Tensor`: the output. Its gradients with respect to `inputs`
-        and `kernel` are computed in float32 from the saved 16-bit tensors and
-        rounded once to float16.
+    ``convolve`` is Keras's backend ``conv`` with its other arguments bound. The
+    gradients are computed in float32 from the saved float16 tensors and rounded once.
     """
     import tensorflow as tf
 
@@ -84,9 +65,7 @@ def float32_inside(convolve: Callable, inputs: Any, kernel: Any) -> Any:
 def takes_float32_inside(inputs: Any, kernel: Any) -> bool:
     """Bool. Whether this call of Keras's backend convolution is computed by `float32_inside`.
 
-    True when `inputs` and `kernel` are float16 tensors and the layer whose call
-    computes it (`layer_calls.calling_layer`) is attached with ``conv``
-    starting with `FLOAT32_INSIDE`.
+    True for float16 `inputs` and `kernel` in a layer attached with ``conv`` starting with `FLOAT32_INSIDE`.
     """
     if any(_dtype_name(t) != DTYPE for t in (inputs, kernel)):
         return False
@@ -94,8 +73,7 @@ def takes_float32_inside(inputs: Any, kernel: Any) -> bool:
 
 
 def _dtype_name(value: Any) -> Optional[str]:
-    """A tensor's or a Keras variable's dtype name (a Keras variable's ``dtype`` is a string,
-    its compute dtype while a layer autocasts it)."""
+    """A tensor's or a Keras variable's (a string, its autocast dtype) dtype name."""
     dtype = getattr(value, "dtype", None)
     return dtype if isinstance(dtype, str) else getattr(dtype, "name", None)
 
@@ -112,10 +90,6 @@ def _replace(call: backend_ops.OpCall) -> Any:
 
 
 def install() -> None:
-    """Hooks Keras's TensorFlow backend ``conv`` and ``conv_transpose`` (owner ``"conv"``).
-
-    Called inside `surfaces.all_or_none`, which collects both hooks (to remove them
-    together) and installs neither when one fails.
-    """
+    """Hooks Keras's TensorFlow backend ``conv`` and ``conv_transpose`` (inside `surfaces.all_or_none`)."""
     for name in FUNCTIONS:
         backend_ops.subscribe(name, _replace, owner="conv")

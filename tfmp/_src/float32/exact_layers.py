@@ -31,18 +31,14 @@ def forced_when_created(layer: keras.layers.Layer) -> bool:
     return layer in _CREATED and layer.compute_dtype == "float32"
 
 
-def _excluded_class(layer: keras.layers.Layer, state: session.Session) -> bool:
-    """True when a class the session or the registry excludes matches ``layer``."""
-    targets = tuple(state.exclude_float32) + registry.float32_layers().exclude
-    return registry.matches(layer, "", [t for t in targets if isinstance(t, type)])
-
-
 def force_if_enabled(layer: keras.layers.Layer) -> None:
     """Sets a float32 policy on a new exact layer made while this thread has a session."""
     state = session.current()
     if (state is None or layer.compute_dtype not in LOW_PRECISION
-            or layer.dtype_policy.quantization_mode or registry.exact_reason(layer) is None
-            or _excluded_class(layer, state)):
+            or layer.dtype_policy.quantization_mode or registry.exact_reason(layer) is None):
+        return
+    excluded = tuple(state.exclude_float32) + registry.float32_layers().exclude
+    if registry.matches(layer, "", [t for t in excluded if isinstance(t, type)]):  # classes only: no path yet
         return
     _CREATED[layer] = layer.dtype_policy.name
     layer.dtype_policy = "float32"

@@ -129,10 +129,6 @@ def _set_float32(layer: keras.layers.Layer, reason: str, parent=None, adopt: boo
     return True
 
 
-def _looks_up(args: tuple, kwargs: dict) -> bool:
-    return not reverse_call(args, kwargs)
-
-
 def _hand_back(layer: keras.layers.Layer, reason: str, parent) -> None:
     """Makes a forced layer hand back ``parent``'s dtype, except where it produces a model output.
 
@@ -141,7 +137,7 @@ def _hand_back(layer: keras.layers.Layer, reason: str, parent) -> None:
     if reason != "output":
         _cast_back.install(layer, parent)
     elif projects(layer):
-        _cast_back.install(layer, parent, only=_looks_up)
+        _cast_back.install(layer, parent, only=lambda args, kwargs: not reverse_call(args, kwargs))
 
 
 def _apply_rules(
@@ -217,14 +213,6 @@ def _defer(layer, path: str, keep, exclude, forced_as: Optional[str]) -> None:
     pending[0] = layer_calls.subscribe(layer, "build", wrap, owner="float32.build")
 
 
-def _cast_outputs(model: keras.Model) -> bool:
-    """Hooks a subclassed model's ``call`` to return float32 outputs (see `cast_back`)."""
-    if not _cast_back.cast_outputs(model):
-        return False
-    _FORCED.setdefault(model, "outputs cast")
-    return True
-
-
 def _spec_inputs(op, node):
     """The node's recorded arguments, float ones cast as ``Layer.__call__`` would."""
     args, kwargs = node.arguments.args, node.arguments.kwargs
@@ -244,11 +232,6 @@ def _spec_inputs(op, node):
     return keras.tree.map_structure(cast, args), keras.tree.map_structure(cast, kwargs)
 
 
-def _casts_inputs(op) -> bool:
-    """True when ``op`` autocasts float inputs, so their dtype cannot change its output."""
-    return autocasts_inputs(op) and keras.backend.is_float_dtype(op.compute_dtype)
-
-
 def _refresh_graph(graph, changed_ops: Set[int]) -> bool:
     """Recomputes the dtypes of a Functional graph's symbolic tensors in place.
 
@@ -265,7 +248,8 @@ def _refresh_graph(graph, changed_ops: Set[int]) -> bool:
             if node.is_input or op is None:
                 continue
             inputs_changed = any(id(t) in changed_tensors for t in node.input_tensors)
-            if id(op) not in changed_ops and not (inputs_changed and not _casts_inputs(op)):
+            casts_inputs = autocasts_inputs(op) and keras.backend.is_float_dtype(op.compute_dtype)
+            if id(op) not in changed_ops and not (inputs_changed and not casts_inputs):
                 continue
             args, kwargs = _spec_inputs(op, node)
             try:
@@ -383,7 +367,8 @@ def _force(model: keras.Model, keep, exclude, adopt: bool = False, loss=None) ->
     if not model.built and not functional_graph(model):
         _defer(model, "", keep, exclude, None)
     for sub in subclassed:
-        if _cast_outputs(sub):
+        if _cast_back.cast_outputs(sub):
+            _FORCED.setdefault(sub, "outputs cast")
             changed.add(id(sub))
     models = [layer for _, layer, _ in reversed(entries) if isinstance(layer, keras.Model)]
     for sub in models + [model]:

@@ -86,14 +86,9 @@ class GeluProbe:
 def float32_inside(x: Any) -> Any:
     """The exact GELU of 16-bit `x`, computed in float32 and rounded once to `x`'s dtype.
 
-    Args:
-        x: float16 or bfloat16 `tf.Tensor`, any shape.
-
-    Returns:
-        `tf.Tensor` of `x`'s shape and dtype. Its gradient
-        ``dy * (Phi(x) + x * phi(x))`` is computed in float32 from the saved 16-bit
-        `x` and rounded once, by `fused_gradient` when all but the first dimension
-        of `x` are known, else by TensorFlow's ops.
+    The gradient ``dy * (Phi(x) + x * phi(x))`` is computed in float32 from the
+    saved 16-bit `x` and rounded once, by `fused_gradient` when all but the first
+    dimension of `x` are known, else by TensorFlow's ops.
     """
     import tensorflow as tf
 
@@ -152,20 +147,11 @@ def measure(dtype: str, budget_s: float = BUDGET_S, repeats: int = REPEATS,
             shape: Tuple[int, int, int] = (ROWS, INPUTS, UNITS)) -> GeluProbe:
     """Times a 16-bit Dense + GELU with Keras's GELU and with `float32_inside`, now (not cached).
 
-    Times ``gelu(x @ w + b)`` forward and backward (the matmul included, so a
-    Grappler fusion counts too), the two variants alternately after a tracing
-    call, up to `repeats` calls each or `budget_s` seconds; the fastest counts.
-
-    Args:
-        dtype: String. ``"bfloat16"`` or ``"float16"``.
-        budget_s: Float. Seconds of timed calls, after the first ones.
-        repeats: Int. Timed calls of each variant at most.
-        shape: Tuple ``(rows, inputs, units)`` of ints (`benchmarks/gelu.py`
-            times the benchmark models' own).
-
-    Returns:
-        `GeluProbe` (``source="failed: ..."`` with NaN times when TensorFlow cannot
-        run it here or it is called while a function is traced).
+    Times ``gelu(x @ w + b)`` forward and backward for ``shape = (rows, inputs,
+    units)`` (the matmul included, so a Grappler fusion counts too), the two
+    variants alternately after a tracing call, up to `repeats` calls each or
+    `budget_s` seconds; the fastest counts. ``source="failed: ..."`` with NaN
+    times when TensorFlow cannot run it or a function is being traced.
     """
     import tensorflow as tf
 
@@ -200,13 +186,8 @@ def measure(dtype: str, budget_s: float = BUDGET_S, repeats: int = REPEATS,
 def decision(compute_dtype: str, facts: Optional[DeviceFacts] = None) -> str:
     """``Attachment.gelu`` for a model computing in `compute_dtype` on this machine.
 
-    Args:
-        compute_dtype: String. The model's compute dtype; only ``"bfloat16"`` changes.
-        facts: `DeviceFacts` or None (this machine's, `detect_device_facts`). With
-            a GPU or TPU Keras's GELU is kept.
-
-    Returns:
-        String: `KERAS` (not bfloat16, or a GPU/TPU), or ``"float32 inside: "`` + `RULE`.
+    Only ``"bfloat16"`` changes, without a GPU or TPU in ``facts`` (None: this
+    machine's): ``"float32 inside: "`` + `RULE`, else `KERAS` (`inside.decided`).
     """
     return inside.decided("gelu", compute_dtype, DTYPE, RULE, facts)
 

@@ -1,11 +1,7 @@
-"""What the float32-inside rules share (`gelu.py`, `conv.py`): the per-model decision and the calling layer's.
+"""What the float32-inside rules (`gelu.py`, `conv.py`) share: the per-model decision and the calling layer's.
 
-A model computing in a 16-bit dtype whose CPU kernels for an op are the slow path
-computes that op in float32 inside and rounds once to the 16-bit dtype. Whether
-it does is decided once, when tfmp attaches the model, from facts that do not
-move (the compute dtype, whether a GPU or TPU runs the steps), and kept in one
-field of its `Attachment`; a hooked op asks the attachment of the layer computing
-it.
+The decision is made once, when tfmp attaches the model, from facts that do not move (the
+compute dtype, whether a GPU or TPU runs the steps), and kept in an `Attachment` field.
 """
 
 from __future__ import annotations
@@ -25,18 +21,9 @@ KERAS = "keras"
 def decided(feature: str, compute_dtype: str, dtype: str, rule: str, facts: Optional[DeviceFacts]) -> str:
     """The `Attachment` field for a model computing in `compute_dtype`.
 
-    Args:
-        feature: String. The feature's name in `availability.FEATURES` (and its
-            `Attachment` field).
-        compute_dtype: String. The model's compute dtype.
-        dtype: String. The one compute dtype the rule changes.
-        rule: String. Why, quoted after ``"float32 inside: "``.
-        facts: `DeviceFacts` or None (this machine's, `detect_device_facts`). With
-            a GPU or TPU Keras's op is kept.
-
-    Returns:
-        String: `KERAS`, ``"keras: off, <why>"`` where the feature's Keras surface
-        is missing in this process, or ``"float32 inside: "`` + `rule`.
+    `KERAS` unless `compute_dtype` is `dtype` and ``facts`` (None: this machine's)
+    show no GPU or TPU; ``"keras: off, <why>"`` where `feature`'s Keras surface is
+    missing; else ``"float32 inside: "`` + `rule`.
     """
     if compute_dtype != dtype:
         return KERAS
@@ -50,8 +37,6 @@ def decided(feature: str, compute_dtype: str, dtype: str, rule: str, facts: Opti
 
 
 def calling_layer_takes(field: str) -> bool:
-    """Bool. The layer whose call is running (`layer_calls.calling_layer`) is attached
-    with `field` (an `Attachment` field name) starting with `FLOAT32_INSIDE`: its own
-    model's decision, also inside a model tfmp did not attach; not after `tfmp.detach`."""
+    """Bool. The calling layer's model is attached with `field` starting with `FLOAT32_INSIDE`."""
     found = record.of_calling(layer_calls.calling_layer())
     return found is not None and getattr(found, field).startswith(FLOAT32_INSIDE)

@@ -39,11 +39,8 @@ def _size(variable) -> int:
 
 
 def multiplied_params(layer: keras.layers.Layer, weights: Sequence, projecting: bool) -> int:
-    """Parameters each example multiplies in ``layer``'s own ``weights``.
-
-    For an ``Embedding``, 0 (a lookup), or its projection matrix when
-    ``projecting`` (called with ``reverse=True``).
-    """
+    """Parameters each example multiplies in ``layer``'s own ``weights`` (an ``Embedding``: its
+    projection matrix when ``projecting`` with ``reverse=True``, else 0 for a lookup)."""
     if not isinstance(layer, keras.layers.Embedding):
         return sum(_size(w) for w in weights)
     if not projecting:
@@ -53,10 +50,7 @@ def multiplied_params(layer: keras.layers.Layer, weights: Sequence, projecting: 
 
 
 def borrowed_tables(layer: keras.layers.Layer, parents: Dict[int, object]) -> int:
-    """Size of the ``Embedding`` tables ``layer`` holds as sublayers walked under another parent.
-
-    ``parents``: layer id -> its parent in the model's walk. Wiring gives 0.
-    """
+    """Size of the ``Embedding`` tables ``layer`` holds as sublayers walked under another of ``parents``."""
     if is_wiring(layer):
         return 0
     return sum(_size(child.embeddings) for child in child_layers(layer)

@@ -34,8 +34,8 @@ class AuditRow:
         path: String. Layer path relative to the model (``"block/dense"``).
         class_name: String. The layer's class name.
         compute_dtype: String. Dtype the layer computes in.
-        output_dtype: String. Dtype of its floating outputs (``"float32,bfloat16"``
-            when they differ; ``"-"`` when it never ran in the ``batch=`` pass).
+        output_dtype: String. Dtype(s) of its floating outputs, comma-separated;
+            ``"-"`` when it never ran in the ``batch=`` pass.
         variable_dtype: String. Dtype of its own weights (else its policy's).
         forced: String. tfmp's reason for forcing it to float32 (``"output"``,
             ``"softmax"``, ``"known fix: ..."``, ``"user rule"``, ``"inside <path>"``...)
@@ -47,9 +47,8 @@ class AuditRow:
         warnings: Tuple of warning kinds for this layer.
         output_from: String. Where ``output_dtype`` comes from: ``"graph"``,
             ``"run"`` (the ``batch=`` pass) or ``"rule"``.
-        batchnorm_kernel: String. For a BatchNormalization, ``"fused"`` when it runs
-            on TensorFlow's fused kernel, else ``"keras: <why not>"``
-            (`tfmp._src.float32.fused_batchnorm`); ``""`` for other layers.
+        batchnorm_kernel: String. ``"fused"`` or ``"keras: <why not>"`` for a
+            BatchNormalization (`tfmp._src.float32.fused_batchnorm`), else ``""``.
     """
 
     path: str

@@ -14,8 +14,9 @@ from typing import Any, Callable, Iterator, List, Optional
 
 from tfmp._src.attachment import record
 from tfmp._src.constants import LOW_PRECISION
-from tfmp._src.keras_hooks import availability, backend_ops, layer_calls
-from tfmp._src.policy.hardware import DeviceFacts, detect_device_facts
+from tfmp._src.float32 import inside
+from tfmp._src.keras_hooks import backend_ops, layer_calls
+from tfmp._src.policy.hardware import DeviceFacts
 from tfmp._src.policy.probe_cache import ProbeCache
 
 #: ``Attachment.bias_gradient`` of a model whose 16-bit bias gradients tfmp sums.
@@ -141,14 +142,9 @@ def decision(compute_dtype: str, facts: Optional[DeviceFacts] = None) -> str:
     else ``"summed: <check>"``, ``"summed except after Conv2D: <check>"``,
     ``"keras: <check>"`` (sum kept) or ``"keras: off, <why>"`` (`availability`).
     """
-    if compute_dtype not in LOW_PRECISION:
-        return KERAS
-    missing = availability.off("bias_gradient")
-    if missing:
-        return f"{KERAS}: off, {missing}"
-    facts = facts if facts is not None else detect_device_facts()
-    if facts.gpus or facts.tpu:
-        return KERAS
+    kept = inside.kept_as_keras("bias_gradient", compute_dtype in LOW_PRECISION, facts)
+    if kept:
+        return kept
     found = probe(compute_dtype)
     if not found.kernel_loses_it:
         return f"{KERAS}: {found.describe()}"
@@ -158,8 +154,7 @@ def decision(compute_dtype: str, facts: Optional[DeviceFacts] = None) -> str:
 def channel_axis(x: Any, bias: Any) -> Optional[int]:
     """The axis of `x` Keras's backend ``add`` adds `bias` along with ``tf.nn.bias_add``, or None.
 
-    Mirrors ``keras.src.backend.tensorflow.numpy.add``: `bias` squeezes to one
-    known dimension, `x`'s last (checked first) or second.
+    As ``keras.src.backend.tensorflow.numpy.add``: `bias` squeezes to `x`'s last or second dimension.
     """
     squeezed = [d for d in bias.shape.as_list() if d is None or d > 1]
     if len(squeezed) != 1 or squeezed[0] is None or len(x.shape) < 2:

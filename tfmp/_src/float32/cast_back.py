@@ -71,10 +71,9 @@ def cast_float(x, dtype: str):
 
 
 def install(layer: keras.layers.Layer, parent, only: Optional[Callable[[tuple, dict], bool]] = None) -> None:
-    """Hooks ``layer.call`` and ``layer.compute_output_spec`` to hand back ``parent``'s dtype.
+    """Hooks ``layer.call`` and ``compute_output_spec`` to hand back ``parent``'s dtype when 16-bit (idempotent).
 
-    The target is read at each call: the parent's compute dtype when 16-bit, else
-    no cast. ``only(args, kwargs)``, when given, selects the calls cast. Idempotent.
+    ``only(args, kwargs)``, when given, selects the calls cast.
     """
     if layer in _CAST_BACK or parent is None:
         return

@@ -22,11 +22,7 @@ _MARK = "tfmp_dtype_hint"
 
 
 def mismatched_dtypes(message: str) -> Optional[Tuple[str, str]]:
-    """The (16-bit, wider) float dtypes a TensorFlow dtype-mismatch text names, or None.
-
-    E.g. ``("bfloat16", "float32")`` for a mismatch between a 16-bit tensor and
-    one of another float dtype (`keras_hooks.error_texts.DTYPE_MISMATCH`).
-    """
+    """The (16-bit, wider) float dtypes a TensorFlow dtype-mismatch text names, e.g. ``("bfloat16", "float32")``."""
     pair = error_texts.mismatched_dtypes(message)
     if pair is None:
         return None
@@ -111,10 +107,9 @@ def explained(error: BaseException) -> bool:
 
 
 def with_explanation(error: BaseException, text: str) -> BaseException:
-    """A new exception of `error`'s type, its text followed by `text`, chained to `error`.
+    """A new exception of `error`'s type, its text followed by `text`, chained to `error`, marked `explained`.
 
     When the type cannot be rebuilt, `error` itself with `text` as a note.
-    Either is marked as explained (`explained`).
     """
     new = _rebuilt(error, text)
     if new is None:

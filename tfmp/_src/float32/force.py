@@ -56,13 +56,8 @@ def excluded_by_user(layer: keras.layers.Layer) -> bool:
 
 
 def output_producers(model: keras.Model) -> Tuple[List[keras.layers.Layer], List[keras.Model]]:
-    """Finds the layers computing ``model``'s outputs.
-
-    Returns:
-        ``(layers, subclassed)``: layers whose outputs are model outputs (after
-        walking back through raw ops and into nested models), and models with no
-        graph to walk, whose outputs must be cast instead.
-    """
+    """``(layers, subclassed)``: the layers computing ``model``'s outputs (through raw ops and nested
+    models), and the models with no graph to walk, whose outputs must be cast instead."""
     graph = functional_graph(model)
     if graph is None:
         if isinstance(model, keras.Sequential) and model.layers:
@@ -107,26 +102,21 @@ def _set_float32(layer: keras.layers.Layer, reason: str, parent=None, adopt: boo
     With ``adopt`` (a model being loaded), a layer saved as forcing left it is
     recorded as forced and gets its cast-back hook again.
     """
+    changed = True
     if adopt and _saved_float32(layer, parent):
-        _FORCED[layer] = reason
-        _hand_back(layer, reason, parent)
-        return reason != "output" or projects(layer)
-    if reason == "output" and casts_back(layer) and not projects(layer):
+        changed = reason != "output" or projects(layer)  # the rebuilt graph lacks the hook
+    elif reason == "output" and casts_back(layer) and not projects(layer):
         _cast_back.remove(layer)
         _FORCED[layer] = reason
         return True
-    if layer not in _FORCED and _exact.forced_when_created(layer):  # float32 since made
-        _FORCED[layer] = reason
-        _hand_back(layer, reason, parent)
-        return True
-    policy = layer.dtype_policy
-    if layer.compute_dtype not in LOW_PRECISION or policy.quantization_mode:
-        return False
-    layer.dtype_policy = "float32"
-    _exact.refresh_state(layer)
+    elif layer in _FORCED or not _exact.forced_when_created(layer):  # else float32 since made
+        if layer.compute_dtype not in LOW_PRECISION or layer.dtype_policy.quantization_mode:
+            return False
+        layer.dtype_policy = "float32"
+        _exact.refresh_state(layer)
     _FORCED[layer] = reason
     _hand_back(layer, reason, parent)
-    return True
+    return changed
 
 
 def _hand_back(layer: keras.layers.Layer, reason: str, parent) -> None:

@@ -52,7 +52,7 @@ class GeluProbe:
         dtype: String. ``"bfloat16"`` or ``"float16"``.
         keras_ms: Float, milliseconds. Fastest step with Keras's GELU; NaN when it could not run.
         float32_ms: Float, milliseconds. Fastest step with `float32_inside`.
-        source: String. ``"measured"``, ``"injected"`` (tests) or ``"failed: <error>"``.
+        source: String. ``"measured"`` or ``"failed: <error>"``.
         paired_ratio: Float. Median over rounds of Keras's time over float32 inside's (NaN when not measured).
     """
 
@@ -73,14 +73,6 @@ class GeluProbe:
     def faster(self) -> bool:
         """Bool. Float32 inside measured at least `FASTER_RATIO` times as fast."""
         return self.ratio >= FASTER_RATIO
-
-    def describe(self) -> str:
-        """String. The figures in one clause, e.g. for ``Attachment.gelu``."""
-        if self.source.startswith("failed"):
-            return f"the {self.dtype} GELU probe {self.source}"
-        return (f"{self.dtype} Dense + GELU forward+backward {self.keras_ms:.3g} ms with Keras's "
-                f"GELU, {self.float32_ms:.3g} ms with float32 inside ({self.ratio:.3g}x, "
-                f"{self.source}; taken from {FASTER_RATIO:g}x)")
 
 
 def float32_inside(x: Any) -> Any:
@@ -120,9 +112,8 @@ def _gradient(x: Any, dy: Any) -> Any:
 def fused_gradient() -> Callable:
     """The GELU gradient ``(x, dy) -> dy * GELU'(x)`` as one XLA-compiled `tf.function`.
 
-    XLA fuses the gradient's dozen elementwise ops into one loop over the 16-bit
-    ``x`` and ``dy``, compiled once per shape of ``x`` (so once per batch size).
-    The forward pass stays TensorFlow's, so inference never runs XLA.
+    XLA fuses its dozen elementwise ops into one loop, compiled once per shape of ``x``;
+    the forward pass stays TensorFlow's, so inference never runs XLA.
     """
     import tensorflow as tf
 

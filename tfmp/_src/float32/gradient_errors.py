@@ -27,8 +27,7 @@ _OWNER = "enable.gradient_errors"
 def explanation(path: str, layer: Any, low: str, wide: str, received: bool = False) -> str:
     """The text tfmp appends to a backward-pass mismatch: the layer, both dtypes, the fix.
 
-    With `received`, the layer's own gradient is TensorFlow's and the gradient
-    reaching it is already `wide`: a layer after it returned that gradient.
+    With `received`, the gradient reaching the layer is already `wide`, from a layer after it.
     """
     cls = type(layer).__name__ if layer is not None else "its layer class"
     where = f"layer '{path}' ({cls})" if path else "a layer of this model"

@@ -21,19 +21,24 @@ KERAS = "keras"
 def decided(feature: str, compute_dtype: str, dtype: str, rule: str, facts: Optional[DeviceFacts]) -> str:
     """The `Attachment` field for a model computing in `compute_dtype`.
 
-    `KERAS` unless `compute_dtype` is `dtype` and ``facts`` (None: this machine's)
-    show no GPU or TPU; ``"keras: off, <why>"`` where `feature`'s Keras surface is
-    missing; else ``"float32 inside: "`` + `rule`.
+    ``"float32 inside: "`` + `rule` when `compute_dtype` is `dtype`, else as `kept_as_keras`.
     """
-    if compute_dtype != dtype:
+    return kept_as_keras(feature, compute_dtype == dtype, facts) or f"{FLOAT32_INSIDE}: {rule}"
+
+
+def kept_as_keras(feature: str, applies: bool, facts: Optional[DeviceFacts]) -> str:
+    """The `Attachment` field when `feature` keeps Keras's op, else ``""``.
+
+    `KERAS` unless it `applies` and ``facts`` (None: this machine's) show no GPU
+    or TPU; ``"keras: off, <why>"`` where `feature`'s Keras surface is missing.
+    """
+    if not applies:
         return KERAS
     missing = availability.off(feature)
     if missing:
         return f"{KERAS}: off, {missing}"
     facts = facts if facts is not None else detect_device_facts()
-    if facts.gpus or facts.tpu:
-        return KERAS
-    return f"{FLOAT32_INSIDE}: {rule}"
+    return KERAS if facts.gpus or facts.tpu else ""
 
 
 def calling_layer_takes(field: str) -> bool:

@@ -36,8 +36,7 @@ def trainable_16bit(model: Any) -> List[Tuple[str, Any]]:
 def warn_16bit_trainable(model: Any) -> None:
     """At attach: warns when a built mixed-precision model trains variables stored in 16 bits.
 
-    Silent under a pure 16-bit policy and for an unbuilt model (then
-    `warn_16bit_applied` says it). Each variable is said once (`_warn`).
+    Silent under a pure 16-bit policy and for an unbuilt model (`warn_16bit_applied` says it then).
     """
     if model.dtype_policy.variable_dtype in LOW_PRECISION or not model.built:
         return
@@ -46,11 +45,7 @@ def warn_16bit_trainable(model: Any) -> None:
 
 
 def warn_16bit_applied(optimizer: Any, variables: List[Any]) -> None:
-    """At a traced or eager `apply`: warns about 16-bit variables among float32 ones.
-
-    For a model built after attach and for a custom loop; silent when every
-    variable is 16-bit or they were said already.
-    """
+    """At a traced or eager `apply`: warns about 16-bit variables among float32 ones (models built after attach)."""
     low = [variable for variable in variables if variable.dtype in LOW_PRECISION]
     if low and len(low) < len(variables):
         _warn(f"Optimizer {optimizer.name!r}", [(variable.path, variable) for variable in low])

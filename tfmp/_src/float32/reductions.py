@@ -66,8 +66,7 @@ _FOUND: "weakref.WeakKeyDictionary[keras.layers.Layer, Optional[WideReduction]]"
 def wide_reduction(layer: keras.layers.Layer) -> Optional[WideReduction]:
     """The widest overflowing float16 reduction in ``layer``'s own code, or None.
 
-    Traced once and kept for the layer's life. A trace also decides for every
-    sublayer (which has no graph call of its own): ask for parents first.
+    Traced once; a trace also decides for every sublayer, so ask for parents first.
     """
     if layer not in _FOUND:
         _analyze(layer)

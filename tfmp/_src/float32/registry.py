@@ -193,14 +193,7 @@ class Registration:
 
 
 def targets_from(name: str, targets: Union[Target, Iterable[Target], None]) -> Tuple[Target, ...]:
-    """Validates ``keep``/``exclude`` style arguments into a tuple of targets.
-
-    Args:
-        name: String. Argument name used in error messages, e.g. ``"keep"``.
-        targets: A layer class, a glob pattern, or a list, tuple or set of those.
-
-    Returns:
-        Tuple of layer classes and pattern strings.
+    """Validates a ``keep``/``exclude`` style argument `name` (a class, a pattern, or a collection) into a tuple.
 
     Raises:
         ValueError: `targets` is None (``()`` means none), or an element is
@@ -304,13 +297,8 @@ def float32_layers() -> Float32Rules:
 
 def matches(layer: keras.layers.Layer, path: str, targets: Iterable[Target]) -> bool:
     """True when ``layer`` is an instance of a target class or its path matches."""
-    for target in targets:
-        if isinstance(target, str):
-            if fnmatch.fnmatchcase(path, target):
-                return True
-        elif isinstance(layer, target):
-            return True
-    return False
+    return any(fnmatch.fnmatchcase(path, target) if isinstance(target, str) else isinstance(layer, target)
+               for target in targets)
 
 
 def activation_name(layer: keras.layers.Layer) -> str:

@@ -264,18 +264,16 @@ def force_float32(model: keras.Model, *, keep=(), exclude=()) -> keras.Model:
     """Computes precision-sensitive layers in float32 and returns float32 model outputs.
 
     Sets a float32 ``DTypePolicy`` on: layers producing model outputs (a custom
-    block producing one keeps its 16-bit policy, its output cast to float32);
-    Softmax, UnitNormalization and fused softmax/log_softmax layers; known-broken
-    Keras layers (``registry.KNOWN_BROKEN``); layers whose own float16
-    ``logsumexp`` or sum can exceed 65504 (``tfmp._src.float32.reductions``);
-    registered and ``keep`` targets; and all sublayers of those. Every forced layer
-    but an output producer hands back its parent's 16-bit dtype, as under plain
-    Keras. Only float16/bfloat16 layers are touched. Idempotent; works before or
-    after build, for Sequential, Functional, nested and multi-output models. A
-    subclassed model has no graph: its sensitive layers are forced and its
-    ``call`` casts 16-bit outputs to float32. Called by hand it knows no loss, so
-    a logits layer is forced like any output layer (``compile`` under
-    `tfmp.enable` keeps a from-logits one 16-bit, `tfmp._src.float32.logits`).
+    block producing one keeps its 16-bit policy, its output cast); Softmax,
+    UnitNormalization and fused softmax/log_softmax layers; known-broken Keras
+    layers (``registry.KNOWN_BROKEN``); layers whose own float16 ``logsumexp`` or
+    sum can exceed 65504 (``tfmp._src.float32.reductions``); ``keep`` and
+    registered targets; and all their sublayers. Forced layers but output
+    producers hand back their parent's 16-bit dtype. Only float16/bfloat16 layers
+    are touched; idempotent; works before or after build. A subclassed model has
+    no graph: its ``call`` casts 16-bit outputs to float32. A logits layer is
+    forced like any output layer (``compile`` under `tfmp.enable` keeps a
+    from-logits one 16-bit, `tfmp._src.float32.logits`).
 
     Args:
         model: ``keras.Model``. Changed in place.
@@ -284,8 +282,7 @@ def force_float32(model: keras.Model, *, keep=(), exclude=()) -> keras.Model:
         exclude: Same forms. Layers never forced, whatever rule selects them.
 
     Returns:
-        The same ``model`` (so calls can be chained). ``tfmp.audit(model)`` shows
-        which layers were forced and why.
+        The same ``model``; ``tfmp.audit(model)`` shows which layers were forced and why.
 
     Raises:
         ValueError: ``model`` is not a ``keras.Model`` or has no layer (unbuilt

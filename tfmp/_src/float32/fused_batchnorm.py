@@ -92,7 +92,7 @@ def last_call_reason(layer: keras.layers.Layer) -> Optional[str]:
 
 
 def audit_note(layer: keras.layers.Layer) -> str:
-    """``"fused"`` or ``"keras: <reason>"`` (configuration's, else last call's) for a BatchNormalization, else ``""``."""
+    """``"fused"`` or ``"keras: <reason>"`` (the configuration's, else the last call's) for a BatchNormalization."""
     if not isinstance(layer, keras.layers.BatchNormalization):
         return ""
     why = layer_reason(layer) or _last_call.get(layer, "")

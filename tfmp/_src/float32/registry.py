@@ -123,12 +123,9 @@ class Float32Rules:
         builtin: Tuple of layer classes tfmp always keeps in float32.
         keep: Tuple of user-registered classes or path patterns to keep.
         exclude: Tuple of user-registered classes or path patterns never forced.
-        known_broken: Tuple of `KerasLayerNote`: Keras layers forced because they
-            fail under mixed policies (`KNOWN_BROKEN`).
-        float32_inside_keras: Tuple of `KerasLayerNote`: Keras layers left in 16
-            bits because Keras computes them in float32 (`FLOAT32_INSIDE_KERAS`).
-        exact_preprocessing: Tuple of `KerasLayerNote`: Keras preprocessing layers
-            forced because their result must be exact (`EXACT_PREPROCESSING`).
+        known_broken: Tuple of `KerasLayerNote`: forced, they fail under mixed policies.
+        float32_inside_keras: Tuple of `KerasLayerNote`: left 16-bit, Keras computes them in float32.
+        exact_preprocessing: Tuple of `KerasLayerNote`: forced, their result must be exact.
     """
 
     builtin: Tuple[type, ...]

@@ -31,13 +31,11 @@ _WARNED = PerObject("unmatched_warned")  # model -> set of (argument, target) al
 class UnmatchedTargetWarning(UserWarning):
     """A keep or exclude target matched no layer of the model it was given for.
 
-    Warned once per model and target when forcing a model finishes
-    (`tfmp.force_float32`, or ``compile()`` under `tfmp.enable`) and a
-    ``keep``/``exclude`` (``keep_float32``/``exclude_float32``) target selects
-    no layer of it. The message names the argument, the target, the model, a few
-    of its layer paths or classes, a "Did you mean ...?" and the fix. Unbuilt
-    layers with a ``build`` of their own are judged once built (the first call).
-    Targets registered with `tfmp.register_float32` are not checked.
+    Warned once per model and target by `tfmp.force_float32` (or ``compile()``
+    under `tfmp.enable`) for a ``keep``/``exclude`` (``keep_float32``/``exclude_float32``)
+    target that selects no layer; layers with their own ``build`` are judged once
+    built. The message names the target, a few layer paths, a "Did you mean ...?"
+    and the fix. Targets registered with `tfmp.register_float32` are not checked.
 
     Make it an error with ``warnings.simplefilter("error", tfmp.UnmatchedTargetWarning)``.
     """

@@ -68,27 +68,23 @@ def _change(path: str, layer, reason: str, policy: str) -> str:
     low = policy.split("_", 1)[-1]
     exclude = (f"tfmp.enable('{policy}', exclude_float32=['{path}']) before compiling, or "
                f"tfmp.force_float32(model, exclude=['{path}'])")
+    enabled = "while tfmp is enabled, without calling tfmp.force_float32 first"
+    from_logits = ("compile the model with a cross-entropy loss object built with from_logits=True (e.g. "
+                   f"loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)) {enabled}")
+    kept = f"tfmp then keeps its matmul in {low} and casts the logits to float32"
     if _logits.projects(layer):
         return (f"set reverse_dtype='{low}' on it (layer.reverse_dtype = '{low}' before compiling, or "
-                f"keras.layers.ReversibleEmbedding(..., reverse_dtype='{low}')) and compile the model with a "
-                "cross-entropy loss object built with from_logits=True (e.g. "
-                "loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)) while tfmp is enabled, "
-                f"without calling tfmp.force_float32 first: the matmul then runs in {low} and tfmp casts the "
-                "logits to float32")
+                f"keras.layers.ReversibleEmbedding(..., reverse_dtype='{low}')) and {from_logits}: the matmul "
+                f"then runs in {low} and tfmp casts the logits to float32")
     if reason == "output" and _logits.linear_leaf(layer):
-        return (f"if it produces logits, compile the model with a cross-entropy loss object built with "
-                f"from_logits=True (e.g. loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)) "
-                f"while tfmp is enabled, without calling tfmp.force_float32 first: tfmp then keeps its "
-                f"matmul in {low} and casts the logits to float32")
+        return f"if it produces logits, {from_logits}: {kept}"
     activation = getattr(getattr(layer, "activation", None), "__name__", "")
     if reason == "output" and activation in ("softmax", "sigmoid"):
         loss = ("SparseCategoricalCrossentropy(from_logits=True) (or CategoricalCrossentropy)"
                 if activation == "softmax" else "BinaryCrossentropy(from_logits=True)")
         return (f"its {activation} can move into the loss: build it with activation=None and compile with "
-                f"loss=keras.losses.{loss} while tfmp is enabled, without calling tfmp.force_float32 first: "
-                f"tfmp then keeps its matmul in {low} and casts the logits to float32 (apply "
-                f"keras.activations.{activation} to the predictions where probabilities are needed); or, "
-                f"rounding its output to 16 bits: {exclude}")
+                f"loss=keras.losses.{loss} {enabled}: {kept} (apply keras.activations.{activation} to the "
+                f"predictions where probabilities are needed); or, rounding its output to 16 bits: {exclude}")
     if reason == "output":
         return (f"it produces a model output, so its result is not rounded to 16 bits; to compute it in "
                 f"{low} anyway: {exclude}")

@@ -114,11 +114,7 @@ def _dtype(x: Any) -> Optional[str]:
 
 
 def _graph_facts(model: keras.Model, entries) -> Tuple[Dict[int, List[str]], Dict[int, list], set]:
-    """Per layer in a Functional graph: ``(outputs, consumers, projecting)``.
-
-    Layer id -> output dtypes; layer id -> ``(consumer op, dtype it receives)``
-    pairs; ids of tied embeddings with a ``reverse=True`` node.
-    """
+    """Layer id -> output dtypes, layer id -> ``(consumer, dtype)`` pairs, and ids of projecting embeddings."""
     graphs = [functional_graph(model)] + [
         functional_graph(layer) for _, layer, _ in entries if isinstance(layer, keras.Model)
     ]

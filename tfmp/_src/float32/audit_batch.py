@@ -38,11 +38,7 @@ def _message(error: BaseException) -> str:
 
 
 def _as_raised(error: BaseException) -> BaseException:
-    """The error as the failing op raised it, before Keras added call information.
-
-    Follows `__context__` while each step is a Keras re-raise: same class, message
-    contained in the outer one.
-    """
+    """The error as the failing op raised it: `__context__` while each step is a Keras re-raise (same class, text)."""
     for _ in range(8):  # one step per Keras wrapper; a bound against cycles
         inner = error.__context__
         text = _message(inner) if inner is not None else ""
@@ -65,11 +61,7 @@ def _dtype_mismatch_line(error: BaseException) -> Optional[str]:
 
 @contextlib.contextmanager
 def _variables_restored(model: keras.Model) -> Iterator[None]:
-    """Puts every variable of `model` back as it was when the block exits, also when it raises.
-
-    A training call updates moving statistics and seed states; variables the
-    block creates go back to their initial value.
-    """
+    """Puts every variable of `model` back when the block exits (those it creates: their initial value)."""
     saved = {id(v): (v, v.numpy()) for v in list(model.variables) + list(model.metrics_variables)}
     created: List[Tuple[Any, Any]] = []
 

@@ -124,11 +124,7 @@ def probe(dtype: str) -> BiasGradientProbe:
 @contextlib.contextmanager
 def injected(loses: bool, dtypes: tuple = LOW_PRECISION,
              conv2d_loses: bool = False) -> Iterator[List[BiasGradientProbe]]:
-    """Makes `probe` return a given result for each of `dtypes` inside the block (tests).
-
-    ``loses``/``conv2d_loses``: whether ``BiasAddGrad`` alone / a traced Conv2D's
-    lose the known sum. Yields the injected `BiasGradientProbe`s.
-    """
+    """Makes `probe` return, for each of `dtypes` inside the block (tests), whether the kernels lose the sum."""
     with _probes.injected(
             BiasGradientProbe(dtype, 41.0, 4.0 if loses else 41.0, 41.0, 4.0 if conv2d_loses else 41.0, "injected")
             for dtype in dtypes) as results:

@@ -31,11 +31,7 @@ def _failing_layer(root: Any, error: BaseException) -> tuple:
 
 
 def annotate(layer: Any, error: BaseException) -> BaseException:
-    """The exception to raise for `error` met inferring `layer`'s output: explained, or `error`.
-
-    `error` itself unless it is a 16-bit/wider float mismatch not explained yet;
-    else a new exception of the same type (`dtype_errors.with_explanation`).
-    """
+    """The exception to raise for `error` met inferring `layer`'s output: explained, or `error` itself."""
     message = error.message if isinstance(error, tf.errors.OpError) else str(error)
     dtypes = dtype_errors.mismatched_dtypes(message)
     if dtypes is None or dtype_errors.explained(error) or "\n\ntfmp: " in message:

@@ -115,11 +115,9 @@ def remove(layer: keras.layers.Layer) -> None:
 
 
 def cast_outputs(model: keras.layers.Layer, only: Optional[Callable[[tuple, dict], bool]] = None) -> bool:
-    """Hooks ``model.call`` to return float32 outputs; False if already hooked.
+    """Hooks ``model.call`` (a layer's ``compute_output_spec`` too) to return float32; False if already hooked.
 
-    ``model`` is a subclassed model, or a layer producing a model output (then
-    ``compute_output_spec`` is hooked too). ``only(args, kwargs)``, when given,
-    selects the calls cast.
+    ``only(args, kwargs)``, when given, selects the calls cast.
     """
     if layer_calls.subscribed(model, "call", "float32.outputs"):
         return False

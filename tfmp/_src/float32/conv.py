@@ -28,20 +28,12 @@ FUNCTIONS = ("conv", "conv_transpose")
 
 
 def decision(compute_dtype: str, facts: Optional[DeviceFacts] = None) -> str:
-    """``Attachment.conv`` for a model computing in `compute_dtype` on this machine.
-
-    Only ``"float16"`` changes, without a GPU or TPU in ``facts`` (None: this
-    machine's): ``"float32 inside: "`` + `RULE`, else `KERAS` (`inside.decided`).
-    """
+    """``Attachment.conv`` for a model computing in `compute_dtype` here (float16 only, `inside.decided`)."""
     return inside.decided("conv", compute_dtype, DTYPE, RULE, facts)
 
 
 def float32_inside(convolve: Callable, inputs: Any, kernel: Any) -> Any:
-    """``convolve(inputs, kernel)`` computed in float32 and rounded once to `inputs`' dtype.
-
-    ``convolve`` is Keras's backend ``conv`` with its other arguments bound. The
-    gradients are computed in float32 from the saved float16 tensors and rounded once.
-    """
+    """``convolve(inputs, kernel)`` (Keras's ``conv``, arguments bound) and its gradients in float32, rounded once."""
     import tensorflow as tf
 
     def wide(x, k):

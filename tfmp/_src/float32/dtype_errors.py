@@ -49,11 +49,9 @@ def _failing_layer(model: Any, error: BaseException, message: str) -> Tuple[str,
 
 
 def explanation(path: str, layer: Any, low: str, wide: str, *, at_build: bool = False) -> str:
-    """The text tfmp appends: the layer, both dtypes and the remedies.
+    """The text tfmp appends: the layer (``path`` "" when unknown), both dtypes and the remedies.
 
-    ``path`` is "" and ``layer`` None when unknown. With ``at_build`` (before
-    ``compile``, forcing does not apply yet) the float32 remedy is the layer's own
-    ``dtype="float32"``. Starts with "tfmp: ".
+    With ``at_build`` (before ``compile``) the float32 remedy is the layer's own ``dtype="float32"``.
     """
     cls = type(layer).__name__ if layer is not None else "its layer class"
     where = f"Layer '{path}' ({cls})" if path else "A layer of this model"

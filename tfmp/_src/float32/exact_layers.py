@@ -54,11 +54,7 @@ def unforce(layer: keras.layers.Layer) -> bool:
 
 
 def refresh_state(layer: keras.layers.Layer) -> None:
-    """Casts again, to the layer's current compute dtype, the state Keras stored in the old one.
-
-    Only ``Normalization`` keeps such state (mean and variance), redone here by
-    Keras's own ``build_from_config`` or ``finalize_state``.
-    """
+    """Casts a ``Normalization``'s stored mean and variance again to its current compute dtype."""
     if not isinstance(layer, keras.layers.Normalization) or not layer.built:
         return
     if layer.input_mean is not None:

@@ -223,12 +223,10 @@ def _spec_inputs(op, node):
 
 
 def _refresh_graph(graph, changed_ops: Set[int]) -> bool:
-    """Recomputes the dtypes of a Functional graph's symbolic tensors in place.
+    """Recomputes a Functional graph's symbolic dtypes in place; True when an output's changed.
 
-    Downstream nodes hold the tensors by identity, so from inputs to outputs each
-    node whose operation (in ``changed_ops``) or non-autocast inputs changed gets
-    Keras's ``compute_output_spec`` again and its new dtype written into the
-    tensor's ``_dtype`` slot. Returns True when a graph output's dtype changed.
+    Downstream nodes hold the tensors by identity, so each node whose operation (in
+    ``changed_ops``) or non-autocast inputs changed gets its new dtype written into them.
     """
     changed_tensors: Set[int] = set()
     nodes = nodes_by_depth(graph)
@@ -312,11 +310,9 @@ def force_float32(model: keras.Model, *, keep=(), exclude=()) -> keras.Model:
 
 
 def force_compiled(model: keras.Model, *, keep=(), exclude=(), loss=None) -> keras.Model:
-    """`force_float32` as ``compile()`` under `tfmp.enable` calls it, with its ``loss``.
+    """`force_float32` as ``compile()`` under `tfmp.enable` calls it, with its ``loss`` (`tfmp._src.float32.logits`).
 
-    A model without layers yet is left as it is. An output layer producing only
-    logits of a from-logits loss keeps its 16-bit policy, its output cast
-    (`tfmp._src.float32.logits`). Unmatched targets warn as ``keep_float32``/``exclude_float32``.
+    A model without layers yet is left as it is.
     """
     if not [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]:
         return model
@@ -336,9 +332,7 @@ def _checked_force(model: keras.Model, keep, exclude, loss=None, *, arguments) -
 def force_loaded(model: keras.Model, *, keep=(), exclude=(), loss=None) -> keras.Model:
     """`force_compiled` for a model Keras is loading, to give its forced layers their hooks back.
 
-    A saved model keeps its policies but not tfmp's hooks; a layer saved in
-    float32 under a 16-bit parent that a rule selects is taken as forced. A
-    model with no 16-bit layer is left as it is.
+    A layer saved in float32 under a 16-bit parent that a rule selects is taken as forced.
     """
     if not any(entry.layer.compute_dtype in LOW_PRECISION for entry in walk(model)):
         return model

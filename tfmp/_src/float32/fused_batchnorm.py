@@ -40,11 +40,7 @@ def _shape_reason(layer: keras.layers.Layer, rank: Optional[int]) -> str:
 
 
 def layer_reason(layer: keras.layers.Layer) -> str:
-    """Why `layer` cannot take the fused kernel, from its configuration alone.
-
-    ``""`` when every call without a mask would take it, else the first reason
-    not to, e.g. ``"synchronized=True"``.
-    """
+    """Why `layer` cannot take the fused kernel from its configuration alone (``""``: every unmasked call can)."""
     if not record.would_attach(layer):
         return NOT_ATTACHED
     return _configuration_reason(layer)
@@ -100,11 +96,7 @@ def audit_note(layer: keras.layers.Layer) -> str:
 
 
 def fused_call(layer: keras.layers.Layer, inputs: Any, training: Optional[bool]) -> tf.Tensor:
-    """BatchNormalization's forward pass on ``FusedBatchNormV3``; updates the moving statistics in training.
-
-    With ``training`` and ``layer.trainable``, normalizes by the batch statistics
-    and updates the moving ones with the biased variance; returns ``layer.compute_dtype``.
-    """
+    """BatchNormalization's forward pass on ``FusedBatchNormV3``; updates the moving statistics in training."""
     rank = inputs.shape.rank
     axis = layer.axis % rank
     channels = inputs.shape[axis] or layer.moving_mean.shape[0]

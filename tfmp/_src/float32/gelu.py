@@ -175,20 +175,12 @@ def measure(dtype: str, budget_s: float = BUDGET_S, repeats: int = REPEATS,
 
 
 def decision(compute_dtype: str, facts: Optional[DeviceFacts] = None) -> str:
-    """``Attachment.gelu`` for a model computing in `compute_dtype` on this machine.
-
-    Only ``"bfloat16"`` changes, without a GPU or TPU in ``facts`` (None: this
-    machine's): ``"float32 inside: "`` + `RULE`, else `KERAS` (`inside.decided`).
-    """
+    """``Attachment.gelu`` for a model computing in `compute_dtype` here (bfloat16 only, `inside.decided`)."""
     return inside.decided("gelu", compute_dtype, DTYPE, RULE, facts)
 
 
 def takes_float32_inside(x: Any, approximate: bool) -> bool:
-    """Bool. Whether this call of Keras's backend GELU is computed by `float32_inside`.
-
-    True for an exact GELU of a bfloat16 `x` in a layer attached with ``gelu``
-    starting with `FLOAT32_INSIDE` (`inside.calling_layer_takes`).
-    """
+    """Bool. An exact GELU of a bfloat16 `x` in a layer attached with ``gelu`` starting with `FLOAT32_INSIDE`."""
     if approximate or getattr(getattr(x, "dtype", None), "name", None) != DTYPE:
         return False
     return inside.calling_layer_takes("gelu")

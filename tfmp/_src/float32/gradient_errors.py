@@ -153,12 +153,7 @@ def _failing_layer(error: BaseException, sources: Any) -> Optional[Tuple[str, An
 
 
 def annotate(error: BaseException, sources: Any) -> BaseException:
-    """The exception to raise for `error` out of ``tape.gradient(target, sources)``.
-
-    `error` unchanged unless it is a 16-bit/float32 dtype mismatch not explained
-    yet, for a model whose dtype errors tfmp explains; else a new exception of
-    the same type (`dtype_errors.with_explanation`).
-    """
+    """The exception to raise for `error` out of ``tape.gradient(target, sources)``: explained, or `error`."""
     message = error.message if isinstance(error, tf.errors.OpError) else str(error)
     dtypes = dtype_errors.mismatched_dtypes(message)
     if dtypes is None or dtype_errors.explained(error):

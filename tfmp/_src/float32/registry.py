@@ -342,13 +342,7 @@ def is_block(layer: keras.layers.Layer) -> bool:
 
 
 def builtin_reason(layer: keras.layers.Layer) -> Optional[str]:
-    """Why a built-in rule keeps ``layer`` in float32, or None.
-
-    Returns:
-        ``"softmax"``, `EXACT`, ``"known fix: <why>"``, ``"softmax inside"``,
-        `COSINE`, `pooling3d.REASON`, ``"normalization"``, ``"fused <activation>"``,
-        ``"float16 reduction: ..."`` (`reductions.reason`), or None.
-    """
+    """Why a built-in rule keeps ``layer`` in float32 (``"softmax"``, ``"known fix: <why>"``...), or None."""
     if isinstance(layer, keras.layers.Softmax):
         return "softmax"
     if exact_reason(layer):

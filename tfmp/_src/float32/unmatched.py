@@ -64,11 +64,9 @@ def check(
     entries: Sequence[Tuple[str, Any, Any]],
     deferred: Container[Any],
 ) -> None:
-    """Judges ``model``'s call-level targets once forcing it finished (replacing an earlier check).
+    """Judges ``model``'s ``(argument name, targets)`` pairs once forcing it finished (replacing an earlier check).
 
-    ``targets`` is a sequence of ``(argument name, tuple of targets)``; ``entries``
-    the walk of ``model``; ``deferred`` the layers whose build hook has not run.
-    Warns `UnmatchedTargetWarning` once no deferred build could match a target.
+    Warns `UnmatchedTargetWarning` once none of the ``deferred`` builds could match a target.
     """
     unmatched = list(dict.fromkeys(
         (argument, target) for argument, given in targets for target in given

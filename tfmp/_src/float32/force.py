@@ -136,12 +136,9 @@ def _apply_rules(
 ) -> Set[int]:
     """Forces every ``(path, layer, parent)`` entry some rule selects; returns ids of changed layers.
 
-    ``outputs`` and ``logits`` are ids of output (and logits-only output) layers;
-    ``inherited`` maps a layer id to the path of the forced layer it sits in, and
-    is updated so that sublayers of a forced layer are forced too.
-
-    Raises:
-        ValueError: an exclusion matches a float16 3-D pooling layer on a CPU-only machine.
+    ``outputs`` and ``logits``: ids of (logits-only) output layers. ``inherited``: layer id ->
+    path of the forced layer it sits in, updated so that sublayers of a forced layer follow.
+    Raises ValueError when an exclusion matches a float16 3-D pooling layer on a CPU-only machine.
     """
     for path, layer, _ in entries:  # before changing anything
         if layer.compute_dtype == "float16" and _pooling3d.reason(layer) and \

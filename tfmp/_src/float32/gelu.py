@@ -78,9 +78,8 @@ class GeluProbe:
 def float32_inside(x: Any) -> Any:
     """The exact GELU of 16-bit `x`, computed in float32 and rounded once to `x`'s dtype.
 
-    The gradient ``dy * (Phi(x) + x * phi(x))`` is computed in float32 from the
-    saved 16-bit `x` and rounded once, by `fused_gradient` when all but the first
-    dimension of `x` are known, else by TensorFlow's ops.
+    So is its gradient ``dy * (Phi(x) + x * phi(x))``: by `fused_gradient` when all
+    but the first dimension of `x` are known, else by TensorFlow's ops.
     """
     import tensorflow as tf
 
@@ -138,11 +137,9 @@ def measure(dtype: str, budget_s: float = BUDGET_S, repeats: int = REPEATS,
             shape: Tuple[int, int, int] = (ROWS, INPUTS, UNITS)) -> GeluProbe:
     """Times a 16-bit Dense + GELU with Keras's GELU and with `float32_inside`, now (not cached).
 
-    Times ``gelu(x @ w + b)`` forward and backward for ``shape = (rows, inputs,
-    units)`` (the matmul included, so a Grappler fusion counts too), the two
-    variants alternately after a tracing call, up to `repeats` calls each or
-    `budget_s` seconds; the fastest counts. ``source="failed: ..."`` with NaN
-    times when TensorFlow cannot run it or a function is being traced.
+    ``gelu(x @ w + b)`` forward and backward for ``shape = (rows, inputs, units)``,
+    alternately, up to `repeats` calls each or `budget_s` seconds; the fastest counts.
+    ``source="failed: ..."`` with NaN times when TensorFlow cannot run it or a function is traced.
     """
     import tensorflow as tf
 

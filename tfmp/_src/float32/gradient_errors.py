@@ -126,10 +126,9 @@ def _by_scope(model: Any, scope: str) -> Tuple[str, Any]:
 def _failing_layer(error: BaseException, sources: Any) -> Optional[Tuple[str, Any, bool]]:
     """(path, layer, received) for the layer whose backward pass raised `error`.
 
-    Found from a traceback frame holding a layer, else the failing function's
-    class, else the op's name scope. None when no explaining model is concerned;
-    path ``""`` when only the model is known. `received`: the failing gradient
-    is TensorFlow's, fed a wider one by a layer after it.
+    From a traceback frame holding a layer, else the failing function's class, else
+    the op's name scope; path ``""`` when only the model is known, None when no
+    explaining model is concerned. `received`: a layer after it fed a wider gradient.
     """
     models = _explaining_models()
     if not models:

@@ -1,10 +1,8 @@
-"""The report of `tfmp.compare`: per-run numbers, intervals, verdict, table, plot.
+"""The report of `tfmp.compare`: per-run numbers, intervals, verdict and plot.
 
-Every number here was measured by `compare`; the report only re-reads them, so
-`CompareReport.verdict` can judge again at any tolerance without training.
-Units: accuracy-like metrics (accuracy, AUC, precision, recall; values in [0, 1])
-differ in percentage points ("pp"); other metrics (losses) in percent of the
-float32 value of the same seed ("%"). The statistics are in compare_stats.py.
+It keeps every number `compare` measured, so `CompareReport.verdict` can judge again at
+any tolerance without training. Accuracy-like metrics differ in percentage points
+("pp"), others (losses) in percent of float32's value at the same seed ("%").
 """
 
 from __future__ import annotations
@@ -78,7 +76,6 @@ class RunResult:
         return {k: v[-1] for k, v in self.history.items()}
 
 
-
 @dataclasses.dataclass(frozen=True)
 class MetricSummary:
     """One metric of one policy against float32, over the seeds.
@@ -88,8 +85,7 @@ class MetricSummary:
         ci_low: Float. Lower bound of the 95% Student t interval; `mean` for one seed.
         ci_high: Float. Upper bound; `mean` for one seed.
         noise_floor: Float or None. Standard deviation of float32's own final value
-            over the seeds, in `unit` (None for one seed): differences of this size
-            happen between two float32 runs.
+            over the seeds, in `unit` (None for one seed).
         per_seed: List of floats. The difference at each seed, in seed order.
         unit: String. ``"pp"`` or ``"%"``.
         interval: `compare_stats.Interval` the bounds come from.
@@ -125,9 +121,8 @@ class Verdict:
 
     Attributes:
         status: String. ``"pass"`` (the interval lies within +-tolerance),
-            ``"fail"`` (it lies entirely outside) or ``"inconclusive"`` (it
-            straddles a bound). With one seed the interval is the single
-            difference, so it is "pass" or "fail".
+            ``"fail"`` (entirely outside) or ``"inconclusive"`` (it straddles a
+            bound; never with one seed, whose interval is the difference itself).
         passed: Bool. ``status == "pass"``; also the truth value.
         metric: String. Metric that decided, e.g. ``"val_accuracy"``.
         policy: String. Label of the run that decided.
@@ -211,9 +206,9 @@ class CompareReport:
         tolerance: Float. Default tolerance of `verdict`.
         settings: Dict. Epochs, seeds and samples per step the runs used.
         speed: Dict of run label to ``{"step_time_s", "ratio", "seconds",
-            "ratios"}`` from the alternated timing (see `compare_runs`); ``ratio``
-            is the median of paired ratios float32 seconds / this policy's (> 1:
-            faster). Empty when not timed.
+            "ratios"}`` from the alternated timing; ``ratio`` is the median of
+            paired ratios float32 seconds / this policy's (> 1: faster). Empty when
+            not timed.
         val_labels: Tuple of ints or None. Validation class labels, for the
             per-example statistics.
 
@@ -244,7 +239,6 @@ class CompareReport:
         return next(r for r in self.runs if r.policy == FLOAT32)
 
     def _by_seed(self) -> Dict[str, Dict[int, RunResult]]:
-        """Run label to seed to run."""
         out: Dict[str, Dict[int, RunResult]] = {}
         for run in self.runs:
             out.setdefault(run.label, {})[run.seed] = run
@@ -439,7 +433,6 @@ class CompareReport:
         return fig
 
     def __str__(self) -> str:
-        # Imported here: compare_table imports this module.
         from tfmp._src.advisors.compare_table import format_report
 
         return format_report(self)

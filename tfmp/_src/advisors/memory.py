@@ -1,15 +1,8 @@
-"""Memory estimates: what a model, its optimizer and its activations take, per policy.
+"""`tfmp.estimate_memory` and `tfmp.estimate_kv_cache`: what training or decoding takes, per policy.
 
-Parameters (every variable of the model, at its own dtype: float32 master weights cost
-as under float32), gradients (one per trainable variable, in its dtype) and optimizer
-variables (slots and scalars; the float32 column uses the same optimizer) are counted
-from the built objects, so they are exact. Activations are an estimate: one output per
-leaf layer for ``batch_size`` examples at the dtype the layer outputs, the tensors
-backpropagation keeps; temporary buffers, activation gradients, workspaces, the input
-batch and the allocator's overhead are not counted, and TensorFlow may fuse or free
-some, so read it as an order of magnitude, not a peak. The 16-bit weight copies made
-inside a call are short-lived and not counted. Troubleshooting (no memory saving):
-tfmp/docs/troubleshooting.md#no-memory-saving.
+Parameters, gradients and optimizer variables are counted from the built objects, so
+they are exact; activations are an estimate (see `estimate_memory`), which tells
+whether a mixed policy saves memory before a run does.
 """
 
 from __future__ import annotations
@@ -113,11 +106,7 @@ class MemoryEstimate:
 
 
 def _leaf_layers(model: keras.Model) -> List[keras.layers.Layer]:
-    """Layers of `model`, descending into nested models only.
-
-    A layer that calls sublayers inside `call` (e.g. `MultiHeadAttention`) counts
-    as one layer: only its own output is symbolic.
-    """
+    """Layers of `model`, descending into nested models only (only their outputs are symbolic)."""
     leaves = []
     for layer in model.layers:
         leaves.extend(_leaf_layers(layer) if isinstance(layer, keras.Model) else [layer])
@@ -160,7 +149,6 @@ _ACCEPTED = {
 
 
 def _refused(name: str, value: Any) -> ValueError:
-    """The template error for `estimate_memory`'s `optimizer` or `policy`."""
     expected, fix = _ACCEPTED[name]
     return invalid_argument(name, value, expected, fix=fix)
 
@@ -194,7 +182,13 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Estimates training memory of `model` under `policy` and under float32.
 
-    Assumptions are listed in this module's docstring and in
+    Parameters (every variable at its own dtype: float32 master weights cost as under
+    float32), gradients (one per trainable variable) and optimizer variables (the same
+    optimizer in both columns) are exact. Activations are an estimate: one output per
+    leaf layer for `batch_size` examples, the tensors backpropagation keeps; temporary
+    buffers, activation gradients, the input batch, the allocator's overhead and the
+    short-lived 16-bit weight copies are not counted, and TensorFlow may fuse or free
+    some, so read it as an order of magnitude, not a peak. See
     tfmp/docs/troubleshooting.md#no-memory-saving.
 
     Args:

@@ -38,16 +38,7 @@ def unique(variables: Iterable[Any]) -> List[Any]:
 
 
 def variables_bytes(variables: Iterable[Any], float_dtype: Optional[str] = None) -> int:
-    """Bytes held by `variables` (each counted once).
-
-    Args:
-        variables: Iterable of Keras or TF variables.
-        float_dtype: String or None. When given, floating-point variables are counted
-            at this dtype instead of their own (e.g. ``"float32"`` for a baseline).
-
-    Returns:
-        Int, bytes.
-    """
+    """Bytes held by `variables` (each counted once), float ones at `float_dtype` when given."""
     total = 0
     for v in unique(variables):
         dtype = keras.backend.standardize_dtype(v.dtype)

@@ -1,10 +1,7 @@
 """`tfmp.export`: a SavedModel or TFLite file from the float32 copy, checked.
 
-The artifact is written from `tfmp.to_float32(model)`, then a sample batch runs
-through the artifact as a deployment would run it (the SavedModel's
-``serving_default`` signature after `tf.saved_model.load`; the TFLite file in a
-`tf.lite.Interpreter`) and through the trained model, and the report gives the
-largest difference.
+A sample batch runs through the written artifact as a deployment runs it and through
+the trained model, and the report gives the largest difference.
 """
 
 from __future__ import annotations
@@ -28,7 +25,6 @@ from tfmp._src.keras_hooks.functional_graph import functional_graph
 from tfmp._src.layer_tree import walk
 
 
-
 def export(
     model: keras.Model,
     path: str,
@@ -39,19 +35,15 @@ def export(
     """Writes a deployable artifact of `model` and checks it against the model.
 
     The artifact is made from ``tfmp.to_float32(model)``, never from the trained
-    model itself: a model trained after `tfmp.enable()` computes in bfloat16 or
-    float16, and TFLite's builtin kernels have no such ops, so converting it
-    directly (``tf.lite.TFLiteConverter.from_keras_model(model)``) fails with a
-    ``ConverterError`` saying ops such as ``tf.Conv2D`` are "neither a custom op nor
-    a flex op" and suggesting TF Select. TF Select is the wrong fix (it ships
-    TensorFlow kernels to run 16-bit ops a float32 deployment does not want);
-    converting the float32 copy is the fix, and the one this function applies.
+    model: TFLite's builtin kernels have no bfloat16 or float16 ops, so converting a
+    mixed model directly fails with a ``ConverterError`` ("neither a custom op nor a
+    flex op") suggesting TF Select, which would ship TensorFlow kernels to run 16-bit
+    ops a float32 deployment does not want.
 
     Then a sample batch runs through the written artifact (the SavedModel's
-    ``serving_default`` signature via `tf.saved_model.load`, or the TFLite file in
-    `tf.lite.Interpreter`) and through the trained model (``training=False``), and
-    the largest differences are reported. They are the price of the trained
-    model's 16-bit compute (the copy computes in float32) plus, with
+    ``serving_default`` signature, or the TFLite file in an interpreter) and through
+    the trained model (``training=False``), and the largest differences are
+    reported: the price of the trained model's 16-bit compute plus, with
     ``weights="float16"``, the weight quantization.
 
     Args:
@@ -79,11 +71,9 @@ def export(
         dtypes, and ``max_abs_diff`` / ``max_rel_diff`` (the latter relative to the
         largest magnitude of the trained model's output).
 
-    Every argument is checked before anything is written: a refused call leaves
-    the file system as it was.
-
     Raises:
-        ValueError: (template) `format` or `weights` is not one of the accepted
+        ValueError: (template; before anything is written, so a refused call leaves
+            the file system as it was) `format` or `weights` is not one of the accepted
             values; ``weights="float16"`` with ``format="tf_saved_model"``; `path`
             is empty, not a string or path-like, under an existing file, an
             existing file or a non-empty folder that holds no earlier SavedModel
@@ -115,7 +105,7 @@ def export(
         saved_model = os.path.join(scratch, "saved_model")
         copy.export(saved_model, format="tf_saved_model", verbose=False)
         names = _input_names(copy, artifacts.saved_model_inputs(saved_model))
-        _make_parent(path)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         if format == "tflite":
             with open(path, "wb") as file:
                 file.write(_convert(copy, saved_model, weights))
@@ -134,11 +124,6 @@ def _check_choice(name: str, value: Any, choices: Sequence[str], fix: str) -> No
     if not isinstance(value, str) or value not in choices:
         expected = "one of " + ", ".join(repr(c) for c in choices)
         raise invalid_argument(name, value, expected, fix=fix, choices=choices)
-
-
-def _make_parent(path: str) -> None:
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
 
 
 def _convert(copy: keras.Model, saved_model: str, weights: str) -> bytes:

@@ -90,8 +90,7 @@ def _run_one(
         checksum = _weights_checksum(model)
         timer = compare_runs.StepTimer()
         start = time.perf_counter()
-        history = model.fit(**fit_kwargs, epochs=epochs, verbose=0,
-                            callbacks=[timer])
+        history = model.fit(**fit_kwargs, epochs=epochs, verbose=0, callbacks=[timer])
         wall = time.perf_counter() - start
         predictions = None if val is None else compare_runs.predicted_labels(model, *val)
     # The first step traces and compiles the graph; leave it out of the timing.
@@ -153,9 +152,8 @@ def compare(
     differences to float32 at the same seed give a mean with a 95% Student t interval;
     float32's seed-to-seed spread is the noise floor. For a classifier with `val_data`,
     per-example agreement and McNemar's exact test are computed per seed. The first
-    seed's trained models then take turns for `timing_rounds` timed calls each; speed
-    is the median of paired ratios. The Keras global policy is restored afterwards;
-    the global random generators are left seeded with the last seed.
+    seed's models are then timed in turns. The Keras global policy is restored; the
+    global random generators are left seeded with the last seed.
 
     Args:
         build_model: Callable with no arguments returning a compiled `keras.Model`.
@@ -178,35 +176,28 @@ def compare(
             of at most 1000 distinct ints. One seed gives no interval, so its verdict
             may judge noise; 5 give one (cost: seeds x policies trainings).
         timing_rounds: Int >= 1. Alternated timed calls per policy (10 steps or an
-            epoch each, whichever is fewer).
+            epoch each, whichever is fewer); speed is the median of paired ratios.
 
     Returns:
-        `CompareReport`: per run the curves and final metrics; per policy and
-        metric the mean difference, interval and noise floor (`statistics()`);
-        agreement and McNemar (`agreement()`); speed (`speed`); a verdict
-        ("pass", "fail" or "inconclusive"). ``print(report)`` shows a table,
-        ``report.plot()`` the curves, ``report.to_dict()`` everything as plain
-        Python values.
+        `CompareReport`: curves and final metrics per run, differences with intervals
+        and noise floor (`statistics()`), agreement and McNemar (`agreement()`), speed
+        and a verdict; ``print(report)`` shows a table, ``report.plot()`` the curves.
 
     Raises:
-        ValueError: (template, before any training) `policies` not a list or
-            tuple of at least two distinct policy names or `keras.DTypePolicy`,
-            an unknown policy name, no float32 reference, two policies that
-            resolve to the same one on this machine (e.g. "auto" is float32 on a
-            CPU without bfloat16: there is nothing to compare); `epochs`,
-            `batch_size` or `timing_rounds` not an int >= 1; `seed` not an int;
-            bad `seeds`; `tolerance` not a finite number >= 0; `build_model` not
-            callable; `train_data` or `val_data` neither a dataset that yields a
-            batch nor ``(x, y)`` arrays of numbers with as many rows (>= 1) in x
-            as in y. Also, before the first fit, `build_model` not returning a
-            compiled model.
-        ModuleNotFoundError: scipy (the ``compare`` extra) is not installed; said
-            before any model is trained.
+        ValueError: (template, before any training) `policies` not a list or tuple of
+            at least two distinct policy names or `keras.DTypePolicy`, an unknown
+            name, no float32 reference, or two that resolve to the same policy here
+            ("auto" is float32 on a CPU without bfloat16); `epochs`, `batch_size` or
+            `timing_rounds` not an int >= 1; `seed` not an int; bad `seeds`;
+            `tolerance` not a finite number >= 0; `build_model` not callable;
+            `train_data` or `val_data` neither a dataset that yields a batch nor
+            ``(x, y)`` arrays of numbers with as many rows (>= 1) in x as in y. Also,
+            before the first fit, `build_model` not returning a compiled model.
+        ModuleNotFoundError: scipy (the ``compare`` extra) is not installed.
 
     Example:
         ``report = tfmp.compare(build, (x, y), (x_val, y_val), epochs=5, seeds=5)``
-        then ``print(report)`` and ``report.verdict(tolerance=0.25)``; tests/
-        test_compare.py runs this on scikit-learn's digits.
+        then ``print(report)`` and ``report.verdict(tolerance=0.25)``.
     """
     defaults = inspect.signature(compare).parameters
     for name, value in (("epochs", epochs), ("batch_size", batch_size), ("timing_rounds", timing_rounds)):

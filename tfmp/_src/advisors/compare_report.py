@@ -41,16 +41,14 @@ class RunResult:
         requested: String. Policy as requested, e.g. ``"auto"``.
         policy: String. Keras policy it ran under, e.g. ``"mixed_bfloat16"``.
         history: Dict of metric name to list of per-epoch floats (`History.history`).
-        step_time_s: Float. Median wall time of a training step in seconds, first
-            step (graph tracing) excluded; includes callback overhead.
+        step_time_s: Float. Median seconds per training step, the first (tracing) excluded.
         samples_per_second: Float. Samples per step divided by `step_time_s`.
         steps_timed: Int. Steps the median was taken over.
         wall_time_s: Float. Seconds `Model.fit` took, tracing included.
         initial_weights_checksum: Float. Sum of |w| over trainable weights before
-            training; equal across runs shows they started from the same weights.
+            training; equal across runs when they start from the same weights.
         seed: Int. Seed of the run.
-        predictions: Tuple of ints or None. Predicted class per validation example
-            (classifiers with validation data only).
+        predictions: Tuple of ints or None. Predicted class per validation example.
     """
 
     requested: str
@@ -130,15 +128,13 @@ class Verdict:
         ci_low: Float. Lower bound of its 95% interval, in `unit`.
         ci_high: Float. Upper bound, in `unit`.
         tolerance: Float. In `unit`.
-        unit: String. ``"pp"`` (percentage points, accuracy-like metrics) or
-            ``"%"`` (percent of the float32 value, losses).
+        unit: String. ``"pp"`` (accuracy-like metrics) or ``"%"`` (of float32's value).
         n_seeds: Int. Seeds the interval is over.
         noise_floor: Float or None. float32's seed-to-seed standard deviation.
-        seeds_needed: Int or None. When inconclusive: seeds for which the interval,
-            with the spread observed, would be narrow enough to decide.
-        examples_needed: Int or None. When inconclusive on a validation accuracy of
-            a classifier: validation examples per seed for which the part of the
-            spread due to the choice of examples would be narrow enough.
+        seeds_needed: Int or None. When inconclusive: seeds that would decide, at
+            the spread observed.
+        examples_needed: Int or None. When inconclusive on a classifier's validation
+            accuracy: validation examples per seed that would decide (same caveat).
 
     Raises:
         ValueError: (template) a field of another type than the one above, or a
@@ -251,8 +247,7 @@ class CompareReport:
             confidence: Float in (0, 1). Coverage of the intervals.
 
         Returns:
-            Dict of run label (float32 left out) to dict of metric to
-            `MetricSummary`. Differences are paired by seed.
+            Dict of run label (float32 left out) to metric to `MetricSummary`.
         """
         runs = self._by_seed()
         reference = runs[self.baseline.label]
@@ -281,9 +276,8 @@ class CompareReport:
         """Mean final-metric differences against float32, per run label and metric.
 
         Returns:
-            Dict of run label to dict of metric to the mean over seeds of (run -
-            float32): percentage points for accuracy-like metrics, percent of the
-            float32 value for the others.
+            Dict of run label to metric to the mean over seeds of (run - float32),
+            in ``"pp"`` or ``"%"`` as `MetricSummary.unit`.
         """
         return {label: {m: s.mean for m, s in metrics.items()}
                 for label, metrics in self.statistics().items()}
@@ -355,8 +349,7 @@ class CompareReport:
             raise invalid_argument("metric", metric, "a metric the runs recorded",
                                    choices=names, fix=(f"Choose from: {', '.join(names)}; e.g. metric={names[0]!r}."
                                                        if names else "Pass metric=None."))
-        judged = [metric] if metric else ([m for m in names if is_accuracy_like(m)]
-                                          or names)
+        judged = [metric] if metric else ([m for m in names if is_accuracy_like(m)] or names)
         candidates = [(label, m, s, compare_stats.decide(s.interval, tolerance))
                       for label, d in summaries.items() for m, s in d.items() if m in judged]
         label, m, s, status = max(candidates, key=lambda c: (
@@ -406,9 +399,8 @@ class CompareReport:
             path: String or None. When given, the figure is also saved there.
 
         Returns:
-            `matplotlib.figure.Figure` with one axes per metric (training solid,
-            validation dashed, one colour per policy, one line per seed). Made
-            without pyplot, so no backend state changes.
+            `matplotlib.figure.Figure`, one axes per metric (training solid, validation
+            dashed, a colour per policy, a line per seed), made without pyplot.
         """
         from matplotlib.figure import Figure  # lazy: optional dependency
         from matplotlib.ticker import MaxNLocator

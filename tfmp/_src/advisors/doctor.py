@@ -219,24 +219,7 @@ def collect(
     *,
     speed_probe: Optional[SpeedProbe] = None,
 ) -> DoctorReport:
-    """Gathers the report without printing it.
-
-    Args:
-        device_facts: `DeviceFacts` or None. Devices to report on; None detects
-            this machine's. Versions, build and settings always come from this
-            process.
-        speed_probe: `SpeedProbe` or None. The CPU's measured step; None measures
-            this CPU (`speed_probe.ROUNDS` rounds, about a second) when
-            `device_facts` is None and there is no GPU or TPU, and reports none
-            otherwise. Quoted, never deciding the recommendation.
-
-    Returns:
-        `DoctorReport`.
-
-    Raises:
-        ValueError: (template) `device_facts` is neither None nor a `DeviceFacts`,
-            or `speed_probe` neither None nor a `SpeedProbe`.
-    """
+    """Gathers `doctor`'s report without printing it."""
     facts, probe = _facts_and_probe(device_facts, speed_probe)  # checks both
     if probe is None and device_facts is None and not facts.gpus and not facts.tpu:
         probe = measure_rounds()
@@ -287,8 +270,11 @@ def doctor(
     """Prints and returns what this machine offers for mixed precision.
 
     Args:
-        device_facts: `DeviceFacts` or None (detect this machine's devices).
-        speed_probe: `SpeedProbe` or None (see `collect`).
+        device_facts: `DeviceFacts` or None. Devices to report on; None detects this
+            machine's. Versions, build and settings always come from this process.
+        speed_probe: `SpeedProbe` or None. The CPU's measured step, quoted, never
+            deciding the recommendation; None measures this CPU (`speed_probe.ROUNDS` rounds,
+            about a second) when `device_facts` is None and there is no GPU or TPU.
         as_json: Bool. Print JSON instead of text.
         file: Writable text stream or None (do not print). Default stdout.
 
@@ -296,9 +282,10 @@ def doctor(
         `DoctorReport`; ``report.to_dict()`` for programs.
 
     Raises:
-        ValueError: (template, before anything is gathered) `device_facts` or
-            `speed_probe` as `collect` says; `as_json` not True or False; `file`
-            neither None nor an open stream with a ``write`` method.
+        ValueError: (template, before anything is gathered) `device_facts` neither
+            None nor a `DeviceFacts`; `speed_probe` neither None nor a `SpeedProbe`;
+            `as_json` not True or False; `file` neither None nor an open stream
+            with a ``write`` method.
 
     Example:
         >>> from tfmp._src.policy.hardware import DeviceFacts, GpuFacts

@@ -48,23 +48,17 @@ def export(
 
     Args:
         model: A built `keras.Model`, as `tfmp.to_float32` accepts. Not changed.
-        path: String or path-like. For ``"tf_saved_model"`` a folder; for
-            ``"tflite"`` a file (conventionally ending in ``.tflite``). Parent
-            folders are created. A SavedModel folder must be new or empty (an
-            old export is never mixed with the new one); a TFLite file that
-            exists is replaced.
+        path: String or path-like. For ``"tf_saved_model"`` a folder: new, empty or
+            an earlier SavedModel (replaced); for ``"tflite"`` a file (replaced if it
+            exists). Parent folders are created.
         format: String. ``"tf_saved_model"`` (Keras's ``model.export``) or
             ``"tflite"`` (``tf.lite.TFLiteConverter`` from that SavedModel).
         weights: String. ``"float32"``, or ``"float16"`` (TFLite only): weights
-            stored in float16, about half the file, dequantized to float32 when
-            the interpreter loads them; larger differences.
+            stored in float16, about half the file, dequantized when loaded.
         sample: The inputs to check with, as the model takes them (an array, or a
-            list/dict of arrays for several inputs), or None: then a batch of
-            `SAMPLE_BATCH` rows made from the model's input signature, standard
-            normal floats and zeros for integer inputs, seed `SAMPLE_SEED`
-            (export_checks.py). A sample has at least one row, each input's
-            shape past the batch, finite values, and integers (not floats) for
-            an integer input.
+            list/dict of arrays), at least one row of each input's shape, finite,
+            integers for an integer input; or None: 4 rows of standard normal floats
+            (seed 0), zeros for integer inputs.
 
     Returns:
         `ExportReport` with the path, format, weights, file size, output shapes and
@@ -74,15 +68,14 @@ def export(
     Raises:
         ValueError: (template; before anything is written, so a refused call leaves
             the file system as it was) `format` or `weights` is not one of the accepted
-            values; ``weights="float16"`` with ``format="tf_saved_model"``; `path`
-            is empty, not a string or path-like, under an existing file, an
-            existing file or a non-empty folder that holds no earlier SavedModel
-            (one that does is replaced, once the new export is written) for a
-            SavedModel, or a folder for TFLite; `model` is not a built, called `keras.Model` or cannot be
-            copied (see `tfmp.to_float32`); `sample` does not fit the inputs
-            (count, shape, dtype, finite values). Also, after writing, when TFLite cannot convert an op of the float32 copy (the message names
-            the op, the layer when the converter's message reveals it, and the
-            converter's own words; the converter's error is chained as the cause).
+            values; ``weights="float16"`` with ``format="tf_saved_model"``; `path` is
+            empty, not a string or path-like, under an existing file, or (for a
+            SavedModel) an existing file or a non-empty folder without an earlier
+            SavedModel, or (for TFLite) a folder; `model` is not a built, called
+            `keras.Model` or cannot be copied (see `tfmp.to_float32`); `sample` does
+            not fit the inputs (count, shape, dtype, finite values). Also, after
+            writing, when TFLite cannot convert an op of the float32 copy (naming the
+            op, the layer when known, and the converter's words, its error chained).
     """
     _check_choice("format", format, FORMATS,
                   fix="Pass format='tf_saved_model' (a folder, the default) or format='tflite' (a file).")
@@ -153,11 +146,9 @@ def _convert(copy: keras.Model, saved_model: str, weights: str) -> bytes:
 
 
 def _layer_in_message(copy: keras.Model, message: str) -> Optional[str]:
-    """The path of the layer named first in a converter location, or None.
+    """The path of the layer named first in a converter location ``"<model>/<layer>/<op>@<fn>"``, or None.
 
-    Converter locations read ``"<model>/<layer>/<op>@<function>"``; TensorFlow's
-    name scopes may add a suffix (``"inverse_1"`` for a layer named ``"inverse"``),
-    so an exact name wins over a suffixed one at the same place.
+    Name scopes may suffix a name (``"inverse_1"``), so an exact name wins at the same place.
     """
     found = []
     for entry in walk(copy):

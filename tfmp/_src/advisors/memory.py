@@ -182,14 +182,11 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Estimates training memory of `model` under `policy` and under float32.
 
-    Parameters (every variable at its own dtype: float32 master weights cost as under
-    float32), gradients (one per trainable variable) and optimizer variables (the same
-    optimizer in both columns) are exact. Activations are an estimate: one output per
-    leaf layer for `batch_size` examples, the tensors backpropagation keeps; temporary
-    buffers, activation gradients, the input batch, the allocator's overhead and the
-    short-lived 16-bit weight copies are not counted, and TensorFlow may fuse or free
-    some, so read it as an order of magnitude, not a peak. See
-    tfmp/docs/troubleshooting.md#no-memory-saving.
+    Parameters (each variable at its own dtype), gradients and optimizer variables
+    are exact. Activations are an order of magnitude, not a peak: one output per leaf
+    layer for `batch_size` examples, the tensors backpropagation keeps; temporary
+    buffers, activation gradients, the input batch, allocator overhead and 16-bit
+    weight copies are not counted. See tfmp/docs/troubleshooting.md#no-memory-saving.
 
     Args:
         model: Built `keras.Model` (Functional or Sequential for activations, so
@@ -200,9 +197,8 @@ def estimate_memory(
             output at the dtype it really has (float32 forcing included); a policy
             counts every floating-point output at that policy's compute dtype.
         optimizer: None (the model's compiled optimizer, if any), an optimizer name
-            such as ``"adam"``, or a `keras.optimizers.Optimizer`. An optimizer that
-            is not built is counted through a fresh copy built on the model's
-            trainable variables; the one passed is left unbuilt.
+            such as ``"adam"``, or a `keras.optimizers.Optimizer` (one not built is
+            counted through a built copy and left unbuilt).
 
     Returns:
         `MemoryEstimate` (bytes, ints).

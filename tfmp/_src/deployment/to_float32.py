@@ -1,9 +1,7 @@
 """`tfmp.to_float32`: a float32 copy of a trained model, for deployment.
 
-A mixed-precision model saved as it is keeps computing in 16 bits wherever it is
-loaded, and TFLite's builtin kernels refuse it. The copy goes through the same
-`get_config` / `from_config` round trip `model.save()` uses, every dtype policy
-overridden to float32, then the weights are copied by value.
+The copy goes through the `get_config` / `from_config` round trip `model.save()` uses,
+every dtype policy overridden to float32, then the weights are copied by value.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ import numpy as np
 from tfmp._src.errors import invalid_argument, model_fix
 from tfmp._src.layer_tree import walk
 
-#: Classes whose serialized form is a dtype policy (``"dtype"`` entries of configs).
 _POLICY_CLASSES = ("DTypePolicy", "FloatDTypePolicy", "DTypePolicyMap")
 
 _TEMPLATE_FIX = (
@@ -31,11 +28,10 @@ _TEMPLATE_FIX = (
 def to_float32(model: keras.Model) -> keras.Model:
     """Returns a float32 copy of `model` with the same weights, for deployment.
 
-    Every layer of the copy has the ``"float32"`` dtype policy, so it computes and
-    stores in float32, and every floating-point variable holds the trained value
-    cast to float32 (mixed policies already store float32 master weights: the
-    values are then identical). Integer variables (counters, seeds) keep their
-    dtype and value. The copy is not compiled; `model` itself is not changed.
+    Every layer of the copy has the ``"float32"`` dtype policy, and every
+    floating-point variable holds the trained value cast to float32 (identical for
+    a mixed policy's float32 master weights); integer variables keep their dtype and
+    value. The copy is not compiled; `model` itself is not changed.
 
     Ship this copy, not the trained model: a model saved under a mixed policy keeps
     computing in 16 bits wherever it is loaded, and TFLite's builtin kernels refuse

@@ -49,6 +49,5 @@ def _wrap(model: Any) -> Callable[[Callable], Callable]:
 
 def explain_quantize(model: keras.Model) -> None:
     """Hooks `model`'s ``quantize`` to name the float32-copy route (idempotent)."""
-    if trainer.subscribed(model, "quantize", "enable.quantize_hint"):
-        return
-    trainer.subscribe(model, "quantize", _wrap(model), owner="enable.quantize_hint")
+    if not trainer.subscribed(model, "quantize", "enable.quantize_hint"):
+        trainer.subscribe(model, "quantize", _wrap(model), owner="enable.quantize_hint")

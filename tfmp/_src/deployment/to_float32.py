@@ -94,13 +94,8 @@ def _float32_config(config: Any) -> Any:
     Plain dtype strings stay: an `InputLayer`'s ``"dtype": "int32"`` is its data's, not a policy.
     """
     if isinstance(config, dict):
-        out = {}
-        for key, value in config.items():
-            if key == "dtype" and _is_policy(value):
-                out[key] = "float32"
-            else:
-                out[key] = _float32_config(value)
-        return out
+        return {key: "float32" if key == "dtype" and _is_policy(value) else _float32_config(value)
+                for key, value in config.items()}
     if isinstance(config, (list, tuple)):
         return type(config)(_float32_config(item) for item in config)
     return config
@@ -162,12 +157,12 @@ def _not_rebuildable(layer: Any, cause: Any) -> ValueError:
 
 
 def _copy_weights(source: keras.Model, target: keras.Model) -> None:
-    """Assigns `source`'s variable values to `target` in tracking order, floats cast to float32."""
+    """Assigns `source`'s variable values to `target` in tracking order, floats cast to float32.
+
+    `_rebuild` has checked the count; shapes are checked before anything is written.
+    """
     pairs = list(zip(source.weights, target.weights))
-    mismatch = len(source.weights) != len(target.weights) or any(
-        tuple(a.shape) != tuple(b.shape) for a, b in pairs
-    )
-    if mismatch:
+    if any(tuple(a.shape) != tuple(b.shape) for a, b in pairs):
         raise _not_rebuildable(
             source,
             "its copy's variables do not match the trained model's "
@@ -175,8 +170,5 @@ def _copy_weights(source: keras.Model, target: keras.Model) -> None:
         )
     for src, dst in pairs:
         value = np.asarray(src.numpy())
-        if np.issubdtype(value.dtype, np.floating) or "float" in str(src.dtype):
-            value = value.astype(np.float32)
-        else:
-            value = value.astype(dst.dtype)
-        dst.assign(value)
+        floating = np.issubdtype(value.dtype, np.floating) or "float" in str(src.dtype)
+        dst.assign(value.astype(np.float32 if floating else dst.dtype))

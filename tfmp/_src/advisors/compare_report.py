@@ -125,9 +125,9 @@ class Verdict:
         metric: String. Metric that decided, e.g. ``"val_accuracy"``.
         policy: String. Label of the run that decided.
         difference: Float. Mean difference to float32 over the seeds, in `unit`.
-        ci_low: Float. Lower bound of its 95% interval, in `unit`.
-        ci_high: Float. Upper bound, in `unit`.
-        tolerance: Float. In `unit`.
+        ci_low: Float. Lower bound of its 95% interval.
+        ci_high: Float. Upper bound.
+        tolerance: Float. In `unit`, as the bounds.
         unit: String. ``"pp"`` (accuracy-like metrics) or ``"%"`` (of float32's value).
         n_seeds: Int. Seeds the interval is over.
         noise_floor: Float or None. float32's seed-to-seed standard deviation.
@@ -137,8 +137,7 @@ class Verdict:
             accuracy: validation examples per seed that would decide (same caveat).
 
     Raises:
-        ValueError: (template) a field of another type than the one above, or a
-            `status` other than "pass", "fail" and "inconclusive".
+        ValueError: (template) a field of another type than the one above.
     """
 
     status: str
@@ -197,8 +196,7 @@ class CompareReport:
     """Results of `compare`: one `RunResult` per policy and seed.
 
     Attributes:
-        runs: Tuple of `RunResult`, seed by seed, each seed in the order the
-            policies were given.
+        runs: Tuple of `RunResult`, seed by seed, policies in the order given.
         tolerance: Float. Default tolerance of `verdict`.
         settings: Dict. Epochs, seeds and samples per step the runs used.
         speed: Dict of run label to ``{"step_time_s", "ratio", "seconds",

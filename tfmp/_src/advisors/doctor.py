@@ -207,8 +207,8 @@ class DoctorReport:
             f"recommendation: {rec['policy']} for {rec['device']}",
             f"  {rec['reason']}"
             + (" Needs dynamic loss scaling." if rec["loss_scaling"] else ""),
+            f"troubleshooting guide: {d['troubleshooting']}",
         ]
-        lines.append(f"troubleshooting guide: {d['troubleshooting']}")
         if d["notes"]:
             lines += ["notes:"] + [f"  - {n}" for n in d["notes"]]
         return "\n".join(lines)

@@ -8,15 +8,50 @@ whether a mixed policy saves memory before a run does.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Optional, Tuple, Union
+import math
+from typing import Any, Iterable, List, Optional, Tuple, Union
 
 import keras
 import tensorflow as tf
 
-from tfmp._src.advisors.memory_bytes import dtype_bytes, format_bytes, tensor_bytes, unique, variables_bytes
 from tfmp._src.constants import TROUBLESHOOTING_GUIDE
 from tfmp._src.errors import check_positive_int, invalid_argument
 from tfmp._src.report_fields import COUNT, POSITIVE_INT, STRING, check_fields, tuple_of
+
+
+def format_bytes(n: int) -> str:
+    """Human-readable size in binary units: ``1536`` -> ``"1.50 KiB"``."""
+    size, unit = float(n), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            break
+        size /= 1024
+    return f"{int(size)} B" if unit == "B" else f"{size:.2f} {unit}"
+
+
+def dtype_bytes(dtype: Any) -> int:
+    """Bytes per element of `dtype` (``"bfloat16"`` -> 2, ``"int64"`` -> 8)."""
+    return tf.as_dtype(keras.backend.standardize_dtype(dtype)).size
+
+
+def tensor_bytes(shape: Iterable[int], dtype: Any) -> int:
+    return int(math.prod(int(d) for d in shape)) * dtype_bytes(dtype)
+
+
+def unique(variables: Iterable[Any]) -> List[Any]:
+    """`variables` without repeats (by identity: variables need not be hashable), in order."""
+    return list({id(v): v for v in variables}.values())
+
+
+def variables_bytes(variables: Iterable[Any], float_dtype: Optional[str] = None) -> int:
+    """Bytes held by `variables` (each counted once), float ones at `float_dtype` when given."""
+    total = 0
+    for v in unique(variables):
+        dtype = keras.backend.standardize_dtype(v.dtype)
+        if float_dtype and keras.backend.is_float_dtype(dtype):
+            dtype = float_dtype
+        total += tensor_bytes(v.shape, dtype)
+    return total
 
 
 @dataclasses.dataclass(frozen=True)

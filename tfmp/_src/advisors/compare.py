@@ -1,16 +1,9 @@
-"""A/B runs: train one model under several policies and judge the difference.
+"""`tfmp.compare`: train one model under float32 and a mixed policy, and judge the difference.
 
-The practice this automates: before trusting a mixed policy, train the same model
-with the same seed and data under float32 and under the mixed policy, and check
-that the final accuracy-like metrics agree within about half a percentage point.
-One run per policy judges run-to-run noise as often as precision, so `compare`
-trains each policy with each of several seeds (same data order per seed across
-policies) and judges the confidence interval of the paired differences
-(tfmp/_src/advisors/compare_stats.py). It keeps every number it measured, so the
-verdict can be re-judged at another tolerance without training again.
-
-Troubleshooting (accuracy drop versus float32):
-tfmp/docs/troubleshooting.md#accuracy-drop-versus-float32.
+Before trusting a mixed policy, practitioners check that the same model, seed and data
+reach final accuracy-like metrics within about half a percentage point of float32. One
+run per policy judges noise as often as precision, so each policy runs with several
+seeds and the paired differences' interval is judged (compare_stats.py).
 """
 
 from __future__ import annotations
@@ -28,6 +21,7 @@ import tensorflow as tf
 
 from tfmp._src.advisors import compare_runs, compare_stats
 from tfmp._src.advisors.compare_report import CompareReport, RunResult
+from tfmp._src.advisors.compare_stats import MAX_SEEDS
 from tfmp._src.errors import invalid_argument
 from tfmp._src.policy.enable import policy_scope
 from tfmp._src.policy.policy import FLOAT32, recommend_policy, resolve_policy
@@ -36,11 +30,7 @@ Data = Union[Tuple[Any, Any], tf.data.Dataset]
 
 
 def _fit_arguments(data: Data, name: str, batch_size: int) -> Tuple[dict, int]:
-    """Keyword arguments for `Model.fit` and the number of samples per step.
-
-    Checks the data before any training: a dataset that yields a batch, or
-    arrays of numbers with the same number (>= 1) of rows in x and y.
-    """
+    """`Model.fit` keyword arguments and samples per step, once `data` is checked (before any training)."""
     if isinstance(data, tf.data.Dataset):
         first = next(iter(data.take(1)), None)
         if first is None:
@@ -83,13 +73,11 @@ def _run_one(
     seed: int,
     val: Optional[Tuple[Any, int, int]],
 ) -> Tuple[RunResult, keras.Model]:
-    """Builds, checks and trains one model under `policy` with `seed`.
+    """Builds, checks and trains one model under `policy` with `seed`; returns its numbers and the model.
 
-    `val` is ``(validation inputs, batch size, number of labels)`` when per-example
-    predictions are wanted. Returns what the run measured and the trained model.
+    `val` is ``(validation inputs, batch size, number of labels)`` when predictions are wanted.
     """
-    # policy_scope: the same float32 forcing and optimizer wrapping as tfmp.enable();
-    # quiet: the comparison's report says what ran, not a line per model compiled.
+    # policy_scope: the same float32 forcing and optimizer wrapping as tfmp.enable().
     with policy_scope(policy, verbose=False):
         keras.utils.set_random_seed(seed)
         model = build_model()
@@ -102,8 +90,7 @@ def _run_one(
         checksum = _weights_checksum(model)
         timer = compare_runs.StepTimer()
         start = time.perf_counter()
-        history = model.fit(**fit_kwargs, epochs=epochs, verbose=0,
-                            callbacks=[timer])
+        history = model.fit(**fit_kwargs, epochs=epochs, verbose=0, callbacks=[timer])
         wall = time.perf_counter() - start
         predictions = None if val is None else compare_runs.predicted_labels(model, *val)
     # The first step traces and compiles the graph; leave it out of the timing.
@@ -124,11 +111,6 @@ def _run_one(
     return result, model
 
 
-#: Largest number of seeds. Each seed trains every policy once and keeps its runs
-#: (curves, per-example predictions) in the report; 1000 seeds are thousands of
-#: trainings, and the 95% interval narrows only as 1/sqrt(seeds). An int `seeds`
-#: is expanded to that many seeds before any training starts.
-MAX_SEEDS = 1000
 _SEEDS_WHY = f"at most {MAX_SEEDS}: each seed trains every policy once"
 
 
@@ -164,17 +146,13 @@ def compare(
 ) -> CompareReport:
     """Trains the same model under each policy and seed and judges the differences.
 
-    For each seed, each policy in turn: set the policy, reseed
-    (`keras.utils.set_random_seed(seed)`), build the model with `build_model` and
-    fit it on the same data with the same shuffling, so runs of one seed differ
-    only in the arithmetic. Per metric, the differences to the float32 run of the
-    same seed give a mean with a 95% Student t interval; the float32 runs' own
-    seed-to-seed spread is the noise floor. For a classifier with `val_data`, the
-    per-example agreement of the predictions and McNemar's exact test on the
-    per-example correctness are computed per seed. After the first seed's runs the
-    trained models take turns for `timing_rounds` timed calls each; the speed is the
-    median of paired ratios. Runs happen one after another in this process; the
-    Keras global policy is restored afterwards. The Python, NumPy and TensorFlow
+    For each seed, each policy in turn is set, the seed reset
+    (`keras.utils.set_random_seed`) and `build_model`'s model fit on the same data in
+    the same order, so runs of one seed differ only in the arithmetic. Per metric, the
+    differences to float32 at the same seed give a mean with a 95% Student t interval;
+    float32's seed-to-seed spread is the noise floor. For a classifier with `val_data`,
+    per-example agreement and McNemar's exact test are computed per seed. The first
+    seed's models are then timed in turns. The Keras global policy is restored; the
     global random generators are left seeded with the last seed.
 
     Args:
@@ -195,39 +173,31 @@ def compare(
         tolerance: Float >= 0. Default tolerance of `CompareReport.verdict`, in
             percentage points for accuracy-like metrics (0.5 means 0.5 pp).
         seeds: Int in [1, 1000] (seeds `seed` .. `seed` + seeds - 1) or a sequence
-            of at most 1000 distinct ints. Default 1, the single run per policy of earlier
-            versions: quick, but with no interval its verdict may judge noise; 5
-            seeds give an interval (cost: seeds x policies trainings).
+            of at most 1000 distinct ints. One seed gives no interval, so its verdict
+            may judge noise; 5 give one (cost: seeds x policies trainings).
         timing_rounds: Int >= 1. Alternated timed calls per policy (10 steps or an
-            epoch each, whichever is fewer).
+            epoch each, whichever is fewer); speed is the median of paired ratios.
 
     Returns:
-        `CompareReport`: per run the curves and final metrics; per policy and
-        metric the mean difference, interval and noise floor (`statistics()`);
-        agreement and McNemar (`agreement()`); speed (`speed`); a verdict
-        ("pass", "fail" or "inconclusive"). ``print(report)`` shows a table,
-        ``report.plot()`` the curves, ``report.to_dict()`` everything as plain
-        Python values.
+        `CompareReport`: curves and final metrics per run, differences with intervals
+        and noise floor (`statistics()`), agreement and McNemar (`agreement()`), speed
+        and a verdict; ``print(report)`` shows a table, ``report.plot()`` the curves.
 
     Raises:
-        ValueError: (template, before any training) `policies` not a list or
-            tuple of at least two distinct policy names or `keras.DTypePolicy`,
-            an unknown policy name, no float32 reference, two policies that
-            resolve to the same one on this machine (e.g. "auto" is float32 on a
-            CPU without bfloat16: there is nothing to compare); `epochs`,
-            `batch_size` or `timing_rounds` not an int >= 1; `seed` not an int;
-            bad `seeds`; `tolerance` not a finite number >= 0; `build_model` not
-            callable; `train_data` or `val_data` neither a dataset that yields a
-            batch nor ``(x, y)`` arrays of numbers with as many rows (>= 1) in x
-            as in y. Also, before the first fit, `build_model` not returning a
-            compiled model.
-        ModuleNotFoundError: scipy (the ``compare`` extra) is not installed; said
-            before any model is trained.
+        ValueError: (template, before any training) `policies` not a list or tuple of
+            at least two distinct policy names or `keras.DTypePolicy`, an unknown
+            name, no float32 reference, or two that resolve to the same policy here
+            ("auto" is float32 on a CPU without bfloat16); `epochs`, `batch_size` or
+            `timing_rounds` not an int >= 1; `seed` not an int; bad `seeds`;
+            `tolerance` not a finite number >= 0; `build_model` not callable;
+            `train_data` or `val_data` neither a dataset that yields a batch nor
+            ``(x, y)`` arrays of numbers with as many rows (>= 1) in x as in y. Also,
+            before the first fit, `build_model` not returning a compiled model.
+        ModuleNotFoundError: scipy (the ``compare`` extra) is not installed.
 
     Example:
         ``report = tfmp.compare(build, (x, y), (x_val, y_val), epochs=5, seeds=5)``
-        then ``print(report)`` and ``report.verdict(tolerance=0.25)``; tests/
-        test_compare.py runs this on scikit-learn's digits.
+        then ``print(report)`` and ``report.verdict(tolerance=0.25)``.
     """
     defaults = inspect.signature(compare).parameters
     for name, value in (("epochs", epochs), ("batch_size", batch_size), ("timing_rounds", timing_rounds)):
@@ -280,7 +250,7 @@ def compare(
         labels = compare_runs.class_labels(val_data)
         if labels is not None:
             val = (val_kwargs["x"], batch_size, len(labels))
-    compare_stats.scipy_stats()  # a missing optional dependency said before any training
+    compare_stats.scipy_stats()  # a missing scipy is said before any training
     runs, speed = [], {}
     for s in seed_list:
         models = {}

@@ -1,10 +1,8 @@
-"""The report of `tfmp.compare`: per-run numbers, intervals, verdict, table, plot.
+"""The report of `tfmp.compare`: per-run numbers, intervals, verdict and plot.
 
-Every number here was measured by `compare`; the report only re-reads them, so
-`CompareReport.verdict` can judge again at any tolerance without training.
-Units: accuracy-like metrics (accuracy, AUC, precision, recall; values in [0, 1])
-differ in percentage points ("pp"); other metrics (losses) in percent of the
-float32 value of the same seed ("%"). The statistics are in compare_stats.py.
+It keeps every number `compare` measured, so `CompareReport.verdict` can judge again at
+any tolerance without training. Accuracy-like metrics differ in percentage points
+("pp"), others (losses) in percent of float32's value at the same seed ("%").
 """
 
 from __future__ import annotations
@@ -43,16 +41,14 @@ class RunResult:
         requested: String. Policy as requested, e.g. ``"auto"``.
         policy: String. Keras policy it ran under, e.g. ``"mixed_bfloat16"``.
         history: Dict of metric name to list of per-epoch floats (`History.history`).
-        step_time_s: Float. Median wall time of a training step in seconds, first
-            step (graph tracing) excluded; includes callback overhead.
+        step_time_s: Float. Median seconds per training step, the first (tracing) excluded.
         samples_per_second: Float. Samples per step divided by `step_time_s`.
         steps_timed: Int. Steps the median was taken over.
         wall_time_s: Float. Seconds `Model.fit` took, tracing included.
         initial_weights_checksum: Float. Sum of |w| over trainable weights before
-            training; equal across runs shows they started from the same weights.
+            training; equal across runs when they start from the same weights.
         seed: Int. Seed of the run.
-        predictions: Tuple of ints or None. Predicted class per validation example
-            (classifiers with validation data only).
+        predictions: Tuple of ints or None. Predicted class per validation example.
     """
 
     requested: str
@@ -78,7 +74,6 @@ class RunResult:
         return {k: v[-1] for k, v in self.history.items()}
 
 
-
 @dataclasses.dataclass(frozen=True)
 class MetricSummary:
     """One metric of one policy against float32, over the seeds.
@@ -88,8 +83,7 @@ class MetricSummary:
         ci_low: Float. Lower bound of the 95% Student t interval; `mean` for one seed.
         ci_high: Float. Upper bound; `mean` for one seed.
         noise_floor: Float or None. Standard deviation of float32's own final value
-            over the seeds, in `unit` (None for one seed): differences of this size
-            happen between two float32 runs.
+            over the seeds, in `unit` (None for one seed).
         per_seed: List of floats. The difference at each seed, in seed order.
         unit: String. ``"pp"`` or ``"%"``.
         interval: `compare_stats.Interval` the bounds come from.
@@ -125,29 +119,25 @@ class Verdict:
 
     Attributes:
         status: String. ``"pass"`` (the interval lies within +-tolerance),
-            ``"fail"`` (it lies entirely outside) or ``"inconclusive"`` (it
-            straddles a bound). With one seed the interval is the single
-            difference, so it is "pass" or "fail".
+            ``"fail"`` (entirely outside) or ``"inconclusive"`` (it straddles a
+            bound; never with one seed, whose interval is the difference itself).
         passed: Bool. ``status == "pass"``; also the truth value.
         metric: String. Metric that decided, e.g. ``"val_accuracy"``.
         policy: String. Label of the run that decided.
         difference: Float. Mean difference to float32 over the seeds, in `unit`.
-        ci_low: Float. Lower bound of its 95% interval, in `unit`.
-        ci_high: Float. Upper bound, in `unit`.
-        tolerance: Float. In `unit`.
-        unit: String. ``"pp"`` (percentage points, accuracy-like metrics) or
-            ``"%"`` (percent of the float32 value, losses).
+        ci_low: Float. Lower bound of its 95% interval.
+        ci_high: Float. Upper bound.
+        tolerance: Float. In `unit`, as the bounds.
+        unit: String. ``"pp"`` (accuracy-like metrics) or ``"%"`` (of float32's value).
         n_seeds: Int. Seeds the interval is over.
         noise_floor: Float or None. float32's seed-to-seed standard deviation.
-        seeds_needed: Int or None. When inconclusive: seeds for which the interval,
-            with the spread observed, would be narrow enough to decide.
-        examples_needed: Int or None. When inconclusive on a validation accuracy of
-            a classifier: validation examples per seed for which the part of the
-            spread due to the choice of examples would be narrow enough.
+        seeds_needed: Int or None. When inconclusive: seeds that would decide, at
+            the spread observed.
+        examples_needed: Int or None. When inconclusive on a classifier's validation
+            accuracy: validation examples per seed that would decide (same caveat).
 
     Raises:
-        ValueError: (template) a field of another type than the one above, or a
-            `status` other than "pass", "fail" and "inconclusive".
+        ValueError: (template) a field of another type than the one above.
     """
 
     status: str
@@ -206,14 +196,13 @@ class CompareReport:
     """Results of `compare`: one `RunResult` per policy and seed.
 
     Attributes:
-        runs: Tuple of `RunResult`, seed by seed, each seed in the order the
-            policies were given.
+        runs: Tuple of `RunResult`, seed by seed, policies in the order given.
         tolerance: Float. Default tolerance of `verdict`.
         settings: Dict. Epochs, seeds and samples per step the runs used.
         speed: Dict of run label to ``{"step_time_s", "ratio", "seconds",
-            "ratios"}`` from the alternated timing (see `compare_runs`); ``ratio``
-            is the median of paired ratios float32 seconds / this policy's (> 1:
-            faster). Empty when not timed.
+            "ratios"}`` from the alternated timing; ``ratio`` is the median of
+            paired ratios float32 seconds / this policy's (> 1: faster). Empty when
+            not timed.
         val_labels: Tuple of ints or None. Validation class labels, for the
             per-example statistics.
 
@@ -244,7 +233,6 @@ class CompareReport:
         return next(r for r in self.runs if r.policy == FLOAT32)
 
     def _by_seed(self) -> Dict[str, Dict[int, RunResult]]:
-        """Run label to seed to run."""
         out: Dict[str, Dict[int, RunResult]] = {}
         for run in self.runs:
             out.setdefault(run.label, {})[run.seed] = run
@@ -257,8 +245,7 @@ class CompareReport:
             confidence: Float in (0, 1). Coverage of the intervals.
 
         Returns:
-            Dict of run label (float32 left out) to dict of metric to
-            `MetricSummary`. Differences are paired by seed.
+            Dict of run label (float32 left out) to metric to `MetricSummary`.
         """
         runs = self._by_seed()
         reference = runs[self.baseline.label]
@@ -287,9 +274,8 @@ class CompareReport:
         """Mean final-metric differences against float32, per run label and metric.
 
         Returns:
-            Dict of run label to dict of metric to the mean over seeds of (run -
-            float32): percentage points for accuracy-like metrics, percent of the
-            float32 value for the others.
+            Dict of run label to metric to the mean over seeds of (run - float32),
+            in ``"pp"`` or ``"%"`` as `MetricSummary.unit`.
         """
         return {label: {m: s.mean for m, s in metrics.items()}
                 for label, metrics in self.statistics().items()}
@@ -361,8 +347,7 @@ class CompareReport:
             raise invalid_argument("metric", metric, "a metric the runs recorded",
                                    choices=names, fix=(f"Choose from: {', '.join(names)}; e.g. metric={names[0]!r}."
                                                        if names else "Pass metric=None."))
-        judged = [metric] if metric else ([m for m in names if is_accuracy_like(m)]
-                                          or names)
+        judged = [metric] if metric else ([m for m in names if is_accuracy_like(m)] or names)
         candidates = [(label, m, s, compare_stats.decide(s.interval, tolerance))
                       for label, d in summaries.items() for m, s in d.items() if m in judged]
         label, m, s, status = max(candidates, key=lambda c: (
@@ -412,9 +397,8 @@ class CompareReport:
             path: String or None. When given, the figure is also saved there.
 
         Returns:
-            `matplotlib.figure.Figure` with one axes per metric (training solid,
-            validation dashed, one colour per policy, one line per seed). Made
-            without pyplot, so no backend state changes.
+            `matplotlib.figure.Figure`, one axes per metric (training solid, validation
+            dashed, a colour per policy, a line per seed), made without pyplot.
         """
         from matplotlib.figure import Figure  # lazy: optional dependency
         from matplotlib.ticker import MaxNLocator
@@ -439,7 +423,6 @@ class CompareReport:
         return fig
 
     def __str__(self) -> str:
-        # Imported here: compare_table imports this module.
         from tfmp._src.advisors.compare_table import format_report
 
         return format_report(self)

@@ -1,13 +1,8 @@
-"""What `tfmp.compare` measures on a trained model: step times and predictions.
+"""What `tfmp.compare` measures on a trained model: step times and predicted labels.
 
-* `StepTimer`: wall time of every training step of a `fit` call.
-* `time_alternately`: after training, each policy's model trains a few more steps
-  per round, the policies taking turns in a rotating order, so that a busy moment
-  of a shared machine falls on every policy alike; the speed of a policy is the
-  median over rounds of the paired ratio (reference seconds per step divided by
-  the policy's, same round), as benchmarks/harness.py does.
-* `class_labels` and `predicted_labels`: the validation labels and a classifier's
-  predicted labels, for the per-example agreement and McNemar's test.
+The trained models are timed in rotating turns so that a busy moment of a shared
+machine falls on every policy alike; a policy's speed is the median of paired ratios,
+as benchmarks/harness.py does.
 """
 
 from __future__ import annotations
@@ -24,11 +19,7 @@ TIMING_STEPS = 10  # steps per timed call (fewer when an epoch has fewer)
 
 
 class StepTimer(keras.callbacks.Callback):
-    """Records the wall time of every training step, in seconds.
-
-    Attributes:
-        durations: List of floats, seconds, one per step since the last reset.
-    """
+    """Records the wall time of every training step in `durations` (seconds)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -55,20 +46,12 @@ def timing_kwargs(fit_kwargs: dict, samples_per_step: int, steps: int) -> dict:
 def time_alternately(
     models: Dict[str, keras.Model], fit_kwargs: dict, rounds: int
 ) -> Dict[str, Dict[str, Any]]:
-    """Times trained models in alternation; the first label is the reference.
-
-    Args:
-        models: Dict of run label to compiled, already trained `keras.Model`, in
-            the order of the policies (the first is the reference). Their train
-            functions are traced already, so no call includes tracing.
-        fit_kwargs: Dict. `fit` keyword arguments from `timing_kwargs`.
-        rounds: Int >= 1. Timed calls per model.
+    """Times trained models (already traced) in rotating turns; the first label is the reference.
 
     Returns:
-        Dict of label to ``{"step_time_s": float, "ratio": float, "seconds":
-        [float], "ratios": [float]}``: per round the mean seconds per step of the
-        call and the paired ratio (reference seconds / this policy's seconds, > 1:
-        faster); `step_time_s` and `ratio` are their medians.
+        Dict of label to ``{"step_time_s", "ratio", "seconds", "ratios"}``: per round
+        the mean seconds per step and the paired ratio (reference seconds / this
+        policy's, > 1: faster); `step_time_s` and `ratio` are their medians.
     """
     labels = list(models)
     seconds: Dict[str, List[float]] = {label: [] for label in labels}
@@ -102,14 +85,7 @@ def _as_classes(y: Any) -> Optional[np.ndarray]:
 
 
 def class_labels(val_data: Any) -> Optional[np.ndarray]:
-    """Validation class labels, or None when they are not single-output classes.
-
-    Args:
-        val_data: Tuple ``(x, y)`` or a `tf.data.Dataset` of ``(x, y)`` batches.
-
-    Returns:
-        1-D int64 array, one label per validation example, or None.
-    """
+    """Validation class labels (1-D int64), or None when they are not single-output classes."""
     if isinstance(val_data, tf.data.Dataset):
         parts = []
         for element in val_data:
@@ -128,8 +104,6 @@ def predicted_labels(model: keras.Model, val_x: Any, batch_size: int,
     """Argmax predictions of a classifier with one (n, k >= 2) output, else None."""
     kwargs = {} if isinstance(val_x, tf.data.Dataset) else {"batch_size": batch_size}
     scores = model.predict(val_x, verbose=0, **kwargs)
-    if not isinstance(scores, np.ndarray) or scores.ndim != 2 or scores.shape[1] < 2:
-        return None
-    if scores.shape[0] != expected:
+    if not isinstance(scores, np.ndarray) or scores.ndim != 2 or scores.shape[1] < 2 or len(scores) != expected:
         return None
     return tuple(int(i) for i in np.argmax(scores, axis=1))

@@ -1,18 +1,9 @@
-"""The statistics of `tfmp.compare`, on plain numbers (no Keras, no training).
+"""The statistics of `tfmp.compare`, on plain numbers: intervals, verdicts, McNemar.
 
-* `paired_interval`: mean of per-seed differences (policy minus reference, same seed and
-  data order, which removes what the two runs share) with a Student t interval.
-* `decide`: "pass" when the interval lies within +-tolerance, "fail" when entirely
-  outside, "inconclusive" when it straddles a bound.
-* `seeds_needed`, `examples_needed`: how many seeds, or validation examples per seed,
-  would make the interval narrow enough to decide.
-* `agreement`, `mcnemar`: per-example comparisons of two classifiers, which see flipped
-  predictions before the mean accuracy moves. McNemar's test is the exact one (a
-  two-sided binomial test of the discordant pairs, `scipy.stats.binomtest`): the
-  chi-square form is poor on the handful of discordant pairs two close policies give.
-
-scipy (the ``compare`` extra) is imported on the first statistic; `scipy_stats` says
-the fix when it is missing.
+Differences are paired by seed (same seed and data order) and judged by a Student t
+interval. McNemar's test is the exact binomial one: the chi-square form is poor on the
+few discordant pairs two close policies give. scipy (the ``compare`` extra) is imported
+on first use.
 """
 
 from __future__ import annotations
@@ -24,21 +15,12 @@ from typing import Optional, Sequence
 import numpy as np
 
 PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"
-MAX_SEEDS = 1000  # beyond this, `seeds_needed` says more seeds will not decide
-#: The install command that brings `tfmp.compare`'s optional dependencies.
+MAX_SEEDS = 1000  # also the most seeds `tfmp.compare` takes
 COMPARE_EXTRA = 'pip install "tfmp[compare]"'
 
 
 def scipy_stats():
-    """The `scipy.stats` module, imported on first use.
-
-    Returns:
-        Module `scipy.stats`.
-
-    Raises:
-        ModuleNotFoundError: scipy is not installed; the message names the extra
-            that installs it.
-    """
+    """`scipy.stats`, imported on first use; a missing scipy names the extra that installs it."""
     try:
         from scipy import stats
     except ModuleNotFoundError as error:
@@ -51,14 +33,13 @@ def scipy_stats():
 
 @dataclasses.dataclass(frozen=True)
 class Interval:
-    """Mean of paired differences with its confidence interval.
+    """Mean of paired differences (policy minus reference) with its confidence interval.
 
     Attributes:
-        mean: Float. Mean difference (policy minus reference), in the caller's unit.
-        ci_low: Float. Lower bound of the interval; equals `mean` for one seed.
+        mean: Float. Mean difference, in the caller's unit.
+        ci_low: Float. Lower bound; equals `mean` for one seed.
         ci_high: Float. Upper bound; equals `mean` for one seed.
-        std: Float or None. Sample standard deviation (ddof=1) of the differences;
-            None for one seed.
+        std: Float or None. Sample standard deviation (ddof=1); None for one seed.
         n: Int. Number of paired differences (seeds).
         confidence: Float in (0, 1), e.g. 0.95.
     """
@@ -78,14 +59,7 @@ class Interval:
 
 @dataclasses.dataclass(frozen=True)
 class McNemar:
-    """McNemar's exact test on the per-example correctness of two classifiers.
-
-    Attributes:
-        only_reference: Int. Examples the reference got right and the other wrong.
-        only_other: Int. Examples the other got right and the reference wrong.
-        p_value: Float in [0, 1]. Two-sided exact binomial p-value of the
-            discordant counts against p = 0.5; 1.0 when there are none.
-    """
+    """McNemar's exact test: discordant counts and the two-sided binomial p-value (1.0 for none)."""
 
     only_reference: int
     only_other: int
@@ -93,19 +67,7 @@ class McNemar:
 
 
 def paired_interval(differences: Sequence[float], confidence: float = 0.95) -> Interval:
-    """Student t confidence interval of the mean of paired differences.
-
-    Args:
-        differences: Sequence of floats, one per seed (policy minus reference).
-        confidence: Float in (0, 1). Coverage of the interval.
-
-    Returns:
-        `Interval`. With one difference the interval has zero width at it (no
-        spread is known); with identical differences it has zero width too.
-
-    Raises:
-        ValueError: no differences, or one that is not finite.
-    """
+    """Student t interval of the mean of per-seed differences; zero width for one difference."""
     values = np.asarray(differences, dtype="float64").reshape(-1)
     if values.size == 0 or not np.all(np.isfinite(values)):
         raise ValueError(
@@ -120,30 +82,13 @@ def paired_interval(differences: Sequence[float], confidence: float = 0.95) -> I
 
 
 def noise_floor(reference_values: Sequence[float]) -> Optional[float]:
-    """Seed-to-seed spread of the reference: sample standard deviation (ddof=1).
-
-    Args:
-        reference_values: Sequence of floats, the reference's metric per seed, in
-            the unit differences are reported in.
-
-    Returns:
-        Float, or None for fewer than two values.
-    """
+    """Seed-to-seed sample standard deviation of the reference; None for fewer than two values."""
     values = np.asarray(reference_values, dtype="float64").reshape(-1)
     return float(values.std(ddof=1)) if values.size >= 2 else None
 
 
 def decide(interval: Interval, tolerance: float) -> str:
-    """Judges an interval against +-`tolerance`.
-
-    Args:
-        interval: `Interval` of the difference.
-        tolerance: Float >= 0, in the interval's unit.
-
-    Returns:
-        String. ``"pass"`` when the interval lies within [-tolerance, tolerance],
-        ``"fail"`` when it lies entirely outside it, ``"inconclusive"`` otherwise.
-    """
+    """PASS when the interval lies within +-`tolerance`, FAIL entirely outside, else INCONCLUSIVE."""
     if -tolerance <= interval.ci_low and interval.ci_high <= tolerance:
         return PASS
     if interval.ci_low > tolerance or interval.ci_high < -tolerance:
@@ -157,18 +102,9 @@ def _margin(mean: float, tolerance: float) -> float:
 
 
 def seeds_needed(interval: Interval, tolerance: float) -> Optional[int]:
-    """Seeds for which the t-interval would be narrow enough to decide.
+    """Smallest n with ``t(n-1) * std / sqrt(n) < |tolerance - |mean||``, mean and spread kept.
 
-    Assumes the observed mean and spread stay what they are: the answer is the
-    smallest n with ``t(n-1) * std / sqrt(n) < |tolerance - |mean||``.
-
-    Args:
-        interval: `Interval` from at least two seeds.
-        tolerance: Float >= 0.
-
-    Returns:
-        Int >= 2, or None when unknown (one seed, no spread measured) or when even
-        `MAX_SEEDS` seeds would not decide (the mean sits on a bound).
+    None for one seed, or when even `MAX_SEEDS` seeds would not decide.
     """
     if interval.std is None:
         return None
@@ -185,18 +121,7 @@ def seeds_needed(interval: Interval, tolerance: float) -> Optional[int]:
 
 
 def agreement(predictions_a: Sequence[int], predictions_b: Sequence[int]) -> float:
-    """Fraction of examples on which two classifiers predict the same label.
-
-    Args:
-        predictions_a: Sequence of int labels, one per validation example.
-        predictions_b: Same length, same examples in the same order.
-
-    Returns:
-        Float in [0, 1]; 1.0 for identical predictions.
-
-    Raises:
-        ValueError: the sequences differ in length or are empty.
-    """
+    """Fraction of examples on which two classifiers predict the same label."""
     a, b = np.asarray(predictions_a).reshape(-1), np.asarray(predictions_b).reshape(-1)
     if a.size == 0 or a.shape != b.shape:
         raise ValueError(
@@ -206,18 +131,7 @@ def agreement(predictions_a: Sequence[int], predictions_b: Sequence[int]) -> flo
 
 
 def mcnemar(correct_reference: Sequence[bool], correct_other: Sequence[bool]) -> McNemar:
-    """McNemar's exact test: do two classifiers err on the same examples?
-
-    Args:
-        correct_reference: Sequence of bools, True where the reference was right.
-        correct_other: Same examples, True where the other classifier was right.
-
-    Returns:
-        `McNemar` with the discordant counts and the exact two-sided p-value.
-
-    Raises:
-        ValueError: the sequences differ in length or are empty.
-    """
+    """McNemar's exact test on per-example correctness: do two classifiers err alike?"""
     ref = np.asarray(correct_reference, dtype=bool).reshape(-1)
     other = np.asarray(correct_other, dtype=bool).reshape(-1)
     if ref.size == 0 or ref.shape != other.shape:
@@ -232,23 +146,12 @@ def mcnemar(correct_reference: Sequence[bool], correct_other: Sequence[bool]) ->
 def examples_needed(correct_reference: Sequence[bool], correct_other: Sequence[bool],
                     mean_pp: float, tolerance_pp: float,
                     confidence: float = 0.95) -> Optional[int]:
-    """Validation examples per seed that would resolve an accuracy difference.
+    """Validation examples per seed that would resolve an accuracy difference (in pp).
 
-    The accuracy difference measured on n examples varies, from the choice of
-    examples alone, with variance ``(p_disc - d**2) / n`` (p_disc: fraction of
-    discordant examples, d: their signed imbalance). The answer is the n for which
-    the normal interval from that part alone is narrower than the distance from
-    `mean_pp` to the nearer bound. It does not shrink the training (seed) noise.
-
-    Args:
-        correct_reference: Sequence of bools per example, from one seed.
-        correct_other: Same examples, the other policy at the same seed.
-        mean_pp: Float. Mean accuracy difference, percentage points.
-        tolerance_pp: Float >= 0. Percentage points.
-        confidence: Float in (0, 1).
-
-    Returns:
-        Int, or None when the mean sits on a bound or the runs never disagree.
+    From the choice of examples alone the difference varies with variance
+    ``(p_disc - d**2) / n`` (discordant fraction, signed imbalance); the answer is the
+    n whose normal interval is narrower than the distance from `mean_pp` to the nearer
+    bound. None when the mean sits on a bound or the runs never disagree.
     """
     ref = np.asarray(correct_reference, dtype=bool).reshape(-1)
     other = np.asarray(correct_other, dtype=bool).reshape(-1)

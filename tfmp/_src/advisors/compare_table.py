@@ -1,22 +1,17 @@
 """The text of a `CompareReport`: what ``print(report)`` shows.
 
-Four parts: the mean final metrics and speed per policy; per compared policy and
-metric the mean difference to float32 with its 95% interval and float32's noise
-floor; for classifiers the per-example agreement and McNemar's p-value per seed;
-the verdict.
+Mean final metrics and speed per policy, the differences to float32 with their 95%
+intervals and noise floor, per-example agreement and McNemar's p-values, the verdict.
 """
 
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING, List
+from typing import List
 
 import numpy as np
 
-from tfmp._src.advisors.compare_report import is_accuracy_like
-
-if TYPE_CHECKING:
-    from tfmp._src.advisors.compare_report import CompareReport
+from tfmp._src.advisors.compare_report import CompareReport, is_accuracy_like
 
 
 def _align(rows: List[List[str]]) -> List[str]:

@@ -1,14 +1,9 @@
 """`tfmp doctor`: what this machine offers for mixed precision, in one report.
 
-What practitioners otherwise check by hand: TensorFlow and Keras versions, each device
-with its compute capability and whether it runs float16 and bfloat16 (on a GPU also
-TF32) in hardware, by the rules of "auto" (`tfmp._src.policy.policy`); the CPU's
-bfloat16 flags and its timed step per dtype (`tfmp._src.policy.speed_probe`, advice
-only); XLA; the global policy; and what "auto" would pick, with its reason. Facts can
-be injected (`DeviceFacts`, a `SpeedProbe`) to report on another machine. The text
-shows what applies to the devices present (the CUDA/cuDNN build and TF32 only with a
-GPU); the JSON (`DoctorReport.to_dict`) always has every key. Most of its time is
-TensorFlow's import. Measurements: docs/guides/policy.md, "Advisors".
+What practitioners otherwise check by hand: versions, each device and whether it runs
+float16, bfloat16 and TF32 in hardware by the rules of "auto", the CPU's timed step per
+dtype, XLA, the global policy and what "auto" would pick. Facts can be injected to
+report on another machine; the JSON always has every key, the text only what applies.
 """
 
 from __future__ import annotations
@@ -44,6 +39,7 @@ def _fast(policy: str, facts: DeviceFacts, probe: Optional[SpeedProbe] = None) -
 
 
 def _gpu_entry(index: int, gpu: GpuFacts) -> Dict[str, Any]:
+    """The GPU's line of the device list, judged as if it were the only device."""
     alone = DeviceFacts(gpus=(gpu,))
     known = gpu.compute_capability is not None
     return {
@@ -97,8 +93,7 @@ def _notes(data: Dict[str, Any], facts: DeviceFacts,
     cpu_bf16 = not facts.gpus and rec["compute_dtype"] == "bfloat16"
     if data["xla"]["auto_jit"] != "off" and cpu_bf16:
         notes.append("XLA auto-clustering is on for a CPU with bfloat16: XLA's CPU matmuls "
-                     "do not use the bfloat16 units (a 1024x1024 matmul measured 0.94x "
-                     "float32 instead of 2.0x on a Zen 4 CPU). "
+                     "do not use the bfloat16 units, so bfloat16 gains nothing there. "
                      f"See {TROUBLESHOOTING_GUIDE}#no-speed-up")
     return notes
 
@@ -115,8 +110,7 @@ def _device_name(dev: Dict[str, Any]) -> str:
 
 
 def _span(low: float, high: float) -> str:
-    """``"1.08-1.13x"``, ``"0.0012-0.0015x"``: two factors with the same decimals, at
-    least two significant digits of the lower, more where they would read alike."""
+    """``"1.08-1.13x"``: two factors with the same decimals, more where they would read alike."""
     decimals = max(2, 1 - math.floor(math.log10(low)))
     while decimals < 6 and round(low, decimals) == round(high, decimals) and low != high:
         decimals += 1
@@ -157,11 +151,8 @@ class DoctorReport:
             ``recommendation`` (``policy``, ``reason``, ``device``, ``tf32``,
             ``compute_dtype``, ``loss_scaling``), ``facts`` (``"detected"`` or
             ``"injected"``), ``speed_probe`` (`SpeedProbe.to_dict` of the CPU's
-            measured step: ``step_ms`` and ``factor`` by dtype, sizes,
-            ``repeats``, ``wall_ms``; None with injected facts and no probe, or
-            when a GPU or TPU decides), ``troubleshooting`` (string: the path of
-            the troubleshooting guide in this installation) and ``notes`` (list
-            of strings).
+            measured step; None when `collect` neither got nor measured one),
+            ``troubleshooting`` (the guide's path) and ``notes`` (list of strings).
 
     Raises:
         ValueError: (template) `data` is not a dict with (at least) the keys above.
@@ -216,8 +207,8 @@ class DoctorReport:
             f"recommendation: {rec['policy']} for {rec['device']}",
             f"  {rec['reason']}"
             + (" Needs dynamic loss scaling." if rec["loss_scaling"] else ""),
+            f"troubleshooting guide: {d['troubleshooting']}",
         ]
-        lines.append(f"troubleshooting guide: {d['troubleshooting']}")
         if d["notes"]:
             lines += ["notes:"] + [f"  - {n}" for n in d["notes"]]
         return "\n".join(lines)
@@ -228,24 +219,7 @@ def collect(
     *,
     speed_probe: Optional[SpeedProbe] = None,
 ) -> DoctorReport:
-    """Gathers the report without printing it.
-
-    Args:
-        device_facts: `DeviceFacts` or None. Devices to report on; None detects
-            this machine's. Versions, build and settings always come from this
-            process.
-        speed_probe: `SpeedProbe` or None. The CPU's measured step; None measures
-            this CPU (`speed_probe.ROUNDS` rounds, about a second) when
-            `device_facts` is None and there is no GPU or TPU, and reports none
-            otherwise. Quoted, never deciding the recommendation.
-
-    Returns:
-        `DoctorReport`.
-
-    Raises:
-        ValueError: (template) `device_facts` is neither None nor a `DeviceFacts`,
-            or `speed_probe` neither None nor a `SpeedProbe`.
-    """
+    """Gathers `doctor`'s report without printing it."""
     facts, probe = _facts_and_probe(device_facts, speed_probe)  # checks both
     if probe is None and device_facts is None and not facts.gpus and not facts.tpu:
         probe = measure_rounds()
@@ -296,8 +270,11 @@ def doctor(
     """Prints and returns what this machine offers for mixed precision.
 
     Args:
-        device_facts: `DeviceFacts` or None (detect this machine's devices).
-        speed_probe: `SpeedProbe` or None (see `collect`).
+        device_facts: `DeviceFacts` or None. Devices to report on; None detects this
+            machine's. Versions, build and settings always come from this process.
+        speed_probe: `SpeedProbe` or None. The CPU's measured step, quoted, never
+            deciding the recommendation; None measures this CPU (`speed_probe.ROUNDS` rounds,
+            about a second) when `device_facts` is None and there is no GPU or TPU.
         as_json: Bool. Print JSON instead of text.
         file: Writable text stream or None (do not print). Default stdout.
 
@@ -305,9 +282,10 @@ def doctor(
         `DoctorReport`; ``report.to_dict()`` for programs.
 
     Raises:
-        ValueError: (template, before anything is gathered) `device_facts` or
-            `speed_probe` as `collect` says; `as_json` not True or False; `file`
-            neither None nor an open stream with a ``write`` method.
+        ValueError: (template, before anything is gathered) `device_facts` neither
+            None nor a `DeviceFacts`; `speed_probe` neither None nor a `SpeedProbe`;
+            `as_json` not True or False; `file` neither None nor an open stream
+            with a ``write`` method.
 
     Example:
         >>> from tfmp._src.policy.hardware import DeviceFacts, GpuFacts

@@ -1,29 +1,57 @@
-"""Memory estimates: what a model, its optimizer and its activations take, per policy.
+"""`tfmp.estimate_memory` and `tfmp.estimate_kv_cache`: what training or decoding takes, per policy.
 
-Parameters (every variable of the model, at its own dtype: float32 master weights cost
-as under float32), gradients (one per trainable variable, in its dtype) and optimizer
-variables (slots and scalars; the float32 column uses the same optimizer) are counted
-from the built objects, so they are exact. Activations are an estimate: one output per
-leaf layer for ``batch_size`` examples at the dtype the layer outputs, the tensors
-backpropagation keeps; temporary buffers, activation gradients, workspaces, the input
-batch and the allocator's overhead are not counted, and TensorFlow may fuse or free
-some, so read it as an order of magnitude, not a peak. The 16-bit weight copies made
-inside a call are short-lived and not counted. Troubleshooting (no memory saving):
-tfmp/docs/troubleshooting.md#no-memory-saving.
+Parameters, gradients and optimizer variables are counted from the built objects, so
+they are exact; activations are an estimate (see `estimate_memory`), which tells
+whether a mixed policy saves memory before a run does.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Optional, Tuple, Union
+import math
+from typing import Any, Iterable, List, Optional, Tuple, Union
 
 import keras
 import tensorflow as tf
 
-from tfmp._src.advisors.memory_bytes import dtype_bytes, format_bytes, tensor_bytes, unique, variables_bytes
 from tfmp._src.constants import TROUBLESHOOTING_GUIDE
 from tfmp._src.errors import check_positive_int, invalid_argument
 from tfmp._src.report_fields import COUNT, POSITIVE_INT, STRING, check_fields, tuple_of
+
+
+def format_bytes(n: int) -> str:
+    """Human-readable size in binary units: ``1536`` -> ``"1.50 KiB"``."""
+    size, unit = float(n), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            break
+        size /= 1024
+    return f"{int(size)} B" if unit == "B" else f"{size:.2f} {unit}"
+
+
+def dtype_bytes(dtype: Any) -> int:
+    """Bytes per element of `dtype` (``"bfloat16"`` -> 2, ``"int64"`` -> 8)."""
+    return tf.as_dtype(keras.backend.standardize_dtype(dtype)).size
+
+
+def tensor_bytes(shape: Iterable[int], dtype: Any) -> int:
+    return int(math.prod(int(d) for d in shape)) * dtype_bytes(dtype)
+
+
+def unique(variables: Iterable[Any]) -> List[Any]:
+    """`variables` without repeats (by identity: variables need not be hashable), in order."""
+    return list({id(v): v for v in variables}.values())
+
+
+def variables_bytes(variables: Iterable[Any], float_dtype: Optional[str] = None) -> int:
+    """Bytes held by `variables` (each counted once), float ones at `float_dtype` when given."""
+    total = 0
+    for v in unique(variables):
+        dtype = keras.backend.standardize_dtype(v.dtype)
+        if float_dtype and keras.backend.is_float_dtype(dtype):
+            dtype = float_dtype
+        total += tensor_bytes(v.shape, dtype)
+    return total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,11 +141,7 @@ class MemoryEstimate:
 
 
 def _leaf_layers(model: keras.Model) -> List[keras.layers.Layer]:
-    """Layers of `model`, descending into nested models only.
-
-    A layer that calls sublayers inside `call` (e.g. `MultiHeadAttention`) counts
-    as one layer: only its own output is symbolic.
-    """
+    """Layers of `model`, descending into nested models only (only their outputs are symbolic)."""
     leaves = []
     for layer in model.layers:
         leaves.extend(_leaf_layers(layer) if isinstance(layer, keras.Model) else [layer])
@@ -160,7 +184,6 @@ _ACCEPTED = {
 
 
 def _refused(name: str, value: Any) -> ValueError:
-    """The template error for `estimate_memory`'s `optimizer` or `policy`."""
     expected, fix = _ACCEPTED[name]
     return invalid_argument(name, value, expected, fix=fix)
 
@@ -194,8 +217,11 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Estimates training memory of `model` under `policy` and under float32.
 
-    Assumptions are listed in this module's docstring and in
-    tfmp/docs/troubleshooting.md#no-memory-saving.
+    Parameters (each variable at its own dtype), gradients and optimizer variables
+    are exact. Activations are an order of magnitude, not a peak: one output per leaf
+    layer for `batch_size` examples, the tensors backpropagation keeps; temporary
+    buffers, activation gradients, the input batch, allocator overhead and 16-bit
+    weight copies are not counted. See tfmp/docs/troubleshooting.md#no-memory-saving.
 
     Args:
         model: Built `keras.Model` (Functional or Sequential for activations, so
@@ -206,9 +232,8 @@ def estimate_memory(
             output at the dtype it really has (float32 forcing included); a policy
             counts every floating-point output at that policy's compute dtype.
         optimizer: None (the model's compiled optimizer, if any), an optimizer name
-            such as ``"adam"``, or a `keras.optimizers.Optimizer`. An optimizer that
-            is not built is counted through a fresh copy built on the model's
-            trainable variables; the one passed is left unbuilt.
+            such as ``"adam"``, or a `keras.optimizers.Optimizer` (one not built is
+            counted through a built copy and left unbuilt).
 
     Returns:
         `MemoryEstimate` (bytes, ints).

@@ -1,8 +1,7 @@
-"""Running written artifacts as a deployment runs them: SavedModel and TFLite.
+"""Running a written SavedModel or TFLite file as a deployment runs it.
 
-Both are driven through their ``serving_default`` signature, the entry point
-serving systems call: inputs and outputs by name. Keras's export names the
-outputs ``output_0``, ``output_1``, ... (or by the keys of a dict output).
+Both go through their ``serving_default`` signature, the entry point serving systems
+call, with inputs and outputs by name.
 """
 
 from __future__ import annotations
@@ -25,22 +24,14 @@ def saved_model_inputs(path: str) -> Dict[str, tf.TensorSpec]:
 
 
 def run_saved_model(path: str, inputs: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
-    """Runs `inputs` (arrays by input name) through the SavedModel's serving signature.
-
-    Returns:
-        Dict from output name to float32 (or the output's own dtype) numpy array.
-    """
+    """Runs `inputs` (arrays by input name) through the SavedModel's serving signature."""
     signature = tf.saved_model.load(path).signatures[SIGNATURE]
     outputs = signature(**{name: tf.constant(value) for name, value in inputs.items()})
     return {name: value.numpy() for name, value in outputs.items()}
 
 
 def tflite_interpreter(path: str) -> Any:
-    """An interpreter for the TFLite file `path`: LiteRT's when installed, else TF's.
-
-    TensorFlow 2.21 still ships `tf.lite.Interpreter` but warns that it moves to the
-    ``ai_edge_litert`` package; that notice is silenced here, nothing else.
-    """
+    """An interpreter for the TFLite file `path`: LiteRT's when installed, else TF's (its move notice silenced)."""
     try:
         from ai_edge_litert.interpreter import Interpreter
     except ImportError:
@@ -60,10 +51,7 @@ def run_tflite(path: str, inputs: Dict[str, np.ndarray]) -> Dict[str, np.ndarray
 
 
 def output_order(outputs: Dict[str, Any]) -> List[str]:
-    """Output names in the model's order: ``output_<i>`` by i, other names sorted.
-
-    `tf.nest.flatten` orders a dict output by key, as `sorted` does.
-    """
+    """Output names in the model's order: Keras's ``output_<i>`` by i, a dict's keys sorted (as `tf.nest`)."""
     indexed = [re.fullmatch(r"output_(\d+)", name) for name in outputs]
     if all(indexed):
         return sorted(outputs, key=lambda name: int(name.rsplit("_", 1)[1]))

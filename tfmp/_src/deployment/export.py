@@ -1,10 +1,7 @@
 """`tfmp.export`: a SavedModel or TFLite file from the float32 copy, checked.
 
-The artifact is written from `tfmp.to_float32(model)`, then a sample batch runs
-through the artifact as a deployment would run it (the SavedModel's
-``serving_default`` signature after `tf.saved_model.load`; the TFLite file in a
-`tf.lite.Interpreter`) and through the trained model, and the report gives the
-largest difference.
+A sample batch runs through the written artifact as a deployment runs it and through
+the trained model, and the report gives the largest difference.
 """
 
 from __future__ import annotations
@@ -28,7 +25,6 @@ from tfmp._src.keras_hooks.functional_graph import functional_graph
 from tfmp._src.layer_tree import walk
 
 
-
 def export(
     model: keras.Model,
     path: str,
@@ -39,60 +35,47 @@ def export(
     """Writes a deployable artifact of `model` and checks it against the model.
 
     The artifact is made from ``tfmp.to_float32(model)``, never from the trained
-    model itself: a model trained after `tfmp.enable()` computes in bfloat16 or
-    float16, and TFLite's builtin kernels have no such ops, so converting it
-    directly (``tf.lite.TFLiteConverter.from_keras_model(model)``) fails with a
-    ``ConverterError`` saying ops such as ``tf.Conv2D`` are "neither a custom op nor
-    a flex op" and suggesting TF Select. TF Select is the wrong fix (it ships
-    TensorFlow kernels to run 16-bit ops a float32 deployment does not want);
-    converting the float32 copy is the fix, and the one this function applies.
+    model: TFLite's builtin kernels have no bfloat16 or float16 ops, so converting a
+    mixed model directly fails with a ``ConverterError`` ("neither a custom op nor a
+    flex op") suggesting TF Select, which would ship TensorFlow kernels to run 16-bit
+    ops a float32 deployment does not want.
 
     Then a sample batch runs through the written artifact (the SavedModel's
-    ``serving_default`` signature via `tf.saved_model.load`, or the TFLite file in
-    `tf.lite.Interpreter`) and through the trained model (``training=False``), and
-    the largest differences are reported. They are the price of the trained
-    model's 16-bit compute (the copy computes in float32) plus, with
+    ``serving_default`` signature, or the TFLite file in an interpreter) and through
+    the trained model (``training=False``), and the largest differences are
+    reported: the price of the trained model's 16-bit compute plus, with
     ``weights="float16"``, the weight quantization.
 
     Args:
         model: A built `keras.Model`, as `tfmp.to_float32` accepts. Not changed.
-        path: String or path-like. For ``"tf_saved_model"`` a folder; for
-            ``"tflite"`` a file (conventionally ending in ``.tflite``). Parent
-            folders are created. A SavedModel folder must be new or empty (an
-            old export is never mixed with the new one); a TFLite file that
-            exists is replaced.
+        path: String or path-like. For ``"tf_saved_model"`` a folder: new, empty or
+            an earlier SavedModel (replaced); for ``"tflite"`` a file (replaced if it
+            exists). Parent folders are created.
         format: String. ``"tf_saved_model"`` (Keras's ``model.export``) or
             ``"tflite"`` (``tf.lite.TFLiteConverter`` from that SavedModel).
         weights: String. ``"float32"``, or ``"float16"`` (TFLite only): weights
-            stored in float16, about half the file, dequantized to float32 when
-            the interpreter loads them; larger differences.
+            stored in float16, about half the file, dequantized when loaded.
         sample: The inputs to check with, as the model takes them (an array, or a
-            list/dict of arrays for several inputs), or None: then a batch of
-            `SAMPLE_BATCH` rows made from the model's input signature, standard
-            normal floats and zeros for integer inputs, seed `SAMPLE_SEED`
-            (export_checks.py). A sample has at least one row, each input's
-            shape past the batch, finite values, and integers (not floats) for
-            an integer input.
+            list/dict of arrays), at least one row of each input's shape, finite,
+            integers for an integer input; or None: 4 rows of standard normal floats
+            (seed 0), zeros for integer inputs.
 
     Returns:
         `ExportReport` with the path, format, weights, file size, output shapes and
         dtypes, and ``max_abs_diff`` / ``max_rel_diff`` (the latter relative to the
         largest magnitude of the trained model's output).
 
-    Every argument is checked before anything is written: a refused call leaves
-    the file system as it was.
-
     Raises:
-        ValueError: (template) `format` or `weights` is not one of the accepted
-            values; ``weights="float16"`` with ``format="tf_saved_model"``; `path`
-            is empty, not a string or path-like, under an existing file, an
-            existing file or a non-empty folder that holds no earlier SavedModel
-            (one that does is replaced, once the new export is written) for a
-            SavedModel, or a folder for TFLite; `model` is not a built, called `keras.Model` or cannot be
-            copied (see `tfmp.to_float32`); `sample` does not fit the inputs
-            (count, shape, dtype, finite values). Also, after writing, when TFLite cannot convert an op of the float32 copy (the message names
-            the op, the layer when the converter's message reveals it, and the
-            converter's own words; the converter's error is chained as the cause).
+        ValueError: (template; before anything is written, so a refused call leaves
+            the file system as it was) `format` or `weights` is not one of the accepted
+            values; ``weights="float16"`` with ``format="tf_saved_model"``; `path` is
+            empty, not a string or path-like, under an existing file, or (for a
+            SavedModel) an existing file or a non-empty folder without an earlier
+            SavedModel, or (for TFLite) a folder; `model` is not a built, called
+            `keras.Model` or cannot be copied (see `tfmp.to_float32`); `sample` does
+            not fit the inputs (count, shape, dtype, finite values). Also, after
+            writing, when TFLite cannot convert an op of the float32 copy (naming the
+            op, the layer when known, and the converter's words, its error chained).
     """
     _check_choice("format", format, FORMATS,
                   fix="Pass format='tf_saved_model' (a folder, the default) or format='tflite' (a file).")
@@ -115,7 +98,7 @@ def export(
         saved_model = os.path.join(scratch, "saved_model")
         copy.export(saved_model, format="tf_saved_model", verbose=False)
         names = _input_names(copy, artifacts.saved_model_inputs(saved_model))
-        _make_parent(path)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         if format == "tflite":
             with open(path, "wb") as file:
                 file.write(_convert(copy, saved_model, weights))
@@ -134,11 +117,6 @@ def _check_choice(name: str, value: Any, choices: Sequence[str], fix: str) -> No
     if not isinstance(value, str) or value not in choices:
         expected = "one of " + ", ".join(repr(c) for c in choices)
         raise invalid_argument(name, value, expected, fix=fix, choices=choices)
-
-
-def _make_parent(path: str) -> None:
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
 
 
 def _convert(copy: keras.Model, saved_model: str, weights: str) -> bytes:
@@ -168,11 +146,9 @@ def _convert(copy: keras.Model, saved_model: str, weights: str) -> bytes:
 
 
 def _layer_in_message(copy: keras.Model, message: str) -> Optional[str]:
-    """The path of the layer named first in a converter location, or None.
+    """The path of the layer named first in a converter location ``"<model>/<layer>/<op>@<fn>"``, or None.
 
-    Converter locations read ``"<model>/<layer>/<op>@<function>"``; TensorFlow's
-    name scopes may add a suffix (``"inverse_1"`` for a layer named ``"inverse"``),
-    so an exact name wins over a suffixed one at the same place.
+    Name scopes may suffix a name (``"inverse_1"``), so an exact name wins at the same place.
     """
     found = []
     for entry in walk(copy):

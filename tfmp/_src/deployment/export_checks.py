@@ -1,10 +1,7 @@
 """What `tfmp.export` checks before it writes anything: the path and the sample.
 
-A SavedModel written into the current folder because ``path=""``, or into a
-folder that already holds another export, mixes files that cannot be told apart;
-a sample that does not fit the model's inputs would only fail inside the written
-artifact's signature. So every argument is checked against the model's inputs (the
-`keras.InputSpec` that Keras's ``Model.export`` gives the serving signature) first.
+A SavedModel written into a folder holding other files mixes what cannot be told apart,
+and a sample that does not fit the model's inputs would only fail inside the artifact.
 """
 
 from __future__ import annotations
@@ -18,20 +15,12 @@ import tensorflow as tf
 from tfmp._src.errors import invalid_argument
 from tfmp._src.keras_hooks.export_io import export_input_specs
 
-#: Rows of the sample batch made when none is given, and the seed of its values.
 SAMPLE_BATCH = 4
 SAMPLE_SEED = 0
 
 
 def checked_path(path: Any, format: str) -> str:  # noqa: A002 (export's argument name)
-    """`path` as a string, once it is a place `export` may write `format` to.
-
-    Raises:
-        ValueError: (template) `path` is not a non-empty string or path-like, lies
-            under an existing file, or is an existing file, or a non-empty folder
-            without ``saved_model.pb``, for ``"tf_saved_model"``; an existing folder
-            for ``"tflite"``.
-    """
+    """`path` as a string, once it is a place `export` may write `format` to (see `tfmp.export`)."""
     kind = "folder" if format == "tf_saved_model" else "file"
     expected = f"a non-empty string or path-like naming the {kind} to write"
     if not isinstance(path, (str, os.PathLike)):
@@ -65,12 +54,7 @@ def _replaceable_folder(path: str) -> bool:
 
 
 def input_specs(copy: Any) -> List[Any]:
-    """The `keras.InputSpec` of each input of `copy` (the float32 copy), flattened.
-
-    Raises:
-        ValueError: (template) `model` has never been called, so Keras has no
-            input shapes to export.
-    """
+    """The `keras.InputSpec` of each input of `copy`, flattened; refused for a model never called."""
     try:
         return export_input_specs(copy)
     except ValueError as error:
@@ -80,15 +64,7 @@ def input_specs(copy: Any) -> List[Any]:
 
 
 def checked_sample(sample: Any, specs: List[Any]) -> List[np.ndarray]:
-    """The sample as one array per spec, each in its spec's dtype; made when `sample` is None.
-
-    Raises:
-        ValueError: (template) `sample` is not one numeric array per input, of the
-            input's shape (any number >= 1 of rows) and of a dtype that converts to
-            the input's without loss (no float sample for an integer input), with
-            finite values; or `sample` is None while an input has an unknown
-            dimension besides the batch.
-    """
+    """The sample as one array per spec in its dtype, once it fits; made when `sample` is None."""
     if sample is None:
         return _made_sample(specs)
     try:

@@ -1,17 +1,9 @@
 """``model.quantize("int8")`` on a float16 model: the route that works, named.
 
-Keras quantizes a layer to int8 only when it does not compute in float16
-(``Layer._check_quantize_args``), and its refusal suggests loading the model
-"with another dtype policy such as 'mixed_bfloat16' or 'mixed_float16'": for a
-model trained under ``mixed_float16`` the second is the very policy in use. The
-working route is a float32 copy: ``tfmp.to_float32(model)`` keeps the trained
-weights and quantizes to int8.
-
-For every model tfmp attaches with a float16 compute dtype, `explain_quantize`
-hooks the model's ``quantize`` (owner ``"enable.quantize_hint"``, taken off by
-`tfmp.detach`): Keras's ValueError (`error_texts.QUANTIZE_FLOAT16`) is raised
-again as a ValueError, Keras's text followed by tfmp's, the original chained as
-``__cause__``. Any other exception passes unchanged.
+Keras refuses int8 for a layer computing in float16 and suggests 'mixed_float16', the
+very policy of such a model. tfmp hooks ``quantize`` on the float16 models it attaches
+(owner ``"enable.quantize_hint"``): that refusal is raised again with Keras's text,
+then tfmp's naming ``tfmp.to_float32(model)``, the original chained as ``__cause__``.
 """
 
 from __future__ import annotations
@@ -37,6 +29,8 @@ def hint(model: Any, mode: str) -> str:
 
 
 def _wrap(model: Any) -> Callable[[Callable], Callable]:
+    """The hook: Keras's float16 refusal re-raised with `hint`; anything else unchanged."""
+
     def wrap(original: Callable) -> Callable:
         @functools.wraps(original)
         def tfmp_quantize(*args: Any, **kwargs: Any) -> Any:
@@ -55,6 +49,5 @@ def _wrap(model: Any) -> Callable[[Callable], Callable]:
 
 def explain_quantize(model: keras.Model) -> None:
     """Hooks `model`'s ``quantize`` to name the float32-copy route (idempotent)."""
-    if trainer.subscribed(model, "quantize", "enable.quantize_hint"):
-        return
-    trainer.subscribe(model, "quantize", _wrap(model), owner="enable.quantize_hint")
+    if not trainer.subscribed(model, "quantize", "enable.quantize_hint"):
+        trainer.subscribe(model, "quantize", _wrap(model), owner="enable.quantize_hint")

@@ -21,10 +21,8 @@ class ExportReport:
         weights: String. ``"float32"`` or ``"float16"`` (stored weight dtype).
         max_abs_diff: Float. Largest absolute difference, over every output element
             of the sample batch, between the artifact and the trained model.
-        max_rel_diff: Float. Largest, over outputs, of that output's largest
-            absolute difference divided by the largest magnitude of the trained
-            model's output (a scale-free number that near-zero outputs cannot blow
-            up).
+        max_rel_diff: Float. Largest, over outputs, of the output's largest absolute
+            difference over the trained output's largest magnitude (scale-free).
         output_shapes: Tuple of int tuples. Shape of each artifact output, in the
             model's output order.
         output_dtypes: Tuple of strings. Dtype of each artifact output.

@@ -1,15 +1,7 @@
 """`tfmp.to_float32`: a float32 copy of a trained model, for deployment.
 
-A model trained after `tfmp.enable()` keeps float32 variables (its master weights)
-but computes in bfloat16 or float16: each layer's dtype policy says so, and
-`model.save()` writes that policy into the file. Shipped as it is, the model keeps
-computing in 16 bits wherever it is loaded, and converters that have no 16-bit
-kernels (TFLite's builtin ops) refuse it. The deployable form is the same graph with
-every policy float32 and the same weights, which is what `to_float32` builds with
-Keras's own machinery: the serialization round trip `model.save()` uses
-(`get_config` / `from_config`, nested models included) with each layer's ``dtype``
-overridden to ``"float32"``, under a float32 global policy, then the weights copied
-by value.
+The copy goes through the `get_config` / `from_config` round trip `model.save()` uses,
+every dtype policy overridden to float32, then the weights are copied by value.
 """
 
 from __future__ import annotations
@@ -23,7 +15,6 @@ import numpy as np
 from tfmp._src.errors import invalid_argument, model_fix
 from tfmp._src.layer_tree import walk
 
-#: Classes whose serialized form is a dtype policy (``"dtype"`` entries of configs).
 _POLICY_CLASSES = ("DTypePolicy", "FloatDTypePolicy", "DTypePolicyMap")
 
 _TEMPLATE_FIX = (
@@ -37,16 +28,13 @@ _TEMPLATE_FIX = (
 def to_float32(model: keras.Model) -> keras.Model:
     """Returns a float32 copy of `model` with the same weights, for deployment.
 
-    Every layer of the copy has the ``"float32"`` dtype policy, so it computes and
-    stores in float32, and every floating-point variable holds the trained value
-    cast to float32 (mixed policies already store float32 master weights: the
-    values are then identical). Integer variables (counters, seeds) keep their
-    dtype and value. The copy is not compiled. `model` itself is not changed: not
-    its weights, not its policies, not its optimizer.
+    Every layer of the copy has the ``"float32"`` dtype policy, and every
+    floating-point variable holds the trained value cast to float32 (identical for
+    a mixed policy's float32 master weights); integer variables keep their dtype and
+    value. The copy is not compiled; `model` itself is not changed.
 
     Ship this copy, not the trained model: a model saved under a mixed policy keeps
-    computing in 16 bits wherever it is loaded (inference results then differ
-    from what a float32 deployment expects), and TFLite's builtin kernels refuse
+    computing in 16 bits wherever it is loaded, and TFLite's builtin kernels refuse
     its bfloat16/float16 ops. ``tfmp.to_float32(model).save("model.keras")`` writes
     a file that plain Keras loads, without tfmp, for float32 inference::
 
@@ -101,20 +89,13 @@ def _float32_policy() -> Iterator[None]:
 
 
 def _float32_config(config: Any) -> Any:
-    """`config` with every serialized dtype policy replaced by ``"float32"``.
+    """`config` with every serialized dtype policy, nested ones included, replaced by ``"float32"``.
 
-    Recurses into nested dicts and lists, so sublayers held in a config (wrappers,
-    nested models) are covered. Plain dtype strings are left alone: an
-    `InputLayer`'s ``"dtype": "int32"`` is the dtype of its data, not a policy.
+    Plain dtype strings stay: an `InputLayer`'s ``"dtype": "int32"`` is its data's, not a policy.
     """
     if isinstance(config, dict):
-        out = {}
-        for key, value in config.items():
-            if key == "dtype" and _is_policy(value):
-                out[key] = "float32"
-            else:
-                out[key] = _float32_config(value)
-        return out
+        return {key: "float32" if key == "dtype" and _is_policy(value) else _float32_config(value)
+                for key, value in config.items()}
     if isinstance(config, (list, tuple)):
         return type(config)(_float32_config(item) for item in config)
     return config
@@ -131,14 +112,8 @@ def _is_policy(value: Any) -> bool:
 def _rebuild(model: keras.Model) -> keras.Model:
     """`model` rebuilt through Keras's serialization, every policy float32, uncompiled.
 
-    `keras.saving.serialize_keras_object` records the model's config (for a
-    Functional or Sequential model, every layer's config and the graph, nested
-    models included) and its build config (input shapes); deserializing calls
-    `from_config` and builds the model, which creates its variables. The compile
-    config is dropped: the copy is for inference and must not carry the training
-    optimizer (tfmp's `LossScaleOptimizer` would make the file need tfmp to load).
-    `keras.models.clone_model` is not used because it compiles the clone like the
-    original.
+    The compile config is dropped (tfmp's `LossScaleOptimizer` would make the file need
+    tfmp to load); `keras.models.clone_model` would compile the clone like the original.
     """
     classes = {type(entry.layer).__name__: type(entry.layer) for entry in walk(model)}
     classes[type(model).__name__] = type(model)
@@ -159,11 +134,7 @@ def _rebuild(model: keras.Model) -> keras.Model:
 
 
 def _first_unconfigurable(model: keras.Model) -> Any:
-    """The deepest layer (or the model) whose `get_config` raises; else the model.
-
-    A reversed pre-order walk meets every layer before its parents, whose
-    `get_config` fails because of it.
-    """
+    """The deepest layer whose `get_config` raises (a reversed pre-order walk); else the model."""
     for layer in [entry.layer for entry in reversed(walk(model))] + [model]:
         try:
             layer.get_config()
@@ -186,16 +157,12 @@ def _not_rebuildable(layer: Any, cause: Any) -> ValueError:
 
 
 def _copy_weights(source: keras.Model, target: keras.Model) -> None:
-    """Assigns `source`'s variable values to `target`, floats cast to float32.
+    """Assigns `source`'s variable values to `target` in tracking order, floats cast to float32.
 
-    Variables are paired in the order Keras tracks them, which a clone or a config
-    round trip preserves; count and shapes are checked before anything is written.
+    `_rebuild` has checked the count; shapes are checked before anything is written.
     """
     pairs = list(zip(source.weights, target.weights))
-    mismatch = len(source.weights) != len(target.weights) or any(
-        tuple(a.shape) != tuple(b.shape) for a, b in pairs
-    )
-    if mismatch:
+    if any(tuple(a.shape) != tuple(b.shape) for a, b in pairs):
         raise _not_rebuildable(
             source,
             "its copy's variables do not match the trained model's "
@@ -203,8 +170,5 @@ def _copy_weights(source: keras.Model, target: keras.Model) -> None:
         )
     for src, dst in pairs:
         value = np.asarray(src.numpy())
-        if np.issubdtype(value.dtype, np.floating) or "float" in str(src.dtype):
-            value = value.astype(np.float32)
-        else:
-            value = value.astype(dst.dtype)
-        dst.assign(value)
+        floating = np.issubdtype(value.dtype, np.floating) or "float" in str(src.dtype)
+        dst.assign(value.astype(np.float32 if floating else dst.dtype))

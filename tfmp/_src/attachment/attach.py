@@ -28,8 +28,7 @@ from tfmp._src.policy import speedups as speedup_rules
 
 #: The name of the step scope of a model run without Grappler's remapper.
 REMAPPER_OFF = "remapper off"
-#: Subscribers `detach` leaves on a model: float32 forcing's, which make the layer
-#: policies it keeps (saved with the model) compute as their dtypes say.
+#: Subscribers `detach` leaves on: float32 forcing's, which make the saved layer policies compute as they say.
 KEPT_OWNERS = ("float32.build", "float32.outputs", "float32.cast_back")
 
 

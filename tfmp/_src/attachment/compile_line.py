@@ -49,11 +49,7 @@ def _optimizer(text: str) -> str:
 
 
 def describe(found: Attachment) -> str:
-    """The line for `found` (attached at compile): policy, layers forced to float32 and why, the optimizer.
-
-    Up to `NAMED` forced layers are named with their reason, more counted by reason; ``"; check_numerics
-    on"`` under ``debug``.
-    """
+    """The line for `found` (attached at compile): policy, forced layers (up to `NAMED` named), the optimizer."""
     parts = [f"tfmp: model {found.model!r} compiled under {found.policy}", _forced(found.forced_float32),
              _optimizer(found.optimizer)]
     if found.check_numerics:

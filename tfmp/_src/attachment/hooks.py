@@ -36,10 +36,7 @@ def speed_features(speedups: Optional[Mapping[str, bool]]) -> FrozenSet[str]:
 
 
 def hold(speed_features: Iterable[str] = ()) -> None:
-    """Installs the model-level hooks not on yet, of `SPEED` only those in `speed_features`.
-
-    What installing a core hook raises propagates; an `OPTIONAL` one that fails is switched off instead.
-    """
+    """Installs the model-level hooks not on yet, of `SPEED` only those in `speed_features` (`OPTIONAL` may fail)."""
     wanted = set(speed_features)
     with _lock:
         if "losses" not in _hooks:
@@ -71,11 +68,7 @@ def in_step(speed_features: Iterable[str] = ()) -> Iterator[None]:
 
 
 def hold_in_calls(layers: Iterable[Any], speed_features: Iterable[str] = ()) -> None:
-    """Makes each of `layers` keep the model-level hooks on while its own ``call`` runs (replacing an earlier hook).
-
-    So a layer called in a custom loop, eagerly or inside a model tfmp did not attach computes as in
-    its model's step, also after `tfmp.disable()`.
-    """
+    """Makes each of `layers` keep the model-level hooks on while its own ``call`` runs (as in its model's step)."""
     wrap = functools.partial(_call_in_step, frozenset(speed_features))
     for layer in layers:
         for hook in surfaces.subscriptions_on(layer):

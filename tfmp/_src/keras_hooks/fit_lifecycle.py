@@ -75,10 +75,7 @@ def release_if_unused() -> None:
 
 
 def on_fit_error(model: Any, key: Any, handler: Callable[[BaseException], None]) -> None:
-    """Calls `handler(error)` once if the running ``fit`` of `model` raises (what it raises is logged).
-
-    A second handler under the same hashable `key` (e.g. the callback) replaces the first.
-    """
+    """Calls `handler(error)` once if the running ``fit`` of `model` raises; one per `key`, its errors logged."""
     with _lock:
         _HANDLERS.setdefault(model, {})[key] = handler
 

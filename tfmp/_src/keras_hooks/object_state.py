@@ -14,11 +14,7 @@ _ABSENT = object()
 
 
 class PerObject:
-    """A mapping from Keras objects to one kind of tfmp state, stored on each object.
-
-    Args:
-        name: String. What the state is; the attribute is ``_tfmp_<name>``.
-    """
+    """A mapping from Keras objects to one kind of tfmp state, stored on each as ``_tfmp_<name>``."""
 
     def __init__(self, name: str) -> None:
         self.attribute = f"_tfmp_{name}"

@@ -193,11 +193,7 @@ def _forget_slot(target: Any, name: str) -> None:
 
 
 class Surface:
-    """One surface tfmp hooks (made by its module of `tfmp._src.keras_hooks`), named `name`.
-
-    Only `methods` may be hooked, only by `subscribers`, which compose in that order, innermost
-    first, whatever order they subscribed in.
-    """
+    """One surface tfmp hooks: its `methods`, hooked only by its `subscribers`, composed innermost first."""
 
     def __init__(self, name: str, methods: Sequence[str], subscribers: Sequence[str]) -> None:
         self.name, self.methods, self.subscribers = name, tuple(methods), tuple(subscribers)

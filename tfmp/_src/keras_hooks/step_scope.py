@@ -87,10 +87,9 @@ class _ModelScope:
 
 
 def install(model: Any, scope: Scope, *, name: str) -> None:
-    """Runs every call of `model`'s train, test and predict functions inside `scope()`, replacing an earlier scope.
+    """Runs every call of `model`'s train, test and predict functions inside `scope()`, named `name`.
 
-    `name` (e.g. ``"remapper off"``) is what `scope_of` returns. A hook that fails to install
-    leaves the model as before.
+    Replaces an earlier scope; a hook that fails to install leaves the model as before.
     """
     _STATE.replace(model, lambda: _ModelScope(model, scope, name))
 
@@ -135,10 +134,7 @@ class _TraceScope:
 
 
 def trace_in(model: Any, scope: Scope) -> None:
-    """Runs `model`'s ``train_step``, ``test_step`` and ``predict_step`` inside `scope()`, replacing an earlier one.
-
-    Keras binds the steps when it makes a function: call it before (at compile).
-    """
+    """Runs `model`'s ``*_step`` inside `scope()` (replacing an earlier one); call before Keras binds them (compile)."""
     _TRACED.replace(model, lambda: _TraceScope(model, scope))
 
 

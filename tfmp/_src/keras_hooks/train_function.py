@@ -119,10 +119,7 @@ def remove_check(model: Any, name: str) -> None:
 
 
 def add_error_handler(model: Any, key: Any, handler: Callable[[BaseException], None]) -> None:
-    """Calls `handler(error)` (it must not raise) when a train step of `model` raises (not end of data).
-
-    A second handler under the same hashable `key` (e.g. the monitor) replaces the first.
-    """
+    """Calls `handler(error)` (must not raise) when a train step of `model` raises (not end of data); one per `key`."""
     with _LOCK:
         _hooks(model).handlers[key] = handler
 

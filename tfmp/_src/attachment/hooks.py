@@ -50,8 +50,7 @@ def hold(speed_features: Iterable[str] = ()) -> None:
 def in_step(speed_features: Iterable[str] = ()) -> Iterator[None]:
     """Keeps the model-level hooks on inside the block, of `SPEED` only those in `speed_features`.
 
-    A traced step runs without Python, so in `fit` they go on and off once per trace; without a
-    session, at each outermost eager call of an attached model.
+    In `fit` they go on and off once per trace; without a session, at each outermost eager call.
     """
     global _steps
     with _lock:

@@ -135,7 +135,6 @@ def _wrapper(function: str, replace: Callable[[OpCall], Any]) -> Callable[[Calla
 def subscribe(function: str, replace: Callable[[OpCall], Any], *, owner: str) -> patches.Hook:
     """Routes every call of backend `function` through ``replace(OpCall)`` (returning a result or `KERAS`).
 
-    Raises KeyError for a `function` or `owner` not of this surface, AttributeError where Keras moved
-    the module or function (the caller switches its feature off, `availability`).
+    AttributeError where Keras moved the module or function: the caller switches its feature off.
     """
     return SURFACE.subscribe(module_of(function), function, _wrapper(function, replace), owner=owner)

@@ -98,8 +98,7 @@ class _ModelFix:
 def install(model: Any, on_start: OnStart) -> None:
     """Makes `model`'s ``fit`` and ``evaluate`` work under a multi-worker strategy; replaces an earlier install.
 
-    ``on_start(model)`` runs at the start of each, before Keras reads a batch, and may raise to
-    refuse the call. What installing a hook raises leaves the model as before.
+    ``on_start(model)`` runs first in each, before Keras reads a batch; it may raise to refuse the call.
     """
     _STATE.replace(model, lambda: _ModelFix(model, on_start))
 

@@ -1,14 +1,8 @@
 """Attaching a model to tfmp, reading what was decided (`tfmp.attachment`), and `tfmp.detach`.
 
-`attach` runs when a model is compiled or loaded while tfmp is enabled
-(`tfmp._src.policy.enable`): the decisions made then (policies, float32
-forcing, the BatchNormalization kernel, exact token ids, dtype-error
-explanations, `tfmp.check_numerics`, Grappler's remapper for a float16 model
-on a CPU whose oneDNN takes float16, the exact GELU of a bfloat16 model and the
-convolutions of a float16 model in float32 inside on a CPU, the bias gradients)
-are recorded in one `Attachment` carried
-by the model and every layer in it. What a model keeps after `tfmp.disable()` is
-exactly that: its attachment, its layers' policies and its optimizer.
+`attach` runs when a model is compiled or loaded while tfmp is enabled: the decisions made then
+are recorded in one `Attachment` carried by the model and every layer in it. After
+`tfmp.disable()` a model keeps exactly that: its attachment, its layers' policies, its optimizer.
 """
 
 from __future__ import annotations
@@ -24,8 +18,7 @@ from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.errors import invalid_argument
 from tfmp._src.float32 import activity_regularizers, bias_gradient, conv, fused_batchnorm, gelu
 from tfmp._src.float32.force import forced_reason
-from tfmp._src.keras_hooks import surfaces, train_function
-from tfmp._src.keras_hooks import multi_worker
+from tfmp._src.keras_hooks import multi_worker, surfaces, train_function
 from tfmp._src.keras_hooks import step_scope as model_scopes
 from tfmp._src.layer_tree import walk
 from tfmp._src.loss_scale import custom_optimizers, loops
@@ -33,13 +26,9 @@ from tfmp._src.numerics.check import check_numerics
 from tfmp._src.policy import float16_fusion
 from tfmp._src.policy import speedups as speedup_rules
 
-#: Owners of the per-object hooks an attachment brings and `detach` takes off.
-#: Float32 forcing's hooks (cast-back, output casts) stay: they go with the layer
-#: policies forcing set, which are the model's own and saved with it.
 #: The name of the step scope of a model run without Grappler's remapper.
 REMAPPER_OFF = "remapper off"
-#: Subscribers `detach` leaves on a model: float32 forcing's, which make the layer
-#: policies it keeps (saved with the model) compute as their dtypes say.
+#: Subscribers `detach` leaves on: float32 forcing's, which make the saved layer policies compute as they say.
 KEPT_OWNERS = ("float32.build", "float32.outputs", "float32.cast_back")
 
 
@@ -54,22 +43,10 @@ def _check_model(model: Any, function: str) -> None:
 def attach(model: keras.Model, policy: str, *, attached_by: str, exact_ids: int,
            explains_dtype_errors: bool, numerics: bool,
            speedups: Optional[Dict[str, bool]] = None) -> Attachment:
-    """Records what tfmp decided for `model` and marks the model and its layers with it.
+    """Records what tfmp decided for `model` (already forced and hooked) and marks it and its layers.
 
-    Args:
-        model: `keras.Model`, already changed by tfmp (forced, hooked).
-        policy: String. The session's policy name.
-        attached_by: String. ``"compile"`` or ``"load"``.
-        exact_ids: Int. Embeddings whose float ids tfmp keeps exact.
-        explains_dtype_errors: Bool. Whether the model's dtype errors are explained.
-        numerics: Bool. Whether `tfmp.check_numerics` was installed.
-        speedups: Dict of speed feature -> wanted (the session's), or None (all).
-
-    Returns:
-        The `Attachment`, replacing any earlier one of the model.
-
-    Raises:
-        Whatever installing the step hooks raises; nothing is marked then.
+    `attached_by` is ``"compile"`` or ``"load"``; `speedups` the session's (None: all). Returns the
+    `Attachment`, replacing any earlier one; what installing the step hooks raises leaves nothing marked.
     """
     features = hooks.speed_features(speedups)
     if isinstance(model, keras.Model):  # the model-level hooks while Keras traces its steps
@@ -105,11 +82,7 @@ def attach(model: keras.Model, policy: str, *, attached_by: str, exact_ids: int,
 
 
 def _compute_dtype(model: Any, entries: list) -> str:
-    """The 16-bit compute dtype of `model` or, failing that, of any of its layers; else the model's.
-
-    A model built under float32 may hold layers made under a mixed policy (saved
-    under plain Keras ``mixed_bfloat16`` and loaded before `tfmp.enable`).
-    """
+    """The 16-bit compute dtype of `model`, else of any of its layers (loaded before enable), else the model's."""
     if model.dtype_policy.compute_dtype in LOW_PRECISION:
         return model.dtype_policy.compute_dtype
     found = [e.layer.compute_dtype for e in entries if e.layer.compute_dtype in LOW_PRECISION]
@@ -117,17 +90,10 @@ def _compute_dtype(model: Any, entries: list) -> str:
 
 
 def _remapper_decision(model: Any, *, allowed: bool) -> str:
-    """Scopes `model`'s functions without Grappler's remapper when its float16 steps need it.
+    """Runs `model`'s functions without Grappler's remapper where `float16_fusion.remapper_trap` says so.
 
-    Decided once, here, from the machine's facts: a model computing in float16 on
-    a machine without GPUs whose CPU has TensorFlow's oneDNN take float16
-    (`float16_fusion.remapper_trap`) runs its train, test and predict functions
-    inside `float16_fusion.remapper_off`; any other model has no wrapper (one from
-    an earlier attach comes off), as does a model whose speed-up switch is off
-    (`allowed` False).
-
-    Returns:
-        String for ``Attachment.remapper``: ``"on"`` or ``"off: <why>"``.
+    Any other model, or one whose switch is off (`allowed` False), has no scope. Returns
+    ``Attachment.remapper``: ``"on"`` or ``"off: <why>"``.
     """
     trap = None
     if isinstance(model, keras.Model) and allowed:
@@ -150,16 +116,15 @@ def attachment(model: keras.layers.Layer) -> Optional[Attachment]:
     """What tfmp decided for `model` when it attached it, or None.
 
     Args:
-        model: `keras.Model`, or a layer of one (a layer carries its model's
-            attachment, or its own when it attached at its first call).
+        model: `keras.Model`, or a layer of one (it carries its model's attachment, or its own
+            when attached at its first call).
 
     Returns:
-        `tfmp.Attachment`, or None for a model tfmp did not attach (compiled
-        without tfmp enabled in its thread, or detached).
+        `tfmp.Attachment`, or None for a model tfmp did not attach (compiled without tfmp
+        enabled in its thread, or detached).
 
     Raises:
-        ValueError: `model` is not a Keras model or layer (the message says what
-            was received).
+        ValueError: `model` is not a Keras model or layer.
     """
     _check_model(model, "attachment")
     found = record.of(model)
@@ -185,13 +150,9 @@ def optimizer_decision(optimizer: Any, attached_by: str) -> str:
 
 
 def subscriptions(model: keras.layers.Layer) -> Dict[str, List[str]]:
-    """What tfmp hooks on `model`, its layers, their policies and its optimizer now.
+    """`Attachment.subscriptions`: what tfmp hooks on `model`, its layers, their policies and its optimizer now.
 
-    Returns:
-        Dict, object (``"model"``, a layer path, ``"<path>.dtype_policy"``,
-        ``"optimizer"``) -> list of ``"<surface>: <method> (<subscriber>)"``,
-        and ``"model"`` also lists the checks after each train step
-        (``"trainer: train step check <name>"``). Objects without one are left out.
+    ``"model"`` also lists the checks after each train step (``"trainer: train step check <name>"``).
     """
     objects = [("model", model)]
     for entry in walk(model):
@@ -213,25 +174,15 @@ def subscriptions(model: keras.layers.Layer) -> Dict[str, List[str]]:
 def detach(model: keras.layers.Layer) -> Optional[Attachment]:
     """Gives `model` back to Keras: its next `fit` traces plain Keras code.
 
-    Takes off the attachment of the model and its layers, for good (a detached
-    part of an attached model no longer takes that model's attachment), so the
-    fused BatchNormalization kernel, the float32-inside GELU and convolutions and
-    the float32 loss-term casts no longer apply; every hook tfmp put on the model
-    and its layers but float32 forcing's (`KEPT_OWNERS`, needed only by a
-    subclassed model or a forced layer with sublayers): `tfmp.check_numerics`,
-    the train-step checks (the stuck check, the ``"batch"`` guard's record of each
-    batch, the monitors' error handlers), the hooks wrapping optimizers stored on
-    the model, the exact-token-id, dtype-error and quantize hooks, the float16 step
-    scope; and every ``_tfmp_*`` attribute. The train, test and predict functions
-    of the model, and of any attached model holding it, are reset, so they are
-    traced again.
-    Kept, as Keras state: the layers' dtype policies (saved with the model) and
-    ``model.optimizer``. A `tfmp.LossScaleOptimizer` still skips and counts
-    non-finite steps (``overflow_count``); `fit` no longer stops a stuck run for
-    it: call ``model.optimizer.raise_if_stuck()`` in a callback, or compile again
-    under tfmp. The model-level class hooks are not on for the detached model's
-    calls and steps any more (only while a session is open or an attached model
-    computes).
+    Takes off, for good, the attachment of the model and its layers (so the fused BatchNormalization
+    kernel, the float32-inside GELU and convolutions and the float32 loss-term casts no longer apply),
+    every hook tfmp put on them but float32 forcing's (`KEPT_OWNERS`): `tfmp.check_numerics`, the
+    train-step checks, the hooks on optimizers stored on the model, the exact-token-id, dtype-error
+    and quantize hooks, the float16 step scope; and every ``_tfmp_*`` attribute. The train, test and
+    predict functions of the model, and of any attached model holding it, are reset (traced again).
+    Kept, as Keras state: the layers' dtype policies and ``model.optimizer``. A
+    `tfmp.LossScaleOptimizer` still skips non-finite steps, but `fit` no longer stops a stuck run:
+    call ``model.optimizer.raise_if_stuck()`` in a callback, or compile again under tfmp.
 
     Args:
         model: `keras.Model` (or a layer: it and its sublayers). A model that is
@@ -271,20 +222,13 @@ def detach(model: keras.layers.Layer) -> Optional[Attachment]:
 def step_scope(model: keras.Model) -> ContextManager[Optional[str]]:
     """Runs the block's `tf.function` calls with the graph options tfmp chose for `model`'s steps.
 
-    `model.fit`, `evaluate` and `predict` of an attached model run its steps in
-    the scope tfmp decided for it when it attached it; a custom training loop
-    calls its own `tf.function`, which TensorFlow instantiates with the options in
-    force at its first call. Calling it inside this block gives the loop the same
-    graph as `fit`, hence the same kernels and the same rounding. Today the one
-    such option is Grappler's remapper, off for a ``mixed_float16`` model on a CPU
-    where TensorFlow's oneDNN fuses float16 matmuls into a kernel that crawls
-    (``tfmp.attachment(model).remapper``). Graph options affect only the calling
-    thread. The block also keeps tfmp's model-level hooks on, as `fit` does while
-    it traces the model's step (the model's own calls do so anyway): once no
-    thread is enabled, a custom loop needs it for ``model.losses`` read outside the
-    model's call (16-bit terms summed in float32) and for backward-pass dtype
-    errors explained. Also usable as a decorator of a Python function that calls
-    the step.
+    `fit`, `evaluate` and `predict` of an attached model run its steps in that scope; a custom loop's
+    own `tf.function`, first called inside this block, gets the same graph, hence the same kernels
+    and rounding. Today the one option is Grappler's remapper, off for a ``mixed_float16`` model on a
+    CPU where oneDNN's fused float16 matmul crawls (``tfmp.attachment(model).remapper``); it affects
+    the calling thread only. The block also keeps tfmp's model-level hooks on, as `fit` does while
+    tracing (``model.losses`` summed in float32, backward dtype errors explained once no thread is
+    enabled). Also usable as a decorator.
 
     Args:
         model: `keras.Model`. One compiled under tfmp (attached) gets the options

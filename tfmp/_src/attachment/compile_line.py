@@ -1,19 +1,9 @@
-"""The one line tfmp prints when it compiles a model: what it did, read from the attachment.
+"""The one line tfmp prints when it compiles a model: what it did, read from the attachment only.
 
-Under ``tfmp.enable(verbose=True)`` (the default) each ``model.compile`` tfmp
-handles prints, once, a line built from the model's `tfmp.Attachment` only, so
-it says what tfmp recorded and nothing else::
-
-    tfmp: model 'digits_classifier' compiled under mixed_bfloat16; 1 layer forced
-    to float32: softmax (model output); optimizer tfmp.LossScaleOptimizer(Adam):
-    no loss scaling (fixed scale 1.0), guard='auto', fused updates on
-
-(one line; wrapped here). `fit` prints nothing. Compiling the same model again
-prints again only when the line would differ (another policy, other layers
-forced, another optimizer): a loop that recompiles to change the learning rate
-says it once. Models Keras compiles while loading them print nothing (they come
-back as saved). ``verbose=False`` prints nothing; the same facts stay readable
-with `tfmp.attachment(model)` and `tfmp.audit(model)`.
+E.g. ``tfmp: model 'digits' compiled under mixed_bfloat16; 1 layer forced to float32: softmax (model
+output); optimizer tfmp.LossScaleOptimizer(Adam): ...``. Printed under ``enable(verbose=True)``, again
+only when it would differ (a loop recompiling to change the learning rate says it once); never for
+a model Keras compiles while loading it, nor at `fit`.
 """
 
 from __future__ import annotations
@@ -59,20 +49,7 @@ def _optimizer(text: str) -> str:
 
 
 def describe(found: Attachment) -> str:
-    """The line for `found`: policy, layers forced to float32 and why, the optimizer.
-
-    Args:
-        found: `tfmp.Attachment` of a model attached at compile.
-
-    Returns:
-        String, one line: ``"tfmp: model '<name>' compiled under <policy>;
-        <forced>; optimizer <what tfmp did>"``, plus ``"; check_numerics on"``
-        under ``debug``. Up to `NAMED` forced layers are named with their
-        reason; more are counted by reason, the first few named. (Optimizers
-        a custom ``compile`` stores after ``super().compile()`` are wrapped
-        after the line is printed: `tfmp.attachment(model).custom_optimizers`
-        lists them.)
-    """
+    """The line for `found` (attached at compile): policy, forced layers (up to `NAMED` named), the optimizer."""
     parts = [f"tfmp: model {found.model!r} compiled under {found.policy}", _forced(found.forced_float32),
              _optimizer(found.optimizer)]
     if found.check_numerics:

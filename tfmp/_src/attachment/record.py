@@ -1,14 +1,8 @@
 """The attachment record: what tfmp decided for a model, kept on the model and its layers.
 
-Every object tfmp attached (the model and each of its layers) carries the same
-`Attachment` in its own ``__dict__`` (`PerObject`, so it lives and dies with the
-model and is neither tracked nor saved by Keras). tfmp's model-level hooks
-(``Layer.losses``, ``BatchNormalization.call``, Keras's backend ops) read only this
-mark, never the calling thread's session: a layer without one takes its
-model's when called inside it. A layer of a model never compiled (a custom
-training loop) is attached the first time a model-level hook sees it while its
-thread has a session; one of a model compiled without tfmp never is
-(`attached_or_first_use`).
+Each attached object carries the same `Attachment` in its own ``__dict__`` (`PerObject`: it dies
+with the model, neither tracked nor saved). The model-level hooks read only this mark, never the
+thread's session; a layer without one takes its model's, or attaches at first use (`attached_or_first_use`).
 """
 
 from __future__ import annotations
@@ -24,8 +18,7 @@ from tfmp._src.keras_hooks.object_state import PerObject
 from tfmp._src.policy import session, speedups
 
 _MARK = PerObject("attachment")
-#: What `tfmp.detach` took the mark off: no mark comes back by itself (kept off the object,
-#: which detach leaves as Keras made it).
+#: What `tfmp.detach` took the mark off (kept off the object, which detach leaves as Keras made it).
 _DETACHED: "weakref.WeakSet[Any]" = weakref.WeakSet()
 #: Objects that carry a mark, and those of them attached at their first call (which keep
 #: the model-level hooks on, `tfmp._src.attachment.hooks`).
@@ -38,80 +31,51 @@ _lock = threading.RLock()
 class Attachment:
     """What tfmp decided for one model when it attached it (`tfmp.attachment(model)`).
 
-    Decided once, when the model is compiled or loaded while tfmp is enabled (or,
-    for a layer of a model never compiled under tfmp, when the layer is first
-    called while enabled), and kept with the model until `tfmp.detach`: the same
-    graph is traced inside or outside `tfmp.policy_scope`, after `tfmp.disable()`,
-    in `tf.distribute` replica threads and in a `tf.function` of the user's.
+    Decided once, when the model is compiled or loaded while tfmp is enabled (or, for a layer of a
+    model never compiled under tfmp, at its first call while enabled), and kept until `tfmp.detach`:
+    the same graph is traced inside or outside `tfmp.policy_scope`, after `tfmp.disable()`, in
+    `tf.distribute` replica threads and in a `tf.function` of the user's.
 
     Attributes:
         model: String. Name of the model (or layer) attached.
-        attached_by: String. ``"compile"``, ``"load"`` (Keras compiled it while
-            loading it) or ``"first call"`` (a layer called while enabled).
-        policy: String. tfmp's policy in the session that attached it, e.g.
-            ``"mixed_bfloat16"``.
+        attached_by: String. ``"compile"``, ``"load"`` (Keras compiled it while loading it) or
+            ``"first call"`` (a layer called while enabled).
+        policy: String. tfmp's policy in the session that attached it, e.g. ``"mixed_bfloat16"``.
         layer_policies: Dict, layer path -> dtype policy name at attachment.
-        forced_float32: Dict, layer path -> why tfmp set it to float32
-            (``"output"``, ``"softmax"``...).
-        batchnorm_kernel: Dict, BatchNormalization path -> ``"fused"`` or
-            ``"keras: <reason>"`` (see `tfmp.audit`), from the configuration.
-        exact_ids: Int. Embedding layers whose float token ids are looked up as
-            given (see `tfmp.force_float32`'s module notes on exact ids).
-        explains_dtype_errors: Bool. Dtype mismatches raised by the model's
-            ``build``/``call`` name the layer and the fix.
+        forced_float32: Dict, layer path -> why tfmp set it to float32 (``"output"``, ``"softmax"``...).
+        batchnorm_kernel: Dict, BatchNormalization path -> ``"fused"`` or ``"keras: <reason>"``.
+        exact_ids: Int. Embedding layers whose float token ids are looked up as given.
+        explains_dtype_errors: Bool. Dtype mismatches in the model's ``build``/``call`` name the layer and fix.
         check_numerics: Bool. `tfmp.check_numerics` was installed (``debug``).
-        loss_terms_in_float32: Bool. ``model.losses`` hands back 16-bit loss terms
-            cast to float32 (always True for an attached model).
-        custom_optimizers: List of strings. Attributes of the model, besides
-            ``optimizer``, whose optimizer tfmp wrapped in a `tfmp.LossScaleOptimizer`
-            (optimizers a custom ``compile`` keeps, e.g. ``["d_optimizer",
-            "g_optimizer"]``; see `tfmp._src.loss_scale.custom_optimizers`).
-        remapper: String. ``"on"``: the model's train, test and predict
-            functions run with Grappler's remapper as TensorFlow configures it;
-            ``"off: <why>"``: without it (in the calling thread only, and in a
-            custom loop's calls inside `tfmp.step_scope`), because the model
-            computes in float16 on a CPU where TensorFlow's oneDNN takes float16
-            and the fused float16 matmul crawls (`tfmp._src.policy.float16_fusion`).
-        gelu: String. ``"keras"``: Keras's exact GELU as it is (a float32 model,
-            a GPU or TPU, a layer attached at its first call);
-            ``"float32 inside: <why>"``: the model's bfloat16 exact GELU is
-            computed in float32 and rounded once, as on every CPU
-            (`tfmp._src.float32.gelu`).
-        bias_gradient: String. ``"keras"``: Keras's bias gradients as they are (a
-            float32 model, a GPU or TPU); ``"summed: <check>"``: the 16-bit bias
-            gradients of the model's Dense and convolution layers are summed with
-            float32 accumulation, because this CPU's ``BiasAddGrad`` lost a known
-            sum; ``"summed except after Conv2D: <check>"``: the same, but a
-            Conv2D whose filter trains keeps oneDNN's fused kernel, which kept
-            the sum;
-            ``"keras: <check>"``: checked, not lost
-            (`tfmp._src.float32.bias_gradient`).
-        conv: String. ``"keras"``: Keras's convolutions as they are (not a
-            float16 model, a GPU or TPU, a layer attached at its first call);
-            ``"float32 inside: <why>"``: the model's float16 Conv1D/2D/3D and
-            transposed convolutions compute in float32 and round once to
-            float16, as on every CPU (`tfmp._src.float32.conv`).
-        speedups: Dict, speed feature -> ``"on"`` or ``"off (<why>)"``: the
-            switch (``tfmp.enable(speedups=...)``), the feature's Keras surface
-            moved in this Keras, or a GPU or TPU, where none was measured
-            (`tfmp._src.policy.speedups.FEATURES`). A feature on still applies
-            only where its own field above says so.
-        optimizer: String. What tfmp did with the model's optimizer when it
-            attached it: ``"tfmp.LossScaleOptimizer(Adam): dynamic loss scale,
-            guard='auto', fused updates on"``, ``"Adam: kept (float32 compute)"``,
-            ``"Adam: as saved"`` (loaded), or ``""`` (none, a layer attached at
-            its first call).
-        activity_regularizers_in_float32: List of strings. Paths of the 16-bit
-            layers whose activity regularizer tfmp computes on the output cast to
-            float32 (in float16, ``0.01 * sum(x**2)`` overflows past 65504; the
-            regularizer is saved as before; `tfmp.detach` gives Keras's back).
-        subscriptions: Dict, object (``"model"``, a layer path,
-            ``"<path>.dtype_policy"``, ``"optimizer"``) -> list of
-            ``"<surface>: <method> (<subscriber>)"``: every hook tfmp has on the
-            model's own objects, read anew by each `tfmp.attachment(model)`
-            (a layer's record shows its model's as last read). Hooks on Keras
-            classes and modules, shared by every model, are listed in the
-            architecture notes; they act only on attached objects.
+        loss_terms_in_float32: Bool. ``model.losses`` hands back 16-bit terms cast to float32 (always True).
+        custom_optimizers: List of strings. Attributes of the model besides ``optimizer`` whose optimizer
+            tfmp wrapped in a `tfmp.LossScaleOptimizer` (a custom ``compile``'s, e.g. ``["d_optimizer"]``).
+        remapper: String. ``"on"``: the model's functions run with Grappler's remapper as configured;
+            ``"off: <why>"``: without it (calling thread only, and inside `tfmp.step_scope`), for a
+            float16 model on a CPU where oneDNN's fused float16 matmul crawls.
+        gelu: String. ``"keras"``: Keras's exact GELU as it is (a float32 model, a GPU or TPU, a layer
+            attached at its first call); ``"float32 inside: <why>"``: the bfloat16 exact GELU computed
+            in float32 and rounded once, as on every CPU.
+        bias_gradient: String. ``"keras"``: Keras's bias gradients (a float32 model, a GPU or TPU);
+            ``"summed: <check>"``: 16-bit Dense and convolution bias gradients summed with float32
+            accumulation, because this CPU's ``BiasAddGrad`` lost a known sum; ``"summed except after
+            Conv2D: <check>"``: the same but a trainable Conv2D keeps oneDNN's fused kernel, which kept
+            it; ``"keras: <check>"``: checked, not lost.
+        conv: String. ``"keras"``: Keras's convolutions (not float16, a GPU or TPU, a layer attached at
+            its first call); ``"float32 inside: <why>"``: float16 Conv1D/2D/3D and transposes computed
+            in float32 and rounded once, as on every CPU.
+        speedups: Dict, speed feature -> ``"on"`` or ``"off (<why>)"``: the switch
+            (``tfmp.enable(speedups=...)``), a moved Keras surface, or a GPU or TPU (none measured). A
+            feature on still applies only where its own field says so.
+        optimizer: String. What tfmp did with the model's optimizer: ``"tfmp.LossScaleOptimizer(Adam):
+            dynamic loss scale, guard='auto', fused updates on"``, ``"Adam: kept (float32 compute)"``,
+            ``"Adam: as saved"`` (loaded), or ``""`` (none).
+        activity_regularizers_in_float32: List of strings. Paths of the 16-bit layers whose activity
+            regularizer runs on the output cast to float32 (``0.01 * sum(x**2)`` overflows float16's 65504).
+        subscriptions: Dict, object (``"model"``, a layer path, ``"<path>.dtype_policy"``,
+            ``"optimizer"``) -> list of ``"<surface>: <method> (<subscriber>)"``: every hook on the
+            model's own objects, read anew by each `tfmp.attachment(model)`. Class and module hooks,
+            shared by every model, are in the architecture notes.
     """
 
     model: str
@@ -135,11 +99,7 @@ class Attachment:
     subscriptions: Dict[str, List[str]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        """Checks the fields' types (a record made by hand fails here, not when read).
-
-        Raises:
-            ValueError: (template) a field of another type than documented.
-        """
+        """Raises ValueError (template) for a field of another type than documented."""
         for name, example in (("model", "'sequential'"), ("attached_by", "'compile'"),
                               ("policy", "'mixed_float16'"), ("remapper", "'on'"),
                               ("gelu", "'keras'"), ("bias_gradient", "'keras'"), ("conv", "'keras'"),
@@ -181,11 +141,7 @@ def mark(objects: Iterable[Any], record: Attachment) -> None:
 
 
 def unmark(objects: Iterable[Any], *, detached: bool = False) -> None:
-    """Takes the mark off each of `objects` (those without one are skipped).
-
-    With `detached`, they also stay unmarked when called inside an attached model
-    or while a session is open, until `mark` (a compile or load while enabled).
-    """
+    """Takes the mark off each of `objects`; `detached` ones stay unmarked until `mark` (no first-use attach)."""
     with _lock:
         for obj in objects:
             _MARK.pop(obj, None)
@@ -220,19 +176,11 @@ def marked_objects() -> List[Any]:
 
 
 def attached_or_first_use(layer: Any) -> bool:
-    """Bool. Whether tfmp treats `layer` as attached, attaching it on first use.
+    """Bool. Whether tfmp treats `layer` as attached, attaching it on first use (the decision stays).
 
-    Called by the model-level hooks as a layer is called (or its losses read):
-
-    * a layer with a mark is attached; one `tfmp.detach` took it off is not;
-    * a layer without one, called inside an attached model's call (a sublayer
-      the model made after it was attached, e.g. in ``build``), takes the
-      model's attachment;
-    * a layer of a model compiled without tfmp is left alone, in any thread;
-    * any other layer is attached when the calling thread has a session (a
-      custom training loop over a model built while enabled, never compiled).
-
-    Each decision that attaches stays with the layer.
+    A marked layer is; a detached one is not; one called inside an attached model's call takes its
+    mark; one of a model compiled without tfmp is not; any other is attached when the thread has a
+    session (a custom loop over a model built while enabled, never compiled).
     """
     if of(layer) is not None:
         return True
@@ -252,12 +200,7 @@ def attached_or_first_use(layer: Any) -> bool:
 
 
 def of_calling(layer: Any) -> Optional[Attachment]:
-    """The `Attachment` a calling layer computes under, or None (`layer` None, not attached).
-
-    For hooks on functions a layer's ``call`` uses (Keras's backend ``gelu`` and
-    ``add``), with `layer` the innermost layer called (`layer_calls.calling_layer`):
-    `attached_or_first_use` decides, then its mark is read.
-    """
+    """The `Attachment` the calling `layer` (`layer_calls.calling_layer`, maybe None) computes under, or None."""
     if layer is None or not attached_or_first_use(layer):
         return None
     return of(layer)

@@ -1,10 +1,8 @@
 """Optional features whose Keras or TensorFlow surface is missing: off for the process, said once.
 
-A feature that is not needed to train correctly (a speed-up, an exact-arithmetic fix)
-hooks a Keras or TensorFlow name that a release may move. Where installing its hook
-fails, the feature is switched off for the process with one warning naming it, the
-error and the versions, and every attachment made after says so; `tfmp.enable`,
-`compile`, `fit`, `save` and `load` go on as under plain Keras for that part.
+A feature not needed to train correctly (a speed-up, an exact-arithmetic fix) hooks a name a
+release may move; where its hook fails to install, it is switched off with one warning and
+tfmp goes on as plain Keras for that part.
 """
 
 from __future__ import annotations
@@ -40,12 +38,7 @@ def off(feature: str) -> Optional[str]:
 
 
 def switch_off(feature: str, error: BaseException) -> str:
-    """Records `feature` as off for the process and warns once; returns the reason.
-
-    Args:
-        feature: String, a key of `FEATURES`.
-        error: The exception installing its hook raised.
-    """
+    """Records `feature` (a key of `FEATURES`) as off for the process, warns once; returns the reason."""
     import keras
     import tensorflow as tf
 

@@ -1,22 +1,13 @@
 """The backend-ops surface: the functions of Keras's TensorFlow backend that ``keras.ops`` calls.
 
-``keras.ops.gelu``, ``conv`` and ``conv_transpose`` look their backend function up on the
-backend's nn module, ``keras.ops.add`` on its numpy module, at each call (`PLACES`): a
-hook on the module's attribute sees every such call in the process. The one wrapper per
-function here follows Keras's signature (`FUNCTION_SIGNATURES`) and hands its subscriber an
-`OpCall`; the subscriber decides per call from the attachment of the calling layer
-(`layer_calls.calling_layer`) and returns `KERAS` for any call it leaves to Keras.
-Subscribers (`SURFACE`):
-``gelu`` (`tfmp._src.float32.gelu`), ``conv`` (`tfmp._src.float32.conv`),
-``bias_gradient`` (`tfmp._src.float32.bias_gradient`); all optional features, switched
-off with one warning (`availability`) where a Keras release moved what they hook.
+``keras.ops`` looks ``gelu``, ``conv``, ``conv_transpose`` and ``add`` up on the backend module at
+each call (`PLACES`), so a hook on the module attribute sees every call. Each wrapper hands its
+subscriber an `OpCall`; the subscriber returns `KERAS` for a call it leaves to Keras.
 
 | private name used | where in Keras | what tfmp does with it |
 |---|---|---|
-| ``keras.src.backend.tensorflow.nn`` (Keras 3.12-3.15: the module ``keras.ops.gelu`` reads ``gelu`` from at each call, as ``backend.nn``) | ``keras/src/backend/tensorflow/nn.py``, ``keras/src/ops/nn.py`` | `backend_nn`: the module whose ``gelu``, ``conv`` and ``conv_transpose`` are hooked |
-| ``keras.src.backend.tensorflow.ops.nn`` (Keras 3.16: the same module moved, read as ``backend.ops.nn``) | ``keras/src/backend/tensorflow/ops/nn.py``, ``keras/src/ops/nn.py`` | `backend_nn`, as above |
-| ``keras.src.backend.tensorflow.numpy`` (Keras 3.12-3.15: the module ``keras.ops.add`` reads ``add`` from at each call, as ``backend.numpy``; its ``add`` takes ``tf.nn.bias_add`` for a bias vector) | ``keras/src/backend/tensorflow/numpy.py``, ``keras/src/ops/numpy.py`` | `backend_numpy`: the module whose ``add`` is hooked |
-| ``keras.src.backend.tensorflow.ops.numpy`` (Keras 3.16: the same module moved, read as ``backend.ops.numpy``) | ``keras/src/backend/tensorflow/ops/numpy.py``, ``keras/src/ops/numpy.py`` | `backend_numpy`, as above |
+| ``keras.src.backend.tensorflow.nn`` (3.12-3.15, ``backend.nn``), ``...tensorflow.ops.nn`` (3.16, ``backend.ops.nn``) | ``keras/src/backend/tensorflow/[ops/]nn.py``, ``keras/src/ops/nn.py`` | `backend_nn`: the module whose ``gelu``, ``conv``, ``conv_transpose`` are hooked |
+| ``keras.src.backend.tensorflow.numpy`` (3.12-3.15, ``backend.numpy``), ``...tensorflow.ops.numpy`` (3.16, ``backend.ops.numpy``); its ``add`` takes ``tf.nn.bias_add`` for a bias vector | ``keras/src/backend/tensorflow/[ops/]numpy.py``, ``keras/src/ops/numpy.py`` | `backend_numpy`: the module whose ``add`` is hooked |
 """
 
 from __future__ import annotations
@@ -27,7 +18,6 @@ from typing import Any, Callable, Dict, NamedTuple, Tuple
 
 from tfmp._src.keras_hooks import patches
 
-Hook = patches.Hook  # what subscribing returns: `.remove()` unsubscribes
 SURFACE = patches.Surface(
     "backend ops",
     methods=("gelu", "conv", "conv_transpose", "add"),
@@ -50,10 +40,7 @@ CALL_ORDER: Tuple[Tuple[str, str], ...] = (
 )
 
 
-#: Where ``keras.ops`` finds each backend module: ``"nn"`` or ``"numpy"`` -> attribute
-#: paths on ``keras.src.backend``, the newest release's first. A path present is the
-#: module ``keras.ops`` reads (the contract tests in `CALL_ORDER` check it on the
-#: installed pair).
+#: Attribute paths on ``keras.src.backend`` of each module ``keras.ops`` reads, newest first.
 PLACES: Dict[str, Tuple[str, ...]] = {
     "nn": ("ops.nn", "nn"),  # Keras 3.16: backend.ops.nn; 3.12-3.15: backend.nn
     "numpy": ("ops.numpy", "numpy"),  # Keras 3.16: backend.ops.numpy; 3.12-3.15: backend.numpy
@@ -61,11 +48,7 @@ PLACES: Dict[str, Tuple[str, ...]] = {
 
 
 def _backend_module(kind: str) -> Any:
-    """The backend module `kind` (a key of `PLACES`) at the first of its paths the installed Keras has.
-
-    Raises:
-        AttributeError: none of its paths exists (Keras moved it again).
-    """
+    """The backend module `kind` at the first of its `PLACES` the installed Keras has; AttributeError if none."""
     from keras.src import backend
 
     for path in PLACES[kind]:
@@ -79,38 +62,21 @@ def _backend_module(kind: str) -> Any:
 
 
 def backend_numpy() -> Any:
-    """The module of Keras's TensorFlow backend ops that ``keras.ops.add`` calls.
-
-    ``backend.ops.numpy`` from Keras 3.16, ``backend.numpy`` before (`PLACES`).
-
-    Raises:
-        AttributeError: the installed Keras has it at neither place.
-    """
+    """The backend module whose ``add`` ``keras.ops.add`` calls (AttributeError if moved)."""
     return _backend_module("numpy")
 
 
 def backend_nn() -> Any:
-    """The module of Keras's TensorFlow backend ops that ``keras.ops.gelu``, ``conv`` and ``conv_transpose`` call.
-
-    ``backend.ops.nn`` from Keras 3.16, ``backend.nn`` before (`PLACES`).
-
-    Raises:
-        AttributeError: the installed Keras has it at neither place.
-    """
+    """The backend module whose ``gelu``, ``conv``, ``conv_transpose`` ``keras.ops`` calls (AttributeError if moved)."""
     return _backend_module("nn")
 
 
 def module_of(function: str) -> Any:
-    """The backend module whose attribute `function` (one of `SURFACE.methods`) ``keras.ops`` reads.
-
-    Raises:
-        AttributeError: the installed Keras has that module at none of its `PLACES`.
-    """
+    """The backend module whose attribute `function` (one of `SURFACE.methods`) ``keras.ops`` reads."""
     return backend_numpy() if function == "add" else backend_nn()
 
 
-#: The parameters of each hooked backend function that its wrapper names, in Keras's
-#: order (``tests/test_keras_hooks.py`` checks them on the installed Keras).
+#: The parameters of each hooked backend function its wrapper names, in Keras's order (tested).
 FUNCTION_SIGNATURES: Dict[str, Tuple[str, ...]] = {
     "gelu": ("x", "approximate"),
     "conv": ("inputs", "kernel"),
@@ -123,13 +89,10 @@ class OpCall(NamedTuple):
     """One call of a hooked backend function, as its subscriber sees it.
 
     Attributes:
-        inputs: Tuple of the tensors a subscriber may compute from or replace:
-            ``(x,)`` for ``gelu``, ``(inputs, kernel)`` for the convolutions,
-            ``(x1, x2)`` for ``add``.
-        exact: Bool. ``gelu``: the exact (erf) form was asked for
-            (``approximate=False``); True for the others.
-        keras: Callable taking as many tensors as `inputs`: Keras's function on
-            them, every other argument as the caller gave it.
+        inputs: Tuple of tensors: ``(x,)`` for ``gelu``, ``(inputs, kernel)`` for the
+            convolutions, ``(x1, x2)`` for ``add``.
+        exact: Bool. ``gelu``: ``approximate=False`` was asked; True for the others.
+        keras: Callable on as many tensors as `inputs`: Keras's function, other arguments as given.
     """
 
     inputs: Tuple[Any, ...]
@@ -170,17 +133,8 @@ def _wrapper(function: str, replace: Callable[[OpCall], Any]) -> Callable[[Calla
 
 
 def subscribe(function: str, replace: Callable[[OpCall], Any], *, owner: str) -> patches.Hook:
-    """Routes every call of the backend function `function` through `replace` (subscriber `owner`).
+    """Routes every call of backend `function` through ``replace(OpCall)`` (returning a result or `KERAS`).
 
-    Args:
-        function: String, a key of `FUNCTION_SIGNATURES`.
-        replace: Callable taking an `OpCall` and returning the result, or `KERAS`
-            to let Keras's function compute it.
-        owner: String, one of `SURFACE.subscribers`.
-
-    Raises:
-        KeyError: `function` or `owner` is not of this surface.
-        AttributeError: Keras moved the backend module or the function (the caller
-            switches its feature off, `availability`).
+    AttributeError where Keras moved the module or function: the caller switches its feature off.
     """
     return SURFACE.subscribe(module_of(function), function, _wrapper(function, replace), owner=owner)

@@ -1,12 +1,8 @@
-"""The Keras and TensorFlow texts and traceback shapes tfmp reads, in one place.
+"""The Keras and TensorFlow error texts and traceback frames tfmp reads, in one place.
 
-tfmp explains dtype mismatches (`tfmp._src.float32.dtype_errors`) and tells them
-from other failures in `tfmp.audit`'s batch pass (`tfmp._src.float32.audit_batch`)
-by the texts TensorFlow and Keras raise. Each text is a contract with those
-libraries: `DTYPE_MISMATCH` and `KERAS_TEXTS` list them with the call that
-produces them, and ``tests/test_keras_hooks.py`` produces every one on the
-installed pair (run by ``.ci/run`` on the oldest and the newest supported
-Keras/TensorFlow), so a reworded message fails by name there.
+tfmp explains dtype mismatches (`tfmp._src.float32.dtype_errors`) and sorts `tfmp.audit`'s batch
+failures by these texts; each is a contract, produced on the installed pair by
+``tests/test_keras_hooks.py`` so a reworded message fails there by name.
 """
 
 from __future__ import annotations
@@ -21,21 +17,19 @@ _DTYPE_NAMES = {"half": "float16", "float": "float32", "double": "float64", "bfl
                 "float16": "float16", "float32": "float32", "float64": "float64"}
 _NAME = r"(?:tf\.)?(\w+)"
 
-#: TensorFlow's texts for tensors of different dtypes in one op: name -> (the
-#: error class, the pattern of its first line). Measured on TF 2.17 and 2.21.
+#: TensorFlow's texts for tensors of different dtypes in one op: name -> (error class, first-line pattern).
 DTYPE_MISMATCH: Dict[str, Tuple[type, "re.Pattern[str]"]] = {
     # tf.function(lambda a, b: a * b) on a bfloat16 and a float32 tensor:
     # "Input 'y' of 'Mul' Op has type float32 that does not match type bfloat16 of argument 'x'."
     "graph op": (TypeError, re.compile(rf"has type {_NAME} that does not match type {_NAME}")),
-    # tf.raw_ops.Mul eagerly: "cannot compute Mul as input #1(zero-based) was expected
-    # to be a bfloat16 tensor but is a float tensor [Op:Mul] name: "
+    # tf.raw_ops.Mul eagerly: "cannot compute Mul as input #1(zero-based) was expected to be a bfloat16 tensor
+    # but is a float tensor [Op:Mul] name: "
     "eager op": (tf.errors.InvalidArgumentError,
                  re.compile(rf"was expected to be an? {_NAME} tensor but is an? {_NAME} tensor")),
     # tf.convert_to_tensor(float32 tensor, dtype="bfloat16"):
     # "Tensor conversion requested dtype bfloat16 for Tensor with dtype float32: <tf.Tensor ..."
     "conversion": (ValueError, re.compile(rf"requested dtype {_NAME} for Tensor with dtype {_NAME}")),
-    # tf.concat([bfloat16, float32], 0) in a graph: "Tensors in list passed to
-    # 'values' of 'ConcatV2' Op have types [bfloat16, float32] that don't all match."
+    # tf.concat([bfloat16, float32], 0) in a graph: "... have types [bfloat16, float32] that don't all match."
     "list op": (TypeError, re.compile(r"have types \[([\w, ]+)\] that don't all match")),
     # A bfloat16 tensor divided by a float32 one (tf.math.truediv, eager or graph):
     # "`x` and `y` must have the same dtype, got tf.bfloat16 != tf.float32."
@@ -44,49 +38,28 @@ DTYPE_MISMATCH: Dict[str, Tuple[type, "re.Pattern[str]"]] = {
 
 #: Keras's texts naming the layer that raised: name -> pattern.
 KERAS_TEXTS: Dict[str, "re.Pattern[str]"] = {
-    # An error raised in a layer's call, re-raised by Keras's traceback filter:
-    # "Exception encountered when calling Noise.call()."
+    # An error in a layer's call, re-raised by Keras's traceback filter.
     "call": re.compile(r"Exception encountered when calling (\w+)\.call\(\)"),
-    # An error while Keras infers a layer's output spec (building a Functional
-    # model): "Could not automatically infer the output shape / dtype of 'noise'
+    # Inferring a layer's output spec: "Could not automatically infer the output shape / dtype of 'noise'
     # (of type Noise)."
     "output spec": re.compile(r"of '([^']+)' \(of type (\w+)\)"),
 }
 
-#: Keras's refusal of ``model.quantize("int8")`` for a layer computing in float16
-#: (``Layer._check_quantize_args``): "Quantization mode='int8' doesn't work well
-#: with compute_dtype='float16'. Consider loading model/layer with another dtype
-#: policy such as 'mixed_bfloat16' or 'mixed_float16' before calling `quantize()`."
-#: Raised as ValueError. Measured on Keras 3.15.
+#: Keras's ValueError refusing ``model.quantize("int8")`` for a float16 layer (``Layer._check_quantize_args``).
 QUANTIZE_FLOAT16 = re.compile(r"Quantization mode='(\w+)' doesn't work well with compute_dtype='float16'")
 
-
-#: TensorFlow's refusal to reduce a tuple or dict of distributed values under
-#: `tf.distribute.MultiWorkerMirroredStrategy` (``strategy.reduce``, which Keras's
-#: ``_maybe_symbolic_build`` calls on the first batch of ``fit``): "Attempt to
-#: convert a value (PerReplica:{ 0: <tf.Tensor ...> }) with an unsupported type
-#: (<class 'tensorflow.python.distribute.values.PerReplica'>) to a Tensor."; for
-#: a dict of inputs "Attempt to convert a value ({'a': PerReplica:{...}, ...})
-#: with an unsupported type (<class 'dict'>) to a Tensor." Raised as ValueError. Measured on TF 2.21 with Keras 3.15 (`multi_worker`).
+#: TensorFlow's ValueError reducing a structure of distributed values under a multi-worker strategy
+#: (``strategy.reduce`` in Keras's ``_maybe_symbolic_build`` on ``fit``'s first batch, `multi_worker`):
+#: "Attempt to convert a value (PerReplica:{...}) with an unsupported type (<class ...>) to a Tensor."
 PER_REPLICA_CONVERSION = re.compile(r"Attempt to convert a value \(.*PerReplica:.*\) with an unsupported type", re.S)
 
 
 def is_per_replica_conversion(error: BaseException) -> bool:
-    """Bool. Whether `error` is TensorFlow's `PER_REPLICA_CONVERSION` refusal."""
     return isinstance(error, ValueError) and PER_REPLICA_CONVERSION.search(str(error)) is not None
 
 
 def mismatched_dtypes(message: str) -> Optional[Tuple[str, str]]:
-    """The two float dtypes (Keras names) a TensorFlow dtype-mismatch text names, or None.
-
-    Args:
-        message: String, an exception's text (anywhere in it).
-
-    Returns:
-        Tuple of two dtype names, e.g. ``("float32", "bfloat16")`` in the text's
-        order, when a `DTYPE_MISMATCH` text names exactly two float dtypes; else
-        None (also for a mismatch involving an integer dtype).
-    """
+    """The two float dtypes (Keras names, in the text's order) a `DTYPE_MISMATCH` text in `message` names, or None."""
     for _, pattern in DTYPE_MISMATCH.values():
         match = pattern.search(message)
         if match:
@@ -113,11 +86,7 @@ def layer_named_by_keras(message: str) -> Tuple[Optional[str], Optional[str]]:
 
 
 def call_frame_owners(error: BaseException) -> Iterator[Any]:
-    """The ``self`` of each frame of `error`'s traceback running a ``call`` method, innermost first.
-
-    Keras's traceback filter keeps the frames of user code (a layer's ``call``);
-    it drops its own and TensorFlow's.
-    """
+    """The ``self`` of each frame of `error`'s traceback running a ``call`` (user code Keras's filter keeps)."""
     for frame in frames_innermost_first(error):
         if frame.f_code.co_name == "call" and "self" in frame.f_locals:
             yield frame.f_locals["self"]
@@ -133,13 +102,9 @@ def frames_innermost_first(error: BaseException) -> List[Any]:
     return frames[::-1]
 
 
-#: TensorFlow's frame that runs a registered (built-in) op gradient for a tape:
-#: ``backprop._gradient_function``, whose locals name the forward op's name scope
-#: (e.g. ``"sequential_1/dense_1/MatMul"``, Keras's layer scopes with TensorFlow's
-#: ``_1`` suffixes inside a traced function) and hold the incoming gradients.
-#: Run eagerly, the scope is None. Read where the error is caught: TensorFlow's
-#: traceback filter later drops these frames from the same exception. A ``tf.custom_gradient`` function is called by
-#: the tape directly, not here.
+#: TensorFlow's frame running a built-in op's gradient for a tape (``backprop._gradient_function``): its locals
+#: name the forward op's scope (``"sequential_1/dense_1/MatMul"``; None eagerly) and hold the incoming
+#: gradients. Read where the error is caught: TensorFlow's traceback filter later drops these frames.
 GRADIENT_FRAME = ("_gradient_function", "forward_pass_name_scope", "out_grads")
 
 

@@ -25,11 +25,7 @@ def tflite_converter_error() -> type:
 
 
 def export_input_specs(model: Any) -> List[Any]:
-    """The `keras.InputSpec` of each input `model.export` writes into the serving signature.
-
-    Flattened as `tf.nest.flatten` flattens the model's inputs. Raises Keras's
-    ValueError for a subclassed model that was built but never called.
-    """
+    """The flat `keras.InputSpec`s `model.export` serves (Keras's ValueError for a subclassed model never called)."""
     from keras.src.export.export_utils import get_input_signature
 
     return keras.tree.flatten(get_input_signature(model))

@@ -1,14 +1,9 @@
 """One hook on Keras's ``fit``: what tfmp opened for a ``fit`` call closes however it ends.
 
-Keras 3 has no callback for an exception out of ``fit`` (a raising callback, Ctrl-C, a
-full disk): ``on_train_end`` never comes, and the step wrapper
-(`keras_hooks.train_function`) sees only what the train function raises. This hook
-wraps ``fit`` on its defining class (owner ``"fit_lifecycle"``): when ``fit`` raises,
-each handler registered for the model with `on_fit_error` is called once with the
-error, which then propagates unchanged. Installed while an object that `needs` it is
-alive (each `tfmp.LossScaleMonitor`) or a thread has a session; `release_if_unused`
-takes it off at the end of every ``fit`` and from `tfmp.disable()`. A ``fit`` looked up
-before the hook came runs unhooked: its callback errors do not reach the monitor.
+Keras 3 has no callback for an exception out of ``fit`` (a raising callback, Ctrl-C): when ``fit``
+raises, each handler registered for the model with `on_fit_error` sees the error, which then
+propagates unchanged. On while an object that `needs` it lives (each `tfmp.LossScaleMonitor`, an
+open session); a ``fit`` looked up before the hook came runs unhooked.
 """
 
 from __future__ import annotations
@@ -65,7 +60,7 @@ def needs(owner: Any) -> None:
 
 
 def not_needed_by(owner: Any) -> None:
-    """`owner` no longer needs the hook (it may still be alive); see `release_if_unused`."""
+    """`owner` no longer needs the hook (it may still be alive)."""
     with _lock:
         _needed_by.discard(owner)
 
@@ -80,21 +75,9 @@ def release_if_unused() -> None:
 
 
 def on_fit_error(model: Any, key: Any, handler: Callable[[BaseException], None]) -> None:
-    """Calls `handler(error)` if the running ``fit`` of `model` raises `error`.
-
-    Args:
-        model: `keras.Model` whose ``fit`` is running.
-        key: Hashable naming the handler (e.g. the callback); a second handler
-            with the same key replaces the first.
-        handler: Callable; what it raises is logged, and the error out of ``fit``
-            propagates all the same. Dropped once called.
-    """
+    """Calls `handler(error)` once if the running ``fit`` of `model` raises; one per `key`, its errors logged."""
     with _lock:
-        handlers = _HANDLERS.get(model)
-        if handlers is None:
-            handlers = {}
-            _HANDLERS[model] = handlers
-        handlers[key] = handler
+        _HANDLERS.setdefault(model, {})[key] = handler
 
 
 def forget(model: Any, key: Any) -> None:
@@ -105,8 +88,3 @@ def forget(model: Any, key: Any) -> None:
             handlers.pop(key, None)
             if not handlers:
                 _HANDLERS.pop(model)
-
-
-def installed() -> Optional[patches.Hook]:
-    """The ``fit`` hook, when installed (for the test suite's leak guard)."""
-    return _hook

@@ -1,8 +1,6 @@
 """The functional graph: the symbolic layers and tensors of a ``keras.Model(inputs, outputs)``, read and retyped.
 
-No hook: private accessors only, for float32 forcing (which output layers a
-graph has, refreshing a forced layer's symbolic dtype), `tfmp.audit` and the
-exact token ids.
+No hook: private accessors for float32 forcing, `tfmp.audit` and the exact token ids.
 
 | private name used | where in Keras | what tfmp does with it |
 |---|---|---|
@@ -24,10 +22,7 @@ from tfmp._src.keras_hooks import versions  # noqa: F401 (an unsupported pair fa
 
 
 def functional_graph(model: Any) -> Optional[Any]:
-    """The Functional graph behind `model`, or None (subclassed, unbuilt Sequential).
-
-    A built `keras.Sequential` keeps its graph in a private inner Functional model.
-    """
+    """The Functional graph behind `model` (a built Sequential's private inner one), or None."""
     if isinstance(model, keras.Sequential):
         return getattr(model, "_functional", None)
     if hasattr(model, "_nodes_by_depth"):
@@ -66,10 +61,5 @@ def first_call_arguments(layer: Any) -> Optional[tuple]:
 
 
 def set_symbolic_dtype(tensor: Any, dtype: str) -> None:
-    """Writes `dtype` into a `KerasTensor` in place (it has no public setter).
-
-    The graph's tensors are referred to by identity by every downstream node, so a
-    new tensor cannot replace them; Keras's own `compute_output_shape` writes the
-    same slot.
-    """
+    """Writes `dtype` into a `KerasTensor` in place: downstream nodes hold it by identity, and it has no setter."""
     tensor._dtype = dtype

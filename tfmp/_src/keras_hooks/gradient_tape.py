@@ -1,9 +1,7 @@
 """The gradient-tape surface: ``tf.GradientTape.gradient``, and where TensorFlow runs an op's gradient.
 
-Subscriber (`SURFACE`): ``enable.gradient_errors`` (a backward-pass dtype
-mismatch re-raised naming the forward layer, `tfmp._src.float32.gradient_errors`).
-The frame in which TensorFlow runs a built-in op's gradient is read from error
-tracebacks (`error_texts.GRADIENT_FRAME`).
+Subscriber: ``enable.gradient_errors`` (a backward-pass dtype mismatch re-raised naming the forward
+layer, `tfmp._src.float32.gradient_errors`, reading `error_texts.GRADIENT_FRAME`).
 """
 
 from __future__ import annotations
@@ -14,12 +12,11 @@ import tensorflow as tf
 
 from tfmp._src.keras_hooks import patches
 
-Hook = patches.Hook  # what subscribing returns: `.remove()` unsubscribes
 SURFACE = patches.Surface("gradient tape", methods=("gradient",), subscribers=("enable.gradient_errors",))
 
 #: (class whose method is hooked, method, the parameters tfmp relies on, in order).
 SIGNATURES: Tuple[Tuple[type, str, Tuple[str, ...]], ...] = (
-    # gradient_errors: `GradientTape.gradient(target, sources, ...)`, the sources read.
+    # gradient_errors reads the sources.
     (tf.GradientTape, "gradient", ("target", "sources")),
 )
 

@@ -1,12 +1,4 @@
-"""The layer surface: ``Layer.call``, ``build``, ``compute_output_spec``, ``__init__``, ``from_config``, and the policy's ``convert_input``.
-
-Subscribers, innermost first (`SURFACE`): ``fused_batchnorm`` (BatchNormalization's
-fused kernel), ``float32.build``, ``float32.exact``, ``float32.from_config``,
-``float32.outputs``, ``float32.cast_back``, ``float32.ids`` (`tfmp._src.float32`),
-``enable.dtype_errors``, ``numerics`` (`tfmp.check_numerics`), ``enable.build_errors``,
-``audit.outputs`` (`tfmp.audit(batch=...)`), ``float32.regularizer`` (a layer's
-``get_config`` while its activity regularizer computes in float32) and ``attachment``
-(an attached layer's ``call`` keeps the model-level hooks on, `tfmp._src.attachment.hooks`).
+"""The layer surface: the ``Layer`` methods tfmp hooks (`SURFACE`) and the private layer state it reads.
 
 | private name used | where in Keras | what tfmp does with it |
 |---|---|---|
@@ -28,7 +20,6 @@ import tensorflow as tf
 
 from tfmp._src.keras_hooks import patches
 
-Hook = patches.Hook  # what subscribing returns: `.remove()` unsubscribes
 SURFACE = patches.Surface(
     "layer calls",
     methods=("call", "build", "compute_output_spec", "__init__", "from_config", "convert_input", "get_config"),
@@ -86,11 +77,7 @@ CALL_ORDER: Tuple[Tuple[str, str], ...] = (
 
 
 def child_layers(layer: Any) -> List[Any]:
-    """List of `keras.layers.Layer`: the direct sublayers of `layer`, in order.
-
-    Includes sublayers held in attributes, lists and dicts (what Keras tracks),
-    which `layer.layers` (models only) does not list for subclassed layers.
-    """
+    """The direct sublayers of `layer` in order, those in attributes, lists and dicts included (Keras's tracking)."""
     return list(layer._flatten_layers(include_self=False, recursive=False))
 
 
@@ -102,11 +89,7 @@ def entry_layer() -> Optional[Any]:
 
 
 def calling_layer() -> Optional[Any]:
-    """The innermost layer whose ``__call__`` runs in this thread, or None.
-
-    Keras's ``Layer.__call__`` runs ``call`` inside ``backend.name_scope(self.name,
-    caller=self)``, pushed on the thread's name scope stack.
-    """
+    """The innermost layer whose ``__call__`` runs in this thread (its ``name_scope``'s ``caller``), or None."""
     from keras.src.backend.common import global_state
 
     for scope in reversed(global_state.get_global_attribute("name_scope_stack") or []):
@@ -117,11 +100,7 @@ def calling_layer() -> Optional[Any]:
 
 
 def carry_mask(source: Any, target: Any) -> Any:
-    """`target` with `source`'s Keras mask (the ``_keras_mask`` a masking layer set), if any.
-
-    A layer's ``call`` may read its input's mask from the tensor; a tensor tfmp
-    puts in its place (an identity) must carry it too.
-    """
+    """`target` given `source`'s Keras mask, if any: a tensor tfmp puts in place of a layer's input keeps it."""
     from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 
     mask = get_keras_mask(source)
@@ -137,14 +116,11 @@ def autocasts_inputs(layer: Any) -> bool:
 
 @contextlib.contextmanager
 def build_state_restored_on_error(layer: Any) -> Iterator[None]:
-    """Puts `layer`'s build state back if the block raises before building anything.
+    """Puts `layer`'s build state back if the block raises having created no variable.
 
-    Keras marks a layer built, records its input shapes (``get_build_config``, saved
-    with the model) and locks its state tracker when its first call starts, before
-    ``call`` runs; a call that fails (a subclassed GAN without ``call``) would leave
-    ``{"input_shape": None}``, which no later load can build from. When the failed
-    block created no variable, built flag, shapes and lock go back as they were;
-    when it did, the layer stays built (building again would make them twice).
+    Keras marks a layer built, records its input shapes (saved) and locks its tracker before
+    ``call`` runs; a failed first call would leave ``{"input_shape": None}``, which no load can
+    build from. With variables created, the layer stays built (building again would duplicate them).
     """
     built, shapes, locked = layer.built, layer._build_shapes_dict, layer._tracker.locked
     created: List[Any] = []

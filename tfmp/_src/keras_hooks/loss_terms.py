@@ -1,14 +1,9 @@
 """The loss-terms surface: ``Layer.losses``, read by ``compute_loss``; 16-bit terms cast to float32, each term's source.
 
-Keras's ``compute_loss`` sums the float32 compiled loss with every term of
-``model.losses`` in one ``ops.sum``, which fails under plain Keras mixed precision on a
-16-bit term (an ``add_loss`` term such as the Keras VAE's KL term, an activity
-regularizer's, a weight regularizer's over 16-bit variables). For a model tfmp attached,
-``Layer.losses`` (hooked on the class, decided by the object's attachment, never by the
-reading thread) hands each 16-bit floating term back cast to float32; float32 terms, and
-terms of a finished trace read eagerly, come back as they are, as do any other object's.
-Subscribers, innermost first: ``enable.losses`` (above) and ``numerics``
-(`tfmp.check_numerics`, subscribed with `watch` while its model's train step is traced).
+Keras's ``compute_loss`` sums the float32 loss with every term of ``model.losses`` in one
+``ops.sum``, which fails on a 16-bit term (an ``add_loss`` term, a regularizer's). For an attached
+object (decided by its attachment, never the reading thread) ``Layer.losses`` hands 16-bit terms
+back cast to float32; terms of a finished trace read eagerly come back as they are.
 
 | private name used | where in Keras | what tfmp does with it |
 |---|---|---|
@@ -29,7 +24,7 @@ from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.keras_hooks import patches
 from tfmp._src.keras_hooks.patches import defining_class
 
-Hook = patches.Hook  # what subscribing returns: `.remove()` unsubscribes
+Getter = Callable[[Any], List[Any]]
 SURFACE = patches.Surface("loss terms", methods=("losses",), subscribers=("enable.losses", "numerics"))
 
 #: (class, attribute) pairs that must exist on the installed Keras's classes.
@@ -54,32 +49,31 @@ def to_float32(term: Any) -> Any:
     return term
 
 
-def _wrap_losses(original: Any) -> property:
-    """Builds the hooked ``losses`` property from the one below it in the stack."""
-    getter: Callable[[Any], List[Any]] = original.fget if isinstance(original, property) else original
+def _subscribe(owner: str, make: Callable[[Getter], Getter]) -> patches.Hook:
+    """Hooks ``Layer.losses`` for `owner`: ``make(getter)`` is the new getter over the one below it."""
 
-    def losses(self: Any) -> List[Any]:
-        if not record.attached_or_first_use(self):
-            return getter(self)
-        stale = tf.executing_eagerly()  # read eagerly, a symbolic term is a finished trace's
-        return [term if stale and tf.is_symbolic_tensor(term) else to_float32(term) for term in getter(self)]
+    def wrap(original: Any) -> property:
+        getter = original.fget if isinstance(original, property) else original
+        losses = make(getter)
+        losses.__doc__ = getter.__doc__
+        return property(losses)
 
-    losses.__doc__ = getter.__doc__
-    return property(losses)
+    return SURFACE.subscribe(defining_class(keras.layers.Layer, "losses"), "losses", wrap, owner=owner)
 
 
 def install_losses_hook() -> patches.Hook:
-    """Makes ``Layer.losses`` hand back 16-bit loss terms cast to float32.
+    """Makes ``Layer.losses`` of attached objects hand back 16-bit loss terms cast to float32."""
 
-    Installed on the class that defines ``losses`` (``keras.layers.Layer``), so
-    every layer and model sees it (attached ones cast their terms); owner
-    ``"enable.losses"``.
+    def make(getter: Getter) -> Getter:
+        def losses(self: Any) -> List[Any]:
+            if not record.attached_or_first_use(self):
+                return getter(self)
+            stale = tf.executing_eagerly()  # read eagerly, a symbolic term is a finished trace's
+            return [term if stale and tf.is_symbolic_tensor(term) else to_float32(term) for term in getter(self)]
 
-    Returns:
-        `patches.Hook`; remove it to restore Keras's property.
-    """
-    owner = defining_class(keras.layers.Layer, "losses")
-    return SURFACE.subscribe(owner, "losses", _wrap_losses, owner="enable.losses")
+        return losses
+
+    return _subscribe("enable.losses", make)
 
 
 def own_terms(layer: Any) -> List[Any]:
@@ -88,14 +82,11 @@ def own_terms(layer: Any) -> List[Any]:
 
 
 def term_sources(layer: Any) -> Optional[List[Tuple[str, Any, Any]]]:
-    """Where each term of ``layer.losses`` comes from, in the order Keras lists them.
+    """Where each term of ``layer.losses`` comes from, in Keras's order; None when its losses are overridden.
 
     Returns:
-        List of ``("own", owner, term)`` (a term `owner` added: ``add_loss`` or
-        its activity regularizer; `term` is the tensor as Keras holds it) and
-        ``("weight", None, variable)`` (the regularizer of a trainable weight),
-        one per term; None when the layer's losses are overridden (no source
-        is known).
+        List of ``("own", owner, term)`` (``add_loss`` or the activity regularizer of `owner`) and
+        ``("weight", None, variable)`` (a trainable weight's regularizer), one per term.
     """
     if getattr(layer, "_losses_override", None):
         return None
@@ -108,25 +99,17 @@ def term_sources(layer: Any) -> Optional[List[Tuple[str, Any, Any]]]:
 
 
 def watch(on_read: Callable[[Any, List[Any]], None]) -> patches.Hook:
-    """Calls ``on_read(layer, terms)`` whenever any layer's ``losses`` is read; owner ``"numerics"``.
+    """Calls ``on_read(layer, terms)`` (the list the reader gets) whenever any layer's ``losses`` is read.
 
-    `terms` is the list the reader gets (after ``enable.losses``' float32 casts).
-    Process-wide while on: the caller keeps it on only while it needs it and
-    `on_read` ignores the layers it does not watch.
-
-    Returns:
-        `patches.Hook`; remove it to take the watch off.
+    Process-wide while on; owner ``"numerics"``. Remove the returned `patches.Hook` to stop.
     """
 
-    def wrap(original: Any) -> property:
-        getter: Callable[[Any], List[Any]] = original.fget if isinstance(original, property) else original
-
+    def make(getter: Getter) -> Getter:
         def losses(self: Any) -> List[Any]:
             terms = getter(self)
             on_read(self, terms)
             return terms
 
-        losses.__doc__ = getter.__doc__
-        return property(losses)
+        return losses
 
-    return SURFACE.subscribe(defining_class(keras.layers.Layer, "losses"), "losses", wrap, owner="numerics")
+    return _subscribe("numerics", make)

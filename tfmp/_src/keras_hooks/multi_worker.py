@@ -1,34 +1,26 @@
 """``fit`` and ``evaluate`` of one model under a multi-worker `tf.distribute` strategy.
 
-Keras 3 (through 3.15 at least, keras-team/keras issues 20585 and 20329) fails there
-before the first step, twice in ``keras/src/backend/tensorflow/trainer.py``. (1)
-``_maybe_symbolic_build`` averages the first distributed batch over the workers only to
-learn its shapes, and `tf.distribute.MultiWorkerMirroredStrategy` reduces one tensor,
-not a structure (`error_texts.PER_REPLICA_CONVERSION`): on exactly that error tfmp hands
-Keras this worker's own first replica's batch (``data_batch=``) and records that the
-model needs the second fix. (2) ``reduce_per_replica`` averages each step's logs over
-axis 0, which fails on scalars: the model's ``train_step`` and ``test_step`` return each
-scalar log as a one-element vector, whose mean over replicas comes out a scalar again.
-``predict`` needs neither. Once Keras fixes (1) nothing is recorded, and
-``tests/test_multi_worker_fit.py`` tells a maintainer to remove this module.
+Keras 3 fails there before the first step (keras-team/keras#20585, #20329): (1)
+``_maybe_symbolic_build`` reduces the first distributed batch, a structure the strategy cannot
+reduce (`error_texts.PER_REPLICA_CONVERSION`); on that error tfmp builds from this worker's own
+batch instead. (2) Each step's logs are averaged over axis 0, which fails on scalars: once (1)
+was needed, ``train_step`` and ``test_step`` return each scalar log as a one-element vector.
+``tests/test_multi_worker_fit.py`` says when Keras fixes (1). Hooks per model, owner ``"multi_worker"``.
 
 | private name used | where in Keras | what tfmp does with it |
 |---|---|---|
 | ``TensorFlowTrainer._maybe_symbolic_build(iterator=None, data_batch=None)`` (Keras 3.12-3.15), ``Trainer._maybe_symbolic_build`` (3.16) (`SYMBOLIC_BUILD`) | ``keras/src/backend/tensorflow/trainer.py`` | hooked per model: the batch Keras averages is replaced by this worker's own |
-
-The hooks sit on the trainer surface (owner ``"multi_worker"``), per model.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import tensorflow as tf
 
 from tfmp._src.keras_hooks import error_texts, patches, trainer
 from tfmp._src.keras_hooks.object_state import PerObjectHooks
 
-#: Keras's method that builds a model from its first batch at ``fit`` / ``evaluate``.
 SYMBOLIC_BUILD = "_maybe_symbolic_build"
 _STATE = PerObjectHooks("multi_worker")
 
@@ -37,7 +29,7 @@ OnStart = Callable[[Any], None]
 
 def is_multi_worker(strategy: Any) -> bool:
     """Bool. Whether `strategy` spans several worker processes (replicas beyond this worker's devices)."""
-    if strategy is None or not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
         return False
     return int(strategy.num_replicas_in_sync) > len(strategy.extended.worker_devices)
 
@@ -94,9 +86,7 @@ class _ModelFix:
     def _wrap_step(self, step: Callable) -> Callable:
         def step_with_vector_logs(data: Any) -> Any:
             logs = step(data)
-            if self.needed:
-                return _as_vectors(logs)
-            return logs
+            return _as_vectors(logs) if self.needed else logs
 
         return step_with_vector_logs
 
@@ -106,18 +96,9 @@ class _ModelFix:
 
 
 def install(model: Any, on_start: OnStart) -> None:
-    """Makes `model`'s ``fit`` and ``evaluate`` work under a multi-worker strategy (see the module docstring).
+    """Makes `model`'s ``fit`` and ``evaluate`` work under a multi-worker strategy; replaces an earlier install.
 
-    Args:
-        model: `keras.Model`, made under the strategy's scope.
-        on_start: Callable taking the model, called at the start of each
-            ``fit`` and ``evaluate`` under a multi-worker strategy, before
-            Keras reads any batch; it may raise to refuse the call.
-
-    A second `install` on the same model replaces the first.
-
-    Raises:
-        Whatever installing a hook raises; the model is then as before.
+    ``on_start(model)`` runs first in each, before Keras reads a batch; it may raise to refuse the call.
     """
     _STATE.replace(model, lambda: _ModelFix(model, on_start))
 
@@ -125,9 +106,3 @@ def install(model: Any, on_start: OnStart) -> None:
 def remove(model: Any) -> None:
     """Takes `model`'s hooks off (nothing when it has none)."""
     _STATE.discard(model)
-
-
-def needed(model: Any) -> Optional[bool]:
-    """Whether Keras's own build failed on `model` under a multi-worker strategy; None when not installed."""
-    fix = _STATE.get(model)
-    return None if fix is None else fix.needed

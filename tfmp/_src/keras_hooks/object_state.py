@@ -1,10 +1,8 @@
 """State tfmp keeps for one Keras object, on the object itself.
 
-A registry keyed by the object (a `weakref.WeakKeyDictionary`) keeps the object
-alive for ever as soon as the value refers back to it, and tfmp's values do: a
-`patches.Hook` refers to its slot, the slot to its target. Kept in the object's
-own ``__dict__`` (past Keras's attribute tracking, so it is neither tracked,
-saved nor checkpointed), the state lives and dies with the object.
+A `weakref.WeakKeyDictionary` would keep an object alive for ever once its value refers back to
+it (a `patches.Hook` refers to its slot, the slot to its target). Kept in the object's own
+``__dict__``, past Keras's tracking (neither tracked nor saved), the state dies with the object.
 """
 
 from __future__ import annotations
@@ -16,11 +14,7 @@ _ABSENT = object()
 
 
 class PerObject:
-    """A mapping from Keras objects to one kind of tfmp state, stored on each object.
-
-    Args:
-        name: String. What the state is; the attribute is ``_tfmp_<name>``.
-    """
+    """A mapping from Keras objects to one kind of tfmp state, stored on each as ``_tfmp_<name>``."""
 
     def __init__(self, name: str) -> None:
         self.attribute = f"_tfmp_{name}"
@@ -34,6 +28,11 @@ class PerObject:
     def __setitem__(self, obj: Any, value: Any) -> None:
         object.__setattr__(obj, self.attribute, value)
 
+    def setdefault(self, obj: Any, default: Any) -> Any:
+        if self.attribute not in vars(obj):
+            self[obj] = default
+        return vars(obj)[self.attribute]
+
     def pop(self, obj: Any, default: Any = _ABSENT) -> Any:
         """Removes and returns `obj`'s state; `default` (or KeyError) when it has none."""
         if self.attribute in vars(obj):
@@ -46,12 +45,7 @@ class PerObject:
 
 
 class PerObjectHooks(PerObject):
-    """A `PerObject` whose state holds hooks: one value per object, with a ``remove()``.
-
-    `replace` takes an object's previous value off before the new one goes in, and
-    `discard` takes it off; both under one lock, so two threads installing on the
-    same object leave one value and no stray hook.
-    """
+    """A `PerObject` whose one value per object has a ``remove()``; `replace` and `discard` share one lock."""
 
     def __init__(self, name: str) -> None:
         super().__init__(name)

@@ -1,12 +1,7 @@
 """The optimizer surface: ``Optimizer.apply``, ``scale_loss`` and an inner optimizer's ``update_step``.
 
-Subscribers, innermost first (`SURFACE`): ``custom_optimizers`` (an optimizer
-a custom ``compile`` keeps, checked at ``apply``/``scale_loss``), ``numerics``
-(`tfmp.check_numerics`: the gradients), ``grad_stats`` (the monitor's gradient
-statistics) and ``fused_update`` (an Adam's or SGD's update on one kernel,
-during `tfmp.LossScaleOptimizer`'s ``apply``). `LossScaleOptimizerBase` is the
-one subclass of Keras's `LossScaleOptimizer` that names its private step
-handlers.
+Subscribers innermost first in `SURFACE`. `LossScaleOptimizerBase` is the one subclass of Keras's
+`LossScaleOptimizer` that names its private step handlers.
 
 | private name used | where in Keras | what tfmp does with it |
 |---|---|---|
@@ -25,7 +20,6 @@ import keras
 
 from tfmp._src.keras_hooks import patches
 
-Hook = patches.Hook  # what subscribing returns: `.remove()` unsubscribes
 SURFACE = patches.Surface(
     "optimizer steps",
     methods=("apply", "scale_loss", "update_step"),
@@ -64,11 +58,7 @@ def optimizer_variables(optimizer: Any) -> list:
 
 
 def overwrites_with_gradient(optimizer: Any, variable: Any) -> bool:
-    """Bool. True when `optimizer` assigns the "gradient" of `variable` as its value.
-
-    Keras uses this for float8 scaling factors (`overwrite_with_gradient`); such a
-    gradient must not be unscaled.
-    """
+    """Bool. `optimizer` assigns the "gradient" of `variable` as its value (float8 scales): never unscale it."""
     return bool(optimizer._overwrite_variable_with_gradient(variable))
 
 
@@ -91,13 +81,7 @@ def no_automatic_dependency_tracking(function: Callable) -> Callable:
 
 
 class LossScaleOptimizerBase(keras.optimizers.LossScaleOptimizer):
-    """Keras's `LossScaleOptimizer` with its two private step handlers renamed.
-
-    Keras's TensorFlow path calls `_stateful_handle_finite_grads(grads, variables)`
-    when every gradient is finite and `_stateful_handle_non_finite_grads()`
-    otherwise. Subclasses implement `_finite_step` and `_non_finite_step` instead,
-    so the private names appear only here.
-    """
+    """Keras's `LossScaleOptimizer` with its private step handlers renamed `_finite_step`, `_non_finite_step`."""
 
     def _stateful_handle_finite_grads(self, grads: list, trainable_variables: Optional[list]) -> None:
         self._finite_step(grads, trainable_variables)

@@ -1,30 +1,10 @@
-"""Method hooks: installed, composed and removed in one place.
+"""Method hooks: installed, composed and removed in one place, through a `Surface`.
 
-Every method tfmp replaces on a Keras or TensorFlow class, object or module goes
-through a `Surface`, made by the module of `tfmp._src.keras_hooks` that owns
-that surface (see `surfaces`). Per method of an object there is one *slot*
-holding the method as it was and a stack of hooks; the attribute is the
-composition of the stack, innermost first in the order of its surface's
-`Surface.subscribers`. Removing a hook rebuilds the composition from the
-hooks that remain, so removing one never removes another, and removing the last
-one restores exactly what was there (an instance attribute comes off; a class
-attribute is put back).
-
-A hook is a factory ``wrap(next_call) -> call``: it receives the callable below it
-(for a class target an unbound function taking ``self``, for an instance a bound
-callable) and returns the replacement. Hooks on an instance sit above hooks on its
-class: the innermost callable of an instance slot looks the class attribute up at
-each call.
-
-Transactions. A slot's attribute is written twice at most: when its first hook
-comes, with a *pass-through* that calls the slot's current composition, and when
-its last hook goes, with what was there before. In between, installing or
-removing a hook builds the new composition first and only then swaps it in, so a
-``wrap`` that raises leaves the method and the slot as they were. A patch another
-library puts on top of tfmp's (``other(tfmp(original))``) keeps working: tfmp never
-writes over an attribute it did not write; when its last hook goes and another
-patch sits on top, it leaves its pass-through (now calling the original) under that
-patch and warns, naming it. `install_all` installs several hooks or none.
+Per method of a class, object or module there is one slot: the method as it was and a stack of hooks
+(``wrap(next_call) -> call``) composed innermost first in the surface's subscriber order; instance
+hooks sit above class hooks. tfmp writes the attribute twice at most (a pass-through on the first
+hook, the original back after the last); recomposing happens first, so a ``wrap`` that raises
+changes nothing. A patch another library put on top is never overwritten: tfmp warns, naming it.
 """
 
 from __future__ import annotations
@@ -49,35 +29,14 @@ _installing = threading.local()  # .hooks: what `install_all` collects in this t
 
 
 class Hook:
-    """One installed hook; `remove()` takes it off its method.
-
-    Attributes:
-        owner: String. The subscriber: one of its surface's `Surface.subscribers`.
-        surface: `Surface`. The surface the hooked method belongs to.
-        target: The class or object whose method is hooked.
-        name: String. The method's name.
-        active: Bool. False once removed.
-    """
+    """One installed hook of `owner` (a subscriber of `surface`) on `target`'s method `name`."""
 
     def __init__(self, slot: "_Slot", surface: "Surface", owner: str, wrap: Callable[[Callable], Callable]) -> None:
         self._slot, self.surface, self.owner, self.wrap, self.active = slot, surface, owner, wrap, True
-        self.rank = surface.subscribers.index(owner)
-
-    @property
-    def target(self) -> Any:
-        return self._slot.target
-
-    @property
-    def name(self) -> str:
-        return self._slot.name
+        self.target, self.name, self.rank = slot.target, slot.name, surface.subscribers.index(owner)
 
     def remove(self) -> None:
-        """Takes this hook off; the others on the same method stay composed. Idempotent.
-
-        Raises:
-            Whatever a remaining hook's ``wrap`` raises while the method is
-            recomposed; this hook then stays on, and the method is unchanged.
-        """
+        """Takes this hook off, the others staying composed; idempotent (a raising ``wrap`` leaves it on)."""
         with _LOCK:
             if self.active:
                 self._slot.remove(self)
@@ -96,10 +55,7 @@ class _Slot:
         self.is_class = isinstance(target, type)
         self.saved = vars(target).get(name, _ABSENT)
         if self.is_class and self.saved is _ABSENT:
-            raise AttributeError(
-                f"tfmp hooks {name!r} on the class that defines it; "
-                f"{target.__name__} does not."
-            )
+            raise AttributeError(f"tfmp hooks {name!r} on the class that defines it; {target.__name__} does not.")
         self.hooks: List[Hook] = []
         self.composed: Any = None  # what the pass-through calls
         self.pass_through: Any = None  # the attribute tfmp wrote; None until then
@@ -118,11 +74,7 @@ class _Slot:
         return call_class_attribute
 
     def set_hooks(self, hooks: List[Hook]) -> None:
-        """Composes `hooks` over the innermost callable, then swaps the result in.
-
-        Everything that can raise (a ``wrap``, the warning about a patch on top,
-        which a warnings filter can make an error) runs before anything changes.
-        """
+        """Composes `hooks` over the innermost callable, then swaps it in (whatever can raise runs first)."""
         innermost = call = self._innermost()
         for hook in sorted(hooks, key=lambda h: h.rank):
             call = hook.wrap(call)
@@ -178,12 +130,11 @@ class _Slot:
 
 
 def _pass_through(slot: _Slot, original: Any) -> Any:
-    """The attribute tfmp writes once per slot: it calls `slot.composed`.
+    """The attribute tfmp writes once per slot, calling `slot.composed`.
 
-    It carries the original's name, docstring and its signature, which Keras
-    inspects (whether ``call`` takes ``training``, through ``__wrapped__``; a
-    layer's ``__init__`` parameters, through ``inspect.getfullargspec`` in
-    ``Operation.__new__``, which reads ``__signature__`` but not ``__wrapped__``).
+    It carries the original's name, docstring and signature, which Keras inspects (``call``'s
+    ``training`` via ``__wrapped__``; ``__init__``'s parameters via ``getfullargspec`` in
+    ``Operation.__new__``, which reads ``__signature__`` only).
     """
     if isinstance(original, property):
         return property(lambda obj: slot.composed.__get__(obj, type(obj)), doc=original.__doc__)
@@ -205,8 +156,7 @@ def _pass_through(slot: _Slot, original: Any) -> Any:
 
 @functools.lru_cache(maxsize=256)
 def _signature(function: Callable) -> inspect.Signature:
-    """The signature of a class's or module's function, read once: the model-level hooks go on
-    and off at each outermost call of an attached model, each time with a new pass-through."""
+    """The signature of a class's or module's function, read once (the model-level hooks come and go often)."""
     return inspect.signature(function)
 
 
@@ -228,10 +178,7 @@ def _store_slot(slot: _Slot) -> None:
     if slot.is_class:
         _CLASS_SLOTS.setdefault(id(slot.target), {})[slot.name] = slot
     else:
-        slots = _INSTANCE_SLOTS.get(slot.target)
-        if slots is None:
-            slots = _INSTANCE_SLOTS[slot.target] = {}
-        slots[slot.name] = slot
+        _INSTANCE_SLOTS.setdefault(slot.target, {})[slot.name] = slot
 
 
 def _forget_slot(target: Any, name: str) -> None:
@@ -246,43 +193,17 @@ def _forget_slot(target: Any, name: str) -> None:
 
 
 class Surface:
-    """One surface of Keras or TensorFlow that tfmp hooks: its methods and their subscribers.
-
-    A surface module of `tfmp._src.keras_hooks` (`trainer`, `layer_calls`,
-    `optimizer_steps`, `loss_terms`, `backend_ops`, `gradient_tape`) makes one;
-    features subscribe through it and never install a hook themselves. Several
-    subscribers of one method compose in the order of `subscribers`, innermost
-    first, whatever order they subscribed in.
-
-    Args:
-        name: String, the surface's name (e.g. ``"layer calls"``).
-        methods: Sequence of strings, the method names it hooks.
-        subscribers: Sequence of strings, the owners allowed to subscribe,
-            innermost first.
-    """
+    """One surface tfmp hooks: its `methods`, hooked only by its `subscribers`, composed innermost first."""
 
     def __init__(self, name: str, methods: Sequence[str], subscribers: Sequence[str]) -> None:
         self.name, self.methods, self.subscribers = name, tuple(methods), tuple(subscribers)
 
     def subscribe(self, target: Any, method: str, wrap: Callable[[Callable], Callable], *, owner: str) -> Hook:
-        """Hooks `method` of `target` (a class or an object) for subscriber `owner`.
+        """Hooks `method` of `target` (a class defining it itself, or one object) with ``wrap(next_call)``.
 
-        Args:
-            target: A class (hooks every instance; the class must define `method`
-                itself, see `defining_class`) or an object (this one only).
-            method: String, one of `methods`.
-            wrap: Callable ``wrap(next_call) -> call`` building the replacement from the
-                callable below it in the stack.
-            owner: String, one of `subscribers`: where the hook sits in the stack.
-
-        Returns:
-            `Hook`; call `.remove()` to take it off.
-
-        Raises:
-            KeyError: `method` is not one of this surface's, or `owner` not one of its subscribers.
-            RuntimeError: the method of `target` is already hooked through another surface.
-            AttributeError: `target` is a class that does not define `method` itself.
-            Whatever `wrap` raises; the method and its other hooks are then unchanged.
+        Raises KeyError for a `method` or `owner` not of this surface, RuntimeError when the method is
+        hooked through another surface, AttributeError for a class not defining `method`, and what
+        `wrap` raises (nothing changed then).
         """
         if method not in self.methods:
             raise KeyError(f"{method!r} is not a method of the {self.name} surface; its methods: "
@@ -322,15 +243,10 @@ class Surface:
 
 
 def defining_class(cls: type, name: str) -> type:
-    """The class in `cls.__mro__` whose own namespace defines `name`.
+    """The class in `cls.__mro__` defining `name` itself (AttributeError if none).
 
-    A class-level hook goes where the method is defined: the compile hook on
-    Keras's trainer base class, not on `keras.Model`, because Keras's
-    ``compile_from_config`` treats a model whose ``compile`` differs from the
-    trainer's as user-overridden and skips compiling.
-
-    Raises:
-        AttributeError: No class of the MRO defines `name`.
+    A class hook goes there: Keras's ``compile_from_config`` skips compiling a model whose
+    ``compile`` differs from the trainer's.
     """
     for klass in cls.__mro__:
         if name in vars(klass):
@@ -339,18 +255,9 @@ def defining_class(cls: type, name: str) -> type:
 
 
 def install_all(installers: Sequence[Callable[[], Any]]) -> List[Hook]:
-    """Runs each installer; every hook they install through `install` stays, or none.
+    """Runs each installer; every `Hook` they subscribe stays (returned in order), or none.
 
-    Args:
-        installers: Sequence of callables without arguments, each installing hooks
-            through `Surface.subscribe`.
-
-    Returns:
-        List of every `Hook` installed, in order.
-
-    Raises:
-        Whatever an installer raises, after removing every hook installed before it
-        (also those of an installer that installed some and then raised).
+    What an installer raises propagates after every hook installed so far is removed.
     """
     outer = getattr(_installing, "hooks", None)
     _installing.hooks = hooks = []

@@ -1,8 +1,6 @@
 """TensorFlow's runtime options: the Grappler config of this thread's ``tf.function`` calls, the XLA context.
 
-No hook: private accessors only, for the float16 remapper switch
-(`tfmp._src.policy.float16_fusion`) and the refusal of XLA steps under several
-replicas (`tfmp._src.distribute`).
+No hook: private accessors for the float16 remapper switch and the refusal of XLA steps under replicas.
 
 | private name used | where in TensorFlow | what tfmp does with it |
 |---|---|---|
@@ -29,7 +27,6 @@ CALL_ORDER: Tuple[Tuple[str, str], ...] = (
 
 def in_xla_context() -> bool:
     """Bool. True while tracing inside an XLA-compiled function (TensorFlow's own test)."""
-    import tensorflow as tf
     from tensorflow.python.ops import control_flow_util
 
     return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
@@ -37,27 +34,17 @@ def in_xla_context() -> bool:
 
 @contextlib.contextmanager
 def function_call_config(edit: Callable[[Any], None]) -> Iterator[None]:
-    """Runs the block's tf.function calls, in this thread only, with an edited config.
+    """Runs the block's tf.function calls, in this thread only, with a config `edit` changed in place.
 
-    TensorFlow hands each eager call of a `tf.function` the calling thread's
-    ``FunctionCallOptions``; their ``config_proto`` is the config Grappler
-    optimizes the function with, and the runtime instantiates a function once
-    per distinct config. A copy of the thread's config, changed by `edit`, is
-    set for the block; on exit the options in force before are put back, unless
-    TensorFlow dropped the block's own meanwhile (a ``tf.config`` setter resets
-    them), whose reset then stands. Other threads never see the change.
-
-    Args:
-        edit: Callable taking a `tf.compat.v1.ConfigProto` (a copy) and changing
-            it in place, e.g. setting
-            ``config.graph_options.rewrite_options.remapping``.
+    Each eager call takes the thread's ``FunctionCallOptions``, whose ``config_proto`` Grappler
+    optimizes with (one instantiation per config). On exit the options before come back, unless
+    a ``tf.config`` setter reset them meanwhile.
     """
     from tensorflow.python.eager import context
 
     eager = context.context()
     previous = eager.function_call_options
-    config = tf.compat.v1.ConfigProto()
-    config.ParseFromString(previous.config_proto_serialized)
+    config = function_call_config_now()
     edit(config)
     options = context.FunctionCallOptions(executor_type=previous.executor_type, config_proto=config)
     eager.function_call_options = options

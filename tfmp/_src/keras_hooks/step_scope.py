@@ -1,17 +1,9 @@
 """Context managers around one model's train, test and predict functions and steps.
 
-`trace_in` wraps the model's own ``train_step``, ``test_step`` and ``predict_step``
-(owner ``"attachment"``, outermost on each): Keras calls them only while it traces the
-function, so a scope there (`tfmp._src.attachment.hooks.in_step`) is entered once per
-trace, not per batch (per batch under ``run_eagerly``). `install` wraps the model's own
-``make_train_function``, ``make_test_function`` and ``make_predict_function`` through `patches`, so each function Keras builds runs inside a
-scope (a callable returning a context manager, e.g.
-`tfmp._src.policy.float16_fusion.remapper_off`): tracing, Grappler and the step run in
-it, on the calling thread. `remove` takes it off; a model without a scope has no
-wrapper. The scope is inner to `tfmp._src.keras_hooks.train_function`'s wrapper (owner
-``"step_scope"`` inside ``"train_function"`` in `trainer.SURFACE`), whose checks run on
-the host after the call. Each wrapper carries what it wraps as ``tfmp_inner`` and is
-not put on twice.
+`trace_in` wraps the model's ``*_step`` (owner ``"attachment"``): Keras calls them only while
+tracing, so its scope is entered once per trace. `install` wraps the functions Keras makes
+(``make_*_function``, owner ``"step_scope"``, inside `train_function`'s wrapper), so tracing,
+Grappler and each call run in the scope on the calling thread. Each wrapper carries ``tfmp_inner``.
 """
 
 from __future__ import annotations
@@ -21,7 +13,7 @@ from typing import Any, Callable, ContextManager, Dict, Optional
 from tfmp._src.keras_hooks import patches, trainer
 from tfmp._src.keras_hooks.object_state import PerObjectHooks
 
-#: The model functions a scope covers, as ``<kind>_function`` / ``make_<kind>_function`` / ``<kind>_step``.
+#: The kinds of ``<kind>_function`` / ``make_<kind>_function`` / ``<kind>_step`` a scope covers.
 KINDS = ("train", "test", "predict")
 _STATE = PerObjectHooks("step_scope")
 _TRACED = PerObjectHooks("trace_scope")
@@ -84,11 +76,7 @@ class _ModelScope:
         object.__setattr__(self.model, attribute, scoped_function)
 
     def remove(self) -> None:
-        """Takes the hooks off and puts back each function this scope wrapped.
-
-        A wrapper under another one (the train-step checks') cannot be taken
-        out of the chain; it stays there as a pass-through.
-        """
+        """Takes the hooks off and puts each wrapped function back (one under another wrapper passes through)."""
         self.active = False
         for hook in reversed(self.hooks):
             hook.remove()
@@ -99,19 +87,9 @@ class _ModelScope:
 
 
 def install(model: Any, scope: Scope, *, name: str) -> None:
-    """Runs every call of `model`'s train, test and predict functions inside `scope()`.
+    """Runs every call of `model`'s train, test and predict functions inside `scope()`, named `name`.
 
-    Args:
-        model: `keras.Model`.
-        scope: Callable without arguments returning a context manager, entered
-            around each call (in the calling thread).
-        name: String. What the scope is (``scope_of`` returns it), e.g.
-            ``"remapper off"``.
-
-    A second `install` on the same model replaces the first scope.
-
-    Raises:
-        Whatever installing a hook raises; the model is then as before.
+    Replaces an earlier scope; a hook that fails to install leaves the model as before.
     """
     _STATE.replace(model, lambda: _ModelScope(model, scope, name))
 
@@ -156,15 +134,7 @@ class _TraceScope:
 
 
 def trace_in(model: Any, scope: Scope) -> None:
-    """Runs `model`'s ``train_step``, ``test_step`` and ``predict_step`` inside `scope()`.
-
-    Keras binds the steps when it makes a function: call before it does (at
-    compile, which drops the functions Keras made). A second call replaces the
-    first scope.
-
-    Raises:
-        Whatever installing a hook raises; the model is then as before.
-    """
+    """Runs `model`'s ``*_step`` inside `scope()` (replacing an earlier one); call before Keras binds them (compile)."""
     _TRACED.replace(model, lambda: _TraceScope(model, scope))
 
 

@@ -1,24 +1,8 @@
 """The surfaces of Keras and TensorFlow tfmp hooks or reads, one module each, and what spans them.
 
-A feature of tfmp subscribes to a surface through the module that owns it and
-never installs a hook or reads a private name itself
-(`tests/test_keras_hooks.py` checks every module's source for both):
-
-| surface | module | hooked methods | private names read |
-|---|---|---|---|
-| the trainer (compile, loading, train/test/predict functions, ``fit``, saving) | `trainer` (+ `train_function`, `step_scope`, `fit_lifecycle`, `multi_worker`) | yes | yes |
-| ``Layer.call`` / ``build`` / output spec / ``__init__`` / ``from_config`` | `layer_calls` | yes | yes |
-| ``Layer.losses`` | `loss_terms` | yes | yes |
-| the optimizer's ``apply`` / ``scale_loss`` / ``update_step`` | `optimizer_steps` | yes | yes |
-| the functional graph | `functional_graph` | no | yes |
-| Keras's backend ops (``gelu``, ``conv``, ``conv_transpose``, ``add``) | `backend_ops` | yes | yes |
-| ``tf.GradientTape.gradient`` | `gradient_tape` | yes | no |
-| error texts and frames | `error_texts` | no | texts |
-| TensorFlow's runtime options | `runtime_options` | no | yes |
-| ``Model.export`` and the TFLite converter | `export_io` | no | yes |
-
-A maintainer reads this package against a Keras or TensorFlow release diff;
-`contracts` gathers each surface's contract rows, each tested.
+A feature subscribes through the module owning a surface and never installs a hook or reads a
+private name itself (``tests/test_keras_hooks.py`` checks every module's source); the table of
+surfaces is in docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -39,7 +23,6 @@ from tfmp._src.keras_hooks import (
 
 Hook = patches.Hook
 
-#: Every surface with hooks, in the order the docs list them.
 HOOKED = (trainer.SURFACE, layer_calls.SURFACE, loss_terms.SURFACE, optimizer_steps.SURFACE,
           backend_ops.SURFACE, gradient_tape.SURFACE)
 
@@ -55,15 +38,9 @@ def all_or_none(installers: Sequence[Callable[[], Any]]) -> List[patches.Hook]:
 
 
 def optional(feature: str, installer: Callable[[], Any]) -> List[patches.Hook]:
-    """Installs an optional feature's hooks, all or none; where that fails, the feature is off.
+    """The hooks `installer` subscribes for `feature` (of `availability.FEATURES`), all or none.
 
-    Args:
-        feature: String, a key of `availability.FEATURES`.
-        installer: Callable without arguments subscribing the feature's hooks.
-
-    Returns:
-        List of the hooks installed; [] when the feature is off in this process
-        (switched off now, with one warning naming it and the versions, or before).
+    [] when the feature is off in this process: switched off now (it failed; one warning) or before.
     """
     if availability.off(feature):
         return []

@@ -1,28 +1,9 @@
 """One wrapper around each model's `train_function`, shared by every tfmp check.
 
-`model.fit` and `train_on_batch` call ``model.train_function`` once per execution
-(``steps_per_execution`` steps) and wait for its logs. Three parts of tfmp act
-there, on the host, between steps:
-
-1. ``"numerics"``: `tfmp.check_numerics` reads the failure flag its step wrote and
-   raises `tfmp.NonFiniteError` naming the layer;
-2. ``"stuck"``: `tfmp.LossScaleOptimizer.raise_if_stuck` stops a run that keeps
-   skipping steps (``"stuck.custom_optimizers"``: the same for the optimizers a
-   custom ``compile`` keeps, `tfmp._src.loss_scale.custom_optimizers`);
-3. on any exception from the step or from 1-2 (not end of data), ``"monitor"``:
-   each `tfmp.LossScaleMonitor` of the model writes what training did up to it,
-   then the exception propagates unchanged.
-
-A first call that fails (while TensorFlow traces the step: a shape mismatch in
-the loss, a bug in ``train_step``) drops the function, so the next ``fit`` makes
-a new one instead of tracing the broken one again (plain Keras then raises
-"Creating variables on a non-first call" or a raw TensorFlow error).
-
-Each registers a named check (after every step, in the order of `CHECK_ORDER`) or
-error handler with `add_check` / `add_error_handler`. The model gets one wrapper,
-installed through the trainer surface on its `make_train_function` (so a train function
-Keras builds later is wrapped too) and taken off when the last check or handler
-goes. Installing or removing checks never retraces the step.
+``fit`` and ``train_on_batch`` call ``model.train_function`` once per execution. After each, on the
+host, the named checks run in `CHECK_ORDER` (`tfmp.check_numerics`, the stuck check); on any error
+but end of data the error handlers (the monitors) see it, then it propagates. A first call that fails
+while traced drops the function, so the next ``fit`` makes a new one. Nothing here retraces the step.
 """
 
 from __future__ import annotations
@@ -66,11 +47,7 @@ class _StepHooks:
         return make_train_function
 
     def _wrap_current(self) -> None:
-        """Wraps the model's train function unless this wrapper is already in it.
-
-        In it: the function itself, or under another tfmp wrapper on top
-        (`step_scope`'s, through ``tfmp_inner``).
-        """
+        """Wraps the model's train function unless this wrapper is in it (maybe under `step_scope`'s)."""
         current = getattr(self.model, "train_function", None)
         if current is None or wraps(current, self.wrapper):
             return
@@ -129,15 +106,7 @@ def _remove(model: Any, table: str, key: Any) -> None:
 
 
 def add_check(model: Any, name: str, check: Check) -> None:
-    """Runs `check(logs) -> logs` after every train step of `model`.
-
-    Args:
-        model: `keras.Model`.
-        name: String, one of `CHECK_ORDER`. A second `add_check` with the same
-            name replaces the first.
-        check: Callable taking the step's logs (dict of tensors) and returning
-            the logs to hand on to Keras; it may raise.
-    """
+    """Runs ``check(logs) -> logs`` (it may raise) after every train step of `model`, as `name` of `CHECK_ORDER`."""
     if name not in CHECK_ORDER:
         raise KeyError(f"Unknown train-step check {name!r}; known: {', '.join(CHECK_ORDER)}.")
     with _LOCK:
@@ -150,14 +119,7 @@ def remove_check(model: Any, name: str) -> None:
 
 
 def add_error_handler(model: Any, key: Any, handler: Callable[[BaseException], None]) -> None:
-    """Calls `handler(error)` when a train step of `model` raises (not end of data).
-
-    Args:
-        model: `keras.Model`.
-        key: Hashable identifying the handler (e.g. the monitor); a second handler
-            with the same key replaces the first.
-        handler: Callable; it must not raise (the step's error is re-raised after).
-    """
+    """Calls `handler(error)` (must not raise) when a train step of `model` raises (not end of data); one per `key`."""
     with _LOCK:
         _hooks(model).handlers[key] = handler
 
@@ -181,10 +143,3 @@ def has_check(model: Any, name: str) -> bool:
     """Bool. Whether the check `name` runs after `model`'s train steps."""
     hooks = vars(model).get(_ATTR)
     return hooks is not None and name in hooks.checks
-
-
-def wrap_current(model: Any) -> None:
-    """Wraps the train function Keras built since the last call (cheap when none)."""
-    hooks = vars(model).get(_ATTR)
-    if hooks is not None:
-        hooks._wrap_current()

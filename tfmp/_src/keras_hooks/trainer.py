@@ -1,16 +1,9 @@
 """The trainer surface: compile, loading, the train/test/predict functions, ``fit``, the saved compile config.
 
-Subscribers, innermost first (`SURFACE`): ``custom_optimizers`` (``_setattr_hook``),
-``numerics`` and ``loss_scale.batch`` (``train_step``), ``multi_worker``
-(`multi_worker`), ``enable.quantize_hint`` (``quantize``), ``enable.compile``
-(``compile``, ``compile_from_config``), ``loss_scale.fit_check`` and
-``enable.first_step`` (``make_train_function``), ``fit_lifecycle``, ``step_scope``
-(``make_*_function``), ``saved_form`` (``get_compile_config``), ``train_function`` and
-``attachment`` (``train_step``, ``test_step``, ``predict_step``: `step_scope.trace_in`).
-The class-level hooks are here; `train_function`, `step_scope`, `fit_lifecycle` and
-`multi_worker` are per-model dispatchers on the same surface. Keras 3.16 renamed the
-trainer classes (`BASE_TRAINER_NAMES`, `TENSORFLOW_TRAINER_NAMES`): tfmp finds each by
-the method it defines (`patches.defining_class`).
+The class-level hooks are here (subscribers innermost first in `SURFACE`); `train_function`,
+`step_scope`, `fit_lifecycle` and `multi_worker` are per-model dispatchers on the same surface.
+Keras 3.16 renamed the trainer classes (`BASE_TRAINER_NAMES`, `TENSORFLOW_TRAINER_NAMES`): each is
+found by the method it defines (`patches.defining_class`). Handlers decide per thread; hooks are process-wide.
 
 | private name used | where in Keras | what tfmp does with it |
 |---|---|---|
@@ -18,15 +11,6 @@ the method it defines (`patches.defining_class`).
 | ``Trainer.compile`` (Keras 3.12-3.15), ``BaseTrainer.compile`` (3.16): its identity in ``compile_from_config`` | ``keras/src/trainers/trainer.py`` | the compile hook is set on the class that defines ``compile`` (`patches.defining_class`), so loading still compiles |
 | ``TensorFlowTrainer._maybe_symbolic_build`` (Keras 3.12-3.15), ``Trainer._maybe_symbolic_build`` (3.16) (`multi_worker.SYMBOLIC_BUILD`) | ``keras/src/backend/tensorflow/trainer.py`` | hooked per model under a multi-worker strategy (`multi_worker`) |
 | ``Layer._setattr_hook`` (`SETATTR_HOOK`) | ``keras/src/backend/tensorflow/layer.py``, ``keras/src/ops/operation.py`` | `tfmp._src.loss_scale.custom_optimizers` sees optimizers a custom ``compile`` stores on a model |
-
-`install_compile_hook` routes every ``Model.compile`` call to tfmp's handler, on the
-class defining ``compile``, so ``compile_from_config`` still compiles a model Keras
-loads; there the handler is bypassed and the model comes back as saved, and with
-``keep_saved`` Keras's ``auto_scale_loss`` is off too (under a ``mixed_float16`` global
-policy Keras would wrap a saved plain optimizer, then skip loading its variables);
-``on_load`` runs first. `install_compile_config_hook` rewrites ``get_compile_config``;
-`install_make_train_function_hook` calls a handler when ``fit`` starts. The handlers
-decide per thread whether tfmp is on; the hooks are process-wide.
 """
 
 from __future__ import annotations
@@ -56,8 +40,7 @@ subscribed = SURFACE.subscribed
 
 #: (class whose method is hooked, method, the parameters tfmp relies on, in order).
 SIGNATURES: Tuple[Tuple[type, str, Tuple[str, ...]], ...] = (
-    # compile: the optimizer is the first argument or `optimizer=`; loading
-    # sets `auto_scale_loss=False`.
+    # compile: the optimizer is the first argument or `optimizer=`; loading sets `auto_scale_loss=False`.
     (keras.Model, "compile", ("optimizer", "loss")),
     (keras.Model, "compile_from_config", ("config",)),
     # train_function: `make_train_function(force=False)`.
@@ -105,25 +88,20 @@ CALL_ORDER: Tuple[Tuple[str, str], ...] = (
      "tests/test_multi_worker_fit.py::test_plain_keras_fit_still_fails_under_multi_worker_and_tfmp_fit_matches_one_process"),
 )
 
-#: The names of Keras's backend-independent trainer class, which defines
-#: ``compile``, ``compile_from_config``, ``get_compile_config`` and ``fit``
-#: (``keras/src/trainers/trainer.py``): Keras 3.12-3.15's, then 3.16's.
+#: Keras 3.12-3.15's, then 3.16's name of the class defining ``compile`` and ``fit`` (``keras/src/trainers``).
 BASE_TRAINER_NAMES: Tuple[str, ...] = ("Trainer", "BaseTrainer")
 
-#: The names of the TensorFlow backend's trainer class, which defines
-#: ``make_train_function`` and ``_maybe_symbolic_build``
-#: (``keras/src/backend/tensorflow/trainer.py``): Keras 3.12-3.15's, then 3.16's.
+#: Keras 3.12-3.15's, then 3.16's name of the TensorFlow trainer defining ``make_train_function``.
 TENSORFLOW_TRAINER_NAMES: Tuple[str, ...] = ("TensorFlowTrainer", "Trainer")
 
-#: The method ``Layer.__setattr__`` calls first, with ``(name, value)``, storing
-#: the pair it returns (Keras's per-backend hook; ``Operation``'s returns both
-#: unchanged). `tfmp._src.loss_scale.custom_optimizers` hooks it per model.
+#: What ``Layer.__setattr__`` calls first with ``(name, value)``, storing the pair it returns.
 SETATTR_HOOK = "_setattr_hook"
 
 
 def loss_tracker(model: Any) -> Optional[Any]:
     """The `keras.metrics.Mean` a compiled model updates with each batch's loss, or None."""
     return getattr(model, "_loss_tracker", None)
+
 
 _local = threading.local()
 #: Models tfmp's compile handler compiled, and models Keras compiled while loading.
@@ -143,26 +121,15 @@ def install_compile_hook(
     keep_saved: Callable[[], bool] = lambda: True,
     on_load: Callable[[Any, Any], None] = lambda model, loss: None,
 ) -> List[patches.Hook]:
-    """Routes ``Model.compile`` to ``handler(compile, model, args, kwargs)``.
+    """Routes ``Model.compile`` to ``handler(compile, model, args, kwargs)``, which calls ``compile`` itself.
 
-    Args:
-        handler: Callable. Receives Keras's ``compile`` (unbound), the model and
-            the call's arguments, and must call ``compile`` itself. Not called
-            while Keras compiles a model it is loading. It returns what
-            ``compile`` returned; it calls `mark_compiled_by_tfmp` on models it
-            changed.
-        keep_saved: Callable returning a bool, asked in the loading thread when
-            Keras compiles a model it is loading: True turns Keras's
-            ``auto_scale_loss`` off for that compile, so the saved optimizer is
-            kept as it is (see the module docstring). Default: always.
-        on_load: Callable taking the model and the ``loss`` it is compiled
-            with, called in the loading thread just before Keras compiles a
-            model it is loading (the layers are built,
-            the weights not loaded yet), e.g. to put back per-layer hooks that
-            saving does not keep. Default: nothing.
+    Hooked where ``compile`` is defined, so ``compile_from_config`` still compiles a model Keras loads;
+    there `handler` is bypassed: ``on_load(model, loss)`` runs first (layers built, weights not loaded),
+    and while ``keep_saved()`` Keras's ``auto_scale_loss`` is off (under a ``mixed_float16`` global
+    policy Keras would wrap a saved plain optimizer, then skip loading its variables).
 
     Returns:
-        List of `patches.Hook` (compile, compile_from_config); remove each to undo.
+        List of `patches.Hook` (compile, compile_from_config).
     """
 
     def wrap_compile(compile: Callable) -> Callable:
@@ -203,20 +170,10 @@ def install_compile_hook(
 
 
 def install_compile_config_hook(rewrite: Callable[[Any], Any], *, owner: str, model: Any = None) -> patches.Hook:
-    """Routes what ``get_compile_config()`` returns through ``rewrite``: every model's, or `model`'s.
+    """Routes the config (dict or None) ``get_compile_config()`` returns, which saving writes, through `rewrite`.
 
-    Keras's saving calls ``get_compile_config`` on the model to write its
-    compile config into the file. A subclass that overrides the method without
-    calling Keras's is not reached.
-
-    Args:
-        rewrite: Callable taking the config Keras made (dict or None) and
-            returning the one to save.
-        owner: String, the hook's owner (one of `SURFACE.subscribers`).
-        model: `keras.Model` whose own method is hooked, or None (the class's).
-
-    Returns:
-        `patches.Hook`; remove it to undo.
+    Hooks `model`'s own method, or the class's when `model` is None (an override not calling Keras's
+    is not reached).
     """
 
     def wrap(get_compile_config: Callable) -> Callable:
@@ -232,36 +189,16 @@ def install_compile_config_hook(rewrite: Callable[[Any], Any], *, owner: str, mo
 
 def install_make_train_function_hook(handler: Callable[[Any], None], *, owner: str,
                                      model: Any = None) -> patches.Hook:
-    """Calls ``handler(model)`` each time Keras makes a model's train function: any model's, or `model`'s.
+    """Calls ``handler(model)`` (cheap, idempotent) after each ``make_train_function``: `model`'s, or any (None).
 
-    Keras makes it at every ``fit`` and ``train_on_batch`` call (building it the
-    first time or after a forced retrace, else returning the one it has). The
-    handler runs after Keras, so the model's ``train_function`` exists; it should
-    be cheap and idempotent.
-
-    Args:
-        handler: Callable taking the model.
-        owner: String, the hook's owner (one of `SURFACE.subscribers`).
-        model: `keras.Model` whose own method is hooked, or None (the class's).
-
-    Returns:
-        `patches.Hook`; remove it to undo.
+    Keras calls it at every ``fit`` and ``train_on_batch``; the model's ``train_function`` then exists.
     """
 
     def wrap(make: Callable) -> Callable:
-        if model is not None:
-            @functools.wraps(make)
-            def make_model_train_function(force: bool = False) -> Any:
-                result = make(force)
-                handler(model)
-                return result
-
-            return make_model_train_function
-
         @functools.wraps(make)
-        def make_train_function(self: Any, force: bool = False) -> Any:
-            result = make(self, force)
-            handler(self)
+        def make_train_function(*args: Any, **kwargs: Any) -> Any:  # (self, ...) on the class
+            result = make(*args, **kwargs)
+            handler(args[0] if model is None else model)
             return result
 
         return make_train_function
@@ -276,11 +213,7 @@ def mark_compiled_by_tfmp(model: Any) -> None:
 
 
 def compiled_by_tfmp(model: Any) -> bool:
-    """Bool. Whether tfmp's compile handler compiled `model` at its last compile.
-
-    False for a model compiled while tfmp was off in the compiling thread, even
-    while another thread had it on.
-    """
+    """Bool. tfmp's compile handler compiled `model` at its last compile (tfmp on in the compiling thread)."""
     return model in _COMPILED
 
 

@@ -1,9 +1,4 @@
-"""The Keras and TensorFlow versions tfmp supports, checked at `import tfmp`.
-
-Every private name tfmp relies on lives in the module of `tfmp._src.keras_hooks`
-that owns its surface (see `surfaces`), each checked on the pair `CHECKED_ON`
-and on the oldest pair setup.cfg admits (`MIN_KERAS`, `MIN_TENSORFLOW`).
-"""
+"""The Keras and TensorFlow versions tfmp supports, checked at `import tfmp` (every hook module imports this)."""
 
 from __future__ import annotations
 
@@ -12,29 +7,15 @@ import re
 import keras
 import tensorflow as tf
 
-#: The (Keras, TensorFlow) versions these accessors were last checked against.
+#: The (Keras, TensorFlow) versions the private accessors were last checked against.
 CHECKED_ON = ("3.15.1", "2.21.0")
-
-
-#: The oldest (Keras, TensorFlow) versions tfmp supports: the pair `.ci/run` tests
-#: in a second environment, and the lower bounds of setup.cfg's install_requires.
-#: Keras 3.11 and older fail tfmp's tests; Keras 4 is not yet known.
+#: The oldest pair tfmp supports (setup.cfg's lower bounds, a `.ci/run` tier); Keras 4 is not yet known.
 MIN_KERAS = (3, 12, 0)
-
-
 MIN_TENSORFLOW = (2, 17, 0)
-
-
 BELOW_KERAS = (4, 0, 0)
-
-
-#: The newest (major, minor) of Keras and TensorFlow a `.ci/run` tier tests (the
-#: pinned pre-releases, keras-nightly 3.16 and tf-nightly 2.23): setup.cfg's upper
-#: bounds admit these and no newer minor. `import tfmp` still takes a newer minor
-#: (a user who forces one gets the optional features' own checks), not Keras 4.
+#: The newest (major, minor) a `.ci/run` tier tests (pinned pre-releases), setup.cfg's upper bounds;
+#: `import tfmp` still takes a newer minor.
 NEWEST_TESTED_KERAS = (3, 16)
-
-
 NEWEST_TESTED_TENSORFLOW = (2, 23)
 
 
@@ -50,15 +31,7 @@ def keras_at_least(version: str) -> bool:
 
 
 def check_versions(keras_version: str, tensorflow_version: str) -> None:
-    """Refuses a Keras or TensorFlow outside the range tfmp is tested on.
-
-    Args:
-        keras_version: String, e.g. ``keras.__version__`` (``"3.15.1"``).
-        tensorflow_version: String, e.g. ``tf.__version__`` (``"2.21.0"``).
-
-    Raises:
-        ImportError: naming the installed and the supported versions, and the fix.
-    """
+    """Raises ImportError, naming both and the fix, for version strings outside the range tfmp is tested on."""
     dotted = lambda v: ".".join(map(str, v))  # noqa: E731
     keras_ok = MIN_KERAS <= _version_tuple(keras_version) < BELOW_KERAS
     tensorflow_ok = _version_tuple(tensorflow_version) >= MIN_TENSORFLOW
@@ -72,5 +45,4 @@ def check_versions(keras_version: str, tensorflow_version: str) -> None:
     )
 
 
-# Every part of tfmp imports this module: an unsupported pair fails at `import tfmp`.
 check_versions(keras.__version__, tf.__version__)

@@ -9,7 +9,7 @@ kernel when `call_reason` returns ``""``: an attached layer under a ``mixed_*`` 
 with the ``fused_batchnorm`` speed feature on, no ``synchronized``, ``renorm`` or mask,
 a 4D/5D input normalized over the last axis or axis 1, ``training`` a bool or None.
 Moving statistics follow Keras's formula with the biased variance (the kernel's
-Bessel-corrected one times ``max(n - 1, 1) / n``); `tfmp._src.loss_scale.step_state`
+Bessel-corrected one times ``max(n - 1, 1) / n``); `tfmp._src.float32.step_state`
 keeps them on a skipped step. Measurements: benchmarks/README.md, "BatchNormalization".
 """
 
@@ -25,7 +25,7 @@ import tensorflow as tf
 from tfmp._src.attachment import record
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.keras_hooks import layer_calls
-from tfmp._src.loss_scale import step_state
+from tfmp._src.float32 import step_state
 from tfmp._src.policy import speedups
 
 FUSED = "fused"

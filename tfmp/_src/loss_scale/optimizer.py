@@ -32,9 +32,9 @@ from tfmp._src.loss_scale import arguments as _arguments
 from tfmp._src.loss_scale import guard as _guard
 from tfmp._src.loss_scale import loops as _loops
 from tfmp._src.loss_scale import saved_form as _saved_form
-from tfmp._src.loss_scale import step_state as _step_state
+from tfmp._src.float32 import step_state as _step_state
 from tfmp._src.loss_scale import user_settings as _user_settings
-from tfmp._src.loss_scale.fused_update import fused_updates
+from tfmp._src.policy.fused_update import fused_updates
 from tfmp._src.loss_scale.loops import DEFAULT_MAX_CONSECUTIVE_OVERFLOWS
 from tfmp._src.policy import speedups
 
@@ -139,7 +139,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
             optimizer's defaults); anything else raises ValueError.
 
     `fused_updates` (bool attribute, not saved): run an inner Adam's or SGD's update on
-    TensorFlow's fused kernel (`tfmp._src.loss_scale.fused_update`). Default: True where no
+    TensorFlow's fused kernel (`tfmp._src.policy.fused_update`). Default: True where no
     GPU or TPU runs the steps, unless made under ``tfmp.enable(speedups=False)`` or
     ``{"fused_update": False}``. Read when a step is traced.
 

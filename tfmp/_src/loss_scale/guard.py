@@ -62,12 +62,6 @@ def resolve(guard: str, loss_scaling: bool) -> str:
     return guard
 
 
-def first_check(guard: str, loss_scaling: bool) -> str:
-    """String, ``"batch"``, ``"loss"`` or ``"gradients"``: the check made before the update."""
-    resolved = resolve(guard, loss_scaling)
-    return resolve("auto", loss_scaling) if resolved == "values" else resolved
-
-
 def graph_lineage() -> list:
     """The graph being traced and every graph enclosing it, innermost first ([] when eager): "this step"
     for a traced step, whose `apply` may run in a `cond` branch or nested function of `scale_loss`'s graph."""

@@ -124,8 +124,8 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         on_stuck: String, `"raise"` (default) or `"warn"` (once per stuck run).
         loss_scaling: Bool. False fixes the scale at 1.0 (bfloat16, float32); non-finite
             steps are still skipped and counted.
-        guard: String, what a step is checked for (`tfmp._src.loss_scale.guard`; costs in
-            `benchmarks/guard_cost.py`): `"batch"` or `"loss"` (only with
+        guard: String, what a step is checked for (costs in `benchmarks/guard_cost.py`):
+            `"batch"` or `"loss"` (only with
             `loss_scaling=False`), `"gradients"`, `"values"` (not under a tf.distribute
             strategy) or `"auto"` (default: `"gradients"` with loss scaling, `"batch"`
             without). A step applied without `scale_loss` gets the gradients check.
@@ -143,10 +143,9 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
     reached through the wrapper. Setting `loss_scale_factor` on the wrapper raises.
 
     Raises:
-        ValueError: (template, naming the argument) see `arguments.check_arguments`;
-            an `inner_optimizer` that is itself a loss-scale optimizer is refused (its
-            settings would be merged or dropped, and a kept reference would train with a
-            second scale); the message names ``LossScaleOptimizer(opt.inner_optimizer, ...)``.
+        ValueError: (template, naming the argument) a value outside what Args gives, an
+            unknown keyword argument, or an `inner_optimizer` that is itself a loss-scale
+            optimizer (a kept reference would train with a second scale).
 
     Example:
         >>> opt = LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0**10)
@@ -345,8 +344,9 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         already = self._origins.already_unscaled(grads, self._steps.unscaled.take())
         _guard.refuse_clipped_scaled(self, [g for g, done in zip(grads, already) if not done])
         _guard.warn_if_unscaled(self, self._steps, any(already))
-        first = _guard.first_check(self.guard, self.loss_scaling)
-        check_values = _guard.resolve(self.guard, self.loss_scaling) == "values"
+        resolved = _guard.resolve(self.guard, self.loss_scaling)
+        check_values = resolved == "values"
+        first = _guard.resolve("auto", self.loss_scaling) if check_values else resolved  # checked before the update
         if check_values and tf.distribute.has_strategy():
             raise invalid_argument(
                 "guard", self.guard, "'values' outside tf.distribute strategies (its put-back writes run "
@@ -520,9 +520,8 @@ def check_wrap_options(compute_dtype: str, **options: Any) -> None:
     Raises:
         ValueError: (template) a value `tfmp.LossScaleOptimizer` refuses.
     """
-    values = {name: _PARAMETERS[name].default for name in WRAP_OPTIONS}
-    values["loss_scaling"] = compute_dtype == "float16"
-    values.update(options)
+    values = {**{name: _PARAMETERS[name].default for name in WRAP_OPTIONS},
+              "loss_scaling": compute_dtype == "float16", **options}
     initial_scale, growth = values.pop("initial_scale"), values.pop("dynamic_growth_steps")
     _arguments.check_settings(initial_scale, growth, kwargs={}, **values)
 
@@ -563,9 +562,8 @@ def wrap_optimizer(optimizer: str | dict | keras.optimizers.Optimizer, compute_d
         return optimizer
     options.setdefault("loss_scaling", compute_dtype == "float16")
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        keras_optimizer = optimizer
-        options = _user_settings.take_keras_settings(keras_optimizer, options, _DEFAULT_BOUNDS)
-        wrapped = LossScaleOptimizer(keras_optimizer.inner_optimizer, **options)  # raises before any warning
-        _user_settings.warn_keras_optimizer_replaced(keras_optimizer, options, compute_dtype)
+        options = _user_settings.take_keras_settings(optimizer, options, _DEFAULT_BOUNDS)
+        wrapped = LossScaleOptimizer(optimizer.inner_optimizer, **options)  # raises before any warning
+        _user_settings.warn_keras_optimizer_replaced(optimizer, options, compute_dtype)
         return wrapped
     return LossScaleOptimizer(keras.optimizers.get(optimizer), **options)

@@ -481,11 +481,11 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
 
     def save_own_variables(self, store: Any) -> None:
         """Saves Keras's `LossScaleOptimizer`'s variables, in its order (the counters: `loss_scale_counters`)."""
-        _saved_form.save_variables(_saved_form.keras_layout(self, self.counter_variables()), store)
+        _saved_form.save_variables(_saved_form.keras_layout(self), store)
 
     def load_own_variables(self, store: Any) -> None:
         """Loads what `save_own_variables` saved, or every variable (earlier tfmp files); else Keras's."""
-        if not _saved_form.load_variables(_saved_form.keras_layout(self, self.counter_variables()), store):
+        if not _saved_form.load_variables(_saved_form.keras_layout(self), store):
             super().load_own_variables(store)
 
     @classmethod

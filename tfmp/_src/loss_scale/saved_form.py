@@ -59,9 +59,9 @@ def compile_config_in_keras_form(config: Any) -> Any:
     return config
 
 
-def keras_layout(optimizer: Any, counters: List[Any]) -> List[Any]:
-    """The variables Keras's `LossScaleOptimizer` saves, in its order: `optimizer`'s but `counters`."""
-    ids = {id(v) for v in counters}
+def keras_layout(optimizer: Any) -> List[Any]:
+    """The variables Keras's `LossScaleOptimizer` saves, in its order: `optimizer`'s but its counters."""
+    ids = {id(v) for v in optimizer.counter_variables()}
     return [v for v in optimizer.variables if id(v) not in ids]
 
 

@@ -4,7 +4,7 @@ For each workload of `benchmarks.workloads` and each optimizer of `OPTIMIZERS`
 (Adam; SGD without momentum, with momentum 0.9, with Nesterov momentum), the
 workload's trainable float32 variables (the master weights) are updated by the
 optimizer's ``apply`` inside a `tf.function`, once as Keras writes it and once
-within `tfmp._src.loss_scale.fused_update.fused_updates` (what
+within `tfmp._src.policy.fused_update.fused_updates` (what
 `tfmp.LossScaleOptimizer` runs), with the same gradients, the two alternated for
 ``--repeats`` repeats of ``--calls`` calls each. Reported per workload and
 optimizer: parameters, median ms per update of each, the median of the paired
@@ -37,7 +37,7 @@ import tensorflow as tf  # noqa: E402
 
 from benchmarks import harness, report, run  # noqa: E402
 from benchmarks.workloads import workloads  # noqa: E402
-from tfmp._src.loss_scale.fused_update import fused_updates  # noqa: E402
+from tfmp._src.policy.fused_update import fused_updates  # noqa: E402
 
 MODELS = ("mlp", "transformer", "resnet50", "vit")
 FULL = dict(repeats=9, calls=10)

@@ -14,7 +14,7 @@ guard, then every written value, with the step's writes put back on failure).
 The price of seeing the backward pass is the ``"batch"`` column over the
 ``"loss"`` column of the same run. Since 2026-12-03 tfmp's optimizer also runs
 Adam's update on TensorFlow's fused kernel
-(`tfmp._src.loss_scale.fused_update`, timed alone by ``benchmarks/fused_update.py``),
+(`tfmp._src.policy.fused_update`, timed alone by ``benchmarks/fused_update.py``),
 so each ratio to plain Keras is the guard's cost net of that gain. Each repeat runs one
 ``fit`` of ``--steps`` steps per configuration, rotating their order, in one
 process; a first untimed fit traces each train function. Reported per workload

@@ -1,4 +1,4 @@
-"""Adam's and SGD's updates on TensorFlow's fused kernels (tfmp._src.loss_scale.fused_update)."""
+"""Adam's and SGD's updates on TensorFlow's fused kernels (tfmp._src.policy.fused_update)."""
 
 import keras
 import numpy as np
@@ -7,7 +7,7 @@ import tensorflow as tf
 
 import tfmp
 from tfmp._src.keras_hooks import patches
-from tfmp._src.loss_scale import fused_update
+from tfmp._src.policy import fused_update
 
 SHAPES = [(33, 17), (17,), (5,)]
 

@@ -16,7 +16,7 @@ from _collect import collect_everything
 import tfmp
 from tfmp._src.attachment import hooks as attachment_hooks
 from tfmp._src.keras_hooks import availability
-from tfmp._src.loss_scale import fused_update
+from tfmp._src.policy import fused_update
 from tfmp._src.policy import enable as enable_module
 
 X = np.linspace(-1.0, 1.0, 64, dtype="float32").reshape(16, 4)

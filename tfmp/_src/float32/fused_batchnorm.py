@@ -3,7 +3,8 @@
 Keras's ``BatchNormalization.call`` casts 16-bit inputs to float32 and runs separate ops;
 ``FusedBatchNormV3`` takes the 16-bit ``x`` and computes in float32 inside one op. `install`
 hooks the class's ``call``; a call takes the kernel when `call_reason` returns ``""``.
-Moving statistics follow Keras's formula. Measurements: benchmarks/README.md, "BatchNormalization".
+Moving statistics follow Keras's formula; `step_state` keeps them on a skipped step.
+Measurements: benchmarks/README.md, "BatchNormalization".
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import tensorflow as tf
 from tfmp._src.attachment import record
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.keras_hooks import layer_calls
-from tfmp._src.loss_scale import step_state
+from tfmp._src.float32 import step_state
 from tfmp._src.policy import speedups
 
 FUSED = "fused"

@@ -7,7 +7,7 @@ Subscribers innermost first in `SURFACE`. `LossScaleOptimizerBase` is the one su
 |---|---|---|
 | ``Optimizer._trainable_variables`` | ``keras/src/optimizers/base_optimizer.py`` | `optimizer_variables`: variables ``apply`` defaults to |
 | ``Optimizer._overwrite_variable_with_gradient`` | same | `overwrites_with_gradient`: variables whose "gradient" is a new value, never unscaled |
-| ``Optimizer._get_variable_index``, ``Adam._momentums`` / ``_velocities`` | ``keras/src/optimizers/base_optimizer.py``, ``keras/src/optimizers/adam.py`` | `adam_slots`, `sgd_momentum_slot`: a variable's slots, updated by `tfmp._src.loss_scale.fused_update` |
+| ``Optimizer._get_variable_index``, ``Adam._momentums`` / ``_velocities`` | ``keras/src/optimizers/base_optimizer.py``, ``keras/src/optimizers/adam.py`` | `adam_slots`, `sgd_momentum_slot`: a variable's slots, updated by `tfmp._src.policy.fused_update` |
 | ``LossScaleOptimizer._stateful_handle_finite_grads`` / ``_stateful_handle_non_finite_grads`` | ``keras/src/optimizers/loss_scale_optimizer.py`` | overridden by `LossScaleOptimizerBase` only |
 | ``keras.src.utils.tracking.no_automatic_dependency_tracking`` | ``keras/src/utils/tracking.py`` | `no_automatic_dependency_tracking`: tfmp's optimizer variables stored as attributes |
 """

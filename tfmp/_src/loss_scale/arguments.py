@@ -1,8 +1,5 @@
-"""The arguments of `tfmp.LossScaleOptimizer` and `tfmp.scaled_gradients`, checked up front.
-
-Each check raises the project's template error (`tfmp._src.errors`) naming the argument, at
-the public call, never inside a traced step (`scaled_gradients`: once per trace).
-"""
+"""The arguments of `tfmp.LossScaleOptimizer` and `tfmp.scaled_gradients`, checked at the public call
+with the template error (`tfmp._src.errors`) naming the argument."""
 
 from __future__ import annotations
 
@@ -23,8 +20,7 @@ from tfmp._src.errors import (
 from tfmp._src.loss_scale import guard as _guard
 
 ON_STUCK = ("raise", "warn")
-#: Keras's backwards-compatibility arguments: the base optimizer's settings a
-#: `LossScaleOptimizer` config of older Keras versions carries, at their defaults.
+#: Keras's backwards-compatibility arguments (older Keras configs carry them), at their defaults.
 KERAS_COMPAT_DEFAULTS = {
     "weight_decay": None, "clipnorm": None, "global_clipnorm": None, "clipvalue": None,
     "use_ema": False, "ema_momentum": 0.99, "ema_overwrite_frequency": None,
@@ -32,7 +28,7 @@ KERAS_COMPAT_DEFAULTS = {
 }
 #: `tfmp.LossScaleOptimizer`'s default ``min_scale``.
 DEFAULT_MIN_SCALE = 1.0
-#: Defaults of `tfmp.LossScaleOptimizer`'s scales and counts, as its messages show them.
+#: Defaults of the scales and counts, as messages show them.
 _DEFAULTS = {"initial_scale": "2.0**15", "min_scale": "1.0", "max_scale": "2.0**24",
              "dynamic_growth_steps": "2000", "hysteresis": "1", "max_consecutive_overflows": "32"}
 _ARGUMENTS = ("inner_optimizer", "initial_scale", "dynamic_growth_steps", "min_scale", "max_scale",
@@ -40,8 +36,7 @@ _ARGUMENTS = ("inner_optimizer", "initial_scale", "dynamic_growth_steps", "min_s
 
 
 def _bounds_fix(initial_scale: float, min_scale: float, max_scale: float, loss_scaling: Any) -> str:
-    """A fix that passes every bound check at once: ``max_scale`` kept, ``min_scale``
-    lowered to it if above, ``initial_scale`` (with loss scaling) moved into the range."""
+    """A fix passing every bound check: ``max_scale`` kept, ``min_scale`` and ``initial_scale`` moved under it."""
     low = min(min_scale, max_scale)
     changed = [("min_scale", min_scale, low)]
     if loss_scaling:
@@ -51,12 +46,8 @@ def _bounds_fix(initial_scale: float, min_scale: float, max_scale: float, loss_s
 
 
 def check_arguments(inner_optimizer: Any, initial_scale: Any, dynamic_growth_steps: Any, **settings: Any) -> None:
-    """Checks every argument of `tfmp.LossScaleOptimizer` (`check_settings`, and `inner_optimizer`).
-
-    Raises:
-        ValueError: (template) `inner_optimizer` is not a Keras optimizer, or is a
-            loss-scale optimizer itself; or as `check_settings`.
-    """
+    """Raises ValueError (template) as `check_settings`, or for an `inner_optimizer` that is not a Keras
+    optimizer or is a loss-scale optimizer itself."""
     if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
         raise invalid_argument(
             "inner_optimizer", inner_optimizer,
@@ -77,16 +68,13 @@ def check_settings(
     max_consecutive_overflows: Any, on_stuck: Any, loss_scaling: Any, guard: Any, name: Any,
     kwargs: Dict[str, Any], inner_optimizer: Any = None,
 ) -> None:
-    """Checks every argument of `tfmp.LossScaleOptimizer` but the inner optimizer (which, or None,
-    only names an unknown argument's owner). Creates no variable and runs no TensorFlow op.
+    """Checks the arguments of `tfmp.LossScaleOptimizer` but the inner optimizer (or None, used only to
+    name an unknown argument's owner), without a TensorFlow op.
 
     Raises:
-        ValueError: (template, naming the argument) a scale not a finite number > 0,
-            `min_scale` > `max_scale`, `initial_scale` outside [`min_scale`, `max_scale`]
-            with loss scaling; a count not an int >= 1; `on_stuck` or `guard` not one of
-            their choices; `loss_scaling` not a bool; `name` neither None nor a non-empty
-            string without ``/``; an unknown keyword argument, ``dynamic=False``, or a base
-            optimizer setting (e.g. ``clipnorm``) away from its default.
+        ValueError: (template, naming the argument) a scale not a finite number > 0, bounds
+            out of order or not holding `initial_scale`, a count not an int >= 1, a choice
+            not among its values, an unknown or non-default keyword argument.
     """
     for arg, value in (("initial_scale", initial_scale), ("min_scale", min_scale), ("max_scale", max_scale)):
         check_positive_number(arg, value, fix=f"Pass e.g. {arg}={_DEFAULTS[arg]} (the default).")
@@ -120,7 +108,7 @@ def check_settings(
 
 
 def _unknown_argument_fix(key: str, inner: Any) -> str:
-    """The fix for one unknown keyword: an inner optimizer's argument goes there, else a close spelling."""
+    """The fix for an unknown keyword: the inner optimizer's goes there; else a close spelling."""
     inner_class = type(inner) if isinstance(inner, keras.optimizers.Optimizer) else keras.optimizers.Adam
     if key != "name" and key in inspect.signature(inner_class.__init__).parameters:
         return (f"Unknown argument {key!r}: it is the inner optimizer's; set it there, e.g. "
@@ -129,8 +117,7 @@ def _unknown_argument_fix(key: str, inner: Any) -> str:
 
 
 def _check_keras_kwargs(kwargs: Dict[str, Any], inner: Any) -> None:
-    """Accepts only Keras's backwards-compatibility keyword arguments, at their defaults (the
-    message names every unknown one, each with its likeliest spelling)."""
+    """Accepts only Keras's backwards-compatibility keyword arguments, at their defaults."""
     unknown = [key for key in kwargs if key != "dynamic" and key not in KERAS_COMPAT_DEFAULTS]
     if unknown:
         raise invalid_argument(
@@ -154,14 +141,7 @@ def _check_keras_kwargs(kwargs: Dict[str, Any], inner: Any) -> None:
 
 
 def check_gradient_arguments(loss: Any, variables: Any, optimizer: Any) -> list:
-    """Checks `tfmp.scaled_gradients`'s `loss`, `variables` and `optimizer`; returns the variables as a list.
-
-    Raises:
-        ValueError: (template) `loss` is not a scalar float tensor (a Python number or list
-            was not recorded by the tape; a vector loss needs a reduction first);
-            `variables` is not a non-empty list or tuple of variables or tensors;
-            `optimizer` is not a Keras optimizer.
-    """
+    """Checks `tfmp.scaled_gradients`'s `loss`, `variables` and `optimizer` (its Raises); the variables as a list."""
     rank = loss.shape.rank if tf.is_tensor(loss) else None
     floating = (tf.is_tensor(loss) or isinstance(loss, (tf.Variable, keras.Variable))) and \
         tf.as_dtype(loss.dtype).is_floating

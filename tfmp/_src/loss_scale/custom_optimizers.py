@@ -1,13 +1,9 @@
-"""Optimizers a custom ``compile`` keeps on the model: wrapped, and safe without loss scaling.
+"""Optimizers a custom ``compile`` keeps on the model (the keras.io DCGAN's ``self.d_optimizer``).
 
-A model may keep optimizers of its own as attributes (the keras.io DCGAN's
-``self.d_optimizer``). `adopt` wraps each optimizer held in an attribute after Keras's
-``compile``, or stored later (the model's ``_setattr_hook``, `trainer.SETATTR_HOOK`), once
-in `wrap_optimizer`'s `tfmp.LossScaleOptimizer`. Kept as they are: ``model.optimizer`` (the
-compile handler wraps it), tfmp optimizers, and optimizers in a list, tuple or dict
-(warned about). Such a ``train_step`` seldom scales its loss: under dynamic loss scaling an
-``apply`` in a step where its ``scale_loss`` did not run takes the gradients as given,
-still checked, and warns once (`tfmp.LossScaleWarning`) with the fix.
+`adopt` wraps each optimizer held in an attribute, then or later, in `wrap_optimizer`'s
+`tfmp.LossScaleOptimizer` (not ``model.optimizer``, nor optimizers in containers: warned).
+Such a ``train_step`` seldom scales its loss: an ``apply`` in a step without its
+``scale_loss`` takes the gradients as given, still checked, and warns once.
 """
 
 from __future__ import annotations
@@ -28,7 +24,7 @@ from tfmp._src.loss_scale import loops
 from tfmp._src.loss_scale.guard import LossScaleWarning, ScaleLossCalls
 from tfmp._src.loss_scale.optimizer import LossScaleOptimizer, wrap_optimizer
 
-#: The hook owner (a subscriber of the trainer and optimizer surfaces) of the model's and the optimizers' hooks.
+#: The owner of the model's and the optimizers' hooks.
 OWNER = "custom_optimizers"
 #: The attribute Keras's own ``compile`` sets; the compile handler wraps it.
 KERAS_ATTRIBUTE = "optimizer"
@@ -42,20 +38,10 @@ def _plain(value: Any) -> bool:
 
 
 def adopt(model: keras.Model, compute_dtype: str, options: Dict[str, Any] | None) -> None:
-    """Wraps the optimizers `model` holds in attributes now and those stored on it later.
+    """Wraps the optimizers `model` holds in attributes now and later (after tfmp's ``compile``).
 
-    Called by tfmp's compile handler after Keras's ``compile``; a later compile replaces
-    the hook, `tfmp.detach` takes it off (the wrappers stay). The attributes wrapped are
-    listed in `tfmp.Attachment.custom_optimizers`.
-
-    Args:
-        model: `keras.Model` tfmp just compiled.
-        compute_dtype: String. The model's compute dtype, e.g. ``"float16"``.
-        options: Dict of `tfmp.LossScaleOptimizer` keyword options (the session's), or
-            None: the model keeps its optimizers as they are.
-
-    Raises:
-        ValueError: from `wrap_optimizer`, for options it refuses.
+    `options` are `wrap_optimizer`'s (None: the optimizers stay as they are); the attributes
+    wrapped are listed in `tfmp.Attachment.custom_optimizers`. Raises what `wrap_optimizer` raises.
     """
     trainer.SURFACE.unsubscribe(model, SETATTR_HOOK, OWNER)
     if options is None:
@@ -105,12 +91,12 @@ def _wrap_setattr_hook(model: keras.Model, compute_dtype: str, options: Dict[str
 
 def _wrapped(model: keras.Model, name: str, optimizer: Any, compute_dtype: str,
              options: Dict[str, Any]) -> LossScaleOptimizer:
-    """The `tfmp.LossScaleOptimizer` to store under `name` for a plain `optimizer`, checked after each fit step."""
+    """The `tfmp.LossScaleOptimizer` to store under `name` for a plain `optimizer`."""
     keras_wrapped = vars(model).get(KERAS_ATTRIBUTE)
     if isinstance(keras_wrapped, LossScaleOptimizer) and keras_wrapped.inner_optimizer is optimizer:
         return keras_wrapped  # also passed as compile's `optimizer=`: one wrapper, one scale
     wrapped = wrap_optimizer(optimizer, compute_dtype, **options)
-    loops.serve_optimizer(wrapped)  # checked after each step below, not part of the saved compile config
+    loops.serve_optimizer(wrapped)  # checked after each step below
     _ADOPTED[wrapped] = name
     if _STORED.get(model) is None:
         _STORED[model] = weakref.WeakSet()
@@ -154,7 +140,7 @@ def _warn_container(model: keras.Model, name: str, compute_dtype: str) -> None:
 
 
 def _apply_unscaled_gradients_as_given(optimizer: LossScaleOptimizer, model_name: str, name: str) -> None:
-    """Hooks `optimizer`'s ``scale_loss`` and ``apply`` (see the module docstring)."""
+    """Hooks `optimizer`'s ``scale_loss`` and ``apply`` (the module docstring)."""
     steps = ScaleLossCalls()
     warned = []  # one LossScaleWarning per optimizer
 

@@ -1,12 +1,9 @@
 """What `tfmp.LossScaleOptimizer` checks before applying a step, and whether the loss was scaled.
 
-Guards (the `guard` argument): ``"batch"`` (no loss scaling: the loss and every gradient
-finite on every replica, the train step's batch checked to name a skip's cause),
-``"loss"`` (no loss scaling: the loss alone, so no update waits for the backward pass),
-``"gradients"`` (what dynamic loss scaling needs), ``"values"`` (then every value the step
-writes finite, else all put back), ``"auto"`` (``"gradients"`` with loss scaling,
-``"batch"`` without). An `apply` with no `scale_loss` recorded for its step (`StepRecord`:
-a custom loop) gets the gradients check. Costs: ``benchmarks/guard_cost.py``.
+Guards: ``"batch"`` (no loss scaling: loss, gradients and, to name a skip's cause, the
+batch), ``"loss"`` (no loss scaling: the loss alone), ``"gradients"``, ``"values"`` (then
+every value the step writes, else all put back), ``"auto"``. An `apply` with no `scale_loss`
+in its step gets the gradients check.
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ from tfmp._src.errors import invalid_argument, user_stacklevel
 
 #: Values of the `guard` argument of `tfmp.LossScaleOptimizer`.
 GUARDS = ("auto", "batch", "loss", "gradients", "values")
-#: Guards that check the loss (and the batch) instead of the gradients: only without loss scaling.
+#: Guards that check the loss instead of the gradients: only without loss scaling.
 LOSS_GUARDS = ("batch", "loss")
 #: How many ops back from a gradient `GradientOrigins` looks for one `get_unscaled_gradients` saw.
 ORIGIN_SEARCH_DEPTH = 8
@@ -35,11 +32,10 @@ CLIP_SEARCH_DEPTH = 4
 class LossScaleWarning(UserWarning):
     """Loss scaling is not what the code asked for.
 
-    Warned when gradients reach a loss-scaling optimizer from a loss it did not
-    scale; when tfmp replaces a Keras `keras.optimizers.LossScaleOptimizer` given
-    to ``compile()`` by its own (`tfmp._src.loss_scale.user_settings`); and when
-    loss-scaling settings are given for a model that computes without loss
-    scaling (bfloat16, float32), where the scale stays 1.0.
+    Warned when gradients reach a loss-scaling optimizer from a loss it did not scale;
+    when tfmp replaces a `keras.optimizers.LossScaleOptimizer` given to ``compile()``;
+    and when loss-scaling settings are given for a model computing in bfloat16 or
+    float32, where the scale stays 1.0.
 
     Make it an error with ``warnings.simplefilter("error", tfmp.LossScaleWarning)``.
     """
@@ -66,18 +62,9 @@ def resolve(guard: str, loss_scaling: bool) -> str:
     return guard
 
 
-def first_check(guard: str, loss_scaling: bool) -> str:
-    """String, ``"batch"``, ``"loss"`` or ``"gradients"``: the check made before the update."""
-    resolved = resolve(guard, loss_scaling)
-    return resolve("auto", loss_scaling) if resolved == "values" else resolved
-
-
 def graph_lineage() -> list:
-    """The graph being traced and every graph enclosing it, innermost first ([] when eager).
-
-    "This step" for a `tf.function` step: `scale_loss` may run in the train function's
-    graph and `apply` in a `cond` branch or a nested function inside it.
-    """
+    """The graph being traced and every graph enclosing it, innermost first ([] when eager): "this step"
+    for a traced step, whose `apply` may run in a `cond` branch or nested function of `scale_loss`'s graph."""
     if tf.executing_eagerly():
         return []
     lineage, graph = [], tf.compat.v1.get_default_graph()
@@ -88,8 +75,8 @@ def graph_lineage() -> list:
 
 
 class ScaleLossCalls:
-    """Whether a call was noted in the step now traced (this graph or one enclosing it, held
-    weakly) or, for an eager step, since the previous `take`."""
+    """Whether a call was noted in the step now traced (this graph or one enclosing it) or, eager,
+    since the previous `take`."""
 
     def __init__(self) -> None:
         self._graphs: "weakref.WeakSet[Any]" = weakref.WeakSet()
@@ -110,18 +97,13 @@ class ScaleLossCalls:
 
 
 class StepRecord:
-    """Python-side record of one optimizer's steps (nothing runs per step).
-
-    Attributes:
-        unscaled: `ScaleLossCalls` of `get_unscaled_gradients`.
-        ever: Bool. `scale_loss` ran on this optimizer at least once.
-        warned: Bool. `warn_if_unscaled` has warned for this optimizer.
-    """
+    """Python-side record of one optimizer's steps: `unscaled` notes `get_unscaled_gradients`;
+    `ever`, `scale_loss` ran once; `warned`, `warn_if_unscaled` warned."""
 
     def __init__(self) -> None:
         self._scaled = ScaleLossCalls()  # scale_loss calls that recorded the loss's status
         self.unscaled = ScaleLossCalls()
-        self._batch = threading.local()  # .noted: (graph or None when eager, status), per replica thread
+        self._batch = threading.local()  # .noted: (graph or None when eager, status)
         self.ever = False
         self.warned = False
 
@@ -157,14 +139,13 @@ class StepRecord:
 class GradientOrigins:
     """Which gradients `get_unscaled_gradients` took (scaled) and handed back (unscaled).
 
-    `apply` divides a gradient by the loss scale unless it descends from one handed back:
-    the very tensor or, traced, a tensor up to `ORIGIN_SEARCH_DEPTH` ops below one (a cast,
-    clipping). A tensor found nowhere counts as unscaled when `get_unscaled_gradients` ran
-    in the same step, as in tf.keras 2 code.
+    `apply` divides a gradient unless it is, or traced descends within `ORIGIN_SEARCH_DEPTH`
+    ops from, one handed back; one found nowhere is unscaled if `get_unscaled_gradients` ran
+    in the step (tf.keras 2 code).
     """
 
     def __init__(self) -> None:
-        # Eager tensors by id: True, those handed back (unscaled); False, those taken (scaled).
+        # Eager tensors by id: True, handed back (unscaled); False, taken (scaled).
         self._eager = {True: weakref.WeakValueDictionary(), False: weakref.WeakValueDictionary()}
         self._graphs: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
@@ -221,12 +202,8 @@ def clipped_while_scaled(grads: list) -> str:
 
 @tf.autograph.experimental.do_not_convert  # Python run once per trace, never graph code
 def refuse_clipped_scaled(optimizer: Any, grads: list) -> None:
-    """Refuses gradients clipped while still multiplied by the loss scale (dynamic loss scaling only):
-    the update would silently be about 1/scale of the intended one.
-
-    Raises:
-        ValueError: (template, naming `grads`) with the clipping op and the fix.
-    """
+    """Raises ValueError (template) for gradients clipped while still scaled (dynamic scaling only):
+    the update would silently be about 1/scale of the intended one."""
     clip = clipped_while_scaled(grads) if optimizer.loss_scaling else ""
     if clip:
         raise invalid_argument(
@@ -238,13 +215,8 @@ def refuse_clipped_scaled(optimizer: Any, grads: list) -> None:
 
 
 def warn_if_unscaled(optimizer: Any, record: StepRecord, from_unscale: bool) -> None:
-    """Warns (`LossScaleWarning`) once per dynamic-scale optimizer that never scaled a loss when
-    gradients reach it, unless they came from `get_unscaled_gradients` (`from_unscale`).
-
-    Gradients made in one `tf.function` and applied in another cannot be told apart, so only
-    an optimizer that never scaled is reported; they are divided by the scale all the same,
-    as Keras's `LossScaleOptimizer.apply` does.
-    """
+    """Warns (`LossScaleWarning`) once when gradients not from `get_unscaled_gradients` reach a dynamic-scale
+    optimizer that never scaled a loss (one that did cannot tell another function's gradients apart)."""
     if not optimizer.loss_scaling or from_unscale or record.ever or record.warned:
         return
     record.warned = True

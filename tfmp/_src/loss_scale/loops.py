@@ -1,16 +1,8 @@
 """Where `tfmp.LossScaleOptimizer` meets training loops: skipped steps said, stuck runs stopped.
 
-`model.fit`: an attached model's own hooks (`serve`, at attach) run `check` after each
-step and record each batch its ``train_step`` gets; a model tfmp did not attach gets them
-from a class hook on Keras's ``make_train_function`` while its tfmp optimizer lives
-(`track`), which makes the train function a second time to bind the ``train_step`` hook.
-The batch record is for the ``"batch"`` guard: a NaN in the data can leave the loss
-finite (``relu(NaN)`` is 0) while the gradient is NaN.
-Checks run between steps, not in the graph: XLA drops ``tf.debugging.Assert`` and an
-error raised in a graph reaches the caller as a ``tf.errors.OpError``. `check` reads one
-scalar per healthy step; after a skipped step it warns once per fit window
-(`SkippedStepWarning`, `warn_early`) and raises `NonFiniteError` once the run is stuck.
-Custom loops: `scaled_gradients` (Keras 3 dropped tf.keras 2's `get_scaled_loss`).
+`model.fit` runs `check` after each step and records each batch (the ``"batch"`` guard: a
+NaN in the data can leave the loss finite); checks run between steps, not in the graph,
+where XLA drops ``tf.debugging.Assert``. Custom loops: `scaled_gradients`.
 """
 
 from __future__ import annotations
@@ -32,8 +24,7 @@ from tfmp._src.errors import NonFiniteError, invalid_argument, user_stacklevel
 from tfmp._src.keras_hooks import surfaces, train_function, trainer
 from tfmp._src.loss_scale import arguments, saved_form
 
-#: Default of `max_consecutive_overflows`: more than the 24 halvings from `max_scale` 2**24
-#: down to 1, so a healthy start never trips it.
+#: Default of `max_consecutive_overflows`: more than the 24 halvings from 2**24 to 1.
 DEFAULT_MAX_CONSECUTIVE_OVERFLOWS = 32
 #: Overflows in a row at `min_scale` that count as stuck: the scale cannot go lower.
 MIN_SCALE_PATIENCE = 3
@@ -46,7 +37,7 @@ _BATCH_HOOK = "_tfmp_batch_check"  # on a model: its train_step hook
 
 @dataclasses.dataclass
 class Watch:
-    """What the checks between steps remember of one optimizer (host-side, not saved)."""
+    """What the checks between steps remember of one optimizer (not saved)."""
 
     fit_start: Optional[Tuple[int, int]] = None  # (total_steps, overflow_count) as the warning window began
     warned_fit: Optional[Tuple[int, int]] = None  # the window `warn_early` warned about
@@ -62,16 +53,10 @@ class SkippedStepWarning(RuntimeWarning):
 
 
 def cause(status: int, loss_scaling: bool) -> Tuple[str, str, str]:
-    """(phase, kind, sentence): why the last skipped step was skipped.
+    """(phase, kind, sentence) of the last skip from its `last_overflow_status` bits.
 
-    Args:
-        status: Int. The optimizer's `last_overflow_status` bits (`STATUS_BITS`).
-        loss_scaling: Bool. Whether the optimizer scales the loss dynamically.
-
-    Returns:
-        Tuple of strings: the phase (``"batch"``, ``"loss"``, ``"values"`` or
-        ``"gradients"``), the kind (``"nan"``, ``"inf"``, ``"nan+inf"`` or ``""``) and a
-        sentence naming the cause and what to look at.
+    Phase ``"batch"``, ``"loss"``, ``"values"`` or ``"gradients"``; kind ``"nan"``,
+    ``"inf"``, ``"nan+inf"`` or ``""``; the sentence names the cause and what to look at.
     """
     batch = NON_FINITE_KINDS.get((status >> 2) & 3, "")
     loss = NON_FINITE_KINDS.get(status & 3, "")
@@ -112,7 +97,7 @@ def _read(optimizer: Any, name: str) -> int:
 
 
 def start_fit(optimizer: Any) -> None:
-    """At a `fit` or `train_on_batch` call: a new warning window when the last began `EARLY_STEPS` steps ago."""
+    """At a `fit` or `train_on_batch` call: a new warning window once the last is `EARLY_STEPS` old."""
     watch = optimizer._watch
     if not optimizer.built:
         watch.fit_start = watch.fit_start or (0, 0)  # built by the first step: counters at 0
@@ -207,16 +192,22 @@ _lock = threading.RLock()
 def track(optimizer: Any) -> None:
     """Makes `model.fit` check `optimizer` after every step, and saves it in Keras's form (`saved_form`).
 
-    Called by every `tfmp.LossScaleOptimizer` as it is made. Until an attached model
-    holds it (`serve`), two class hooks serve it, on ``make_train_function`` and
-    ``get_compile_config`` (a model tfmp did not attach may be compiled with it);
-    they come off in `release_if_unused` once an attached model serves every tfmp optimizer alive:
-    never from a garbage-collection callback, which can run in any thread while
-    another holds the hooks' lock.
+    Until an attached model serves it (`serve`), class hooks on ``make_train_function`` and
+    ``get_compile_config`` do; `release_if_unused` takes them off (never a garbage-collection
+    callback, which can run in any thread while another holds the lock).
     """
     with _lock:
         _live.add(optimizer)
         _hold_class_hooks()
+
+
+def _installs(model: Any = None) -> list:
+    """The installs of the stuck check's and the saved form's hooks, on `model` or (None) the class."""
+    return [
+        lambda: trainer.install_make_train_function_hook(_attach, owner="loss_scale.fit_check", model=model),
+        lambda: trainer.install_compile_config_hook(saved_form.compile_config_in_keras_form, owner="saved_form",
+                                                    model=model),
+    ]
 
 
 def _hold_class_hooks() -> None:
@@ -226,11 +217,7 @@ def _hold_class_hooks() -> None:
                 hook.remove()
             _class_hooks.clear()
         if not _class_hooks:
-            _class_hooks.extend(surfaces.all_or_none([
-                lambda: trainer.install_make_train_function_hook(_attach, owner="loss_scale.fit_check"),
-                lambda: trainer.install_compile_config_hook(
-                    saved_form.compile_config_in_keras_form, owner="saved_form"),
-            ]))
+            _class_hooks.extend(surfaces.all_or_none(_installs()))
 
 
 def release_if_unused() -> None:
@@ -243,22 +230,14 @@ def release_if_unused() -> None:
 
 
 def serve(model: Any) -> None:
-    """Gives attached `model` its own hooks: the stuck check after each step and the batch record
-    (acting while its optimizer is a tfmp one), the saved form; its tfmp optimizer needs no class hook.
-
-    Called at attach, before Keras makes the model's functions: the ``train_step`` hook of
-    the batch record goes on now, so Keras binds it (no second make).
+    """Gives attached `model` its own hooks (stuck check, batch record, saved form), at attach:
+    before Keras makes its functions, so it binds the ``train_step`` hook (no second make).
 
     Raises:
         Whatever installing a hook raises; the model is then as before.
     """
     if not _serves_itself(model):
-        surfaces.all_or_none([
-            lambda: trainer.install_make_train_function_hook(_attach, owner="loss_scale.fit_check", model=model),
-            lambda: trainer.install_compile_config_hook(
-                saved_form.compile_config_in_keras_form, owner="saved_form", model=model),
-            lambda: _batch_hook(model),
-        ])
+        surfaces.all_or_none(_installs(model) + [lambda: _batch_hook(model)])
         # Its wrapper's make hook goes on now, outermost, so the checks wrap the step scope.
         train_function.add_check(model, "stuck", functools.partial(_check_after_step, model))
     if getattr(model, "optimizer", None) in _live:  # at load, the optimizer comes later (`_attach`)
@@ -270,16 +249,14 @@ def _serves_itself(model: Any) -> bool:
 
 
 def serve_optimizer(optimizer: Any) -> None:
-    """Counts `optimizer` as served by its model's own checks (a custom compile's optimizer that
-    `tfmp._src.loss_scale.custom_optimizers` wrapped): it needs no class hook."""
+    """Counts `optimizer` as served by its model's own checks (`custom_optimizers`): no class hook."""
     _served.add(optimizer)
     release_if_unused()
 
 
 def _attach(model: Any) -> None:
-    """As Keras makes `model`'s train function. A model `serve` hooked has its check and batch record
-    already; another gets them while its optimizer is a tfmp one (the train function made again to
-    bind the ``train_step`` hook), and loses them when it is not. Nothing on a detached model."""
+    """As Keras makes `model`'s train function: a model `serve` did not hook gets the check and batch
+    record while its optimizer is a tfmp one (the function made again), and loses them after."""
     if record.detached(model):
         return
     optimizer = getattr(model, "optimizer", None)
@@ -299,8 +276,7 @@ def _attach(model: Any) -> None:
 
 
 def forget(model: Any) -> None:
-    """Takes the stuck check and the batch record off `model` (`tfmp.detach`), without making its
-    train function; its optimizer is served by the class hooks again (saving still writes Keras's form)."""
+    """Takes the stuck check and the batch record off `model` (`tfmp.detach`); class hooks serve its optimizer."""
     train_function.remove_check(model, "stuck")
     _unwatch_batches(model, remake=False)
     optimizer = getattr(model, "optimizer", None)
@@ -316,8 +292,7 @@ def _batch_hook(model: Any) -> trainer.Hook:
 
 
 def _watch_batches(model: Any) -> None:
-    """Hooks `model`'s ``train_step`` (owner ``"loss_scale.batch"``) to hand each batch to the
-    optimizer's `record_batch`, then makes the train function again (not yet traced) to bind it."""
+    """Hooks `model`'s ``train_step`` to hand each batch to `record_batch`; makes the train function again."""
     hook = vars(model).get(_BATCH_HOOK)
     if hook is not None and hook.active:
         return
@@ -347,11 +322,8 @@ def _recording_step(model: Any, next_step: Callable) -> Callable:
 
 
 def build_before_tracing(model: Any, optimizer: Any) -> None:
-    """Builds `optimizer` for `model`'s trainable variables now, as Keras does under a strategy.
-
-    Built inside the first trace, a step that fails while tracing would leave every slot
-    and counter uninitialized and the optimizer unusable. A model not built keeps Keras's order.
-    """
+    """Builds `optimizer` for `model` before the first trace, as Keras does under a strategy: a trace
+    that fails would leave every slot and counter uninitialized."""
     if not optimizer.built and model.built and model.trainable_variables:
         with model.distribute_strategy.scope():
             optimizer.build(model.trainable_variables)

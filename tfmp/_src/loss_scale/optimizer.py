@@ -1,12 +1,9 @@
 """Loss scaling that never fails silently: `tfmp.LossScaleOptimizer`.
 
-Keras's `LossScaleOptimizer` halves the scale on every non-finite step without a floor,
-doubles it without a ceiling and counts nothing. The subclass keeps Keras's `apply` and
-state and adds scale bounds, hysteresis, counters kept as optimizer variables (saved in
-checkpoints), a guard for runs without loss scaling (`guard`), and stuck detection
-(`loops`). Number sources: float16's largest finite value is 65504; the default
-`max_scale` 2**24 is NVIDIA apex's cap; the initial scale 2**15 and growth interval 2000
-are Keras's.
+Keras's `LossScaleOptimizer` halves the scale without a floor, doubles it without a ceiling
+and counts nothing. The subclass keeps its `apply` and state and adds scale bounds,
+hysteresis, counters saved as optimizer variables, the step's guard (`guard`) and stuck
+detection (`loops`).
 """
 
 from __future__ import annotations
@@ -32,33 +29,32 @@ from tfmp._src.loss_scale import arguments as _arguments
 from tfmp._src.loss_scale import guard as _guard
 from tfmp._src.loss_scale import loops as _loops
 from tfmp._src.loss_scale import saved_form as _saved_form
-from tfmp._src.loss_scale import step_state as _step_state
+from tfmp._src.float32 import step_state as _step_state
 from tfmp._src.loss_scale import user_settings as _user_settings
-from tfmp._src.loss_scale.fused_update import fused_updates
+from tfmp._src.policy.fused_update import fused_updates
 from tfmp._src.loss_scale.loops import DEFAULT_MAX_CONSECUTIVE_OVERFLOWS
 from tfmp._src.policy import speedups
 
 _INT = "int64"
 _COUNTERS = ("overflow_count", "consecutive_overflows", "last_overflow_step", "total_steps",
              "min_scale_overflows", "last_loss_status", "last_overflow_status")
-#: Names of the scalar state variables: Keras's two, then tfmp's counters.
+#: Names of the scalar state variables: Keras's two, then tfmp's.
 STATE_VARIABLES = ("dynamic_scale", "step_counter") + _COUNTERS
-#: Settings of Keras's base optimizer read and written on the inner optimizer through the
-#: wrapper (Keras's own forwards only `learning_rate`); not `loss_scale_factor`: the wrapper scales.
+#: Base optimizer settings the wrapper forwards to the inner optimizer (Keras's forwards only `learning_rate`).
 FORWARDED_SETTINGS = ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "use_ema", "ema_momentum",
                       "ema_overwrite_frequency", "gradient_accumulation_steps")
 #: Bits of `last_loss_status`: what the last step found non-finite.
 STATUS_BITS = {"loss nan": 1, "loss inf": 2, "batch nan": 4, "batch inf": 8, "values": 16}
 _LOSS_BITS = 1 | 2
+_HISTORIES = ("overflow_history_steps", "overflow_history_scales")
 
-#: Length of the overflow history ring buffers: how many skipped steps a reader polling
-#: between steps (tfmp.LossScaleMonitor) can itemize; older ones are only counted.
+#: Length of the overflow history ring buffers: the skipped steps a reader between steps can itemize.
 OVERFLOW_HISTORY = 64
 
 
 class _Applying(NamedTuple):
-    """The `apply` under way: the loss check made instead of the gradients' (``""``: none), the
-    ``"values"`` guard, ids of gradients not to divide again, statistics a skipped step puts back."""
+    """The `apply` under way: its loss check (``""``: the gradients'), the ``"values"`` guard,
+    ids of gradients not to divide again, statistics a skipped step puts back."""
 
     check_loss: str = ""
     check_values: bool = False
@@ -72,8 +68,7 @@ def _status(flags: dict) -> Any:
 
 
 def _forwarded(name: str) -> property:
-    """`name` read and written on the inner optimizer; the wrapper's own value before it exists
-    and while the wrapper builds (Keras's base `build` would make EMA and accumulator variables)."""
+    """`name` on the inner optimizer; the wrapper's own before it exists and while the wrapper builds."""
 
     def read(self: Any) -> Any:
         inner = vars(self).get("inner_optimizer")
@@ -129,8 +124,8 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         on_stuck: String, `"raise"` (default) or `"warn"` (once per stuck run).
         loss_scaling: Bool. False fixes the scale at 1.0 (bfloat16, float32); non-finite
             steps are still skipped and counted.
-        guard: String, what a step is checked for (`tfmp._src.loss_scale.guard`; costs in
-            `benchmarks/guard_cost.py`): `"batch"` or `"loss"` (only with
+        guard: String, what a step is checked for (costs in `benchmarks/guard_cost.py`):
+            `"batch"` or `"loss"` (only with
             `loss_scaling=False`), `"gradients"`, `"values"` (not under a tf.distribute
             strategy) or `"auto"` (default: `"gradients"` with loss scaling, `"batch"`
             without). A step applied without `scale_loss` gets the gradients check.
@@ -139,7 +134,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
             optimizer's defaults); anything else raises ValueError.
 
     `fused_updates` (bool attribute, not saved): run an inner Adam's or SGD's update on
-    TensorFlow's fused kernel (`tfmp._src.loss_scale.fused_update`). Default: True where no
+    TensorFlow's fused kernel (`tfmp._src.policy.fused_update`). Default: True where no
     GPU or TPU runs the steps, unless made under ``tfmp.enable(speedups=False)`` or
     ``{"fused_update": False}``. Read when a step is traced.
 
@@ -148,10 +143,9 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
     reached through the wrapper. Setting `loss_scale_factor` on the wrapper raises.
 
     Raises:
-        ValueError: (template, naming the argument) see `arguments.check_arguments`;
-            an `inner_optimizer` that is itself a loss-scale optimizer is refused (its
-            settings would be merged or dropped, and a kept reference would train with a
-            second scale); the message names ``LossScaleOptimizer(opt.inner_optimizer, ...)``.
+        ValueError: (template, naming the argument) a value outside what Args gives, an
+            unknown keyword argument, or an `inner_optimizer` that is itself a loss-scale
+            optimizer (a kept reference would train with a second scale).
 
     Example:
         >>> opt = LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0**10)
@@ -180,7 +174,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
                         guard=guard)
         _arguments.check_arguments(inner_optimizer, initial_scale, dynamic_growth_steps, name=name,
                                    kwargs=kwargs, **settings)
-        # Keras's build and scale_loss read `initial_scale`: 1.0 without loss scaling (get_config keeps the given).
+        # Keras's build and scale_loss read `initial_scale`: 1.0 without loss scaling.
         super().__init__(inner_optimizer, float(initial_scale) if loss_scaling else 1.0, dynamic_growth_steps,
                          name=name, **kwargs)
         self._config_initial_scale = initial_scale
@@ -189,8 +183,8 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
             setattr(self, key, value)
         self.fused_updates = speedups.on_now("fused_update")
         self._watch = _loops.Watch()
-        self._steps = _guard.StepRecord()  # scale_loss and get_unscaled_gradients calls, per step
-        self._origins = _guard.GradientOrigins()  # what get_unscaled_gradients took and handed back
+        self._steps = _guard.StepRecord()
+        self._origins = _guard.GradientOrigins()
         # Past Keras's tracking, which would track the statistics as optimizer variables.
         object.__setattr__(self, "_applying", _Applying())
         _loops.track(self)
@@ -209,7 +203,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
                 f"{scaling}, guard={self.guard!r}")
 
     def __getattr__(self, name: str) -> Any:
-        # Only when normal lookup fails: public settings of the inner optimizer (e.g. Adam's beta_1).
+        # Public settings of the inner optimizer (e.g. Adam's beta_1).
         inner = vars(self).get("inner_optimizer")
         if inner is None or name.startswith("_"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
@@ -225,7 +219,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
             )
         if (inner is not None and not name.startswith("_") and name not in vars(self)
                 and not hasattr(type(self), name) and hasattr(type(inner), name) is False and name in vars(inner)):
-            setattr(inner, name, value)  # e.g. Adam's beta_1, an attribute of the inner optimizer
+            setattr(inner, name, value)  # e.g. Adam's beta_1
             return
         super().__setattr__(name, value)
 
@@ -257,8 +251,8 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
     def record_batch(self, data: Any) -> None:
         """Records whether the float tensors of the train step's batch `data` are finite.
 
-        Called by tfmp as Keras's ``train_step(data)`` starts; the next `scale_loss` of
-        the step stores the finding in `last_loss_status` (bits 4 and 8).
+        Called by tfmp as ``train_step(data)`` starts; the step's `scale_loss` stores it in
+        `last_loss_status` (bits 4 and 8).
         """
         leaves = [leaf for leaf in tf.nest.flatten(data) if isinstance(leaf, tf.Tensor) and leaf.dtype.is_floating]
         if leaves:
@@ -282,21 +276,20 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
     def scale_loss(self, loss: Any) -> Any:
         """Multiplies `loss` by the scale, recording whether the loss (and the batch) is finite.
 
-        The record tells a non-finite loss from gradient overflow, for stuck detection and
-        for the ``"batch"`` and ``"loss"`` guards.
+        The record tells a non-finite loss from gradient overflow (stuck detection, the
+        ``"batch"`` and ``"loss"`` guards).
         """
         self._steps.note_scale_loss(self.built)
         self._record_status(loss)
         if not self.loss_scaling:
-            return loss  # the scale is fixed at 1.0: nothing to multiply (nor divide in apply)
+            return loss  # the scale is fixed at 1.0
         return super().scale_loss(loss)
 
     def check_finite(self, grads: list) -> Any:
         """Scalar bool tensor: True when the step passes its guard on every replica.
 
-        The gradients are checked on all replicas in sync (Keras keeps replica 0's answer,
-        `tfmp._src.distribute`); inside an `apply` under the ``"loss"`` guard, the loss
-        recorded by `scale_loss` instead; under ``"batch"``, the loss and the gradients.
+        The gradients on all replicas in sync (Keras keeps replica 0's answer); under the
+        ``"loss"`` guard the loss `scale_loss` recorded instead; under ``"batch"`` both.
         """
         check_loss = self._applying.check_loss
         if not check_loss:
@@ -314,9 +307,8 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
     def get_unscaled_gradients(self, grads: list) -> list:
         """Divides `grads` (list of tensors or None) by the scale, as tf.keras 2 did.
 
-        `apply` in the same step (traced function, or the next eager `apply`) does not
-        divide them again, also after ops on them (clipping, a cast); the tensors returned
-        are recognised outside such a step too.
+        `apply` in the same step (traced, or the next eager `apply`) does not divide them
+        again, also after ops on them (clipping, a cast).
 
         Returns:
             List of tensors (float32 where given float32), gradients of the true loss.
@@ -352,8 +344,9 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         already = self._origins.already_unscaled(grads, self._steps.unscaled.take())
         _guard.refuse_clipped_scaled(self, [g for g, done in zip(grads, already) if not done])
         _guard.warn_if_unscaled(self, self._steps, any(already))
-        first = _guard.first_check(self.guard, self.loss_scaling)
-        check_values = _guard.resolve(self.guard, self.loss_scaling) == "values"
+        resolved = _guard.resolve(self.guard, self.loss_scaling)
+        check_values = resolved == "values"
+        first = _guard.resolve("auto", self.loss_scaling) if check_values else resolved  # checked before the update
         if check_values and tf.distribute.has_strategy():
             raise invalid_argument(
                 "guard", self.guard, "'values' outside tf.distribute strategies (its put-back writes run "
@@ -391,7 +384,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         )
 
     def _apply_inner(self, grads: list, trainable_variables: list | None) -> None:
-        """The inner optimizer's `apply` of the unscaled gradients (fused: `fused_update`)."""
+        """The inner optimizer's `apply` of the unscaled gradients."""
         if self.loss_scaling:
             unscaled = self._applying.unscaled
             grads = [g if g is None or overwrites_with_gradient(self, v) or id(g) in unscaled
@@ -477,8 +470,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
 
     def counter_variables(self) -> list:
         """tfmp's counter variables (`_COUNTERS`, then the two overflow histories); [] before `build`."""
-        names = _COUNTERS + ("overflow_history_steps", "overflow_history_scales")
-        return [getattr(self, name) for name in names if name in vars(self)]
+        return [getattr(self, name) for name in _COUNTERS + _HISTORIES if name in vars(self)]
 
     @property
     def loss_scale_counters(self) -> _saved_form.CounterStore:
@@ -488,14 +480,12 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         return vars(self)["_counter_store"]
 
     def save_own_variables(self, store: Any) -> None:
-        """Saves the variables Keras's `LossScaleOptimizer` has, in its order; the counters
-        go through `loss_scale_counters`, so plain Keras loads this state as its own."""
-        _saved_form.save_variables(_saved_form.keras_layout(self, self.counter_variables()), store)
+        """Saves Keras's `LossScaleOptimizer`'s variables, in its order (the counters: `loss_scale_counters`)."""
+        _saved_form.save_variables(_saved_form.keras_layout(self), store)
 
     def load_own_variables(self, store: Any) -> None:
-        """Loads what `save_own_variables` saved, or every variable (earlier tfmp files);
-        a store of another length is left to Keras (which skips it with a warning)."""
-        if not _saved_form.load_variables(_saved_form.keras_layout(self, self.counter_variables()), store):
+        """Loads what `save_own_variables` saved, or every variable (earlier tfmp files); else Keras's."""
+        if not _saved_form.load_variables(_saved_form.keras_layout(self), store):
             super().load_own_variables(store)
 
     @classmethod
@@ -511,7 +501,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         return config
 
 
-# The Keras form of saved files names this class by Keras's name; where tfmp is imported, it resolves here.
+# Saved files name this class by Keras's name (`saved_form`).
 keras.saving.get_custom_objects()[_saved_form.KERAS_NAME] = LossScaleOptimizer
 for _setting in FORWARDED_SETTINGS:
     setattr(LossScaleOptimizer, _setting, _forwarded(_setting))
@@ -525,16 +515,13 @@ _DEFAULT_BOUNDS = {name: _PARAMETERS[name].default for name in ("min_scale", "ma
 
 
 def check_wrap_options(compute_dtype: str, **options: Any) -> None:
-    """Checks `wrap_optimizer`'s options (`WRAP_OPTIONS`) as `tfmp.LossScaleOptimizer` would.
-
-    Creates no variable and runs no TensorFlow op (which must wait for a multi-worker strategy).
+    """Checks `wrap_optimizer`'s options as `tfmp.LossScaleOptimizer` would, without a TensorFlow op.
 
     Raises:
         ValueError: (template) a value `tfmp.LossScaleOptimizer` refuses.
     """
-    values = {name: _PARAMETERS[name].default for name in WRAP_OPTIONS}
-    values["loss_scaling"] = compute_dtype == "float16"
-    values.update(options)
+    values = {**{name: _PARAMETERS[name].default for name in WRAP_OPTIONS},
+              "loss_scaling": compute_dtype == "float16", **options}
     initial_scale, growth = values.pop("initial_scale"), values.pop("dynamic_growth_steps")
     _arguments.check_settings(initial_scale, growth, kwargs={}, **values)
 
@@ -575,9 +562,8 @@ def wrap_optimizer(optimizer: str | dict | keras.optimizers.Optimizer, compute_d
         return optimizer
     options.setdefault("loss_scaling", compute_dtype == "float16")
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        keras_optimizer = optimizer
-        options = _user_settings.take_keras_settings(keras_optimizer, options, _DEFAULT_BOUNDS)
-        wrapped = LossScaleOptimizer(keras_optimizer.inner_optimizer, **options)  # raises before any warning
-        _user_settings.warn_keras_optimizer_replaced(keras_optimizer, options, compute_dtype)
+        options = _user_settings.take_keras_settings(optimizer, options, _DEFAULT_BOUNDS)
+        wrapped = LossScaleOptimizer(optimizer.inner_optimizer, **options)  # raises before any warning
+        _user_settings.warn_keras_optimizer_replaced(optimizer, options, compute_dtype)
         return wrapped
     return LossScaleOptimizer(keras.optimizers.get(optimizer), **options)

@@ -1,16 +1,9 @@
 """The saved form of `tfmp.LossScaleOptimizer`: a `.keras` file plain Keras opens.
 
-A hook on ``Model.get_compile_config`` (owner ``"saved_form"``: an attached model's own,
-`loops.serve`, or the class's while a tfmp optimizer no attached model holds is alive,
-`loops.track`) saves it as Keras's
-``keras.optimizers.LossScaleOptimizer``: Keras's config keys (a fixed scale as 1.0 that
-never grows, `FIXED_SCALE_GROWTH_STEPS`), tfmp's settings under `SETTINGS_KEY` in the
-inner optimizer's entry, which Keras does not read. model.weights.h5: the variables in
-Keras's order and number, tfmp's counters in a group of their own,
-``optimizer/loss_scale_counters`` (`CounterStore`). Where tfmp is imported the
-registered name resolves to tfmp's class; earlier tfmp files (``"tfmp>LossScaleOptimizer"``)
-still load. Not rewritten: a subclass's own ``get_compile_config``, ``.h5`` files,
-``serialize_keras_object`` of the optimizer alone.
+The compile config (hooked in `loops`) names Keras's `LossScaleOptimizer` with Keras's keys,
+tfmp's settings under `SETTINGS_KEY` in the inner optimizer's entry; the weights file keeps
+Keras's variables and order, the counters in ``optimizer/loss_scale_counters``. Earlier tfmp
+files (``"tfmp>LossScaleOptimizer"``) still load.
 """
 
 from __future__ import annotations
@@ -66,9 +59,9 @@ def compile_config_in_keras_form(config: Any) -> Any:
     return config
 
 
-def keras_layout(optimizer: Any, counters: List[Any]) -> List[Any]:
-    """The variables Keras's `LossScaleOptimizer` saves, in its order: `optimizer`'s but `counters`."""
-    ids = {id(v) for v in counters}
+def keras_layout(optimizer: Any) -> List[Any]:
+    """The variables Keras's `LossScaleOptimizer` saves, in its order: `optimizer`'s but its counters."""
+    ids = {id(v) for v in optimizer.counter_variables()}
     return [v for v in optimizer.variables if id(v) not in ids]
 
 
@@ -88,10 +81,8 @@ def load_variables(variables: List[Any], store: Any) -> bool:
 
 
 class CounterStore(keras.layers.Layer):
-    """Saves and loads an optimizer's counters, as its ``loss_scale_counters`` (a weak reference).
-
-    A missing group, or one of another length, leaves the counters as they are.
-    """
+    """Saves and loads an optimizer's counters as its ``loss_scale_counters``; a group missing or of
+    another length leaves them as they are."""
 
     def __init__(self, optimizer: Any) -> None:
         super().__init__(name="loss_scale_counters", trainable=False)

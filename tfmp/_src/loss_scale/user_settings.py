@@ -1,11 +1,7 @@
 """Loss-scaling settings a user gave that tfmp changes or does not use: said once (`tfmp.LossScaleWarning`).
 
-A Keras `keras.optimizers.LossScaleOptimizer` given to ``compile()`` under tfmp becomes a
-`tfmp.LossScaleOptimizer` around the same inner optimizer, keeping its ``initial_scale`` and
-``dynamic_growth_steps`` (Keras's own checks each replica's gradients apart under
-`tf.distribute`; README, "Distributed training"); and scaling settings given for a model
-that computes in bfloat16 or float32 are unused: the scale stays 1.0 unless
-``loss_scaling=True`` is asked for.
+A Keras `LossScaleOptimizer` given to ``compile()`` becomes a `tfmp.LossScaleOptimizer`
+keeping its settings; scaling settings for a bfloat16 or float32 model are unused.
 """
 
 from __future__ import annotations
@@ -45,12 +41,8 @@ def keras_settings(optimizer: keras.optimizers.LossScaleOptimizer) -> Dict[str, 
 
 def take_keras_settings(optimizer: keras.optimizers.LossScaleOptimizer, options: Mapping[str, Any],
                         default_bounds: Mapping[str, float]) -> Dict[str, Any]:
-    """Dict: the options of the `tfmp.LossScaleOptimizer` replacing `optimizer`.
-
-    `options` win; the Keras optimizer's `KERAS_SETTINGS` fill the keys they leave out, and
-    an ``initial_scale`` outside `default_bounds` (``min_scale``, ``max_scale``; Keras has
-    none) sets the bound it passes, so the user's scale is kept instead of refused.
-    """
+    """Dict: the options of the `tfmp.LossScaleOptimizer` replacing `optimizer`: `options`, then its
+    `KERAS_SETTINGS`; an ``initial_scale`` outside `default_bounds` moves the bound it passes."""
     chosen = {**keras_settings(optimizer), **options}
     initial = chosen["initial_scale"]
     if "max_scale" not in chosen and initial > default_bounds["max_scale"]:
@@ -62,13 +54,7 @@ def take_keras_settings(optimizer: keras.optimizers.LossScaleOptimizer, options:
 
 def warn_keras_optimizer_replaced(optimizer: keras.optimizers.LossScaleOptimizer, options: Mapping[str, Any],
                                   compute_dtype: str) -> None:
-    """Warns once per Keras `optimizer` that tfmp's wrapper, built with `options`, takes its place.
-
-    Warns:
-        tfmp.LossScaleWarning: naming the Keras optimizer's settings, what the replacement
-            uses instead (a fixed scale of 1.0 without loss scaling, or `loss_scale_options`
-            that set the same keys), and how to keep Keras's (compile after `tfmp.disable()`).
-    """
+    """Warns (`LossScaleWarning`) once per Keras `optimizer` that tfmp's, built with `options`, takes its place."""
     if optimizer in _warned_keras_optimizers:
         return
     _warned_keras_optimizers.add(optimizer)
@@ -95,13 +81,8 @@ def warn_keras_optimizer_replaced(optimizer: keras.optimizers.LossScaleOptimizer
 
 
 def warn_unused_scaling_options(options: Mapping[str, Any], policy: str, compute_dtype: str) -> None:
-    """Warns when `tfmp.enable`'s `loss_scale_options` set `SCALING_SETTINGS` that a fixed scale ignores.
-
-    Warns:
-        tfmp.LossScaleWarning: `options` hold any of `SCALING_SETTINGS` without a
-            ``loss_scaling`` key while `compute_dtype` is not float16 (`policy` is named).
-            An explicit ``loss_scaling`` is the fix and silences it.
-    """
+    """Warns (`LossScaleWarning`) when `loss_scale_options` set `SCALING_SETTINGS` without ``loss_scaling``
+    while `compute_dtype` is not float16, where a fixed scale ignores them."""
     given = {key: options[key] for key in SCALING_SETTINGS if key in options}
     if compute_dtype == "float16" or "loss_scaling" in options or not given:
         return

@@ -29,7 +29,7 @@ FEATURES = {
     "remapper": "a float16 model's steps without Grappler's remapper where the CPU's oneDNN takes float16 "
                 "(Attachment.remapper; policy/float16_fusion.py)",
     "fused_update": "Adam's and SGD's updates on TensorFlow's fused training kernels "
-                    "(tfmp.LossScaleOptimizer.fused_updates; loss_scale/fused_update.py)",
+                    "(tfmp.LossScaleOptimizer.fused_updates; policy/fused_update.py)",
 }
 ON = "on"
 #: Why a feature is off: the user's switch, or a device it was not measured on.

@@ -1,12 +1,9 @@
 """BatchNormalization statistics a skipped step must not keep.
 
-A skipped step's forward pass has already updated the moving mean and variance, which an
-inf in the batch turns into NaN for every later prediction. `kept_statistics` wraps each
-tfmp-attached BatchNormalization training call (`tfmp._src.float32.fused_batchnorm`):
-it writes the old values back at once where a new one is not finite, and notes them with
-the model, so that an optimizer skipping the step (`take`, `put_back`) restores them for
-the models it trains. With several replicas in sync only the first applies. Cost: two
-reads and two writes of per-channel vectors per layer and step.
+A skipped step's forward pass has already updated the moving mean and variance (an inf in
+the batch makes them NaN for good). `kept_statistics` wraps each attached BatchNormalization
+training call: non-finite values are written back at once, and the old ones noted so that an
+optimizer skipping the step restores them (`take`, `put_back`; one replica only).
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Adam's and SGD's updates in one TensorFlow kernel, for the optimizers `tfmp.LossScaleOptimizer` wraps.
 
-Keras 3 updates each variable with a chain of ops, each a pass over its memory; TensorFlow's
-training kernels (``tensorflow/core/kernels/training_ops.cc``, what tf.keras 2 ran) compute
-the same formula in one pass: ``ResourceApplyAdam`` for Keras's ``Adam.update_step`` (Adam,
-AdamW), ``ResourceApplyGradientDescent`` and ``ResourceApplyKerasMomentum`` for
-``SGD.update_step``. SGD's weights equal Keras's bit for bit, but for float32 rounding with
-``global_clipnorm``, gradient accumulation or XLA; Adam's differ by a few ulps (``1 -
-beta_1`` in the variable's dtype). Keras's update stays for sparse gradients, variables not
-float32/64 and under ``tf.distribute``. Measurements: benchmarks/README.md, "Optimizer updates".
+Keras 3 updates a variable with a chain of ops, each a pass over its memory; TensorFlow's
+training kernels (``training_ops.cc``, what tf.keras 2 ran) make one pass, equal to Keras's up
+to float32 rounding (benchmarks/README.md, "Optimizer updates"). Keras's update stays for
+sparse gradients, variables not float32/64 and under ``tf.distribute``.
 """
 
 from __future__ import annotations

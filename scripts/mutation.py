@@ -69,6 +69,7 @@ COVERING_TESTS: dict[str, tuple[str, ...]] = {
         "tests/test_enable.py",
         "tests/test_speedups.py",
         "tests/test_float16_fusion.py",
+        "tests/test_fused_update.py",  # policy/fused_update.py
     ),
     "attachment": (
         "tests/test_attachment.py",

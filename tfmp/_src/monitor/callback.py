@@ -288,7 +288,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
             self._count_samples()
             clock = time.perf_counter()
         metrics = _metrics.metric_scalars(prefix, logs)
-        names = [tag[len(_metrics.GROUP + prefix):] for tag in metrics]
+        names = [tag[len(tags.METRICS + prefix):] for tag in metrics]
         self._write_events(state, [name for name in names if not name.startswith("val_")])
         window = self._batch_window if epoch is None else self._epoch_window
         steps = state.step - window.step

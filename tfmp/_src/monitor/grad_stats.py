@@ -1,15 +1,9 @@
 """Is loss scaling doing its job? Gradient statistics, every N steps, in the graph.
 
-`GradientStats` hooks the optimizer's `apply` with a `tf.cond` that, every `every` steps,
-reduces the gradients (the first replica's under a strategy; the `values` of sparse
-ones) to numbers kept in variables: ``grad_norm``, the global L2 norm after unscaling;
-``grad_underflow_fraction``, nonzero elements below 2**-24 (float16's smallest
-subnormal) after scaling, which float16 would flush; ``grad_zero_fraction``;
-``grad_overflow_fraction``, elements above 65504 or non-finite; and ``update_ratio``,
-||w_after - w_before|| / ||w_before|| (0 on a skipped step), read against
-`BFLOAT16_EPSILON` (2**-8: a smaller relative change rounds away in bfloat16). Other
-steps cost a counter increment and three `tf.cond`s; a computing step copies the
-weights once (under XLA, every step: both branches must give the same shapes).
+`GradientStats` hooks the optimizer's `apply` with a `tf.cond` that, every N steps, reduces
+the gradients (the first replica's under a strategy) to variables: the unscaled global norm,
+the fractions float16 would flush (nonzero below 2**-24), overflow (above 65504 or
+non-finite) or hold as zero, and the update-to-weight ratio, read against bfloat16's 2**-8.
 """
 
 from __future__ import annotations
@@ -28,13 +22,7 @@ from tfmp._src.keras_hooks import optimizer_steps
 from tfmp._src.keras_hooks.object_state import PerObject
 from tfmp._src.keras_hooks.runtime_options import in_xla_context
 
-NAMES = (
-    "grad_norm",
-    "grad_underflow_fraction",
-    "grad_overflow_fraction",
-    "grad_zero_fraction",
-    "update_ratio",
-)
+NAMES = ("grad_norm", "grad_underflow_fraction", "grad_overflow_fraction", "grad_zero_fraction", "update_ratio")
 #: Reference line written with ``update_ratio``: `BFLOAT16_EPSILON` (2**-8).
 PRECISION_TAG = "bfloat16_relative_precision"
 
@@ -87,9 +75,7 @@ class GradientStats:
 
     _registry = PerObject("gradient_stats")  # on the optimizer: its hook refers to it
 
-    def __init__(
-        self, optimizer: keras.optimizers.Optimizer, every: int, strategy: Any
-    ) -> None:
+    def __init__(self, optimizer: keras.optimizers.Optimizer, every: int, strategy: Any) -> None:
         self._optimizer = weakref.ref(optimizer)
         self._counter = replica_local_variable(0, dtype=tf.int64, strategy=strategy)
         self._step = replica_local_variable(-1, dtype=tf.int64, strategy=strategy)
@@ -113,11 +99,6 @@ class GradientStats:
         """The optimizer whose gradients are measured."""
         return self._optimizer()
 
-    @property
-    def every(self) -> int:
-        """Int. Steps between two computations."""
-        return int(self._every.numpy())
-
     def _scale(self) -> tf.Tensor:
         scale = getattr(self.optimizer, "dynamic_scale", None)
         if scale is None:
@@ -137,17 +118,13 @@ class GradientStats:
         tf.cond(due, compute, lambda: tf.constant(False))
         return due
 
-    def _apply_recording_update(
-        self, apply: Callable, grads: list, variables: Optional[list], due: tf.Tensor
-    ) -> Any:
+    def _apply_recording_update(self, apply: Callable, grads: list, variables: Optional[list], due: tf.Tensor) -> Any:
         """Runs `apply`; if due, records the update ratio of `variables` (NaN if None)."""
         if not variables:
             self._ratio.assign(np.float32("nan"))
             return apply(grads, variables)
         if in_xla_context():
-            # XLA compiles a tf.cond only when both branches give the same shapes
-            # ("left_branch_shape.dimensions_size() != right_branch_shape...");
-            # XLA's buffer assignment keeps the values read before the update.
+            # XLA compiles a tf.cond only when both branches give the same shapes: copy every step.
             before = [tf.identity(v.value) for v in variables]
         else:
             # Copies only when due: the update writes new buffers while these are alive.
@@ -168,10 +145,7 @@ class GradientStats:
     def resume(self, start_step: int) -> bool:
         """Switches the statistics on; the next step is number `start_step + 1`.
 
-        Returns:
-            Bool. True when the hook was installed now, so the train function must
-            be traced again to contain it (the monitor calls
-            `model.make_train_function(force=True)`).
+        Returns True when the hook was installed now: the train function must be traced again.
         """
         # A NumPy scalar: TensorFlow caches every Python int it converts, for good.
         self._counter.assign(np.int64(start_step))

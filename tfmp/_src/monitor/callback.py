@@ -160,7 +160,14 @@ class LossScaleMonitor(keras.callbacks.Callback):
                 make the `CallbackList` with ``model=model`` first.
         """
         self._finish()  # a fit this monitor was in ended without on_train_end: start clean
-        model = self._model_or_raise()
+        model = getattr(self, "_model", None)
+        if model is None:
+            raise ValueError(
+                "LossScaleMonitor.on_train_begin() needs the model it monitors. Expected a "
+                "keras.Model set on the monitor. Received: no model (set_model was never "
+                "called). Call monitor.set_model(model), or make the list with "
+                "keras.callbacks.CallbackList([monitor], model=model); model.fit does it itself."
+            )
         self._training = True
         self._epoch_offset = None
         self._active = _distribute.is_chief(model.distribute_strategy)
@@ -240,17 +247,6 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._require_training("on_epoch_end")
         if self._active:
             self._log("epoch_", self._epoch_step(epoch), logs)
-
-    def _model_or_raise(self) -> keras.Model:
-        model = getattr(self, "_model", None)
-        if model is None:
-            raise ValueError(
-                "LossScaleMonitor.on_train_begin() needs the model it monitors. Expected a "
-                "keras.Model set on the monitor. Received: no model (set_model was never "
-                "called). Call monitor.set_model(model), or make the list with "
-                "keras.callbacks.CallbackList([monitor], model=model); model.fit does it itself."
-            )
-        return model
 
     def _require_training(self, call: str) -> None:
         """Raises `RuntimeError` when `call` comes with no `on_train_begin` since the last `on_train_end`."""

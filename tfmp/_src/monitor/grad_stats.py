@@ -60,17 +60,10 @@ def _update_ratio(variables: list, before: list) -> tf.Tensor:
 class GradientStats:
     """Computes gradient statistics every `every` steps of `optimizer.apply`.
 
-    One instance per optimizer (`GradientStats.of`): its hook on `apply` (through
-    `keras_hooks.optimizer_steps`) is installed once and traced into the train function;
-    `pause` and `resume` switch it with a variable, so later `fit` calls reuse the
-    traced step. `remove` takes the hook off (the next trace runs without it).
-
-    Args:
-        optimizer: The model's optimizer. For a `keras.optimizers.
-            LossScaleOptimizer` (tfmp's included) the gradients it receives are
-            multiplied by `dynamic_scale`; otherwise by `loss_scale_factor` or 1.
-        every: Int >= 1. Steps between two computations.
-        strategy: `tf.distribute.Strategy` the model trains under.
+    One instance per optimizer (`of`), whose hook on `apply` is installed once and traced
+    into the train function; `pause` and `resume` switch it with a variable, so later `fit`
+    calls reuse the traced step; `remove` takes it off. The gradients `apply` receives are
+    taken as multiplied by `dynamic_scale`, else `loss_scale_factor` or 1.
     """
 
     _registry = PerObject("gradient_stats")  # on the optimizer: its hook refers to it
@@ -94,15 +87,11 @@ class GradientStats:
         stats._every.assign(np.int64(every))
         return stats
 
-    @property
-    def optimizer(self) -> Any:
-        """The optimizer whose gradients are measured."""
-        return self._optimizer()
-
     def _scale(self) -> tf.Tensor:
-        scale = getattr(self.optimizer, "dynamic_scale", None)
+        optimizer = self._optimizer()
+        scale = getattr(optimizer, "dynamic_scale", None)
         if scale is None:
-            scale = self.optimizer.loss_scale_factor or 1.0
+            scale = optimizer.loss_scale_factor or 1.0
         return tf.cast(tf.convert_to_tensor(scale), tf.float32)
 
     def _record(self, grads: list) -> tf.Tensor:
@@ -163,7 +152,7 @@ class GradientStats:
 
             return apply_with_statistics
 
-        self._hook = optimizer_steps.subscribe(self.optimizer, "apply", wrap, owner="grad_stats")
+        self._hook = optimizer_steps.subscribe(self._optimizer(), "apply", wrap, owner="grad_stats")
         return True
 
     def pause(self) -> None:

@@ -82,17 +82,11 @@ def build_layout(
     """Builds the layout for the tags a monitor writes.
 
     Args:
-        prefixes: Sequence of strings, the logging levels written: ``"batch_"``
-            and/or ``"epoch_"``.
+        prefixes: The logging levels written: ``"batch_"`` and/or ``"epoch_"``.
         grad_stats: Bool. Whether gradient statistics are written.
-        metrics: Sequence of strings. Names of the training metrics in Keras's
-            logs (e.g. ``("loss", "accuracy")``), without ``val_`` ones.
-        fixed_scale: String or None. Why the loss scale stays at 1 (e.g.
-            ``"no loss scaling under mixed_bfloat16"``, from
-            `tfmp._src.monitor.metrics.fixed_scale_reason`); None under loss
-            scaling.
-        float16: Bool. Whether the model computes in float16: only then is
-            the float16 fractions chart drawn (its tags are written then only).
+        metrics: Names of the training metrics in Keras's logs, without ``val_`` ones.
+        fixed_scale: Why the loss scale stays at 1 (`metrics.fixed_scale_reason`), or None.
+        float16: Bool. Whether the model computes in float16 (draws the fractions chart).
 
     Returns:
         `layout_pb2.Layout`. Under loss scaling: per level a category "loss scaling

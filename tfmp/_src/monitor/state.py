@@ -22,17 +22,10 @@ from tfmp._src.loss_scale.optimizer import LossScaleOptimizer
 class LossScaleState:
     """Loss-scaling state of an optimizer at one moment, as Python numbers.
 
-    Attributes:
-        step: Int. Steps trained so far, skipped ones included: `total_steps` of a
-            `tfmp.LossScaleOptimizer`, `iterations` of any other optimizer (a
-            Keras `LossScaleOptimizer` does not count its skipped steps there).
-        loss_scale: Float. The current loss scale; 1.0 without loss scaling.
-        overflow_count: Int. Skipped (non-finite) steps so far; 0 for optimizers
-            that do not count them.
-        consecutive_overflows: Int. Skipped steps in a row up to now.
-        learning_rate: Float or None. The learning rate the next step uses
-            (schedules evaluated at the inner optimizer's `iterations`, which do
-            not advance on skipped steps); None if the optimizer has none.
+    `step` counts steps trained, skipped ones included (`total_steps` of a
+    `tfmp.LossScaleOptimizer`, else `iterations`); `overflow_count` and
+    `consecutive_overflows` are 0 for optimizers that do not count them;
+    `learning_rate` is the next step's, None if the optimizer has none.
     """
 
     step: int
@@ -44,15 +37,8 @@ class LossScaleState:
 
 @dataclasses.dataclass(frozen=True)
 class OverflowEvent:
-    """One skipped step, from the optimizer's overflow history.
-
-    Attributes:
-        step: Int. One-based number of the skipped step (= `total_steps` after
-            it), the monitor's step axis; `last_overflow_step` + 1.
-        scale_before: Float. The loss scale the step ran with.
-        scale_after: Float. The loss scale after it (halved, or kept by
-            `hysteresis`, `min_scale` or fixed-scale runs).
-    """
+    """One skipped step from the overflow history: its one-based number (the monitor's step
+    axis) and the loss scale it ran with and the one after it."""
 
     step: int
     scale_before: float

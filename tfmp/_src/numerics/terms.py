@@ -1,12 +1,9 @@
 """The terms of a model's total loss, each checked and named, for `tfmp.check_numerics`.
 
-Keras's ``compute_loss`` adds every term of ``model.losses`` (``add_loss`` terms,
-activity regularizers, weight regularizers) to the compiled loss. When one of
-them is inf or NaN the total loss is too, with every layer output finite: the
-report names the term, its layer and what to change, rather than the loss
-function. Each term the model's train step reads is reduced to a trace row
-(`record.entry_row`) right after the read (`keras_hooks.loss_terms.watch`), so
-the rows of the terms come after the layers' and before the loss's.
+When a term of ``model.losses`` (``add_loss``, an activity or weight regularizer) is inf
+or NaN, so is the loss, with every layer output finite: the report names the term, its
+layer and the fix. Each term is reduced to a trace row right after the train step reads
+it (`keras_hooks.loss_terms.watch`), between the layers' rows and the loss's.
 """
 
 from __future__ import annotations
@@ -62,18 +59,11 @@ def describe_regularizer(regularizer: Any) -> Optional[str]:
 def term_entries(
     model: Any, terms: list, added_in_call: set, checked: set, where: Callable[[Any], tuple[Optional[str], str]]
 ) -> list[tuple]:
-    """Trace entries `(path, class, dtype, row, TermSource)` for the terms of `model.losses`.
+    """Trace entries `(path, class, dtype, row, TermSource)` of the float terms of `model.losses`.
 
-    Args:
-        model: `keras.Model` whose ``losses`` was read.
-        terms: The list read (same length and order as Keras's).
-        added_in_call: Set of `id`s of terms a checked layer's own ``call`` added.
-        checked: Set of `id`s of the layers whose ``call`` is checked.
-        where: Callable, a layer or a variable -> (path, class name) of the layer
-            holding it (path None for the model itself).
-
-    Returns:
-        List of entries; terms that are not float tensors are left out.
+    `terms` is the list read; `added_in_call` the `id`s of terms a checked layer's own
+    ``call`` added; `checked` the `id`s of checked layers; `where(layer or variable)` the
+    (path, class name) of the layer holding it (path None for the model).
     """
     sources = loss_terms.term_sources(model)
     if sources is None or len(sources) != len(terms):

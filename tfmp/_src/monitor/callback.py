@@ -27,8 +27,6 @@ from tfmp._src.monitor.layout import DESCRIPTIONS, build_layout, layout_summary
 from tfmp._src.monitor.state import describe, read_overflow_events, read_state, samples_this_epoch, skip_cause
 
 _LOG = logging.getLogger(__name__)
-#: Window scalars that only an optimizer counting overflows can give.
-_OVERFLOW_TAGS = ("overflow_count", "skipped_steps", "overflow_rate", "consecutive_overflows")
 _MIB = 2.0**20
 
 
@@ -55,31 +53,24 @@ _Window = collections.namedtuple("_Window", "step overflows samples clock")
 class LossScaleMonitor(keras.callbacks.Callback):
     """Logs loss scaling, overflow events, throughput and the training loss to TensorBoard.
 
-    Exact: counts come from the optimizer's variables (`tfmp.LossScaleOptimizer`:
-    `total_steps`, `overflow_count`, the overflow history), so nothing between two
-    reads is lost, whatever `steps_per_execution`; each skipped step is itemized at
-    its own step (the last 64 between two logging points). Cheap: variables are
-    read only at logging points. Crash-safe: each logging point is flushed as
-    written; when ``fit`` raises (a failing step or input pipeline,
-    `tfmp.NonFiniteError`, another callback, Ctrl-C, a full disk) the monitor
-    writes the state at that moment with a note naming the error and closes its
-    file before the error propagates. A failing write never stops training: one
-    `tfmp.LoggingWarning` names the folder, the first lost step, the cause and the
-    fix, and the monitor retries in a new event file that starts with a
-    ``monitor_notes`` line naming the lost steps. Under a distribution strategy
-    only the chief writes. It also writes the loss and metrics of Keras's `logs`
-    (``metrics/...`` tags, no extra device read) and, when the scale cannot move, a
-    Text-tab note saying why.
+    Exact: counts come from the optimizer's variables (`tfmp.LossScaleOptimizer`), so
+    nothing between two reads is lost, whatever `steps_per_execution`; each skipped
+    step is itemized at its own step (the last 64 between two logging points), and
+    variables are read only at logging points. Crash-safe: each logging point is
+    flushed as written; when ``fit`` raises (a failing step, `tfmp.NonFiniteError`, a
+    callback, Ctrl-C, a full disk) the monitor writes the state with a note naming the
+    error and closes its file first. A failing write never stops training: one
+    `tfmp.LoggingWarning` names the folder, the first lost step, the cause and the fix,
+    and the monitor retries in a new event file. Under a distribution strategy only the
+    chief writes. It also writes Keras's `logs` (``metrics/...``) and, when the scale
+    cannot move, a Text-tab note saying why.
 
-    Driven by hand (a custom loop, directly or through `keras.callbacks.CallbackList`):
-    `on_train_begin` is required before the first step (any other training hook
-    before it raises `RuntimeError`); the epoch calls are optional (without
-    `on_epoch_begin`, the `batch` given to `on_train_batch_end` counts from
-    `on_train_begin`); `on_train_end` closes the file.
-
-    Epoch axis: it continues over every run of one monitor (two `fit(epochs=2)`
-    calls log epochs 0, 1, 2, 3), except that a `fit` with ``initial_epoch=k`` > 0
-    keeps Keras's numbers (k, k + 1, ...), as `History` does.
+    In a custom loop (hooks called directly or through `keras.callbacks.CallbackList`),
+    `on_train_begin` must come before the first step (other hooks before it raise
+    `RuntimeError`); epoch calls are optional (without `on_epoch_begin`, `batch` counts
+    from `on_train_begin`); `on_train_end` closes the file. The epoch axis continues over
+    every run of one monitor (two `fit(epochs=2)`: epochs 0 to 3) unless a `fit` has
+    ``initial_epoch=k`` > 0, which keeps Keras's numbers, as `History` does.
 
     Args:
         log_dir: String or path-like. Root folder of the run; events go to
@@ -217,8 +208,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._epoch_window = self._epoch_window._replace(samples=self._samples, clock=time.perf_counter())
 
     def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
-        """After batch `batch` (Int, zero-based, counted from the epoch's start, or
-        from `on_train_begin` when no epoch began).
+        """After batch `batch` (Int, zero-based, from the epoch's start, or from `on_train_begin`).
 
         Raises:
             RuntimeError: (template) called before `on_train_begin`.
@@ -289,16 +279,11 @@ class LossScaleMonitor(keras.callbacks.Callback):
         window = self._batch_window if epoch is None else self._epoch_window
         steps = state.step - window.step
         skipped = state.overflow_count - window.overflows
-        scalars = {  # by name; written under `tags.window`
-            "loss_scale": state.loss_scale,
-            "overflow_count": state.overflow_count,
-            "skipped_steps": skipped,
-            "overflow_rate": skipped / steps if steps > 0 else 0.0,
-            "consecutive_overflows": state.consecutive_overflows,
-        }
-        if not self._counts_overflows:  # nothing to report: write no made-up zeros
-            for tag in _OVERFLOW_TAGS:
-                del scalars[tag]
+        scalars = {"loss_scale": state.loss_scale}  # by name; written under `tags.window`
+        if self._counts_overflows:  # else nothing to report: write no made-up zeros
+            scalars.update(overflow_count=state.overflow_count, skipped_steps=skipped,
+                           overflow_rate=skipped / steps if steps > 0 else 0.0,
+                           consecutive_overflows=state.consecutive_overflows)
         if state.learning_rate is not None:
             scalars["lr"] = state.learning_rate
         samples = self._samples - window.samples

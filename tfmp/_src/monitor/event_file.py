@@ -36,11 +36,9 @@ _OWNER, _NOTE_TAG = "tfmp.LossScaleMonitor", "monitor_notes"
 class LoggingWarning(UserWarning):
     """tfmp could not write its TensorBoard events, or they would mix with another run's.
 
-    Issued by `tfmp.LossScaleMonitor` once per failure, naming the folder, the
-    first step whose events are lost, the cause and the fix; and once per event
-    file when another process is writing into the same folder (TensorBoard would
-    show both as one run). ``warnings.simplefilter("error", tfmp.LoggingWarning)``
-    stops a run that cannot log.
+    Issued by `tfmp.LossScaleMonitor` once per failure (naming the folder, the first lost
+    step, the cause and the fix), and once per event file when another process writes into
+    the same folder. ``warnings.simplefilter("error", tfmp.LoggingWarning)`` stops such a run.
     """
 
 
@@ -92,11 +90,11 @@ def _warn_if_shared(directory: str) -> None:
 
 @dataclasses.dataclass
 class _Failure:
-    """A failed write not yet followed by a successful one."""
+    """A failed write not yet followed by a successful one: first lost step, cause, last attempt."""
 
-    first_step: int  # first step whose events were lost
+    first_step: int
     cause: str  # "ResourceExhaustedError: No space left on device"
-    tried: float  # time.monotonic() of the last attempt
+    tried: float  # time.monotonic()
 
 
 def describe_error(error: BaseException) -> str:
@@ -122,23 +120,14 @@ def _fix(directory: str, error: BaseException) -> str:
 
 
 class EventFile:
-    """Writes TensorBoard events into one run directory, flushing every write.
+    """Writes TensorBoard events into `directory` (created if missing), flushing every write.
 
-    `tf.summary` names each writer's file uniquely, so it never clobbers other
-    writers' files in the same directory, such as `keras.callbacks.TensorBoard`'s.
-
-    Never raises a write error (`WRITE_ERRORS`). On the first failure it issues one
-    `LoggingWarning`, closes the writer (one whose flush failed may stay broken) and
-    drops the events; at later writes, at most every `RETRY_SECONDS`, and at `close`
-    it opens a new file whose first event is a ``monitor_notes`` note naming the lost
-    steps and the cause. The file open at the failure may end in one partial record,
-    which TensorBoard skips (`tf.data.TFRecordDataset` raises `DataLossError` there).
-
-    Args:
-        directory: String. Folder of the event file (a TensorBoard run); created if
-            missing. Any path `tf.summary.create_file_writer` accepts.
-        descriptions: Mapping from tag to a sentence TensorBoard shows under the
-            chart (Markdown).
+    `descriptions` maps a tag to the Markdown TensorBoard shows under its chart. Never raises
+    a write error (`WRITE_ERRORS`): the first failure gives one `LoggingWarning` and drops
+    the writer (one whose flush failed may stay broken) and the events; at later writes, at
+    most every `RETRY_SECONDS`, and at `close` it opens a new file whose first event is a
+    ``monitor_notes`` note naming the lost steps. The file open at the failure may end in one
+    partial record, which TensorBoard skips (`tf.data.TFRecordDataset` raises `DataLossError`).
     """
 
     def __init__(self, directory: str, descriptions: Optional[Mapping[str, str]] = None) -> None:
@@ -159,15 +148,9 @@ class EventFile:
         """Bool. Whether the last write failed (events are being lost)."""
         return self._failure is not None
 
-    def write(
-        self,
-        step: int,
-        scalars: Optional[Mapping[str, float]] = None,
-        texts: Optional[Mapping[str, str]] = None,
-        summaries: Iterable[summary_pb2.Summary] = (),
-        *,
-        batch_step: Optional[int] = None,
-    ) -> bool:
+    def write(self, step: int, scalars: Optional[Mapping[str, float]] = None,
+              texts: Optional[Mapping[str, str]] = None, summaries: Iterable[summary_pb2.Summary] = (), *,
+              batch_step: Optional[int] = None) -> bool:
         """Writes scalars (as float32), texts (Markdown) and `Summary` protos at `step`, then flushes.
 
         `batch_step` (default `step`) is the training step that warnings and notes about lost

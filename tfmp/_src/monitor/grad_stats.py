@@ -117,11 +117,8 @@ class GradientStats:
             before = [tf.identity(v.value) for v in variables]
         else:
             # Copies only when due: the update writes new buffers while these are alive.
-            before = tf.cond(
-                due,
-                lambda: [tf.identity(v.value) for v in variables],
-                lambda: [tf.zeros([0], v.dtype) for v in variables],
-            )
+            before = tf.cond(due, lambda: [tf.identity(v.value) for v in variables],
+                             lambda: [tf.zeros([0], v.dtype) for v in variables])
         result = apply(grads, variables)
 
         def ratio() -> tf.Tensor:

@@ -50,10 +50,8 @@ def _pattern_chart(title: str, patterns: Sequence[str]) -> layout_pb2.Chart:
 #: The charts of gradient statistics (``grad_stats_freq``) and the update ratio.
 _GRADIENTS = (
     _chart("global gradient norm (unscaled)", [tags.event("grad_norm")]),
-    _chart(
-        "update / weight (global norms) vs bfloat16's 2**-8",
-        [tags.event("update_ratio"), tags.event("bfloat16_relative_precision")],
-    ),
+    _chart("update / weight (global norms) vs bfloat16's 2**-8",
+           [tags.event("update_ratio"), tags.event("bfloat16_relative_precision")]),
 )
 #: Its float16 chart, drawn for a model computing in float16 only.
 _FLOAT16_GRADIENTS = _chart(
@@ -72,13 +70,8 @@ def _training_charts(prefixes: Sequence[str], metrics: Sequence[str]) -> list:
     return charts
 
 
-def build_layout(
-    prefixes: Sequence[str],
-    grad_stats: bool,
-    metrics: Sequence[str] = (),
-    fixed_scale: Optional[str] = None,
-    float16: bool = False,
-) -> layout_pb2.Layout:
+def build_layout(prefixes: Sequence[str], grad_stats: bool, metrics: Sequence[str] = (),
+                 fixed_scale: Optional[str] = None, float16: bool = False) -> layout_pb2.Layout:
     """Builds the layout for the tags a monitor writes.
 
     Args:

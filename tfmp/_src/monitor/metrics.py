@@ -15,8 +15,6 @@ import keras
 
 from tfmp._src.monitor import tags
 
-#: Keys of `logs` not written: the monitor logs the learning rate itself (``lr``).
-_SKIPPED = frozenset({"learning_rate"})
 #: Text tag of the note saying why the loss-scale chart is flat.
 NOTE_TAG = "loss_scale_note"
 
@@ -25,7 +23,7 @@ def metric_scalars(prefix: str, logs: Optional[Mapping[str, Any]]) -> Dict[str, 
     """``metrics/<prefix><name>`` -> float for the real numbers of Keras's `logs`, in order.
 
     Entries that are not one real number (a metric returning a vector) and ``learning_rate``
-    (the monitor writes ``lr`` itself) are left out.
+    are left out.
 
     Example:
         >>> metric_scalars("batch_", {"loss": 0.5, "accuracy": 0.75})
@@ -33,7 +31,7 @@ def metric_scalars(prefix: str, logs: Optional[Mapping[str, Any]]) -> Dict[str, 
     """
     scalars = {}
     for name, value in (logs or {}).items():
-        number = None if name in _SKIPPED else _real(value)
+        number = None if name == "learning_rate" else _real(value)  # the monitor writes ``lr`` itself
         if number is not None:
             scalars[f"{tags.METRICS}{prefix}{name}"] = number
     return scalars

@@ -57,11 +57,8 @@ def read_state(optimizer: Any) -> LossScaleState:
     other optimizers a scale of 1.0.
     """
     scale, overflows, consecutive = 1.0, 0, 0
-    is_lso = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-    if is_lso and optimizer.built:
-        scale = float(optimizer.dynamic_scale.numpy())
-    elif is_lso:
-        scale = float(optimizer.initial_scale)
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        scale = float(optimizer.dynamic_scale.numpy() if optimizer.built else optimizer.initial_scale)
     if isinstance(optimizer, LossScaleOptimizer) and optimizer.built:
         step = int(optimizer.total_steps.numpy())
         overflows = int(optimizer.overflow_count.numpy())

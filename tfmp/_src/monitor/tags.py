@@ -8,14 +8,9 @@ card, under every policy. Text tags (``overflow_events``, ``monitor_notes``,
 
 from __future__ import annotations
 
-#: Group of the loss and metrics of Keras's logs (sorts first).
-METRICS = "metrics/"
-#: Group of what the optimizer applies: learning rate, gradient norm, update ratio.
-OPTIMIZER = "optimizer/"
-#: Group of the loss scale, the skipped steps and the precision diagnostics.
-PRECISION = "precision/"
-#: Group of throughput and device memory.
-SYSTEM = "system/"
+#: The groups: Keras's logs (sorts first); learning rate, gradient norm and update ratio;
+#: loss scale, skipped steps and precision diagnostics; throughput and device memory.
+METRICS, OPTIMIZER, PRECISION, SYSTEM = "metrics/", "optimizer/", "precision/", "system/"
 
 #: The gradient statistics written only for a model computing in float16.
 FLOAT16_ONLY = ("grad_underflow_fraction", "grad_overflow_fraction", "grad_zero_fraction")

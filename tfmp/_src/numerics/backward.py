@@ -26,19 +26,10 @@ def max_magnitude(gradient: Any) -> tf.Tensor:
 
 @dataclasses.dataclass
 class Boundary:
-    """One checked layer call, as its backward pass is seen.
-
-    Attributes:
-        path: String. The layer's path.
-        layer_class: String. Its class name.
-        dtype: String. Its compute dtype.
-        variables: Set of `id` of the layer's trainable weights (its sublayers' too).
-        out_grads: List of scalar float32 tensors: max |dL/d(output)| per output
-            tensor, noted while the gradient is computed.
-        in_grads: List of scalar float32 tensors: max |dL/d(input)| per input.
-        end: Int. Rank of the call among the step's checked calls by the time it
-            returned (a block returns after its sublayers); -1 until then.
-    """
+    """One checked layer call (path, class, compute dtype, `id`s of its trainable weights), as
+    its backward pass is seen: max |gradient| per output and per input tensor, noted while the
+    gradient is computed, and `end`, its rank among the step's checked calls by the time it
+    returned (a block returns after its sublayers; -1 until then)."""
 
     path: str
     layer_class: str

@@ -40,7 +40,7 @@ MAX_TRACE_LENGTH = 1024
 #: How to fix a `model` argument that is not a model (or `None`).
 _MODEL_FIX = model_fix("tfmp.check_numerics(model, action='warn')")
 
-#: The surface of each method `CheckNumerics` hooks.
+#: The surface of each method `NumericsHandle` hooks.
 _SURFACE_OF = {"call": layer_calls.SURFACE, "train_step": trainer.SURFACE,
                "apply": optimizer_steps.SURFACE, "scale_loss": optimizer_steps.SURFACE}
 
@@ -258,10 +258,7 @@ class NumericsHandle:
         return owners
 
     def check(self) -> None:
-        """Reads the recorded failure after a step and acts on it.
-
-        Called after every train step whose flag says a failure was recorded. The
-        failure is cleared once reported: a caller that trains on meets the next afresh.
+        """Reads the failure recorded by a step and acts on it, then clears it (the next comes afresh).
 
         Raises:
             tfmp.NonFiniteError: With `action="raise"`, on the first recorded failure.
@@ -299,15 +296,11 @@ def check_numerics(
 ) -> Optional[NumericsHandle]:
     """Instruments `model` so training stops at the first non-finite value, naming its layer.
 
-    Works before or after `compile`: the train function is rebuilt by the next `fit`
-    (or `train_on_batch`). Calling it again replaces the previous hooks. Values,
-    losses and weights are unchanged by the hooks.
-
-    Under a `tf.distribute` strategy (the model built in `strategy.scope()`), steps
-    are counted once per global step and a failure on any replica is reported
-    once: the earliest failing layer call of the step over all replicas, with that
-    replica's value trace, for one all-reduce per step of
-    `replicas * 6 * (trace_length + 1)` float32.
+    Works before or after `compile` (the next `fit` or `train_on_batch` rebuilds the train
+    function); calling it again replaces the previous hooks; values, losses and weights are
+    unchanged. Under a `tf.distribute` strategy, steps are counted once per global step and
+    the earliest failure of the step over all replicas is reported once, with that replica's
+    trace (one all-reduce per step of `replicas * 6 * (trace_length + 1)` float32).
 
     Args:
         model: `keras.Model`. The model to instrument.

@@ -37,10 +37,8 @@ class DatasetIssue:
 
     Attributes:
         batch: Int. Zero-based index of the batch in iteration order.
-        component: String. `"x"`, `"y"` or `"sample_weight"`, with the key path for
-            nested inputs (e.g. `"x/age"`).
-        feature: Int or None. Index along the component's last axis (a column of
-            tabular data, a channel of images); None for a component of rank <= 1.
+        component: String. `"x"`, `"y"` or `"sample_weight"`, with the key path of nested inputs (`"x/age"`).
+        feature: Int or None. Index along the component's last axis; None for a component of rank <= 1.
         problem: String. `"nan"`, `"inf"`, `"overflow"` or `"underflow"`.
         count: Int. How many values of this feature in this batch have the problem.
     """
@@ -66,9 +64,8 @@ class DatasetReport:
         smallest_subnormal: Float. Its smallest positive value (2**-24 for float16).
         batches_checked: Int. Batches scanned.
         issues: List of `DatasetIssue`, in batch order.
-        values_checked: Int. Floating-point values scanned. 0 when the data set
-            holds no float component (strings, integer ids only): nothing was
-            checked, and `check_dataset` warned.
+        values_checked: Int. Floating-point values scanned; 0 (and a warning) when
+            the data set holds no float component.
 
     Raises:
         ValueError: (template) `compute_dtype` not a string, a limit not a
@@ -188,10 +185,7 @@ def _checked_batches(data: Any, batches: Iterator[Any]) -> Iterator[Any]:
 def _named_leaves(batch: Any) -> Iterator[tuple[str, Any]]:
     """``(name, leaf)`` of one batch, split as `fit` splits it: ``"x"``, ``"y"``, ``"sample_weight"``,
     with the key path of nested inputs (``"x/age"``); a component given as None is skipped."""
-    if isinstance(batch, (tuple, list)) and 1 <= len(batch) <= 3:
-        parts = zip(_COMPONENTS, batch)
-    else:
-        parts = [("x", batch)]
+    parts = zip(_COMPONENTS, batch) if isinstance(batch, (tuple, list)) and 1 <= len(batch) <= 3 else [("x", batch)]
     for component, value in parts:
         if value is None:
             continue
@@ -201,12 +195,8 @@ def _named_leaves(batch: Any) -> Iterator[tuple[str, Any]]:
 
 def _components(batch: Any) -> list[tuple[str, np.ndarray]]:
     """Named float arrays of one batch (`_named_leaves`)."""
-    named = []
-    for name, leaf in _named_leaves(batch):
-        array = np.asarray(leaf)
-        if np.issubdtype(array.dtype, np.floating) or array.dtype == ml_dtypes.bfloat16:
-            named.append((name, array))
-    return named
+    arrays = [(name, np.asarray(leaf)) for name, leaf in _named_leaves(batch)]
+    return [(name, a) for name, a in arrays if np.issubdtype(a.dtype, np.floating) or a.dtype == ml_dtypes.bfloat16]
 
 
 #: Elements scanned at once (a float64 copy with a few masks), whatever the size of a batch.

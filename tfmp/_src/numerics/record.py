@@ -17,11 +17,9 @@ import tensorflow as tf
 from tfmp._src.distribute import gather_replicas, replica_local_variable
 from tfmp._src.numerics.backward import max_magnitude
 
-#: Columns of one trace row (float32): VALID is 1 for a row that holds data; ABS_MIN, ABS_MAX
-#: the range of |output|; IN_MIN, IN_MAX the signed range of the inputs; HAS_INPUT 1 when the
-#: layer had numeric inputs. TensorFlow's and XLA's min/max propagate NaN, so a range shows
-#: any non-finite value. A row is non-finite when its outputs or inputs were: the first layer
-#: to *see* a bad value is named even when it hides it (ReLU maps NaN to 0).
+#: Columns of one trace row (float32): the range of |output| and the signed range of the inputs.
+#: TensorFlow's and XLA's min/max propagate NaN, so a range shows any non-finite value; a row
+#: with non-finite inputs counts too: the first layer to *see* a bad value is named (ReLU hides NaN).
 COLUMNS = ("valid", "abs_min", "abs_max", "in_min", "in_max", "has_input")
 VALID, ABS_MIN, ABS_MAX, IN_MIN, IN_MAX, HAS_INPUT = range(len(COLUMNS))
 #: Entries of the int64 `state` variable.
@@ -84,16 +82,12 @@ def row_kinds(rows: tf.Tensor, first: int, last: int) -> tf.Tensor:
 
 @dataclasses.dataclass
 class StepTrace:
-    """What one train step saw, collected in Python while the step runs or traces.
+    """What one train step of `owner` (a `NumericsHandle`) saw, collected while it runs or traces.
 
-    Attributes:
-        graph: The graph the step builds in; calls made in another graph (a
-            `tf.while_loop` body, shape inference) are not recorded.
-        owner: The `NumericsHandle` recording the step.
-        entries: List of `(path, class name, compute dtype, row, term)`, in call
-            order; `term` a `terms.TermSource` for a term of the model's losses, else None.
-        gradients: List of `(grads, variables, scale, counts)` given to the optimizer,
-            with `layers.scale_and_counts` read before the update.
+    Calls made in another graph than `graph` (a `tf.while_loop` body, shape inference) are
+    not recorded. `entries` holds `(path, class name, compute dtype, row, term)` in call order
+    (`term` a `terms.TermSource` or None); `gradients` `(grads, variables, scale, counts)`
+    given to the optimizer, with `layers.scale_and_counts` read before the update.
     """
 
     graph: Any
@@ -172,12 +166,9 @@ class FailureRecorder:
     def finish(self, trace: StepTrace) -> tf.Tensor:
         """Adds the ops that record `trace`'s first failure; call at the end of the step.
 
-        On one replica the failure details are computed in a `tf.cond` branch that runs
-        only on a failure; on several, every step, to agree on one (`_agree`).
-
-        Returns:
-            Scalar int64 tensor: the recorded kind bits after this step (0: none), the same on
-            every replica, returned by the step so that the host need not read a variable.
+        On one replica the details are computed in a `tf.cond` branch that runs only on a
+        failure; on several, every step, to agree on one (`_agree`). Returns the recorded kind
+        bits (int64, 0: none), which the step returns so that the host need not read a variable.
         """
         self.names = [(path, layer_class, dtype, term) for path, layer_class, dtype, _, term in trace.entries]
         count = len(trace.entries)
@@ -281,10 +272,8 @@ class FailureRecorder:
         call first, then the gradient nearest the loss; ties go to the lowest replica.
         """
         width = len(COLUMNS)
-        packed = tf.concat(
-            [[tf.cast(found, tf.float32)], tf.cast(fields, tf.float32), [scale], boundary, tf.reshape(window, [-1])],
-            axis=0,
-        )
+        packed = tf.concat([[tf.cast(found, tf.float32)], tf.cast(fields, tf.float32), [scale], boundary,
+                            tf.reshape(window, [-1])], axis=0)
         table = gather_replicas(packed)  # [replicas, 9 + trace_length * width]
         phase, index = table[:, 2], table[:, 3]
         at_boundary = tf.logical_or(tf.equal(phase, LAYER_BACKWARD), tf.equal(phase, ABOVE))
@@ -294,13 +283,8 @@ class FailureRecorder:
         replicas = tf.shape(table)[0]
         best = tf.equal(score, tf.reduce_min(score))
         chosen = table[tf.reduce_min(tf.where(best, tf.range(replicas), replicas))]
-        return (
-            chosen[0] > 0,
-            tf.cast(chosen[1:5], tf.int64),
-            tf.reshape(chosen[9:], [self.trace_length, width]),
-            chosen[5],
-            chosen[6:9],
-        )
+        window = tf.reshape(chosen[9:], [self.trace_length, width])
+        return chosen[0] > 0, tf.cast(chosen[1:5], tf.int64), window, chosen[5], chosen[6:9]
 
     def _write(self, fields: tf.Tensor, window: tf.Tensor, scale: tf.Tensor, boundary: tf.Tensor) -> None:
         """Records a failure: `fields` as `_details` returns them, at the current step."""

@@ -24,17 +24,9 @@ ADD_LOSS, ACTIVITY, ADD_LOSS_OR_ACTIVITY, WEIGHT, UNKNOWN = (
 
 @dataclasses.dataclass(frozen=True)
 class TermSource:
-    """Where one term of ``model.losses`` comes from.
-
-    Attributes:
-        kind: String, one of ``"add_loss"``, ``"activity_regularizer"``,
-            ``"add_loss_or_activity_regularizer"`` (a layer not checked, holding
-            both), ``"weight_regularizer"`` or ``"unknown"`` (the model's
-            ``losses`` are overridden).
-        position: Int. The term's index in ``model.losses``.
-        variable: String or None. The regularized variable's path.
-        regularizer: String or None. The regularizer, e.g. ``"L2(l2=1e+30)"``.
-    """
+    """Where term `position` of ``model.losses`` comes from: its `kind` (``ADD_LOSS_OR_ACTIVITY``
+    for an unchecked layer holding both, ``UNKNOWN`` when ``losses`` is overridden) and, for a
+    regularizer, the variable's path and the regularizer (``"L2(l2=1e+30)"``)."""
 
     kind: str
     position: int
@@ -56,9 +48,8 @@ def describe_regularizer(regularizer: Any) -> Optional[str]:
     return f"{getattr(regularizer, '__name__', type(regularizer).__name__)}({shown})"
 
 
-def term_entries(
-    model: Any, terms: list, added_in_call: set, checked: set, where: Callable[[Any], tuple[Optional[str], str]]
-) -> list[tuple]:
+def term_entries(model: Any, terms: list, added_in_call: set, checked: set,
+                 where: Callable[[Any], tuple[Optional[str], str]]) -> list[tuple]:
     """Trace entries `(path, class, dtype, row, TermSource)` of the float terms of `model.losses`.
 
     `terms` is the list read; `added_in_call` the `id`s of terms a checked layer's own

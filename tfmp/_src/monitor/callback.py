@@ -1,22 +1,13 @@
 """`tfmp.LossScaleMonitor`: exact, cheap, crash-safe TensorBoard view of loss scaling.
 
-Event files go to ``<log_dir>/train``, the run `keras.callbacks.TensorBoard` trains into,
-in a file of their own (`tfmp._src.monitor.event_file`). Scalars, grouped for
-TensorBoard's first screen (`tfmp._src.monitor.tags`), ``<level>`` being ``batch`` (per
-logging window; step = batches trained, skipped ones included, `LossScaleState.step`)
-or ``epoch``: ``metrics/`` (Keras's logs, `tfmp._src.monitor.metrics`);
-``optimizer/<level>_lr``, with `grad_stats_freq` ``grad_norm`` and ``update_ratio``;
-``precision/``: the loss scale, ``overflow_count``, ``skipped_steps``,
-``overflow_rate``, ``consecutive_overflows`` (with a `tfmp.LossScaleOptimizer`),
-``overflow_scale`` at each skipped step, with `grad_stats_freq`
-``bfloat16_relative_precision`` and, under float16, the ``grad_*_fraction`` tags
-(`tfmp._src.monitor.grad_stats`); ``system/``: samples per second, GPU memory. Text
-tags: ``overflow_events``, ``monitor_notes``, ``loss_scale_note`` (why a scale is
-flat). Plus the custom-scalars layout (`tfmp._src.monitor.layout`).
+Events go to ``<log_dir>/train`` in a file of their own (`event_file`), under tags grouped
+for TensorBoard's first screen (`tags`): ``metrics/``, ``optimizer/``, ``precision/`` and
+``system/`` scalars, Text tags, and a custom-scalars layout (`layout`).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import time
@@ -26,27 +17,16 @@ from typing import Optional, Sequence, Union
 import keras
 
 from tfmp._src import distribute as _distribute
-from tfmp._src.monitor import runtime as runtime
 from tfmp._src.errors import check_positive_int, invalid_argument, is_positive_int
 from tfmp._src.keras_hooks import fit_lifecycle, train_function
+from tfmp._src.loss_scale.optimizer import OVERFLOW_HISTORY, LossScaleOptimizer
+from tfmp._src.monitor import metrics as _metrics, runtime, tags
 from tfmp._src.monitor.event_file import EventFile
 from tfmp._src.monitor.grad_stats import GradientStats
-from tfmp._src.loss_scale.optimizer import OVERFLOW_HISTORY
-from tfmp._src.monitor.layout import DESCRIPTIONS
-from tfmp._src.monitor.layout import build_layout
-from tfmp._src.monitor.layout import layout_summary
-from tfmp._src.monitor import metrics as _metrics
-from tfmp._src.monitor import tags
-from tfmp._src.monitor.state import describe
-from tfmp._src.monitor.state import is_tfmp_optimizer
-from tfmp._src.monitor.state import read_overflow_events
-from tfmp._src.monitor.state import read_state
-from tfmp._src.monitor.state import samples_this_epoch
-from tfmp._src.monitor.state import skip_cause
+from tfmp._src.monitor.layout import DESCRIPTIONS, build_layout, layout_summary
+from tfmp._src.monitor.state import describe, read_overflow_events, read_state, samples_this_epoch, skip_cause
 
 _LOG = logging.getLogger(__name__)
-#: Window scalars that only an optimizer counting overflows can give.
-_OVERFLOW_TAGS = ("overflow_count", "skipped_steps", "overflow_rate", "consecutive_overflows")
 _MIB = 2.0**20
 
 
@@ -66,54 +46,31 @@ def _file_in_the_way(folder: str) -> Optional[str]:
     return None if os.path.isdir(path) else path
 
 
-class _Window:
-    """Counters at the start of a logging window."""
-
-    def __init__(self, step: int, overflows: int, samples: int, clock: float) -> None:
-        self.step, self.overflows, self.samples, self.clock = (
-            step,
-            overflows,
-            samples,
-            clock,
-        )
+#: Counters at the start of a logging window.
+_Window = collections.namedtuple("_Window", "step overflows samples clock")
 
 
 class LossScaleMonitor(keras.callbacks.Callback):
     """Logs loss scaling, overflow events, throughput and the training loss to TensorBoard.
 
-    Exact: counts come from the optimizer's variables (`tfmp.LossScaleOptimizer`:
-    `total_steps`, `overflow_count`, the overflow history), so nothing between
-    two reads is lost, whatever `steps_per_execution`; each skipped step is
-    itemized at its own step (the last 64 between two logging points).
-    Cheap: variables are read only at logging points. Crash-safe: each logging point is flushed to disk as written,
-    and when ``fit`` raises (a failing step or input pipeline,
-    `tfmp.NonFiniteError`, another callback, Ctrl-C, a full disk) the monitor
-    writes the state at that moment, with a note naming the error, and closes
-    its file before the error propagates; the next ``fit`` starts clean.
-    Never stops training for its own sake: a failing write (a full disk, a
-    folder made unwritable) gives one `tfmp.LoggingWarning` naming the folder, the
-    step from which events are lost, the cause and the fix; training goes on and
-    the monitor retries in a new event file, which starts with a ``monitor_notes``
-    line naming the lost steps (what the files hold then:
-    `tfmp._src.monitor.event_file.EventFile`). Under a distribution strategy only the chief
-    writes. The file is opened at the first write and closed at the end of
-    training (a later `fit` opens a new one). Beside the precision panels it
-    writes the loss and metrics of Keras's `logs` (``metrics/...`` tags, no
-    extra device read) and, when the scale cannot move, a Text-tab note saying why.
+    Exact: counts come from the optimizer's variables (`tfmp.LossScaleOptimizer`), so
+    nothing between two reads is lost, whatever `steps_per_execution`; each skipped
+    step is itemized at its own step (the last 64 between two logging points), and
+    variables are read only at logging points. Crash-safe: each logging point is
+    flushed as written; when ``fit`` raises (a failing step, `tfmp.NonFiniteError`, a
+    callback, Ctrl-C, a full disk) the monitor writes the state with a note naming the
+    error and closes its file first. A failing write never stops training: one
+    `tfmp.LoggingWarning` names the folder, the first lost step, the cause and the fix,
+    and the monitor retries in a new event file. Under a distribution strategy only the
+    chief writes. It also writes Keras's `logs` (``metrics/...``) and, when the scale
+    cannot move, a Text-tab note saying why.
 
-    Driven by hand (a custom loop calling the hooks itself or through
-    `keras.callbacks.CallbackList`): `on_train_begin` is required, before the
-    first step (it reads the optimizer's starting state; any other training
-    hook before it raises `RuntimeError` naming it); the epoch calls are
-    optional: without `on_epoch_begin`, the `batch` given to
-    `on_train_batch_end` counts from `on_train_begin`, and `on_epoch_end(i)`
-    writes epoch `i`. `on_train_end` closes the file.
-
-    Epoch axis: it continues over every run of one monitor. A `fit` whose
-    first epoch is 0 after earlier runs of this monitor logged epochs writes
-    after them (two `fit(epochs=2)` calls: epochs 0, 1, 2, 3); a `fit` with
-    ``initial_epoch=k`` > 0 keeps Keras's numbers (k, k + 1, ...), as
-    Keras's own callbacks and `History` do.
+    In a custom loop (hooks called directly or through `keras.callbacks.CallbackList`),
+    `on_train_begin` must come before the first step (other hooks before it raise
+    `RuntimeError`); epoch calls are optional (without `on_epoch_begin`, `batch` counts
+    from `on_train_begin`); `on_train_end` closes the file. The epoch axis continues over
+    every run of one monitor (two `fit(epochs=2)`: epochs 0 to 3) unless a `fit` has
+    ``initial_epoch=k`` > 0, which keeps Keras's numbers, as `History` does.
 
     Args:
         log_dir: String or path-like. Root folder of the run; events go to
@@ -123,15 +80,13 @@ class LossScaleMonitor(keras.callbacks.Callback):
             k > 1 they are written at the end of the execution that reaches a
             multiple of N. Epoch scalars are always written.
         grad_stats_freq: Positive int or None (default, off): compute gradient
-            statistics and the update-to-weight ratio every N steps
-            (`tfmp._src.monitor.grad_stats`); each logging point writes the latest. The statistics hook is installed on the optimizer
-            once (the first `fit` with it retraces the train function) and paused
-            between `fit` calls, so repeated `fit` calls do not retrace.
+            statistics and the update-to-weight ratio every N steps; each logging
+            point writes the latest. The first `fit` with it retraces the train
+            function once; later `fit` calls do not.
 
     Raises:
         ValueError: `log_dir` is not a path, or a file stands where
-            ``<log_dir>/train`` or a folder above it must be (raised here, before any
-            training: it does not go away by itself), or `update_freq` or
+            ``<log_dir>/train`` or a folder above it must be, or `update_freq` or
             `grad_stats_freq` is not one of the above.
 
     Example:
@@ -156,10 +111,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
             update_freq = 1
         if update_freq != "epoch" and not is_positive_int(update_freq):
             raise invalid_argument(
-                "update_freq",
-                update_freq,
-                "'epoch', 'batch' or a positive int",
-                choices=("epoch", "batch"),
+                "update_freq", update_freq, "'epoch', 'batch' or a positive int", choices=("epoch", "batch"),
                 fix="Pass update_freq='epoch' (the default), 'batch', or a step count, e.g. update_freq=100.",
             )
         check_positive_int(
@@ -191,20 +143,22 @@ class LossScaleMonitor(keras.callbacks.Callback):
         """String. Folder the event files are written to."""
         return os.path.join(self.log_dir, "train")
 
-    # -- Keras callback hooks -------------------------------------------------
-
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
-        """Starts a training run: reads the optimizer's starting state.
-
-        `fit` calls it; a custom loop calls it (directly or through
-        `keras.callbacks.CallbackList`) before its first step.
+        """Starts a training run (`fit`, or a custom loop before its first step): reads the optimizer's state.
 
         Raises:
             ValueError: (template) no model was set: call `set_model(model)` or
                 make the `CallbackList` with ``model=model`` first.
         """
         self._finish()  # a fit this monitor was in ended without on_train_end: start clean
-        model = self._model_or_raise()
+        model = getattr(self, "_model", None)
+        if model is None:
+            raise ValueError(
+                "LossScaleMonitor.on_train_begin() needs the model it monitors. Expected a "
+                "keras.Model set on the monitor. Received: no model (set_model was never "
+                "called). Call monitor.set_model(model), or make the list with "
+                "keras.callbacks.CallbackList([monitor], model=model); model.fit does it itself."
+            )
         self._training = True
         self._epoch_offset = None
         self._active = _distribute.is_chief(model.distribute_strategy)
@@ -213,9 +167,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         state = read_state(model.optimizer)
         now = time.perf_counter()
         self._step = state.step  # batches trained, estimated between reads
-        # Batch indices count from here until an epoch begins (custom loops may
-        # never call on_epoch_begin; their batch index is then the run's step).
-        self._epoch_base = state.step
+        self._epoch_base = state.step  # batch indices count from here until an epoch begins
         self._itemized = state.overflow_count
         self._last_grad_step = -1
         self._samples, self._epoch_samples_read = 0, 0
@@ -224,7 +176,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._train_clock: Optional[float] = None
         self._has_gpu = bool(runtime.device_memory())
         self._float16 = model.dtype_policy.compute_dtype == "float16"  # float16 diagnostics only then
-        self._counts_overflows = is_tfmp_optimizer(model.optimizer)
+        self._counts_overflows = isinstance(model.optimizer, LossScaleOptimizer)
         if not self._counts_overflows:
             self._warn_no_counters(state.step)
         note = _metrics.flat_scale_note(model.optimizer, model.dtype_policy.compute_dtype)
@@ -232,15 +184,11 @@ class LossScaleMonitor(keras.callbacks.Callback):
         if note is not None:
             self._events.write(state.step, texts={_metrics.NOTE_TAG: note})
         if self.grad_stats_freq:
-            self._grad_stats = GradientStats.of(
-                model.optimizer, self.grad_stats_freq, model.distribute_strategy
-            )
+            self._grad_stats = GradientStats.of(model.optimizer, self.grad_stats_freq, model.distribute_strategy)
         if self._grad_stats is not None and self._grad_stats.resume(state.step):
             model.make_train_function(force=True)  # traced once with the statistics
-        # Keras 3 has no callback for an exception in fit: the step wrapper calls
-        # this one when the train function raises (see keras_hooks.train_function),
-        # the fit hook when anything else in fit does (a callback, Ctrl-C between
-        # steps; keras_hooks.fit_lifecycle).
+        # Keras 3 has no callback for an exception in fit: these call _on_crash when the train
+        # function raises, or anything else in fit does (a callback, Ctrl-C between steps).
         train_function.add_error_handler(model, self, self._on_crash)
         fit_lifecycle.on_fit_error(model, self, self._on_crash)
 
@@ -257,14 +205,10 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._epoch_base = self._step
         self._epoch_samples_read = 0  # fit reset the metrics, loss tracker included
         self._train_clock = None
-        window = self._epoch_window
-        self._epoch_window = _Window(
-            window.step, window.overflows, self._samples, time.perf_counter()
-        )
+        self._epoch_window = self._epoch_window._replace(samples=self._samples, clock=time.perf_counter())
 
     def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
-        """After batch `batch` (Int, zero-based, counted from the epoch's start, or
-        from `on_train_begin` when no epoch began).
+        """After batch `batch` (Int, zero-based, from the epoch's start, or from `on_train_begin`).
 
         Raises:
             RuntimeError: (template) called before `on_train_begin`.
@@ -272,8 +216,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._require_training("on_train_batch_end")
         if not self._active:
             return
-        # With steps_per_execution > 1, Keras calls this once per execution, with
-        # `batch` the index of its last step.
+        # With steps_per_execution > 1: once per execution, `batch` the index of its last step.
         previous, self._step = self._step, self._epoch_base + batch + 1
         freq = self.update_freq
         if freq != "epoch" and self._step // freq > previous // freq:
@@ -295,27 +238,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
         if self._active:
             self._log("epoch_", self._epoch_step(epoch), logs)
 
-    # -- the run and the epoch axis -------------------------------------------
-
-    def _model_or_raise(self) -> keras.Model:
-        model = getattr(self, "_model", None)
-        if model is None:
-            raise ValueError(
-                "LossScaleMonitor.on_train_begin() needs the model it monitors. Expected a "
-                "keras.Model set on the monitor. Received: no model (set_model was never "
-                "called). Call monitor.set_model(model), or make the list with "
-                "keras.callbacks.CallbackList([monitor], model=model); model.fit does it itself."
-            )
-        return model
-
     def _require_training(self, call: str) -> None:
-        """Raises when `call` comes outside a training run.
-
-        Raises:
-            RuntimeError: (template) no `on_train_begin` since the monitor was
-                made or since the last `on_train_end`: it alone reads the
-                optimizer's starting state, so nothing after it can be written.
-        """
+        """Raises `RuntimeError` when `call` comes with no `on_train_begin` since the last `on_train_end`."""
         if not self._training:
             raise RuntimeError(
                 f"LossScaleMonitor.{call}() was called outside a training run. Expected "
@@ -326,14 +250,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
             )
 
     def _epoch_step(self, epoch: int) -> int:
-        """Int. Where Keras's `epoch` lies on the monitor's epoch axis.
-
-        The axis continues over every run of this monitor: a `fit` (or custom
-        loop) whose first epoch is 0 after earlier runs logged epochs continues
-        after them (epochs 0, 1 then 2, 3), while a first epoch above 0 (`fit`'s
-        ``initial_epoch``, a resumed run) keeps Keras's numbers. Decided at the
-        first epoch call of each run.
-        """
+        """Int. Where Keras's `epoch` lies on the monitor's epoch axis (see the class docstring)."""
         if self._epoch_offset is None:
             self._epoch_offset = self._next_epoch if epoch == 0 else 0
         return self._epoch_offset + epoch
@@ -341,17 +258,13 @@ class LossScaleMonitor(keras.callbacks.Callback):
     def on_train_end(self, logs: Optional[dict] = None) -> None:
         self._finish()
 
-    # -- writing --------------------------------------------------------------
-
     def _count_samples(self) -> None:
         seen = samples_this_epoch(self.model)
         if seen is not None and seen >= self._epoch_samples_read:
             self._samples += seen - self._epoch_samples_read
             self._epoch_samples_read = seen
 
-    def _log(
-        self, prefix: str, epoch: Optional[int] = None, logs: Optional[dict] = None
-    ) -> None:
+    def _log(self, prefix: str, epoch: Optional[int] = None, logs: Optional[dict] = None) -> None:
         """Reads the state once and writes events, window scalars and `logs` at one step."""
         state = read_state(self.model.optimizer)
         self._step = state.step
@@ -361,21 +274,16 @@ class LossScaleMonitor(keras.callbacks.Callback):
             self._count_samples()
             clock = time.perf_counter()
         metrics = _metrics.metric_scalars(prefix, logs)
-        names = [tag[len(_metrics.GROUP + prefix):] for tag in metrics]
+        names = [tag[len(tags.METRICS + prefix):] for tag in metrics]
         self._write_events(state, [name for name in names if not name.startswith("val_")])
         window = self._batch_window if epoch is None else self._epoch_window
         steps = state.step - window.step
         skipped = state.overflow_count - window.overflows
-        scalars = {  # by name; written under `tags.window`
-            "loss_scale": state.loss_scale,
-            "overflow_count": state.overflow_count,
-            "skipped_steps": skipped,
-            "overflow_rate": skipped / steps if steps > 0 else 0.0,
-            "consecutive_overflows": state.consecutive_overflows,
-        }
-        if not self._counts_overflows:  # nothing to report: write no made-up zeros
-            for tag in _OVERFLOW_TAGS:
-                del scalars[tag]
+        scalars = {"loss_scale": state.loss_scale}  # by name; written under `tags.window`
+        if self._counts_overflows:  # else nothing to report: write no made-up zeros
+            scalars.update(overflow_count=state.overflow_count, skipped_steps=skipped,
+                           overflow_rate=skipped / steps if steps > 0 else 0.0,
+                           consecutive_overflows=state.consecutive_overflows)
         if state.learning_rate is not None:
             scalars["lr"] = state.learning_rate
         samples = self._samples - window.samples
@@ -409,16 +317,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
             self._epoch_window = new_window
 
     def _write_events(self, state, metric_names: Sequence[str] = ()) -> None:
-        """Writes skipped steps and gradient statistics not yet written.
-
-        The first call also writes the custom-scalars layout, with a chart per
-        name in `metric_names` (the training metrics in Keras's logs), the loss
-        and metrics first when the loss scale is fixed.
-        """
+        """Writes skipped steps and gradient statistics not yet written (the layout at the first call)."""
         if not self._layout_written:
-            prefixes = (
-                ("epoch_",) if self.update_freq == "epoch" else ("batch_", "epoch_")
-            )
+            prefixes = ("epoch_",) if self.update_freq == "epoch" else ("batch_", "epoch_")
             layout = build_layout(prefixes, self._grad_stats is not None, metric_names,
                                   fixed_scale=self._fixed_scale, float16=self._float16)
             # Written again at the next logging point if the write failed.
@@ -426,9 +327,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
                 0, summaries=[layout_summary(layout)], batch_step=state.step)
         # Lower only if the counters were restored to an earlier state.
         self._itemized = min(self._itemized, state.overflow_count)
-        events, lost = read_overflow_events(
-            self.model.optimizer, self._itemized, state.overflow_count
-        )
+        events, lost = read_overflow_events(self.model.optimizer, self._itemized, state.overflow_count)
         self._itemized = state.overflow_count
         if lost:
             self._note(
@@ -451,13 +350,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
                                           if self._float16 or name not in tags.FLOAT16_ONLY})
 
     def _warn_no_counters(self, step: int) -> None:
-        """Says that the optimizer counts no overflows: a note, and a warning in 16 bits.
-
-        A float32 model keeps its own optimizer under `tfmp.enable()` (tfmp
-        changes nothing under float32 unless asked), so there the note is enough;
-        a model computing in float16/bfloat16 without tfmp's optimizer is likely
-        a mistake, so it also warns.
-        """
+        """Says that the optimizer counts no overflows: a note, and a warning in 16 bits (likely a mistake)."""
         text = (
             f"the optimizer ({type(self.model.optimizer).__name__}) keeps no overflow "
             "counts, so only loss_scale (1.0 without loss scaling) and lr are written."
@@ -486,10 +379,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
             else:
                 self._write_events(state)
             said = str(error)[:500]
-            self._note(
-                state.step,
-                f"training stopped by {type(error).__name__}" + (f": {said}" if said else ""),
-            )
+            self._note(state.step, f"training stopped by {type(error).__name__}" + (f": {said}" if said else ""))
         except Exception as failure:  # the training error matters more; keep it
             _LOG.warning("tfmp.LossScaleMonitor could not log the crash: %r", failure)
         finally:

@@ -1,18 +1,8 @@
 """The TensorBoard event writer of `tfmp.LossScaleMonitor`, on `tf.summary`.
 
-A thin layer over a `tf.summary` file writer that adds what the monitor needs:
-the writer is created on the first write (no empty files from processes that
-never log, e.g. non-chief workers), every `write` is flushed at once so that a
-crash right after it loses nothing (the default writer keeps events queued for
-up to two minutes), each tag's description is attached, and a write that fails
-never reaches training (see `EventFile`).
-
-Steps and values are handed to TensorFlow as NumPy scalars, never as Python
-numbers: TensorFlow keeps the tensor of every distinct Python int or float it
-converts eagerly in a process-wide cache that is never trimmed (cleared only with
-the eager context), about 0.7 KB each. Steps and logged values are new numbers at
-nearly every logging point, so Python numbers made a monitor logging every batch
-grow the process by about 0.2 MiB per 128-step `fit` call.
+Adds what the monitor needs: the writer is created at the first write (no empty files
+from processes that never log), each write is flushed at once (a crash loses nothing),
+tags carry their descriptions, and a failing write never reaches training (`EventFile`).
 """
 
 from __future__ import annotations
@@ -34,25 +24,21 @@ from tensorboard.compat.proto import summary_pb2
 from tfmp._src.errors import user_stacklevel
 
 _LOG = logging.getLogger(__name__)
-#: Seconds between two attempts to open a new event file after a failed write
-#: (closing always tries once more): on a full disk each attempt may leave an
-#: empty file behind, so a monitor logging every batch does not make one per batch.
+#: Seconds between two attempts to open a new event file after a failed write (closing
+#: always tries once more): on a full disk each attempt may leave an empty file behind.
 RETRY_SECONDS = 30.0
-#: What a failing file system raises: Python's own I/O, or TensorFlow's ops
-#: (``ResourceExhaustedError: No space left on device``, ``FailedPreconditionError:
-#: Not a directory``, ``PermissionDeniedError``...).
+#: What a failing file system raises: Python's own I/O, or TensorFlow's ops.
 WRITE_ERRORS = (OSError, tf.errors.OpError)
+#: Who writes, as the warnings name it, and the Text tag of the note about lost events.
+_OWNER, _NOTE_TAG = "tfmp.LossScaleMonitor", "monitor_notes"
 
 
 class LoggingWarning(UserWarning):
     """tfmp could not write its TensorBoard events, or they would mix with another run's.
 
-    Issued once per failure (`tfmp.LossScaleMonitor`): the message names the
-    folder, the first step whose events are lost, the cause and the fix; and
-    once per event file when another process is writing into the same folder
-    (TensorBoard would show both as one run, `other_writers`). Turn it
-    into an error with ``warnings.simplefilter("error", tfmp.LoggingWarning)`` to
-    stop a run that cannot log.
+    Issued by `tfmp.LossScaleMonitor` once per failure (naming the folder, the first lost
+    step, the cause and the fix), and once per event file when another process writes into
+    the same folder. ``warnings.simplefilter("error", tfmp.LoggingWarning)`` stops such a run.
     """
 
 
@@ -63,18 +49,10 @@ CONCURRENT_SECONDS = 300.0
 _EVENT_FILE = re.compile(r"^events\.out\.tfevents\.\d+\.(?P<host>.+)\.(?P<pid>\d+)\.\d+\.v2$")
 
 
-def other_writers(directory: str, now: Optional[float] = None) -> list:
-    """The event files of `directory` another process wrote to in the last `CONCURRENT_SECONDS`.
-
-    Args:
-        directory: String. A run folder.
-        now: Float or None. The time to compare with (seconds since the epoch);
-            default `time.time()`.
-
-    Returns:
-        List of ``(file name, host, pid, seconds since its last write)``, newest first.
-    """
-    now = time.time() if now is None else now
+def other_writers(directory: str) -> list:
+    """``(file name, host, pid, age in s)`` of each event file of `directory` another process
+    wrote to in the last `CONCURRENT_SECONDS`, newest first."""
+    now = time.time()
     own = (socket.gethostname(), os.getpid())
     found = []
     try:
@@ -94,18 +72,14 @@ def other_writers(directory: str, now: Optional[float] = None) -> list:
     return sorted(found, key=lambda entry: entry[3])
 
 
-def warn_if_shared(directory: str, owner: str) -> None:
-    """Warns once when another process is writing events into `directory`.
-
-    Warns:
-        LoggingWarning: naming the folder, the other writer and the fix.
-    """
+def _warn_if_shared(directory: str) -> None:
+    """Warns (`LoggingWarning`) when another process is writing events into `directory`."""
     found = other_writers(directory)
     if not found:
         return
     name, host, pid, age = found[0]
     warnings.warn(
-        f"{owner} writes into '{directory}', where another process (pid {pid} on {host}) wrote "
+        f"{_OWNER} writes into '{directory}', where another process (pid {pid} on {host}) wrote "
         f"'{name}' {age:.0f} s ago: TensorBoard shows every event file of a folder as one run, so "
         "the two runs' points would interleave. Give each run its own log_dir, e.g. "
         "log_dir=f\"logs/{time.strftime('%Y%m%d-%H%M%S')}\".",
@@ -116,11 +90,11 @@ def warn_if_shared(directory: str, owner: str) -> None:
 
 @dataclasses.dataclass
 class _Failure:
-    """A failed write not yet followed by a successful one."""
+    """A failed write not yet followed by a successful one: first lost step, cause, last attempt."""
 
-    first_step: int  # first step whose events were lost
+    first_step: int
     cause: str  # "ResourceExhaustedError: No space left on device"
-    tried: float  # time.monotonic() of the last attempt
+    tried: float  # time.monotonic()
 
 
 def describe_error(error: BaseException) -> str:
@@ -146,47 +120,19 @@ def _fix(directory: str, error: BaseException) -> str:
 
 
 class EventFile:
-    """Writes TensorBoard events into one run directory, flushing every write.
+    """Writes TensorBoard events into `directory` (created if missing), flushing every write.
 
-    `tf.summary` names each writer's file uniquely
-    (``events.out.tfevents.<seconds>.<host>.<pid>.<n>.v2``), so it never clobbers
-    the files of other writers in the same directory, such as
-    `keras.callbacks.TensorBoard`'s.
-
-    Never raises a write error (`WRITE_ERRORS`: creating the writer, writing,
-    flushing or closing). On the first failure it issues one `LoggingWarning`
-    (folder, step, cause, fix), closes the writer (a writer whose flush failed may
-    stay broken) and drops the events; at later writes, at most every
-    `RETRY_SECONDS`, and at `close` it opens a new writer, hence a new file, whose
-    first event is a note (tag `note_tag`) naming the steps whose events were
-    lost and the cause. What a reader of the folder sees after a failure: the file
-    open at the failure holds every event up to the last successful write,
-    possibly followed by one partial record, which TensorBoard's readers skip as
-    the end of the file (`tf.data.TFRecordDataset` raises `DataLossError` there);
-    no event is written to that file again. The next file, if space came back,
-    starts with the note. If no write succeeds again, the warning is the only
-    record of the loss.
-
-    Args:
-        directory: String. Folder of the event file (a TensorBoard run); created if
-            missing. Any path `tf.summary.create_file_writer` accepts.
-        descriptions: Mapping from tag to a sentence TensorBoard shows under the
-            chart (Markdown).
-        owner: String. Who writes, as the warning names it.
-        note_tag: String. Text tag of the note about lost events.
+    `descriptions` maps a tag to the Markdown TensorBoard shows under its chart. Never raises
+    a write error (`WRITE_ERRORS`): the first failure gives one `LoggingWarning` and drops
+    the writer (one whose flush failed may stay broken) and the events; at later writes, at
+    most every `RETRY_SECONDS`, and at `close` it opens a new file whose first event is a
+    ``monitor_notes`` note naming the lost steps. The file open at the failure may end in one
+    partial record, which TensorBoard skips (`tf.data.TFRecordDataset` raises `DataLossError`).
     """
 
-    def __init__(
-        self,
-        directory: str,
-        descriptions: Optional[Mapping[str, str]] = None,
-        *,
-        owner: str = "tfmp.LossScaleMonitor",
-        note_tag: str = "monitor_notes",
-    ) -> None:
+    def __init__(self, directory: str, descriptions: Optional[Mapping[str, str]] = None) -> None:
         self.directory = directory
         self.descriptions = dict(descriptions or {})
-        self.owner, self.note_tag = owner, note_tag
         self._writer: Optional[tf.summary.SummaryWriter] = None
         self._failure: Optional[_Failure] = None
         self._last_step = 0
@@ -202,28 +148,13 @@ class EventFile:
         """Bool. Whether the last write failed (events are being lost)."""
         return self._failure is not None
 
-    def write(
-        self,
-        step: int,
-        scalars: Optional[Mapping[str, float]] = None,
-        texts: Optional[Mapping[str, str]] = None,
-        summaries: Iterable[summary_pb2.Summary] = (),
-        *,
-        batch_step: Optional[int] = None,
-    ) -> bool:
-        """Writes scalars, texts and ready-made summaries at `step`, then flushes.
+    def write(self, step: int, scalars: Optional[Mapping[str, float]] = None,
+              texts: Optional[Mapping[str, str]] = None, summaries: Iterable[summary_pb2.Summary] = (), *,
+              batch_step: Optional[int] = None) -> bool:
+        """Writes scalars (as float32), texts (Markdown) and `Summary` protos at `step`, then flushes.
 
-        Args:
-            step: Int. The TensorBoard step (x axis).
-            scalars: Mapping from tag to a float (stored as float32).
-            texts: Mapping from tag to a string (Markdown), shown by the Text tab.
-            summaries: Further `Summary` protos, e.g. a custom-scalars layout.
-            batch_step: Int or None. The training step these events belong to, as
-                warnings and notes about lost events name it; default `step`.
-
-        Returns:
-            Bool. True when written and flushed; False when the events were lost
-            (see the class docstring: warned once, retried later).
+        `batch_step` (default `step`) is the training step that warnings and notes about lost
+        events name. Returns True when written and flushed, False when the events were lost.
         """
         at = step if batch_step is None else batch_step
         self._last_step = at
@@ -241,9 +172,9 @@ class EventFile:
         if self._writer is None:
             if not self._checked_shared:  # once per EventFile
                 self._checked_shared = True
-                warn_if_shared(self.directory, self.owner)
+                _warn_if_shared(self.directory)
             self._writer = tf.summary.create_file_writer(self.directory)
-        # NumPy scalars: see the module docstring (Python numbers are cached forever).
+        # NumPy scalars: TensorFlow caches the tensor of every Python number it converts, for good.
         with self._writer.as_default(step=np.int64(step)):
             for tag, value in (scalars or {}).items():
                 tf.summary.scalar(tag, np.float32(value), description=self.descriptions.get(tag))
@@ -258,15 +189,15 @@ class EventFile:
         self._drop_writer()
         if self._failure is not None:  # a retry failed: same loss, already warned
             self._failure.tried = time.monotonic()
-            _LOG.info("%s: still cannot write to %r: %s", self.owner, self.directory, describe_error(error))
+            _LOG.info("%s: still cannot write to %r: %s", _OWNER, self.directory, describe_error(error))
             return
         self._failure = _Failure(step, describe_error(error), time.monotonic())
         warnings.warn(
-            f"{self.owner} could not write TensorBoard events to '{self.directory}' "
+            f"{_OWNER} could not write TensorBoard events to '{self.directory}' "
             f"({self._failure.cause}). Events from step {step} on are lost until a write "
             f"succeeds; training goes on. It tries a new event file at later logging "
             f"points (at most every {RETRY_SECONDS:g} s) and when training ends; that file "
-            f"starts with a '{self.note_tag}' note naming the lost steps. {_fix(self.directory, error)}",
+            f"starts with a '{_NOTE_TAG}' note naming the lost steps. {_fix(self.directory, error)}",
             LoggingWarning,
             stacklevel=user_stacklevel(),
         )
@@ -281,7 +212,7 @@ class EventFile:
             "a partial record, which TensorBoard skips."
         )
         try:
-            self._write(step, texts={self.note_tag: note}, summaries=(), scalars=None)
+            self._write(step, None, {_NOTE_TAG: note}, ())
         except WRITE_ERRORS as error:
             self._fail(step, error)
             return False
@@ -295,14 +226,13 @@ class EventFile:
             try:
                 writer.close()
             except WRITE_ERRORS as error:
-                _LOG.info("%s: closing a failed writer: %s", self.owner, describe_error(error))
+                _LOG.info("%s: closing a failed writer: %s", _OWNER, describe_error(error))
 
     def close(self) -> None:
         """Flushes and closes the writer; the next `write` opens a new file.
 
-        After a failure, first tries once more to write the note about the lost
-        events (whatever `RETRY_SECONDS`). Never raises a write error: a failing
-        close warns as a failing write does.
+        After a failure, first tries once more to write the note about the lost events. A
+        failing close warns as a failing write does.
         """
         if self._failure is not None:
             self._recover(self._last_step, closing=True)

@@ -1,15 +1,9 @@
 """Is loss scaling doing its job? Gradient statistics, every N steps, in the graph.
 
-`GradientStats` hooks the optimizer's `apply` with a `tf.cond` that, every `every` steps,
-reduces the gradients (the first replica's under a strategy; the `values` of sparse
-ones) to numbers kept in variables: ``grad_norm``, the global L2 norm after unscaling;
-``grad_underflow_fraction``, nonzero elements below 2**-24 (float16's smallest
-subnormal) after scaling, which float16 would flush; ``grad_zero_fraction``;
-``grad_overflow_fraction``, elements above 65504 or non-finite; and ``update_ratio``,
-||w_after - w_before|| / ||w_before|| (0 on a skipped step), read against
-`BFLOAT16_EPSILON` (2**-8: a smaller relative change rounds away in bfloat16). Other
-steps cost a counter increment and three `tf.cond`s; a computing step copies the
-weights once (under XLA, every step: both branches must give the same shapes).
+`GradientStats` hooks the optimizer's `apply` with a `tf.cond` that, every N steps, reduces
+the gradients (the first replica's under a strategy) to variables: the unscaled global norm,
+the fractions float16 would flush (nonzero below 2**-24), overflow (above 65504 or
+non-finite) or hold as zero, and the update-to-weight ratio, read against bfloat16's 2**-8.
 """
 
 from __future__ import annotations
@@ -28,13 +22,7 @@ from tfmp._src.keras_hooks import optimizer_steps
 from tfmp._src.keras_hooks.object_state import PerObject
 from tfmp._src.keras_hooks.runtime_options import in_xla_context
 
-NAMES = (
-    "grad_norm",
-    "grad_underflow_fraction",
-    "grad_overflow_fraction",
-    "grad_zero_fraction",
-    "update_ratio",
-)
+NAMES = ("grad_norm", "grad_underflow_fraction", "grad_overflow_fraction", "grad_zero_fraction", "update_ratio")
 #: Reference line written with ``update_ratio``: `BFLOAT16_EPSILON` (2**-8).
 PRECISION_TAG = "bfloat16_relative_precision"
 
@@ -72,24 +60,15 @@ def _update_ratio(variables: list, before: list) -> tf.Tensor:
 class GradientStats:
     """Computes gradient statistics every `every` steps of `optimizer.apply`.
 
-    One instance per optimizer (`GradientStats.of`): its hook on `apply` (through
-    `keras_hooks.optimizer_steps`) is installed once and traced into the train function;
-    `pause` and `resume` switch it with a variable, so later `fit` calls reuse the
-    traced step. `remove` takes the hook off (the next trace runs without it).
-
-    Args:
-        optimizer: The model's optimizer. For a `keras.optimizers.
-            LossScaleOptimizer` (tfmp's included) the gradients it receives are
-            multiplied by `dynamic_scale`; otherwise by `loss_scale_factor` or 1.
-        every: Int >= 1. Steps between two computations.
-        strategy: `tf.distribute.Strategy` the model trains under.
+    One instance per optimizer (`of`), whose hook on `apply` is installed once and traced
+    into the train function; `pause` and `resume` switch it with a variable, so later `fit`
+    calls reuse the traced step; `remove` takes it off. The gradients `apply` receives are
+    taken as multiplied by `dynamic_scale`, else `loss_scale_factor` or 1.
     """
 
     _registry = PerObject("gradient_stats")  # on the optimizer: its hook refers to it
 
-    def __init__(
-        self, optimizer: keras.optimizers.Optimizer, every: int, strategy: Any
-    ) -> None:
+    def __init__(self, optimizer: keras.optimizers.Optimizer, every: int, strategy: Any) -> None:
         self._optimizer = weakref.ref(optimizer)
         self._counter = replica_local_variable(0, dtype=tf.int64, strategy=strategy)
         self._step = replica_local_variable(-1, dtype=tf.int64, strategy=strategy)
@@ -108,20 +87,11 @@ class GradientStats:
         stats._every.assign(np.int64(every))
         return stats
 
-    @property
-    def optimizer(self) -> Any:
-        """The optimizer whose gradients are measured."""
-        return self._optimizer()
-
-    @property
-    def every(self) -> int:
-        """Int. Steps between two computations."""
-        return int(self._every.numpy())
-
     def _scale(self) -> tf.Tensor:
-        scale = getattr(self.optimizer, "dynamic_scale", None)
+        optimizer = self._optimizer()
+        scale = getattr(optimizer, "dynamic_scale", None)
         if scale is None:
-            scale = self.optimizer.loss_scale_factor or 1.0
+            scale = optimizer.loss_scale_factor or 1.0
         return tf.cast(tf.convert_to_tensor(scale), tf.float32)
 
     def _record(self, grads: list) -> tf.Tensor:
@@ -137,25 +107,18 @@ class GradientStats:
         tf.cond(due, compute, lambda: tf.constant(False))
         return due
 
-    def _apply_recording_update(
-        self, apply: Callable, grads: list, variables: Optional[list], due: tf.Tensor
-    ) -> Any:
+    def _apply_recording_update(self, apply: Callable, grads: list, variables: Optional[list], due: tf.Tensor) -> Any:
         """Runs `apply`; if due, records the update ratio of `variables` (NaN if None)."""
         if not variables:
             self._ratio.assign(np.float32("nan"))
             return apply(grads, variables)
         if in_xla_context():
-            # XLA compiles a tf.cond only when both branches give the same shapes
-            # ("left_branch_shape.dimensions_size() != right_branch_shape...");
-            # XLA's buffer assignment keeps the values read before the update.
+            # XLA compiles a tf.cond only when both branches give the same shapes: copy every step.
             before = [tf.identity(v.value) for v in variables]
         else:
             # Copies only when due: the update writes new buffers while these are alive.
-            before = tf.cond(
-                due,
-                lambda: [tf.identity(v.value) for v in variables],
-                lambda: [tf.zeros([0], v.dtype) for v in variables],
-            )
+            before = tf.cond(due, lambda: [tf.identity(v.value) for v in variables],
+                             lambda: [tf.zeros([0], v.dtype) for v in variables])
         result = apply(grads, variables)
 
         def ratio() -> tf.Tensor:
@@ -168,10 +131,7 @@ class GradientStats:
     def resume(self, start_step: int) -> bool:
         """Switches the statistics on; the next step is number `start_step + 1`.
 
-        Returns:
-            Bool. True when the hook was installed now, so the train function must
-            be traced again to contain it (the monitor calls
-            `model.make_train_function(force=True)`).
+        Returns True when the hook was installed now: the train function must be traced again.
         """
         # A NumPy scalar: TensorFlow caches every Python int it converts, for good.
         self._counter.assign(np.int64(start_step))
@@ -189,7 +149,7 @@ class GradientStats:
 
             return apply_with_statistics
 
-        self._hook = optimizer_steps.subscribe(self.optimizer, "apply", wrap, owner="grad_stats")
+        self._hook = optimizer_steps.subscribe(self._optimizer(), "apply", wrap, owner="grad_stats")
         return True
 
     def pause(self) -> None:

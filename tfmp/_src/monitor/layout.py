@@ -1,13 +1,9 @@
 """The TensorBoard custom-scalars layout written by `tfmp.LossScaleMonitor`.
 
-TensorBoard's Custom Scalars tab lays out charts from a `Layout` proto under the tag
-``custom_scalars__config__``. What can move comes first: under dynamic loss scaling the
-loss scale beside the cumulative overflow count, per level (batch, epoch), then the loss
-and metrics, the gradient statistics and the finer signals; without loss scaling the
-loss and metrics, the gradient statistics, then the loss-scale pairs, closed, their
-titles saying why the scale is fixed. Throughput is last and closed; the float16
-fractions chart only for a float16 model. Each chart matches its tags exactly
-(`tfmp._src.monitor.callback`, `tfmp._src.monitor.tags`).
+What can move comes first: under dynamic loss scaling the loss scale and the overflow
+count, then the loss and metrics and the gradient statistics; without loss scaling the
+flat loss-scale charts follow those, closed, their titles saying why. Each chart matches
+its tags exactly (`tags`).
 """
 
 from __future__ import annotations
@@ -17,11 +13,9 @@ from typing import Optional, Sequence
 
 from tensorboard.compat.proto import summary_pb2
 from tensorboard.plugins.custom_scalar import layout_pb2
-from tensorboard.plugins.custom_scalar import metadata as layout_metadata
 from tensorboard.plugins.custom_scalar import summary as custom_scalar_summary
 
 from tfmp._src.monitor import tags
-from tfmp._src.monitor.tags import METRICS as METRICS_GROUP
 
 #: Chart descriptions by tag (Markdown; TensorBoard shows them behind an info icon).
 DESCRIPTIONS = {
@@ -34,19 +28,13 @@ DESCRIPTIONS = {
     "lost when a weight is stored in bfloat16.",
 }
 for _prefix in ("batch_", "epoch_"):
-    DESCRIPTIONS.update(
-        {
-            tags.window(_prefix, "loss_scale"): "Loss scale (1.0 without loss scaling).",
-            tags.window(_prefix, "overflow_count"): "Skipped (non-finite) steps since training began.",
-            tags.window(_prefix, "overflow_rate"): "Skipped steps / steps, over the logging window.",
-            tags.window(_prefix, "skipped_steps"): "Skipped steps in the logging window.",
-            tags.window(_prefix, "consecutive_overflows"): "Skipped steps in a row.",
-        }
-    )
-
-
-#: Tag under which the custom-scalars plugin looks for the layout.
-LAYOUT_TAG = layout_metadata.CONFIG_SUMMARY_TAG
+    DESCRIPTIONS.update({
+        tags.window(_prefix, "loss_scale"): "Loss scale (1.0 without loss scaling).",
+        tags.window(_prefix, "overflow_count"): "Skipped (non-finite) steps since training began.",
+        tags.window(_prefix, "overflow_rate"): "Skipped steps / steps, over the logging window.",
+        tags.window(_prefix, "skipped_steps"): "Skipped steps in the logging window.",
+        tags.window(_prefix, "consecutive_overflows"): "Skipped steps in a row.",
+    })
 
 
 def _chart(title: str, tags: Sequence[str]) -> layout_pb2.Chart:
@@ -56,18 +44,14 @@ def _chart(title: str, tags: Sequence[str]) -> layout_pb2.Chart:
 
 def _pattern_chart(title: str, patterns: Sequence[str]) -> layout_pb2.Chart:
     """A line chart of the tags matching any of `patterns` (regular expressions)."""
-    return layout_pb2.Chart(
-        title=title, multiline=layout_pb2.MultilineChartContent(tag=list(patterns))
-    )
+    return layout_pb2.Chart(title=title, multiline=layout_pb2.MultilineChartContent(tag=list(patterns)))
 
 
 #: The charts of gradient statistics (``grad_stats_freq``) and the update ratio.
 _GRADIENTS = (
     _chart("global gradient norm (unscaled)", [tags.event("grad_norm")]),
-    _chart(
-        "update / weight (global norms) vs bfloat16's 2**-8",
-        [tags.event("update_ratio"), tags.event("bfloat16_relative_precision")],
-    ),
+    _chart("update / weight (global norms) vs bfloat16's 2**-8",
+           [tags.event("update_ratio"), tags.event("bfloat16_relative_precision")]),
 )
 #: Its float16 chart, drawn for a model computing in float16 only.
 _FLOAT16_GRADIENTS = _chart(
@@ -81,51 +65,33 @@ def _training_charts(prefixes: Sequence[str], metrics: Sequence[str]) -> list:
         level = prefix.rstrip("_")
         for name in sorted(metrics, key=lambda name: name != "loss"):  # stable: loss first
             val = "(val_)?" if prefix == "epoch_" else ""
-            pattern = f"^{re.escape(METRICS_GROUP + prefix)}{val}{re.escape(name)}$"
+            pattern = f"^{re.escape(tags.METRICS + prefix)}{val}{re.escape(name)}$"
             charts.append(_pattern_chart(f"{name} ({level})", [pattern]))
     return charts
 
 
-def build_layout(
-    prefixes: Sequence[str],
-    grad_stats: bool,
-    metrics: Sequence[str] = (),
-    fixed_scale: Optional[str] = None,
-    float16: bool = False,
-) -> layout_pb2.Layout:
+def build_layout(prefixes: Sequence[str], grad_stats: bool, metrics: Sequence[str] = (),
+                 fixed_scale: Optional[str] = None, float16: bool = False) -> layout_pb2.Layout:
     """Builds the layout for the tags a monitor writes.
 
     Args:
-        prefixes: Sequence of strings, the logging levels written: ``"batch_"``
-            and/or ``"epoch_"``.
+        prefixes: The logging levels written: ``"batch_"`` and/or ``"epoch_"``.
         grad_stats: Bool. Whether gradient statistics are written.
-        metrics: Sequence of strings. Names of the training metrics in Keras's
-            logs (e.g. ``("loss", "accuracy")``), without ``val_`` ones.
-        fixed_scale: String or None. Why the loss scale stays at 1 (e.g.
-            ``"no loss scaling under mixed_bfloat16"``, from
-            `tfmp._src.monitor.metrics.fixed_scale_reason`); None under loss
-            scaling.
-        float16: Bool. Whether the model computes in float16: only then is
-            the float16 fractions chart drawn (its tags are written then only).
+        metrics: Names of the training metrics in Keras's logs, without ``val_`` ones.
+        fixed_scale: Why the loss scale stays at 1 (`metrics.fixed_scale_reason`), or None.
+        float16: Bool. Whether the model computes in float16 (draws the fractions chart).
 
     Returns:
-        `layout_pb2.Layout`. Under loss scaling: per level a category "loss
-        scaling (batch)" / "loss scaling (epoch)" holding exactly the loss scale
-        and the overflow count (a category is one grid, so the two charts sit
-        side by side), then "training" (per level one chart per metric, the
-        loss first, the epoch ones with their validation values; left out without `metrics`),
-        with `grad_stats` "gradients and updates", then "loss scaling: details"
-        and "throughput" (closed). With `fixed_scale`: "training" and "gradients
-        and updates" first, then the per-level pairs, titled e.g. "loss scale
-        (batch, fixed at 1: no loss scaling under mixed_bfloat16)", and
-        "loss scaling: details", all three closed when a category is open
-        above them, and "throughput" (closed).
+        `layout_pb2.Layout`. Under loss scaling: per level a category "loss scaling
+        (<level>)" holding the loss scale beside the overflow count, then "training"
+        (one chart per metric, the loss first, epoch ones with their ``val_`` twin),
+        "gradients and updates", "loss scaling: details" and "throughput" (closed).
+        With `fixed_scale`, "training" and "gradients and updates" come first, and
+        the pairs, titled with the reason, and the details follow them closed.
     """
     learning = []
     if metrics:
-        learning.append(
-            layout_pb2.Category(title="training", chart=_training_charts(prefixes, metrics))
-        )
+        learning.append(layout_pb2.Category(title="training", chart=_training_charts(prefixes, metrics)))
     if grad_stats:
         charts = list(_GRADIENTS) + ([_FLOAT16_GRADIENTS] if float16 else [])
         learning.append(layout_pb2.Category(title="gradients and updates", chart=charts))
@@ -150,12 +116,8 @@ def build_layout(
             ),
             _chart(f"learning rate ({level})", [tags.window(prefix, "lr")]),
         ]
-        speed.append(
-            _chart(f"samples per second ({level})", [tags.window(prefix, "samples_per_second")])
-        )
-    details.append(
-        _chart("overflow events (scale that overflowed)", [tags.event("overflow_scale")])
-    )
+        speed.append(_chart(f"samples per second ({level})", [tags.window(prefix, "samples_per_second")]))
+    details.append(_chart("overflow events (scale that overflowed)", [tags.event("overflow_scale")]))
     categories = learning + pairs if fixed_scale else pairs + learning
     categories += [
         layout_pb2.Category(title="loss scaling: details", chart=details, closed=closed),
@@ -165,13 +127,5 @@ def build_layout(
 
 
 def layout_summary(layout: layout_pb2.Layout) -> summary_pb2.Summary:
-    """Wraps a layout as the summary the custom-scalars plugin reads.
-
-    Args:
-        layout: `layout_pb2.Layout`.
-
-    Returns:
-        `Summary` from `tensorboard.plugins.custom_scalar.summary.pb`, with tag
-        `LAYOUT_TAG`.
-    """
+    """`layout` as the `Summary` the custom-scalars plugin reads (its ``custom_scalars__config__`` tag)."""
     return custom_scalar_summary.pb(layout)

@@ -1,8 +1,4 @@
-"""Device memory for `tfmp.LossScaleMonitor`.
-
-Device memory comes from `tf.config.experimental.get_memory_info`, which
-TensorFlow fills in for GPUs only (on a CPU it returns zeros).
-"""
+"""Device memory for `tfmp.LossScaleMonitor`, from `tf.config.experimental.get_memory_info` (GPUs only)."""
 
 from __future__ import annotations
 
@@ -11,14 +7,8 @@ from typing import Dict, Tuple
 import tensorflow as tf
 
 
-
 def device_memory() -> Dict[str, Tuple[int, int]]:
-    """Memory in use and its peak on each visible GPU, in bytes.
-
-    Returns:
-        Dict from device name (``"GPU:0"``) to (current bytes, peak bytes); empty
-        when no GPU is visible or TensorFlow reports none (CPU-only machines).
-    """
+    """Device name (``"GPU:0"``) -> (bytes in use, peak bytes) of each visible GPU that reports them."""
     result = {}
     for device in tf.config.list_logical_devices("GPU"):
         name = device.name.split("device:")[-1]

@@ -1,10 +1,8 @@
 """What `tfmp.LossScaleMonitor` reads: loss-scaling state, overflow history, samples.
 
-Everything comes from variables that training updates in the graph, so a read
-between two executions of the train function sees every step in between, however
-many steps one execution runs (`steps_per_execution`). A read costs one
-device-to-host copy per variable (docs/guides/tensorboard.md, "Failures, distribution
-and cost"); the monitor reads only at its logging points, never per step.
+All from variables training updates in the graph, so a read between two executions of the
+train function sees every step in between, whatever `steps_per_execution`; the monitor
+reads only at its logging points (cost: docs/guides/tensorboard.md).
 """
 
 from __future__ import annotations
@@ -24,17 +22,10 @@ from tfmp._src.loss_scale.optimizer import LossScaleOptimizer
 class LossScaleState:
     """Loss-scaling state of an optimizer at one moment, as Python numbers.
 
-    Attributes:
-        step: Int. Steps trained so far, skipped ones included: `total_steps` of a
-            `tfmp.LossScaleOptimizer`, `iterations` of any other optimizer (a
-            Keras `LossScaleOptimizer` does not count its skipped steps there).
-        loss_scale: Float. The current loss scale; 1.0 without loss scaling.
-        overflow_count: Int. Skipped (non-finite) steps so far; 0 for optimizers
-            that do not count them.
-        consecutive_overflows: Int. Skipped steps in a row up to now.
-        learning_rate: Float or None. The learning rate the next step uses
-            (schedules evaluated at the inner optimizer's `iterations`, which do
-            not advance on skipped steps); None if the optimizer has none.
+    `step` counts steps trained, skipped ones included (`total_steps` of a
+    `tfmp.LossScaleOptimizer`, else `iterations`); `overflow_count` and
+    `consecutive_overflows` are 0 for optimizers that do not count them;
+    `learning_rate` is the next step's, None if the optimizer has none.
     """
 
     step: int
@@ -46,15 +37,8 @@ class LossScaleState:
 
 @dataclasses.dataclass(frozen=True)
 class OverflowEvent:
-    """One skipped step, from the optimizer's overflow history.
-
-    Attributes:
-        step: Int. One-based number of the skipped step (= `total_steps` after
-            it), the monitor's step axis; `last_overflow_step` + 1.
-        scale_before: Float. The loss scale the step ran with.
-        scale_after: Float. The loss scale after it (halved, or kept by
-            `hysteresis`, `min_scale` or fixed-scale runs).
-    """
+    """One skipped step from the overflow history: its one-based number (the monitor's step
+    axis) and the loss scale it ran with and the one after it."""
 
     step: int
     scale_before: float
@@ -66,28 +50,16 @@ def _numpy(value: Any) -> Any:
     return value.numpy() if hasattr(value, "numpy") else value
 
 
-def is_tfmp_optimizer(optimizer: Any) -> bool:
-    """Bool. Whether `optimizer` keeps tfmp's overflow counters (built or not)."""
-    return isinstance(optimizer, LossScaleOptimizer)
-
-
 def read_state(optimizer: Any) -> LossScaleState:
-    """Reads the loss-scaling state of `optimizer` (built or not).
+    """The `LossScaleState` of `optimizer`, its starting values when not built.
 
-    Args:
-        optimizer: A Keras optimizer; `tfmp.LossScaleOptimizer` gives every field,
-            a Keras `LossScaleOptimizer` its scale, other optimizers 1.0.
-
-    Returns:
-        `LossScaleState`. An optimizer not built yet gives its starting values.
+    `tfmp.LossScaleOptimizer` gives every field, a Keras `LossScaleOptimizer` its scale,
+    other optimizers a scale of 1.0.
     """
     scale, overflows, consecutive = 1.0, 0, 0
-    is_lso = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-    if is_lso and optimizer.built:
-        scale = float(optimizer.dynamic_scale.numpy())
-    elif is_lso:
-        scale = float(optimizer.initial_scale)
-    if is_tfmp_optimizer(optimizer) and optimizer.built:
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        scale = float(optimizer.dynamic_scale.numpy() if optimizer.built else optimizer.initial_scale)
+    if isinstance(optimizer, LossScaleOptimizer) and optimizer.built:
         step = int(optimizer.total_steps.numpy())
         overflows = int(optimizer.overflow_count.numpy())
         consecutive = int(optimizer.consecutive_overflows.numpy())
@@ -98,22 +70,11 @@ def read_state(optimizer: Any) -> LossScaleState:
     return LossScaleState(step, scale, overflows, consecutive, lr)
 
 
-def read_overflow_events(
-    optimizer: Any, first: int, stop: int
-) -> tuple[List[OverflowEvent], int]:
-    """Reads skipped steps number `first` to `stop - 1` from the overflow history.
+def read_overflow_events(optimizer: Any, first: int, stop: int) -> tuple[List[OverflowEvent], int]:
+    """(events in step order, count too old to itemize) of skipped steps number `first` to `stop - 1`.
 
-    The k-th skipped step (zero-based, counted by `overflow_count`) sits in slot
-    ``k % OVERFLOW_HISTORY`` of the optimizer's ring buffers, so only the last
-    `OVERFLOW_HISTORY` (64) skipped steps can be itemized.
-
-    Args:
-        optimizer: `tfmp.LossScaleOptimizer`, built; other optimizers give nothing.
-        first: Int >= 0. Count of skipped steps already itemized.
-        stop: Int. Current `overflow_count`.
-
-    Returns:
-        Tuple (events in step order, number of skipped steps too old to itemize).
+    The k-th skipped step sits in slot ``k % OVERFLOW_HISTORY`` of a built
+    `tfmp.LossScaleOptimizer`'s ring buffers (other optimizers give nothing).
     """
     history = getattr(optimizer, "overflow_history_steps", None)
     if history is None or stop <= first:
@@ -137,13 +98,8 @@ def format_scale(value: float) -> str:
 
 
 def skip_cause(optimizer: Any) -> str:
-    """What made `optimizer` skip a step, from its guard (`tfmp._src.loss_scale.guard`).
-
-    ``"non-finite gradients"`` when every gradient is checked (loss scaling, or
-    ``guard="gradients"``); ``"non-finite loss or gradients"`` under the loss
-    guard (the loss in `fit`; the gradients in a step applied without
-    `scale_loss`).
-    """
+    """What made `optimizer` skip a step: ``"non-finite gradients"`` when its guard checks every
+    gradient, else ``"non-finite loss or gradients"`` (the loss guard)."""
     checks = _guard.resolve(optimizer.guard, optimizer.loss_scaling)
     return "non-finite gradients" if checks == "gradients" else "non-finite loss or gradients"
 
@@ -162,24 +118,13 @@ def describe(event: OverflowEvent, cause: str = "non-finite gradients") -> str:
 
 
 def samples_this_epoch(model: Any) -> Optional[int]:
-    """Samples trained on in the current epoch, from Keras's loss tracker.
+    """Samples `model` trained on since `fit` last reset its metrics, or None without a loss tracker.
 
-    Keras's `train_step` updates the model's loss tracker (a `keras.metrics.Mean`)
-    with the batch size as sample weight, so its `count` variable is the number of
-    samples seen since `fit` last reset the metrics (each epoch start, and each
-    `evaluate`), summed over replicas under a distribution strategy.
-
-    Args:
-        model: `keras.Model` being trained.
-
-    Under a `tf.distribute` strategy the variable is sync-on-read: reading it whole
-    all-reduces it across workers, a collective that only the writing chief would
-    join. So this worker's replicas are summed and scaled to the whole cluster,
-    exact for `MirroredStrategy` and for equal shards per worker.
-
-    Returns:
-        Int, or None when the model has no loss tracker. A custom `train_step`
-        that does not update the tracker leaves it at 0.
+    Keras's `train_step` updates the loss tracker (a `keras.metrics.Mean`) with the
+    batch size as sample weight, so its `count` is the samples seen. Under a strategy
+    the variable is sync-on-read: reading it whole is a collective only the chief would
+    join, so this worker's replicas are summed and scaled to the cluster (exact for
+    `MirroredStrategy` and equal shards per worker).
     """
     tracker = loss_tracker(model)
     count = getattr(tracker, "count", None)

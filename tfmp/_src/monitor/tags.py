@@ -1,49 +1,33 @@
 """The scalar tags of `tfmp.LossScaleMonitor`, named for TensorBoard's first screen.
 
-TensorBoard's Time Series tab groups cards by the part of the tag before the first ``/``
-and sorts groups and cards by name. The groups come in this order under every policy,
-and runs under different policies put the same tag on the same card: ``metrics/``
-(Keras's logs, `tfmp._src.monitor.metrics`), ``optimizer/`` (learning rate, gradient
-norm, update ratio), ``precision/`` (loss scale, skipped-step counts, bfloat16's relative
-precision, float16's gradient fractions), ``system/`` (samples per second, GPU memory).
-Without loss scaling the flat scale and counts come after what moves. Text tags
-(``overflow_events``, ``monitor_notes``, ``loss_scale_note``) keep their names.
+TensorBoard's Time Series tab groups cards by the part of a tag before the first ``/``
+and sorts them by name, so these groups come in the same order, and a tag on the same
+card, under every policy. Text tags (``overflow_events``, ``monitor_notes``,
+``loss_scale_note``) have no group.
 """
 
 from __future__ import annotations
 
-#: Group of the loss and metrics of Keras's logs (sorts first).
-METRICS = "metrics/"
-#: Group of what the optimizer applies: learning rate, gradient norm, update ratio.
-OPTIMIZER = "optimizer/"
-#: Group of the loss scale, the skipped steps and the precision diagnostics.
-PRECISION = "precision/"
-#: Group of throughput and device memory.
-SYSTEM = "system/"
+#: The groups: Keras's logs (sorts first); learning rate, gradient norm and update ratio;
+#: loss scale, skipped steps and precision diagnostics; throughput and device memory.
+METRICS, OPTIMIZER, PRECISION, SYSTEM = "metrics/", "optimizer/", "precision/", "system/"
 
+#: The gradient statistics written only for a model computing in float16.
+FLOAT16_ONLY = ("grad_underflow_fraction", "grad_overflow_fraction", "grad_zero_fraction")
 #: Window scalars (written as ``<group><level>_<name>``, level ``batch`` or
 #: ``epoch``) by name, with their group.
 _WINDOW_GROUPS = {
-    "loss_scale": PRECISION,
-    "overflow_count": PRECISION,
-    "skipped_steps": PRECISION,
-    "overflow_rate": PRECISION,
-    "consecutive_overflows": PRECISION,
+    **dict.fromkeys(("loss_scale", "overflow_count", "skipped_steps", "overflow_rate", "consecutive_overflows"),
+                    PRECISION),
     "lr": OPTIMIZER,
     "samples_per_second": SYSTEM,
 }
 #: Scalars written at the step they describe, by name, with their group.
 _EVENT_GROUPS = {
-    "overflow_scale": PRECISION,
+    **dict.fromkeys(("overflow_scale", "bfloat16_relative_precision", *FLOAT16_ONLY), PRECISION),
     "grad_norm": OPTIMIZER,
     "update_ratio": OPTIMIZER,
-    "bfloat16_relative_precision": PRECISION,
-    "grad_underflow_fraction": PRECISION,
-    "grad_overflow_fraction": PRECISION,
-    "grad_zero_fraction": PRECISION,
 }
-#: The gradient statistics written only for a model computing in float16.
-FLOAT16_ONLY = ("grad_underflow_fraction", "grad_overflow_fraction", "grad_zero_fraction")
 
 
 def window(prefix: str, name: str) -> str:

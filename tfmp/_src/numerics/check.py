@@ -1,15 +1,9 @@
 """`tfmp.check_numerics`: name the first layer that goes NaN or Inf, and live with loss scaling.
 
-`tf.debugging.enable_check_numerics()` aborts healthy float16 runs, whose scaled
-gradients overflow on purpose while the loss scale backs off. The hooks here check,
-forward, each selected layer's output, each loss term (`terms`) and the loss
-(`scale_loss`); backward, the gradients at each layer call (`backward`) and those given
-to `apply`. Under a dynamic scale a non-finite gradient counts only at the scale's floor
-(``max(min_scale, 1)``); under a fixed one, always. Results go to variables and a flag in
-the step's logs, which the wrapped `train_function` reads after every step (no extra
-device read when healthy). The same in `fit`, eagerly and under XLA; a checked step
-computes an unchecked one's results bit for bit, under XLA within one float32 ulp. Under
-`tf.distribute.MirroredStrategy` the replicas agree on one failure per step (`FailureRecorder`).
+`tf.debugging.enable_check_numerics()` aborts healthy float16 runs, whose scaled gradients
+overflow on purpose. These hooks check layer outputs, loss terms and the loss forward, and
+gradients backward; under a dynamic scale a non-finite gradient counts only at the scale's
+floor. Results go to variables and a flag in the step's logs, read after every step.
 """
 
 from __future__ import annotations
@@ -28,6 +22,7 @@ from tfmp._src.errors import (NonFiniteError, check_bool, check_model, check_pos
                               model_fix)
 from tfmp._src.keras_hooks import layer_calls, loss_terms, optimizer_steps, surfaces, train_function, trainer
 from tfmp._src.keras_hooks.optimizer_steps import optimizer_variables
+from tfmp._src.monitor.metrics import scales_loss
 from tfmp._src.numerics.layers import (LayerSpec, check_layer_spec, layer_paths, reduction_hint,
                                        scale_and_counts, select_layers)
 from tfmp._src.numerics.backward import Boundary, call_with_probes, trainable_ids
@@ -39,40 +34,19 @@ _ACTIONS = ("raise", "warn", "log")
 _PHASES = ("forward", "backward", "both")
 _ATTR = "_tfmp_numerics"
 _MAX_FAILURES = 100
-#: Largest `trace_length`. The trace is for a person to read (one row per layer
-#: call, in the error's details); 1024 rows cover the forward pass of a model of
-#: 1024 layer calls. Its two float32 [trace_length, 6] variables take 48 bytes per
-#: row: 48 KiB at 1024 (48 GB at 10**9), plus per step under a strategy an
-#: all-reduce of replicas * 6 * (trace_length + 1) float32.
+#: Largest `trace_length`: the trace is for a person to read, and each row costs two
+#: float32 rows of 6 in device memory (48 bytes).
 MAX_TRACE_LENGTH = 1024
 #: How to fix a `model` argument that is not a model (or `None`).
 _MODEL_FIX = model_fix("tfmp.check_numerics(model, action='warn')")
 
-#: The surface of each method `CheckNumerics` hooks.
+#: The surface of each method `NumericsHandle` hooks.
 _SURFACE_OF = {"call": layer_calls.SURFACE, "train_step": trainer.SURFACE,
                "apply": optimizer_steps.SURFACE, "scale_loss": optimizer_steps.SURFACE}
 
 
-def check_trace_length(value: Any) -> None:
-    """Checks a `trace_length` argument (of `check_numerics` or `enable(debug=...)`).
-
-    Raises:
-        ValueError: (template) not an int in [1, `MAX_TRACE_LENGTH`].
-    """
-    check_positive_int(
-        "trace_length", value, maximum=MAX_TRACE_LENGTH,
-        why="a trace is read by a person, and each row costs 48 bytes of device memory",
-        fix="Pass e.g. trace_length=8 (the default).",
-    )
-
-
 def check_options(action: Any, phase: Any, layers: Any, trace_length: Any) -> None:
-    """Checks the options of `check_numerics` (also those of `enable(debug={...})`).
-
-    Raises:
-        ValueError: (template) an unknown `action` or `phase`, a `layers` of
-            another form (`check_layer_spec`) or a `trace_length` out of range.
-    """
+    """Checks the options of `check_numerics` (also `enable(debug={...})`'s); raises `ValueError`."""
     if not isinstance(action, str) or action not in _ACTIONS:
         raise invalid_argument("action", action, "one of 'raise', 'warn', 'log'", choices=_ACTIONS,
                                fix="Pass e.g. action='warn' (report and go on); 'raise' (the default) stops the run.")
@@ -80,11 +54,14 @@ def check_options(action: Any, phase: Any, layers: Any, trace_length: Any) -> No
         raise invalid_argument("phase", phase, "one of 'forward', 'backward', 'both'", choices=_PHASES,
                                fix="Pass e.g. phase='both' (the default: layer outputs and gradients).")
     check_layer_spec(layers)
-    check_trace_length(trace_length)
+    check_positive_int(
+        "trace_length", trace_length, maximum=MAX_TRACE_LENGTH,
+        why="a trace is read by a person, and each row costs 48 bytes of device memory",
+        fix="Pass e.g. trace_length=8 (the default).",
+    )
 
 
-#: Key of the failure flag the hooked train step adds to its logs; the train function
-#: wrapper removes it before Keras (callbacks, history) sees the logs.
+#: Key of the failure flag the hooked train step adds to its logs (removed before Keras sees them).
 _FLAG = "_tfmp_numerics_failed"
 _local = threading.local()
 logger = logging.getLogger("tfmp")
@@ -281,20 +258,14 @@ class NumericsHandle:
         return owners
 
     def check(self) -> None:
-        """Reads the recorded failure after a step and acts on it.
-
-        Called after every train step run by `fit` or `train_on_batch` whose flag
-        says a failure was recorded. The failure is cleared once reported, so a
-        caller that catches the error and trains on meets the next one afresh.
+        """Reads the failure recorded by a step and acts on it, then clears it (the next comes afresh).
 
         Raises:
             tfmp.NonFiniteError: With `action="raise"`, on the first recorded failure.
         """
         if not self.recorder.failed():
             return
-        optimizer = getattr(self.model, "optimizer", None)
-        scaling = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-        scaling = scaling and getattr(optimizer, "loss_scaling", True)
+        scaling = scales_loss(getattr(self.model, "optimizer", None))
         error = build_error(self.recorder, self._owners(), scaling,
                             functools.partial(reduction_hint, self.model), self.model.name)
         if error is None:
@@ -325,16 +296,11 @@ def check_numerics(
 ) -> Optional[NumericsHandle]:
     """Instruments `model` so training stops at the first non-finite value, naming its layer.
 
-    Works before or after `compile`: the train function is rebuilt by the next `fit`
-    (or `train_on_batch`). Calling it again replaces the previous hooks. Values,
-    losses and weights are unchanged by the hooks.
-
-    Under a `tf.distribute` strategy (the model built in `strategy.scope()`), steps
-    are counted once per global step and a failure on any replica is reported
-    once: the earliest failing layer call of the step over all replicas, with that
-    replica's value trace. This costs one all-reduce per step of a float32 table of
-    `replicas * 6 * (trace_length + 1)` numbers (432 bytes for 2 replicas and the
-    default `trace_length`).
+    Works before or after `compile` (the next `fit` or `train_on_batch` rebuilds the train
+    function); calling it again replaces the previous hooks; values, losses and weights are
+    unchanged. Under a `tf.distribute` strategy, steps are counted once per global step and
+    the earliest failure of the step over all replicas is reported once, with that replica's
+    trace (one all-reduce per step of `replicas * 6 * (trace_length + 1)` float32).
 
     Args:
         model: `keras.Model`. The model to instrument.
@@ -343,19 +309,15 @@ def check_numerics(
             logger, once per (layer, phase, kind), and training goes on.
         phase: String. `"forward"` checks layer outputs, the terms of
             `model.losses` and the loss; `"backward"` the terms, the loss and the
-            gradients: at each checked layer call's outputs and inputs (two
-            identities with a custom gradient around the call, one max |gradient|
-            reduction per tensor) and at the weights, so that the layer whose
-            backward pass turned a finite gradient into NaN or inf is named
-            (`error.phase == "backward"`, `error.layer` that layer) rather than the
-            layer below it; `"both"` (default) all of them.
+            gradients at each checked layer call's outputs, inputs and weights, so
+            that the layer whose backward pass turned a finite gradient into NaN
+            or inf is named (`error.layer`); `"both"` (default) all of them.
         layers: Which layers to check: None (every layer that computes
             something), a sequence of layer names, paths, Layer classes or Layer
             instances, or a callable `layer -> bool`.
         trace_length: Int in [1, 1024]. Layer calls before the failure whose |value|
             range is attached to the error (`error.details["trace"]`). Default 8.
-            Allocates two float32 `[trace_length, 6]` variables (48 bytes per
-            row, 48 KiB at 1024).
+            Allocates two float32 `[trace_length, 6]` variables.
         enabled: Bool. False removes hooks installed earlier and returns None.
 
     Returns:

@@ -1,13 +1,8 @@
 """`tfmp.check_dataset`: find NaN, Inf and values the compute dtype cannot hold, before training.
 
-Dirty data is one of the commonest causes of a NaN loss, and it looks the same as a
-numerical failure of the model. This preflight scans batches on the host with NumPy
-and says which batch, which feature and how many values are wrong.
-
-Number sources (IEEE 754 binary16, and `ml_dtypes.finfo` for the others): float16
-holds at most 65504 and its smallest subnormal is 2**-24 (about 5.96e-8; nonzero
-values smaller than that are lost); bfloat16 holds at most about 3.39e38 and its
-smallest subnormal is 2**-133 (about 9.2e-41).
+Dirty data is a common cause of a NaN loss and looks like a numerical failure of the model.
+This preflight scans batches on the host with NumPy and names the batch, the feature and
+the count. Limits come from `ml_dtypes.finfo` (float16: IEEE 754 binary16).
 """
 
 from __future__ import annotations
@@ -42,10 +37,8 @@ class DatasetIssue:
 
     Attributes:
         batch: Int. Zero-based index of the batch in iteration order.
-        component: String. `"x"`, `"y"` or `"sample_weight"`, with the key path for
-            nested inputs (e.g. `"x/age"`).
-        feature: Int or None. Index along the component's last axis (a column of
-            tabular data, a channel of images); None for a component of rank <= 1.
+        component: String. `"x"`, `"y"` or `"sample_weight"`, with the key path of nested inputs (`"x/age"`).
+        feature: Int or None. Index along the component's last axis; None for a component of rank <= 1.
         problem: String. `"nan"`, `"inf"`, `"overflow"` or `"underflow"`.
         count: Int. How many values of this feature in this batch have the problem.
     """
@@ -71,9 +64,8 @@ class DatasetReport:
         smallest_subnormal: Float. Its smallest positive value (2**-24 for float16).
         batches_checked: Int. Batches scanned.
         issues: List of `DatasetIssue`, in batch order.
-        values_checked: Int. Floating-point values scanned. 0 when the data set
-            holds no float component (strings, integer ids only): nothing was
-            checked, and `check_dataset` warned.
+        values_checked: Int. Floating-point values scanned; 0 (and a warning) when
+            the data set holds no float component.
 
     Raises:
         ValueError: (template) `compute_dtype` not a string, a limit not a
@@ -165,12 +157,7 @@ def _batches(data: Any, max_batches: Optional[int], batch_size: int) -> Iterator
 
 
 def _check_same_length(data: Any) -> None:
-    """Refuses in-memory arrays of different lengths, which `fit` refuses too.
-
-    Raises:
-        ValueError: (template, naming `dataset`) the first dimensions differ,
-            each named with its component.
-    """
+    """Refuses (`ValueError`) in-memory arrays of different lengths, as `fit` does."""
     lengths = {name: int(leaf.shape[0]) for name, leaf in _named_leaves(data)
                if len(getattr(leaf, "shape", ())) >= 1}
     if len(set(lengths.values())) > 1:
@@ -182,13 +169,7 @@ def _check_same_length(data: Any) -> None:
 
 
 def _checked_batches(data: Any, batches: Iterator[Any]) -> Iterator[Any]:
-    """`batches`, each checked to hold arrays or tensors of rank >= 1, as `fit` needs.
-
-    Raises:
-        ValueError: (template, naming `dataset`) a batch holds no array, or a
-            value of rank 0 (a plain number: a list of numbers is one array, not
-            batches).
-    """
+    """`batches`, each checked (`ValueError`) to hold arrays or tensors of rank >= 1, as `fit` needs."""
     for index, batch in enumerate(batches):
         leaves = [leaf for leaf in keras.tree.flatten(batch) if leaf is not None]
         wrong = [leaf for leaf in leaves if not hasattr(leaf, "shape") or len(leaf.shape) < 1]
@@ -202,15 +183,9 @@ def _checked_batches(data: Any, batches: Iterator[Any]) -> Iterator[Any]:
 
 
 def _named_leaves(batch: Any) -> Iterator[tuple[str, Any]]:
-    """``(name, leaf)`` of one batch, split as Keras's `fit` splits it (x, y, sample_weight).
-
-    Names read ``"x"``, ``"y"``, ``"sample_weight"``, with the key path of nested
-    inputs (``"x/age"``); a component given as None is skipped.
-    """
-    if isinstance(batch, (tuple, list)) and 1 <= len(batch) <= 3:
-        parts = zip(_COMPONENTS, batch)
-    else:
-        parts = [("x", batch)]
+    """``(name, leaf)`` of one batch, split as `fit` splits it: ``"x"``, ``"y"``, ``"sample_weight"``,
+    with the key path of nested inputs (``"x/age"``); a component given as None is skipped."""
+    parts = zip(_COMPONENTS, batch) if isinstance(batch, (tuple, list)) and 1 <= len(batch) <= 3 else [("x", batch)]
     for component, value in parts:
         if value is None:
             continue
@@ -220,25 +195,17 @@ def _named_leaves(batch: Any) -> Iterator[tuple[str, Any]]:
 
 def _components(batch: Any) -> list[tuple[str, np.ndarray]]:
     """Named float arrays of one batch (`_named_leaves`)."""
-    named = []
-    for name, leaf in _named_leaves(batch):
-        array = np.asarray(leaf)
-        if np.issubdtype(array.dtype, np.floating) or array.dtype == ml_dtypes.bfloat16:
-            named.append((name, array))
-    return named
+    arrays = [(name, np.asarray(leaf)) for name, leaf in _named_leaves(batch)]
+    return [(name, a) for name, a in arrays if np.issubdtype(a.dtype, np.floating) or a.dtype == ml_dtypes.bfloat16]
 
 
-#: Elements scanned at once. The scan works on a float64 copy with a few masks
-#: (about 22 bytes per element, 23 MiB per chunk), so it needs no more memory
-#: than this, whatever the `batch_size` or the size of a batch a dataset yields.
+#: Elements scanned at once (a float64 copy with a few masks), whatever the size of a batch.
 _SCAN_CHUNK = 2**20
 
 
 def _scan(array: np.ndarray, limits: Optional[tuple[float, float]]) -> dict[str, np.ndarray]:
-    """Per-feature counts of each problem in one array (`limits` None skips the range checks).
-
-    Scanned in chunks of `_SCAN_CHUNK` elements (whole rows, at least one).
-    """
+    """Per-feature counts of each problem in one array, in chunks of `_SCAN_CHUNK` elements (whole
+    rows, at least one); `limits` None skips the range checks."""
     rows = array.reshape(-1, array.shape[-1]) if array.ndim >= 2 else array.reshape(-1, 1)
     step = max(1, _SCAN_CHUNK // max(1, rows.shape[1]))
     total: dict[str, np.ndarray] = {}
@@ -288,8 +255,7 @@ def check_dataset(
         max_batches: Int >= 1 or None. Batches to scan; None scans all (required
             for an infinite dataset).
         batch_size: Int >= 1. Batch size for in-memory arrays. Default 32. No upper
-            bound: a batch is a view of the arrays given, and the scan works in
-            chunks of 2**20 values (about 23 MiB), whatever the batch size.
+            bound: the scan works in chunks of 2**20 values, whatever the batch size.
 
     Returns:
         `DatasetReport`; `report.ok` is True when nothing was found and `str(report)`
@@ -302,9 +268,9 @@ def check_dataset(
     Raises:
         ValueError: (template) `dataset` is a string or of no supported kind,
             yields a batch that holds a value of rank 0 (a number) or no array,
-            or yields no batch; in-memory arrays of different lengths; `policy` is not one of those above; `max_batches` is
-            not None or an int >= 1 (or None for an infinite data set);
-            `batch_size` is not an int >= 1.
+            or yields no batch; in-memory arrays of different lengths; `policy` is
+            not one of those above; `max_batches` is not None or an int >= 1 (or
+            None for an infinite data set); `batch_size` is not an int >= 1.
 
     Example:
         >>> x = np.ones((64, 3), "float32"); x[40, 2] = np.nan
@@ -326,15 +292,8 @@ def check_dataset(
             counts = _scan(array, limits if component.startswith("x") else None)
             for problem, per_feature in counts.items():
                 for feature in np.flatnonzero(per_feature):
-                    report.issues.append(
-                        DatasetIssue(
-                            index,
-                            component,
-                            int(feature) if array.ndim >= 2 else None,
-                            problem,
-                            int(per_feature[feature]),
-                        )
-                    )
+                    column = int(feature) if array.ndim >= 2 else None
+                    report.issues.append(DatasetIssue(index, component, column, problem, int(per_feature[feature])))
     if report.batches_checked == 0:
         raise invalid_argument(
             "dataset", dataset, "a data set that yields at least one batch",

@@ -23,11 +23,8 @@ def layer_paths(model: keras.Model) -> list[tuple[keras.layers.Layer, str]]:
 
 
 def reduction_hint(model: keras.Model, path: str) -> Optional[str]:
-    """The cause and fix of a float16 reduction that can overflow in the layer at `path`, or None.
-
-    The layers enclosing it are asked first: a sublayer of a custom block is
-    seen in its block's trace (`tfmp._src.float32.reductions`).
-    """
+    """The cause and fix of a float16 reduction that can overflow in the layer at `path` or, failing
+    that, in the nearest layer enclosing it (a custom block's sublayer is seen in its trace), or None."""
     found = None
     for layer, where in layer_paths(model):
         if path == where or path.startswith(where + "/"):
@@ -36,15 +33,8 @@ def reduction_hint(model: keras.Model, path: str) -> Optional[str]:
 
 
 def check_layer_spec(layers: Any) -> None:
-    """Checks the form of a `layers` argument of `tfmp.check_numerics` (not which layers exist).
-
-    Raises:
-        ValueError: (template) `layers` is not None, a callable, a layer name,
-            class or instance, nor a non-empty list, tuple or set of those.
-    """
-    if layers is None or isinstance(layers, (str, type, keras.layers.Layer)):
-        return
-    if callable(layers):
+    """Checks (`ValueError`) the form of a `layers` argument of `tfmp.check_numerics`, not which exist."""
+    if layers is None or isinstance(layers, (str, type, keras.layers.Layer)) or callable(layers):
         return
     expected = ("None (every layer), a callable layer -> bool, or a non-empty list of layer "
                 "names, paths, Layer classes or Layer instances")
@@ -60,7 +50,6 @@ def check_layer_spec(layers: Any) -> None:
 def select_layers(model: keras.Model, layers: LayerSpec) -> list[tuple[keras.layers.Layer, str]]:
     """The layers to hook with their paths, validated (see `check_numerics`)."""
     candidates = [(layer, path) for layer, path in layer_paths(model) if not is_wiring(layer)]
-    check_layer_spec(layers)
     if layers is None:
         return candidates
     if callable(layers) and not isinstance(layers, type):
@@ -87,21 +76,12 @@ def select_layers(model: keras.Model, layers: LayerSpec) -> list[tuple[keras.lay
 
 
 def scale_and_counts(optimizer: Any) -> tuple[tf.Tensor, tf.Tensor]:
-    """The loss scale before the update, and whether a non-finite gradient counts now.
+    """(loss scale before the update, float32; whether a non-finite gradient counts now, bool).
 
-    The coexistence rule with loss scaling: under a dynamic scale a non-finite
-    gradient is an overflow the optimizer answers by skipping the step and halving
-    the scale, until the scale reaches its floor, `max(min_scale, 1)` (Keras's own
-    `LossScaleOptimizer` has no `min_scale`: 1). At the floor, scaling no longer
-    magnifies anything and a non-finite gradient is real. Without a
-    `LossScaleOptimizer`, or with a fixed scale of 1 (bfloat16, float32), every
-    non-finite gradient counts.
-
-    Args:
-        optimizer: The model's optimizer (any Keras optimizer).
-
-    Returns:
-        (scale, counts): scalar float32 tensor read before the update, scalar bool.
+    Under a dynamic scale a non-finite gradient is an overflow the optimizer answers by
+    halving the scale, until its floor `max(min_scale, 1)` (1 for Keras's own
+    `LossScaleOptimizer`); there scaling magnifies nothing and it is real. Without a
+    `LossScaleOptimizer`, or with a fixed scale, every non-finite gradient counts.
     """
     if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return tf.constant(1.0), tf.constant(True)

@@ -1,14 +1,9 @@
 """In-graph bookkeeping for `tfmp.check_numerics`: what a train step saw, and its first failure.
 
-Why variables rather than an op that raises: `tf.debugging.check_numerics` stops the
-graph with an `InvalidArgumentError` that names an op, not a layer, and reaches the
-caller as a TensorFlow error rather than `tfmp.NonFiniteError`; `tf.py_function`
-cannot be compiled by XLA. Instead, each hooked layer call is reduced to a row of six
-float32 numbers (see `COLUMNS`), and at the end of the step the rows are stacked and
-the first non-finite one, with the rows before it, is written into a few
-`tf.Variable`s; the step also returns the failure flag (see `_numerics.py`).
-Reductions, `tf.where` and variable writes all compile under XLA, and the checks add
-no gradient: every checked tensor goes through `tf.stop_gradient` first.
+Variables rather than an op that raises: `tf.debugging.check_numerics` names an op, not a
+layer, and `tf.py_function` does not compile under XLA. Each hooked call is reduced to a row
+of six float32 numbers (`COLUMNS`); at the step's end the first non-finite row, with the rows
+before it, is written to variables. Every checked tensor goes through `tf.stop_gradient`.
 """
 
 from __future__ import annotations
@@ -20,27 +15,21 @@ import keras
 import tensorflow as tf
 
 from tfmp._src.distribute import gather_replicas, replica_local_variable
+from tfmp._src.numerics.backward import max_magnitude
 
-#: Columns of one trace row (float32). VALID is 1 for a row that holds data; ABS_MIN
-#: and ABS_MAX are the smallest and largest absolute output value; IN_MIN and IN_MAX
-#: the signed range of the inputs; HAS_INPUT is 1 when the layer had numeric inputs.
-#: TensorFlow's min/max reductions propagate NaN (its CPU and GPU kernels use
-#: NaN-propagating reducers, and XLA's min/max do too), so a NaN or an infinity
-#: anywhere in a tensor shows in its range: the row alone says whether the outputs,
-#: or the inputs, were non-finite. A row counts as non-finite when either was: the
-#: first layer to *see* a bad value is named even when it hides it (ReLU maps NaN to 0).
+#: Columns of one trace row (float32): the range of |output| and the signed range of the inputs.
+#: TensorFlow's and XLA's min/max propagate NaN, so a range shows any non-finite value; a row
+#: with non-finite inputs counts too: the first layer to *see* a bad value is named (ReLU hides NaN).
 COLUMNS = ("valid", "abs_min", "abs_max", "in_min", "in_max", "has_input")
 VALID, ABS_MIN, ABS_MAX, IN_MIN, IN_MAX, HAS_INPUT = range(len(COLUMNS))
 #: Entries of the int64 `state` variable.
 KIND, STEP, PHASE, INDEX, BAD_GRADS = range(5)
-#: Phase codes kept in `state[PHASE]`: a layer output, a loss term or the loss
-#: (FORWARD, `state[INDEX]` a trace row); the non-finite gradient nearest the loss
-#: (BACKWARD, a variable); the layer whose backward pass turned a finite gradient
-#: non-finite (LAYER_BACKWARD, a `backward.Boundary`); the checked layer call whose
-#: output gradient came in non-finite from above it (ABOVE, a boundary).
+#: Phase codes in `state[PHASE]`, with what `state[INDEX]` counts: a layer output, loss term
+#: or the loss (FORWARD, a trace row); the non-finite gradient nearest the loss (BACKWARD, a
+#: variable); a layer's backward pass that made a gradient non-finite (LAYER_BACKWARD, a
+#: `backward.Boundary`); a call whose output gradient arrived non-finite (ABOVE, a boundary).
 FORWARD, BACKWARD, LAYER_BACKWARD, ABOVE = 1, 2, 3, 4
-#: Entries of the `boundary` variable: max |gradient| of the named call's outputs,
-#: of its inputs and of its trainable weights.
+#: Entries of the `boundary` variable: max |gradient| of the call's outputs, inputs, weights.
 OUT_GRAD, IN_GRAD, WEIGHT_GRAD = range(3)
 LOSS_ENTRY = "loss"
 
@@ -74,17 +63,8 @@ def _range(tensors: list[tf.Tensor], magnitude: bool) -> tf.Tensor:
 
 
 def entry_row(outputs: Any, inputs: Any = None) -> Optional[tf.Tensor]:
-    """Reduces one layer call (or the loss) to a trace row: about eight small ops.
-
-    Args:
-        outputs: Tensor or nested structure. The layer's outputs; non-float parts
-            are ignored, and so are tensors known to be empty.
-        inputs: Tensor, nested structure or None. The layer's first argument.
-
-    Returns:
-        Float32 tensor of shape `[len(COLUMNS)]`, or None when `outputs` holds no
-        float tensor (nothing to check).
-    """
+    """Float32 `[len(COLUMNS)]` row of one layer call (or the loss), None when `outputs` holds no
+    non-empty float tensor. `inputs` is the layer's first argument."""
     outs = _tensors(outputs, integers=False)
     if not outs:
         return None
@@ -102,21 +82,12 @@ def row_kinds(rows: tf.Tensor, first: int, last: int) -> tf.Tensor:
 
 @dataclasses.dataclass
 class StepTrace:
-    """What one train step saw, collected in Python while the step runs or traces.
+    """What one train step of `owner` (a `NumericsHandle`) saw, collected while it runs or traces.
 
-    Attributes:
-        graph: The graph the step builds in (the global graph when eager); layer
-            calls made in any other graph (a `tf.while_loop` body, Keras's symbolic
-            shape inference) are not recorded, their tensors could not leave it.
-        owner: The `NumericsHandle` recording the step; hooks of other handles
-            ignore it.
-        entries: List of `(path, class name, compute dtype, row, term)`, in call
-            order; `term` is None for a layer call or the loss, a `terms.TermSource`
-            for a term of the model's losses.
-        gradients: List of `(grads, variables, scale, counts)`: gradients given to the
-            optimizer, the loss scale read before the update (scalar float32) and a
-            scalar bool, True when a non-finite gradient is a real failure rather than
-            an overflow the loss scale will back off from.
+    Calls made in another graph than `graph` (a `tf.while_loop` body, shape inference) are
+    not recorded. `entries` holds `(path, class name, compute dtype, row, term)` in call order
+    (`term` a `terms.TermSource` or None); `gradients` `(grads, variables, scale, counts)`
+    given to the optimizer, with `layers.scale_and_counts` read before the update.
     """
 
     graph: Any
@@ -144,11 +115,9 @@ def _kind_bits(nan: tf.Tensor, inf: tf.Tensor) -> tf.Tensor:
     return tf.cast(nan, tf.int64) + 2 * tf.cast(inf, tf.int64)
 
 
-#: Score of a replica without a failure when picking the one to report; forward
-#: failures score their row index, a layer's backward pass (or a gradient arriving
-#: non-finite) `_BOUNDARY_SCORE` minus its call index, the gradient nearest the loss
-#: `_BACKWARD_SCORE` minus its variable index. All are small integers, exact in
-#: float32 (below 2**24).
+#: Scores of the replicas' failures, the lowest reported: forward ones their row index,
+#: boundary ones `_BOUNDARY_SCORE` minus their call index, gradients `_BACKWARD_SCORE` minus
+#: their variable index, none `_NO_FAILURE_SCORE`. All exact in float32 (below 2**24).
 _NO_FAILURE_SCORE = 2.0**23
 _BACKWARD_SCORE = 2.0**22
 _BOUNDARY_SCORE = 2.0**21
@@ -157,41 +126,26 @@ _BOUNDARY_SCORE = 2.0**21
 class FailureRecorder:
     """Variables holding the first failure and the rows evaluated before it.
 
-    Variables (created eagerly, not tracked by the model, so checkpoints and saved
-    models are unchanged): `step` (scalar int64, train steps since the hooks went
-    in), `state` (int64 `[5]`: kind bits, step, phase code, index, number of
-    non-finite gradients; kind 0 means no failure), `window` (float32
-    `[trace_length, 6]`: the rows up to and including the failing one, oldest first,
-    reaching back into the previous step when the failing layer comes early),
-    `tail` (the last `trace_length` rows of the previous step), `scale` (float32,
-    the loss scale at the failing step) and `boundary` (float32 `[3]`, for a
-    failure named at a layer call's backward pass: max |gradient| of its outputs,
-    inputs and weights).
+    Created eagerly and not tracked by the model (checkpoints are unchanged): `step`
+    (int64, train steps since the hooks went in), `state` (int64 `[5]`: kind bits, step,
+    phase code, index, non-finite gradients; kind 0 is no failure), `window` (float32
+    `[trace_length, 6]`: the rows up to the failing one, oldest first, reaching into the
+    previous step), `tail` (the previous step's last rows), `scale` (the loss scale at
+    the failing step) and `boundary` (float32 `[3]`, see `OUT_GRAD`).
 
-    Under a `tf.distribute` strategy with several replicas (tested with
-    `MirroredStrategy` on two logical CPUs, tests/test_distribute.py) every replica
-    runs the step on its own shard, in a thread of its own. The
-    variables are then created in the strategy's scope with one copy per replica
-    (`distribute.replica_local_variable`): each replica counts its own steps and keeps its own
-    `tail`, so `step` counts global steps, not replica steps. At the end of a step
-    the replicas exchange their candidate failures (`gather_replicas`, one small
-    all-reduce) and all record the same one: the failure earliest in the step (a
-    forward failure before a backward one; among forward failures the lowest row
-    index; then a layer call's backward pass, the latest call first; then the
-    gradient nearest the loss; ties to the lowest replica). A failure seen on
-    any replica is thus reported once, with that replica's rows, and the host
-    reads replica 0's copy.
+    Under a strategy each replica keeps its own copy (`replica_local_variable`), so
+    `step` counts global steps; at a step's end the replicas exchange their candidate
+    failures (one all-reduce) and all record the earliest in the step (`_agree`), so a
+    failure is reported once, with that replica's rows; the host reads replica 0's copy.
 
     Args:
         trace_length: Int >= 1. Rows kept before a failure.
-        strategy: `tf.distribute.Strategy` the model trains under, or None for the
-            current one.
+        strategy: `tf.distribute.Strategy` the model trains under.
     """
 
-    def __init__(self, trace_length: int, strategy: Optional[tf.distribute.Strategy] = None) -> None:
+    def __init__(self, trace_length: int, strategy: tf.distribute.Strategy) -> None:
         self.trace_length = trace_length
         width = len(COLUMNS)
-        strategy = strategy if strategy is not None else tf.distribute.get_strategy()
         with tf.init_scope(), strategy.scope():
             self.step = replica_local_variable(tf.constant(0, tf.int64), name="tfmp_numerics_step")
             self.state = replica_local_variable(tf.zeros([5], tf.int64), name="tfmp_numerics_state")
@@ -212,19 +166,9 @@ class FailureRecorder:
     def finish(self, trace: StepTrace) -> tf.Tensor:
         """Adds the ops that record `trace`'s first failure; call at the end of the step.
 
-        On one replica a healthy step pays for the detection only (a finiteness test
-        of the stacked rows, of one max |gradient| per variable and of three
-        numbers per checked layer call's backward pass) and the ring-buffer update;
-        the failure details are computed in a `tf.cond` branch that runs on a
-        failure. On several replicas each replica computes its candidate details
-        every step and the replicas exchange them (see the class docstring), so
-        that all agree on one failure.
-
-        Returns:
-            Scalar int64 tensor, the recorded kind bits after this step (0: no
-            failure so far), the same on every replica. Returned by the step, it
-            lets the host learn the outcome without running a variable read of its
-            own.
+        On one replica the details are computed in a `tf.cond` branch that runs only on a
+        failure; on several, every step, to agree on one (`_agree`). Returns the recorded kind
+        bits (int64, 0: none), which the step returns so that the host need not read a variable.
         """
         self.names = [(path, layer_class, dtype, term) for path, layer_class, dtype, _, term in trace.entries]
         count = len(trace.entries)
@@ -248,32 +192,15 @@ class FailureRecorder:
         self.step.assign_add(1)
         return tf.identity(self.state.read_value()[KIND])
 
-    def _details(
-        self,
-        rows: tf.Tensor,
-        history: tf.Tensor,
-        bad_rows: tf.Tensor,
-        maxima: tf.Tensor,
-        bad_grads: tf.Tensor,
-        scale: tf.Tensor,
-        bounds: tf.Tensor,
-        counts: tf.Tensor,
-    ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
-        """This step's first failure, as `finish` records it.
-
-        A forward failure comes first; then a checked layer call's backward pass:
-        the call whose output gradient was finite while its input or weight
-        gradient was not (the latest such call to begin, so the innermost of
-        nested ones), unless a call whose output gradient arrived non-finite
-        returned after it (it met the bad gradient first; phase ABOVE); then the
-        non-finite gradient nearest the loss.
+    def _details(self, rows: tf.Tensor, history: tf.Tensor, bad_rows: tf.Tensor, maxima: tf.Tensor,
+                 bad_grads: tf.Tensor, scale: tf.Tensor, bounds: tf.Tensor, counts: tf.Tensor) -> tuple:
+        """This step's first failure: a forward one; else a checked call's backward pass (`_boundary_failure`);
+        else the non-finite gradient nearest the loss.
 
         Returns:
-            (fields, window, scale, boundary): int64 `[4]` kind bits, phase code,
-            index and number of non-finite gradients (all 0 kind when the step had
-            no failure); float32 `[trace_length, 6]` rows up to the failing one;
-            the loss scale (scalar float32); float32 `[3]` the named call's
-            max |gradient| of outputs, inputs and weights (zeros for another phase).
+            (fields, window, scale, boundary): int64 `[4]` kind bits (0: no failure), phase
+            code, index and non-finite gradient count; float32 `[trace_length, 6]` rows up to
+            the failing one; the loss scale; float32 `[3]` (zeros unless at a boundary).
         """
         count = rows.shape[0]
         any_fwd = tf.reduce_any(bad_rows)
@@ -301,7 +228,12 @@ class FailureRecorder:
         return fields, window, scale, boundary
 
     def _boundary_failure(self, bounds: tf.Tensor, counts: tf.Tensor) -> tuple:
-        """(found, phase, call index, kind bits, the call's `[3]` maxima) of the backward pass at boundaries."""
+        """(found, phase, call index, kind bits, the call's `[3]` maxima) of the backward pass at boundaries.
+
+        The latest call to begin whose output gradient was finite while its input or weight
+        gradient was not (the innermost of nested ones), unless a call whose output gradient
+        arrived non-finite returned after it (it met the bad gradient first: phase ABOVE).
+        """
         size = bounds.shape[0]
         if not size:
             zero = tf.constant(0, tf.int64)
@@ -330,27 +262,18 @@ class FailureRecorder:
         phase = tf.where(use_made, tf.constant(LAYER_BACKWARD, tf.int64), ABOVE)
         return tf.logical_or(any_made, any_arrived), phase, index, kind, values
 
-    def _agree(
-        self, found: tf.Tensor, fields: tf.Tensor, window: tf.Tensor, scale: tf.Tensor, boundary: tf.Tensor
-    ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
-        """The failure every replica records, from each replica's own `_details`.
+    def _agree(self, found: tf.Tensor, fields: tf.Tensor, window: tf.Tensor, scale: tf.Tensor,
+               boundary: tf.Tensor) -> tuple:
+        """(found on any replica, then as `_details`) of the failure every replica records.
 
-        One all-reduce (`gather_replicas`) of each replica's candidate packed as
-        float32 `[found, kind, phase, index, bad gradients, scale, boundary (3),
-        window...]`: the small integers are exact in float32 and non-finite
-        values arrive unchanged. The earliest failure in the step wins (see the
-        class docstring); ties go to the lowest replica.
-
-        Returns:
-            (found, fields, window, scale, boundary) of the chosen replica, the
-            same on every replica: scalar bool, True when any replica failed;
-            then as `_details`.
+        One all-reduce of each replica's candidate packed as float32 `[found, kind, phase,
+        index, bad gradients, scale, boundary (3), window...]`. The earliest in the step wins:
+        forward before backward, the lowest row, then a layer's backward pass, the latest
+        call first, then the gradient nearest the loss; ties go to the lowest replica.
         """
         width = len(COLUMNS)
-        packed = tf.concat(
-            [[tf.cast(found, tf.float32)], tf.cast(fields, tf.float32), [scale], boundary, tf.reshape(window, [-1])],
-            axis=0,
-        )
+        packed = tf.concat([[tf.cast(found, tf.float32)], tf.cast(fields, tf.float32), [scale], boundary,
+                            tf.reshape(window, [-1])], axis=0)
         table = gather_replicas(packed)  # [replicas, 9 + trace_length * width]
         phase, index = table[:, 2], table[:, 3]
         at_boundary = tf.logical_or(tf.equal(phase, LAYER_BACKWARD), tf.equal(phase, ABOVE))
@@ -360,13 +283,8 @@ class FailureRecorder:
         replicas = tf.shape(table)[0]
         best = tf.equal(score, tf.reduce_min(score))
         chosen = table[tf.reduce_min(tf.where(best, tf.range(replicas), replicas))]
-        return (
-            chosen[0] > 0,
-            tf.cast(chosen[1:5], tf.int64),
-            tf.reshape(chosen[9:], [self.trace_length, width]),
-            chosen[5],
-            chosen[6:9],
-        )
+        window = tf.reshape(chosen[9:], [self.trace_length, width])
+        return chosen[0] > 0, tf.cast(chosen[1:5], tf.int64), window, chosen[5], chosen[6:9]
 
     def _write(self, fields: tf.Tensor, window: tf.Tensor, scale: tf.Tensor, boundary: tf.Tensor) -> None:
         """Records a failure: `fields` as `_details` returns them, at the current step."""
@@ -378,7 +296,7 @@ class FailureRecorder:
 
     def _gradient_maxima(self, trace: StepTrace) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
         """(max |gradient| per variable, float32 `[V]`; whether each counts, bool `[V]`; loss scale;
-        whether a non-finite gradient of the step counts, scalar bool: True without an optimizer step seen)."""
+        whether the step's non-finite gradients count, True without an optimizer step seen)."""
         maxima, counted, variables = [], [], []
         scale, step_counts = tf.constant(1.0), tf.constant(True)
         for step_grads, step_vars, step_scale, counts in trace.gradients:
@@ -386,9 +304,7 @@ class FailureRecorder:
             for grad, variable in zip(step_grads, step_vars):
                 if grad is None:
                     continue
-                if isinstance(grad, tf.IndexedSlices):
-                    grad = grad.values
-                maxima.append(tf.cast(tf.reduce_max(tf.abs(tf.stop_gradient(grad))), tf.float32))
+                maxima.append(max_magnitude(grad))
                 counted.append(counts)
                 variables.append(variable)
         self.variables = variables
@@ -397,11 +313,8 @@ class FailureRecorder:
         return tf.stack(maxima), tf.stack(counted), scale, step_counts
 
     def _boundary_maxima(self, trace: StepTrace, maxima: tf.Tensor) -> tf.Tensor:
-        """Float32 `[calls, 3]`: max |gradient| of each checked call's outputs, inputs and weights.
-
-        A call no gradient reached (nothing noted) counts 0, finite. Call after
-        `_gradient_maxima` (it reads `self.variables`).
-        """
+        """Float32 `[calls, 3]`: max |gradient| of each checked call's outputs, inputs and weights (0
+        where none reached it). Call after `_gradient_maxima` (it reads `self.variables`)."""
         self.boundary_names = [(b.path, b.layer_class, b.dtype, bool(b.variables)) for b in trace.boundaries]
         self.boundary_ends = [b.end for b in trace.boundaries]
         if not trace.boundaries:
@@ -421,10 +334,6 @@ class FailureRecorder:
     def failed(self) -> bool:
         """Bool. Whether a failure is recorded (one scalar read; the per-step fast path)."""
         return bool(self.state.numpy()[KIND])
-
-    def read_state(self) -> list[int]:
-        """The int64 `state` as Python ints (host read, between steps)."""
-        return [int(v) for v in self.state.numpy()]
 
     def rearm(self) -> None:
         """Clears the recorded failure so the next one is recorded (warn/log actions)."""

@@ -1,8 +1,6 @@
 """Turns the failure recorded by `FailureRecorder` into a `tfmp.NonFiniteError`.
 
-Runs on the host between train steps; only reads variables. Number sources: float16's
-largest finite value is 65504 and its smallest subnormal 2**-24 (about 6e-8), IEEE
-754 binary16.
+Runs on the host between train steps; only reads variables.
 """
 
 from __future__ import annotations
@@ -11,29 +9,11 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from tfmp._src.errors import NonFiniteError
 from tfmp._src.constants import FLOAT16_MAX, NON_FINITE_KINDS
-from tfmp._src.numerics.record import (
-    ABOVE,
-    ABS_MAX,
-    ABS_MIN,
-    BAD_GRADS,
-    FORWARD,
-    HAS_INPUT,
-    IN_GRAD,
-    IN_MAX,
-    IN_MIN,
-    INDEX,
-    KIND,
-    LAYER_BACKWARD,
-    LOSS_ENTRY,
-    OUT_GRAD,
-    PHASE,
-    STEP,
-    VALID,
-    WEIGHT_GRAD,
-    FailureRecorder,
-)
+from tfmp._src.errors import NonFiniteError
+from tfmp._src.numerics.record import (ABOVE, ABS_MAX, ABS_MIN, BAD_GRADS, FORWARD, HAS_INPUT, IN_GRAD, IN_MAX, IN_MIN,
+                                       INDEX, KIND, LAYER_BACKWARD, LOSS_ENTRY, OUT_GRAD, PHASE, STEP, VALID,
+                                       WEIGHT_GRAD, FailureRecorder)
 from tfmp._src.numerics.terms import term_message
 
 
@@ -52,20 +32,13 @@ def _trace(recorder: FailureRecorder, begin: int, step: int) -> list[dict]:
         if row[VALID] == 0 or count == 0:
             continue
         path, layer_class, dtype, term = names[position % count]
-        trace.append(
-            {
-                "step": step + position // count,
-                "layer": path,
-                "term": term,
-                "layer_class": layer_class,
-                "dtype": dtype,
-                "abs_min": float(row[ABS_MIN]),
-                "abs_max": float(row[ABS_MAX]),
-                "kind": _kind(row[ABS_MIN], row[ABS_MAX]),
-                "input_kind": _kind(row[IN_MIN], row[IN_MAX]) if row[HAS_INPUT] else None,
-                "input_range": (float(row[IN_MIN]), float(row[IN_MAX])) if row[HAS_INPUT] else None,
-            }
-        )
+        trace.append({
+            "step": step + position // count, "layer": path, "term": term, "layer_class": layer_class,
+            "dtype": dtype, "abs_min": float(row[ABS_MIN]), "abs_max": float(row[ABS_MAX]),
+            "kind": _kind(row[ABS_MIN], row[ABS_MAX]),
+            "input_kind": _kind(row[IN_MIN], row[IN_MAX]) if row[HAS_INPUT] else None,
+            "input_range": (float(row[IN_MIN]), float(row[IN_MAX])) if row[HAS_INPUT] else None,
+        })
     return trace
 
 
@@ -97,8 +70,7 @@ def format_trace(trace: list[dict]) -> str:
 def _forward_message(item: dict, kind: str, step: int, hint: Optional[str]) -> str:
     """Names the layer and says whether its inputs were already bad, or float16 overflowed.
 
-    `hint` is the cause and fix of a layer's known float16 hazard
-    (`tfmp._src.float32.reductions`), said instead of the generic float16 advice.
+    `hint`, the cause and fix of the layer's known float16 hazard, replaces the generic advice.
     """
     if item["layer"] == LOSS_ENTRY:
         return (
@@ -137,7 +109,7 @@ def _gradient(value: float) -> str:
 
 
 def _backward_message(recorder: FailureRecorder, phase_code: int, index: int, kind: str, step: int) -> tuple:
-    """(message, layer path, layer class, details) of a failure named at a layer call's backward pass."""
+    """(message, layer path, details) of a failure named at a layer call's backward pass."""
     path, layer_class, dtype, has_weights = recorder.boundary_names[index]
     grads = [float(v) for v in recorder.boundary.numpy()]
     details = {"layer_class": layer_class, "dtype": dtype, "output_gradient": grads[OUT_GRAD],
@@ -148,7 +120,7 @@ def _backward_message(recorder: FailureRecorder, phase_code: int, index: int, ki
             f"step {step} (phase 'backward'), and no checked layer after it made it: the loss function's "
             "backward pass produced it (e.g. the derivative of sqrt, log or a norm of the prediction at 0 in "
             "a custom loss), or an operation between this layer and the loss that is not checked.",
-            path, layer_class, details,
+            path, details,
         )
     passed = [f"to its inputs {_gradient(grads[IN_GRAD])}"]
     if has_weights:
@@ -162,27 +134,18 @@ def _backward_message(recorder: FailureRecorder, phase_code: int, index: int, ki
         "reaching 0) or for a custom gradient; add a small epsilon (tf.sqrt(x + 1e-12)) or use a safe "
         "form (tf.math.divide_no_nan)."
     )
-    return message, path, layer_class, details
+    return message, path, details
 
 
-def build_error(recorder: FailureRecorder, owners: dict, loss_scaling: bool,
-                hints: Callable[[str], Optional[str]] = lambda path: None,
-                model_name: str = "model") -> Optional[NonFiniteError]:
-    """Reads the recorded failure; None when nothing was recorded.
+def build_error(recorder: FailureRecorder, owners: dict, loss_scaling: bool, hints: Callable[[str], Optional[str]],
+                model_name: str) -> Optional[NonFiniteError]:
+    """The recorded failure as a `tfmp.NonFiniteError`, or None when nothing was recorded.
 
-    Args:
-        recorder: `FailureRecorder` of the hooks.
-        owners: Dict from `id(variable)` to `(layer path, layer class)`.
-        loss_scaling: Bool. Whether the optimizer scales the loss dynamically (only
-            changes the wording for gradients).
-        hints: Callable, layer path -> the cause and fix of that layer's known
-            float16 hazard (a sentence), or None. Asked only for the failing layer.
-        model_name: String. The model's name, for a loss term it added itself.
-
-    Returns:
-        `tfmp.NonFiniteError` or None.
+    `owners` maps `id(variable)` to `(layer path, layer class)`; `loss_scaling` only changes
+    the wording for gradients; `hints(path)` gives the failing layer's known float16 hazard
+    (a sentence) or None; `model_name` names a loss term the model added itself.
     """
-    state = recorder.read_state()
+    state = [int(v) for v in recorder.state.numpy()]
     kind = NON_FINITE_KINDS.get(state[KIND])
     if kind is None:
         return None
@@ -198,14 +161,13 @@ def build_error(recorder: FailureRecorder, owners: dict, loss_scaling: bool,
             layer, phase = item["layer"], "loss"
             details.update(loss_term=term.kind, variable=term.variable, regularizer=term.regularizer)
         else:
-            hint = None if item["layer"] == LOSS_ENTRY else hints(item["layer"])
-            message = _forward_message(item, kind, step, hint)
             is_loss = item["layer"] == LOSS_ENTRY
+            message = _forward_message(item, kind, step, None if is_loss else hints(item["layer"]))
             layer, phase = (None, "loss") if is_loss else (item["layer"], "forward")
         details.update(layer_class=item["layer_class"], input_range=item["input_range"], dtype=item["dtype"])
     elif state[PHASE] in (LAYER_BACKWARD, ABOVE) and index < len(recorder.boundary_names):
         trace = _trace(recorder, len(recorder.names), step)
-        message, layer, _, found = _backward_message(recorder, state[PHASE], index, kind, step)
+        message, layer, found = _backward_message(recorder, state[PHASE], index, kind, step)
         message += (f" {state[BAD_GRADS]} of {len(recorder.variables)} weight gradients are non-finite, "
                     f"loss scale {scale:g}.")
         phase = "backward"
@@ -230,11 +192,5 @@ def build_error(recorder: FailureRecorder, owners: dict, loss_scaling: bool,
         )
     details["trace"] = trace
     text = format_trace(trace)
-    return NonFiniteError(
-        message + ("\n" + text if text else ""),
-        layer=layer,
-        phase=phase,
-        step=step,
-        kind=kind,
-        details=details,
-    )
+    return NonFiniteError(message + ("\n" + text if text else ""), layer=layer, phase=phase, step=step, kind=kind,
+                          details=details)

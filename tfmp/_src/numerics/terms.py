@@ -1,12 +1,9 @@
 """The terms of a model's total loss, each checked and named, for `tfmp.check_numerics`.
 
-Keras's ``compute_loss`` adds every term of ``model.losses`` (``add_loss`` terms,
-activity regularizers, weight regularizers) to the compiled loss. When one of
-them is inf or NaN the total loss is too, with every layer output finite: the
-report names the term, its layer and what to change, rather than the loss
-function. Each term the model's train step reads is reduced to a trace row
-(`record.entry_row`) right after the read (`keras_hooks.loss_terms.watch`), so
-the rows of the terms come after the layers' and before the loss's.
+When a term of ``model.losses`` (``add_loss``, an activity or weight regularizer) is inf
+or NaN, so is the loss, with every layer output finite: the report names the term, its
+layer and the fix. Each term is reduced to a trace row right after the train step reads
+it (`keras_hooks.loss_terms.watch`), between the layers' rows and the loss's.
 """
 
 from __future__ import annotations
@@ -27,17 +24,9 @@ ADD_LOSS, ACTIVITY, ADD_LOSS_OR_ACTIVITY, WEIGHT, UNKNOWN = (
 
 @dataclasses.dataclass(frozen=True)
 class TermSource:
-    """Where one term of ``model.losses`` comes from.
-
-    Attributes:
-        kind: String, one of ``"add_loss"``, ``"activity_regularizer"``,
-            ``"add_loss_or_activity_regularizer"`` (a layer not checked, holding
-            both), ``"weight_regularizer"`` or ``"unknown"`` (the model's
-            ``losses`` are overridden).
-        position: Int. The term's index in ``model.losses``.
-        variable: String or None. The regularized variable's path.
-        regularizer: String or None. The regularizer, e.g. ``"L2(l2=1e+30)"``.
-    """
+    """Where term `position` of ``model.losses`` comes from: its `kind` (``ADD_LOSS_OR_ACTIVITY``
+    for an unchecked layer holding both, ``UNKNOWN`` when ``losses`` is overridden) and, for a
+    regularizer, the variable's path and the regularizer (``"L2(l2=1e+30)"``)."""
 
     kind: str
     position: int
@@ -59,21 +48,13 @@ def describe_regularizer(regularizer: Any) -> Optional[str]:
     return f"{getattr(regularizer, '__name__', type(regularizer).__name__)}({shown})"
 
 
-def term_entries(
-    model: Any, terms: list, added_in_call: set, checked: set, where: Callable[[Any], tuple[Optional[str], str]]
-) -> list[tuple]:
-    """Trace entries `(path, class, dtype, row, TermSource)` for the terms of `model.losses`.
+def term_entries(model: Any, terms: list, added_in_call: set, checked: set,
+                 where: Callable[[Any], tuple[Optional[str], str]]) -> list[tuple]:
+    """Trace entries `(path, class, dtype, row, TermSource)` of the float terms of `model.losses`.
 
-    Args:
-        model: `keras.Model` whose ``losses`` was read.
-        terms: The list read (same length and order as Keras's).
-        added_in_call: Set of `id`s of terms a checked layer's own ``call`` added.
-        checked: Set of `id`s of the layers whose ``call`` is checked.
-        where: Callable, a layer or a variable -> (path, class name) of the layer
-            holding it (path None for the model itself).
-
-    Returns:
-        List of entries; terms that are not float tensors are left out.
+    `terms` is the list read; `added_in_call` the `id`s of terms a checked layer's own
+    ``call`` added; `checked` the `id`s of checked layers; `where(layer or variable)` the
+    (path, class name) of the layer holding it (path None for the model).
     """
     sources = loss_terms.term_sources(model)
     if sources is None or len(sources) != len(terms):

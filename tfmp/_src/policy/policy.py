@@ -1,20 +1,8 @@
 """Choosing a Keras dtype policy: the hardware rules for "auto" and checks of explicit ones.
 
-| hardware                                   | policy           |
-|--------------------------------------------|------------------|
-| TPU                                        | mixed_bfloat16   |
-| NVIDIA GPU, compute capability >= 8.0      | mixed_bfloat16   |
-| NVIDIA GPU, 7.0 <= compute capability < 8  | mixed_float16    |
-| NVIDIA GPU, compute capability < 7.0       | float32          |
-| CPU with AVX512_BF16, AMX-BF16 or Arm BF16 | mixed_bfloat16   |
-| any other CPU                              | float32          |
-
-Sources: NVIDIA's "Train With Mixed Precision" and TensorFlow's mixed-precision guides;
-CPU flags as `tfmp._src.policy.hardware.CPU_BF16_FLAGS` lists them, with oneDNN on.
-Decided from facts that do not move, never a timing: a `SpeedProbe` is quoted in the
-reason (below `MIN_BFLOAT16_FACTOR` with how to pin float32) and never changes the
-policy. float16 is never chosen on a CPU (no fast float16 CPU kernels for training).
-Measurements: docs/guides/policy.md.
+"auto" is decided from device facts that do not move (table and sources:
+docs/guides/policy.md), never from a timing: a `SpeedProbe` is only quoted in
+the reason. float16 is never chosen on a CPU (no fast float16 CPU kernels for training).
 """
 
 from __future__ import annotations
@@ -57,8 +45,8 @@ _ALIASES = {
 class PerformanceWarning(UserWarning):
     """A setting will run slower than it could on this machine.
 
-    Raised as a warning for an explicit policy slower than float32 here, and when
-    tfmp turns off XLA that cannot run with several replicas.
+    Warned for an explicit policy slower than float32 here, and when tfmp turns
+    off XLA that cannot run with several replicas.
     """
 
 
@@ -120,14 +108,7 @@ class PolicyDecision:
 
 
 def describe_device(facts: DeviceFacts) -> str:
-    """Returns a short name of the device the policy is chosen for.
-
-    Args:
-        facts: `DeviceFacts`.
-
-    Returns:
-        String such as ``"GPU 'Tesla T4' (compute capability 7.5)"``.
-    """
+    """A short name of the device the policy is chosen for, e.g. ``"GPU 'Tesla T4' (compute capability 7.5)"``."""
     if facts.tpu:
         return "TPU"
     gpu = facts.weakest_gpu
@@ -172,20 +153,14 @@ def recommend_policy(
         >>> recommend_policy(cpu, speed_probe=slow).policy  # a timing never decides
         'mixed_bfloat16'
     """
-    facts, probe = _facts_and_probe(device_facts, speed_probe)
-    return _recommend(facts, probe)
+    return _recommend(*_facts_and_probe(device_facts, speed_probe))
 
 
 def _facts_and_probe(
     device_facts: Optional[DeviceFacts],
     speed_probe: Optional[SpeedProbe],
 ) -> Tuple[DeviceFacts, Optional[SpeedProbe]]:
-    """The facts to decide for, and the probe to quote (never measured here).
-
-    Raises:
-        ValueError: (template) `device_facts` is neither None nor a `DeviceFacts`,
-            or `speed_probe` neither None nor a `SpeedProbe`.
-    """
+    """The facts to decide for (this machine's for None), and the probe to quote, both checked."""
     if device_facts is not None and not isinstance(device_facts, DeviceFacts):
         raise invalid_argument(
             "device_facts", device_facts, "None (this machine) or a tfmp.DeviceFacts",
@@ -248,37 +223,19 @@ def _recommend(facts: DeviceFacts, probe: Optional[SpeedProbe]) -> PolicyDecisio
 
 
 def _gpu_decision(cc, cc_string: str, device: str) -> PolicyDecision:
-    if cc is not None and cc >= (8, 0):
-        return PolicyDecision(
-            MIXED_BFLOAT16,
-            f"Compute capability {cc_string} >= 8.0 has bfloat16 Tensor Cores; "
-            "bfloat16 keeps float32's exponent range, so no loss scaling is needed.",
-            device,
-            tf32=True,
-        )
-    if cc is not None and cc >= (7, 0):
-        return PolicyDecision(
-            MIXED_FLOAT16,
-            f"Compute capability {cc_string} has float16 Tensor Cores (>= 7.0) but "
-            "no bfloat16 ones (< 8.0), so float16 with dynamic loss scaling is fastest.",
-            device,
-            tf32=False,
-        )
     if cc is None:
-        return PolicyDecision(
-            FLOAT32,
-            "TensorFlow did not report the GPU's compute capability, so it cannot "
-            "be told whether it has Tensor Cores; float32 is the safe choice.",
-            device,
-            tf32=False,
-        )
-    return PolicyDecision(
-        FLOAT32,
-        f"Compute capability {cc_string} < 7.0 has no Tensor Cores, so mixed "
-        "precision would be slower than float32.",
-        device,
-        tf32=False,
-    )
+        policy, reason = FLOAT32, ("TensorFlow did not report the GPU's compute capability, so it cannot "
+                                   "be told whether it has Tensor Cores; float32 is the safe choice.")
+    elif cc >= (8, 0):
+        policy, reason = MIXED_BFLOAT16, (f"Compute capability {cc_string} >= 8.0 has bfloat16 Tensor Cores; "
+                                          "bfloat16 keeps float32's exponent range, so no loss scaling is needed.")
+    elif cc >= (7, 0):
+        policy, reason = MIXED_FLOAT16, (f"Compute capability {cc_string} has float16 Tensor Cores (>= 7.0) but "
+                                         "no bfloat16 ones (< 8.0), so float16 with dynamic loss scaling is fastest.")
+    else:
+        policy, reason = FLOAT32, (f"Compute capability {cc_string} < 7.0 has no Tensor Cores, so mixed "
+                                   "precision would be slower than float32.")
+    return PolicyDecision(policy, reason, device, tf32=policy == MIXED_BFLOAT16)
 
 
 def slower_than_float32(
@@ -296,17 +253,13 @@ def slower_than_float32(
         speed_probe: `SpeedProbe` or None. Measured step times of that CPU; its
             factor is quoted (it decides nothing).
         float16_slow_path: String or None. A clause naming the kernel path that
-            makes float16 slow on that CPU, when one is known (e.g. a fusion
-            TensorFlow sends to a slow kernel); appended to the float16-on-CPU
+            makes float16 slow on that CPU, appended to the float16-on-CPU
             explanation after a semicolon.
 
     Returns:
-        String explanation, or None when the policy is not slower. Slower are:
-        float16 on a CPU (always: TensorFlow has no fast float16 CPU kernels for
-        training) or below compute capability 7.0; bfloat16 below compute
-        capability 8.0, on a CPU without bfloat16 flags, or on a CPU with them
-        whose oneDNN is off: by the facts, as "auto" decides. On a CPU the
-        measured factor is quoted when `speed_probe` is given.
+        String explanation, or None when the policy is not slower. Slower, by the
+        facts as "auto" decides: float16 on any CPU or below compute capability
+        7.0; bfloat16 below 8.0, or on a CPU without bfloat16 flags or oneDNN.
     """
     compute = keras.DTypePolicy(policy).compute_dtype
     if compute == "float32" or facts.tpu:
@@ -366,19 +319,7 @@ def resolve_policy(
     device_facts: Optional[DeviceFacts] = None,
     speed_probe: Optional[SpeedProbe] = None,
 ) -> PolicyDecision:
-    """Validates a requested policy and returns the decision to apply.
-
-    Args:
-        policy: String (``"auto"``, ``"mixed_float16"``, ``"mixed_bfloat16"``,
-            ``"float32"``) or a `keras.DTypePolicy` with one of those names.
-        allow_pure_16bit: Bool. Accept ``"float16"``/``"bfloat16"`` (16-bit
-            variables, so no float32 master weights). Default False.
-        device_facts: `DeviceFacts` or None (this machine).
-        speed_probe: `SpeedProbe` or None, as `recommend_policy` takes it (quoted,
-            never measured here).
-
-    Returns:
-        `PolicyDecision`.
+    """Validates a requested policy (as `tfmp.enable` takes it) and returns the decision to apply.
 
     Raises:
         ValueError: (template) unknown policy name or type, a pure 16-bit policy

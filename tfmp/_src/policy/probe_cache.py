@@ -1,9 +1,6 @@
 """One process's results of a per-dtype hardware probe, measured once, injectable by tests.
 
-`tfmp._src.float32.gelu` (a timing) and `tfmp._src.float32.bias_gradient` (a
-known-answer check) keep their results here: the first call per dtype measures,
-later calls return the same object; a test makes `get` return a given result
-inside `injected` (nested blocks allowed, the innermost wins).
+Used by `tfmp._src.float32.gelu` and `tfmp._src.float32.bias_gradient`.
 """
 
 from __future__ import annotations

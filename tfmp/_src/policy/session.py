@@ -1,15 +1,9 @@
 """tfmp's session: what `tfmp.enable()` decided for the calling thread.
 
-A `Session` is made by `tfmp.enable()` (or `tfmp.policy_scope()`) and ended by
-`tfmp.disable()` (or the scope's exit). Keras keeps its global dtype policy per
-thread, so sessions are per thread too: `current` answers for the calling thread
-only. The session is read when a decision is *made*: when a model is compiled or
-loaded (it is then attached, `tfmp._src.attachment`), or when a layer of a model
-never compiled under tfmp is first called. It is never read to decide what a step
-traces for an attached model.
-
-The class-level hooks the sessions need are installed by `tfmp._src.policy.enable`
-while `any_open`; this module holds only the per-thread state.
+Keras keeps its global dtype policy per thread, so sessions are per thread too. A
+session is read when a decision is made (a model compiled, loaded, or first called),
+never to decide what a step traces for an attached model. The class-level hooks the
+sessions need are installed by `tfmp._src.policy.enable` while `any_open`.
 """
 
 from __future__ import annotations
@@ -85,9 +79,7 @@ def replace(session: Optional[Session]) -> Optional[Session]:
 
 def any_open() -> bool:
     """Bool. Whether some live thread has a session."""
-    with lock:
-        alive = set(threading.enumerate())
-        return any(thread in alive for thread, _ in _sessions.values())
+    return bool(open_threads())
 
 
 def open_threads() -> list:

@@ -75,37 +75,33 @@ def _set_current(state: Optional[Session]) -> None:
     speed = attachment_hooks.speed_features(state.speedups) if state else frozenset()
     with session.lock:
         before = session.replace(state)
-        if session.any_open() and _session_hooks:
-            try:
-                attachment_hooks.hold(speed)  # back on if a detach took them off
-            except BaseException:
-                session.replace(before)
-                raise
-        elif session.any_open():
-            try:
+        if not session.any_open():
+            while _session_hooks:
+                _session_hooks[-1].remove()  # kept in the list if removing raises
+                _session_hooks.pop()
+            fit_lifecycle.not_needed_by(_SESSIONS_OPEN)
+            _release_unused_hooks()
+            return
+        try:
+            installed = []
+            if not _session_hooks:
                 installed = surfaces.all_or_none([
                     lambda: trainer.install_compile_hook(
                         _compile_with_tfmp, keep_saved=is_enabled, on_load=_attach_loaded),
                 ])
                 for feature, install in _OPTIONAL_SESSION_HOOKS:  # each off alone where Keras moved it
                     installed += surfaces.optional(feature, install)
-                try:
-                    attachment_hooks.hold(speed)
-                    fit_lifecycle.needs(_SESSIONS_OPEN)  # the error out of fit reaches monitors
-                except BaseException:
-                    for hook in reversed(installed):
-                        hook.remove()
-                    raise
-                _session_hooks.extend(installed)
+            try:
+                attachment_hooks.hold(speed)  # back on if a detach took them off
+                fit_lifecycle.needs(_SESSIONS_OPEN)  # the error out of fit reaches monitors
             except BaseException:
-                session.replace(before)
+                for hook in reversed(installed):
+                    hook.remove()
                 raise
-        elif not session.any_open():
-            while _session_hooks:
-                _session_hooks[-1].remove()  # kept in the list if removing raises
-                _session_hooks.pop()
-            fit_lifecycle.not_needed_by(_SESSIONS_OPEN)
-            _release_unused_hooks()
+            _session_hooks.extend(installed)
+        except BaseException:
+            session.replace(before)
+            raise
 
 
 def _release_unused_hooks() -> None:
@@ -376,12 +372,6 @@ def _warn_if_compiled_before_enable(model: keras.Model) -> None:
     )
 
 
-def _wants_optimizer_wrapper(model: keras.Model, state: Session) -> bool:
-    """Under float32 the optimizer stays the user's unless debug or options ask."""
-    compute = model.dtype_policy.compute_dtype
-    return compute in ("float16", "bfloat16") or bool(state.debug) or bool(state.loss_scale_options)
-
-
 def _fix_and_attach(model: keras.Model, state: Session, attached_by: str) -> Attachment:
     """Exact token ids and dtype-error explanations, then the model's `Attachment`."""
     keep_exact_ids(model)
@@ -443,10 +433,9 @@ def _compile_with_tfmp(compile: Callable, model: keras.Model, args: tuple, kwarg
     loss = args[0] if args else kwargs.get("loss")
     force_compiled(model, keep=state.keep_float32, exclude=state.exclude_float32, loss=loss)
     wrap_options = None
-    if _wants_optimizer_wrapper(model, state):
-        wrap_options = state.loss_scale_options
-        if state.debug:
-            wrap_options = {"guard": "gradients", **wrap_options}
+    # Under float32 the optimizer stays the user's unless debug or options ask.
+    if model.dtype_policy.compute_dtype in LOW_PRECISION or state.debug or state.loss_scale_options:
+        wrap_options = {"guard": "gradients", **state.loss_scale_options} if state.debug else state.loss_scale_options
     if optimizer is not None and wrap_options is not None:
         optimizer = wrap_optimizer(optimizer, model.dtype_policy.compute_dtype, **wrap_options)
     result = compile(model, optimizer, *args, **kwargs)

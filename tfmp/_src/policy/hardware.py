@@ -32,28 +32,6 @@ ONEDNN_FLOAT16_FLAGS = ("avx512_fp16", "amx_fp16", "avx_ne_convert")
 ONEDNN_DEFAULT_FLAGS = ("avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
 
 
-def onednn_enabled(system: str, env_value: Optional[str], x86: bool, cpu_target: str,
-                   cpu_flags: frozenset) -> bool:
-    """Whether TensorFlow runs its oneDNN CPU kernels, hence hardware bfloat16 matmuls.
-
-    TensorFlow 2.21's rule (``tensorflow/core/util/port.cc``, ``IsMklEnabled`` and
-    ``DefaultOneDnnPolicy``): ``TF_ENABLE_ONEDNN_OPTS`` decides when it is
-    ``0``/``false``/``1``/``true`` (any case); otherwise oneDNN is on by default on
-    Windows x86, on Linux for x86 CPUs with one of `ONEDNN_DEFAULT_FLAGS` and for
-    Arm Neoverse V1 only. `system` is `platform.system()`; `cpu_target` archspec's name.
-    """
-    value = (env_value or "").strip().lower()
-    if value in ("1", "true"):
-        return True
-    if value in ("0", "false"):
-        return False
-    if system == "Windows":
-        return x86
-    if system == "Linux":
-        return (x86 and bool(set(ONEDNN_DEFAULT_FLAGS) & cpu_flags)) or cpu_target == "neoverse_v1"
-    return False
-
-
 _CAPABILITY = Kind("None or a tuple (major, minor) of two integers >= 0, e.g. (8, 0)",
                   lambda value: value is None or (tuple_of(COUNT).accepts(value) and len(value) == 2))
 _FLAGS = Kind("a frozenset of lowercase flag strings, e.g. frozenset({'avx512_bf16'})",
@@ -134,9 +112,23 @@ class DeviceFacts:
 
     @property
     def onednn(self) -> bool:
-        """Bool. TensorFlow's oneDNN CPU kernels are on (see `onednn_enabled`)."""
+        """Bool. TensorFlow's oneDNN CPU kernels are on, hence hardware bfloat16 matmuls.
+
+        TensorFlow 2.21's rule (``tensorflow/core/util/port.cc``, ``IsMklEnabled`` and
+        ``DefaultOneDnnPolicy``): ``TF_ENABLE_ONEDNN_OPTS`` decides when it is
+        ``0``/``false``/``1``/``true`` (any case); otherwise oneDNN is on by default on
+        Windows x86, on Linux for x86 CPUs with one of `ONEDNN_DEFAULT_FLAGS` and for
+        Arm Neoverse V1 only.
+        """
+        value = (self.onednn_env or "").strip().lower()
+        if value in ("1", "true", "0", "false"):
+            return value in ("1", "true")
         x86 = bool(set(self.cpu_bf16_flags) - {"bf16"}) or "sse2" in self.cpu_flags
-        return onednn_enabled(self.system, self.onednn_env, x86, self.cpu_target, self.cpu_flags)
+        if self.system == "Windows":
+            return x86
+        if self.system == "Linux":
+            return (x86 and bool(set(ONEDNN_DEFAULT_FLAGS) & self.cpu_flags)) or self.cpu_target == "neoverse_v1"
+        return False
 
     @property
     def onednn_bfloat16(self) -> bool:
@@ -206,12 +198,7 @@ def _read_gpus() -> Tuple[GpuFacts, ...]:
     for device in tf.config.list_physical_devices("GPU"):
         details = tf.config.experimental.get_device_details(device)
         cc = details.get("compute_capability")
-        gpus.append(
-            GpuFacts(
-                name=details.get("device_name", device.name),
-                compute_capability=tuple(cc) if cc else None,
-            )
-        )
+        gpus.append(GpuFacts(details.get("device_name", device.name), tuple(cc) if cc else None))
     return tuple(gpus)
 
 

@@ -245,21 +245,12 @@ def slower_than_float32(
     *,
     float16_slow_path: Optional[str] = None,
 ) -> Optional[str]:
-    """Why `policy` runs slower than float32 on `facts`' hardware, or None.
+    """Why the Keras `policy` runs slower than float32 on `facts`' hardware, or None.
 
-    Args:
-        policy: String. A Keras policy name.
-        facts: `DeviceFacts`.
-        speed_probe: `SpeedProbe` or None. Measured step times of that CPU; its
-            factor is quoted (it decides nothing).
-        float16_slow_path: String or None. A clause naming the kernel path that
-            makes float16 slow on that CPU, appended to the float16-on-CPU
-            explanation after a semicolon.
-
-    Returns:
-        String explanation, or None when the policy is not slower. Slower, by the
-        facts as "auto" decides: float16 on any CPU or below compute capability
-        7.0; bfloat16 below 8.0, or on a CPU without bfloat16 flags or oneDNN.
+    Slower, by the facts as "auto" decides: float16 on any CPU or below compute
+    capability 7.0; bfloat16 below 8.0, or on a CPU without bfloat16 flags or
+    oneDNN. `speed_probe`'s factor is quoted, deciding nothing; `float16_slow_path`
+    is a clause appended to the float16-on-CPU explanation.
     """
     compute = keras.DTypePolicy(policy).compute_dtype
     if compute == "float32" or facts.tpu:

@@ -63,16 +63,10 @@ def replica_local_variable(
     assignment inside `tf.cond` cannot do; a host read returns replica 0's. Made in
     `strategy`'s scope, or (None) in the caller's.
     """
-    scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
-    with scope:
-        return tf.Variable(
-            initial,
-            dtype=dtype,
-            trainable=False,
-            name=name,
-            synchronization=tf.VariableSynchronization.ON_READ,
-            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-        )
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        return tf.Variable(initial, dtype=dtype, trainable=False, name=name,
+                           synchronization=tf.VariableSynchronization.ON_READ,
+                           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
 
 
 def any_replica(flags: Sequence[Any]) -> list:

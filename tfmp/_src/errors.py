@@ -1,6 +1,4 @@
-"""tfmp's error types and the one message template every check uses.
-
-Template (STYLE.md, rule 4): what was received, what was expected, how to fix it::
+"""tfmp's error types and the one message template every check uses (STYLE.md, rule 4)::
 
     Invalid `policy` argument. Expected one of 'auto', 'mixed_float16',
     'mixed_bfloat16', 'float32'. Received: policy='fp16' (of type str).
@@ -67,13 +65,7 @@ class NonFiniteError(FloatingPointError):
         self.details = dict(details or {})
 
 
-def invalid_argument(
-    name: str,
-    received: Any,
-    expected: str,
-    fix: str = "",
-    choices: Iterable[str] = (),
-) -> ValueError:
+def invalid_argument(name: str, received: Any, expected: str, fix: str = "", choices: Iterable[str] = ()) -> ValueError:
     """Builds (not raises) a ValueError in the project's template.
 
     Args:
@@ -157,15 +149,8 @@ def is_positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def check_positive_int(
-    name: str,
-    value: Any,
-    *,
-    allow_none: bool = False,
-    fix: str = "",
-    maximum: Optional[int] = None,
-    why: str = "",
-) -> None:
+def check_positive_int(name: str, value: Any, *, allow_none: bool = False, fix: str = "",
+                       maximum: Optional[int] = None, why: str = "") -> None:
     """The project's one check of a count argument.
 
     Args:
@@ -233,16 +218,8 @@ def user_stacklevel() -> int:
     return level
 
 
-def check_type(
-    name: str,
-    value: Any,
-    types: Any,
-    expected: str,
-    *,
-    items: Any = None,
-    allow_none: bool = False,
-    fix: str = "",
-) -> None:
+def check_type(name: str, value: Any, types: Any, expected: str, *, items: Any = None, allow_none: bool = False,
+               fix: str = "") -> None:
     """The project's one check of an argument's type (and of its elements' type).
 
     Args:

@@ -41,12 +41,10 @@ INT = Kind("an integer", lambda value: isinstance(value, numbers.Integral) and n
 
 
 def optional(kind: Kind) -> Kind:
-    """`kind` or None."""
     return Kind(f"None or {kind.expected}", lambda value: value is None or kind.accepts(value))
 
 
 def one_of(*choices: str) -> Kind:
-    """One of the strings `choices`."""
     return Kind("one of " + ", ".join(map(repr, choices)),
                 lambda value: isinstance(value, str) and value in choices)
 
@@ -62,17 +60,14 @@ def _sequence_of(container: Any, word: str, kind: Kind) -> Kind:
 
 
 def tuple_of(kind: Kind) -> Kind:
-    """A tuple whose every item is of `kind`."""
     return _sequence_of(tuple, "tuple", kind)
 
 
 def list_of(kind: Kind) -> Kind:
-    """A list whose every item is of `kind`."""
     return _sequence_of(list, "list", kind)
 
 
 def dict_of(key: Kind, value: Kind) -> Kind:
-    """A dict whose keys are of `key` and values of `value`."""
     return Kind(f"a dict whose keys are each {key.expected} and values each {value.expected}",
                 lambda data: isinstance(data, dict)
                 and all(key.accepts(k) and value.accepts(v) for k, v in data.items()))

@@ -157,18 +157,15 @@ def enable(
             tfmp's defaults (outputs, softmax, normalization).
         exclude_float32: Same form: layers tfmp must not force.
         loss_scale_options: Dict or None. Keyword arguments for
-            `tfmp.LossScaleOptimizer` (e.g. ``{"initial_scale": 2.0**15}``).
-            Its ``guard`` says what a step is checked for before it is applied:
-            by default every gradient under float16 (loss scaling needs it)
-            and, otherwise, the batch, the loss and every gradient
-            (``"batch"``); ``{"guard": "loss"}`` checks the loss alone, so no
-            update waits for the backward pass.
+            `tfmp.LossScaleOptimizer` (e.g. ``{"initial_scale": 2.0**15}``). Its
+            ``guard`` (what a step is checked for before it is applied) defaults
+            to every gradient under float16 and to ``"batch"`` (batch, loss and
+            gradients) otherwise; ``"loss"`` checks the loss alone.
         allow_pure_16bit: Bool. Accept ``"float16"``/``"bfloat16"`` policies, which
             keep no float32 master weights. Default False.
         tf32: Bool or None. Switch TF32 matmuls on GPUs of compute capability
             >= 8.0 on or off; None leaves TensorFlow's setting (on by default).
-            TensorFlow's setting is process-wide: it applies to every thread
-            until `disable()` (or the scope's exit) puts it back.
+            The setting is process-wide until `disable()` puts it back.
         debug: Bool or dict. True instruments every model compiled while enabled
             with `tfmp.check_numerics` (first non-finite layer raises
             `tfmp.NonFiniteError`); a dict gives its keyword options, e.g.

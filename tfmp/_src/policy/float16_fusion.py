@@ -30,16 +30,10 @@ REPEATS = 15
 
 @dataclasses.dataclass(frozen=True)
 class FusionProbe:
-    """One measurement of the float16 Dense step with Grappler's remapper on and off.
+    """Milliseconds of the float16 Dense step with Grappler's remapper on (`fused_ms`) and off.
 
-    Attributes:
-        fused_ms: Float. Milliseconds of one step with the remapper on (the
-            float16 MatMul, bias add and ReLU fused where TensorFlow fuses them);
-            NaN when the step could not run.
-        unfused_ms: Float. Milliseconds of the same step with the remapper off.
-        slow: Bool. True when the fused step is the slow one
-            (``fused_ms / unfused_ms > SLOW_RATIO``).
-        source: String. ``"measured"`` or ``"failed: <error>"``.
+    Times are NaN when the step could not run (`source` ``"failed: <error>"``, else
+    ``"measured"``); `slow` is ``fused_ms / unfused_ms > SLOW_RATIO``.
     """
 
     fused_ms: float
@@ -69,16 +63,9 @@ def measure(budget_s: float = BUDGET_S, repeats: int = REPEATS) -> FusionProbe:
     """Times the probe step with the remapper on and off, now (not cached), for benchmarks and advice.
 
     Each variant is called once untimed, then the two are timed alternately, up to
-    `repeats` calls each or until `budget_s` has passed; the minimum of each is kept.
-
-    Args:
-        budget_s: Float. Seconds of timed calls, after the first ones.
-        repeats: Int. Timed calls of each variant at most.
-
-    Returns:
-        `FusionProbe` with ``source="measured"``, or ``"failed: ..."`` (NaN
-        times, ``slow=False``) when TensorFlow cannot run the step here or it
-        is called while a function is traced.
+    `repeats` calls each or until `budget_s` seconds have passed; the minimum of each
+    is kept. The result's source is ``"failed: ..."`` (NaN times, ``slow=False``)
+    when TensorFlow cannot run the step here or it is called while tracing.
     """
     import tensorflow as tf
 
@@ -86,16 +73,16 @@ def measure(budget_s: float = BUDGET_S, repeats: int = REPEATS) -> FusionProbe:
         return FusionProbe(math.nan, math.nan, False, "failed: called while tracing")
     with tf.device("/CPU:0"):
         try:
-            fused, unfused = train_step("float16"), train_step("float16")
-            args = _probe_inputs()
-            for name, step in (("fused", fused), ("unfused", unfused)):
-                _timed(step, args, name)  # tracing and Grappler: not timed
+            steps = {"fused": train_step("float16"), "unfused": train_step("float16")}
+            args = (tf.random.stateless_normal((BATCH, UNITS), seed=(29, 1), dtype=tf.float16),
+                    tf.random.stateless_normal((UNITS, UNITS), seed=(29, 2), stddev=0.05), tf.zeros((UNITS,)))
+            for name in steps:
+                _timed(steps[name], args, name)  # tracing and Grappler: not timed
             times = {"fused": [], "unfused": []}
             start = time.perf_counter()
             for index in range(max(1, repeats)):
-                order = ("fused", "unfused") if index % 2 == 0 else ("unfused", "fused")
-                for name in order:
-                    times[name].append(_timed(fused if name == "fused" else unfused, args, name))
+                for name in ("fused", "unfused") if index % 2 == 0 else ("unfused", "fused"):
+                    times[name].append(_timed(steps[name], args, name))
                 if time.perf_counter() - start > budget_s:
                     break
         except tf.errors.OpError as error:
@@ -104,20 +91,9 @@ def measure(budget_s: float = BUDGET_S, repeats: int = REPEATS) -> FusionProbe:
     return FusionProbe(fused_ms, unfused_ms, fused_ms > SLOW_RATIO * unfused_ms)
 
 
-def _probe_inputs() -> tuple:
-    """``x`` in float16, float32 master weights: the inputs of `speed_probe.train_step`."""
-    import tensorflow as tf
-
-    x = tf.random.stateless_normal((BATCH, UNITS), seed=(29, 1), dtype=tf.float16)
-    kernel = tf.random.stateless_normal((UNITS, UNITS), seed=(29, 2), stddev=0.05)
-    bias = tf.zeros((UNITS,))
-    return x, kernel, bias
-
-
 def _timed(step: Any, args: tuple, name: str) -> float:
     """Milliseconds of one call of `step` (``"unfused"``: inside `remapper_off`)."""
-    scope = remapper_off() if name == "unfused" else contextlib.nullcontext()
-    with scope:
+    with remapper_off() if name == "unfused" else contextlib.nullcontext():
         return time_step(step, *args)
 
 

@@ -61,9 +61,7 @@ class GpuFacts:
     @property
     def cc_string(self) -> str:
         """String. ``"8.0"``-style compute capability, or ``"unknown"``."""
-        if self.compute_capability is None:
-            return "unknown"
-        return "%d.%d" % self.compute_capability
+        return "unknown" if self.compute_capability is None else "%d.%d" % self.compute_capability
 
 
 @dataclasses.dataclass(frozen=True)

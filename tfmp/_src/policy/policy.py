@@ -30,15 +30,9 @@ MIN_BFLOAT16_FACTOR = 0.7
 
 # Common spellings that are not Keras policy names, mapped to the one meant.
 _ALIASES = {
-    "fp16": MIXED_FLOAT16,
-    "half": MIXED_FLOAT16,
-    "mixed_fp16": MIXED_FLOAT16,
-    "amp": MIXED_FLOAT16,
-    "bf16": MIXED_BFLOAT16,
-    "mixed_bf16": MIXED_BFLOAT16,
-    "fp32": FLOAT32,
-    "float": FLOAT32,
-    "single": FLOAT32,
+    **dict.fromkeys(("fp16", "half", "mixed_fp16", "amp"), MIXED_FLOAT16),
+    **dict.fromkeys(("bf16", "mixed_bf16"), MIXED_BFLOAT16),
+    **dict.fromkeys(("fp32", "float", "single"), FLOAT32),
 }
 
 
@@ -62,6 +56,10 @@ class PolicyDecision:
             capability 8.0)"``.
         tf32: Bool or None. Whether TF32 matmuls are available (compute
             capability >= 8.0); None where TF32 does not apply (CPU, TPU).
+
+    Raises:
+        ValueError: (template) `policy` is not a policy name tfmp applies,
+            `reason` or `device` not a string, `tf32` neither None nor a bool.
     """
 
     policy: str
@@ -70,12 +68,6 @@ class PolicyDecision:
     tf32: Optional[bool] = None
 
     def __post_init__(self) -> None:
-        """Checks the fields, so that a hand-made decision fails here, not when read.
-
-        Raises:
-            ValueError: (template) `policy` is not a policy name tfmp applies,
-                `reason` or `device` not a string, `tf32` neither None nor a bool.
-        """
         names = (MIXED_FLOAT16, MIXED_BFLOAT16, FLOAT32, *PURE_16BIT)
         if not (isinstance(self.policy, str) and self.policy in names):
             raise invalid_argument("policy", self.policy, "one of " + ", ".join(map(repr, names)),
@@ -188,12 +180,8 @@ def _measured(dtype: str, probe: Optional[SpeedProbe]) -> str:
 def _recommend(facts: DeviceFacts, probe: Optional[SpeedProbe]) -> PolicyDecision:
     device = describe_device(facts)
     if facts.tpu:
-        return PolicyDecision(
-            MIXED_BFLOAT16,
-            "TPUs compute matmuls natively in bfloat16, which keeps float32's "
-            "exponent range, so no loss scaling is needed.",
-            device,
-        )
+        return PolicyDecision(MIXED_BFLOAT16, "TPUs compute matmuls natively in bfloat16, which keeps float32's "
+                              "exponent range, so no loss scaling is needed.", device)
     gpu = facts.weakest_gpu
     if gpu is not None:
         return _gpu_decision(gpu.compute_capability, gpu.cc_string, device)
@@ -210,16 +198,9 @@ def _recommend(facts: DeviceFacts, probe: Optional[SpeedProbe]) -> PolicyDecisio
                    "idle machine (tfmp doctor measures with its spread), pin float32 with "
                    "tfmp.enable('float32').")
         return PolicyDecision(
-            MIXED_BFLOAT16,
-            f"The CPU has {flags}, so oneDNN runs bfloat16 matmuls in hardware{measured}.{pin}",
-            device,
-        )
-    return PolicyDecision(
-        FLOAT32,
-        "The CPU has none of AVX512_BF16, AMX-BF16 (x86) or BF16 (Arm), so it has no "
-        f"hardware bfloat16 matmuls and float32 is kept{_measured('bfloat16', probe)}.",
-        device,
-    )
+            MIXED_BFLOAT16, f"The CPU has {flags}, so oneDNN runs bfloat16 matmuls in hardware{measured}.{pin}", device)
+    return PolicyDecision(FLOAT32, "The CPU has none of AVX512_BF16, AMX-BF16 (x86) or BF16 (Arm), so it has no "
+                          f"hardware bfloat16 matmuls and float32 is kept{_measured('bfloat16', probe)}.", device)
 
 
 def _gpu_decision(cc, cc_string: str, device: str) -> PolicyDecision:

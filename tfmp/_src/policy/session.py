@@ -19,20 +19,11 @@ from tfmp._src.policy.policy import PolicyDecision
 
 @dataclasses.dataclass
 class Session:
-    """What `tfmp.enable()` set in one thread, and what `tfmp.disable()` puts back.
+    """What `tfmp.enable()` set in one thread (its checked arguments), and what `tfmp.disable()` puts back.
 
-    Attributes:
-        decision: `PolicyDecision` in force.
-        previous_policy: `keras.DTypePolicy` in force before the first `enable()`.
-        previous_tf32: Bool or None. TensorFlow's TF32 setting before `enable(tf32=...)`
-            changed it (TF32 is process-wide in TensorFlow); None: left alone.
-        keep_float32: Sequence of layer classes or path patterns forced besides the defaults.
-        exclude_float32: Sequence of layer classes or path patterns never forced.
-        loss_scale_options: Dict of `tfmp.LossScaleOptimizer` arguments.
-        debug: Bool or dict of `tfmp.check_numerics` options.
-        speedups: Dict, speed feature -> wanted (`tfmp._src.policy.speedups`).
-        verbose: Bool. Each compile prints what tfmp did
-            (`tfmp._src.attachment.compile_line`).
+    `previous_policy` is the `keras.DTypePolicy` in force before the first `enable()`;
+    `previous_tf32` TensorFlow's process-wide TF32 setting before `enable(tf32=...)`
+    changed it, None when left alone.
     """
 
     decision: PolicyDecision

@@ -54,19 +54,14 @@ def checked_speedups(speedups: Any) -> Dict[str, bool]:
     return {**dict.fromkeys(FEATURES, True), **speedups}
 
 
-def measured_here(facts: Optional[DeviceFacts] = None) -> bool:
-    """Bool. No GPU or TPU runs the steps here (the speed features were measured on CPUs)."""
-    facts = facts if facts is not None else detect_device_facts()
-    return not (facts.gpus or facts.tpu)
-
-
 def decided(wanted: Optional[Dict[str, bool]], facts: Optional[DeviceFacts] = None) -> Dict[str, str]:
     """Feature -> ``"on"`` or ``"off (<why>)"`` for a model attached now.
 
     Why off, first found first: the switch (`wanted`; None wants every one); the
     feature's Keras surface is missing (`keras_hooks.availability`); a GPU or TPU.
     """
-    measured = measured_here(facts)
+    facts = facts if facts is not None else detect_device_facts()
+    measured = not (facts.gpus or facts.tpu)  # the speed features were measured on CPUs
 
     def one(name: str) -> str:
         if wanted is not None and not wanted[name]:

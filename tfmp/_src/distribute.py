@@ -50,8 +50,7 @@ def is_chief(strategy: Optional[tf.distribute.Strategy] = None) -> bool:
     task_type, task_id = resolver.task_type, resolver.task_id
     if task_type in (None, "chief"):
         return True
-    has_chief = "chief" in resolver.cluster_spec().jobs
-    return task_type == "worker" and task_id == 0 and not has_chief
+    return task_type == "worker" and task_id == 0 and "chief" not in resolver.cluster_spec().jobs
 
 
 def replica_local_variable(

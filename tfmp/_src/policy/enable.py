@@ -292,16 +292,16 @@ def policy_scope(
 ) -> Iterator[PolicyDecision]:
     """Context-manager form of `enable()`; restores the previous state on exit.
 
+    The previous global policy (and any enclosing `enable()` with its options) is
+    back on exit, also when the block raises; a scope inside `enable()` with
+    another policy does not warn.
+
     Args:
         policy: As for `enable()`.
         **options: Keyword options of `enable()`.
 
     Yields:
         `PolicyDecision` in force inside the block.
-
-    The previous global policy (and any enclosing `enable()` with its options) is
-    back on exit, also when the block raises. A scope inside `enable()` with
-    another policy does not warn: it replaces nothing for good.
 
     Raises:
         TypeError: on entering the block, an option `enable()` does not take

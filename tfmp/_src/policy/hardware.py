@@ -165,16 +165,13 @@ class DeviceFacts:
         return gpu.compute_capability if gpu is not None else None
 
 
-def cpu_from_archspec(
-    target: Any, detected: Any = None, brand: Optional[str] = None
-) -> Tuple[str, frozenset]:
+def cpu_from_archspec(target: Any, detected: Any = None, brand: Optional[str] = None) -> Tuple[str, frozenset]:
     """Returns (CPU name, lowercase feature flags) from archspec's view of a CPU.
 
-    The flags are the union of the target's features and the `detected` ones read
-    from the CPU: archspec names a CPU after the closest target it knows, whose
-    list can lack what the CPU has (archspec 0.2.7 names a Cooper Lake
-    ``cascadelake``), while an Apple CPU's read flags are empty. Without `brand`
-    the CPU is named by vendor and microarchitecture.
+    The flags are the union of the target's and the `detected` ones read from the
+    CPU: a target's list can lack what the CPU has (archspec 0.2.7 names a Cooper
+    Lake ``cascadelake``), while an Apple CPU's read flags are empty. Without
+    `brand` the CPU is named by vendor and microarchitecture.
 
     Example:
         >>> import archspec.cpu

@@ -8,12 +8,7 @@ from typing import Any, Callable, Dict, Iterator, List, Sequence
 
 
 class ProbeCache:
-    """Probe results by dtype: measured ones kept for the process, injected ones on top.
-
-    Attributes:
-        cache: Dict, dtype string -> the result measured in this process (tests
-            save and restore it).
-    """
+    """Probe results by dtype: measured ones kept in `cache` (tests save and restore it), injected ones on top."""
 
     def __init__(self) -> None:
         self.cache: Dict[str, Any] = {}

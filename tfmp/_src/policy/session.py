@@ -52,10 +52,7 @@ def current() -> Optional[Session]:
 
 
 def replace(session: Optional[Session]) -> Optional[Session]:
-    """Makes `session` the calling thread's (None ends it); returns the one it replaced.
-
-    Also forgets the sessions of threads that ended without `tfmp.disable()`.
-    """
+    """Makes `session` the calling thread's (None ends it), forgetting ended threads'; returns the one replaced."""
     with lock:
         alive = set(threading.enumerate())
         for ident in [i for i, (thread, _) in _sessions.items() if thread not in alive]:

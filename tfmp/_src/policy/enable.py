@@ -137,10 +137,10 @@ def enable(
     """Sets the Keras global dtype policy and makes every model compiled use tfmp.
 
     Call it before building the model: layers take the global policy when they are
-    created. Like Keras's global policy, it applies to the calling thread. Calling
-    it again with another policy replaces the first, with a `UserWarning` (models
-    compiled before keep theirs); `disable()` still restores the policy in force
-    before the first call.
+    created. Like Keras's global policy, it applies to the calling thread. Called
+    again with the same policy it changes only the options; another policy replaces
+    the first, with a `UserWarning` (models compiled before keep theirs), and
+    `disable()` still restores the policy in force before the first call.
 
     Models compiled while enabled get float32 forcing; a `tfmp.LossScaleOptimizer`
     when they compute in float16 or bfloat16, or under float32 when `debug` or

@@ -6,18 +6,10 @@
     model.compile("adam", loss=...)   # float32 forcing + loss-scale optimizer
     model.fit(ds, callbacks=[tfmp.LossScaleMonitor("logs/run1")])
 
-The public names are imported below, one a line, grouped by concern: the core
-(policy, float32, loss scaling, numerics, TensorBoard, the per-model attachment),
-then the tooling (deployment and the advisors). Each is defined in one private
-module under `tfmp/_src/`. `import tfmp` imports them all (and so TensorFlow and
-Keras, checking their versions, and registering `LossScaleOptimizer` with Keras
-serialization), except while Python starts ``python -m tfmp ...`` (the `tfmp`
-command, see `_tfmp_command`): then they are imported on first use (a module
-``__getattr__``, PEP 562, that executes this file again with the imports on), so
-``--help`` answers without TensorFlow's start-up (about 10 s). Which module
-``-m`` runs is read from ``sys.orig_argv``, the interpreter's own command line,
-so a program started as ``python -m mypkg.train`` that imports tfmp gets
-everything at once.
+Each public name is defined in one private module under `tfmp/_src/` and imported
+below as ``name as name`` (an explicit re-export for type checkers). Under ``python -m
+tfmp`` (read from `sys.orig_argv`) they are imported on first use (PEP 562
+``__getattr__``), so ``--help`` answers without TensorFlow's start-up.
 """
 
 from __future__ import annotations
@@ -92,14 +84,12 @@ _IMPORTS_DEFERRED = (not globals().get("_IMPORTING_ON_FIRST_USE", False)
                      and _module_run_by_python(list(getattr(sys, "orig_argv", []))) == "tfmp")
 
 if not _IMPORTS_DEFERRED:
-    # Policy: choosing and setting the dtype policy (tfmp/_src/policy)
     from tfmp._src.policy.enable import enable as enable
     from tfmp._src.policy.enable import disable as disable
     from tfmp._src.policy.enable import policy_scope as policy_scope
     from tfmp._src.policy.policy import recommend_policy as recommend_policy
     from tfmp._src.policy.policy import PolicyDecision as PolicyDecision
     from tfmp._src.policy.policy import PerformanceWarning as PerformanceWarning
-    # Float32 where 16 bits break numerics (tfmp/_src/float32)
     from tfmp._src.float32.force import force_float32 as force_float32
     from tfmp._src.float32.registry import register_float32 as register_float32
     from tfmp._src.float32.registry import unregister_float32 as unregister_float32
@@ -109,33 +99,25 @@ if not _IMPORTS_DEFERRED:
     from tfmp._src.float32.audit import audit as audit
     from tfmp._src.float32.audit_report import AuditReport as AuditReport
     from tfmp._src.float32.unmatched import UnmatchedTargetWarning as UnmatchedTargetWarning
-    # Loss scaling (tfmp/_src/loss_scale)
     from tfmp._src.loss_scale.optimizer import LossScaleOptimizer as LossScaleOptimizer
     from tfmp._src.loss_scale.loops import scaled_gradients as scaled_gradients
     from tfmp._src.loss_scale.guard import LossScaleWarning as LossScaleWarning
     from tfmp._src.loss_scale.loops import SkippedStepWarning as SkippedStepWarning
-    # Finding the first non-finite value (tfmp/_src/numerics, tfmp/_src/errors.py)
     from tfmp._src.numerics.check import check_numerics as check_numerics
     from tfmp._src.numerics.check import NumericsHandle as NumericsHandle
     from tfmp._src.errors import NonFiniteError as NonFiniteError
     from tfmp._src.numerics.dataset import check_dataset as check_dataset
     from tfmp._src.numerics.dataset import DatasetReport as DatasetReport
-    # TensorBoard (tfmp/_src/monitor)
     from tfmp._src.monitor.callback import LossScaleMonitor as LossScaleMonitor
     from tfmp._src.monitor.event_file import LoggingWarning as LoggingWarning
-    # What tfmp decided for one model (tfmp/_src/attachment)
     from tfmp._src.attachment.attach import attachment as attachment
     from tfmp._src.attachment.attach import detach as detach
     from tfmp._src.attachment.attach import step_scope as step_scope
     from tfmp._src.attachment.record import Attachment as Attachment
-    # Several worker processes (tfmp/_src/cluster.py)
     from tfmp._src.cluster import multi_worker_strategy as multi_worker_strategy
-    # Tooling, deployment: a float32 copy, SavedModel and TFLite (tfmp/_src/deployment)
     from tfmp._src.deployment.to_float32 import to_float32 as to_float32
     from tfmp._src.deployment.export import export as export
     from tfmp._src.deployment.report import ExportReport as ExportReport
-    # Tooling, advisors: the machine, a policy comparison, memory
-    # (tfmp/_src/advisors, tfmp/_src/policy)
     from tfmp._src.advisors.doctor import doctor as doctor
     from tfmp._src.advisors.doctor import DoctorReport as DoctorReport
     from tfmp._src.policy.hardware import DeviceFacts as DeviceFacts

@@ -1,12 +1,9 @@
 """Joining a multi-worker cluster in bounded time: `tfmp.multi_worker_strategy`.
 
-`tf.distribute.MultiWorkerMirroredStrategy()` starts this task's server from
-``TF_CONFIG`` and then waits inside TensorFlow's runtime, without a time limit, until
-every task of the cluster has connected; Python cannot interrupt the wait (details:
-docs/guides/distributed.md, "Several worker processes"). `multi_worker_strategy` creates
-the strategy under a watchdog process instead (`tfmp._src.cluster_watchdog`, standard
-library only): past `timeout_s` it writes which task is missing and what to do to the
-worker's stderr and ends the worker.
+`tf.distribute.MultiWorkerMirroredStrategy()` waits inside TensorFlow's runtime, with
+no time limit Python can interrupt, until every task has connected (details:
+docs/guides/distributed.md, "Several worker processes"). `multi_worker_strategy`
+creates it under a watchdog process (`tfmp._src.cluster_watchdog`) that ends the worker past `timeout_s`.
 """
 
 from __future__ import annotations
@@ -32,15 +29,13 @@ def multi_worker_strategy(
 
     Creates the strategy exactly as ``tf.distribute.MultiWorkerMirroredStrategy(
     communication_options=...)`` does. Call it in every worker at program start,
-    before any other TensorFlow work (the strategy must configure TensorFlow's
-    runtime first; `tfmp.enable()` may come before or after it). TensorFlow then
-    waits until every ``"chief"`` and ``"worker"`` task of the cluster has
-    started. If the cluster has not formed after `timeout_s`, a watchdog
-    process writes to this process's stderr at which peers' addresses no server
-    answers and how to fix it, and ends this process with SIGKILL (exit status
-    -9, 137 in a shell): TensorFlow's wait cannot be interrupted, so no
-    exception can be raised. Without a cluster in
-    ``TF_CONFIG`` (or with one task) nothing is waited for.
+    before any other TensorFlow work (`tfmp.enable()` may come before or after it).
+    TensorFlow then waits until every ``"chief"`` and ``"worker"`` task of the
+    cluster has started. If the cluster has not formed after `timeout_s`, a
+    watchdog process writes to stderr which peers' addresses no server answers and
+    how to fix it, and ends this process with SIGKILL (exit status -9, 137 in a
+    shell): TensorFlow's wait cannot be interrupted, so no exception can be raised.
+    Without a cluster in ``TF_CONFIG`` (or with one task) nothing is waited for.
 
     Args:
         timeout_s: Float > 0. Seconds to wait for every task to start (default

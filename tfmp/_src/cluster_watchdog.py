@@ -1,14 +1,9 @@
-"""The watchdog process of `tfmp.multi_worker_strategy`; standard library only.
+"""The watchdog process of `tfmp.multi_worker_strategy`; standard library only, so it starts in milliseconds.
 
-Run as a script (``python cluster_watchdog.py SETTINGS_JSON``) by
-`tfmp._src.cluster` while the worker creates its strategy, reading its stdin:
-the worker closes that pipe once the cluster formed (or when it ends), and the
-watchdog exits quietly. If the pipe is still open after the timeout, it asks
-each peer's address whether a server answers, writes which task is missing and
-what to do to the worker's stderr, and ends the worker with SIGKILL: TensorFlow
-waits for the cluster inside its runtime holding Python's global interpreter
-lock, so no thread of the worker could act, and the wait ignores SIGTERM.
-Importing no TensorFlow (and no tfmp), it starts in milliseconds.
+Run as ``python cluster_watchdog.py SETTINGS_JSON`` by `tfmp._src.cluster`: the worker
+closes the watchdog's stdin once the cluster formed, and it exits quietly. Past the
+timeout it writes which task is missing to the worker's stderr and ends the worker with
+SIGKILL: TensorFlow's wait holds the GIL and ignores SIGTERM.
 """
 
 from __future__ import annotations
@@ -47,11 +42,8 @@ def timeout_message(cluster: Dict[str, List[str]], task: Sequence, timeout_s: fl
                     silent: Sequence[Sequence]) -> str:
     """The text written to the worker's stderr when its cluster did not form in time.
 
-    Args:
-        cluster: Dict, job name -> list of ``host:port`` (``TF_CONFIG``'s ``cluster``).
-        task: (job, index) of the worker.
-        timeout_s: Float, the seconds waited.
-        silent: (job, index, address) of each peer where no server answered.
+    `cluster` is ``TF_CONFIG``'s, `task` the worker's (job, index), `silent` the
+    (job, index, address) of each peer where no server answered.
     """
     missing = ", ".join(f"{job} {index} at {address}" for job, index, address in silent) or (
         "none (every peer's server answers, but not every task joined: a task may have been "

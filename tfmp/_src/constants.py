@@ -1,9 +1,7 @@
 """Numbers and names shared by every part of tfmp, defined once.
 
-Sources: IEEE 754 binary16 limits, read from NumPy's `finfo` (largest finite value
-65504, smallest subnormal 2**-24, about 6e-8); bfloat16 keeps 8 significant bits
-(7 stored), so its relative precision is 2**-8 (Google, "bfloat16: the secret to
-high performance on Cloud TPUs").
+Sources: IEEE 754 binary16 limits, read from NumPy's `finfo`; bfloat16 keeps 8
+significant bits (Google, "bfloat16: the secret to high performance on Cloud TPUs").
 """
 
 from __future__ import annotations
@@ -23,9 +21,7 @@ LOW_PRECISION = ("float16", "bfloat16")
 #: Names of non-finite kinds by bits (1 = NaN, 2 = inf), as the loss-scale
 #: optimizer's `last_loss_status` and the numerics recorder store them.
 NON_FINITE_KINDS = {1: "nan", 2: "inf", 3: "nan+inf"}
-#: String. Absolute path of the troubleshooting guide in this installation
-#: (``<site-packages>/tfmp/docs/troubleshooting.md``, package data of setup.cfg;
-#: in a checkout, the file in the checkout). Messages name a section of it as
-#: ``f"{TROUBLESHOOTING_GUIDE}#no-speed-up"``.
+#: String. Absolute path of the troubleshooting guide in this installation (package data);
+#: messages name a section as ``f"{TROUBLESHOOTING_GUIDE}#no-speed-up"``.
 TROUBLESHOOTING_GUIDE = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "troubleshooting.md")

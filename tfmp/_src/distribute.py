@@ -1,15 +1,9 @@
 """tfmp under `tf.distribute`: one loss scale and one verdict for all replicas.
 
-Under `tf.distribute.MirroredStrategy` and `MultiWorkerMirroredStrategy` every replica
-updates its own copy of each optimizer variable (``aggregation="none"``); the copies stay
-equal only while every replica takes the same branch. Keras 3.15's `LossScaleOptimizer`
-checks each replica's local gradients before the all-reduce and keeps replica 0's answer,
-so an overflow on another replica's shard reaches every weight uncounted
-(tests/test_distribute.py). The helpers below combine such facts over all replicas in
-sync: every replica skips the same steps, holds the same scale, counts each skip once.
-XLA under a multi-replica strategy fails in Keras (keras-team/keras issue 21366), so
-tfmp compiles such models without it, with a warning, and refuses an XLA step it did
-not compile.
+Keras 3.15's `LossScaleOptimizer` checks each replica's local gradients and keeps replica
+0's answer, so another replica's overflow reaches every weight (tests/test_distribute.py).
+The helpers below combine such facts over all replicas in sync. XLA under several
+replicas fails in Keras (keras-team/keras issue 21366): tfmp compiles such models without it.
 """
 
 from __future__ import annotations
@@ -28,31 +22,18 @@ from tfmp._src.policy.policy import PerformanceWarning
 
 
 def replicas_in_sync(strategy: Optional[tf.distribute.Strategy] = None) -> int:
-    """Int >= 1. Replicas that train in lockstep under `strategy`.
-
-    Args:
-        strategy: `tf.distribute.Strategy` or None for the current one (the default
-            strategy, with 1 replica, outside any ``scope()``).
-    """
+    """Int >= 1. Replicas that train in lockstep under `strategy` (None: the current one)."""
     strategy = strategy if strategy is not None else tf.distribute.get_strategy()
     return int(strategy.num_replicas_in_sync)
 
 
 def is_chief(strategy: Optional[tf.distribute.Strategy] = None) -> bool:
-    """Whether this process is the one that writes summaries and checkpoints.
+    """Bool. Whether this process writes summaries and checkpoints (`strategy` None: the current one).
 
-    True without a strategy, under single-process strategies (`MirroredStrategy`,
-    `OneDeviceStrategy`) and on the chief of a multi-worker cluster: the task of
-    type ``"chief"``, or ``"worker"`` 0 when the cluster has no chief (the
-    `TF_CONFIG` convention of TensorFlow's multi-worker guide). It asks the strategy
-    first (`StrategyExtended.should_save_summary`, which `MultiWorkerMirroredStrategy`
-    answers this way), then its cluster resolver.
-
-    Args:
-        strategy: `tf.distribute.Strategy` or None for the current one.
-
-    Returns:
-        Bool.
+    True but on a multi-worker cluster's tasks other than the chief: the task of type
+    ``"chief"``, or ``"worker"`` 0 when the cluster has no chief (TensorFlow's
+    multi-worker guide). Asks `StrategyExtended.should_save_summary`, then the
+    strategy's cluster resolver.
 
     Example:
         >>> is_chief()
@@ -69,8 +50,7 @@ def is_chief(strategy: Optional[tf.distribute.Strategy] = None) -> bool:
     task_type, task_id = resolver.task_type, resolver.task_id
     if task_type in (None, "chief"):
         return True
-    has_chief = "chief" in resolver.cluster_spec().jobs
-    return task_type == "worker" and task_id == 0 and not has_chief
+    return task_type == "worker" and task_id == 0 and "chief" not in resolver.cluster_spec().jobs
 
 
 def replica_local_variable(
@@ -78,43 +58,21 @@ def replica_local_variable(
 ) -> tf.Variable:
     """A non-trainable variable with one copy per replica, read from the first.
 
-    ``synchronization=ON_READ`` gives every replica of a `tf.distribute` strategy its
-    own copy, written from its replica context only (no cross-replica
-    synchronization, which an assignment inside `tf.cond` cannot do);
-    ``ONLY_FIRST_REPLICA`` makes a host read (cross-replica context) return replica
-    0's copy. Without a strategy it is a plain variable.
-
-    Args:
-        initial: Initial value (tensor, array or Python number).
-        dtype: `tf.DType` or None (from `initial`).
-        name: String or None.
-        strategy: `tf.distribute.Strategy` whose scope creates it, or None for the
-            scope the caller is in.
+    Each replica writes its own copy with no cross-replica synchronization, which an
+    assignment inside `tf.cond` cannot do; a host read returns replica 0's. Made in
+    `strategy`'s scope, or (None) in the caller's.
     """
-    scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
-    with scope:
-        return tf.Variable(
-            initial,
-            dtype=dtype,
-            trainable=False,
-            name=name,
-            synchronization=tf.VariableSynchronization.ON_READ,
-            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-        )
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        return tf.Variable(initial, dtype=dtype, trainable=False, name=name,
+                           synchronization=tf.VariableSynchronization.ON_READ,
+                           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
 
 
 def any_replica(flags: Sequence[Any]) -> list:
-    """OR-s boolean flags over all replicas in sync, with one all-reduce.
+    """OR-s this replica's scalar bool `flags` over all replicas in sync, with one all-reduce.
 
-    Call it in a replica context (inside ``strategy.run`` or Keras's train step);
-    every replica then gets the same answers. With one replica, or in a cross-replica
-    context, the flags come back unchanged.
-
-    Args:
-        flags: Sequence of scalar bool tensors, this replica's facts.
-
-    Returns:
-        List of scalar bool tensors: True where any replica's flag was True.
+    In a replica context every replica gets the same list; with one replica, or in a
+    cross-replica context, the flags come back unchanged.
     """
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
@@ -133,21 +91,11 @@ def all_replicas_finite(finite: Any) -> Any:
 
 
 def gather_replicas(value: Any) -> Any:
-    """Every replica's `value`, stacked in replica order, with one all-reduce.
+    """Every replica's float32 `value` (static shape `S`), as a `[replicas, *S]` table, with one all-reduce.
 
-    Call it in a replica context; every replica then gets the same table. Each
-    replica writes its value into its own row of a zero table and the tables are
-    summed: every entry is its one replica's value plus zeros, and ``x + 0 == x``
-    for every float32 ``x``, infinities and NaN included, so non-finite values
-    arrive unchanged. With one replica, or in a cross-replica context, the table
-    holds `value` alone.
-
-    Args:
-        value: Float32 tensor of a static shape `S`, the same on every replica.
-
-    Returns:
-        Float32 tensor of shape `[replicas, *S]`; row `r` is replica `r`'s value
-        (`replica_id_in_sync_group`).
+    Each replica writes its own row of a zero table and the tables are summed:
+    ``x + 0 == x`` for every float32 ``x``, NaN and infinities included. With one
+    replica, or in a cross-replica context, the table holds `value` alone.
     """
     value = tf.convert_to_tensor(value, tf.float32)
     context = tf.distribute.get_replica_context()
@@ -169,21 +117,13 @@ def _xla_refusal(replicas: int) -> str:
 
 
 def turn_off_xla_if_replicated(model: Any) -> bool:
-    """Switches `model.jit_compile` off when the model trains on several replicas.
-
-    Called by the compile hook of `tfmp.enable()` after Keras's `compile`, before
-    any train function exists. Keras's ``jit_compile="auto"`` already resolves to
-    False under a strategy, so this only overrides an explicit True.
-
-    Args:
-        model: `keras.Model`, compiled.
+    """Switches a compiled `model`'s explicit ``jit_compile=True`` off when it trains on several replicas.
 
     Returns:
         Bool. True when XLA was turned off.
 
     Warns:
-        tfmp.PerformanceWarning: when XLA was turned off, saying why and how to keep
-            XLA (train on one replica).
+        tfmp.PerformanceWarning: when XLA was turned off, saying why and how to keep it.
     """
     replicas = replicas_in_sync(model.distribute_strategy)
     if replicas == 1 or not model.jit_compile:
@@ -201,10 +141,7 @@ def turn_off_xla_if_replicated(model: Any) -> bool:
 
 
 def check_not_xla_replicated() -> None:
-    """Refuses an XLA-compiled step under a multi-replica strategy.
-
-    Called by `tfmp.LossScaleOptimizer.apply` while a step is being traced, so the
-    refusal comes before any step runs and instead of TensorFlow's tracebacks.
+    """Refuses, while tracing, an XLA-compiled step under a multi-replica strategy.
 
     Raises:
         ValueError: when the step being traced is XLA-compiled and runs in a
@@ -212,10 +149,7 @@ def check_not_xla_replicated() -> None:
     """
     context = tf.distribute.get_replica_context()
     replicas = 1 if context is None else context.num_replicas_in_sync
-    if replicas == 1 or tf.executing_eagerly():
-        return
-    # The test MirroredStrategy itself uses to choose its merge-call path.
-    if not in_xla_context():
+    if replicas == 1 or tf.executing_eagerly() or not in_xla_context():  # MirroredStrategy's own XLA test
         return
     raise ValueError(
         _xla_refusal(replicas) + " Compile the model with jit_compile=False, or "
@@ -234,13 +168,8 @@ def workers(strategy: Any) -> int:
 def check_multi_worker_fit(model: Any) -> None:
     """Refuses what ``fit`` / ``evaluate`` cannot do under a multi-worker strategy.
 
-    ``steps_per_execution`` > 1: Keras's multi-step loop (a ``tf.while_loop``
-    over ``get_next_as_optional`` of a distributed iterator) fails inside its
-    first execution on every worker (an ``InvalidArgumentError`` from a
-    placeholder of the loop's condition; measured on TF 2.21 / Keras 3.15).
-
-    Args:
-        model: `keras.Model`, compiled.
+    Keras's multi-step loop over a distributed iterator fails on every worker
+    (TF 2.21 / Keras 3.15).
 
     Raises:
         ValueError: (template) ``steps_per_execution`` > 1 under a strategy of
@@ -263,17 +192,9 @@ def check_multi_worker_fit(model: Any) -> None:
 def prepare_multi_worker(model: Any) -> bool:
     """Makes ``fit`` and ``evaluate`` of `model` work under a multi-worker strategy.
 
-    Called when tfmp attaches a model (compile or load while enabled). Under a
-    strategy of several workers it refuses what cannot work
-    (`check_multi_worker_fit`, again at each ``fit`` / ``evaluate``) and installs
-    `tfmp._src.keras_hooks.multi_worker`'s fix, which acts only where Keras's own
-    code fails; elsewhere it takes an earlier one off.
-
-    Args:
-        model: `keras.Model`.
-
-    Returns:
-        Bool. True when the fix is installed.
+    There it refuses what cannot work (`check_multi_worker_fit`, again at each
+    ``fit``) and installs `keras_hooks.multi_worker`'s fix; elsewhere it takes an
+    earlier one off. Returns True when the fix is installed.
 
     Raises:
         ValueError: see `check_multi_worker_fit`.

@@ -1,6 +1,4 @@
-"""tfmp's error types and the one message template every check uses.
-
-Template (STYLE.md, rule 4): what was received, what was expected, how to fix it::
+"""tfmp's error types and the one message template every check uses (STYLE.md, rule 4)::
 
     Invalid `policy` argument. Expected one of 'auto', 'mixed_float16',
     'mixed_bfloat16', 'float32'. Received: policy='fp16' (of type str).
@@ -67,28 +65,16 @@ class NonFiniteError(FloatingPointError):
         self.details = dict(details or {})
 
 
-def invalid_argument(
-    name: str,
-    received: Any,
-    expected: str,
-    fix: str = "",
-    choices: Iterable[str] = (),
-) -> ValueError:
-    """Builds a ValueError in the project's template.
+def invalid_argument(name: str, received: Any, expected: str, fix: str = "", choices: Iterable[str] = ()) -> ValueError:
+    """Builds (not raises) a ValueError in the project's template.
 
     Args:
         name: String. The argument's name, e.g. ``"policy"``.
         received: Any. The value the caller passed.
         expected: String. What would have been accepted, as a phrase.
-        fix: String. How to fix it: what to pass instead, with an example value
-            (``"Pass e.g. guard='auto'."``). Every argument of a public call
-            gives one.
-        choices: Iterable of strings. Valid spellings. When ``received`` is a
-            string close to one of them, "Did you mean ...?" replaces `fix`
-            (a typo's likeliest fix); any other value gets `fix`.
-
-    Returns:
-        ValueError, to be raised by the caller.
+        fix: String. What to pass instead, with an example (``"Pass e.g. guard='auto'."``).
+        choices: Iterable of strings. Valid spellings: a string close to one gets
+            "Did you mean ...?" instead of `fix`.
     """
     if isinstance(received, str):
         fix = did_you_mean(received, choices) or fix
@@ -108,9 +94,8 @@ SHOWN_ELEMENTS = 20
 def shown(value: Any) -> str:
     """How a message shows `value`: its ``repr``, with large arrays and tensors by shape and dtype.
 
-    A NumPy array or tensor of more than `SHOWN_ELEMENTS` elements, also inside a
-    tuple, list or dict, reads ``array(shape=(60000, 784), dtype=float32)``: its
-    values would fill the message (613 characters for that array, NumPy's summary).
+    An array or tensor of more than `SHOWN_ELEMENTS` elements, also inside a tuple,
+    list or dict, reads ``array(shape=(60000, 784), dtype=float32)``.
     """
     dims = _dims(value)
     if dims is not None and math.prod(dims) > SHOWN_ELEMENTS:
@@ -129,20 +114,15 @@ def _dims(value: Any) -> Optional[tuple]:
     if shape is None or getattr(value, "dtype", None) is None:
         return None
     try:
-        dims = tuple(int(d) for d in shape)
+        return tuple(int(d) for d in shape)
     except (TypeError, ValueError):  # an unknown dimension, or no shape at all
         return None
-    return dims
 
 
 def did_you_mean(received: Any, choices: Iterable[str], cutoff: float = 0.5) -> str:
     """The project's one suggestion: ``"Did you mean 'x'?"``, or ``""`` when nothing is close.
 
-    Args:
-        received: The value given; compared as a string.
-        choices: Iterable of strings. Valid spellings.
-        cutoff: Float in [0, 1]. `difflib` similarity a choice needs; a choice
-            that differs only in case is named first.
+    A choice that differs only in case comes first; else `difflib`'s closest above `cutoff`.
     """
     choices = list(choices)
     by_case = {choice.lower(): choice for choice in choices}
@@ -153,27 +133,14 @@ def did_you_mean(received: Any, choices: Iterable[str], cutoff: float = 0.5) -> 
 
 
 def unknown_key(name: str, received: dict, key: Any, choices: Iterable[str]) -> ValueError:
-    """The template ValueError for a dict argument holding a key it does not accept.
-
-    Args:
-        name: String. The argument's name, e.g. ``"loss_scale_options"``.
-        received: Dict. The value the caller passed.
-        key: The key that is not accepted.
-        choices: Iterable of strings. The accepted keys.
-    """
+    """The template ValueError for the dict argument `name` holding a `key` not among `choices`."""
     choices = list(choices)
     fix = unknown_fix(f"Unknown key {key!r}.", key, choices)
     return invalid_argument(name, received, "keys among " + ", ".join(choices), fix=fix)
 
 
 def unknown_fix(unknown: str, key: Any, choices: Iterable[str]) -> str:
-    """The fix for an unknown key or keyword: `unknown`, then a close choice or "remove it".
-
-    Args:
-        unknown: String. The sentence naming it, e.g. ``"Unknown key 'x'."``.
-        key: The unknown key or keyword.
-        choices: Iterable of strings. The accepted ones.
-    """
+    """The fix for an unknown key or keyword: the sentence `unknown`, then a close choice or "remove it"."""
     return f"{unknown} {did_you_mean(key, choices, cutoff=0.6) or 'Remove it, or use one of those listed.'}"
 
 
@@ -182,21 +149,13 @@ def is_positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def check_positive_int(
-    name: str,
-    value: Any,
-    *,
-    allow_none: bool = False,
-    fix: str = "",
-    maximum: Optional[int] = None,
-    why: str = "",
-) -> None:
+def check_positive_int(name: str, value: Any, *, allow_none: bool = False, fix: str = "",
+                       maximum: Optional[int] = None, why: str = "") -> None:
     """The project's one check of a count argument.
 
     Args:
-        maximum: Int or None. Largest value accepted: every count that sizes an
-            allocation has one, so that a typo (``10**9``) is refused instead of
-            allocating gigabytes.
+        maximum: Int or None. Largest value accepted: a count that sizes an
+            allocation has one, so that a typo (``10**9``) is refused.
         why: String. The reason for `maximum`, shown in the message.
 
     Raises:
@@ -213,9 +172,6 @@ def check_positive_int(
 
 def check_positive_number(name: str, value: Any, *, fix: str) -> None:
     """The project's one check of a positive real argument (a scale, a bound).
-
-    Args:
-        fix: String. How to fix it, e.g. ``"Pass e.g. min_scale=1.0."``.
 
     Raises:
         ValueError: (template) `value` is not a finite int or float > 0.
@@ -239,50 +195,39 @@ def check_bool(name: str, value: Any, *, allow_none: bool = False) -> None:
 
 
 def _package_dir(name: str) -> str:
-    module = sys.modules.get(name)
-    path = getattr(module, "__file__", None)
-    return os.path.normcase(os.path.dirname(os.path.abspath(path))) + os.sep if path else "\0"
+    path = getattr(sys.modules.get(name), "__file__", None)
+    return _normalized(os.path.dirname(path)) + os.sep if path else "\0"
+
+
+def _normalized(path: str) -> str:
+    return os.path.normcase(os.path.abspath(path))
 
 
 def user_stacklevel() -> int:
     """The ``stacklevel`` for `warnings.warn` that names the user's line.
 
-    Counted from the function that calls this one (level 1) to the first frame
-    outside tfmp, Keras, TensorFlow and `contextlib` (which runs a context manager's
-    body, as of `tfmp.policy_scope`), so a warning raised under Keras's methods
-    and tfmp's hooks on them points at the user's ``compile()`` or ``fit()`` call
-    however many frames lie between.
+    Counted from this function's caller (level 1) to the first frame outside tfmp,
+    Keras, TensorFlow and `contextlib` (the body of a `tfmp.policy_scope`), so a
+    warning from tfmp's hooks points at the user's ``compile()`` or ``fit()`` call.
     """
     libraries = tuple(_package_dir(name) for name in ("tfmp", "keras", "tensorflow")) + (
-        os.path.normcase(os.path.abspath(contextlib.__file__)),)  # a `with tfmp.policy_scope(...)`
+        _normalized(contextlib.__file__),)
     frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and os.path.normcase(os.path.abspath(frame.f_code.co_filename)).startswith(libraries):
+    while frame.f_back is not None and _normalized(frame.f_code.co_filename).startswith(libraries):
         frame, level = frame.f_back, level + 1
     return level
 
 
-def check_type(
-    name: str,
-    value: Any,
-    types: Any,
-    expected: str,
-    *,
-    items: Any = None,
-    allow_none: bool = False,
-    fix: str = "",
-) -> None:
+def check_type(name: str, value: Any, types: Any, expected: str, *, items: Any = None, allow_none: bool = False,
+               fix: str = "") -> None:
     """The project's one check of an argument's type (and of its elements' type).
 
     Args:
-        name: String. The argument's name.
-        value: The value given.
-        types: A type or tuple of types. A bool is taken as an int or a float
-            only when `bool` itself is listed.
+        types: A type or tuple of types. A bool passes as an int or a float only
+            when `bool` itself is listed.
         expected: String. What is accepted, as a phrase (``"a tuple of AuditRow"``).
         items: A type, tuple of types or None. When given, every element of
             `value` (every value, for a dict) must be one.
-        allow_none: Bool. Accept None too.
-        fix: String. How to fix it.
 
     Raises:
         ValueError: (template) `value` or one of its elements has another type.
@@ -301,15 +246,8 @@ def check_type(
 def check_model(name: str, model: Any, *, expected: str = "a keras.Model", fix: str = "") -> None:
     """The project's one check of a model argument: a `keras.Model` that has layers.
 
-    A Sequential, or a built or Functional model, without any layer besides its
-    inputs is refused: there is nothing to compute, force or check. An unbuilt
-    subclassed model without layers yet is accepted (its ``build`` may create them).
-
-    Args:
-        name: String. The argument's name, e.g. ``"model"``.
-        model: The value given.
-        expected: String. What is accepted, as a phrase, for a value that is not a model.
-        fix: String. How to fix a value that is not a model.
+    An unbuilt subclassed model without layers yet is accepted (its ``build`` may
+    create them); `expected` and `fix` are for a value that is not a model.
 
     Raises:
         ValueError: (template) `model` is not a `keras.Model`, or has no layer.
@@ -328,10 +266,6 @@ def check_model(name: str, model: Any, *, expected: str = "a keras.Model", fix: 
 
 
 def model_fix(call: str) -> str:
-    """The fix for a model argument that is not a model, e.g. ``model_fix("tfmp.audit(model)")``.
-
-    Args:
-        call: String. The public call with the model passed right.
-    """
+    """The fix for a model argument that is not a model; `call` is the right call, e.g. ``"tfmp.audit(model)"``."""
     return (f"Pass the model itself, e.g. {call}; wrap a single layer first, e.g. "
             "keras.Sequential([keras.Input((4,)), layer]).")

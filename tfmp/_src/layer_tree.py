@@ -1,13 +1,8 @@
 """One walk of a model's layer tree and one layer-path convention for all of tfmp.
 
-A layer's path joins layer names with ``/`` from the model down, without the
-model's own name: ``"encoder/block_1/dense"``. Float32 forcing, the registry's
-patterns (``keep_float32="encoder/*_norm"``), `tfmp.audit` rows,
-`tfmp.check_numerics` (`NonFiniteError.layer`) and memory estimates all use it, so
-a path printed by one can be passed to another.
-
-Keras's own ``layer.path`` is not used: it depends on the name scope a layer was
-created in, so a layer made outside its model has no prefix.
+A layer's path joins layer names with ``/`` from the model down, without the model's
+name (``"encoder/block_1/dense"``), so a path printed by one tfmp call can be passed to
+another. Keras's ``layer.path`` depends on the name scope a layer was created in.
 """
 
 from __future__ import annotations
@@ -29,15 +24,10 @@ class LayerEntry(NamedTuple):
 
 
 def walk(root: Any, prefix: str = "") -> List[LayerEntry]:
-    """Lists every layer under `root` once, parents before children (pre-order).
+    """Lists every layer under `root` (not itself, path `prefix`) once, parents first.
 
-    Args:
-        root: `keras.layers.Layer` or `keras.Model`; not listed itself.
-        prefix: String. Path of `root`; ``""`` for a model.
-
-    Returns:
-        List of `LayerEntry`. `keras.layers.InputLayer`s are skipped; a layer
-        shared by two parents is listed once, under the first.
+    `keras.layers.InputLayer`s are skipped; a layer shared by two parents is
+    listed once, under the first.
     """
     entries: List[LayerEntry] = []
     seen = set()

@@ -1,21 +1,13 @@
 """Field checks of tfmp's result types (reports and device facts), run by their constructors.
 
-tfmp's calls build these objects, but a user may build one too (`tfmp.DeviceFacts`
-to decide for another machine, a report in a test of their own). A field of the
-wrong type would otherwise be accepted and fail later, far from the mistake (in
-``str(report)`` or in a policy decision), so each result type's ``__post_init__``
-checks its fields here and refuses a wrong one in the project's template, naming
-the field.
-
-A `Kind` says which values a field takes and how the message words it::
-
-    check_fields(self, path=STRING, size_bytes=COUNT, notes=tuple_of(STRING))
+A user may build a result too (a `tfmp.DeviceFacts` for another machine); a field of the
+wrong type is refused there, naming it, not later far from the mistake. A `Kind` says which
+values a field takes: ``check_fields(self, path=STRING, notes=tuple_of(STRING))``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 from typing import Any, Callable, Type
 
@@ -24,12 +16,7 @@ from tfmp._src.errors import invalid_argument
 
 @dataclasses.dataclass(frozen=True)
 class Kind:
-    """The values one field accepts.
-
-    Attributes:
-        expected: String. What is accepted, as the template's "Expected ..." phrase.
-        accepts: Callable taking the value, returning True when it is accepted.
-    """
+    """The values one field `accepts`, and the template's "Expected ..." phrase for them."""
 
     expected: str
     accepts: Callable[[Any], bool]
@@ -47,7 +34,6 @@ STRING = Kind("a string", lambda value: isinstance(value, str))
 BOOL = Kind("True or False", lambda value: isinstance(value, bool))
 #: Any real number, NaN and Inf included (a measured difference may be NaN).
 REAL = Kind("a number", _is_real)
-FINITE = Kind("a finite number", lambda value: _is_real(value) and math.isfinite(value))
 COUNT = Kind("an integer >= 0", _is_count)
 POSITIVE_INT = Kind("an integer >= 1", lambda value: _is_count(value) and value >= 1)
 ANY = Kind("any value", lambda value: True)
@@ -55,12 +41,10 @@ INT = Kind("an integer", lambda value: isinstance(value, numbers.Integral) and n
 
 
 def optional(kind: Kind) -> Kind:
-    """`kind` or None."""
     return Kind(f"None or {kind.expected}", lambda value: value is None or kind.accepts(value))
 
 
 def one_of(*choices: str) -> Kind:
-    """One of the strings `choices`."""
     return Kind("one of " + ", ".join(map(repr, choices)),
                 lambda value: isinstance(value, str) and value in choices)
 
@@ -76,28 +60,21 @@ def _sequence_of(container: Any, word: str, kind: Kind) -> Kind:
 
 
 def tuple_of(kind: Kind) -> Kind:
-    """A tuple whose every item is of `kind`."""
     return _sequence_of(tuple, "tuple", kind)
 
 
 def list_of(kind: Kind) -> Kind:
-    """A list whose every item is of `kind`."""
     return _sequence_of(list, "list", kind)
 
 
 def dict_of(key: Kind, value: Kind) -> Kind:
-    """A dict whose keys are of `key` and values of `value`."""
     return Kind(f"a dict whose keys are each {key.expected} and values each {value.expected}",
                 lambda data: isinstance(data, dict)
                 and all(key.accepts(k) and value.accepts(v) for k, v in data.items()))
 
 
 def check_fields(owner: Any, **kinds: Kind) -> None:
-    """Checks fields of the dataclass instance `owner` against `kinds`.
-
-    Args:
-        owner: Dataclass instance whose fields are read with `getattr`.
-        **kinds: `Kind` per field name.
+    """Checks fields of the dataclass instance `owner` against `kinds` (a `Kind` per field name).
 
     Raises:
         ValueError: (template) the first field whose value its kind does not

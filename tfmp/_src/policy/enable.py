@@ -1,31 +1,9 @@
 """`tfmp.enable()`, `tfmp.disable()` and `tfmp.policy_scope()`: the session and its compile handler.
 
-`enable()` opens a session for the calling thread (`tfmp._src.policy.session`;
-Keras keeps its global dtype policy per thread, and so does tfmp). While a thread
-has one, every model compiled in it is *attached* (`tfmp._src.attachment`):
-float32 forcing (`tfmp.force_float32`), a `tfmp.LossScaleOptimizer` when it
-computes in 16 bits (or when asked), exact float token ids, explained dtype
-errors and, with ``debug=True``, `tfmp.check_numerics`; the decisions are
-recorded in the model's `tfmp.Attachment` and kept with it. A model compiled in
-a thread without a session is left alone, even while another thread has one.
-
-Class-level hooks into Keras, all through the surfaces of `tfmp._src.keras_hooks`:
-
-- session hooks, on while some thread has a session: ``compile`` and
-  ``compile_from_config`` (`keras_hooks.trainer`; a model Keras loads is
-  attached as saved), ``make_train_function`` (warns about a model compiled
-  before `enable()`), ``from_config`` (a layer saved in float32 makes its
-  sublayers in float32, `tfmp._src.float32.loaded_layers`), the ``__init__`` of
-  the exact preprocessing layers (made in float32, `tfmp._src.float32.exact_layers`);
-- model-level hooks, on while a session is open, while an attached model's
-  layer is called or its step traced, and while a layer attached at its first
-  call lives (`tfmp._src.attachment.hooks`): ``Layer.losses``,
-  ``BatchNormalization.call``, Keras's backend ``gelu``/``conv``/``add``... They
-  decide by the model's attachment, so a model traces the same graph inside or
-  outside a scope and after `disable()`.
-
-`disable()` ends the thread's session, restores the previous global policy and
-the TF32 setting, and takes off every class-level hook nothing needs any more.
+While the calling thread has a session (`tfmp._src.policy.session`), every model
+compiled or loaded in it is attached (`tfmp._src.attachment`): float32 forcing, a
+loss-scale optimizer, exact token ids, explained dtype errors, optionally
+`tfmp.check_numerics`. The class-level hooks into Keras are on while some thread has one.
 """
 
 from __future__ import annotations
@@ -70,14 +48,14 @@ from tfmp._src.policy.speedups import checked_speedups, off
 from tfmp._src.float32.registry import targets_from
 
 _session_hooks: List[trainer.Hook] = []
-#: The session hooks that are optional features (`keras_hooks.availability`).
+#: The session hooks besides compile's, each an optional feature (`keras_hooks.availability`).
 _OPTIONAL_SESSION_HOOKS = (
     ("first_step", lambda: trainer.install_make_train_function_hook(
         _warn_if_compiled_before_enable, owner="enable.first_step")),
     ("loaded_layers", lambda: loaded_layers.install()),
     ("exact_layers", lambda: exact_layers.install()),
     ("build_errors", lambda: build_errors.install()),
-)  # compile, first-step and from_config hooks, while a session is open
+)
 
 
 class _SessionsOpen:
@@ -89,12 +67,7 @@ _warned_compiled_before: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def _set_current(state: Optional[Session]) -> None:
-    """Makes `state` this thread's session; installs or removes the class-level hooks.
-
-    The session hooks (``compile``, ``compile_from_config``,
-    ``make_train_function``, ``from_config``, the exact layers' ``__init__``) are
-    on while a thread has a session; the model-level hooks (`tfmp._src.attachment.hooks`) also while an
-    attached model computes.
+    """Makes `state` this thread's session; installs the session hooks for the first, removes them after the last.
 
     Raises:
         Whatever installing a hook raises; this thread's session is then as before.
@@ -102,37 +75,33 @@ def _set_current(state: Optional[Session]) -> None:
     speed = attachment_hooks.speed_features(state.speedups) if state else frozenset()
     with session.lock:
         before = session.replace(state)
-        if session.any_open() and _session_hooks:
-            try:
-                attachment_hooks.hold(speed)  # back on if a detach took them off
-            except BaseException:
-                session.replace(before)
-                raise
-        elif session.any_open():
-            try:
+        if not session.any_open():
+            while _session_hooks:
+                _session_hooks[-1].remove()  # kept in the list if removing raises
+                _session_hooks.pop()
+            fit_lifecycle.not_needed_by(_SESSIONS_OPEN)
+            _release_unused_hooks()
+            return
+        try:
+            installed = []
+            if not _session_hooks:
                 installed = surfaces.all_or_none([
                     lambda: trainer.install_compile_hook(
                         _compile_with_tfmp, keep_saved=is_enabled, on_load=_attach_loaded),
                 ])
                 for feature, install in _OPTIONAL_SESSION_HOOKS:  # each off alone where Keras moved it
                     installed += surfaces.optional(feature, install)
-                try:
-                    attachment_hooks.hold(speed)
-                    fit_lifecycle.needs(_SESSIONS_OPEN)  # the error out of fit reaches monitors
-                except BaseException:
-                    for hook in reversed(installed):
-                        hook.remove()
-                    raise
-                _session_hooks.extend(installed)
+            try:
+                attachment_hooks.hold(speed)  # back on if a detach took them off
+                fit_lifecycle.needs(_SESSIONS_OPEN)  # the error out of fit reaches monitors
             except BaseException:
-                session.replace(before)
+                for hook in reversed(installed):
+                    hook.remove()
                 raise
-        elif not session.any_open():
-            while _session_hooks:
-                _session_hooks[-1].remove()  # kept in the list if removing raises
-                _session_hooks.pop()
-            fit_lifecycle.not_needed_by(_SESSIONS_OPEN)
-            _release_unused_hooks()
+            _session_hooks.extend(installed)
+        except BaseException:
+            session.replace(before)
+            raise
 
 
 def _release_unused_hooks() -> None:
@@ -168,19 +137,16 @@ def enable(
     """Sets the Keras global dtype policy and makes every model compiled use tfmp.
 
     Call it before building the model: layers take the global policy when they are
-    created. Calling it again with the same policy changes nothing but the
-    options; with another policy it replaces the first, with a `UserWarning`
-    naming both (models compiled before keep theirs): call `tfmp.disable()`
-    first to switch on purpose, or use `tfmp.policy_scope` for a block. The
-    policy restored by `disable()` stays the one in force before the first
-    call. Like Keras's global policy, it applies to the calling thread.
+    created. Like Keras's global policy, it applies to the calling thread. Called
+    again with the same policy it changes only the options; another policy replaces
+    the first, with a `UserWarning` (models compiled before keep theirs), and
+    `disable()` still restores the policy in force before the first call.
 
     Models compiled while enabled get float32 forcing; a `tfmp.LossScaleOptimizer`
     when they compute in float16 or bfloat16, or under float32 when `debug` or
-    `loss_scale_options` ask for one (otherwise a float32 model keeps the
-    optimizer it was given); and, with `debug`, `tfmp.check_numerics`. A model
-    loaded with `keras.models.load_model` comes back exactly as saved. Training a
-    model compiled before `enable()` warns at its first step.
+    `loss_scale_options` ask for one; and, with `debug`, `tfmp.check_numerics`. A
+    model loaded with `keras.models.load_model` comes back exactly as saved.
+    Training a model compiled before `enable()` warns at its first step.
 
     Args:
         policy: String or `keras.DTypePolicy`. ``"auto"`` (default) picks by
@@ -191,18 +157,15 @@ def enable(
             tfmp's defaults (outputs, softmax, normalization).
         exclude_float32: Same form: layers tfmp must not force.
         loss_scale_options: Dict or None. Keyword arguments for
-            `tfmp.LossScaleOptimizer` (e.g. ``{"initial_scale": 2.0**15}``).
-            Its ``guard`` says what a step is checked for before it is applied:
-            by default every gradient under float16 (loss scaling needs it)
-            and, otherwise, the batch, the loss and every gradient
-            (``"batch"``); ``{"guard": "loss"}`` checks the loss alone, so no
-            update waits for the backward pass.
+            `tfmp.LossScaleOptimizer` (e.g. ``{"initial_scale": 2.0**15}``). Its
+            ``guard`` (what a step is checked for before it is applied) defaults
+            to every gradient under float16 and to ``"batch"`` (batch, loss and
+            gradients) otherwise; ``"loss"`` checks the loss alone.
         allow_pure_16bit: Bool. Accept ``"float16"``/``"bfloat16"`` policies, which
             keep no float32 master weights. Default False.
         tf32: Bool or None. Switch TF32 matmuls on GPUs of compute capability
             >= 8.0 on or off; None leaves TensorFlow's setting (on by default).
-            TensorFlow's setting is process-wide: it applies to every thread
-            until `disable()` (or the scope's exit) puts it back.
+            The setting is process-wide until `disable()` puts it back.
         debug: Bool or dict. True instruments every model compiled while enabled
             with `tfmp.check_numerics` (first non-finite layer raises
             `tfmp.NonFiniteError`); a dict gives its keyword options, e.g.
@@ -212,21 +175,16 @@ def enable(
         device_facts: `tfmp.DeviceFacts` or None. Device facts to decide "auto"
             for; None reads this machine's.
         speedups: Bool or dict of feature name -> bool. tfmp's speed features
-            for the models compiled from now on (``"fused_batchnorm"``,
-            ``"gelu"``, ``"conv"``, ``"remapper"``, ``"fused_update"``; see
-            `tfmp._src.policy.speedups.FEATURES`): True (default) where measured
-            (CPUs; a machine with a GPU or TPU keeps Keras's paths), False none,
-            a dict turns the named ones on or off. Each model keeps what it was
-            compiled or loaded with (`tfmp.attachment(model).speedups`; a
-            file does not keep it); call `enable` again with other speedups
-            before compiling another model.
-        verbose: Bool. True (default): each ``compile`` of a model prints one
-            line to stdout saying what tfmp did, read from its
-            `tfmp.attachment`: the policy, the layers forced to float32 and
-            why, the optimizer wrapped (and how it scales the loss) or left
-            alone. Printed once per compile, never by ``fit``; compiling the
-            same model again prints only when the line changed. False prints
-            nothing.
+            (``"fused_batchnorm"``, ``"gelu"``, ``"conv"``, ``"remapper"``,
+            ``"fused_update"``) for the models compiled from now on: True
+            (default) on CPUs, where they were measured (a GPU or TPU keeps
+            Keras's paths), False none; a dict turns the named ones on or off.
+            Each model keeps what it was compiled or loaded with
+            (`tfmp.attachment(model).speedups`; a saved file does not keep it).
+        verbose: Bool. True (default): each ``compile`` prints one line to stdout
+            saying what tfmp did (the policy, the layers forced to float32 and
+            why, the optimizer wrapped or left alone), again only when it
+            changed; ``fit`` prints nothing. False prints nothing.
 
     Returns:
         `PolicyDecision`: `.policy` (Keras policy name) and `.reason`.
@@ -256,30 +214,16 @@ def enable(
             or `exclude_float32` target matches no layer of the model compiled
             (once per model and target; see `tfmp.force_float32`).
     """
-    return _start(
-        policy, say_replaced=True, keep_float32=keep_float32, exclude_float32=exclude_float32,
-        loss_scale_options=loss_scale_options, allow_pure_16bit=allow_pure_16bit, tf32=tf32,
-        debug=debug, device_facts=device_facts, speedups=speedups, verbose=verbose,
-    )
+    return _start(True, policy, keep_float32, exclude_float32, loss_scale_options, allow_pure_16bit, tf32,
+                  debug, device_facts, speedups, verbose)
 
 
-def _start(
-    policy: Union[str, keras.DTypePolicy],
-    *,
-    say_replaced: bool,
-    keep_float32: Any,
-    exclude_float32: Any,
-    loss_scale_options: Optional[dict],
-    allow_pure_16bit: bool,
-    tf32: Optional[bool],
-    debug: Union[bool, dict],
-    device_facts: Optional[DeviceFacts],
-    speedups: Union[bool, dict],
-    verbose: bool,
-) -> PolicyDecision:
+def _start(say_replaced: bool, policy: Union[str, keras.DTypePolicy], keep_float32: Any, exclude_float32: Any,
+           loss_scale_options: Optional[dict], allow_pure_16bit: bool, tf32: Optional[bool],
+           debug: Union[bool, dict], device_facts: Optional[DeviceFacts], speedups: Union[bool, dict],
+           verbose: bool) -> PolicyDecision:
     """`enable()` itself; `say_replaced` is False for `policy_scope`, which nests by design."""
-    # Every argument is checked before any state changes: a bad call leaves
-    # tfmp (and Keras) exactly as they were.
+    # Every argument is checked before any state changes.
     check_bool("tf32", tf32, allow_none=True)
     check_bool("verbose", verbose)
     keep_float32 = targets_from("keep_float32", keep_float32)
@@ -326,15 +270,11 @@ def _warn_replaced(state: Session, decision: PolicyDecision) -> None:
 def disable() -> None:
     """Ends this thread's session: restores the policy in force before `enable()`.
 
-    Models tfmp attached keep what it decided for them (`tfmp.attachment`):
-    their layers' policies, their optimizer, the fused BatchNormalization kernel,
-    float32 loss terms, exact token ids; `tfmp.detach(model)` takes those off one
-    model. Models compiled from now on in this thread are plain Keras. The
-    session hooks into Keras come off when no live thread is enabled any more (a
-    thread that ended without `disable()` counts as disabled), and so do the
-    model-level hooks, which an attached model puts back only while its layers
-    compute (`tfmp._src.attachment.hooks`); a model tfmp did not attach then runs
-    no tfmp code.
+    Models tfmp attached keep what it decided for them (`tfmp.attachment`);
+    `tfmp.detach(model)` takes that off one model. Models compiled from now on in
+    this thread are plain Keras. tfmp's hooks into Keras come off once no live
+    thread is enabled (an attached model puts its own back while it computes), so
+    a model tfmp did not attach then runs no tfmp code.
     """
     state = session.current()
     _set_current(None)  # also forgets threads that ended while enabled
@@ -352,16 +292,16 @@ def policy_scope(
 ) -> Iterator[PolicyDecision]:
     """Context-manager form of `enable()`; restores the previous state on exit.
 
+    The previous global policy (and any enclosing `enable()` with its options) is
+    back on exit, also when the block raises; a scope inside `enable()` with
+    another policy does not warn.
+
     Args:
         policy: As for `enable()`.
         **options: Keyword options of `enable()`.
 
     Yields:
         `PolicyDecision` in force inside the block.
-
-    The previous global policy (and any enclosing `enable()` with its options) is
-    back on exit, also when the block raises. A scope inside `enable()` with
-    another policy does not warn: it replaces nothing for good.
 
     Raises:
         TypeError: on entering the block, an option `enable()` does not take
@@ -375,7 +315,7 @@ def policy_scope(
     arguments = inspect.signature(enable).bind(policy, **options)  # TypeError for an unknown option
     arguments.apply_defaults()
     try:
-        yield _start(say_replaced=False, **arguments.arguments)
+        yield _start(False, **arguments.arguments)
     finally:
         _set_current(saved_state)
         tf.config.experimental.enable_tensor_float_32_execution(saved_tf32)
@@ -429,12 +369,6 @@ def _warn_if_compiled_before_enable(model: keras.Model) -> None:
     )
 
 
-def _wants_optimizer_wrapper(model: keras.Model, state: Session) -> bool:
-    """Under float32 the optimizer stays the user's unless debug or options ask."""
-    compute = model.dtype_policy.compute_dtype
-    return compute in ("float16", "bfloat16") or bool(state.debug) or bool(state.loss_scale_options)
-
-
 def _fix_and_attach(model: keras.Model, state: Session, attached_by: str) -> Attachment:
     """Exact token ids and dtype-error explanations, then the model's `Attachment`."""
     keep_exact_ids(model)
@@ -455,12 +389,7 @@ def _fix_and_attach(model: keras.Model, state: Session, attached_by: str) -> Att
 
 
 def _attach_loaded(model: keras.Model, loss: Any = None) -> None:
-    """While enabled, puts tfmp's per-model changes back on a model Keras is loading.
-
-    Saving keeps the layers' policies, not tfmp's hooks: float32 forcing's
-    cast-backs, exact token ids and dtype-error explanations are put back, and the
-    model is attached as saved (its optimizer stays the saved one).
-    """
+    """While enabled, puts tfmp's per-model changes (not kept by saving) back on a model Keras loads, as saved."""
     state = session.current()
     if state is not None:
         force_loaded(model, keep=state.keep_float32, exclude=state.exclude_float32, loss=loss)
@@ -491,21 +420,7 @@ def _warn_loaded_under_another_policy(model: keras.Model, saved: str, policy: st
 
 
 def _compile_with_tfmp(compile: Callable, model: keras.Model, args: tuple, kwargs: dict) -> Any:
-    """tfmp's compile handler: force float32 where needed, wrap the optimizer, attach.
-
-    Also keeps float token ids exact for Embeddings under 16-bit custom code
-    (`tfmp._src.float32.token_ids`) and, for a 16-bit model, hooks its ``build``
-    and ``call`` to explain dtype mismatches (`tfmp._src.float32.dtype_errors`).
-
-    Optimizers a custom ``compile`` stores in other attributes of the model are
-    wrapped too (`tfmp._src.loss_scale.custom_optimizers`).
-
-    Under a multi-replica `tf.distribute` strategy an explicit ``jit_compile=True``
-    is turned off with a warning (see `tfmp._src.distribute`), and so is one on
-    the CPU for 16-bit bilinear ``UpSampling2D`` layers XLA cannot train
-    (`tfmp._src.float32.xla_bilinear`). A float16 model's ``quantize`` names the
-    float32-copy route when Keras refuses int8 (`tfmp._src.deployment.quantize_hint`).
-    """
+    """tfmp's compile handler: force float32 where needed, wrap the optimizer(s), turn off XLA it cannot run, attach."""
     state = session.current()
     if state is None:
         return compile(model, *args, **kwargs)
@@ -515,10 +430,9 @@ def _compile_with_tfmp(compile: Callable, model: keras.Model, args: tuple, kwarg
     loss = args[0] if args else kwargs.get("loss")
     force_compiled(model, keep=state.keep_float32, exclude=state.exclude_float32, loss=loss)
     wrap_options = None
-    if _wants_optimizer_wrapper(model, state):
-        wrap_options = state.loss_scale_options
-        if state.debug:
-            wrap_options = {"guard": "gradients", **wrap_options}
+    # Under float32 the optimizer stays the user's unless debug or options ask.
+    if model.dtype_policy.compute_dtype in LOW_PRECISION or state.debug or state.loss_scale_options:
+        wrap_options = {"guard": "gradients", **state.loss_scale_options} if state.debug else state.loss_scale_options
     if optimizer is not None and wrap_options is not None:
         optimizer = wrap_optimizer(optimizer, model.dtype_policy.compute_dtype, **wrap_options)
     result = compile(model, optimizer, *args, **kwargs)

@@ -1,8 +1,4 @@
-"""The options of `tfmp.enable()` and `tfmp.policy_scope()`, checked before any state changes.
-
-Every check here raises the project's template error (`tfmp._src.errors`), so a
-bad call leaves tfmp and Keras exactly as they were.
-"""
+"""The options of `tfmp.enable()` and `tfmp.policy_scope()`, checked before any state changes."""
 
 from __future__ import annotations
 
@@ -18,11 +14,9 @@ from tfmp._src.numerics.check import check_numerics, check_options
 def checked_loss_scale_options(options: Optional[dict], compute_dtype: str) -> dict:
     """Validates `loss_scale_options` as `tfmp.LossScaleOptimizer` would, making none.
 
-    Once as for float16 (every bound is checked with loss scaling on; a
-    ``guard="batch"`` or ``"loss"``, valid only without it, is left out there) and
-    once for the policy's `compute_dtype` (either under float16 raises). No
-    variable is made and no op runs: `enable()` may come before a multi-worker
-    strategy, which must configure TensorFlow's runtime first.
+    Checked as for float16 (every bound, with loss scaling on; a ``guard`` valid
+    only without it left out) and for the policy's `compute_dtype`. No op runs:
+    `enable()` may come before a multi-worker strategy configures TensorFlow.
 
     Raises:
         ValueError: (template) not a dict or None, an unknown key, or a value
@@ -46,11 +40,9 @@ def checked_loss_scale_options(options: Optional[dict], compute_dtype: str) -> d
 
 
 def check_debug(debug: Union[bool, dict]) -> None:
-    """Validates the `debug` option of `enable()` as `tfmp.check_numerics` checks its own.
+    """Validates the `debug` option of `enable()` now, as `tfmp.check_numerics` checks its own.
 
-    Every value is checked here, not when a model is compiled: the action, the
-    phase, the form of ``layers`` (which layer names exist is checked at compile,
-    against the model) and ``trace_length``.
+    Which ``layers`` exist is checked at compile, against the model.
 
     Raises:
         ValueError: (template) not a bool or dict, an unknown key, or a value

@@ -1,17 +1,9 @@
 """The fused float16 matmul trap on CPUs: decided from the CPU's facts, and the remapper switch.
 
-Grappler's remapper fuses a MatMul, its bias add and an activation into one kernel. Where
-TensorFlow's oneDNN takes float16 (`DeviceFacts.onednn_float16`: AVX512_FP16 or
-AMX-FP16, e.g. Intel Sapphire Rapids) the fused float16 kernel is far slower than the
-same ops unfused, while the remapper speeds float32 and bfloat16 up; so the switch is
-per model, never global. `remapper_trap`, asked when `tfmp._src.attachment.attach`
-attaches a model (``Attachment.remapper``): a float16 model on such a CPU without GPUs
-runs its train, test and predict functions inside `remapper_off`
-(`tfmp._src.keras_hooks.step_scope`; `tfmp.step_scope` in a custom loop), which runs the
-calling thread's tf.function calls without the remapper. Decided from the CPU's flags
-and oneDNN's setting, never a timing. `measure` times both for benchmarks and advice;
-`warning_clause` extends the float16-on-CPU `tfmp.PerformanceWarning`. Measurements:
-docs/guides/speed.md, "float16 on a CPU".
+Where TensorFlow's oneDNN takes float16 (`DeviceFacts.onednn_float16`), Grappler's
+remapper fuses a float16 MatMul and bias add into a kernel far slower than the ops
+unfused, while it speeds float32 and bfloat16 up; so a float16 model there steps
+inside `remapper_off`, per model. Measurements: docs/guides/speed.md, "float16 on a CPU".
 """
 
 from __future__ import annotations
@@ -28,12 +20,7 @@ from tfmp._src.policy.speed_probe import time_step, train_step
 
 #: The fused step counts as the slow one above this on/off time ratio.
 SLOW_RATIO = 3.0
-#: The probe's batch and width: 64x256 @ 256x256, about 17 MFLOP a step (the
-#: forward matmul and the kernel gradient): 2-3 ms on an AMD EPYC Zen 3 without
-#: AVX-512 (float16 through Eigen, nothing fused), about 0.15 ms at the float32
-#: speed issue 29's CPU reaches unfused, and about 60 ms at the 0.28 GFLOP/s of its
-#: fused kernel (17,027 ms for a 4.8 GFLOP step): two fused calls stay well under
-#: a second there.
+#: The probe's batch and width: small enough that even the slow fused kernel runs in well under a second.
 BATCH, UNITS = 64, 256
 #: Seconds of timed calls after the first (tracing) call of each variant.
 BUDGET_S = 0.5
@@ -43,16 +30,10 @@ REPEATS = 15
 
 @dataclasses.dataclass(frozen=True)
 class FusionProbe:
-    """One measurement of the float16 Dense step with Grappler's remapper on and off.
+    """Milliseconds of the float16 Dense step with Grappler's remapper on (`fused_ms`) and off.
 
-    Attributes:
-        fused_ms: Float. Milliseconds of one step with the remapper on (the
-            float16 MatMul, bias add and ReLU fused where TensorFlow fuses them);
-            NaN when the step could not run.
-        unfused_ms: Float. Milliseconds of the same step with the remapper off.
-        slow: Bool. True when the fused step is the slow one
-            (``fused_ms / unfused_ms > SLOW_RATIO``).
-        source: String. ``"measured"`` or ``"failed: <error>"``.
+    Times are NaN when the step could not run (`source` ``"failed: <error>"``, else
+    ``"measured"``); `slow` is ``fused_ms / unfused_ms > SLOW_RATIO``.
     """
 
     fused_ms: float
@@ -79,21 +60,12 @@ class FusionProbe:
 
 
 def measure(budget_s: float = BUDGET_S, repeats: int = REPEATS) -> FusionProbe:
-    """Times the probe step with the remapper on and off, now (not cached).
+    """Times the probe step with the remapper on and off, now (not cached), for benchmarks and advice.
 
-    Each variant is a `tf.function` of its own, called once first (tracing and
-    Grappler), then the two are timed alternately, up to `repeats` calls each,
-    stopping once `budget_s` seconds of timed calls have passed (at least one
-    call each); the minimum of each is kept.
-
-    Args:
-        budget_s: Float. Seconds of timed calls, after the first ones.
-        repeats: Int. Timed calls of each variant at most.
-
-    Returns:
-        `FusionProbe` with ``source="measured"``, or ``"failed: ..."`` (NaN
-        times, ``slow=False``) when TensorFlow cannot run the step here or it
-        is called while a function is traced.
+    Each variant is called once untimed, then the two are timed alternately, up to
+    `repeats` calls each or until `budget_s` seconds have passed; the minimum of each
+    is kept. The result's source is ``"failed: ..."`` (NaN times, ``slow=False``)
+    when TensorFlow cannot run the step here or it is called while tracing.
     """
     import tensorflow as tf
 
@@ -101,16 +73,16 @@ def measure(budget_s: float = BUDGET_S, repeats: int = REPEATS) -> FusionProbe:
         return FusionProbe(math.nan, math.nan, False, "failed: called while tracing")
     with tf.device("/CPU:0"):
         try:
-            fused, unfused = train_step("float16"), train_step("float16")
-            args = _probe_inputs()
-            for name, step in (("fused", fused), ("unfused", unfused)):
-                _timed(step, args, name)  # tracing and Grappler: not timed
+            steps = {"fused": train_step("float16"), "unfused": train_step("float16")}
+            args = (tf.random.stateless_normal((BATCH, UNITS), seed=(29, 1), dtype=tf.float16),
+                    tf.random.stateless_normal((UNITS, UNITS), seed=(29, 2), stddev=0.05), tf.zeros((UNITS,)))
+            for name in steps:
+                _timed(steps[name], args, name)  # tracing and Grappler: not timed
             times = {"fused": [], "unfused": []}
             start = time.perf_counter()
             for index in range(max(1, repeats)):
-                order = ("fused", "unfused") if index % 2 == 0 else ("unfused", "fused")
-                for name in order:
-                    times[name].append(_timed(fused if name == "fused" else unfused, args, name))
+                for name in ("fused", "unfused") if index % 2 == 0 else ("unfused", "fused"):
+                    times[name].append(_timed(steps[name], args, name))
                 if time.perf_counter() - start > budget_s:
                     break
         except tf.errors.OpError as error:
@@ -119,20 +91,9 @@ def measure(budget_s: float = BUDGET_S, repeats: int = REPEATS) -> FusionProbe:
     return FusionProbe(fused_ms, unfused_ms, fused_ms > SLOW_RATIO * unfused_ms)
 
 
-def _probe_inputs() -> tuple:
-    """``x`` in float16, float32 master weights: the inputs of `speed_probe.train_step`."""
-    import tensorflow as tf
-
-    x = tf.random.stateless_normal((BATCH, UNITS), seed=(29, 1), dtype=tf.float16)
-    kernel = tf.random.stateless_normal((UNITS, UNITS), seed=(29, 2), stddev=0.05)
-    bias = tf.zeros((UNITS,))
-    return x, kernel, bias
-
-
 def _timed(step: Any, args: tuple, name: str) -> float:
     """Milliseconds of one call of `step` (``"unfused"``: inside `remapper_off`)."""
-    scope = remapper_off() if name == "unfused" else contextlib.nullcontext()
-    with scope:
+    with remapper_off() if name == "unfused" else contextlib.nullcontext():
         return time_step(step, *args)
 
 
@@ -145,9 +106,7 @@ def _remapping_off(config: Any) -> None:
 def remapper_off() -> Iterator[None]:
     """Runs the block's tf.function calls, in this thread only, without Grappler's remapper.
 
-    The rest of the thread's Grappler config stays as it is. A function called
-    inside and outside the block is instantiated once for each config, so a
-    model scoped this way and another one not scoped do not affect each other.
+    A function called inside and outside the block is instantiated once for each config.
     """
     with function_call_config(_remapping_off):
         yield
@@ -161,16 +120,9 @@ TRAP = ("TensorFlow's oneDNN takes float16 on this CPU ({flags}), where Grappler
 
 
 def remapper_trap(compute_dtype: str, facts: Optional[DeviceFacts] = None) -> Optional[str]:
-    """Why a model computing in `compute_dtype` runs without the remapper here, or None.
+    """`TRAP` for a float16 model on a CPU without GPU or TPU where `DeviceFacts.onednn_float16` holds, else None.
 
-    Args:
-        compute_dtype: String. The model's compute dtype; only ``"float16"`` can.
-        facts: `DeviceFacts` or None (this machine's, `detect_device_facts`).
-            With a GPU or TPU the steps do not run on the CPU: None.
-
-    Returns:
-        `TRAP` with the CPU's float16 flags, where `DeviceFacts.onednn_float16`
-        holds; else None.
+    `facts` None reads this machine's.
     """
     if compute_dtype != "float16":
         return None
@@ -182,17 +134,7 @@ def remapper_trap(compute_dtype: str, facts: Optional[DeviceFacts] = None) -> Op
 
 
 def warning_clause(compute_dtype: str, facts: DeviceFacts) -> Optional[str]:
-    """What the float16-on-CPU `tfmp.PerformanceWarning` adds where the trap is, or None.
-
-    Args:
-        compute_dtype: String. The policy's compute dtype.
-        facts: `DeviceFacts` the policy is checked for.
-
-    Returns:
-        String naming the trap, the path tfmp takes (with its measured cost), what a
-        custom loop does to take it too, and the float16 convolutions; or None where
-        `remapper_trap` finds no trap.
-    """
+    """What the float16-on-CPU `tfmp.PerformanceWarning` adds where `remapper_trap` finds the trap, or None."""
     trap = remapper_trap(compute_dtype, facts)
     if trap is None:
         return None

@@ -1,13 +1,8 @@
 """Device facts that the automatic policy choice rests on.
 
-Facts come from TensorFlow (`tf.config.list_physical_devices`,
-`tf.config.experimental.get_device_details` for a GPU's compute capability) and,
-for the CPU, from archspec (the CPU detection of the Spack package manager:
-https://github.com/archspec/archspec), which reads ``/proc/cpuinfo`` on Linux
-(x86 ``flags``, Arm ``Features``), ``sysctl`` on macOS and the CPUID instruction
-on Windows. Detection runs once per process (cached); tests and advisors pass
-a `DeviceFacts` instead, or make one this machine's inside `injected_facts`, so
-every rule, and every per-model decision that rests on one, runs on any machine.
+GPUs and TPUs come from TensorFlow, the CPU from archspec (https://github.com/archspec/archspec),
+read once per process. Tests and advisors pass a `DeviceFacts` instead, or make one this
+machine's inside `injected_facts`, so every rule runs on any machine.
 """
 
 from __future__ import annotations
@@ -23,69 +18,18 @@ from typing import Any, Iterator, List, Optional, Tuple
 from tfmp._src.errors import invalid_argument
 from tfmp._src.report_fields import BOOL, COUNT, STRING, Kind, check_fields, instance_of, optional, tuple_of
 
-# CPU feature flags (as Linux spells them in /proc/cpuinfo, and archspec on every
-# system) that give hardware bfloat16 matrix arithmetic:
-# - avx512_bf16: AVX512_BF16 (VDPBF16PS; Intel Cooper Lake and Sapphire Rapids+,
-#   AMD Zen 4+). Source: Intel Architecture Instruction Set Extensions reference.
-# - amx_bf16: AMX-BF16 tile matmuls (TDPBF16PS; Intel Sapphire Rapids+). Same source.
-# - bf16: Arm FEAT_BF16 (BFDOT, BFMMLA; Armv8.6-A, optional from Armv8.2-A: Neoverse
-#   V1 in AWS Graviton3, Neoverse V2 in Graviton4 and NVIDIA Grace, Neoverse N2).
-#   Source: Arm Architecture Reference Manual; Linux's arm64 cpu-feature-registers
-#   documentation (HWCAP2_BF16, shown as "bf16").
-# oneDNN uses all three for its bfloat16 kernels (oneDNN "Data types" documentation;
-# on Arm through the Arm Compute Library).
+#: CPU flags (as Linux's /proc/cpuinfo and archspec spell them) of hardware bfloat16 matmuls,
+#: which oneDNN's bfloat16 kernels use: AVX512_BF16, AMX-BF16 (Intel Architecture Instruction
+#: Set Extensions reference) and Arm FEAT_BF16 (Arm Architecture Reference Manual; HWCAP2_BF16).
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 #: The environment variable TensorFlow reads to turn its oneDNN CPU kernels on or off.
 ONEDNN_ENV = "TF_ENABLE_ONEDNN_OPTS"
-#: CPU flags with which TensorFlow's oneDNN kernels take float16 (x86): AVX512BW with
-#: AVX512_FP16 or AMX-FP16, or AVX-NE-CONVERT alone. Source: TensorFlow 2.21
-#: ``tensorflow/core/util/util.cc``, ``IsDataTypeSupportedByOneDNNOnThisCPU(DT_HALF)``.
-#: Elsewhere float16 runs on Eigen's kernels, and Grappler fuses no float16 matmul.
+#: CPU flags with which TensorFlow's oneDNN kernels take float16 (x86; TensorFlow 2.21
+#: ``tensorflow/core/util/util.cc``, ``IsDataTypeSupportedByOneDNNOnThisCPU(DT_HALF)``).
 ONEDNN_FLOAT16_FLAGS = ("avx512_fp16", "amx_fp16", "avx_ne_convert")
-
-
-#: x86 CPU flags with which TensorFlow turns oneDNN on by default on Linux: AVX512_VNNI,
-#: AVX512_BF16, AVX_VNNI or AMX (Intel Cascade Lake, Cooper Lake, Alder Lake,
-#: Sapphire Rapids and later, AMD Zen 4 and later). Without one (AMD Zen 3, Intel
-#: Skylake) TensorFlow runs Eigen's kernels. Source: TensorFlow 2.21
-#: ``tensorflow/core/util/port.cc``, ``DefaultOneDnnPolicy``.
+#: x86 CPU flags with which TensorFlow turns oneDNN on by default on Linux (TensorFlow 2.21
+#: ``tensorflow/core/util/port.cc``, ``DefaultOneDnnPolicy``).
 ONEDNN_DEFAULT_FLAGS = ("avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
-
-
-def onednn_enabled(system: str, env_value: Optional[str], x86: bool, cpu_target: str,
-                   cpu_flags: frozenset) -> bool:
-    """Whether TensorFlow runs its oneDNN CPU kernels, hence hardware bfloat16 matmuls.
-
-    TensorFlow 2.21's rule (``tensorflow/core/util/port.cc``, ``IsMklEnabled`` and
-    ``DefaultOneDnnPolicy``): ``TF_ENABLE_ONEDNN_OPTS`` decides when it is
-    ``0``/``false``/``1``/``true`` (any case); otherwise oneDNN is on by default on
-    Windows x86, and on Linux for x86 CPUs with one of `ONEDNN_DEFAULT_FLAGS`
-    (every x86 CPU with a bfloat16 flag has one of them) and for Arm Neoverse V1
-    only; off elsewhere (macOS, other Arm CPUs on Linux, x86 CPUs without those
-    flags). Without oneDNN, bfloat16 runs on Eigen's kernels, which convert to
-    float32 and back. `tests/test_hardware.py` checks this rule against
-    TensorFlow's own answer on the machine the tests run on.
-
-    Args:
-        system: String, `platform.system()`: ``"Linux"``, ``"Windows"``, ``"Darwin"``.
-        env_value: String or None. The value of ``TF_ENABLE_ONEDNN_OPTS``.
-        x86: Bool. The CPU is x86 (else Arm).
-        cpu_target: String. archspec's microarchitecture name, e.g. ``"neoverse_v1"``.
-        cpu_flags: Frozenset of lowercase CPU flags as Linux spells them.
-
-    Returns:
-        Bool.
-    """
-    value = (env_value or "").strip().lower()
-    if value in ("1", "true"):
-        return True
-    if value in ("0", "false"):
-        return False
-    if system == "Windows":
-        return x86
-    if system == "Linux":
-        return (x86 and bool(set(ONEDNN_DEFAULT_FLAGS) & cpu_flags)) or cpu_target == "neoverse_v1"
-    return False
 
 
 _CAPABILITY = Kind("None or a tuple (major, minor) of two integers >= 0, e.g. (8, 0)",
@@ -117,9 +61,7 @@ class GpuFacts:
     @property
     def cc_string(self) -> str:
         """String. ``"8.0"``-style compute capability, or ``"unknown"``."""
-        if self.compute_capability is None:
-            return "unknown"
-        return "%d.%d" % self.compute_capability
+        return "unknown" if self.compute_capability is None else "%d.%d" % self.compute_capability
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,16 +110,29 @@ class DeviceFacts:
 
     @property
     def onednn(self) -> bool:
-        """Bool. TensorFlow's oneDNN CPU kernels are on (see `onednn_enabled`)."""
+        """Bool. TensorFlow's oneDNN CPU kernels are on, hence hardware bfloat16 matmuls.
+
+        TensorFlow 2.21's rule (``tensorflow/core/util/port.cc``, ``IsMklEnabled`` and
+        ``DefaultOneDnnPolicy``): ``TF_ENABLE_ONEDNN_OPTS`` decides when it is
+        ``0``/``false``/``1``/``true`` (any case); otherwise oneDNN is on by default on
+        Windows x86, on Linux for x86 CPUs with one of `ONEDNN_DEFAULT_FLAGS` and for
+        Arm Neoverse V1 only.
+        """
+        value = (self.onednn_env or "").strip().lower()
+        if value in ("1", "true", "0", "false"):
+            return value in ("1", "true")
         x86 = bool(set(self.cpu_bf16_flags) - {"bf16"}) or "sse2" in self.cpu_flags
-        return onednn_enabled(self.system, self.onednn_env, x86, self.cpu_target, self.cpu_flags)
+        if self.system == "Windows":
+            return x86
+        if self.system == "Linux":
+            return (x86 and bool(set(ONEDNN_DEFAULT_FLAGS) & self.cpu_flags)) or self.cpu_target == "neoverse_v1"
+        return False
 
     @property
     def onednn_bfloat16(self) -> bool:
         """Bool. TensorFlow's oneDNN kernels take bfloat16 on this CPU: oneDNN on, with
         AVX512F or AVX-NE-CONVERT (TensorFlow 2.21 ``tensorflow/core/util/util.cc``,
-        ``IsDataTypeSupportedByOneDNNOnThisCPU(DT_BFLOAT16)``); elsewhere bfloat16
-        runs on Eigen's kernels. Every CPU with `CPU_BF16_FLAGS` on x86 has AVX512F.
+        ``IsDataTypeSupportedByOneDNNOnThisCPU(DT_BFLOAT16)``).
         """
         return self.onednn and bool({"avx512f", "avx_ne_convert"} & self.cpu_flags)
 
@@ -185,10 +140,8 @@ class DeviceFacts:
     def onednn_float16(self) -> bool:
         """Bool. TensorFlow's oneDNN kernels take float16 on this CPU (`ONEDNN_FLOAT16_FLAGS`).
 
-        True with oneDNN on and AVX512BW plus AVX512_FP16 or AMX-FP16 (Intel
-        Sapphire Rapids and later), or AVX-NE-CONVERT: then Grappler fuses a
-        float16 MatMul with its bias add into oneDNN's fused matmul, a kernel
-        measured 100-500x slower than the same ops unfused on Sapphire Rapids
+        True with oneDNN on and AVX512BW plus AVX512_FP16 or AMX-FP16, or
+        AVX-NE-CONVERT: where Grappler's fused float16 matmul is slow
         (`tfmp._src.policy.float16_fusion`).
         """
         flags = self.cpu_flags
@@ -197,11 +150,9 @@ class DeviceFacts:
 
     @property
     def weakest_gpu(self) -> Optional[GpuFacts]:
-        """`GpuFacts` of the GPU with the lowest compute capability, or None.
+        """`GpuFacts` of the GPU with the lowest compute capability (an unknown one first), or None.
 
-        With mixed GPUs the weakest one sets the pace of synchronous training,
-        so the policy is chosen for it. A GPU whose compute capability is unknown
-        counts as the weakest: nothing can be assumed of it.
+        The weakest GPU sets the pace of synchronous training, so the policy is chosen for it.
         """
         if not self.gpus:
             return None
@@ -214,30 +165,13 @@ class DeviceFacts:
         return gpu.compute_capability if gpu is not None else None
 
 
-def cpu_from_archspec(
-    target: Any, detected: Any = None, brand: Optional[str] = None
-) -> Tuple[str, frozenset]:
-    """Returns (CPU name, feature flags) from archspec's view of a CPU.
+def cpu_from_archspec(target: Any, detected: Any = None, brand: Optional[str] = None) -> Tuple[str, frozenset]:
+    """Returns (CPU name, lowercase feature flags) from archspec's view of a CPU.
 
-    The flags are the union of the named microarchitecture's features and the
-    ones read from the CPU itself: archspec names a CPU after the closest target
-    it knows, whose feature list can lack what this CPU has (archspec 0.2.7 has no
-    Cooper Lake target, so a Cooper Lake CPU, which has AVX512_BF16, is named
-    ``cascadelake``), while the flags read from an Apple CPU are empty and only its
-    target (e.g. ``m2``) lists them.
-
-    Args:
-        target: `archspec.cpu.Microarchitecture`, e.g. ``archspec.cpu.host()`` or
-            ``archspec.cpu.TARGETS["neoverse_v1"]``.
-        detected: `archspec.cpu.Microarchitecture` or None. The partial one
-            holding the flags read from the CPU
-            (``archspec.cpu.detect.detected_info()``).
-        brand: String or None. The CPU's brand string
-            (``archspec.cpu.brand_string()``); None names the CPU by vendor and
-            microarchitecture, e.g. ``"ARM neoverse_v1"``.
-
-    Returns:
-        ``(name, flags)``: string, and frozenset of lowercase flag strings.
+    The flags are the union of the target's and the `detected` ones read from the
+    CPU: a target's list can lack what the CPU has (archspec 0.2.7 names a Cooper
+    Lake ``cascadelake``), while an Apple CPU's read flags are empty. Without
+    `brand` the CPU is named by vendor and microarchitecture.
 
     Example:
         >>> import archspec.cpu
@@ -252,16 +186,6 @@ def cpu_from_archspec(
     return name, frozenset(flag.lower() for flag in flags)
 
 
-def _read_cpu() -> Tuple[str, frozenset]:
-    """(name, flags) of this machine's CPU, detected by archspec."""
-    import archspec.cpu
-    from archspec.cpu import detect
-
-    return cpu_from_archspec(
-        archspec.cpu.host(), detect.detected_info(), archspec.cpu.brand_string()
-    )
-
-
 def _read_gpus() -> Tuple[GpuFacts, ...]:
     import tensorflow as tf
 
@@ -269,12 +193,7 @@ def _read_gpus() -> Tuple[GpuFacts, ...]:
     for device in tf.config.list_physical_devices("GPU"):
         details = tf.config.experimental.get_device_details(device)
         cc = details.get("compute_capability")
-        gpus.append(
-            GpuFacts(
-                name=details.get("device_name", device.name),
-                compute_capability=tuple(cc) if cc else None,
-            )
-        )
+        gpus.append(GpuFacts(details.get("device_name", device.name), tuple(cc) if cc else None))
     return tuple(gpus)
 
 
@@ -283,17 +202,7 @@ _injected_lock = threading.Lock()
 
 
 def detect_device_facts() -> DeviceFacts:
-    """This machine's device facts: the innermost `injected_facts`, else read once per process.
-
-    Every decision tfmp takes from the machine (the "auto" policy, the per-model
-    decisions of `tfmp._src.attachment.attach`) asks here, so a test that makes
-    another machine's facts this machine's runs that machine's branch.
-
-    Returns:
-        `DeviceFacts` of the visible GPUs (with compute capability), TPUs, the
-        CPU's model name, flags and microarchitecture, the operating system and
-        ``TF_ENABLE_ONEDNN_OPTS``.
-    """
+    """This machine's `DeviceFacts`: the innermost `injected_facts`, else read once per process."""
     with _injected_lock:
         if _injected:
             return _injected[-1]
@@ -303,12 +212,6 @@ def detect_device_facts() -> DeviceFacts:
 @contextlib.contextmanager
 def injected_facts(facts: DeviceFacts) -> Iterator[DeviceFacts]:
     """Makes `facts` this machine's inside the block, in every thread (tests; nested blocks allowed).
-
-    Args:
-        facts: `DeviceFacts`, e.g. those of an Intel Sapphire Rapids CPU.
-
-    Yields:
-        `facts`.
 
     Raises:
         ValueError: (template) `facts` is not a `DeviceFacts`.
@@ -331,8 +234,9 @@ def _read_device_facts() -> DeviceFacts:
     import tensorflow as tf
 
     import archspec.cpu
+    from archspec.cpu import detect
 
-    cpu_name, cpu_flags = _read_cpu()
+    cpu_name, cpu_flags = cpu_from_archspec(archspec.cpu.host(), detect.detected_info(), archspec.cpu.brand_string())
     return DeviceFacts(
         gpus=_read_gpus(),
         tpu=bool(tf.config.list_physical_devices("TPU")),

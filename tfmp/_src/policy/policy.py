@@ -1,20 +1,8 @@
 """Choosing a Keras dtype policy: the hardware rules for "auto" and checks of explicit ones.
 
-| hardware                                   | policy           |
-|--------------------------------------------|------------------|
-| TPU                                        | mixed_bfloat16   |
-| NVIDIA GPU, compute capability >= 8.0      | mixed_bfloat16   |
-| NVIDIA GPU, 7.0 <= compute capability < 8  | mixed_float16    |
-| NVIDIA GPU, compute capability < 7.0       | float32          |
-| CPU with AVX512_BF16, AMX-BF16 or Arm BF16 | mixed_bfloat16   |
-| any other CPU                              | float32          |
-
-Sources: NVIDIA's "Train With Mixed Precision" and TensorFlow's mixed-precision guides;
-CPU flags as `tfmp._src.policy.hardware.CPU_BF16_FLAGS` lists them, with oneDNN on.
-Decided from facts that do not move, never a timing: a `SpeedProbe` is quoted in the
-reason (below `MIN_BFLOAT16_FACTOR` with how to pin float32) and never changes the
-policy. float16 is never chosen on a CPU (no fast float16 CPU kernels for training).
-Measurements: docs/guides/policy.md.
+"auto" is decided from device facts that do not move (table and sources:
+docs/guides/policy.md), never from a timing: a `SpeedProbe` is only quoted in
+the reason. float16 is never chosen on a CPU (no fast float16 CPU kernels for training).
 """
 
 from __future__ import annotations
@@ -42,23 +30,17 @@ MIN_BFLOAT16_FACTOR = 0.7
 
 # Common spellings that are not Keras policy names, mapped to the one meant.
 _ALIASES = {
-    "fp16": MIXED_FLOAT16,
-    "half": MIXED_FLOAT16,
-    "mixed_fp16": MIXED_FLOAT16,
-    "amp": MIXED_FLOAT16,
-    "bf16": MIXED_BFLOAT16,
-    "mixed_bf16": MIXED_BFLOAT16,
-    "fp32": FLOAT32,
-    "float": FLOAT32,
-    "single": FLOAT32,
+    **dict.fromkeys(("fp16", "half", "mixed_fp16", "amp"), MIXED_FLOAT16),
+    **dict.fromkeys(("bf16", "mixed_bf16"), MIXED_BFLOAT16),
+    **dict.fromkeys(("fp32", "float", "single"), FLOAT32),
 }
 
 
 class PerformanceWarning(UserWarning):
     """A setting will run slower than it could on this machine.
 
-    Raised as a warning for an explicit policy slower than float32 here, and when
-    tfmp turns off XLA that cannot run with several replicas.
+    Warned for an explicit policy slower than float32 here, and when tfmp turns
+    off XLA that cannot run with several replicas.
     """
 
 
@@ -74,6 +56,10 @@ class PolicyDecision:
             capability 8.0)"``.
         tf32: Bool or None. Whether TF32 matmuls are available (compute
             capability >= 8.0); None where TF32 does not apply (CPU, TPU).
+
+    Raises:
+        ValueError: (template) `policy` is not a policy name tfmp applies,
+            `reason` or `device` not a string, `tf32` neither None nor a bool.
     """
 
     policy: str
@@ -82,12 +68,6 @@ class PolicyDecision:
     tf32: Optional[bool] = None
 
     def __post_init__(self) -> None:
-        """Checks the fields, so that a hand-made decision fails here, not when read.
-
-        Raises:
-            ValueError: (template) `policy` is not a policy name tfmp applies,
-                `reason` or `device` not a string, `tf32` neither None nor a bool.
-        """
         names = (MIXED_FLOAT16, MIXED_BFLOAT16, FLOAT32, *PURE_16BIT)
         if not (isinstance(self.policy, str) and self.policy in names):
             raise invalid_argument("policy", self.policy, "one of " + ", ".join(map(repr, names)),
@@ -120,14 +100,7 @@ class PolicyDecision:
 
 
 def describe_device(facts: DeviceFacts) -> str:
-    """Returns a short name of the device the policy is chosen for.
-
-    Args:
-        facts: `DeviceFacts`.
-
-    Returns:
-        String such as ``"GPU 'Tesla T4' (compute capability 7.5)"``.
-    """
+    """A short name of the device the policy is chosen for, e.g. ``"GPU 'Tesla T4' (compute capability 7.5)"``."""
     if facts.tpu:
         return "TPU"
     gpu = facts.weakest_gpu
@@ -172,20 +145,14 @@ def recommend_policy(
         >>> recommend_policy(cpu, speed_probe=slow).policy  # a timing never decides
         'mixed_bfloat16'
     """
-    facts, probe = _facts_and_probe(device_facts, speed_probe)
-    return _recommend(facts, probe)
+    return _recommend(*_facts_and_probe(device_facts, speed_probe))
 
 
 def _facts_and_probe(
     device_facts: Optional[DeviceFacts],
     speed_probe: Optional[SpeedProbe],
 ) -> Tuple[DeviceFacts, Optional[SpeedProbe]]:
-    """The facts to decide for, and the probe to quote (never measured here).
-
-    Raises:
-        ValueError: (template) `device_facts` is neither None nor a `DeviceFacts`,
-            or `speed_probe` neither None nor a `SpeedProbe`.
-    """
+    """The facts to decide for (this machine's for None), and the probe to quote, both checked."""
     if device_facts is not None and not isinstance(device_facts, DeviceFacts):
         raise invalid_argument(
             "device_facts", device_facts, "None (this machine) or a tfmp.DeviceFacts",
@@ -213,12 +180,8 @@ def _measured(dtype: str, probe: Optional[SpeedProbe]) -> str:
 def _recommend(facts: DeviceFacts, probe: Optional[SpeedProbe]) -> PolicyDecision:
     device = describe_device(facts)
     if facts.tpu:
-        return PolicyDecision(
-            MIXED_BFLOAT16,
-            "TPUs compute matmuls natively in bfloat16, which keeps float32's "
-            "exponent range, so no loss scaling is needed.",
-            device,
-        )
+        return PolicyDecision(MIXED_BFLOAT16, "TPUs compute matmuls natively in bfloat16, which keeps float32's "
+                              "exponent range, so no loss scaling is needed.", device)
     gpu = facts.weakest_gpu
     if gpu is not None:
         return _gpu_decision(gpu.compute_capability, gpu.cc_string, device)
@@ -235,50 +198,25 @@ def _recommend(facts: DeviceFacts, probe: Optional[SpeedProbe]) -> PolicyDecisio
                    "idle machine (tfmp doctor measures with its spread), pin float32 with "
                    "tfmp.enable('float32').")
         return PolicyDecision(
-            MIXED_BFLOAT16,
-            f"The CPU has {flags}, so oneDNN runs bfloat16 matmuls in hardware{measured}.{pin}",
-            device,
-        )
-    return PolicyDecision(
-        FLOAT32,
-        "The CPU has none of AVX512_BF16, AMX-BF16 (x86) or BF16 (Arm), so it has no "
-        f"hardware bfloat16 matmuls and float32 is kept{_measured('bfloat16', probe)}.",
-        device,
-    )
+            MIXED_BFLOAT16, f"The CPU has {flags}, so oneDNN runs bfloat16 matmuls in hardware{measured}.{pin}", device)
+    return PolicyDecision(FLOAT32, "The CPU has none of AVX512_BF16, AMX-BF16 (x86) or BF16 (Arm), so it has no "
+                          f"hardware bfloat16 matmuls and float32 is kept{_measured('bfloat16', probe)}.", device)
 
 
 def _gpu_decision(cc, cc_string: str, device: str) -> PolicyDecision:
-    if cc is not None and cc >= (8, 0):
-        return PolicyDecision(
-            MIXED_BFLOAT16,
-            f"Compute capability {cc_string} >= 8.0 has bfloat16 Tensor Cores; "
-            "bfloat16 keeps float32's exponent range, so no loss scaling is needed.",
-            device,
-            tf32=True,
-        )
-    if cc is not None and cc >= (7, 0):
-        return PolicyDecision(
-            MIXED_FLOAT16,
-            f"Compute capability {cc_string} has float16 Tensor Cores (>= 7.0) but "
-            "no bfloat16 ones (< 8.0), so float16 with dynamic loss scaling is fastest.",
-            device,
-            tf32=False,
-        )
     if cc is None:
-        return PolicyDecision(
-            FLOAT32,
-            "TensorFlow did not report the GPU's compute capability, so it cannot "
-            "be told whether it has Tensor Cores; float32 is the safe choice.",
-            device,
-            tf32=False,
-        )
-    return PolicyDecision(
-        FLOAT32,
-        f"Compute capability {cc_string} < 7.0 has no Tensor Cores, so mixed "
-        "precision would be slower than float32.",
-        device,
-        tf32=False,
-    )
+        policy, reason = FLOAT32, ("TensorFlow did not report the GPU's compute capability, so it cannot "
+                                   "be told whether it has Tensor Cores; float32 is the safe choice.")
+    elif cc >= (8, 0):
+        policy, reason = MIXED_BFLOAT16, (f"Compute capability {cc_string} >= 8.0 has bfloat16 Tensor Cores; "
+                                          "bfloat16 keeps float32's exponent range, so no loss scaling is needed.")
+    elif cc >= (7, 0):
+        policy, reason = MIXED_FLOAT16, (f"Compute capability {cc_string} has float16 Tensor Cores (>= 7.0) but "
+                                         "no bfloat16 ones (< 8.0), so float16 with dynamic loss scaling is fastest.")
+    else:
+        policy, reason = FLOAT32, (f"Compute capability {cc_string} < 7.0 has no Tensor Cores, so mixed "
+                                   "precision would be slower than float32.")
+    return PolicyDecision(policy, reason, device, tf32=policy == MIXED_BFLOAT16)
 
 
 def slower_than_float32(
@@ -288,25 +226,12 @@ def slower_than_float32(
     *,
     float16_slow_path: Optional[str] = None,
 ) -> Optional[str]:
-    """Why `policy` runs slower than float32 on `facts`' hardware, or None.
+    """Why the Keras `policy` runs slower than float32 on `facts`' hardware, or None.
 
-    Args:
-        policy: String. A Keras policy name.
-        facts: `DeviceFacts`.
-        speed_probe: `SpeedProbe` or None. Measured step times of that CPU; its
-            factor is quoted (it decides nothing).
-        float16_slow_path: String or None. A clause naming the kernel path that
-            makes float16 slow on that CPU, when one is known (e.g. a fusion
-            TensorFlow sends to a slow kernel); appended to the float16-on-CPU
-            explanation after a semicolon.
-
-    Returns:
-        String explanation, or None when the policy is not slower. Slower are:
-        float16 on a CPU (always: TensorFlow has no fast float16 CPU kernels for
-        training) or below compute capability 7.0; bfloat16 below compute
-        capability 8.0, on a CPU without bfloat16 flags, or on a CPU with them
-        whose oneDNN is off: by the facts, as "auto" decides. On a CPU the
-        measured factor is quoted when `speed_probe` is given.
+    Slower, by the facts as "auto" decides: float16 on any CPU or below compute
+    capability 7.0; bfloat16 below 8.0, or on a CPU without bfloat16 flags or
+    oneDNN. `speed_probe`'s factor is quoted, deciding nothing; `float16_slow_path`
+    is a clause appended to the float16-on-CPU explanation.
     """
     compute = keras.DTypePolicy(policy).compute_dtype
     if compute == "float32" or facts.tpu:
@@ -366,19 +291,7 @@ def resolve_policy(
     device_facts: Optional[DeviceFacts] = None,
     speed_probe: Optional[SpeedProbe] = None,
 ) -> PolicyDecision:
-    """Validates a requested policy and returns the decision to apply.
-
-    Args:
-        policy: String (``"auto"``, ``"mixed_float16"``, ``"mixed_bfloat16"``,
-            ``"float32"``) or a `keras.DTypePolicy` with one of those names.
-        allow_pure_16bit: Bool. Accept ``"float16"``/``"bfloat16"`` (16-bit
-            variables, so no float32 master weights). Default False.
-        device_facts: `DeviceFacts` or None (this machine).
-        speed_probe: `SpeedProbe` or None, as `recommend_policy` takes it (quoted,
-            never measured here).
-
-    Returns:
-        `PolicyDecision`.
+    """Validates a requested policy (as `tfmp.enable` takes it) and returns the decision to apply.
 
     Raises:
         ValueError: (template) unknown policy name or type, a pure 16-bit policy

@@ -1,10 +1,4 @@
-"""One process's results of a per-dtype hardware probe, measured once, injectable by tests.
-
-`tfmp._src.float32.gelu` (a timing) and `tfmp._src.float32.bias_gradient` (a
-known-answer check) keep their results here: the first call per dtype measures,
-later calls return the same object; a test makes `get` return a given result
-inside `injected` (nested blocks allowed, the innermost wins).
-"""
+"""One process's results of a per-dtype hardware probe, measured once, injectable by tests (`float32.bias_gradient`)."""
 
 from __future__ import annotations
 
@@ -14,50 +8,27 @@ from typing import Any, Callable, Dict, Iterator, List, Sequence
 
 
 class ProbeCache:
-    """Probe results by dtype: measured ones kept for the process, injected ones on top.
-
-    Attributes:
-        cache: Dict, dtype string -> the result measured in this process (tests
-            save and restore it).
-    """
+    """Probe results by dtype: measured ones kept in `cache` (tests save and restore it), injected ones on top."""
 
     def __init__(self) -> None:
         self.cache: Dict[str, Any] = {}
         self._injected: List[Any] = []
         self._mutex = threading.RLock()
 
-    def get(self, dtype: str, measure: Callable[[str], Any], keep: Callable[[Any], bool] = lambda found: True) -> Any:
-        """The injected result for `dtype` (its ``.dtype``), else the kept one, else ``measure(dtype)``.
-
-        Args:
-            dtype: String. ``"bfloat16"`` or ``"float16"``.
-            measure: Callable ``dtype -> result``, run under the lock (one measurement at a time).
-            keep: Callable ``result -> bool``: whether a fresh measurement is kept
-                (False for one that must be taken again, e.g. asked while tracing).
-        """
+    def get(self, dtype: str, measure: Callable[[str], Any]) -> Any:
+        """The injected result for `dtype` (its ``.dtype``), else the kept one, else ``measure(dtype)``, kept."""
         with self._mutex:
             for result in reversed(self._injected):
                 if result.dtype == dtype:
                     return result
             if dtype in self.cache:
                 return self.cache[dtype]
-            found = measure(dtype)
-            if keep(found):
-                self.cache[dtype] = found
-            return found
-
-    def clear(self) -> None:
-        """Forgets the measured results; the next `get` of each dtype measures again."""
-        with self._mutex:
-            self.cache.clear()
+            self.cache[dtype] = measure(dtype)
+            return self.cache[dtype]
 
     @contextlib.contextmanager
     def injected(self, results: Sequence[Any]) -> Iterator[List[Any]]:
-        """Makes `get` return `results` (one per ``.dtype``) inside the block.
-
-        Yields:
-            List of `results`.
-        """
+        """Makes `get` return `results` (one per ``.dtype``) inside the block; yields them as a list."""
         results = list(results)
         with self._mutex:
             self._injected.extend(results)

@@ -1,15 +1,9 @@
 """tfmp's session: what `tfmp.enable()` decided for the calling thread.
 
-A `Session` is made by `tfmp.enable()` (or `tfmp.policy_scope()`) and ended by
-`tfmp.disable()` (or the scope's exit). Keras keeps its global dtype policy per
-thread, so sessions are per thread too: `current` answers for the calling thread
-only. The session is read when a decision is *made*: when a model is compiled or
-loaded (it is then attached, `tfmp._src.attachment`), or when a layer of a model
-never compiled under tfmp is first called. It is never read to decide what a step
-traces for an attached model.
-
-The class-level hooks the sessions need are installed by `tfmp._src.policy.enable`
-while `any_open`; this module holds only the per-thread state.
+Keras keeps its global dtype policy per thread, so sessions are per thread too. A
+session is read when a decision is made (a model compiled, loaded, or first called),
+never to decide what a step traces for an attached model. The class-level hooks the
+sessions need are installed by `tfmp._src.policy.enable` while `any_open`.
 """
 
 from __future__ import annotations
@@ -25,20 +19,11 @@ from tfmp._src.policy.policy import PolicyDecision
 
 @dataclasses.dataclass
 class Session:
-    """What `tfmp.enable()` set in one thread, and what `tfmp.disable()` puts back.
+    """What `tfmp.enable()` set in one thread (its checked arguments), and what `tfmp.disable()` puts back.
 
-    Attributes:
-        decision: `PolicyDecision` in force.
-        previous_policy: `keras.DTypePolicy` in force before the first `enable()`.
-        previous_tf32: Bool or None. TensorFlow's TF32 setting before `enable(tf32=...)`
-            changed it (TF32 is process-wide in TensorFlow); None: left alone.
-        keep_float32: Sequence of layer classes or path patterns forced besides the defaults.
-        exclude_float32: Sequence of layer classes or path patterns never forced.
-        loss_scale_options: Dict of `tfmp.LossScaleOptimizer` arguments.
-        debug: Bool or dict of `tfmp.check_numerics` options.
-        speedups: Dict, speed feature -> wanted (`tfmp._src.policy.speedups`).
-        verbose: Bool. Each compile prints what tfmp did
-            (`tfmp._src.attachment.compile_line`).
+    `previous_policy` is the `keras.DTypePolicy` in force before the first `enable()`;
+    `previous_tf32` TensorFlow's process-wide TF32 setting before `enable(tf32=...)`
+    changed it, None when left alone.
     """
 
     decision: PolicyDecision
@@ -67,10 +52,7 @@ def current() -> Optional[Session]:
 
 
 def replace(session: Optional[Session]) -> Optional[Session]:
-    """Makes `session` the calling thread's (None ends it); returns the one it replaced.
-
-    Also forgets the sessions of threads that ended without `tfmp.disable()`.
-    """
+    """Makes `session` the calling thread's (None ends it), forgetting ended threads'; returns the one replaced."""
     with lock:
         alive = set(threading.enumerate())
         for ident in [i for i, (thread, _) in _sessions.items() if thread not in alive]:
@@ -85,9 +67,7 @@ def replace(session: Optional[Session]) -> Optional[Session]:
 
 def any_open() -> bool:
     """Bool. Whether some live thread has a session."""
-    with lock:
-        alive = set(threading.enumerate())
-        return any(thread in alive for thread, _ in _sessions.values())
+    return bool(open_threads())
 
 
 def open_threads() -> list:

@@ -1,15 +1,8 @@
 """How fast this CPU runs a small training step in float32, bfloat16 and float16.
 
-Advice, never a decision: `tfmp doctor` shows it (`measure_rounds`, with its spread over
-`ROUNDS` rounds, nothing cached) and a `SpeedProbe` given to `tfmp.recommend_policy` is
-quoted in the reason; what tfmp decides rests on facts that do not move
-(`tfmp._src.policy.policy`), as a timing scatters under load. The step: a Dense layer's
-MatMul + BiasAdd + ReLU on ``x`` of shape (`BATCH`, `UNITS`) with float32 master
-weights cast to the compute dtype, a float32 ``mean(y**2)`` loss and the weights'
-gradients, in a `tf.function` on ``/CPU:0``. Each dtype is traced and run once untimed
-(its first step's set-up can be far slower than a step), then timed in rounds until
-`REPEATS`, `BUDGET_MS` or a step `FAR_SLOWER` than float32's; the fastest step counts.
-Stateless random inputs leave the process's random streams as they were.
+Advice, never a decision (a timing scatters under load): `tfmp doctor` shows it and a
+`SpeedProbe` given to `tfmp.recommend_policy` is quoted in the reason. The step
+(`train_step`) is timed after an untimed first call; the fastest step counts.
 Measurements: docs/guides/policy.md, "Facts, not timings".
 """
 
@@ -40,8 +33,8 @@ FAR_SLOWER = 20.0
 class SpeedProbe:
     """Measured step times of a small training step in each dtype, on one CPU.
 
-    Built by `measure_rounds` (this CPU), or by hand to decide for another machine
-    (`tfmp.recommend_policy(facts, speed_probe=...)`) or in tests.
+    Built by `tfmp doctor` (this CPU), or by hand to quote for another machine
+    (`tfmp.recommend_policy(facts, speed_probe=...)`).
 
     Attributes:
         float32_ms: Float, milliseconds. Fastest float32 step.
@@ -116,9 +109,7 @@ class SpeedProbe:
         return getattr(self, f"{dtype}_ms")
 
     def factor(self, dtype: str) -> float:
-        """Float. Speed of a `dtype` step against float32's: float32 time / `dtype` time.
-
-        Above 1 the dtype is faster than float32; float32's own factor is 1.0.
+        """Float. float32's step time / `dtype`'s: above 1 the dtype is faster than float32.
 
         Raises:
             ValueError: (template) `dtype` is not one of `DTYPES`.
@@ -171,18 +162,11 @@ ROUNDS = 3
 
 
 def measure_rounds(rounds: int = ROUNDS) -> SpeedProbe:
-    """Measures the probe `rounds` times now (not cached) and reports the spread.
-
-    Advice, never a decision: on a loaded 2-core machine one probe's bfloat16 factor
-    scattered from 0.62x to 5.4x across processes. `tfmp doctor` shows the result.
-
-    Args:
-        rounds: Int >= 1. Probes run one after the other.
+    """Measures the probe `rounds` times now (not cached), for `tfmp doctor`.
 
     Returns:
         `SpeedProbe`: each dtype's fastest step over all rounds, the timed steps
-        summed, the wall time of all rounds, and `factor_ranges` (each dtype's
-        lowest and highest factor over the rounds).
+        and wall times summed, and each dtype's factor range over the rounds.
 
     Raises:
         ValueError: (template) `rounds` is not an integer >= 1.
@@ -201,6 +185,7 @@ def measure_rounds(rounds: int = ROUNDS) -> SpeedProbe:
 
 
 def _measure() -> SpeedProbe:
+    """One probe: each dtype warmed up, then timed in turns until `REPEATS`, `BUDGET_MS` or `FAR_SLOWER`."""
     import tensorflow as tf
 
     start = time.perf_counter()
@@ -250,12 +235,11 @@ def time_step(step: Any, inputs: Any, w: Any, b: Any) -> float:
 
 
 def train_step(dtype: str) -> Any:
-    """A new `tf.function` ``step(x, w, b) -> (loss, grad_w, grad_b)``.
+    """A new `tf.function` ``step(x, w, b) -> (loss, grad_w, grad_b)`` on ``/CPU:0``.
 
-    The loss and float32 gradients of a Dense + ReLU layer computing in `dtype`:
-    ``x`` in `dtype`, of shape (batch, units); float32 master weights ``w`` of
-    shape (units, units) and ``b`` of shape (units,), cast to `dtype` as a Keras
-    mixed policy casts them. Also the step of `tfmp._src.policy.float16_fusion`.
+    A Dense + ReLU layer computing in `dtype` (``x`` in `dtype`, shape (batch,
+    units)) from float32 master weights ``w`` (units, units) and ``b`` (units,),
+    cast as a Keras mixed policy casts them; float32 loss ``mean(y**2)``.
     """
     import tensorflow as tf
 

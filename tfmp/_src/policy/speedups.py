@@ -1,14 +1,8 @@
 """One switch for tfmp's speed features: ``tfmp.enable(speedups=...)``.
 
-tfmp's speed features change which kernels compute a step, never what a model
-means (each one's numerics are tested against Keras's path). Each was measured on
-CPUs only (``benchmarks/``), so on a machine with a GPU or TPU every one keeps
-Keras's path. What each model got is decided when tfmp attaches it and kept in
-``tfmp.attachment(model).speedups`` (feature -> ``"on"`` or ``"off (<why>)"``),
-beside the field each feature sets (`FEATURES`).
-
-Not speed features, and not switched here: float32 forcing, loss scaling, the
-bias-gradient sum (`tfmp._src.float32.bias_gradient`: a numerics fix).
+Speed features change which kernels compute a step, never what a model means. They
+were measured on CPUs only (``benchmarks/``), so with a GPU or TPU each keeps Keras's
+path. What a model got is decided when tfmp attaches it (``tfmp.attachment(model).speedups``).
 """
 
 from __future__ import annotations
@@ -38,14 +32,7 @@ OFF_ON_ACCELERATOR = "off (a GPU or TPU runs the steps; measured on CPUs only)"
 
 
 def checked_speedups(speedups: Any) -> Dict[str, bool]:
-    """The full feature -> wanted map of ``enable(speedups=...)``.
-
-    Args:
-        speedups: Bool (every feature on or off) or a dict of feature name ->
-            bool (the features it does not name stay on).
-
-    Returns:
-        Dict with every name of `FEATURES`.
+    """The full feature -> wanted map of ``enable(speedups=...)`` (features a dict does not name stay on).
 
     Raises:
         ValueError: (template) neither a bool nor such a dict; an unknown name
@@ -67,23 +54,14 @@ def checked_speedups(speedups: Any) -> Dict[str, bool]:
     return {**dict.fromkeys(FEATURES, True), **speedups}
 
 
-def measured_here(facts: Optional[DeviceFacts] = None) -> bool:
-    """Bool. No GPU or TPU runs the steps here (the speed features were measured on CPUs)."""
-    facts = facts if facts is not None else detect_device_facts()
-    return not (facts.gpus or facts.tpu)
-
-
 def decided(wanted: Optional[Dict[str, bool]], facts: Optional[DeviceFacts] = None) -> Dict[str, str]:
     """Feature -> ``"on"`` or ``"off (<why>)"`` for a model attached now.
 
-    Why off, first found first: the switch; the feature's Keras surface is
-    missing in this process (`keras_hooks.availability`); a GPU or TPU.
-
-    Args:
-        wanted: `checked_speedups`'s map (the session's), or None (every one wanted).
-        facts: `DeviceFacts` or None (this machine's, `detect_device_facts`).
+    Why off, first found first: the switch (`wanted`; None wants every one); the
+    feature's Keras surface is missing (`keras_hooks.availability`); a GPU or TPU.
     """
-    measured = measured_here(facts)
+    facts = facts if facts is not None else detect_device_facts()
+    measured = not (facts.gpus or facts.tpu)  # the speed features were measured on CPUs
 
     def one(name: str) -> str:
         if wanted is not None and not wanted[name]:

@@ -31,8 +31,7 @@ import pytest
 import tensorflow as tf
 
 import tfmp
-from tfmp._src.deployment import artifacts
-from tfmp._src.deployment.export_checks import SAMPLE_BATCH
+from tfmp._src.deployment.export import SAMPLE_BATCH, tflite_interpreter
 from tfmp._src.keras_hooks.export_io import tflite_converter_error
 from tfmp._src.layer_tree import walk
 
@@ -281,7 +280,7 @@ def tflite(trained, tmp_path_factory):
 
 def run_tflite(path, x):
     """The file through tf.lite.Interpreter, independently of tfmp.export's run."""
-    interpreter = artifacts.tflite_interpreter(str(path))
+    interpreter = tflite_interpreter(str(path))
     runner = interpreter.get_signature_runner("serving_default")
     (name,) = interpreter.get_signature_list()["serving_default"]["inputs"]
     (out,) = runner(**{name: x}).values()

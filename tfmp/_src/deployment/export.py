@@ -1,7 +1,8 @@
 """`tfmp.export`: a SavedModel or TFLite file from the float32 copy, checked.
 
-A sample batch runs through the written artifact as a deployment runs it and through
-the trained model, and the report gives the largest difference.
+The path and the sample are checked before anything is written. A sample batch then runs
+through the written artifact's ``serving_default`` signature, as a deployment runs it, and
+through the trained model; the report gives the largest difference.
 """
 
 from __future__ import annotations
@@ -10,19 +11,23 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from typing import Any, Dict, List, Optional, Sequence
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp._src.deployment import artifacts, export_checks
 from tfmp._src.deployment.report import FORMATS, WEIGHTS, ExportReport
 from tfmp._src.deployment.to_float32 import to_float32
 from tfmp._src.errors import invalid_argument
-from tfmp._src.keras_hooks.export_io import tflite_converter_error
+from tfmp._src.keras_hooks.export_io import export_input_specs, tflite_converter_error
 from tfmp._src.keras_hooks.functional_graph import functional_graph
 from tfmp._src.layer_tree import walk
+
+SIGNATURE = "serving_default"
+SAMPLE_BATCH = 4
+SAMPLE_SEED = 0
 
 
 def export(
@@ -87,27 +92,27 @@ def export(
             fix="Float16 weight quantization is a TFLite option: pass format='tflite', "
             "or weights='float32'.",
         )
-    path = export_checks.checked_path(path, format)
+    path = checked_path(path, format)
     copy = to_float32(model)  # refuses anything but a built keras.Model
-    specs = export_checks.input_specs(copy)
+    specs = input_specs(copy)
     if len(specs) > 1 and functional_graph(copy) is None:
         raise _signature_mismatch(copy, [spec.name for spec in specs])
-    flat = export_checks.checked_sample(sample, specs)
+    flat = checked_sample(sample, specs)
     with tempfile.TemporaryDirectory(prefix="tfmp_export_") as scratch:
         # Written beside first: an earlier export at `path` stays whole until the new one is.
         saved_model = os.path.join(scratch, "saved_model")
         copy.export(saved_model, format="tf_saved_model", verbose=False)
-        names = _input_names(copy, artifacts.saved_model_inputs(saved_model))
+        names = _input_names(copy, saved_model_inputs(saved_model))
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         if format == "tflite":
             with open(path, "wb") as file:
                 file.write(_convert(copy, saved_model, weights))
-            run = artifacts.run_tflite
+            run = run_tflite
         else:
             if os.path.isdir(path):
-                shutil.rmtree(path)  # empty, or an earlier SavedModel (export_checks)
+                shutil.rmtree(path)  # empty, or an earlier SavedModel (checked_path)
             shutil.move(saved_model, path)
-            run = artifacts.run_saved_model
+            run = run_saved_model
         produced = run(path, dict(zip(names, flat)))
     expected = _trained_outputs(model, flat)
     return _report(path, format, weights, expected, produced)
@@ -191,7 +196,7 @@ def _report(
     path: str, format: str, weights: str,  # noqa: A002
     expected: List[np.ndarray], produced: Dict[str, np.ndarray],
 ) -> ExportReport:
-    actual = [produced[key] for key in artifacts.output_order(produced)]
+    actual = [produced[key] for key in output_order(produced)]
     if len(actual) != len(expected) or any(
         a.shape != e.shape for a, e in zip(actual, expected)
     ):
@@ -214,6 +219,157 @@ def _report(
         max_rel_diff=max(rel_diffs),
         output_shapes=tuple(tuple(a.shape) for a in actual),
         output_dtypes=tuple(str(a.dtype) for a in actual),
-        size_bytes=artifacts.size_bytes(path),
+        size_bytes=size_bytes(path),
         sample_rows=int(expected[0].shape[0]) if expected and expected[0].ndim else 0,
+    )
+
+
+def checked_path(path: Any, format: str) -> str:  # noqa: A002 (export's argument name)
+    """`path` as a string, once it is a place `export` may write `format` to (see `tfmp.export`)."""
+    kind = "folder" if format == "tf_saved_model" else "file"
+    expected = f"a non-empty string or path-like naming the {kind} to write"
+    if not isinstance(path, (str, os.PathLike)):
+        raise invalid_argument("path", path, expected, fix="Pass e.g. path='exports/model'.")
+    text = os.fspath(path)
+    if not isinstance(text, str) or not text.strip():
+        raise invalid_argument(
+            "path", path, expected,
+            fix="An empty path would write into the current folder; name a folder, e.g. path='exports/model'.")
+    parent = os.path.dirname(os.path.abspath(text))
+    while not os.path.exists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise invalid_argument("path", path, "a path whose existing parents are folders",
+                               fix=f"{parent!r} is a file, not a folder: choose another path.")
+    if format == "tf_saved_model" and os.path.exists(text) and not _replaceable_folder(text):
+        raise invalid_argument(
+            "path", path, "a new folder, an empty one, or one holding an earlier SavedModel "
+            "(replaced) for format='tf_saved_model'",
+            fix="It holds files that are not a SavedModel; choose another path.")
+    if format == "tflite" and os.path.isdir(text):
+        raise invalid_argument("path", path, "a file path for format='tflite', not a folder",
+                               fix=f"Pass e.g. path={os.path.join(text, 'model.tflite')!r}.")
+    return text
+
+
+def _replaceable_folder(path: str) -> bool:
+    """True for a folder `export` may replace: empty, or an earlier SavedModel's."""
+    return os.path.isdir(path) and (
+        not os.listdir(path) or os.path.isfile(os.path.join(path, "saved_model.pb")))
+
+
+def input_specs(copy: Any) -> List[Any]:
+    """The `keras.InputSpec` of each input of `copy`, flattened; refused for a model never called."""
+    try:
+        return export_input_specs(copy)
+    except ValueError as error:
+        raise invalid_argument(
+            "model", copy, "a model called at least once (Keras exports the inputs of its first call)",
+            fix="Call it on a batch of inputs first, e.g. model(x[:1]).") from error
+
+
+def checked_sample(sample: Any, specs: List[Any]) -> List[np.ndarray]:
+    """The sample as one array per spec in its dtype, once it fits; made when `sample` is None."""
+    if sample is None:
+        return _made_sample(specs)
+    try:
+        flat = [np.asarray(x) for x in tf.nest.flatten(sample)]
+    except (ValueError, TypeError) as error:
+        raise invalid_argument("sample", sample, "arrays of numbers, as the model takes them",
+                               fix="Pass e.g. sample=x_test[:8], or None for a generated batch.") from error
+    if len(flat) != len(specs):
+        raise invalid_argument(
+            "sample", sample, f"{len(specs)} input array(s), as the model takes them",
+            fix=f"Received {len(flat)} array(s); pass one per model input.")
+    return [_checked_array(array, spec, sample) for array, spec in zip(flat, specs)]
+
+
+def _checked_array(array: np.ndarray, spec: Any, sample: Any) -> np.ndarray:
+    shape, dtype = tuple(spec.shape), np.dtype(tf.as_dtype(spec.dtype).as_numpy_dtype)
+    name = f"input {spec.name!r}" if spec.name else "the input"
+    fits = array.ndim == len(shape) and array.ndim >= 1 and array.shape[0] >= 1 and all(
+        want is None or want == got for want, got in zip(shape[1:], array.shape[1:]))
+    if not fits:
+        raise invalid_argument(
+            "sample", sample, f"arrays of the inputs' shapes; {name} takes shape {shape} (None: any size)",
+            fix=f"Received an array of shape {array.shape}; pass at least one row of that shape.")
+    lossless = array.dtype.kind in "biu" or (array.dtype.kind == "f" and dtype.kind == "f")
+    if not lossless:
+        raise invalid_argument(
+            "sample", sample, f"numbers that convert to {dtype.name} without loss for {name}",
+            fix=f"Received an array of dtype {array.dtype}; pass e.g. a {dtype.name} array.")
+    if array.dtype.kind == "f" and not np.isfinite(array).all():
+        raise invalid_argument("sample", sample, "finite values (NaN or Inf make every difference NaN)",
+                               fix="Pass a batch of real inputs, or sample=None.")
+    return array.astype(dtype)
+
+
+def _made_sample(specs: List[Any]) -> List[np.ndarray]:
+    """`SAMPLE_BATCH` rows per input: standard normal floats, zeros for integers."""
+    rng = np.random.default_rng(SAMPLE_SEED)
+    flat = []
+    for spec in specs:
+        shape = [SAMPLE_BATCH] + list(spec.shape[1:])
+        dtype = np.dtype(tf.as_dtype(spec.dtype).as_numpy_dtype)
+        if None in shape:
+            raise invalid_argument(
+                "sample", None, "a batch of inputs when an input has an unknown dimension "
+                f"(input {spec.name!r} has shape {tuple(spec.shape)})",
+                fix="Pass sample=<array of the model's input shape>.")
+        if dtype.kind == "f":
+            flat.append(rng.standard_normal(shape).astype(dtype))
+        else:
+            flat.append(np.zeros(shape, dtype=dtype))
+    return flat
+
+
+def saved_model_inputs(path: str) -> Dict[str, tf.TensorSpec]:
+    """The serving signature's inputs of the SavedModel in folder `path`, by name."""
+    signature = tf.saved_model.load(path).signatures[SIGNATURE]
+    return dict(signature.structured_input_signature[1])
+
+
+def run_saved_model(path: str, inputs: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    """Runs `inputs` (arrays by input name) through the SavedModel's serving signature."""
+    signature = tf.saved_model.load(path).signatures[SIGNATURE]
+    outputs = signature(**{name: tf.constant(value) for name, value in inputs.items()})
+    return {name: value.numpy() for name, value in outputs.items()}
+
+
+def tflite_interpreter(path: str) -> Any:
+    """An interpreter for the TFLite file `path`: LiteRT's when installed, else TF's (its move notice silenced)."""
+    try:
+        from ai_edge_litert.interpreter import Interpreter
+    except ImportError:
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message=r"(?s).*tf\.lite\.Interpreter is deprecated", category=UserWarning
+            )
+            return tf.lite.Interpreter(model_path=path)
+    return Interpreter(model_path=path)
+
+
+def run_tflite(path: str, inputs: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    """Runs `inputs` through the TFLite file's serving signature (batch resized)."""
+    runner = tflite_interpreter(path).get_signature_runner(SIGNATURE)
+    outputs = runner(**inputs)
+    return {name: np.array(value) for name, value in outputs.items()}
+
+
+def output_order(outputs: Dict[str, Any]) -> List[str]:
+    """Output names in the model's order: Keras's ``output_<i>`` by i, a dict's keys sorted (as `tf.nest`)."""
+    indexed = [re.fullmatch(r"output_(\d+)", name) for name in outputs]
+    if all(indexed):
+        return sorted(outputs, key=lambda name: int(name.rsplit("_", 1)[1]))
+    return sorted(outputs)
+
+
+def size_bytes(path: str) -> int:
+    """Bytes on disk of the file, or of every file under the folder, at `path`."""
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(
+        os.path.getsize(os.path.join(folder, name))
+        for folder, _, names in os.walk(path)
+        for name in names
     )

@@ -151,7 +151,7 @@ class DoctorReport:
             ``recommendation`` (``policy``, ``reason``, ``device``, ``tf32``,
             ``compute_dtype``, ``loss_scaling``), ``facts`` (``"detected"`` or
             ``"injected"``), ``speed_probe`` (`SpeedProbe.to_dict` of the CPU's
-            measured step; None when `collect` neither got nor measured one),
+            measured step; None when `doctor` neither got nor measured one),
             ``troubleshooting`` (the guide's path) and ``notes`` (list of strings).
 
     Raises:
@@ -214,52 +214,6 @@ class DoctorReport:
         return "\n".join(lines)
 
 
-def collect(
-    device_facts: Optional[DeviceFacts] = None,
-    *,
-    speed_probe: Optional[SpeedProbe] = None,
-) -> DoctorReport:
-    """Gathers `doctor`'s report without printing it."""
-    facts, probe = _facts_and_probe(device_facts, speed_probe)  # checks both
-    if probe is None and device_facts is None and not facts.gpus and not facts.tpu:
-        probe = measure_rounds()
-    info = dict(tf.sysconfig.get_build_info())
-    decision = recommend_policy(facts, speed_probe=probe)
-    devices = [_cpu_entry(facts, probe)]
-    devices += [_gpu_entry(i, g) for i, g in enumerate(facts.gpus)]
-    if facts.tpu:
-        devices.append({"type": "TPU", "name": "TPU", "float16": False,
-                        "bfloat16": True, "tf32": None})
-    data: Dict[str, Any] = {
-        "versions": {"tfmp": __version__, "tensorflow": tf.__version__,
-                     "keras": keras.__version__, "python": platform.python_version()},
-        "build": {
-            "cuda_build": bool(info.get("is_cuda_build", False)),
-            "cuda_version": info.get("cuda_version"),
-            "cudnn_version": info.get("cudnn_version"),
-            "cuda_compute_capabilities": list(info.get("cuda_compute_capabilities", [])),
-            "rocm_build": bool(info.get("is_rocm_build", False)),
-            "tensorrt_build": bool(info.get("is_tensorrt_build", False)),
-        },
-        "devices": devices,
-        "tf32_enabled": bool(tf.config.experimental.tensor_float_32_execution_enabled()),
-        "xla": {"built_with_xla": bool(tf.test.is_built_with_xla()),
-                "auto_jit": tf.config.optimizer.get_jit() or "off"},
-        "global_policy": keras.config.dtype_policy().name,
-        "recommendation": {
-            "policy": decision.policy, "reason": decision.reason,
-            "device": decision.device, "tf32": decision.tf32,
-            "compute_dtype": decision.compute_dtype,
-            "loss_scaling": decision.loss_scaling,
-        },
-        "facts": "detected" if device_facts is None else "injected",
-        "speed_probe": probe.to_dict() if probe is not None else None,
-        "troubleshooting": TROUBLESHOOTING_GUIDE,
-    }
-    data["notes"] = _notes(data, facts, probe)
-    return DoctorReport(data)
-
-
 def doctor(
     device_facts: Optional[DeviceFacts] = None,
     *,
@@ -299,7 +253,44 @@ def doctor(
             "file", file, "None or an open, writable text stream (with a write method)",
             fix="Pass e.g. file=sys.stdout or an open(path, 'w') file; to write to a path, "
             "open it first.")
-    report = collect(device_facts, speed_probe=speed_probe)
+    facts, probe = _facts_and_probe(device_facts, speed_probe)  # checks both
+    if probe is None and device_facts is None and not facts.gpus and not facts.tpu:
+        probe = measure_rounds()
+    info = dict(tf.sysconfig.get_build_info())
+    decision = recommend_policy(facts, speed_probe=probe)
+    devices = [_cpu_entry(facts, probe)]
+    devices += [_gpu_entry(i, g) for i, g in enumerate(facts.gpus)]
+    if facts.tpu:
+        devices.append({"type": "TPU", "name": "TPU", "float16": False,
+                        "bfloat16": True, "tf32": None})
+    data: Dict[str, Any] = {
+        "versions": {"tfmp": __version__, "tensorflow": tf.__version__,
+                     "keras": keras.__version__, "python": platform.python_version()},
+        "build": {
+            "cuda_build": bool(info.get("is_cuda_build", False)),
+            "cuda_version": info.get("cuda_version"),
+            "cudnn_version": info.get("cudnn_version"),
+            "cuda_compute_capabilities": list(info.get("cuda_compute_capabilities", [])),
+            "rocm_build": bool(info.get("is_rocm_build", False)),
+            "tensorrt_build": bool(info.get("is_tensorrt_build", False)),
+        },
+        "devices": devices,
+        "tf32_enabled": bool(tf.config.experimental.tensor_float_32_execution_enabled()),
+        "xla": {"built_with_xla": bool(tf.test.is_built_with_xla()),
+                "auto_jit": tf.config.optimizer.get_jit() or "off"},
+        "global_policy": keras.config.dtype_policy().name,
+        "recommendation": {
+            "policy": decision.policy, "reason": decision.reason,
+            "device": decision.device, "tf32": decision.tf32,
+            "compute_dtype": decision.compute_dtype,
+            "loss_scaling": decision.loss_scaling,
+        },
+        "facts": "detected" if device_facts is None else "injected",
+        "speed_probe": probe.to_dict() if probe is not None else None,
+        "troubleshooting": TROUBLESHOOTING_GUIDE,
+    }
+    data["notes"] = _notes(data, facts, probe)
+    report = DoctorReport(data)
     if file is not None:
         print(report.to_json() if as_json else str(report), file=file)
     return report

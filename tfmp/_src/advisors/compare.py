@@ -59,12 +59,6 @@ def _same_rows(data: Sequence[Any]) -> bool:
     return bool(leaves) and numeric and len({len(leaf) for leaf in leaves}) == 1 and len(leaves[0]) >= 1
 
 
-def _weights_checksum(model: keras.Model) -> float:
-    """Sum of |w| over trainable weights: equal across runs when seeding works."""
-    return float(sum(np.abs(np.asarray(w.numpy(), dtype="float64")).sum()
-                     for w in model.trainable_weights))
-
-
 class StepTimer(keras.callbacks.Callback):
     """Records the wall time of every training step in `durations` (seconds)."""
 
@@ -180,7 +174,8 @@ def _run_one(
                 "a callable returning a compiled keras.Model",
                 fix="Call model.compile(optimizer, loss, metrics=...) inside "
                     "build_model before returning the model.")
-        checksum = _weights_checksum(model)
+        checksum = float(sum(np.abs(np.asarray(w.numpy(), dtype="float64")).sum()
+                             for w in model.trainable_weights))
         timer = StepTimer()
         start = time.perf_counter()
         history = model.fit(**fit_kwargs, epochs=epochs, verbose=0, callbacks=[timer])
@@ -239,14 +234,13 @@ def compare(
 ) -> CompareReport:
     """Trains the same model under each policy and seed and judges the differences.
 
-    For each seed, each policy in turn is set, the seed reset
-    (`keras.utils.set_random_seed`) and `build_model`'s model fit on the same data in
-    the same order, so runs of one seed differ only in the arithmetic. Per metric, the
-    differences to float32 at the same seed give a mean with a 95% Student t interval;
-    float32's seed-to-seed spread is the noise floor. For a classifier with `val_data`,
-    per-example agreement and McNemar's exact test are computed per seed. The first
-    seed's models are then timed in turns. The Keras global policy is restored; the
-    global random generators are left seeded with the last seed.
+    Per seed, each policy is set, the seed reset (`keras.utils.set_random_seed`) and
+    `build_model`'s model fit on the same data in the same order, so runs of one seed
+    differ only in the arithmetic. Per metric, the differences to float32 at the same
+    seed give a mean with a 95% Student t interval; float32's seed-to-seed spread is the
+    noise floor. For a classifier with `val_data`, per-example agreement and McNemar's
+    exact test are computed per seed. The first seed's models are then timed in turns.
+    The global policy is restored; the global random generators keep the last seed.
 
     Args:
         build_model: Callable with no arguments returning a compiled `keras.Model`.

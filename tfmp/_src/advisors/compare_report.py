@@ -66,8 +66,7 @@ class RunResult:
     @property
     def label(self) -> str:
         """String. ``"auto (mixed_bfloat16)"`` or just the policy name."""
-        same = self.requested == self.policy
-        return self.policy if same else f"{self.requested} ({self.policy})"
+        return self.policy if self.requested == self.policy else f"{self.requested} ({self.policy})"
 
     @property
     def final(self) -> Dict[str, float]:

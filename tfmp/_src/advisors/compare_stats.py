@@ -1,9 +1,8 @@
 """The statistics of `tfmp.compare`, on plain numbers: intervals, verdicts, McNemar.
 
-Differences are paired by seed (same seed and data order) and judged by a Student t
-interval. McNemar's test is the exact binomial one: the chi-square form is poor on the
-few discordant pairs two close policies give. scipy (the ``compare`` extra) is imported
-on first use.
+Differences are paired by seed and judged by a Student t interval. McNemar's test is the
+exact binomial one: the chi-square form is poor on the few discordant pairs two close
+policies give. scipy (the ``compare`` extra) is imported on first use.
 """
 
 from __future__ import annotations
@@ -96,11 +95,6 @@ def decide(interval: Interval, tolerance: float) -> str:
     return INCONCLUSIVE
 
 
-def _margin(mean: float, tolerance: float) -> float:
-    """Distance from `mean` to the nearer of the bounds -tolerance, +tolerance."""
-    return abs(tolerance - abs(mean))
-
-
 def seeds_needed(interval: Interval, tolerance: float) -> Optional[int]:
     """Smallest n with ``t(n-1) * std / sqrt(n) < |tolerance - |mean||``, mean and spread kept.
 
@@ -108,7 +102,7 @@ def seeds_needed(interval: Interval, tolerance: float) -> Optional[int]:
     """
     if interval.std is None:
         return None
-    margin = _margin(interval.mean, tolerance)
+    margin = abs(tolerance - abs(interval.mean))  # to the nearer bound
     if interval.std == 0:
         return interval.n if margin > 0 else None
     if margin == 0:
@@ -148,16 +142,15 @@ def examples_needed(correct_reference: Sequence[bool], correct_other: Sequence[b
                     confidence: float = 0.95) -> Optional[int]:
     """Validation examples per seed that would resolve an accuracy difference (in pp).
 
-    From the choice of examples alone the difference varies with variance
-    ``(p_disc - d**2) / n`` (discordant fraction, signed imbalance); the answer is the
-    n whose normal interval is narrower than the distance from `mean_pp` to the nearer
-    bound. None when the mean sits on a bound or the runs never disagree.
+    The n whose normal interval, variance ``(p_disc - d**2) / n`` (discordant fraction,
+    signed imbalance), is narrower than the distance from `mean_pp` to the nearer bound.
+    None when the mean sits on a bound or the runs never disagree.
     """
     ref = np.asarray(correct_reference, dtype=bool).reshape(-1)
     other = np.asarray(correct_other, dtype=bool).reshape(-1)
     d = (other.astype(float) - ref.astype(float))
     variance = float(np.mean(d * d) - np.mean(d) ** 2)
-    margin = _margin(mean_pp, tolerance_pp) / 100
+    margin = abs(tolerance_pp - abs(mean_pp)) / 100
     if variance <= 0 or margin == 0:
         return None
     z = float(scipy_stats().norm.ppf((1 + confidence) / 2))

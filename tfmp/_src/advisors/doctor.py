@@ -1,9 +1,8 @@
 """`tfmp doctor`: what this machine offers for mixed precision, in one report.
 
-What practitioners otherwise check by hand: versions, each device and whether it runs
-float16, bfloat16 and TF32 in hardware by the rules of "auto", the CPU's timed step per
-dtype, XLA, the global policy and what "auto" would pick. Facts can be injected to
-report on another machine; the JSON always has every key, the text only what applies.
+What practitioners otherwise check by hand: versions, whether each device runs float16,
+bfloat16 and TF32 in hardware, the CPU's timed step, XLA, the global policy and what
+"auto" would pick. Facts can be injected to report on another machine.
 """
 
 from __future__ import annotations
@@ -33,11 +32,6 @@ _REPORT_DATA = Kind("a dict with the keys " + ", ".join(_REPORT_KEYS),
                     lambda data: isinstance(data, dict) and set(_REPORT_KEYS) <= set(data))
 
 
-def _fast(policy: str, facts: DeviceFacts, probe: Optional[SpeedProbe] = None) -> bool:
-    """True when `policy`'s 16-bit compute runs in hardware on `facts`."""
-    return slower_than_float32(policy, facts, probe) is None
-
-
 def _gpu_entry(index: int, gpu: GpuFacts) -> Dict[str, Any]:
     """The GPU's line of the device list, judged as if it were the only device."""
     alone = DeviceFacts(gpus=(gpu,))
@@ -47,8 +41,9 @@ def _gpu_entry(index: int, gpu: GpuFacts) -> Dict[str, Any]:
         "index": index,
         "name": gpu.name,
         "compute_capability": gpu.cc_string,
-        "float16": _fast("mixed_float16", alone) if known else None,
-        "bfloat16": _fast("mixed_bfloat16", alone) if known else None,
+        # None from slower_than_float32: the 16-bit compute runs in hardware.
+        "float16": slower_than_float32("mixed_float16", alone) is None if known else None,
+        "bfloat16": slower_than_float32("mixed_bfloat16", alone) is None if known else None,
         "tf32": recommend_policy(alone).tf32 if known else None,
     }
 
@@ -61,7 +56,7 @@ def _cpu_entry(facts: DeviceFacts, probe: Optional[SpeedProbe]) -> Dict[str, Any
         "bf16_flags": list(facts.cpu_bf16_flags),
         "onednn": facts.onednn,
         "float16": False,
-        "bfloat16": _fast("mixed_bfloat16", cpu, probe),
+        "bfloat16": slower_than_float32("mixed_bfloat16", cpu, probe) is None,
         "tf32": None,
     }
 

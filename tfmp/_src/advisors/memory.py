@@ -1,8 +1,7 @@
 """`tfmp.estimate_memory` and `tfmp.estimate_kv_cache`: what training or decoding takes, per policy.
 
-Parameters, gradients and optimizer variables are counted from the built objects, so
-they are exact; activations are an estimate (see `estimate_memory`), which tells
-whether a mixed policy saves memory before a run does.
+Parameters, gradients and optimizer variables are counted from the built objects (exact),
+activations estimated: whether a mixed policy saves memory is known before a run.
 """
 
 from __future__ import annotations
@@ -217,11 +216,11 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Estimates training memory of `model` under `policy` and under float32.
 
-    Parameters (each variable at its own dtype), gradients and optimizer variables
-    are exact. Activations are an order of magnitude, not a peak: one output per leaf
-    layer for `batch_size` examples, the tensors backpropagation keeps; temporary
-    buffers, activation gradients, the input batch, allocator overhead and 16-bit
-    weight copies are not counted. See tfmp/docs/troubleshooting.md#no-memory-saving.
+    Parameters (each variable at its own dtype), gradients and optimizer variables are
+    exact. Activations are an order of magnitude, not a peak: one output per leaf layer
+    for `batch_size` examples (what backpropagation keeps); temporary buffers, activation
+    gradients, the input batch, allocator overhead and 16-bit weight copies are not
+    counted. See tfmp/docs/troubleshooting.md#no-memory-saving.
 
     Args:
         model: Built `keras.Model` (Functional or Sequential for activations, so

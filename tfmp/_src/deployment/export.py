@@ -39,17 +39,13 @@ def export(
 ) -> ExportReport:
     """Writes a deployable artifact of `model` and checks it against the model.
 
-    The artifact is made from ``tfmp.to_float32(model)``, never from the trained
-    model: TFLite's builtin kernels have no bfloat16 or float16 ops, so converting a
-    mixed model directly fails with a ``ConverterError`` ("neither a custom op nor a
-    flex op") suggesting TF Select, which would ship TensorFlow kernels to run 16-bit
-    ops a float32 deployment does not want.
+    The artifact is made from ``tfmp.to_float32(model)``: TFLite's builtin kernels have
+    no bfloat16 or float16 ops, so a mixed model fails to convert ("neither a custom op
+    nor a flex op") unless TF Select ships TensorFlow kernels for its 16-bit ops.
 
-    Then a sample batch runs through the written artifact (the SavedModel's
-    ``serving_default`` signature, or the TFLite file in an interpreter) and through
-    the trained model (``training=False``), and the largest differences are
-    reported: the price of the trained model's 16-bit compute plus, with
-    ``weights="float16"``, the weight quantization.
+    A sample batch then runs through the written artifact (its ``serving_default``
+    signature) and the trained model (``training=False``); the largest differences are
+    the price of 16-bit compute plus, with ``weights="float16"``, the quantization.
 
     Args:
         model: A built `keras.Model`, as `tfmp.to_float32` accepts. Not changed.
@@ -71,16 +67,16 @@ def export(
         largest magnitude of the trained model's output).
 
     Raises:
-        ValueError: (template; before anything is written, so a refused call leaves
-            the file system as it was) `format` or `weights` is not one of the accepted
-            values; ``weights="float16"`` with ``format="tf_saved_model"``; `path` is
-            empty, not a string or path-like, under an existing file, or (for a
-            SavedModel) an existing file or a non-empty folder without an earlier
-            SavedModel, or (for TFLite) a folder; `model` is not a built, called
-            `keras.Model` or cannot be copied (see `tfmp.to_float32`); `sample` does
-            not fit the inputs (count, shape, dtype, finite values). Also, after
-            writing, when TFLite cannot convert an op of the float32 copy (naming the
-            op, the layer when known, and the converter's words, its error chained).
+        ValueError: (template; before anything is written) `format` or `weights` is
+            not one of the accepted values; ``weights="float16"`` with
+            ``format="tf_saved_model"``; `path` is empty, not a string or path-like,
+            under an existing file, or (for a SavedModel) an existing file or a
+            non-empty folder without an earlier SavedModel, or (for TFLite) a folder;
+            `model` is not a built, called `keras.Model` or cannot be copied (see
+            `tfmp.to_float32`); `sample` does not fit the inputs (count, shape, dtype,
+            finite values). Also, after writing, when TFLite cannot convert an op of
+            the float32 copy (naming the op, the layer when known, and the converter's
+            words, its error chained).
     """
     _check_choice("format", format, FORMATS,
                   fix="Pass format='tf_saved_model' (a folder, the default) or format='tflite' (a file).")
@@ -153,7 +149,7 @@ def _convert(copy: keras.Model, saved_model: str, weights: str) -> bytes:
 def _layer_in_message(copy: keras.Model, message: str) -> Optional[str]:
     """The path of the layer named first in a converter location ``"<model>/<layer>/<op>@<fn>"``, or None.
 
-    Name scopes may suffix a name (``"inverse_1"``), so an exact name wins at the same place.
+    Name scopes may suffix a name (``"inverse_1"``): an exact name wins at the same place.
     """
     found = []
     for entry in walk(copy):
@@ -197,9 +193,7 @@ def _report(
     expected: List[np.ndarray], produced: Dict[str, np.ndarray],
 ) -> ExportReport:
     actual = [produced[key] for key in output_order(produced)]
-    if len(actual) != len(expected) or any(
-        a.shape != e.shape for a, e in zip(actual, expected)
-    ):
+    if [a.shape for a in actual] != [e.shape for e in expected]:
         raise ValueError(
             f"The artifact at {path!r} returns outputs of shapes "
             f"{[a.shape for a in actual]}, the trained model "

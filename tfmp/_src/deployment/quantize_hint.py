@@ -1,9 +1,8 @@
 """``model.quantize("int8")`` on a float16 model: the route that works, named.
 
-Keras refuses int8 for a layer computing in float16 and suggests 'mixed_float16', the
-very policy of such a model. tfmp hooks ``quantize`` on the float16 models it attaches
-(owner ``"enable.quantize_hint"``): that refusal is raised again with Keras's text,
-then tfmp's naming ``tfmp.to_float32(model)``, the original chained as ``__cause__``.
+Keras refuses int8 for a layer computing in float16 and suggests 'mixed_float16', the very
+policy of such a model. tfmp hooks ``quantize`` on the float16 models it attaches (owner
+``"enable.quantize_hint"``) to re-raise that refusal with a hint naming ``tfmp.to_float32``.
 """
 
 from __future__ import annotations

@@ -6,8 +6,7 @@ every dtype policy overridden to float32, then the weights are copied by value.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator
+from typing import Any
 
 import keras
 import numpy as np
@@ -28,10 +27,10 @@ _TEMPLATE_FIX = (
 def to_float32(model: keras.Model) -> keras.Model:
     """Returns a float32 copy of `model` with the same weights, for deployment.
 
-    Every layer of the copy has the ``"float32"`` dtype policy, and every
-    floating-point variable holds the trained value cast to float32 (identical for
-    a mixed policy's float32 master weights); integer variables keep their dtype and
-    value. The copy is not compiled; `model` itself is not changed.
+    Every layer of the copy has the ``"float32"`` dtype policy; every floating-point
+    variable holds the trained value cast to float32 (identical for a mixed policy's
+    float32 master weights), integer variables keep their dtype and value. `model` is
+    not changed.
 
     Ship this copy, not the trained model: a model saved under a mixed policy keeps
     computing in 16 bits wherever it is loaded, and TFLite's builtin kernels refuse
@@ -71,21 +70,14 @@ def to_float32(model: keras.Model) -> keras.Model:
             "model", model, "a built `keras.Model`",
             fix="Build it first: call it on a batch or call `model.build(input_shape)`.",
         )
-    with _float32_policy():
-        copy = _rebuild(model)
-    _copy_weights(model, copy)
-    return copy
-
-
-@contextlib.contextmanager
-def _float32_policy() -> Iterator[None]:
-    """Sets Keras's global policy to float32 for layers created inside; restores it."""
     before = keras.config.dtype_policy()
-    keras.config.set_dtype_policy("float32")
+    keras.config.set_dtype_policy("float32")  # for the layers the rebuild creates
     try:
-        yield
+        copy = _rebuild(model)
     finally:
         keras.config.set_dtype_policy(before)
+    _copy_weights(model, copy)
+    return copy
 
 
 def _float32_config(config: Any) -> Any:
@@ -102,11 +94,9 @@ def _float32_config(config: Any) -> Any:
 
 
 def _is_policy(value: Any) -> bool:
-    if isinstance(value, keras.DTypePolicy):
-        return True
-    if isinstance(value, dict):
-        return value.get("class_name") in _POLICY_CLASSES
-    return isinstance(value, str) and value.startswith("mixed_")
+    return (isinstance(value, keras.DTypePolicy)
+            or (isinstance(value, dict) and value.get("class_name") in _POLICY_CLASSES)
+            or (isinstance(value, str) and value.startswith("mixed_")))
 
 
 def _rebuild(model: keras.Model) -> keras.Model:

@@ -30,9 +30,6 @@ class NonFiniteError(FloatingPointError):
         kind: String or None. ``"nan"``, ``"inf"`` or ``"nan+inf"``.
         details: Dict. Extra facts for programs (scale, value ranges, trace).
 
-    The message may be any object, as for any exception; the keyword fields are
-    checked, so that a handler reading them never meets another type.
-
     Raises:
         ValueError: (template) `layer`, `phase` or `kind` is neither None nor a
             string, `step` neither None nor an int, `details` neither None nor
@@ -66,16 +63,8 @@ class NonFiniteError(FloatingPointError):
 
 
 def invalid_argument(name: str, received: Any, expected: str, fix: str = "", choices: Iterable[str] = ()) -> ValueError:
-    """Builds (not raises) a ValueError in the project's template.
-
-    Args:
-        name: String. The argument's name, e.g. ``"policy"``.
-        received: Any. The value the caller passed.
-        expected: String. What would have been accepted, as a phrase.
-        fix: String. What to pass instead, with an example (``"Pass e.g. guard='auto'."``).
-        choices: Iterable of strings. Valid spellings: a string close to one gets
-            "Did you mean ...?" instead of `fix`.
-    """
+    """Builds (not raises) a ValueError in the project's template: `expected` is a phrase, `fix` what to
+    pass instead with an example; a string `received` close to one of `choices` gets "Did you mean ...?"."""
     if isinstance(received, str):
         fix = did_you_mean(received, choices) or fix
     message = (
@@ -92,11 +81,8 @@ SHOWN_ELEMENTS = 20
 
 
 def shown(value: Any) -> str:
-    """How a message shows `value`: its ``repr``, with large arrays and tensors by shape and dtype.
-
-    An array or tensor of more than `SHOWN_ELEMENTS` elements, also inside a tuple,
-    list or dict, reads ``array(shape=(60000, 784), dtype=float32)``.
-    """
+    """How a message shows `value`: its ``repr``, but an array or tensor of more than `SHOWN_ELEMENTS`
+    elements (also in a tuple, list or dict) as ``array(shape=(60000, 784), dtype=float32)``."""
     dims = _dims(value)
     if dims is not None and math.prod(dims) > SHOWN_ELEMENTS:
         return f"array(shape={dims}, dtype={getattr(value.dtype, 'name', value.dtype)})"
@@ -120,10 +106,8 @@ def _dims(value: Any) -> Optional[tuple]:
 
 
 def did_you_mean(received: Any, choices: Iterable[str], cutoff: float = 0.5) -> str:
-    """The project's one suggestion: ``"Did you mean 'x'?"``, or ``""`` when nothing is close.
-
-    A choice that differs only in case comes first; else `difflib`'s closest above `cutoff`.
-    """
+    """``"Did you mean 'x'?"`` for a choice differing only in case, else `difflib`'s closest above `cutoff`;
+    ``""`` when nothing is close."""
     choices = list(choices)
     by_case = {choice.lower(): choice for choice in choices}
     if str(received).lower() in by_case:  # only the case differs
@@ -151,16 +135,9 @@ def is_positive_int(value: Any) -> bool:
 
 def check_positive_int(name: str, value: Any, *, allow_none: bool = False, fix: str = "",
                        maximum: Optional[int] = None, why: str = "") -> None:
-    """The project's one check of a count argument.
+    """Raises ValueError (template) unless `value` is an int >= 1 and <= `maximum` (or None with `allow_none`).
 
-    Args:
-        maximum: Int or None. Largest value accepted: a count that sizes an
-            allocation has one, so that a typo (``10**9``) is refused.
-        why: String. The reason for `maximum`, shown in the message.
-
-    Raises:
-        ValueError: (template) `value` is not an int >= 1 and <= `maximum` (nor
-            None when `allow_none`).
+    `maximum` is for a count that sizes an allocation, so a typo (``10**9``) is refused; `why` says why.
     """
     if allow_none and value is None:
         return
@@ -171,21 +148,13 @@ def check_positive_int(name: str, value: Any, *, allow_none: bool = False, fix: 
 
 
 def check_positive_number(name: str, value: Any, *, fix: str) -> None:
-    """The project's one check of a positive real argument (a scale, a bound).
-
-    Raises:
-        ValueError: (template) `value` is not a finite int or float > 0.
-    """
+    """Raises ValueError (template) unless `value` is a finite int or float > 0 (a scale, a bound)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
         raise invalid_argument(name, value, "a finite number > 0", fix=fix)
 
 
 def check_bool(name: str, value: Any, *, allow_none: bool = False) -> None:
-    """The project's one check of a flag argument.
-
-    Raises:
-        ValueError: (template) `value` is not True or False (nor None when `allow_none`).
-    """
+    """Raises ValueError (template) unless `value` is True or False (or None with `allow_none`)."""
     if not (isinstance(value, bool) or (allow_none and value is None)):
         if allow_none:
             raise invalid_argument(name, value, "None, True or False",
@@ -204,12 +173,8 @@ def _normalized(path: str) -> str:
 
 
 def user_stacklevel() -> int:
-    """The ``stacklevel`` for `warnings.warn` that names the user's line.
-
-    Counted from this function's caller (level 1) to the first frame outside tfmp,
-    Keras, TensorFlow and `contextlib` (the body of a `tfmp.policy_scope`), so a
-    warning from tfmp's hooks points at the user's ``compile()`` or ``fit()`` call.
-    """
+    """The ``stacklevel`` for `warnings.warn` naming the user's line: from this function's caller (level 1)
+    to the first frame outside tfmp, Keras, TensorFlow and `contextlib` (a `tfmp.policy_scope` body)."""
     libraries = tuple(_package_dir(name) for name in ("tfmp", "keras", "tensorflow")) + (
         _normalized(contextlib.__file__),)
     frame, level = sys._getframe(1), 1
@@ -220,18 +185,8 @@ def user_stacklevel() -> int:
 
 def check_type(name: str, value: Any, types: Any, expected: str, *, items: Any = None, allow_none: bool = False,
                fix: str = "") -> None:
-    """The project's one check of an argument's type (and of its elements' type).
-
-    Args:
-        types: A type or tuple of types. A bool passes as an int or a float only
-            when `bool` itself is listed.
-        expected: String. What is accepted, as a phrase (``"a tuple of AuditRow"``).
-        items: A type, tuple of types or None. When given, every element of
-            `value` (every value, for a dict) must be one.
-
-    Raises:
-        ValueError: (template) `value` or one of its elements has another type.
-    """
+    """Raises ValueError (template) unless `value` is one of `types` (a bool only if `bool` is listed)
+    and, given `items`, each of its elements (a dict's values) one of `items`; `expected` is a phrase."""
     if allow_none and value is None:
         return
     types = types if isinstance(types, tuple) else (types,)
@@ -244,14 +199,8 @@ def check_type(name: str, value: Any, types: Any, expected: str, *, items: Any =
 
 
 def check_model(name: str, model: Any, *, expected: str = "a keras.Model", fix: str = "") -> None:
-    """The project's one check of a model argument: a `keras.Model` that has layers.
-
-    An unbuilt subclassed model without layers yet is accepted (its ``build`` may
-    create them); `expected` and `fix` are for a value that is not a model.
-
-    Raises:
-        ValueError: (template) `model` is not a `keras.Model`, or has no layer.
-    """
+    """Raises ValueError (template) unless `model` is a `keras.Model` with layers (an unbuilt subclassed
+    one may make them in ``build``); `expected` and `fix` are for a value that is not a model."""
     import keras  # imported here: the rest of this module does without Keras
 
     if not isinstance(model, keras.Model):

@@ -68,14 +68,8 @@ def check_settings(
     max_consecutive_overflows: Any, on_stuck: Any, loss_scaling: Any, guard: Any, name: Any,
     kwargs: Dict[str, Any], inner_optimizer: Any = None,
 ) -> None:
-    """Checks the arguments of `tfmp.LossScaleOptimizer` but the inner optimizer (or None, used only to
-    name an unknown argument's owner), without a TensorFlow op.
-
-    Raises:
-        ValueError: (template, naming the argument) a scale not a finite number > 0, bounds
-            out of order or not holding `initial_scale`, a count not an int >= 1, a choice
-            not among its values, an unknown or non-default keyword argument.
-    """
+    """Raises ValueError (template) for an argument of `tfmp.LossScaleOptimizer` it refuses, the inner
+    optimizer aside (given only to name an unknown argument's owner); runs no TensorFlow op."""
     for arg, value in (("initial_scale", initial_scale), ("min_scale", min_scale), ("max_scale", max_scale)):
         check_positive_number(arg, value, fix=f"Pass e.g. {arg}={_DEFAULTS[arg]} (the default).")
     for arg, value in (("dynamic_growth_steps", dynamic_growth_steps), ("hysteresis", hysteresis),

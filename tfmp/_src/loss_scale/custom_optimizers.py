@@ -98,9 +98,7 @@ def _wrapped(model: keras.Model, name: str, optimizer: Any, compute_dtype: str,
     wrapped = wrap_optimizer(optimizer, compute_dtype, **options)
     loops.serve_optimizer(wrapped)  # checked after each step below
     _ADOPTED[wrapped] = name
-    if _STORED.get(model) is None:
-        _STORED[model] = weakref.WeakSet()
-    _STORED.get(model).add(wrapped)
+    _STORED.setdefault(model, weakref.WeakSet()).add(wrapped)
     if not train_function.has_check(model, _STUCK):  # `loops` checks ``model.optimizer`` only
         train_function.add_check(model, _STUCK, functools.partial(_raise_if_stuck, weakref.ref(model)))
     if wrapped.loss_scaling:
@@ -118,8 +116,7 @@ def forget(model: keras.Model) -> None:
 def _raise_if_stuck(model_ref: Callable, logs: Any) -> Any:
     model = model_ref()
     for optimizer in list(_STORED.get(model, ())) if model is not None else ():
-        if optimizer.built:
-            optimizer.raise_if_stuck()
+        optimizer.raise_if_stuck()  # a no-op before `build`
     return logs
 
 

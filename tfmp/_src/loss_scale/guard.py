@@ -57,9 +57,7 @@ def check_guard(guard: Any, loss_scaling: bool) -> None:
 
 def resolve(guard: str, loss_scaling: bool) -> str:
     """String, ``"batch"``, ``"loss"``, ``"gradients"`` or ``"values"``: what a `guard` value stands for."""
-    if guard == "auto":
-        return "gradients" if loss_scaling else "batch"
-    return guard
+    return ("gradients" if loss_scaling else "batch") if guard == "auto" else guard
 
 
 def graph_lineage() -> list:
@@ -137,12 +135,8 @@ class StepRecord:
 
 
 class GradientOrigins:
-    """Which gradients `get_unscaled_gradients` took (scaled) and handed back (unscaled).
-
-    `apply` divides a gradient unless it is, or traced descends within `ORIGIN_SEARCH_DEPTH`
-    ops from, one handed back; one found nowhere is unscaled if `get_unscaled_gradients` ran
-    in the step (tf.keras 2 code).
-    """
+    """Which gradients `get_unscaled_gradients` took (scaled) and handed back (unscaled): `apply` divides
+    a gradient unless it is, or traced descends within `ORIGIN_SEARCH_DEPTH` ops from, one handed back."""
 
     def __init__(self) -> None:
         # Eager tensors by id: True, handed back (unscaled); False, taken (scaled).
@@ -172,7 +166,7 @@ class GradientOrigins:
         for tensor in _back([grad], ORIGIN_SEARCH_DEPTH) if names else ():
             if tensor.name in names:
                 return names[tensor.name]
-        return unscaled_in_step
+        return unscaled_in_step  # found nowhere: unscaled if `get_unscaled_gradients` ran (tf.keras 2 code)
 
 
 def _back(tensors: list, depth: int) -> Iterator[Any]:

@@ -116,9 +116,8 @@ def start_fit(optimizer: Any) -> None:
 
 
 def warn_early(optimizer: Any) -> None:
-    """Warns (`SkippedStepWarning`) once per fit window at the first skip loss scaling cannot
-    cause, or when the first `EARLY_STEPS` steps, or more than `EARLY_RATE` of at least
-    `EARLY_STEPS`, were skipped under loss scaling. Call after a skipped step."""
+    """Warns (`SkippedStepWarning`) once per fit window at the first skip loss scaling cannot cause, or when
+    the first `EARLY_STEPS` steps, or more than `EARLY_RATE` of at least `EARLY_STEPS`, were skipped."""
     watch = optimizer._watch
     start_total, start_skips = watch.fit_start or (0, 0)
     if watch.warned_fit == (start_total, start_skips):
@@ -149,8 +148,7 @@ def warn_early(optimizer: Any) -> None:
 
 
 def check(optimizer: Any) -> None:
-    """Raises `NonFiniteError` or warns, per `optimizer.on_stuck` (a built `tfmp.LossScaleOptimizer`),
-    when the run is stuck (see `LossScaleOptimizer.raise_if_stuck`); warns early after a skip."""
+    """`LossScaleOptimizer.raise_if_stuck` of a built `optimizer`; warns early (`warn_early`) after a skip."""
     overflows, watch = _read(optimizer, "overflow_count"), optimizer._watch
     if overflows == watch.checked:
         return  # no step skipped since the last check: the last step was finite
@@ -190,12 +188,8 @@ _lock = threading.RLock()
 
 
 def track(optimizer: Any) -> None:
-    """Makes `model.fit` check `optimizer` after every step, and saves it in Keras's form (`saved_form`).
-
-    Until an attached model serves it (`serve`), class hooks on ``make_train_function`` and
-    ``get_compile_config`` do; `release_if_unused` takes them off (never a garbage-collection
-    callback, which can run in any thread while another holds the lock).
-    """
+    """Makes `model.fit` check `optimizer` after every step and save it in Keras's form: through class
+    hooks until an attached model serves it (`serve`); `release_if_unused`, never a gc callback, takes them off."""
     with _lock:
         _live.add(optimizer)
         _hold_class_hooks()
@@ -221,8 +215,7 @@ def _hold_class_hooks() -> None:
 
 
 def release_if_unused() -> None:
-    """Takes the ``make_train_function`` and ``get_compile_config`` class hooks off when an
-    attached model serves every tfmp optimizer alive (or none is alive)."""
+    """Takes the class hooks off when an attached model serves every live tfmp optimizer (or none lives)."""
     with _lock:
         while _class_hooks and all(optimizer in _served for optimizer in _live):
             _class_hooks[-1].remove()
@@ -230,12 +223,8 @@ def release_if_unused() -> None:
 
 
 def serve(model: Any) -> None:
-    """Gives attached `model` its own hooks (stuck check, batch record, saved form), at attach:
-    before Keras makes its functions, so it binds the ``train_step`` hook (no second make).
-
-    Raises:
-        Whatever installing a hook raises; the model is then as before.
-    """
+    """Gives attached `model` its own hooks (stuck check, batch record, saved form) before Keras makes its
+    functions, so they bind the ``train_step`` hook. Raises what installing a hook raises, the model as before."""
     if not _serves_itself(model):
         surfaces.all_or_none(_installs(model) + [lambda: _batch_hook(model)])
         # Its wrapper's make hook goes on now, outermost, so the checks wrap the step scope.
@@ -255,21 +244,22 @@ def serve_optimizer(optimizer: Any) -> None:
 
 
 def _attach(model: Any) -> None:
-    """As Keras makes `model`'s train function: a model `serve` did not hook gets the check and batch
-    record while its optimizer is a tfmp one (the function made again), and loses them after."""
+    """As Keras makes `model`'s train function: a model `serve` did not hook has the check and batch
+    record while its optimizer is a tfmp one."""
     if record.detached(model):
         return
     optimizer = getattr(model, "optimizer", None)
-    if optimizer in _live:
+    live = optimizer in _live
+    if live:
         build_before_tracing(model, optimizer)
         start_fit(optimizer)
     if _serves_itself(model):
-        if optimizer in _live:
+        if live:
             _served.add(optimizer)
-    elif optimizer in _live and not train_function.has_check(model, "stuck"):
+    elif live and not train_function.has_check(model, "stuck"):
         train_function.add_check(model, "stuck", functools.partial(_check_after_step, model))
         _watch_batches(model)  # makes the train function again: the check above is kept
-    elif optimizer not in _live and train_function.has_check(model, "stuck"):  # compiled with another one
+    elif not live and train_function.has_check(model, "stuck"):  # compiled with another one
         train_function.remove_check(model, "stuck")
         _unwatch_batches(model)
     release_if_unused()
@@ -322,8 +312,8 @@ def _recording_step(model: Any, next_step: Callable) -> Callable:
 
 
 def build_before_tracing(model: Any, optimizer: Any) -> None:
-    """Builds `optimizer` for `model` before the first trace, as Keras does under a strategy: a trace
-    that fails would leave every slot and counter uninitialized."""
+    """Builds `optimizer` before the first trace (as Keras does under a strategy): a failed trace would
+    leave every slot and counter uninitialized."""
     if not optimizer.built and model.built and model.trainable_variables:
         with model.distribute_strategy.scope():
             optimizer.build(model.trainable_variables)
@@ -331,7 +321,7 @@ def build_before_tracing(model: Any, optimizer: Any) -> None:
 
 def _check_after_step(model: Any, logs: Any) -> Any:
     optimizer = getattr(model, "optimizer", None)
-    if optimizer in _live and optimizer.built:
+    if optimizer in _live:
         optimizer.raise_if_stuck()
     return logs
 
@@ -351,10 +341,9 @@ def scaled_gradients(
         grads = tfmp.scaled_gradients(tape, loss, model.trainable_variables, opt)
         opt.apply(grads, model.trainable_variables)
 
-    When the step runs in a `tf.function`, call `opt.raise_if_stuck()` after it (eager
-    `apply` and `model.fit` do so already). Works for any Keras optimizer: a
-    `LossScaleOptimizer` multiplies by its current scale (and records whether the loss is
-    finite), a plain one by its `loss_scale_factor`, if any.
+    In a `tf.function` step, call `opt.raise_if_stuck()` after it (eager `apply` and
+    `model.fit` do). Any Keras optimizer works: a `LossScaleOptimizer` multiplies by its
+    scale (and records whether the loss is finite), a plain one by its `loss_scale_factor`, if any.
 
     Args:
         tape: `tf.GradientTape` that recorded `loss` and has not yet computed gradients

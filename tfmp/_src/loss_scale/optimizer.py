@@ -32,7 +32,6 @@ from tfmp._src.loss_scale import saved_form as _saved_form
 from tfmp._src.float32 import step_state as _step_state
 from tfmp._src.loss_scale import user_settings as _user_settings
 from tfmp._src.policy.fused_update import fused_updates
-from tfmp._src.loss_scale.loops import DEFAULT_MAX_CONSECUTIVE_OVERFLOWS
 from tfmp._src.policy import speedups
 
 _INT = "int64"
@@ -62,11 +61,6 @@ class _Applying(NamedTuple):
     statistics: tuple = ()
 
 
-def _status(flags: dict) -> Any:
-    """Int64 scalar tensor: the `STATUS_BITS` of the names whose bool tensor in `flags` is True."""
-    return sum(ops.cast(flag, _INT) * STATUS_BITS[name] for name, flag in flags.items())
-
-
 def _forwarded(name: str) -> property:
     """`name` on the inner optimizer; the wrapper's own before it exists and while the wrapper builds."""
 
@@ -92,24 +86,23 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
 
     A finite step divides the gradients by the scale and hands them to `inner_optimizer`;
     after `dynamic_growth_steps` finite steps in a row the scale doubles, up to `max_scale`.
-    A non-finite step (per `guard`) is skipped and counted and, after `hysteresis` in a row,
-    the scale halves, never below `min_scale`. The inner `iterations` (and so learning-rate
-    schedules) do not advance on a skipped step; `total_steps` counts every step.
+    A non-finite step (per `guard`) is skipped and counted; after `hysteresis` in a row the
+    scale halves, never below `min_scale`. A skipped step does not advance the inner
+    `iterations` (nor learning-rate schedules); `total_steps` counts every step.
 
-    Optimizer variables (scalars, made in `build`, saved): `dynamic_scale` (float32),
-    `step_counter` (finite steps since the last scale change), and int64 `overflow_count`
-    (skipped steps), `consecutive_overflows`, `last_overflow_step` (zero-based index of the
-    last skipped step, -1 if none), `total_steps` (every `apply`), `min_scale_overflows`
-    (skips in a row at `min_scale`), `last_loss_status` (the last step's findings on any
-    replica, `STATUS_BITS`: 1 NaN, 2 inf in the loss given to `scale_loss`; 4 NaN, 8 inf in
-    the batch of Keras's train step; 16 a non-finite value the step would write, with
-    ``"values"``) and `last_overflow_status` (those bits at the last skip). Ring buffers
-    indexed by `overflow_count % OVERFLOW_HISTORY` (64): `overflow_history_steps` (int64,
-    -1 if none) and `overflow_history_scales` (float32, (64, 2): scale before and after).
+    Optimizer variables (scalars made in `build`, saved): `dynamic_scale` (float32),
+    `step_counter` (finite steps since the last scale change), and int64 `overflow_count`,
+    `consecutive_overflows`, `last_overflow_step` (zero-based, -1 if none), `total_steps`,
+    `min_scale_overflows` (skips in a row at `min_scale`), `last_loss_status` (the last
+    step's `STATUS_BITS` on any replica: 1 NaN, 2 inf in the loss given to `scale_loss`; 4
+    NaN, 8 inf in the train step's batch; 16 a non-finite value the ``"values"`` guard
+    caught) and `last_overflow_status` (those bits at the last skip). Ring buffers indexed
+    by `overflow_count % OVERFLOW_HISTORY` (64): `overflow_history_steps` (int64, -1 if
+    none), `overflow_history_scales` (float32, (64, 2): scale before and after).
 
-    Stuck detection: after `max_consecutive_overflows` skips in a row, or
-    `MIN_SCALE_PATIENCE` (3) at `min_scale`, `raise_if_stuck` raises `tfmp.NonFiniteError`
-    (or warns, `on_stuck="warn"`), after every eager `apply` and every `model.fit` step.
+    Stuck: after `max_consecutive_overflows` skips in a row, or `MIN_SCALE_PATIENCE` (3)
+    at `min_scale`, `raise_if_stuck` raises `tfmp.NonFiniteError` (or warns,
+    `on_stuck="warn"`), after every eager `apply` and every `model.fit` step.
 
     Args:
         inner_optimizer: `keras.optimizers.Optimizer` to wrap; its clipping, weight decay
@@ -125,22 +118,21 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         loss_scaling: Bool. False fixes the scale at 1.0 (bfloat16, float32); non-finite
             steps are still skipped and counted.
         guard: String, what a step is checked for (costs in `benchmarks/guard_cost.py`):
-            `"batch"` or `"loss"` (only with
-            `loss_scaling=False`), `"gradients"`, `"values"` (not under a tf.distribute
-            strategy) or `"auto"` (default: `"gradients"` with loss scaling, `"batch"`
-            without). A step applied without `scale_loss` gets the gradients check.
+            `"batch"` or `"loss"` (only with `loss_scaling=False`), `"gradients"`,
+            `"values"` (not under a tf.distribute strategy) or `"auto"` (default:
+            `"gradients"` with loss scaling, `"batch"` without). A step applied without
+            `scale_loss` gets the gradients check.
         name: String or None.
         **kwargs: Keras's backwards-compatibility arguments (`dynamic=True` and the base
             optimizer's defaults); anything else raises ValueError.
 
-    `fused_updates` (bool attribute, not saved): run an inner Adam's or SGD's update on
-    TensorFlow's fused kernel (`tfmp._src.policy.fused_update`). Default: True where no
-    GPU or TPU runs the steps, unless made under ``tfmp.enable(speedups=False)`` or
-    ``{"fused_update": False}``. Read when a step is traced.
+    `fused_updates` (bool attribute, not saved, read when a step is traced): run an inner
+    Adam's or SGD's update on TensorFlow's fused kernel. Default: True where no GPU or TPU
+    runs the steps, unless made under ``tfmp.enable(speedups=False)`` or ``{"fused_update": False}``.
 
-    The inner optimizer's settings (`FORWARDED_SETTINGS`, `learning_rate` and public
-    attributes of its class such as Adam's `beta_1`) and `exclude_from_weight_decay` are
-    reached through the wrapper. Setting `loss_scale_factor` on the wrapper raises.
+    The inner optimizer's settings (`FORWARDED_SETTINGS`, `learning_rate`, public
+    attributes such as Adam's `beta_1`) and `exclude_from_weight_decay` are reached
+    through the wrapper. Setting `loss_scale_factor` on the wrapper raises.
 
     Raises:
         ValueError: (template, naming the argument) a value outside what Args gives, an
@@ -162,7 +154,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         min_scale: float = _arguments.DEFAULT_MIN_SCALE,
         max_scale: float = 2.0**24,
         hysteresis: int = 1,
-        max_consecutive_overflows: int = DEFAULT_MAX_CONSECUTIVE_OVERFLOWS,
+        max_consecutive_overflows: int = _loops.DEFAULT_MAX_CONSECUTIVE_OVERFLOWS,
         on_stuck: str = "raise",
         loss_scaling: bool = True,
         guard: str = "auto",
@@ -218,7 +210,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
                 "without the wrapper for a fixed loss_scale_factor.",
             )
         if (inner is not None and not name.startswith("_") and name not in vars(self)
-                and not hasattr(type(self), name) and hasattr(type(inner), name) is False and name in vars(inner)):
+                and not hasattr(type(self), name) and not hasattr(type(inner), name) and name in vars(inner)):
             setattr(inner, name, value)  # e.g. Adam's beta_1
             return
         super().__setattr__(name, value)
@@ -251,8 +243,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
     def record_batch(self, data: Any) -> None:
         """Records whether the float tensors of the train step's batch `data` are finite.
 
-        Called by tfmp as ``train_step(data)`` starts; the step's `scale_loss` stores it in
-        `last_loss_status` (bits 4 and 8).
+        Called by tfmp as ``train_step(data)`` starts; `scale_loss` stores it in `last_loss_status` (bits 4, 8).
         """
         leaves = [leaf for leaf in tf.nest.flatten(data) if isinstance(leaf, tf.Tensor) and leaf.dtype.is_floating]
         if leaves:
@@ -271,13 +262,13 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
             flags = {"loss nan": ops.any(ops.isnan(value)), "loss inf": ops.any(ops.isinf(value))}
         if batch is not None:
             flags.update(zip(("batch nan", "batch inf"), batch))
-        self.last_loss_status.assign(_status(dict(zip(flags, _distribute.any_replica(list(flags.values()))))))
+        found = _distribute.any_replica(list(flags.values()))  # on any replica
+        self.last_loss_status.assign(sum(ops.cast(flag, _INT) * STATUS_BITS[name] for name, flag in zip(flags, found)))
 
     def scale_loss(self, loss: Any) -> Any:
         """Multiplies `loss` by the scale, recording whether the loss (and the batch) is finite.
 
-        The record tells a non-finite loss from gradient overflow (stuck detection, the
-        ``"batch"`` and ``"loss"`` guards).
+        The record tells a non-finite loss from gradient overflow (stuck detection, guards).
         """
         self._steps.note_scale_loss(self.built)
         self._record_status(loss)

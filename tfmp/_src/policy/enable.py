@@ -52,9 +52,9 @@ _session_hooks: List[trainer.Hook] = []
 _OPTIONAL_SESSION_HOOKS = (
     ("first_step", lambda: trainer.install_make_train_function_hook(
         _warn_if_compiled_before_enable, owner="enable.first_step")),
-    ("loaded_layers", lambda: loaded_layers.install()),
-    ("exact_layers", lambda: exact_layers.install()),
-    ("build_errors", lambda: build_errors.install()),
+    ("loaded_layers", loaded_layers.install),
+    ("exact_layers", exact_layers.install),
+    ("build_errors", build_errors.install),
 )
 
 
@@ -67,11 +67,8 @@ _warned_compiled_before: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def _set_current(state: Optional[Session]) -> None:
-    """Makes `state` this thread's session; installs the session hooks for the first, removes them after the last.
-
-    Raises:
-        Whatever installing a hook raises; this thread's session is then as before.
-    """
+    """Makes `state` this thread's session; installs the session hooks for the first, removes them after the
+    last. Raises what installing a hook raises, this thread's session then as before."""
     speed = attachment_hooks.speed_features(state.speedups) if state else frozenset()
     with session.lock:
         before = session.replace(state)
@@ -138,14 +135,13 @@ def enable(
 
     Call it before building the model: layers take the global policy when they are
     created. Like Keras's global policy, it applies to the calling thread. Called
-    again with the same policy it changes only the options; another policy replaces
-    the first, with a `UserWarning` (models compiled before keep theirs), and
-    `disable()` still restores the policy in force before the first call.
+    again, the same policy changes only the options; another replaces it with a
+    `UserWarning` (models compiled before keep theirs; `disable()` still restores
+    the policy in force before the first call).
 
     Models compiled while enabled get float32 forcing; a `tfmp.LossScaleOptimizer`
-    when they compute in float16 or bfloat16, or under float32 when `debug` or
-    `loss_scale_options` ask for one; and, with `debug`, `tfmp.check_numerics`. A
-    model loaded with `keras.models.load_model` comes back exactly as saved.
+    in float16 or bfloat16, or in float32 when `debug` or `loss_scale_options` ask;
+    and, with `debug`, `tfmp.check_numerics`. A loaded model comes back as saved.
     Training a model compiled before `enable()` warns at its first step.
 
     Args:
@@ -157,10 +153,8 @@ def enable(
             tfmp's defaults (outputs, softmax, normalization).
         exclude_float32: Same form: layers tfmp must not force.
         loss_scale_options: Dict or None. Keyword arguments for
-            `tfmp.LossScaleOptimizer` (e.g. ``{"initial_scale": 2.0**15}``). Its
-            ``guard`` (what a step is checked for before it is applied) defaults
-            to every gradient under float16 and to ``"batch"`` (batch, loss and
-            gradients) otherwise; ``"loss"`` checks the loss alone.
+            `tfmp.LossScaleOptimizer` (e.g. ``{"initial_scale": 2.0**15}``); its
+            ``guard`` defaults to every gradient under float16, else ``"batch"``.
         allow_pure_16bit: Bool. Accept ``"float16"``/``"bfloat16"`` policies, which
             keep no float32 master weights. Default False.
         tf32: Bool or None. Switch TF32 matmuls on GPUs of compute capability
@@ -169,9 +163,8 @@ def enable(
         debug: Bool or dict. True instruments every model compiled while enabled
             with `tfmp.check_numerics` (first non-finite layer raises
             `tfmp.NonFiniteError`); a dict gives its keyword options, e.g.
-            ``{"action": "warn", "phase": "forward"}``. Default False. Also
-            makes the optimizer check every gradient (``guard="gradients"``)
-            unless `loss_scale_options` set a guard.
+            ``{"action": "warn"}``. Default False. Also sets
+            ``guard="gradients"`` unless `loss_scale_options` set a guard.
         device_facts: `tfmp.DeviceFacts` or None. Device facts to decide "auto"
             for; None reads this machine's.
         speedups: Bool or dict of feature name -> bool. tfmp's speed features
@@ -182,9 +175,8 @@ def enable(
             Each model keeps what it was compiled or loaded with
             (`tfmp.attachment(model).speedups`; a saved file does not keep it).
         verbose: Bool. True (default): each ``compile`` prints one line to stdout
-            saying what tfmp did (the policy, the layers forced to float32 and
-            why, the optimizer wrapped or left alone), again only when it
-            changed; ``fit`` prints nothing. False prints nothing.
+            saying what tfmp did (policy, layers forced to float32 and why,
+            optimizer), again only when it changed. False prints nothing.
 
     Returns:
         `PolicyDecision`: `.policy` (Keras policy name) and `.reason`.
@@ -206,10 +198,9 @@ def enable(
         tfmp.PerformanceWarning: an explicit policy slower than float32 here.
         UserWarning: this thread is already enabled with another policy, which
             this call replaces (the old and new policy and the fix).
-        tfmp.LossScaleWarning: `loss_scale_options` set loss-scaling settings
-            (``initial_scale``, ``dynamic_growth_steps``, ``min_scale``,
-            ``max_scale``, ``hysteresis``) without ``loss_scaling`` while the
-            policy computes in bfloat16 or float32, where the scale stays 1.0.
+        tfmp.LossScaleWarning: `loss_scale_options` set scaling settings
+            (``initial_scale``, ``dynamic_growth_steps``, ``min_scale``, ``max_scale``,
+            ``hysteresis``) without ``loss_scaling`` under a bfloat16 or float32 policy.
         tfmp.UnmatchedTargetWarning: later, at ``compile()``: a `keep_float32`
             or `exclude_float32` target matches no layer of the model compiled
             (once per model and target; see `tfmp.force_float32`).
@@ -230,9 +221,7 @@ def _start(say_replaced: bool, policy: Union[str, keras.DTypePolicy], keep_float
     exclude_float32 = targets_from("exclude_float32", exclude_float32)
     check_debug(debug)
     wanted_speedups = checked_speedups(speedups)
-    decision = resolve_policy(
-        policy, allow_pure_16bit=allow_pure_16bit, device_facts=device_facts
-    )
+    decision = resolve_policy(policy, allow_pure_16bit=allow_pure_16bit, device_facts=device_facts)
     loss_scale_options = checked_loss_scale_options(loss_scale_options, decision.compute_dtype)
     state = session.current()
     if say_replaced and state is not None and state.decision.policy != decision.policy:
@@ -242,10 +231,8 @@ def _start(say_replaced: bool, policy: Union[str, keras.DTypePolicy], keep_float
     previous_tf32 = state.previous_tf32 if state else None
     if tf32 is not None and previous_tf32 is None:
         previous_tf32 = tf.config.experimental.tensor_float_32_execution_enabled()
-    _set_current(
-        Session(decision, previous, previous_tf32, keep_float32, exclude_float32, loss_scale_options, debug,
-                wanted_speedups, verbose)
-    )
+    _set_current(Session(decision, previous, previous_tf32, keep_float32, exclude_float32, loss_scale_options,
+                         debug, wanted_speedups, verbose))
     if tf32 is not None:
         tf.config.experimental.enable_tensor_float_32_execution(tf32)
     keras.config.set_dtype_policy(decision.policy)
@@ -287,14 +274,11 @@ def disable() -> None:
 
 
 @contextlib.contextmanager
-def policy_scope(
-    policy: Union[str, keras.DTypePolicy] = "auto", **options: Any
-) -> Iterator[PolicyDecision]:
+def policy_scope(policy: Union[str, keras.DTypePolicy] = "auto", **options: Any) -> Iterator[PolicyDecision]:
     """Context-manager form of `enable()`; restores the previous state on exit.
 
     The previous global policy (and any enclosing `enable()` with its options) is
-    back on exit, also when the block raises; a scope inside `enable()` with
-    another policy does not warn.
+    back on exit, also when the block raises; it does not warn inside `enable()`.
 
     Args:
         policy: As for `enable()`.
@@ -348,13 +332,8 @@ def _warn_if_built_before_enable(model: keras.Model, policy: str) -> None:
 def _warn_if_compiled_before_enable(model: keras.Model) -> None:
     """At `fit`: warns once when `model` was compiled without tfmp while tfmp is on."""
     state = session.current()
-    if (
-        state is None
-        or state.decision.policy == "float32"
-        or trainer.compiled_by_tfmp(model)
-        or trainer.restored_by_keras(model)
-        or model in _warned_compiled_before
-    ):
+    if (state is None or state.decision.policy == "float32" or trainer.compiled_by_tfmp(model)
+            or trainer.restored_by_keras(model) or model in _warned_compiled_before):
         return
     _warned_compiled_before.add(model)
     optimizer = getattr(model, "optimizer", None)

@@ -30,7 +30,6 @@ from tfmp._src.layer_tree import is_wiring, own_weights, walk
 from tfmp._src.policy import session
 from tfmp._src.policy.hardware import detect_device_facts
 
-_LOW = LOW_PRECISION
 #: How a user gets tfmp's float32 forcing on a model it has not forced.
 _FORCE_FIX = "Compiling the model while tfmp is enabled, or tfmp.force_float32(model),"
 
@@ -58,20 +57,16 @@ def _expected_policy(model: keras.Model) -> Tuple[str, str]:
 
 
 def _layer_warnings(path, layer, reason, producers, policy, tensor_cores, built_under_policy=False):
-    """Yields ``(kind, message)`` pairs for one layer.
-
-    With `built_under_policy` (the model was made under `policy`), a float32
-    layer is its author's choice, not a policy mismatch.
-    """
+    """Yields ``(kind, message)`` pairs for one layer; `built_under_policy`: a float32 layer is its author's choice."""
     compute = layer.compute_dtype
     excluded = _float32.excluded_by_user(layer) or _registry.is_excluded(layer, path, ())
-    if compute in _LOW and not excluded and _registry.builtin_reason(layer):
+    if compute in LOW_PRECISION and not excluded and _registry.builtin_reason(layer):
         reduction = _reductions.wide_reduction(layer)
         yield "sensitive_16bit", (
             f"'{path}' ({type(layer).__name__}) computes in {compute}; "
             + (reduction.advice(path) if reduction else _FORCE_FIX + " computes it in float32.")
         )
-    if compute in _LOW and id(layer) in producers and reason not in _registry.CAST_ONLY:
+    if compute in LOW_PRECISION and id(layer) in producers and reason not in _registry.CAST_ONLY:
         yield "output_16bit", (
             f"'{path}' produces a model output in {compute}; outputs (and the loss) should be float32. "
             + (f"An exclusion keeps it out of float32: remove the target matching '{path}' from "
@@ -79,7 +74,7 @@ def _layer_warnings(path, layer, reason, producers, policy, tensor_cores, built_
                "tfmp.register_float32(..., exclude=True) (tfmp.unregister_float32)."
                if excluded else _FORCE_FIX + " makes its output float32.")
         )
-    low_vars = sorted({w.dtype for w in own_weights(layer) if w.dtype in _LOW})
+    low_vars = sorted({w.dtype for w in own_weights(layer) if w.dtype in LOW_PRECISION})
     if low_vars:
         yield "variables_16bit", (
             f"'{path}' stores its weights in {low_vars[0]}: no float32 master weights, "
@@ -94,7 +89,7 @@ def _layer_warnings(path, layer, reason, producers, policy, tensor_cores, built_
             f"before tfmp.enable(), rebuild it after; if the layer was given "
             f"dtype='{layer.dtype_policy.name}', pass dtype='{policy}' or leave dtype out."
         )
-    if tensor_cores and compute in _LOW:
+    if tensor_cores and compute in LOW_PRECISION:
         for name, size in _dims(layer):
             if size is not None and size % 8:
                 yield "tensor_core_dims", (
@@ -143,21 +138,16 @@ def _record_outputs(layers: Sequence[keras.layers.Layer]) -> Tuple[Dict[int, Lis
     """Hooks each layer's ``call`` to record its output dtypes; returns (records, hooks)."""
     seen: Dict[int, List[str]] = {}
 
-    def recorder(key: int):
-        def wrap(original):
-            @functools.wraps(original)
-            def call(*args, **kwargs):
-                outputs = original(*args, **kwargs)
-                seen.setdefault(key, []).extend(
-                    d for d in map(_dtype, keras.tree.flatten(outputs)) if d is not None
-                )
-                return outputs
+    def wrap(original, key: int):
+        @functools.wraps(original)
+        def call(*args, **kwargs):
+            outputs = original(*args, **kwargs)
+            seen.setdefault(key, []).extend(d for d in map(_dtype, keras.tree.flatten(outputs)) if d is not None)
+            return outputs
 
-            return call
+        return call
 
-        return wrap
-
-    hooks = [layer_calls.subscribe(layer, "call", recorder(id(layer)), owner="audit.outputs")
+    hooks = [layer_calls.subscribe(layer, "call", functools.partial(wrap, key=id(layer)), owner="audit.outputs")
              for layer in layers]
     return seen, hooks
 
@@ -263,7 +253,7 @@ def audit(
                 hook.remove()
         late += errors
         for i, dtype in enumerate(out_dtypes):
-            if dtype in _LOW:
+            if dtype in LOW_PRECISION:
                 late.append(AuditWarning("output_16bit", f"<output {i}>", (
                     f"model output {i} is {dtype} at run time; {_FORCE_FIX} casts a subclassed "
                     "model's outputs to float32 (or cast it in call(): keras.ops.cast(x, 'float32'))."
@@ -310,7 +300,7 @@ def audit(
                              _fused_batchnorm.audit_note(layer)))
     found += late
     global_compute = keras.config.dtype_policy().compute_dtype
-    if tensor_cores and batch_size and batch_size % 8 and global_compute in _LOW:
+    if tensor_cores and batch_size and batch_size % 8 and global_compute in LOW_PRECISION:
         found.append(AuditWarning("tensor_core_dims", "<batch>", (
             f"batch size {batch_size} is not a multiple of 8; Tensor Cores need multiples of 8 "
             f"in 16 bits: use e.g. {_next_multiple_of_8(batch_size)}.")))

@@ -115,10 +115,8 @@ def check_batch(model: keras.Model, batch: Any) -> None:
 
 
 def gradient_check(model, batch, entries):
-    """Runs one training-mode forward/backward pass; returns (gradient rows, output dtypes, warnings).
-
-    Variables and build state are left as they were; errors other than a dtype mismatch propagate.
-    """
+    """One training-mode forward/backward pass, variables and build state restored: (gradient rows, output dtypes,
+    warnings); errors other than a dtype mismatch propagate."""
     x = batch[0] if isinstance(batch, tuple) else batch
     with _variables_restored(model), build_state_restored_on_error(model):
         try:

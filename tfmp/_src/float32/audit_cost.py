@@ -8,6 +8,7 @@ multiplied parameters and the change that computes each in 16 bits.
 
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import keras
@@ -21,7 +22,6 @@ from tfmp._src.layer_tree import is_wiring, own_weights
 FLOAT32_HEAVY_FRACTION = 0.5
 #: How many forced layers the finding names, largest first.
 NAMED_LAYERS = 3
-_INSIDE = "inside "
 #: Why an unforced tied embedding's projection counts as float32 compute.
 KERAS_PROJECTION = "tied projection in float32 (Keras: table not autocast)"
 
@@ -32,10 +32,7 @@ def float32_projection(layer: keras.layers.Layer) -> bool:
 
 
 def _size(variable) -> int:
-    size = 1
-    for dim in variable.shape:
-        size *= int(dim)
-    return size
+    return math.prod(int(dim) for dim in variable.shape)
 
 
 def multiplied_params(layer: keras.layers.Layer, weights: Sequence, projecting: bool) -> int:
@@ -56,11 +53,6 @@ def borrowed_tables(layer: keras.layers.Layer, parents: Dict[int, object]) -> in
     return sum(_size(child.embeddings) for child in child_layers(layer)
                if isinstance(child, keras.layers.Embedding) and not _logits.projects(child)
                and parents.get(id(child), layer) is not layer and getattr(child, "embeddings", None) is not None)
-
-
-def root(path: str, reason: str) -> str:
-    """The path of the layer a rule forced: ``path`` itself, or the forced layer it sits inside."""
-    return reason[len(_INSIDE):] if reason.startswith(_INSIDE) else path
 
 
 def _change(path: str, layer, reason: str, policy: str) -> str:
@@ -114,19 +106,15 @@ def float32_heavy(
     fraction: float,
     policy: str,
 ) -> Optional[str]:
-    """The ``float32_heavy`` message, or None when forced layers hold at most half the cost.
+    """The ``float32_heavy`` message naming the largest forced roots, or None (at most half the cost, not mixed).
 
-    ``forced`` holds ``(path, layer, reason, multiplied parameters)`` of every
-    layer computing in float32 (forced whole, or a `float32_projection`);
-    ``layers`` maps paths to layers; ``total`` and ``fraction`` are the model's
-    multiplied parameters and the share forced. None unless ``policy`` is ``mixed_*``.
-    The message names up to `NAMED_LAYERS` roots, largest first.
+    ``forced``: ``(path, layer, reason, multiplied parameters)`` of each layer computing in float32.
     """
     if fraction <= FLOAT32_HEAVY_FRACTION or not policy.startswith("mixed"):
         return None
     per_root: Dict[str, int] = {}
     for path, _, reason, params in forced:
-        key = root(path, reason)
+        key = reason[len("inside "):] if reason.startswith("inside ") else path  # the forced layer it sits in
         per_root[key] = per_root.get(key, 0) + params
     reasons = {path: reason for path, _, reason, _ in forced}
     named: List[str] = []

@@ -94,10 +94,7 @@ def _conv2d_bias_gradient() -> Any:
 
 
 def measure(dtype: str) -> BiasGradientProbe:
-    """Runs the known-answer checks in `dtype` now (not cached), eagerly even while a function is traced.
-
-    ``source="failed: ..."`` with NaN sums when TensorFlow cannot run them here.
-    """
+    """Runs the known-answer checks in `dtype` now, eagerly (NaN sums, ``source="failed: ..."`` if they cannot run)."""
     import tensorflow as tf
 
     nan = float("nan")
@@ -132,11 +129,9 @@ def injected(loses: bool, dtypes: tuple = LOW_PRECISION,
 
 
 def decision(compute_dtype: str, facts: Optional[DeviceFacts] = None) -> str:
-    """``Attachment.bias_gradient`` for a model computing in `compute_dtype` on this machine.
+    """``Attachment.bias_gradient`` for `compute_dtype` on this machine (``facts`` None) or one with ``facts``.
 
-    `KERAS` when not 16-bit or ``facts`` (None: this machine's) show a GPU or TPU;
-    else ``"summed: <check>"``, ``"summed except after Conv2D: <check>"``,
-    ``"keras: <check>"`` (sum kept) or ``"keras: off, <why>"`` (`availability`).
+    ``"<SUMMED, SUMMED_EXCEPT_CONV2D or KERAS>: <check>"``, or `inside.kept_as_keras`'s text.
     """
     kept = inside.kept_as_keras("bias_gradient", compute_dtype in LOW_PRECISION, facts)
     if kept:
@@ -148,10 +143,7 @@ def decision(compute_dtype: str, facts: Optional[DeviceFacts] = None) -> str:
 
 
 def channel_axis(x: Any, bias: Any) -> Optional[int]:
-    """The axis of `x` Keras's backend ``add`` adds `bias` along with ``tf.nn.bias_add``, or None.
-
-    As ``keras.src.backend.tensorflow.numpy.add``: `bias` squeezes to `x`'s last or second dimension.
-    """
+    """The axis of `x` Keras's backend ``add`` adds `bias` along with ``tf.nn.bias_add`` (last or second), or None."""
     squeezed = [d for d in bias.shape.as_list() if d is None or d > 1]
     if len(squeezed) != 1 or squeezed[0] is None or len(x.shape) < 2:
         return None
@@ -162,12 +154,9 @@ def channel_axis(x: Any, bias: Any) -> Optional[int]:
 
 
 def takes_summed_gradient(x: Any, bias: Any, decided: str, layer: Any = None) -> bool:
-    """Bool. Whether this call of the backend's ``add`` gets `bias_add_summed`.
+    """Whether this ``add`` of dense tensors of one 16-bit dtype, `bias` along `channel_axis`, gets `bias_add_summed`.
 
-    True when both are dense tensors of one 16-bit dtype, `channel_axis` places
-    `bias`, and `decided` sums it: `SUMMED`, or `SUMMED_EXCEPT_CONV2D` unless `x`
-    is a traced Conv2D's output in `layer` whose filter trains (then oneDNN fuses
-    the bias gradient with the filter's).
+    Not under `SUMMED_EXCEPT_CONV2D` after a traced Conv2D of `layer` whose filter trains: oneDNN fuses the two.
     """
     import tensorflow as tf
 
@@ -189,17 +178,9 @@ def _filters_train(layer: Any) -> bool:
     return bool(layer.trainable) and all(w.trainable for w in layer.weights if w is not bias)
 
 
-def layer_decision(layer: Any) -> str:
-    """``Attachment.bias_gradient`` of the calling `layer`'s model; `KERAS` outside an attached layer."""
-    found = record.of_calling(layer)
-    return found.bias_gradient if found is not None else KERAS
-
-
 def bias_add_summed(x: Any, bias: Any, add: Callable) -> Any:
-    """``add(x, bias)`` (Keras's ``tf.nn.bias_add``), with the bias gradient a float32-accumulated ``Sum``.
-
-    `bias`'s gradient is ``dy`` summed over every axis but the `channel_axis`; `x`'s is ``dy``.
-    """
+    """``add(x, bias)`` (Keras's ``tf.nn.bias_add``); `bias`'s gradient is ``dy`` summed (float32-accumulated)
+    over every axis but the `channel_axis`."""
     import tensorflow as tf
 
     axis = channel_axis(x, bias)
@@ -222,7 +203,8 @@ def _replace(call: backend_ops.OpCall) -> Any:
     # Cheap tests first: every keras.ops.add of any model passes here while hooked.
     if isinstance(x1, tf.Tensor) and x1.dtype.name in LOW_PRECISION:  # not a SparseTensor
         layer = layer_calls.calling_layer()
-        decided = layer_decision(layer)
+        attached = record.of_calling(layer)
+        decided = attached.bias_gradient if attached is not None else KERAS
         if decided.startswith(SUMMED):
             import keras
 

@@ -12,7 +12,6 @@ import functools
 from typing import Any, Callable
 
 import keras
-import tensorflow as tf
 
 from tfmp._src.float32 import dtype_errors
 from tfmp._src.keras_hooks import error_texts, layer_calls
@@ -32,9 +31,8 @@ def _failing_layer(root: Any, error: BaseException) -> tuple:
 
 def annotate(layer: Any, error: BaseException) -> BaseException:
     """The exception to raise for `error` met inferring `layer`'s output: explained, or `error` itself."""
-    message = error.message if isinstance(error, tf.errors.OpError) else str(error)
-    dtypes = dtype_errors.mismatched_dtypes(message)
-    if dtypes is None or dtype_errors.explained(error) or "\n\ntfmp: " in message:
+    message, dtypes = dtype_errors.unexplained_mismatch(error)
+    if dtypes is None or "\n\ntfmp: " in message:
         return error
     path, failing = _failing_layer(layer, error)
     return dtype_errors.with_explanation(
@@ -44,15 +42,8 @@ def annotate(layer: Any, error: BaseException) -> BaseException:
 def _wrap(original: Callable) -> Callable:
     @functools.wraps(original)
     def tfmp_compute_output_spec(self: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return original(self, *args, **kwargs)
-        except Exception as error:
-            if session.current() is None:
-                raise
-            new = annotate(self, error)
-            if new is error:
-                raise
-            raise new from error
+        return dtype_errors.call_explained(lambda error: error if session.current() is None else annotate(self, error),
+                                           original, self, *args, **kwargs)
 
     return tfmp_compute_output_spec
 

@@ -42,9 +42,7 @@ class _ModelCall:
 
 
 def _running_calls() -> List[_ModelCall]:
-    if not hasattr(_local, "calls"):
-        _local.calls = []
-    return _local.calls
+    return vars(_local).setdefault("calls", [])
 
 
 def casts_back(layer: keras.layers.Layer) -> bool:
@@ -60,10 +58,8 @@ def handed_back_dtype(layer: keras.layers.Layer) -> Optional[str]:
 
 def cast_float(x, dtype: str):
     """``x`` cast to ``dtype`` when it is a floating tensor of another dtype."""
-    current = getattr(x, "dtype", None)
-    if current is None or not keras.backend.is_float_dtype(current):
-        return x
-    if keras.backend.standardize_dtype(current) == dtype:
+    own = getattr(x, "dtype", None)
+    if own is None or not keras.backend.is_float_dtype(own) or keras.backend.standardize_dtype(own) == dtype:
         return x
     if isinstance(x, keras.KerasTensor):
         return keras.KerasTensor(x.shape, dtype=dtype, sparse=x.sparse)
@@ -71,10 +67,7 @@ def cast_float(x, dtype: str):
 
 
 def install(layer: keras.layers.Layer, parent, only: Optional[Callable[[tuple, dict], bool]] = None) -> None:
-    """Hooks ``layer.call`` and ``compute_output_spec`` to hand back ``parent``'s dtype when 16-bit (idempotent).
-
-    ``only(args, kwargs)``, when given, selects the calls cast.
-    """
+    """Hooks ``layer.call`` and ``compute_output_spec`` to hand back ``parent``'s 16-bit dtype, where `only` says."""
     if layer in _CAST_BACK or parent is None:
         return
     parent_ref = weakref.ref(parent)
@@ -115,10 +108,8 @@ def remove(layer: keras.layers.Layer) -> None:
 
 
 def cast_outputs(model: keras.layers.Layer, only: Optional[Callable[[tuple, dict], bool]] = None) -> bool:
-    """Hooks ``model.call`` (a layer's ``compute_output_spec`` too) to return float32; False if already hooked.
-
-    ``only(args, kwargs)``, when given, selects the calls cast.
-    """
+    """Hooks ``model.call`` (a layer's ``compute_output_spec`` too) to return float32 on the calls `only` selects;
+    False if already hooked."""
     if layer_calls.subscribed(model, "call", "float32.outputs"):
         return False
     model_ref = weakref.ref(model)

@@ -36,9 +36,6 @@ def float32_inside(convolve: Callable, inputs: Any, kernel: Any) -> Any:
     """``convolve(inputs, kernel)`` (Keras's ``conv``, arguments bound) and its gradients in float32, rounded once."""
     import tensorflow as tf
 
-    def wide(x, k):
-        return convolve(tf.cast(x, tf.float32), tf.cast(k, tf.float32))
-
     @tf.custom_gradient
     def conv(x, k):
         def grad(dy):
@@ -49,16 +46,13 @@ def float32_inside(convolve: Callable, inputs: Any, kernel: Any) -> Any:
             dx, dk = tape.gradient(y32, [x32, k32], output_gradients=tf.cast(dy, tf.float32))
             return tf.cast(dx, x.dtype), tf.cast(dk, k.dtype)
 
-        return tf.cast(wide(x, k), x.dtype), grad
+        return tf.cast(convolve(tf.cast(x, tf.float32), tf.cast(k, tf.float32)), x.dtype), grad
 
     return conv(inputs, kernel)
 
 
 def takes_float32_inside(inputs: Any, kernel: Any) -> bool:
-    """Bool. Whether this call of Keras's backend convolution is computed by `float32_inside`.
-
-    True for float16 `inputs` and `kernel` in a layer attached with ``conv`` starting with `FLOAT32_INSIDE`.
-    """
+    """Bool. Whether `float32_inside` computes this convolution: float16 operands, a layer attached to take it."""
     if any(_dtype_name(t) != DTYPE for t in (inputs, kernel)):
         return False
     return inside.calling_layer_takes("conv")

@@ -9,7 +9,7 @@ dtypes and the remedies. The backward pass: `tfmp._src.float32.gradient_errors`.
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import keras
 import tensorflow as tf
@@ -89,11 +89,16 @@ def _rebuilt(error: BaseException, text: str) -> Optional[BaseException]:
     return new
 
 
+def unexplained_mismatch(error: BaseException) -> Tuple[str, Optional[Tuple[str, str]]]:
+    """(text, dtypes) of `error`: dtypes as `mismatched_dtypes`, None too once tfmp has `explained` it."""
+    message = error.message if isinstance(error, tf.errors.OpError) else str(error)
+    return message, (None if explained(error) else mismatched_dtypes(message))
+
+
 def annotate(model: Any, error: BaseException) -> BaseException:
     """The exception to raise for `error` met in `model`: explained (`with_explanation`), or `error` itself."""
-    message = error.message if isinstance(error, tf.errors.OpError) else str(error)
-    dtypes = mismatched_dtypes(message)
-    if dtypes is None or explained(error):
+    message, dtypes = unexplained_mismatch(error)
+    if dtypes is None:
         return error
     path, layer = _failing_layer(model, error, message)
     return with_explanation(error, explanation(path, layer, *dtypes))
@@ -120,19 +125,22 @@ def with_explanation(error: BaseException, text: str) -> BaseException:
     return new.with_traceback(error.__traceback__)
 
 
+def call_explained(annotate: Callable[[BaseException], BaseException], call: Callable, *args: Any,
+                   **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)``; what it raises is raised as `annotate` returns it (a new one chained to it)."""
+    try:
+        return call(*args, **kwargs)
+    except Exception as error:
+        new = annotate(error)
+        if new is error:
+            raise
+        raise new from error
+
+
 def _wrap(model: Any) -> Any:
     def wrap(original):
-        @functools.wraps(original)
-        def explained(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return original(*args, **kwargs)
-            except Exception as error:
-                new = annotate(model, error)
-                if new is error:
-                    raise
-                raise new from error
-
-        return explained
+        return functools.wraps(original)(
+            lambda *args, **kwargs: call_explained(lambda error: annotate(model, error), original, *args, **kwargs))
 
     return wrap
 

@@ -99,8 +99,7 @@ def _saved_float32(layer: keras.layers.Layer, parent) -> bool:
 def _set_float32(layer: keras.layers.Layer, reason: str, parent=None, adopt: bool = False) -> bool:
     """Sets a float32 policy on a 16-bit float layer; True when it changed.
 
-    With ``adopt`` (a model being loaded), a layer saved as forcing left it is
-    recorded as forced and gets its cast-back hook again.
+    With ``adopt`` (loading), a layer saved as forcing left it is recorded as forced and gets its hook again.
     """
     changed = True
     if adopt and _saved_float32(layer, parent):
@@ -115,19 +114,11 @@ def _set_float32(layer: keras.layers.Layer, reason: str, parent=None, adopt: boo
         layer.dtype_policy = "float32"
         _exact.refresh_state(layer)
     _FORCED[layer] = reason
-    _hand_back(layer, reason, parent)
-    return changed
-
-
-def _hand_back(layer: keras.layers.Layer, reason: str, parent) -> None:
-    """Makes a forced layer hand back ``parent``'s dtype, except where it produces a model output.
-
-    A tied embedding producing an output casts back only its lookups.
-    """
-    if reason != "output":
+    if reason != "output":  # hands back the parent's dtype
         _cast_back.install(layer, parent)
-    elif projects(layer):
+    elif projects(layer):  # a tied embedding producing an output casts back only its lookups
         _cast_back.install(layer, parent, only=lambda args, kwargs: not reverse_call(args, kwargs))
+    return changed
 
 
 def _apply_rules(
@@ -136,9 +127,7 @@ def _apply_rules(
 ) -> Set[int]:
     """Forces every ``(path, layer, parent)`` entry some rule selects; returns ids of changed layers.
 
-    ``outputs`` and ``logits``: ids of (logits-only) output layers. ``inherited``: layer id ->
-    path of the forced layer it sits in, updated so that sublayers of a forced layer follow.
-    Raises ValueError when an exclusion matches a float16 3-D pooling layer on a CPU-only machine.
+    ``inherited`` (layer id -> path of the forced layer it sits in) is updated so sublayers follow.
     """
     for path, layer, _ in entries:  # before changing anything
         if layer.compute_dtype == "float16" and _pooling3d.reason(layer) and \
@@ -220,11 +209,7 @@ def _spec_inputs(op, node):
 
 
 def _refresh_graph(graph, changed_ops: Set[int]) -> bool:
-    """Recomputes a Functional graph's symbolic dtypes in place; True when an output's changed.
-
-    Downstream nodes hold the tensors by identity, so each node whose operation (in
-    ``changed_ops``) or non-autocast inputs changed gets its new dtype written into them.
-    """
+    """Recomputes a Functional graph's symbolic dtypes in place; True when an output's changed."""
     changed_tensors: Set[int] = set()
     nodes = nodes_by_depth(graph)
     for depth in sorted(nodes, reverse=True):
@@ -307,10 +292,7 @@ def force_float32(model: keras.Model, *, keep=(), exclude=()) -> keras.Model:
 
 
 def force_compiled(model: keras.Model, *, keep=(), exclude=(), loss=None) -> keras.Model:
-    """`force_float32` as ``compile()`` under `tfmp.enable` calls it, with its ``loss`` (`tfmp._src.float32.logits`).
-
-    A model without layers yet is left as it is.
-    """
+    """`force_float32` as ``compile()`` under `tfmp.enable` calls it (with its ``loss``); skips a layerless model."""
     if not [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]:
         return model
     return _checked_force(model, keep, exclude, loss, arguments=("keep_float32", "exclude_float32"))
@@ -327,10 +309,7 @@ def _checked_force(model: keras.Model, keep, exclude, loss=None, *, arguments) -
 
 
 def force_loaded(model: keras.Model, *, keep=(), exclude=(), loss=None) -> keras.Model:
-    """`force_compiled` for a model Keras is loading, to give its forced layers their hooks back.
-
-    A layer saved in float32 under a 16-bit parent that a rule selects is taken as forced.
-    """
+    """`force_compiled` for a model Keras is loading: a float32 layer under a 16-bit parent a rule selects is forced."""
     if not any(entry.layer.compute_dtype in LOW_PRECISION for entry in walk(model)):
         return model
     return _force(model, _registry.targets_from("keep", keep),

@@ -107,22 +107,18 @@ def fused_call(layer: keras.layers.Layer, inputs: Any, training: Optional[bool])
     data_format = _FORMATS[(rank, axis == 1 and axis != rank - 1)]
     moving_mean = tf.cast(layer.moving_mean, f32)
     moving_variance = tf.cast(layer.moving_variance, f32)
-    if training and layer.trainable:
-        empty = tf.constant([], f32)
-        y, mean, corrected, _, _, _ = tf.raw_ops.FusedBatchNormV3(
-            x=inputs, scale=scale, offset=offset, mean=empty, variance=empty,
-            epsilon=layer.epsilon, exponential_avg_factor=1.0, data_format=data_format,
-            is_training=True)
+    train = bool(training and layer.trainable)
+    empty = tf.constant([], f32)
+    y, mean, corrected, _, _, _ = tf.raw_ops.FusedBatchNormV3(
+        x=inputs, scale=scale, offset=offset, mean=empty if train else moving_mean,
+        variance=empty if train else moving_variance, epsilon=layer.epsilon, exponential_avg_factor=1.0,
+        data_format=data_format, is_training=train)
+    if train:
         n = tf.cast(tf.size(inputs, out_type=tf.int64) // channels, f32)
         variance = corrected * (tf.maximum(n - 1.0, 1.0) / n)
         layer.moving_mean.assign(moving_mean * layer.momentum + mean * (1.0 - layer.momentum))
         layer.moving_variance.assign(
             moving_variance * layer.momentum + variance * (1.0 - layer.momentum))
-    else:
-        y = tf.raw_ops.FusedBatchNormV3(
-            x=inputs, scale=scale, offset=offset, mean=moving_mean, variance=moving_variance,
-            epsilon=layer.epsilon, exponential_avg_factor=1.0, data_format=data_format,
-            is_training=False)[0]
     return tf.cast(y, layer.compute_dtype)
 
 

@@ -76,17 +76,16 @@ class GeluProbe:
 
 
 def float32_inside(x: Any) -> Any:
-    """The exact GELU of 16-bit `x`, computed in float32 and rounded once to `x`'s dtype.
+    """The exact GELU of 16-bit `x` and its gradient, computed in float32 and rounded once to `x`'s dtype.
 
-    So is its gradient ``dy * (Phi(x) + x * phi(x))``: by `fused_gradient` when all
-    but the first dimension of `x` are known, else by TensorFlow's ops.
+    The gradient is `fused_gradient`'s when all but the first dimension of `x` are known.
     """
     import tensorflow as tf
 
     @tf.custom_gradient
     def gelu(x):
         wide = tf.cast(x, tf.float32)
-        y = tf.cast(0.5 * wide * tf.math.erfc(-wide * _SQRT_HALF), x.dtype)
+        y = tf.cast(0.5 * wide * tf.math.erfc(-wide * _SQRT_HALF), x.dtype)  # TensorFlow ops: inference never runs XLA
 
         def grad(dy):
             if x.shape[1:].is_fully_defined():
@@ -109,11 +108,7 @@ def _gradient(x: Any, dy: Any) -> Any:
 
 @functools.lru_cache(maxsize=None)
 def fused_gradient() -> Callable:
-    """The GELU gradient ``(x, dy) -> dy * GELU'(x)`` as one XLA-compiled `tf.function`.
-
-    XLA fuses its dozen elementwise ops into one loop, compiled once per shape of ``x``;
-    the forward pass stays TensorFlow's, so inference never runs XLA.
-    """
+    """`_gradient` as one XLA-compiled `tf.function`: its dozen elementwise ops fused in one loop (per shape)."""
     import tensorflow as tf
 
     return tf.function(_gradient, jit_compile=True, autograph=False, reduce_retracing=True)
@@ -135,11 +130,9 @@ def _dense_step(gelu: Callable) -> Any:
 
 def measure(dtype: str, budget_s: float = BUDGET_S, repeats: int = REPEATS,
             shape: Tuple[int, int, int] = (ROWS, INPUTS, UNITS)) -> GeluProbe:
-    """Times a 16-bit Dense + GELU with Keras's GELU and with `float32_inside`, now (not cached).
+    """Times a 16-bit Dense + GELU step, forward and backward, with Keras's GELU and with `float32_inside`.
 
-    ``gelu(x @ w + b)`` forward and backward for ``shape = (rows, inputs, units)``,
-    alternately, up to `repeats` calls each or `budget_s` seconds; the fastest counts.
-    ``source="failed: ..."`` with NaN times when TensorFlow cannot run it or a function is traced.
+    Alternately, up to `repeats` calls each or `budget_s` seconds; NaN times (``"failed: ..."``) when it cannot run.
     """
     import tensorflow as tf
 

@@ -153,11 +153,8 @@ def _failing_layer(error: BaseException, sources: Any) -> Optional[Tuple[str, An
 
 def annotate(error: BaseException, sources: Any) -> BaseException:
     """The exception to raise for `error` out of ``tape.gradient(target, sources)``: explained, or `error`."""
-    message = error.message if isinstance(error, tf.errors.OpError) else str(error)
-    dtypes = dtype_errors.mismatched_dtypes(message)
-    if dtypes is None or dtype_errors.explained(error):
-        return error
-    found = _failing_layer(error, sources)
+    dtypes = dtype_errors.unexplained_mismatch(error)[1]
+    found = None if dtypes is None else _failing_layer(error, sources)
     if found is None:
         return error
     path, layer, received = found
@@ -167,13 +164,8 @@ def annotate(error: BaseException, sources: Any) -> BaseException:
 def _wrap(gradient: Callable) -> Callable:
     @functools.wraps(gradient)
     def explained_gradient(self: Any, target: Any, sources: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return gradient(self, target, sources, *args, **kwargs)
-        except Exception as error:
-            new = annotate(error, sources)
-            if new is error:
-                raise
-            raise new from error
+        return dtype_errors.call_explained(
+            lambda error: annotate(error, sources), gradient, self, target, sources, *args, **kwargs)
 
     return explained_gradient
 

@@ -53,11 +53,9 @@ def takes_logits(loss: Any) -> bool:
 
 
 def logits_layers(model: keras.Model, loss: Any) -> Set[int]:
-    """Ids of the leaf layers of ``model`` whose outputs are all logits of ``loss``.
+    """Ids of the `linear_output` layers producing outputs of ``model`` that all have a from-logits loss.
 
-    ``loss`` is what ``compile`` receives (one loss, a list or a dict by output
-    name). Empty for a model without a graph or without a loss. A layer counts
-    when it produces outputs directly, `linear_output`, each with a from-logits loss.
+    ``loss`` is what ``compile`` receives (one, a list or a dict by output name); empty without a graph or loss.
     """
     graph = functional_graph(model)
     if loss is None or graph is None:

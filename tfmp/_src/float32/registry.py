@@ -105,7 +105,6 @@ BUILTIN_CLASSES: Tuple[type, ...] = (
     keras.layers.Softmax, keras.layers.UnitNormalization, *SOFTMAX_INSIDE)
 #: The reason `tfmp.audit` shows for an `EXACT_PREPROCESSING` layer.
 EXACT = "exact preprocessing"
-SOFTMAX_ACTIVATIONS = frozenset({"softmax", "log_softmax"})
 #: Why an output-producing block keeps its 16-bit policy and returns float32 (`decide`).
 OUTPUT_CAST = "output cast to float32 (body 16-bit)"
 #: Reasons of output producers that keep their 16-bit policy: only their outputs are cast.
@@ -298,11 +297,6 @@ def matches(layer: keras.layers.Layer, path: str, targets: Iterable[Target]) -> 
                for target in targets)
 
 
-def activation_name(layer: keras.layers.Layer) -> str:
-    """Name of the layer's activation function (``""`` when it has none)."""
-    return getattr(getattr(layer, "activation", None), "__name__", "") or ""
-
-
 def _call_class_path(layer: keras.layers.Layer) -> str:
     """``module.ClassName`` of the class in ``type(layer).__mro__`` that defines ``call``."""
     for klass in type(layer).__mro__:
@@ -333,14 +327,6 @@ def keras_float32_reason(layer: keras.layers.Layer) -> Optional[str]:
     return f"float32 inside Keras >= {note.keras_version}"
 
 
-def is_block(layer: keras.layers.Layer) -> bool:
-    """True for a layer with sublayers whose ``call`` is not Keras's (a custom block).
-
-    A Keras layer with sublayers (MultiHeadAttention, an RNN) is one computation: a leaf.
-    """
-    return bool(child_layers(layer)) and not _call_class_path(layer).startswith("keras.")
-
-
 def builtin_reason(layer: keras.layers.Layer) -> Optional[str]:
     """Why a built-in rule keeps ``layer`` in float32 (``"softmax"``, ``"known fix: <why>"``...), or None."""
     if isinstance(layer, keras.layers.Softmax):
@@ -361,8 +347,8 @@ def builtin_reason(layer: keras.layers.Layer) -> Optional[str]:
         return "normalization"
     if _note(layer, FLOAT32_INSIDE_KERAS) is not None and keras_float32_reason(layer) is None:
         return "normalization"  # listed, but this Keras is older than the note's version
-    name = activation_name(layer)
-    if name in SOFTMAX_ACTIVATIONS:
+    name = getattr(getattr(layer, "activation", None), "__name__", "") or ""
+    if name in ("softmax", "log_softmax"):
         return "softmax" if isinstance(layer, keras.layers.Activation) else f"fused {name}"
     return _reductions.reason(layer)
 
@@ -376,15 +362,14 @@ def decide(
     exclude: Tuple[Target, ...] = (),
     logits: bool = False,
 ) -> Optional[str]:
-    """Reason to keep ``layer`` in float32 under all rules, or None.
+    """Reason to keep ``layer`` in float32 (exclusion, output, built-in, keep rules, in that order), or None.
 
-    Order: any exclusion wins; then output position; then built-in rules; then
-    keep targets. An output-producing block or logits layer is ``"output"`` only
-    when a rule selects it, else `OUTPUT_CAST` / `LOGITS_CAST` (only its output cast).
+    An output-producing custom block or logits layer gets `OUTPUT_CAST` / `LOGITS_CAST` unless a rule selects it.
     """
     if is_excluded(layer, path, exclude):
         return None
-    block = is_block(layer)
+    # A custom block: sublayers, and a call that is not Keras's (MultiHeadAttention or an RNN is one computation).
+    block = bool(child_layers(layer)) and not _call_class_path(layer).startswith("keras.")
     if is_output and not block and not logits:
         return "output"
     reason = builtin_reason(layer)

@@ -53,11 +53,6 @@ def _matched(target: Any, entries: Iterable[Tuple[str, Any, Any]]) -> bool:
     return any(_registry.matches(layer, path, (target,)) for path, layer, _ in entries)
 
 
-def _builds_sublayers(layer: Any) -> bool:
-    """False when ``layer``'s class keeps Keras's default ``build``, which creates nothing."""
-    return type(layer).build is not keras.layers.Layer.build
-
-
 def check(
     model: keras.Model,
     targets: Sequence[Tuple[str, Tuple[Any, ...]]],
@@ -97,12 +92,9 @@ def _wait(model: keras.Model, found: _Check, layers: Sequence[Tuple[str, Any]],
     if not found.unmatched:
         return
     for path, layer in layers:
-        if layer in deferred and _builds_sublayers(layer):
+        if layer in deferred and type(layer).build is not keras.layers.Layer.build:  # Keras's build creates nothing
             found.pending.add(id(layer))
-            waiting = _WAITING.get(layer)
-            if waiting is None:
-                waiting = _WAITING[layer] = {}
-            waiting[id(model)] = (weakref.ref(model), path)
+            _WAITING.setdefault(layer, {})[id(model)] = (weakref.ref(model), path)
 
 
 def _judge(model: keras.Model, found: _Check) -> None:
@@ -112,8 +104,7 @@ def _judge(model: keras.Model, found: _Check) -> None:
     _CHECKS.pop(model, None)
     if not found.unmatched:
         return
-    warned = _WARNED.get(model) or set()
-    _WARNED[model] = warned
+    warned = _WARNED.setdefault(model, set())
     entries = walk(model)
     for argument, target in found.unmatched:
         if (argument, target) in warned:
@@ -182,11 +173,8 @@ LENGTH_SLACK = 2
 
 
 def _close_patterns(pattern: str, paths: Sequence[str]) -> List[str]:
-    """Patterns matching some layer, shaped like ``pattern``, for `did_you_mean`.
-
-    The paths, and for a leading (trailing) ``*`` each path's trailing (leading)
-    ``/`` parts and its endings (beginnings) about as long as the typed one.
-    """
+    """Patterns matching some layer, for `did_you_mean`: the paths, and for a leading (trailing) ``*`` each path's
+    trailing (leading) ``/`` parts and its endings (beginnings) about as long as the typed one."""
     candidates = dict.fromkeys(paths)
     for path in paths:
         parts = path.split("/")

@@ -27,16 +27,12 @@ def bilinear_16bit_layers(model: Any) -> List[str]:
             and entry.layer.compute_dtype in LOW_PRECISION]
 
 
-def _cpu_only() -> bool:
-    return all(device.device_type == "CPU" for device in tf.config.list_physical_devices())
-
-
 def turn_off_xla_for_bilinear(model: keras.Model) -> bool:
     """Switches `model.jit_compile` off when XLA on the CPU cannot train its 16-bit bilinear resizes.
 
     Returns True when it did, with a `tfmp.PerformanceWarning` naming the layers and both fixes.
     """
-    if model.jit_compile is not True or not _cpu_only():
+    if model.jit_compile is not True or any(d.device_type != "CPU" for d in tf.config.list_physical_devices()):
         return False
     paths = bilinear_16bit_layers(model)
     if not paths:

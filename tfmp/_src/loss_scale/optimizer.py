@@ -182,7 +182,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         _loops.track(self)
 
     def __repr__(self) -> str:
-        """E.g. ``tfmp.LossScaleOptimizer(Adam, name='loss_scale_optimizer'): dynamic loss scale 32768, guard='auto'``."""
+        """E.g. ``tfmp.LossScaleOptimizer(Adam, name='lso'): dynamic loss scale 32768, guard='auto'``."""
         scaling = "no loss scaling"
         if self.loss_scaling:
             scaling = "dynamic loss scale"

@@ -114,7 +114,7 @@ def tfmp_leftovers():
 
 
 def _class_hooks():
-    """The hooks on Keras's classes and on the backend modules whose ``gelu`` and ``add`` tfmp hooks."""
+    """The hooks on Keras's classes and on the backend modules whose ``gelu``, ``add`` and ``dropout`` tfmp hooks."""
     from tfmp._src.keras_hooks import surfaces
 
     return surfaces.process_wide()

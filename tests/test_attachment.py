@@ -270,7 +270,7 @@ def test_the_attachment_lists_every_subscription_and_detach_leaves_only_float32_
     assert [hook for hook in surfaces.process_wide() if hook not in before] == []
 
 
-MODEL_LEVEL_OWNERS = ["bias_gradient", "conv", "conv", "enable.gradient_errors", "enable.losses",
+MODEL_LEVEL_OWNERS = ["bias_gradient", "conv", "conv", "dropout", "enable.gradient_errors", "enable.losses",
                       "fused_batchnorm", "gelu"]  # conv: the backend's conv and conv_transpose
 
 

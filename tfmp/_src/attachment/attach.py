@@ -16,7 +16,7 @@ from tfmp._src.attachment import hooks, record
 from tfmp._src.attachment.record import Attachment
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.errors import invalid_argument
-from tfmp._src.float32 import activity_regularizers, bias_gradient, conv, fused_batchnorm, gelu
+from tfmp._src.float32 import activity_regularizers, bias_gradient, conv, dropout_draw, fused_batchnorm, gelu
 from tfmp._src.float32.force import forced_reason
 from tfmp._src.keras_hooks import multi_worker, surfaces, train_function
 from tfmp._src.keras_hooks import step_scope as model_scopes
@@ -68,6 +68,7 @@ def attach(model: keras.Model, policy: str, *, attached_by: str, exact_ids: int,
         exact_ids=exact_ids, explains_dtype_errors=explains_dtype_errors, check_numerics=numerics,
         remapper=remapper, bias_gradient=bias_gradient.decision(compute_dtype),
         gelu=inside("gelu", gelu.decision), conv=inside("conv", conv.decision),
+        dropout=dropout_draw.decision(compute_dtype),
         speedups=speeds,
         activity_regularizers_in_float32=sorted(
             e.path for e in entries if activity_regularizers.regularize_in_float32(e.layer)),

@@ -64,6 +64,10 @@ class Attachment:
         conv: String. ``"keras"``: Keras's convolutions (not float16, a GPU or TPU, a layer attached at
             its first call); ``"float32 inside: <why>"``: float16 Conv1D/2D/3D and transposes computed
             in float32 and rounded once, as on every CPU.
+        dropout: String. ``"keras"``: Keras's dropout (a float32 model, a layer attached at its first
+            call); ``"float32 draw: <why>"``: a 16-bit model's ``Dropout``, ``SpatialDropout*`` and
+            ``keras.random.dropout`` draw and compare their uniform noise in float32 and round the
+            output once to the 16-bit dtype, so they drop their rate.
         speedups: Dict, speed feature -> ``"on"`` or ``"off (<why>)"``: the switch
             (``tfmp.enable(speedups=...)``), a moved Keras surface, or a GPU or TPU (none measured). A
             feature on still applies only where its own field says so.
@@ -93,6 +97,7 @@ class Attachment:
     gelu: str = "keras"
     bias_gradient: str = "keras"
     conv: str = "keras"
+    dropout: str = "keras"
     speedups: Dict[str, str] = dataclasses.field(default_factory=lambda: speedups.decided(None))
     optimizer: str = ""
     activity_regularizers_in_float32: List[str] = dataclasses.field(default_factory=list)
@@ -102,7 +107,7 @@ class Attachment:
         """Raises ValueError (template) for a field of another type than documented."""
         for name, example in (("model", "'sequential'"), ("attached_by", "'compile'"),
                               ("policy", "'mixed_float16'"), ("remapper", "'on'"),
-                              ("gelu", "'keras'"), ("bias_gradient", "'keras'"), ("conv", "'keras'"),
+                              ("gelu", "'keras'"), ("bias_gradient", "'keras'"), ("conv", "'keras'"), ("dropout", "'keras'"),
                               ("optimizer", "'Adam: kept (float32 compute)'")):
             check_type(name, getattr(self, name), str, "a string", fix=f"Pass e.g. {name}={example}.")
         for name in ("layer_policies", "forced_float32", "batchnorm_kernel", "speedups"):

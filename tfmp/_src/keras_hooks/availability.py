@@ -18,6 +18,7 @@ FEATURES = {
     "gelu": "exact GELU in float32 inside (bfloat16 models on a CPU)",
     "conv": "float16 convolutions in float32 inside (float16 models on a CPU)",
     "bias_gradient": "bfloat16 bias gradients summed with float32 accumulation (CPU)",
+    "dropout": "16-bit dropout drawing its noise in float32, so it drops its rate",
     "fused_batchnorm": "BatchNormalization on TensorFlow's fused kernel (mixed policies)",
     "fused_update": "Adam's and SGD's updates on TensorFlow's one-kernel ops",
     "gradient_errors": "backward-pass dtype mismatches explained, naming the layer",

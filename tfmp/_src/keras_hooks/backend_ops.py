@@ -1,12 +1,14 @@
 """The backend-ops surface: the functions of Keras's TensorFlow backend that ``keras.ops`` calls.
 
 ``keras.ops`` looks ``gelu``, ``conv``, ``conv_transpose`` and ``add`` up on the backend module at
-each call (`PLACES`), so a hook on the module attribute sees every call. Each wrapper hands its
+each call (`PLACES`), and Keras's dropout layers and ``keras.random.dropout`` look up
+``backend.random.dropout``, so a hook on the module attribute sees every call. Each wrapper hands its
 subscriber an `OpCall`; the subscriber returns `KERAS` for a call it leaves to Keras.
 
 | private name used | where in Keras | what tfmp does with it |
 |---|---|---|
 | ``keras.src.backend.tensorflow.nn`` (3.12-3.15, ``backend.nn``), ``...tensorflow.ops.nn`` (3.16, ``backend.ops.nn``) | ``keras/src/backend/tensorflow/[ops/]nn.py``, ``keras/src/ops/nn.py`` | `backend_nn`: the module whose ``gelu``, ``conv``, ``conv_transpose`` are hooked |
+| ``keras.src.backend.tensorflow.random`` (3.12-3.16, ``backend.random``); its ``dropout`` calls ``tf.nn.experimental.stateless_dropout``, which draws its uniform noise in the input's dtype | ``keras/src/backend/tensorflow/random.py``, ``keras/src/random/random.py``, ``keras/src/layers/regularization/dropout.py``, ``spatial_dropout.py`` | `backend_random`: the module whose ``dropout`` is hooked |
 | ``keras.src.backend.tensorflow.numpy`` (3.12-3.15, ``backend.numpy``), ``...tensorflow.ops.numpy`` (3.16, ``backend.ops.numpy``); its ``add`` takes ``tf.nn.bias_add`` for a bias vector | ``keras/src/backend/tensorflow/[ops/]numpy.py``, ``keras/src/ops/numpy.py`` | `backend_numpy`: the module whose ``add`` is hooked |
 """
 
@@ -20,8 +22,8 @@ from tfmp._src.keras_hooks import patches
 
 SURFACE = patches.Surface(
     "backend ops",
-    methods=("gelu", "conv", "conv_transpose", "add"),
-    subscribers=("gelu", "conv", "bias_gradient"),
+    methods=("gelu", "conv", "conv_transpose", "add", "dropout"),
+    subscribers=("gelu", "conv", "bias_gradient", "dropout"),
 )
 
 #: (what tfmp relies on Keras doing, the test that checks it).
@@ -37,6 +39,9 @@ CALL_ORDER: Tuple[Tuple[str, str], ...] = (
      "backend.numpy (Keras 3.12-3.15) or backend.ops.numpy (3.16) at each call, which adds a bias "
      "vector with tf.nn.bias_add",
      "tests/test_bias_gradient.py::test_keras_still_calls_the_backend_add_by_module_attribute"),
+    ("keras.random.dropout, Dropout and SpatialDropout1D/2D/3D call dropout(inputs, rate, noise_shape, seed) "
+     "looked up on backend.random at each call, which draws its uniform noise in the inputs' dtype",
+     "tests/test_dropout_draw.py::test_keras_still_calls_the_backend_dropout_by_module_attribute"),
 )
 
 
@@ -44,6 +49,7 @@ CALL_ORDER: Tuple[Tuple[str, str], ...] = (
 PLACES: Dict[str, Tuple[str, ...]] = {
     "nn": ("ops.nn", "nn"),  # Keras 3.16: backend.ops.nn; 3.12-3.15: backend.nn
     "numpy": ("ops.numpy", "numpy"),  # Keras 3.16: backend.ops.numpy; 3.12-3.15: backend.numpy
+    "random": ("random",),  # Keras 3.12-3.16: backend.random
 }
 
 
@@ -71,9 +77,16 @@ def backend_nn() -> Any:
     return _backend_module("nn")
 
 
+def backend_random() -> Any:
+    """The backend module whose ``dropout`` Keras's dropout layers and ``keras.random`` call (AttributeError if moved)."""
+    return _backend_module("random")
+
+
 def module_of(function: str) -> Any:
-    """The backend module whose attribute `function` (one of `SURFACE.methods`) ``keras.ops`` reads."""
-    return backend_numpy() if function == "add" else backend_nn()
+    """The backend module whose attribute `function` (one of `SURFACE.methods`) Keras reads."""
+    if function == "add":
+        return backend_numpy()
+    return backend_random() if function == "dropout" else backend_nn()
 
 
 #: The parameters of each hooked backend function its wrapper names, in Keras's order (tested).
@@ -82,6 +95,7 @@ FUNCTION_SIGNATURES: Dict[str, Tuple[str, ...]] = {
     "conv": ("inputs", "kernel"),
     "conv_transpose": ("inputs", "kernel"),
     "add": ("x1", "x2"),
+    "dropout": ("inputs", "rate", "noise_shape", "seed"),
 }
 
 
@@ -90,7 +104,7 @@ class OpCall(NamedTuple):
 
     Attributes:
         inputs: Tuple of tensors: ``(x,)`` for ``gelu``, ``(inputs, kernel)`` for the
-            convolutions, ``(x1, x2)`` for ``add``.
+            convolutions, ``(x1, x2)`` for ``add``, ``(inputs,)`` for ``dropout``.
         exact: Bool. ``gelu``: ``approximate=False`` was asked; True for the others.
         keras: Callable on as many tensors as `inputs`: Keras's function, other arguments as given.
     """
@@ -122,6 +136,11 @@ def _wrapper(function: str, replace: Callable[[OpCall], Any]) -> Callable[[Calla
                 return run(OpCall((x1, x2), True, next_function))
 
             hooked = add
+        elif function == "dropout":  # the rate, noise shape and seed pass as given
+            def dropout(inputs: Any, *args: Any, **kwargs: Any) -> Any:
+                return run(OpCall((inputs,), True, lambda x: next_function(x, *args, **kwargs)))
+
+            hooked = dropout
         else:  # conv, conv_transpose: the arguments after the kernel pass as given
             def convolution(inputs: Any, kernel: Any, *args: Any, **kwargs: Any) -> Any:
                 return run(OpCall((inputs, kernel), True, lambda x, k: next_function(x, k, *args, **kwargs)))

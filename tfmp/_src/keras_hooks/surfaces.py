@@ -55,7 +55,7 @@ def process_wide() -> List[patches.Hook]:
     """Every hook now on a class or a module (seen by every object), of any surface."""
     hooks = [hook for slots in patches.class_slots() for slot in slots.values() for hook in slot.hooks]
     modules = []
-    for function in ("gelu", "add"):
+    for function in ("gelu", "add", "dropout"):  # one per backend module
         try:
             modules.append(backend_ops.module_of(function))
         except AttributeError:  # moved in this Keras: no tfmp hook can be on it

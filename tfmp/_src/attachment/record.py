@@ -107,7 +107,8 @@ class Attachment:
         """Raises ValueError (template) for a field of another type than documented."""
         for name, example in (("model", "'sequential'"), ("attached_by", "'compile'"),
                               ("policy", "'mixed_float16'"), ("remapper", "'on'"),
-                              ("gelu", "'keras'"), ("bias_gradient", "'keras'"), ("conv", "'keras'"), ("dropout", "'keras'"),
+                              ("gelu", "'keras'"), ("bias_gradient", "'keras'"), ("conv", "'keras'"),
+                              ("dropout", "'keras'"),
                               ("optimizer", "'Adam: kept (float32 compute)'")):
             check_type(name, getattr(self, name), str, "a string", fix=f"Pass e.g. {name}={example}.")
         for name in ("layer_policies", "forced_float32", "batchnorm_kernel", "speedups"):

@@ -78,7 +78,7 @@ def backend_nn() -> Any:
 
 
 def backend_random() -> Any:
-    """The backend module whose ``dropout`` Keras's dropout layers and ``keras.random`` call (AttributeError if moved)."""
+    """The backend module whose ``dropout`` the dropout layers and ``keras.random`` call (AttributeError if moved)."""
     return _backend_module("random")
 
 

@@ -67,13 +67,22 @@ def invalid_argument(name: str, received: Any, expected: str, fix: str = "", cho
     pass instead with an example; a string `received` close to one of `choices` gets "Did you mean ...?"."""
     if isinstance(received, str):
         fix = did_you_mean(received, choices) or fix
+    return ValueError(_template(f"`{name}` argument", name, received, expected, fix))
+
+
+def invalid_state(name: str, received: Any, expected: str, fix: str, where: str = "") -> ValueError:
+    """Builds (not raises) a ValueError in the same template for a state value read, not passed:
+    ``"Invalid `dynamic_scale` loaded into optimizer 'lso'. Expected ... Received: dynamic_scale=nan ..."``;
+    `where` says where it came from (e.g. ``"loaded into optimizer 'lso'"``)."""
+    return ValueError(_template(f"`{name}` {where}".rstrip(), name, received, expected, fix))
+
+
+def _template(subject: str, name: str, received: Any, expected: str, fix: str) -> str:
     message = (
-        f"Invalid `{name}` argument. Expected {expected}. "
+        f"Invalid {subject}. Expected {expected}. "
         f"Received: {name}={shown(received)} (of type {type(received).__name__})."
     )
-    if fix:
-        message += f" {fix}"
-    return ValueError(message)
+    return f"{message} {fix}" if fix else message
 
 
 #: Arrays and tensors with more elements than this are shown by shape and dtype.

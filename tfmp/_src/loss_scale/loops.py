@@ -22,7 +22,7 @@ from tfmp._src.attachment import record
 from tfmp._src.constants import NON_FINITE_KINDS
 from tfmp._src.errors import NonFiniteError, invalid_argument, user_stacklevel
 from tfmp._src.keras_hooks import surfaces, train_function, trainer
-from tfmp._src.loss_scale import arguments, saved_form
+from tfmp._src.loss_scale import arguments, saved_form, state_check
 
 #: Default of `max_consecutive_overflows`: more than the 24 halvings from 2**24 to 1.
 DEFAULT_MAX_CONSECUTIVE_OVERFLOWS = 32
@@ -97,7 +97,11 @@ def _read(optimizer: Any, name: str) -> int:
 
 
 def start_fit(optimizer: Any) -> None:
-    """At a `fit` or `train_on_batch` call: a new warning window once the last is `EARLY_STEPS` old."""
+    """At a `fit` or `train_on_batch` call: a new warning window once the last is `EARLY_STEPS` old.
+
+    Raises:
+        ValueError: (template) variables never initialized; (`state_check`) a scale or counter no run reaches.
+    """
     watch = optimizer._watch
     if not optimizer.built:
         watch.fit_start = watch.fit_start or (0, 0)  # built by the first step: counters at 0
@@ -110,6 +114,7 @@ def start_fit(optimizer: Any) -> None:
             "tracing, so Keras never initialized its variables (slots, loss scale, counters). "
             "Compile the model again with a new optimizer, e.g. model.compile(keras.optimizers."
             f"{type(optimizer.inner_optimizer).__name__}(...), loss=...), then fit.")
+    state_check.check_variables(optimizer)  # e.g. restored from a checkpoint: refused before a step runs
     total = int(counter)
     if watch.fit_start is None or total - watch.fit_start[0] >= EARLY_STEPS:
         watch.fit_start = (total, _read(optimizer, "overflow_count"))
@@ -162,6 +167,7 @@ def check(optimizer: Any) -> None:
     at_floor = _read(optimizer, "min_scale_overflows")
     if consecutive < limit and at_floor < MIN_SCALE_PATIENCE:
         return
+    state_check.check_variables(optimizer)  # a scale no run reaches, not the data, is then the cause
     step, scale = _read(optimizer, "last_overflow_step"), optimizer.loss_scale
     phase, kind, sentence = cause(_read(optimizer, "last_overflow_status"), optimizer.loss_scaling)
     if consecutive >= limit:

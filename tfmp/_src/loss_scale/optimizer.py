@@ -455,6 +455,8 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
                 `MIN_SCALE_PATIENCE` (3). `phase` is `"loss"` when the last loss was
                 non-finite (lowering the scale cannot help), `"gradients"` otherwise;
                 `step` is the last skipped step, `details["scale"]` the scale.
+            ValueError: (template, `state_check`) instead, when the scale or a counter holds a
+                value no run reaches (NaN, inf, 0 or negative scale; negative counter).
         """
         if self.built:
             _loops.check(self)
@@ -475,8 +477,12 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         _saved_form.save_variables(_saved_form.keras_layout(self), store)
 
     def load_own_variables(self, store: Any) -> None:
-        """Loads what `save_own_variables` saved, or every variable (earlier tfmp files); else Keras's."""
-        if not _saved_form.load_variables(_saved_form.keras_layout(self), store):
+        """Loads what `save_own_variables` saved, or every variable (earlier tfmp files); else Keras's.
+
+        Raises:
+            ValueError: (template, `state_check`) a loss scale or counter no run reaches, naming it.
+        """
+        if not _saved_form.load_variables(_saved_form.keras_layout(self), store, self):
             super().load_own_variables(store)
 
     @classmethod

@@ -24,8 +24,8 @@ class NonFiniteError(FloatingPointError):
             (e.g. a non-finite loss seen by the optimizer).
         phase: String or None. ``"forward"`` (layer outputs), ``"backward"``
             (gradients after unscaling), or what the loss-scale optimizer saw:
-            ``"batch"``, ``"loss"``, ``"gradients"`` or ``"values"`` (a value
-            the update would write).
+            ``"batch"``, ``"loss"``, ``"gradients"``, ``"values"`` (a value
+            the update would write) or ``"scale"`` (a loss scale no run reaches).
         step: Int or None. Zero-based training step at which it was seen.
         kind: String or None. ``"nan"``, ``"inf"`` or ``"nan+inf"``.
         details: Dict. Extra facts for programs (scale, value ranges, trace).

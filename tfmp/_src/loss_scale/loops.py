@@ -55,9 +55,15 @@ class SkippedStepWarning(RuntimeWarning):
 def cause(status: int, loss_scaling: bool) -> Tuple[str, str, str]:
     """(phase, kind, sentence) of the last skip from its `last_overflow_status` bits.
 
-    Phase ``"batch"``, ``"loss"``, ``"values"`` or ``"gradients"``; kind ``"nan"``,
+    Phase ``"scale"``, ``"batch"``, ``"loss"``, ``"values"`` or ``"gradients"``; kind ``"nan"``,
     ``"inf"``, ``"nan+inf"`` or ``""``; the sentence names the cause and what to look at.
     """
+    if status & 32:
+        return "scale", "", (
+            "The loss scale itself was not a finite number > 0, a value no run reaches (a checkpoint "
+            "restored it, or code assigned it), not the data nor the learning rate: the step was skipped "
+            "and the scale set to min_scale. Restore a sound checkpoint, or check what assigns dynamic_scale."
+        )
     batch = NON_FINITE_KINDS.get((status >> 2) & 3, "")
     loss = NON_FINITE_KINDS.get(status & 3, "")
     if batch:
@@ -167,7 +173,6 @@ def check(optimizer: Any) -> None:
     at_floor = _read(optimizer, "min_scale_overflows")
     if consecutive < limit and at_floor < MIN_SCALE_PATIENCE:
         return
-    state_check.check_variables(optimizer)  # a scale no run reaches, not the data, is then the cause
     step, scale = _read(optimizer, "last_overflow_step"), optimizer.loss_scale
     phase, kind, sentence = cause(_read(optimizer, "last_overflow_status"), optimizer.loss_scaling)
     if consecutive >= limit:

@@ -2,8 +2,9 @@
 
 A file or checkpoint holding one would skip or poison every step and end in a stuck error that
 blames the data. `saved_form` refuses it as it loads (`.keras`, `.weights.h5`) before assigning;
-`loops` checks the optimizer's variables as `fit` starts and before a stuck error (a
-`tf.train.Checkpoint` restore or an ``assign`` passes no tfmp code).
+`loops` checks the optimizer's variables as `fit` starts (a `tf.train.Checkpoint` restore or an
+``assign`` passes no tfmp code); a step meeting such a scale in a custom loop is skipped and the
+scale set to `min_scale` (`LossScaleOptimizer`, status bit ``"scale"``).
 """
 
 from __future__ import annotations

@@ -563,6 +563,22 @@ def test_keras_still_names_the_layer_that_raised():
     assert error_texts.layer_named_by_keras(str(in_spec)) == ("spec", "_Fails")
 
 
+def test_keras_still_replaces_a_lambdas_failed_shape_inference_keeping_the_mismatch_as_its_context():
+    """`error_texts.LAMBDA_SHAPE`: read by tfmp's build-time explainer (`float32/build_errors.py`)."""
+    from tfmp._src.keras_hooks import error_texts
+
+    shift = keras.layers.Lambda(lambda t: tf.add(t, tf.constant(1.0)), dtype="mixed_bfloat16")
+    try:
+        shift(keras.Input((2,)))
+    except NotImplementedError as error:
+        replaced = error
+    else:
+        raise AssertionError("Keras inferred the shape of a Lambda mixing bfloat16 and float32")
+    assert error_texts.LAMBDA_SHAPE.search(str(replaced))
+    swallowed = error_texts.swallowed_by_lambda(replaced)
+    assert sorted(error_texts.mismatched_dtypes(str(swallowed))) == ["bfloat16", "float32"]
+
+
 def test_keras_still_refuses_int8_for_float16_with_the_text_tfmp_reads():
     """`error_texts.QUANTIZE_FLOAT16`: read by tfmp's ``quantize`` hint (float16 models)."""
     from tfmp._src.keras_hooks import error_texts

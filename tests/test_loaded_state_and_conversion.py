@@ -8,6 +8,9 @@
 2. ``Lambda(lambda t: tf.add(t, tf.constant(1.0)))`` in a Functional model under a 16-bit policy: Keras says
    only that it could not infer the Lambda's shape; under tfmp the same error names the Lambda, both dtypes
    and the fix.
+3. ``tf.lite.TFLiteConverter`` on a model still in 16 bits: the converter lists ops and MLIR types; under tfmp
+   its error names the 16-bit dtype, where, and ``tfmp.to_float32``. ``tfmp.export`` of a layer casting to a
+   fixed 16-bit dtype says so instead of "an op TFLite lacks".
 """
 
 import shutil
@@ -20,6 +23,7 @@ import pytest
 import tensorflow as tf
 
 import tfmp
+from tfmp._src.keras_hooks.export_io import tflite_converter_error
 from tfmp._src.loss_scale import saved_form
 
 X = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
@@ -233,3 +237,69 @@ def test_a_lambda_adding_a_float32_constant_is_named_where_keras_only_says_it_ca
     hidden = keras.layers.Lambda(lambda t: tf.add(t, tf.cast(tf.constant(1.0), t.dtype)))(
         keras.layers.Dense(8)(inputs))
     assert keras.Model(inputs, hidden).output.dtype == low
+
+
+def _dense_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(2)])
+
+
+def _run_tflite(flatbuffer, x):
+    interpreter = tflite_interpreter_from(flatbuffer)
+    runner = interpreter.get_signature_runner()
+    return next(iter(runner(**{runner.get_input_details().popitem()[0]: x}).values()))
+
+
+def tflite_interpreter_from(flatbuffer):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # tf.lite.Interpreter's move notice
+        return tf.lite.Interpreter(model_content=flatbuffer)
+
+
+@pytest.mark.parametrize("policy, low", LAMBDA_CASES)
+def test_a_plain_tflite_conversion_of_a_16bit_model_names_the_dtype_the_layer_and_to_float32(policy, low):
+    keras.config.set_dtype_policy(policy)  # plain Keras: the converter's ops and MLIR types only
+    plain = _dense_model()
+    plain(X[:1])
+    with pytest.raises(tflite_converter_error()) as refused:
+        tf.lite.TFLiteConverter.from_keras_model(plain).convert()
+    assert "tfmp" not in str(refused.value) and "neither a custom op nor a flex op" in str(refused.value)
+    keras.config.set_dtype_policy("float32")
+
+    _enable(policy)
+    model = _dense_model()
+    model.compile(keras.optimizers.SGD(0.05), "mse")
+    model.fit(X, Y, batch_size=8, verbose=0)
+    with pytest.raises(tflite_converter_error()) as info:
+        tf.lite.TFLiteConverter.from_keras_model(model).convert()
+    text = str(info.value)
+    assert f"tfmp: the model converted still computes in {low} (first in the ops of '" in text
+    assert "/dense" in text and "from_keras_model(tfmp.to_float32(model))" in text
+    assert "neither a custom op nor a flex op" in text  # the converter's words kept
+    # The fix it names converts, and the file computes the trained model's outputs (float32 reference).
+    copy = tfmp.to_float32(model)
+    produced = _run_tflite(tf.lite.TFLiteConverter.from_keras_model(copy).convert(), X)
+    np.testing.assert_allclose(produced, copy.predict(X, verbose=0), rtol=1e-5, atol=1e-5)
+    tolerance = 0.05 if low == "bfloat16" else 0.005
+    np.testing.assert_allclose(produced, model.predict(X, verbose=0).astype("float32"), atol=tolerance)
+
+
+class _FixedBfloat16(keras.layers.Layer):
+    """User code computing in a fixed 16-bit dtype, which the float32 copy keeps."""
+
+    def call(self, x):
+        return keras.ops.cast(keras.ops.cast(x, "bfloat16") * 2.0, self.compute_dtype)
+
+
+def test_export_of_a_layer_casting_to_a_fixed_16bit_dtype_says_so_instead_of_an_op_tflite_lacks(tmp_path):
+    _enable("mixed_bfloat16")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), _FixedBfloat16(name="half"),
+                              keras.layers.Dense(2)])
+    model.compile(keras.optimizers.SGD(0.05), "mse")
+    model.fit(X, Y, batch_size=8, verbose=0)
+    with pytest.raises(ValueError) as info:
+        tfmp.export(model, tmp_path / "m.tflite", format="tflite")
+    text = str(info.value)
+    assert "at layer 'half' (TensorFlow ops Mul); the op computes in bfloat16 although the copy's policies" in text
+    assert "cast to the layer's self.compute_dtype instead" in text and "not a mixed-precision one" not in text
+    assert isinstance(info.value.__cause__, tflite_converter_error())

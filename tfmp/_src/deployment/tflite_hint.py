@@ -14,7 +14,7 @@ import re
 from typing import Any, Callable, List, Optional
 
 from tfmp._src.float32.dtype_errors import explained, with_explanation
-from tfmp._src.keras_hooks import error_texts, export_io, patches
+from tfmp._src.keras_hooks import error_texts, export_io, surfaces
 
 #: The converter's location of an op: ``"sequential_1/dense_1/MatMul@__inference_..."`` (its scopes, then the op).
 _LOCATION = re.compile(r'"((?:[\w.-]+/)+)[\w.-]+@')
@@ -58,6 +58,6 @@ def _wrap(original: Callable) -> Callable:
     return tfmp_convert
 
 
-def install() -> List[patches.Hook]:
+def install() -> List[surfaces.Hook]:
     """Hooks the TFLite converters' ``convert``; remove the hooks to undo."""
     return export_io.subscribe_convert(_wrap, owner="enable.tflite_hint")

@@ -29,8 +29,7 @@ CALL_ORDER: Tuple[Tuple[str, str], ...] = (
     ("tf.lite.TFLiteConverter.from_keras_model / from_saved_model / from_concrete_functions return instances of "
      "converter_classes(); their convert raises tflite_converter_error() naming the 16-bit tensor types of "
      "a model still computing in 16 bits (error_texts.converter_16bit_dtypes)",
-     "tests/test_loaded_state_and_conversion.py::test_a_plain_tflite_conversion_of_a_16bit_model_names_the_dtype_"
-     "the_layer_and_to_float32"),
+     "tests/test_keras_hooks.py::test_the_tflite_converter_tfmp_hooks_still_raises_naming_16bit_tensor_types"),
 )
 
 

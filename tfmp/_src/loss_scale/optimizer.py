@@ -102,9 +102,10 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
     step's `STATUS_BITS` on any replica: 1 NaN, 2 inf in the loss given to `scale_loss`; 4
     NaN, 8 inf in the train step's batch; 16 a non-finite value the ``"values"`` guard
     caught; 32 a loss scale not finite and > 0, which no run reaches: that step is skipped
-    and the scale set to `min_scale`) and `last_overflow_status` (those bits at the last skip). Ring buffers indexed
-    by `overflow_count % OVERFLOW_HISTORY` (64): `overflow_history_steps` (int64, -1 if
-    none), `overflow_history_scales` (float32, (64, 2): scale before and after).
+    and the scale set to `min_scale`) and `last_overflow_status` (those bits at the last
+    skip). Ring buffers indexed by `overflow_count % OVERFLOW_HISTORY` (64):
+    `overflow_history_steps` (int64, -1 if none), `overflow_history_scales` (float32,
+    (64, 2): scale before and after).
 
     Stuck: after `max_consecutive_overflows` skips in a row, or `MIN_SCALE_PATIENCE` (3)
     at `min_scale`, `raise_if_stuck` raises `tfmp.NonFiniteError` (or warns,
@@ -297,7 +298,8 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
             finite = self._gradients_finite(grads)
         else:
             loss_finite = ops.equal(tf.bitwise.bitwise_and(self.last_loss_status.value, _LOSS_BITS), 0)
-            finite = loss_finite if check_loss == "loss" else ops.logical_and(loss_finite, self._gradients_finite(grads))
+            finite = loss_finite if check_loss == "loss" else ops.logical_and(
+                loss_finite, self._gradients_finite(grads))
         if not self.loss_scaling:
             return finite
         scale_sound = ops.equal(tf.bitwise.bitwise_and(self.last_loss_status.value, STATUS_BITS["scale"]), 0)

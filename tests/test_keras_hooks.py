@@ -152,7 +152,7 @@ def test_features_subscribe_through_surfaces_and_never_patch():
 def test_the_touch_point_count_sees_this_tree_and_a_feature_that_patches(tmp_path):
     names = touch_points.private_names()
     counted = touch_points.count(ROOT, names)
-    assert counted["surfaces"] == 6 and counted["private_outside_keras_hooks"] == []
+    assert counted["surfaces"] == 7 and counted["private_outside_keras_hooks"] == []
     assert counted["hook_sites_outside_keras_hooks"]["modules_importing_patches"] == 0
     assert "_flatten_layers" in counted["private_name_modules"]["tfmp/_src/keras_hooks/layer_calls.py"]
     feature = tmp_path / "tfmp" / "_src" / "float32" / "feature.py"  # a feature written the old way
@@ -561,6 +561,34 @@ def test_keras_still_names_the_layer_that_raised():
     assert layer in list(error_texts.call_frame_owners(in_call))
     in_spec = _raised(lambda: _Fails(name="spec")(keras.Input((2,))))  # Functional construction
     assert error_texts.layer_named_by_keras(str(in_spec)) == ("spec", "_Fails")
+
+
+def test_keras_still_replaces_a_lambdas_failed_shape_inference_keeping_the_mismatch_as_its_context():
+    """`error_texts.LAMBDA_SHAPE`: read by tfmp's build-time explainer (`float32/build_errors.py`)."""
+    from tfmp._src.keras_hooks import error_texts
+
+    shift = keras.layers.Lambda(lambda t: tf.add(t, tf.constant(1.0)), dtype="mixed_bfloat16")
+    try:  # where tfmp's hook sees it: inside the layer call's re-raise, which drops the context
+        shift.compute_output_spec(keras.KerasTensor((None, 2), dtype="bfloat16"))
+    except NotImplementedError as error:
+        replaced = error
+    else:
+        raise AssertionError("Keras inferred the shape of a Lambda mixing bfloat16 and float32")
+    assert error_texts.LAMBDA_SHAPE.search(str(replaced))
+    swallowed = error_texts.swallowed_by_lambda(replaced)
+    assert sorted(error_texts.mismatched_dtypes(str(swallowed))) == ["bfloat16", "float32"]
+
+
+def test_the_tflite_converter_tfmp_hooks_still_raises_naming_16bit_tensor_types():
+    """`export_io.converter_classes` and `error_texts.converter_16bit_dtypes`: read by `deployment/tflite_hint.py`."""
+    from tfmp._src.keras_hooks import error_texts, export_io
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2, dtype="mixed_bfloat16")])
+    converter = tf.lite.TFLiteConverter.from_keras_model(model)
+    assert type(converter) in export_io.converter_classes()
+    with pytest.raises(export_io.tflite_converter_error()) as refused:
+        converter.convert()
+    assert error_texts.converter_16bit_dtypes(str(refused.value)) == ["bfloat16"]
 
 
 def test_keras_still_refuses_int8_for_float16_with_the_text_tfmp_reads():

@@ -24,8 +24,8 @@ class NonFiniteError(FloatingPointError):
             (e.g. a non-finite loss seen by the optimizer).
         phase: String or None. ``"forward"`` (layer outputs), ``"backward"``
             (gradients after unscaling), or what the loss-scale optimizer saw:
-            ``"batch"``, ``"loss"``, ``"gradients"`` or ``"values"`` (a value
-            the update would write).
+            ``"batch"``, ``"loss"``, ``"gradients"``, ``"values"`` (a value
+            the update would write) or ``"scale"`` (a loss scale no run reaches).
         step: Int or None. Zero-based training step at which it was seen.
         kind: String or None. ``"nan"``, ``"inf"`` or ``"nan+inf"``.
         details: Dict. Extra facts for programs (scale, value ranges, trace).
@@ -67,13 +67,22 @@ def invalid_argument(name: str, received: Any, expected: str, fix: str = "", cho
     pass instead with an example; a string `received` close to one of `choices` gets "Did you mean ...?"."""
     if isinstance(received, str):
         fix = did_you_mean(received, choices) or fix
+    return ValueError(_template(f"`{name}` argument", name, received, expected, fix))
+
+
+def invalid_state(name: str, received: Any, expected: str, fix: str, where: str = "") -> ValueError:
+    """Builds (not raises) a ValueError in the same template for a state value read, not passed:
+    ``"Invalid `dynamic_scale` loaded into optimizer 'lso'. Expected ... Received: dynamic_scale=nan ..."``;
+    `where` says where it came from (e.g. ``"loaded into optimizer 'lso'"``)."""
+    return ValueError(_template(f"`{name}` {where}".rstrip(), name, received, expected, fix))
+
+
+def _template(subject: str, name: str, received: Any, expected: str, fix: str) -> str:
     message = (
-        f"Invalid `{name}` argument. Expected {expected}. "
+        f"Invalid {subject}. Expected {expected}. "
         f"Received: {name}={shown(received)} (of type {type(received).__name__})."
     )
-    if fix:
-        message += f" {fix}"
-    return ValueError(message)
+    return f"{message} {fix}" if fix else message
 
 
 #: Arrays and tensors with more elements than this are shown by shape and dtype.

@@ -21,6 +21,7 @@ import tensorflow as tf
 from tfmp._src.deployment.report import FORMATS, WEIGHTS, ExportReport
 from tfmp._src.deployment.to_float32 import to_float32
 from tfmp._src.errors import invalid_argument
+from tfmp._src.keras_hooks import error_texts
 from tfmp._src.keras_hooks.export_io import export_input_specs, tflite_converter_error
 from tfmp._src.keras_hooks.functional_graph import functional_graph
 from tfmp._src.layer_tree import walk
@@ -135,11 +136,18 @@ def _convert(copy: keras.Model, saved_model: str, weights: str) -> bytes:
         where = f" at layer {layer!r}" if layer else ""
         what = f" (TensorFlow ops {', '.join(ops)})" if ops else ""
         first = next((line.strip() for line in message.splitlines() if "error" in line), "")
+        low = error_texts.converter_16bit_dtypes(message)
+        if low:  # the layer's own code casts to a fixed 16-bit dtype: to_float32 cannot change that
+            cause = (f"; the op computes in {' and '.join(low)} although the copy's policies are float32: the "
+                     "layer's own code casts to a fixed 16-bit dtype (e.g. keras.ops.cast(x, "
+                     f"{low[0]!r})), and TFLite's builtin kernels have no {' or '.join(low)} ops. Fix: cast to "
+                     "the layer's self.compute_dtype instead (the float32 copy then computes in float32)")
+        else:
+            cause = (". The copy computes in float32, so this is an op TFLite's builtin kernels lack, not a "
+                     "mixed-precision one. Fix: replace the op in that layer")
         raise ValueError(
-            f"TFLite cannot convert the float32 copy of model {copy.name!r}{where}"
-            f"{what}. The copy computes in float32, so this is an op TFLite's "
-            "builtin kernels lack, not a mixed-precision one: replace the op in "
-            "that layer, or, if the deployment can ship TensorFlow kernels, convert "
+            f"TFLite cannot convert the float32 copy of model {copy.name!r}{where}{what}{cause}; "
+            "or, if the deployment can ship TensorFlow kernels, convert "
             "the SavedModel yourself with converter.target_spec.supported_ops "
             "including tf.lite.OpsSet.SELECT_TF_OPS. Converter said: "
             f"{first[:500]}"

@@ -30,11 +30,15 @@ def _failing_layer(root: Any, error: BaseException) -> tuple:
 
 
 def annotate(layer: Any, error: BaseException) -> BaseException:
-    """The exception to raise for `error` met inferring `layer`'s output: explained, or `error` itself."""
-    message, dtypes = dtype_errors.unexplained_mismatch(error)
-    if dtypes is None or "\n\ntfmp: " in message:
+    """The exception to raise for `error` met inferring `layer`'s output: explained, or `error` itself.
+
+    A Lambda's "could not infer the shape" error is explained by the mismatch Keras replaced with it.
+    """
+    cause = error_texts.swallowed_by_lambda(error) or error
+    message, dtypes = dtype_errors.unexplained_mismatch(cause)
+    if dtypes is None or "\n\ntfmp: " in message or dtype_errors.explained(error):
         return error
-    path, failing = _failing_layer(layer, error)
+    path, failing = _failing_layer(layer, cause)
     return dtype_errors.with_explanation(
         error, dtype_errors.explanation(path, failing, *dtypes, at_build=True))
 

@@ -26,6 +26,7 @@ FEATURES = {
     "loaded_layers": "the sublayers of a float32 layer made in float32 when a model is loaded",
     "exact_layers": "Discretization, CategoryEncoding and Normalization made in float32 (exact)",
     "first_step": "the warning at fit about a model compiled before tfmp.enable()",
+    "tflite_hint": "TFLite converter errors on a 16-bit model explained, naming tfmp.to_float32",
 }
 
 _off: Dict[str, str] = {}

@@ -12,6 +12,7 @@ from typing import Tuple
 
 from tfmp._src.keras_hooks import (
     backend_ops,
+    export_io,
     gradient_tape,
     layer_calls,
     loss_terms,
@@ -21,7 +22,7 @@ from tfmp._src.keras_hooks import (
 )
 
 _SURFACE_MODULES = (trainer, layer_calls, loss_terms, optimizer_steps, backend_ops, gradient_tape,
-                    runtime_options)
+                    runtime_options, export_io)
 
 HOOKED_SIGNATURES: Tuple[Tuple[type, str, Tuple[str, ...]], ...] = tuple(
     row for module in _SURFACE_MODULES for row in getattr(module, "SIGNATURES", ()))

@@ -45,6 +45,29 @@ KERAS_TEXTS: Dict[str, "re.Pattern[str]"] = {
     "output spec": re.compile(r"of '([^']+)' \(of type (\w+)\)"),
 }
 
+#: Keras's NotImplementedError when a Lambda without ``output_shape`` fails its shape inference
+#: (``Lambda.compute_output_shape``): its bare ``except`` drops the cause, left as the error's ``__context__``.
+LAMBDA_SHAPE = re.compile(r"could not automatically infer the shape of the Lambda's output")
+
+
+def swallowed_by_lambda(error: BaseException) -> Optional[BaseException]:
+    """The error Keras's `LAMBDA_SHAPE` text replaced (the Lambda function's own), or None for any other."""
+    if isinstance(error, NotImplementedError) and LAMBDA_SHAPE.search(str(error)):
+        return error.__cause__ or error.__context__
+    return None
+
+
+#: The TFLite converter's MLIR tensor types in its ``ConverterError`` ("tf.MatMul(tensor<?x4xbf16>, ...)"): a
+#: 16-bit element type names an op still computing in 16 bits, which TFLite's builtin kernels lack.
+_CONVERTER_16BIT = re.compile(r"tensor<(?:[^<>]*x)?(bf16|f16)>")
+_CONVERTER_DTYPES = {"bf16": "bfloat16", "f16": "float16"}
+
+
+def converter_16bit_dtypes(message: str) -> List[str]:
+    """The 16-bit dtypes (Keras names, sorted) of the tensor types a TFLite converter error names; [] if none."""
+    return sorted({_CONVERTER_DTYPES[match] for match in _CONVERTER_16BIT.findall(message)})
+
+
 #: Keras's ValueError refusing ``model.quantize("int8")`` for a float16 layer (``Layer._check_quantize_args``).
 QUANTIZE_FLOAT16 = re.compile(r"Quantization mode='(\w+)' doesn't work well with compute_dtype='float16'")
 

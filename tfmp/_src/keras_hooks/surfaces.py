@@ -13,6 +13,7 @@ from typing import Any, Callable, List, Sequence
 from tfmp._src.keras_hooks import (
     availability,
     backend_ops,
+    export_io,
     gradient_tape,
     layer_calls,
     loss_terms,
@@ -24,7 +25,7 @@ from tfmp._src.keras_hooks import (
 Hook = patches.Hook
 
 HOOKED = (trainer.SURFACE, layer_calls.SURFACE, loss_terms.SURFACE, optimizer_steps.SURFACE,
-          backend_ops.SURFACE, gradient_tape.SURFACE)
+          backend_ops.SURFACE, gradient_tape.SURFACE, export_io.SURFACE)
 
 
 def subscriptions_on(target: Any) -> List[patches.Hook]:

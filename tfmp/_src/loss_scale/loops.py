@@ -22,7 +22,7 @@ from tfmp._src.attachment import record
 from tfmp._src.constants import NON_FINITE_KINDS
 from tfmp._src.errors import NonFiniteError, invalid_argument, user_stacklevel
 from tfmp._src.keras_hooks import surfaces, train_function, trainer
-from tfmp._src.loss_scale import arguments, saved_form
+from tfmp._src.loss_scale import arguments, saved_form, state_check
 
 #: Default of `max_consecutive_overflows`: more than the 24 halvings from 2**24 to 1.
 DEFAULT_MAX_CONSECUTIVE_OVERFLOWS = 32
@@ -55,9 +55,15 @@ class SkippedStepWarning(RuntimeWarning):
 def cause(status: int, loss_scaling: bool) -> Tuple[str, str, str]:
     """(phase, kind, sentence) of the last skip from its `last_overflow_status` bits.
 
-    Phase ``"batch"``, ``"loss"``, ``"values"`` or ``"gradients"``; kind ``"nan"``,
+    Phase ``"scale"``, ``"batch"``, ``"loss"``, ``"values"`` or ``"gradients"``; kind ``"nan"``,
     ``"inf"``, ``"nan+inf"`` or ``""``; the sentence names the cause and what to look at.
     """
+    if status & 32:
+        return "scale", "", (
+            "The loss scale itself was not a finite number > 0, a value no run reaches (a checkpoint "
+            "restored it, or code assigned it), not the data nor the learning rate: the step was skipped "
+            "and the scale set to min_scale. Restore a sound checkpoint, or check what assigns dynamic_scale."
+        )
     batch = NON_FINITE_KINDS.get((status >> 2) & 3, "")
     loss = NON_FINITE_KINDS.get(status & 3, "")
     if batch:
@@ -97,7 +103,11 @@ def _read(optimizer: Any, name: str) -> int:
 
 
 def start_fit(optimizer: Any) -> None:
-    """At a `fit` or `train_on_batch` call: a new warning window once the last is `EARLY_STEPS` old."""
+    """At a `fit` or `train_on_batch` call: a new warning window once the last is `EARLY_STEPS` old.
+
+    Raises:
+        ValueError: (template) variables never initialized; (`state_check`) a scale or counter no run reaches.
+    """
     watch = optimizer._watch
     if not optimizer.built:
         watch.fit_start = watch.fit_start or (0, 0)  # built by the first step: counters at 0
@@ -110,6 +120,7 @@ def start_fit(optimizer: Any) -> None:
             "tracing, so Keras never initialized its variables (slots, loss scale, counters). "
             "Compile the model again with a new optimizer, e.g. model.compile(keras.optimizers."
             f"{type(optimizer.inner_optimizer).__name__}(...), loss=...), then fit.")
+    state_check.check_variables(optimizer)  # e.g. restored from a checkpoint: refused before a step runs
     total = int(counter)
     if watch.fit_start is None or total - watch.fit_start[0] >= EARLY_STEPS:
         watch.fit_start = (total, _read(optimizer, "overflow_count"))

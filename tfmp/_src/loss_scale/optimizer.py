@@ -43,12 +43,17 @@ STATE_VARIABLES = ("dynamic_scale", "step_counter") + _COUNTERS
 FORWARDED_SETTINGS = ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "use_ema", "ema_momentum",
                       "ema_overwrite_frequency", "gradient_accumulation_steps")
 #: Bits of `last_loss_status`: what the last step found non-finite.
-STATUS_BITS = {"loss nan": 1, "loss inf": 2, "batch nan": 4, "batch inf": 8, "values": 16}
+STATUS_BITS = {"loss nan": 1, "loss inf": 2, "batch nan": 4, "batch inf": 8, "values": 16, "scale": 32}
 _LOSS_BITS = 1 | 2
 _HISTORIES = ("overflow_history_steps", "overflow_history_scales")
 
 #: Length of the overflow history ring buffers: the skipped steps a reader between steps can itemize.
 OVERFLOW_HISTORY = 64
+
+
+def _sound_scale(scale: Any) -> Any:
+    """Scalar bool tensor: `scale` is finite and > 0 (anything else: restored or assigned, never trained to)."""
+    return ops.logical_and(ops.isfinite(scale), ops.greater(scale, 0.0))
 
 
 class _Applying(NamedTuple):
@@ -96,9 +101,11 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
     `min_scale_overflows` (skips in a row at `min_scale`), `last_loss_status` (the last
     step's `STATUS_BITS` on any replica: 1 NaN, 2 inf in the loss given to `scale_loss`; 4
     NaN, 8 inf in the train step's batch; 16 a non-finite value the ``"values"`` guard
-    caught) and `last_overflow_status` (those bits at the last skip). Ring buffers indexed
-    by `overflow_count % OVERFLOW_HISTORY` (64): `overflow_history_steps` (int64, -1 if
-    none), `overflow_history_scales` (float32, (64, 2): scale before and after).
+    caught; 32 a loss scale not finite and > 0, which no run reaches: that step is skipped
+    and the scale set to `min_scale`) and `last_overflow_status` (those bits at the last
+    skip). Ring buffers indexed by `overflow_count % OVERFLOW_HISTORY` (64):
+    `overflow_history_steps` (int64, -1 if none), `overflow_history_scales` (float32,
+    (64, 2): scale before and after).
 
     Stuck: after `max_consecutive_overflows` skips in a row, or `MIN_SCALE_PATIENCE` (3)
     at `min_scale`, `raise_if_stuck` raises `tfmp.NonFiniteError` (or warns,
@@ -252,14 +259,17 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
             self._steps.note_batch((nan, inf))
 
     def _record_status(self, loss: Any = None) -> None:
-        """Stores the loss's (if given) and this step's batch's non-finite bits in `last_loss_status`."""
+        """Stores the loss's (if given), this step's batch's non-finite bits and an impossible scale's in
+        `last_loss_status`."""
         batch = self._steps.take_batch_status()
-        if not self.built or (loss is None and batch is None):
+        if not self.built or (loss is None and batch is None and not self.loss_scaling):
             return
         flags = {}
         if loss is not None:
             value = ops.convert_to_tensor(loss)
             flags = {"loss nan": ops.any(ops.isnan(value)), "loss inf": ops.any(ops.isinf(value))}
+        if self.loss_scaling:  # e.g. 0 restored from a checkpoint: its step would write 0/0
+            flags["scale"] = ops.logical_not(_sound_scale(self.dynamic_scale))
         if batch is not None:
             flags.update(zip(("batch nan", "batch inf"), batch))
         found = _distribute.any_replica(list(flags.values()))  # on any replica
@@ -280,13 +290,20 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         """Scalar bool tensor: True when the step passes its guard on every replica.
 
         The gradients on all replicas in sync (Keras keeps replica 0's answer); under the
-        ``"loss"`` guard the loss `scale_loss` recorded instead; under ``"batch"`` both.
+        ``"loss"`` guard the loss `scale_loss` recorded instead; under ``"batch"`` both. With loss
+        scaling, False too when the scale is not finite and > 0.
         """
         check_loss = self._applying.check_loss
         if not check_loss:
-            return self._gradients_finite(grads)
-        loss_finite = ops.equal(tf.bitwise.bitwise_and(self.last_loss_status.value, _LOSS_BITS), 0)
-        return loss_finite if check_loss == "loss" else ops.logical_and(loss_finite, self._gradients_finite(grads))
+            finite = self._gradients_finite(grads)
+        else:
+            loss_finite = ops.equal(tf.bitwise.bitwise_and(self.last_loss_status.value, _LOSS_BITS), 0)
+            finite = loss_finite if check_loss == "loss" else ops.logical_and(
+                loss_finite, self._gradients_finite(grads))
+        if not self.loss_scaling:
+            return finite
+        scale_sound = ops.equal(tf.bitwise.bitwise_and(self.last_loss_status.value, STATUS_BITS["scale"]), 0)
+        return ops.logical_and(finite, scale_sound)
 
     def _gradients_finite(self, grads: list) -> Any:
         return _distribute.all_replicas_finite(super().check_finite(grads))
@@ -437,7 +454,8 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
             self.min_scale_overflows.assign(ops.where(at_floor, self.min_scale_overflows + 1, 0))
             backoff = ops.greater_equal(self.consecutive_overflows, self.hysteresis)
             halved = ops.maximum(ops.multiply(self.dynamic_scale, 0.5), self.min_scale)
-            self.dynamic_scale.assign(ops.where(backoff, halved, self.dynamic_scale))
+            lowered = ops.where(backoff, halved, self.dynamic_scale)
+            self.dynamic_scale.assign(ops.where(_sound_scale(self.dynamic_scale), lowered, self.min_scale))
         after = tf.identity(self.dynamic_scale)
         for history, value in ((self.overflow_history_steps, tf.identity(self.last_overflow_step)),
                                (self.overflow_history_scales, tf.stack([before, after]))):
@@ -475,8 +493,12 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         _saved_form.save_variables(_saved_form.keras_layout(self), store)
 
     def load_own_variables(self, store: Any) -> None:
-        """Loads what `save_own_variables` saved, or every variable (earlier tfmp files); else Keras's."""
-        if not _saved_form.load_variables(_saved_form.keras_layout(self), store):
+        """Loads what `save_own_variables` saved, or every variable (earlier tfmp files); else Keras's.
+
+        Raises:
+            ValueError: (template, `state_check`) a loss scale or counter no run reaches, naming it.
+        """
+        if not _saved_form.load_variables(_saved_form.keras_layout(self), store, self):
             super().load_own_variables(store)
 
     @classmethod

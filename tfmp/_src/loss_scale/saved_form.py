@@ -14,6 +14,8 @@ from typing import Any, List
 
 import keras
 
+from tfmp._src.loss_scale import state_check
+
 #: The key under which tfmp's settings ride in the inner optimizer's serialized entry.
 SETTINGS_KEY = "tfmp_loss_scale_settings"
 #: The registered name of the Keras form (equal to Keras's class name).
@@ -71,10 +73,16 @@ def save_variables(variables: List[Any], store: Any) -> None:
         store[str(i)] = variable.numpy()
 
 
-def load_variables(variables: List[Any], store: Any) -> bool:
-    """Assigns ``store["0"], ...`` to `variables`; False (nothing assigned) if the counts differ."""
+def load_variables(variables: List[Any], store: Any, optimizer: Any) -> bool:
+    """Assigns ``store["0"], ...`` to `variables`; False (nothing assigned) if the counts differ.
+
+    Raises:
+        ValueError: (template, `state_check`) nothing assigned: a value no run of `optimizer` reaches.
+    """
     if len(store.keys()) != len(variables):
         return False
+    state_check.refuse_impossible(optimizer, ((v.name, store[str(i)]) for i, v in enumerate(variables)),
+                                  loading=True)
     for i, variable in enumerate(variables):
         variable.assign(store[str(i)])
     return True
@@ -96,4 +104,6 @@ class CounterStore(keras.layers.Layer):
         save_variables(self._counters(), store)
 
     def load_own_variables(self, store: Any) -> None:
-        load_variables(self._counters(), store)
+        optimizer = self._optimizer()
+        if optimizer is not None:
+            load_variables(optimizer.counter_variables(), store, optimizer)

@@ -28,6 +28,7 @@ from tfmp._src.errors import check_bool, user_stacklevel
 from tfmp._src.keras_hooks import fit_lifecycle, surfaces, trainer
 from tfmp._src.deployment.quantize_hint import explain_quantize
 from tfmp._src.float32 import build_errors, exact_layers, loaded_layers
+from tfmp._src.deployment import tflite_hint
 from tfmp._src.float32.dtype_errors import explain_dtype_errors
 from tfmp._src.float32.xla_bilinear import turn_off_xla_for_bilinear
 from tfmp._src.float32.force import force_compiled, force_loaded
@@ -55,6 +56,7 @@ _OPTIONAL_SESSION_HOOKS = (
     ("loaded_layers", loaded_layers.install),
     ("exact_layers", exact_layers.install),
     ("build_errors", build_errors.install),
+    ("tflite_hint", tflite_hint.install),
 )
 
 

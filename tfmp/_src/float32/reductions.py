@@ -89,7 +89,8 @@ class WideReduction:
                 "an unknown length" if self.extent is None else f"{self.extent:,}")
         category = "ranking" if self.kind == "top_k" else "reduction"
         made_by = ", ".join(f"'{name}'" for name in self.made_by)
-        return f"{self.dtype} {category}: {self.kind} over {self._count}" + (f" made by {made_by}" if made_by else "")
+        text = f"{self.dtype} {category}: {self.kind} over {self._count}"
+        return f"{text} made by {made_by}" if made_by else text
 
     @property
     def _count(self) -> str:
@@ -97,25 +98,27 @@ class WideReduction:
 
     def advice(self, path: str) -> str:
         """The cause and the fix, said for the layer at ``path``."""
-        exact = (f"{self.dtype} holds whole numbers exactly only up to "
-                 f"{EXACT_INTEGER_LIMIT[self.dtype]:,}" if self.dtype in EXACT_INTEGER_LIMIT else "")
+        exact = f"{self.dtype} holds whole numbers exactly only up to {EXACT_INTEGER_LIMIT.get(self.dtype, 0):,}"
         if self.kind in ("logsumexp", "sum of exp", "sum", "mean"):
             cause = (f"exp of a value above {EXP_LIMIT:.2f} is inf already" if self.kind == "sum of exp"
                      else f"summing {self._count} of magnitude 1 gives {self.extent:,}")
-            problem, verb = (f"its float16 {self.kind} over {self._count} can exceed {FLOAT16_MAX:g}, "
-                             f"the float16 maximum ({cause})"), "reducing"
+            problem = (f"its float16 {self.kind} over {self._count} can exceed {FLOAT16_MAX:g}, "
+                       f"the float16 maximum ({cause})")
+            local_fix = "cast its input to float32 before reducing"
         elif self.kind == "range":
-            problem, verb = (f"its {self.dtype} positions up to "
-                             + ("an unknown length" if self.extent is None else f"{self.extent:,}")
-                             + f" round together ({exact})"), "computing with them (make the range in float32)"
+            largest = "an unknown length" if self.extent is None else f"{self.extent:,}"
+            problem = f"its {self.dtype} positions up to {largest} round together ({exact})"
+            local_fix = "make the positions in float32 (keras.ops.arange(n, dtype='float32'))"
         elif self.kind == "top_k":
-            problem, verb = (f"its top_k over {self._count} ranks values rounded to {self.dtype}'s {_BITS[self.dtype]} significant bits: "
-                             "near-ties become ties and top_k picks other entries than float32 does"), "ranking"
+            problem = (f"its top_k over {self._count} ranks values rounded to {_BITS[self.dtype]} significant "
+                       "bits: near-ties become ties and top_k picks other entries than float32 does")
+            local_fix = "cast the values to float32 before ranking"
         else:
-            problem, verb = (f"its {self.dtype} {self.kind} over {self._count} stalls ({exact}: a running "
-                             "sum of values of magnitude 1 stops growing there)"), "accumulating"
+            problem = (f"its {self.dtype} {self.kind} over {self._count} stalls ({exact}: a running sum "
+                       "of values of magnitude 1 stops growing there)")
+            local_fix = "cast its input to float32 before accumulating"
         return (f"{problem}. Compute it in float32: tfmp.force_float32(model) (the layer not excluded) "
-                f"or tfmp.register_float32('{path}'), or cast its input to float32 before {verb}.")
+                f"or tfmp.register_float32('{path}'), or {local_fix}.")
 
 
 _FOUND: "weakref.WeakKeyDictionary[keras.layers.Layer, Optional[WideReduction]]" = (
@@ -188,7 +191,7 @@ def _rank(found: WideReduction) -> tuple:
 
 def _finding(op: tf.Operation) -> Optional[WideReduction]:
     """What `op` computes wrong in 16 bits, or None."""
-    if not op.inputs and op.type != "Range":
+    if not op.inputs or not op.outputs:
         return None
     dtype = (op.outputs[0] if op.type in ("Range", "Cast") else op.inputs[0]).dtype.name
     if dtype not in LOW_PRECISION:
@@ -253,7 +256,7 @@ def _range_source(op: tf.Operation, depth: int = 6) -> Optional[tf.Operation]:
 
 
 def _maker(layer: keras.layers.Layer, owner: keras.layers.Layer, values: tf.Tensor) -> Optional[keras.layers.Layer]:
-    """The direct sublayer of ``owner`` making ``values`` (through order-keeping ops in ``owner``'s own code), or None."""
+    """The direct sublayer of ``owner`` making ``values`` (through order-keeping ops in ``owner``'s code), or None."""
     op = values.op
     for _ in range(len(_ORDER_KEEPING) + 1):
         chain = _scope_chain(layer, op.name)

@@ -16,6 +16,9 @@ FLOAT16_MAX = float(np.finfo(np.float16).max)
 FLOAT16_SMALLEST_SUBNORMAL = float(np.finfo(np.float16).smallest_subnormal)
 #: bfloat16's relative precision (unit roundoff is half of it): 2**-8.
 BFLOAT16_EPSILON = 2.0**-8
+#: The largest count each 16-bit dtype holds exactly with all below it (significand bits:
+#: bfloat16 8, IEEE 754 binary16 11): a running sum of 1s stops there.
+EXACT_INTEGER_LIMIT = {"bfloat16": 2**8, "float16": 2**11}
 #: The 16-bit float compute dtypes of Keras's mixed policies.
 LOW_PRECISION = ("float16", "bfloat16")
 #: Names of non-finite kinds by bits (1 = NaN, 2 = inf), as the loss-scale

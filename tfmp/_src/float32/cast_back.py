@@ -66,8 +66,10 @@ def cast_float(x, dtype: str):
     return keras.ops.cast(x, dtype)
 
 
-def install(layer: keras.layers.Layer, parent, only: Optional[Callable[[tuple, dict], bool]] = None) -> None:
-    """Hooks ``layer.call`` and ``compute_output_spec`` to hand back ``parent``'s 16-bit dtype, where `only` says."""
+def install(layer: keras.layers.Layer, parent, only: Optional[Callable[[tuple, dict], bool]] = None,
+            dtypes: Tuple[str, ...] = LOW_PRECISION) -> None:
+    """Hooks ``layer.call`` and ``compute_output_spec`` to hand back ``parent``'s compute dtype when it is
+    one of ``dtypes`` (a forced layer: 16-bit; a 16-bit expert of a forced MoE: float32), where `only` says."""
     if layer in _CAST_BACK or parent is None:
         return
     parent_ref = weakref.ref(parent)
@@ -75,7 +77,7 @@ def install(layer: keras.layers.Layer, parent, only: Optional[Callable[[tuple, d
     def target() -> Optional[str]:
         owner = parent_ref()
         dtype = getattr(owner, "compute_dtype", None)
-        return dtype if dtype in LOW_PRECISION else None
+        return dtype if dtype in dtypes else None
 
     def wrap(original):
         @functools.wraps(original)

@@ -19,6 +19,7 @@ from tfmp._src.errors import check_model
 from tfmp._src.float32 import cast_back as _cast_back
 from tfmp._src.float32 import exact_layers as _exact
 from tfmp._src.float32 import pooling3d as _pooling3d
+from tfmp._src.float32 import reductions as _reductions
 from tfmp._src.float32 import registry as _registry
 from tfmp._src.float32 import unmatched as _unmatched
 from tfmp._src.float32.cast_back import casts_back
@@ -154,6 +155,9 @@ def _apply_rules(
             continue  # its sublayers follow their own rules
         if reason is not None:
             inherited[id(layer)] = path
+        elif id(parent) in inherited and inherited[id(parent)] == path.rpartition("/")[0] and \
+                not _reductions.inherits(parent, layer):  # a MoE's expert: 16-bit, handing back float32
+            _cast_back.install(layer, parent, dtypes=("float32",))
         elif id(parent) in inherited:
             inherited[id(layer)] = inherited[id(parent)]
             reason = f"inside {inherited[id(parent)]}"
@@ -247,7 +251,9 @@ def force_float32(model: keras.Model, *, keep=(), exclude=()) -> keras.Model:
     block producing one keeps its 16-bit policy, its output cast); Softmax,
     UnitNormalization and fused softmax/log_softmax layers; known-broken Keras
     layers (``registry.KNOWN_BROKEN``); layers whose own float16 ``logsumexp`` or
-    sum can exceed 65504 (``tfmp._src.float32.reductions``); ``keep`` and
+    sum can exceed 65504, whose 16-bit running sums stall, whose positions round
+    together, or whose ``top_k`` ranks 16-bit values (of its sublayers, only
+    those making the ranked values) (``tfmp._src.float32.reductions``); ``keep`` and
     registered targets; and all their sublayers. Forced layers but output
     producers hand back their parent's 16-bit dtype. Only float16/bfloat16 layers
     are touched; idempotent; works before or after build. A subclassed model has

@@ -1,9 +1,23 @@
-"""The wide float16 reduction rule: a layer whose own code sums float16 values past 65504.
+"""The wide 16-bit reduction rule: a layer whose own code sums, accumulates, ranks or counts
+past what its 16-bit dtype holds.
 
-TensorFlow's ``Sum`` and ``Mean`` return float16 for float16 inputs. Flagged, by tracing a
-float16 layer's user code once on placeholders: a ``logsumexp`` or other sum/mean over
-more than 65504 values (static sizes), and a sum of ``exp`` not shifted by its maximum
-(`EXP_LIMIT`). Keras's own layers and subclassed models without a graph call are skipped.
+Flagged, by tracing a 16-bit layer's user code once on placeholders:
+
+- float16 ``Sum`` / ``Mean`` (TensorFlow returns float16): a ``logsumexp`` or other sum/mean
+  over more than 65504 values (static sizes), and a sum of ``exp`` not shifted by its
+  maximum (`EXP_LIMIT`);
+- a running sum or product (``Cumsum``, ``Cumprod``, ``SegmentSum``, ``UnsortedSegmentSum``
+  and the like, `_ACCUMULATIONS`) over more values than the dtype counts exactly
+  (`EXACT_INTEGER_LIMIT`: bfloat16 256, float16 2,048) or over an unknown number: it stalls;
+- a ``TopKV2`` over 16-bit values: near-ties round together and pick other entries. The
+  layer owning it is forced (its input, the ranked values and the gates in float32, its
+  output handed back in 16 bits); when the ranked values come from some of its direct
+  sublayers (a MoE router), only those follow it into float32 (`inherits`): the others
+  (the experts) keep the 16-bit policy;
+- positions past the exact integer range: a 16-bit ``Range``, or an int ``Range`` cast to
+  16 bits (a RoPE's ``arange(seq_len, dtype=self.compute_dtype)``). Int ranges are not flagged.
+
+Keras's own layers and subclassed models without a graph call are skipped.
 """
 
 from __future__ import annotations
@@ -12,51 +26,99 @@ import dataclasses
 import math
 import re
 import weakref
-from typing import Any, Optional
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp._src.constants import FLOAT16_MAX
+from tfmp._src.constants import EXACT_INTEGER_LIMIT, FLOAT16_MAX, LOW_PRECISION
 from tfmp._src.keras_hooks.functional_graph import first_call_arguments
 from tfmp._src.keras_hooks.layer_calls import child_layers
 from tfmp._src.layer_tree import walk
 
 #: ``ln 65504``: ``exp(x)`` is inf in float16 above it (IEEE 754 binary16).
 EXP_LIMIT = math.log(FLOAT16_MAX)
-#: The start of the reason `tfmp.audit` shows for a layer this rule forces.
+#: The start of the reason `tfmp.audit` shows for a float16 sum this rule forces.
 REDUCTION = "float16 reduction"
 _SUMS = ("Sum", "Mean")
+#: Running sums and products: each output is an accumulation of up to `extent` inputs.
+_ACCUMULATIONS = (
+    "Cumsum", "Cumprod", "CumulativeLogsumexp", "SegmentSum", "SegmentSumV2", "SegmentMean",
+    "SegmentProd", "SegmentProdV2", "UnsortedSegmentSum", "UnsortedSegmentProd", "SparseSegmentSum",
+    "SparseSegmentSumWithNumSegments", "SparseSegmentMean", "SparseSegmentMeanWithNumSegments",
+    "SparseSegmentSqrtN", "SparseSegmentSqrtNWithNumSegments",
+)
 #: Ops between ``max(x)`` and the ``x - max`` of TensorFlow's ``reduce_logsumexp``.
 _PASS_THROUGH = ("StopGradient", "SelectV2", "Select", "Identity", "Cast")
+#: Ops between a sublayer's output and the ``top_k`` ranking it, keeping its order.
+_ORDER_KEEPING = ("Identity", "Softmax", "LogSoftmax", "Sigmoid", "Tanh", "Reshape", "ExpandDims", "Squeeze")
+#: Ops between an int ``Range`` and its cast to 16 bits, moving values without changing them.
+_INDEX_MOVES = ("Identity", "Reshape", "ExpandDims", "Squeeze", "StridedSlice", "Tile", "BroadcastTo", "Cast")
+#: Significant bits of each 16-bit dtype, as `EXACT_INTEGER_LIMIT` counts them.
+_BITS = {dtype: int(math.log2(limit)) for dtype, limit in EXACT_INTEGER_LIMIT.items()}
 
 
 @dataclasses.dataclass(frozen=True)
 class WideReduction:
-    """A float16 reduction in a layer's own code whose result can exceed 65504.
+    """A 16-bit sum, accumulation, ranking or position range in a layer's own code that 16 bits get wrong.
 
     Attributes:
-        kind: String. ``"logsumexp"``, ``"sum of exp"``, ``"sum"`` or ``"mean"``.
-        extent: Int. Number of values reduced into each result.
+        kind: String. ``"logsumexp"``, ``"sum of exp"``, ``"sum"``, ``"mean"``; an accumulation
+            op's name (``"cumsum"``, ``"segment_sum"``, ``"unsorted_segment_sum"``...);
+            ``"top_k"``; ``"range"`` (positions).
+        extent: Int or None (unknown). Values reduced into each result, accumulated, or
+            ranked; for ``"range"``, the largest position.
+        dtype: String. ``"float16"`` or ``"bfloat16"``, the op's dtype.
+        made_by: Tuple of strings. For a ``"top_k"``: the names of the direct sublayers making
+            the ranked values, the only ones forced with the layer; empty: all are.
     """
 
     kind: str
-    extent: int
+    extent: Optional[int]
+    dtype: str = "float16"
+    made_by: Tuple[str, ...] = ()
 
     @property
     def reason(self) -> str:
-        """The reason `tfmp.audit` shows, e.g. ``"float16 reduction: logsumexp over 76,800 values"``."""
-        return f"{REDUCTION}: {self.kind} over {self.extent:,} values"
+        """The reason `tfmp.audit` shows, e.g. ``"float16 reduction: logsumexp over 76,800 values"``,
+        ``"bfloat16 positions: range up to 2,047"``, ``"bfloat16 ranking: top_k over 8 values made by
+        'router'"``."""
+        if self.kind == "range":
+            return f"{self.dtype} positions: range up to " + (
+                "an unknown length" if self.extent is None else f"{self.extent:,}")
+        category = "ranking" if self.kind == "top_k" else "reduction"
+        made_by = ", ".join(f"'{name}'" for name in self.made_by)
+        text = f"{self.dtype} {category}: {self.kind} over {self._count}"
+        return f"{text} made by {made_by}" if made_by else text
+
+    @property
+    def _count(self) -> str:
+        return "an unknown number of values" if self.extent is None else f"{self.extent:,} values"
 
     def advice(self, path: str) -> str:
         """The cause and the fix, said for the layer at ``path``."""
-        cause = (f"exp of a value above {EXP_LIMIT:.2f} is inf already" if self.kind == "sum of exp"
-                 else f"summing {self.extent:,} values of magnitude 1 gives {self.extent:,}")
-        return (f"its float16 {self.kind} over {self.extent:,} values can exceed {FLOAT16_MAX:g}, "
-                f"the float16 maximum ({cause}). Compute it in float32: tfmp.force_float32(model) "
-                f"(the layer not excluded) or tfmp.register_float32('{path}'), or cast its input "
-                "to float32 before reducing.")
+        exact = f"{self.dtype} holds whole numbers exactly only up to {EXACT_INTEGER_LIMIT.get(self.dtype, 0):,}"
+        if self.kind in ("logsumexp", "sum of exp", "sum", "mean"):
+            cause = (f"exp of a value above {EXP_LIMIT:.2f} is inf already" if self.kind == "sum of exp"
+                     else f"summing {self._count} of magnitude 1 gives {self.extent:,}")
+            problem = (f"its float16 {self.kind} over {self._count} can exceed {FLOAT16_MAX:g}, "
+                       f"the float16 maximum ({cause})")
+            local_fix = "cast its input to float32 before reducing"
+        elif self.kind == "range":
+            largest = "an unknown length" if self.extent is None else f"{self.extent:,}"
+            problem = f"its {self.dtype} positions up to {largest} round together ({exact})"
+            local_fix = "make the positions in float32 (keras.ops.arange(n, dtype='float32'))"
+        elif self.kind == "top_k":
+            problem = (f"its top_k over {self._count} ranks values rounded to {_BITS[self.dtype]} significant "
+                       "bits: near-ties become ties and top_k picks other entries than float32 does")
+            local_fix = "cast the values to float32 before ranking"
+        else:
+            problem = (f"its {self.dtype} {self.kind} over {self._count} stalls ({exact}: a running sum "
+                       "of values of magnitude 1 stops growing there)")
+            local_fix = "cast its input to float32 before accumulating"
+        return (f"{problem}. Compute it in float32: tfmp.force_float32(model) (the layer not excluded) "
+                f"or tfmp.register_float32('{path}'), or {local_fix}.")
 
 
 _FOUND: "weakref.WeakKeyDictionary[keras.layers.Layer, Optional[WideReduction]]" = (
@@ -64,7 +126,7 @@ _FOUND: "weakref.WeakKeyDictionary[keras.layers.Layer, Optional[WideReduction]]"
 
 
 def wide_reduction(layer: keras.layers.Layer) -> Optional[WideReduction]:
-    """The widest overflowing float16 reduction in ``layer``'s own code, or None.
+    """The widest 16-bit reduction, accumulation, ranking or range ``layer``'s own code gets wrong, or None.
 
     Traced once; a trace also decides for every sublayer, so ask for parents first.
     """
@@ -85,9 +147,15 @@ def _runs_user_code(layer: keras.layers.Layer) -> bool:
     return isinstance(layer, keras.layers.Lambda) or not module.startswith("keras.")
 
 
+def inherits(parent: keras.layers.Layer, child: keras.layers.Layer) -> bool:
+    """False when ``parent`` is forced for a ``top_k`` whose values ``child`` does not make (an expert)."""
+    found = _FOUND.get(parent)
+    return found is None or found.kind != "top_k" or not found.made_by or child.name in found.made_by
+
+
 def _analyze(layer: keras.layers.Layer) -> None:
-    """Traces ``layer`` and records the widest overflowing reduction of it and each sublayer."""
-    if layer.compute_dtype != "float16" or not _runs_user_code(layer):
+    """Traces ``layer`` and records the widest finding of it and each sublayer."""
+    if layer.compute_dtype not in LOW_PRECISION or not _runs_user_code(layer):
         return
     arguments = first_call_arguments(layer)
     graph = None if arguments is None else _trace(layer, *arguments)
@@ -96,14 +164,110 @@ def _analyze(layer: keras.layers.Layer) -> None:
     for entry in walk(layer):
         _FOUND.setdefault(entry.layer, None)
     _FOUND[layer] = None
+    makers: Dict[keras.layers.Layer, Set[str]] = {}  # top_k owner -> sublayers making ranked values
+    whole: Set[int] = set()  # ids of owners whose every sublayer is forced with them
     for op in graph.get_operations():
-        if op.type not in _SUMS or op.inputs[0].dtype != tf.float16:
+        found = _finding(op)
+        if found is None:
             continue
+        owner = _scope_chain(layer, op.name)[-1]
+        maker = _maker(layer, owner, op.inputs[0]) if found.kind == "top_k" else None
+        if maker is None:
+            whole.add(id(owner))
+        else:
+            makers.setdefault(owner, set()).add(maker.name)
+        current = _FOUND.get(owner)
+        if current is None or _rank(current) < _rank(found):
+            _FOUND[owner] = found
+    for owner, names in makers.items():
+        if _FOUND[owner].kind == "top_k" and id(owner) not in whole:
+            _FOUND[owner] = dataclasses.replace(_FOUND[owner], made_by=tuple(sorted(names)))
+
+
+def _rank(found: WideReduction) -> tuple:
+    """Which finding of one layer is said: the widest (unknown first)."""
+    return found.extent is None, found.extent or 0
+
+
+def _finding(op: tf.Operation) -> Optional[WideReduction]:
+    """What `op` computes wrong in 16 bits, or None."""
+    if not op.inputs or not op.outputs:
+        return None
+    dtype = (op.outputs[0] if op.type in ("Range", "Cast") else op.inputs[0]).dtype.name
+    if dtype not in LOW_PRECISION:
+        return None
+    if op.type in _SUMS:
+        if dtype != "float16":
+            return None
         extent, kind = _extent(op), _kind(op)
         if kind == "sum of exp" or (extent is not None and extent > FLOAT16_MAX):
-            owner, found = _owner(layer, op.name), WideReduction(kind, extent or 1)
-            if _FOUND.get(owner) is None or _FOUND[owner].extent < found.extent:
-                _FOUND[owner] = found
+            return WideReduction(kind, extent or 1)
+        return None
+    if op.type == "TopKV2":
+        return WideReduction("top_k", op.inputs[0].shape[-1] if op.inputs[0].shape.rank else None, dtype)
+    if op.type in _ACCUMULATIONS:
+        extent = _accumulated(op)
+        kind = re.sub(r"(?<!^)(?=[A-Z])", "_", re.sub(r"(V2|WithNumSegments)$", "", op.type)).lower()
+    elif op.type == "Range":
+        extent, kind = _largest_position(op), "range"
+    elif op.type == "Cast" and op.inputs[0].dtype.is_integer:
+        source = _range_source(op.inputs[0].op)
+        if source is None:
+            return None
+        extent, kind = _largest_position(source), "range"
+    else:
+        return None
+    if extent is not None and extent <= EXACT_INTEGER_LIMIT[dtype]:
+        return None
+    return WideReduction(kind, extent, dtype)
+
+
+def _accumulated(op: tf.Operation) -> Optional[int]:
+    """Inputs an accumulation op sums or multiplies into one output, at most (static sizes), or None."""
+    data, second = op.inputs[0], op.inputs[1]
+    if op.type.startswith("Cum"):
+        axis = tf.get_static_value(second)
+        return None if axis is None or data.shape.rank is None else data.shape[int(axis) % data.shape.rank]
+    if op.type.startswith("Sparse"):  # (data, indices, segment_ids[, num_segments])
+        return second.shape[0] if second.shape.rank else None
+    if data.shape.rank is None or second.shape.rank is None:  # (data, segment_ids[, num_segments])
+        return None
+    sizes = data.shape[:second.shape.rank]
+    return None if None in sizes else math.prod(sizes)
+
+
+def _largest_position(op: tf.Operation) -> Optional[int]:
+    """The largest magnitude a ``Range`` op yields (static bounds), or None."""
+    bounds = [tf.get_static_value(x) for x in op.inputs]  # in the Range's dtype: compute in Python floats
+    if any(bound is None for bound in bounds) or float(bounds[2]) == 0:
+        return None
+    start, limit, delta = (float(bound) for bound in bounds)
+    count = max(0, math.ceil((limit - start) / delta))
+    return 0 if count == 0 else int(max(abs(start), abs(start + (count - 1) * delta)))
+
+
+def _range_source(op: tf.Operation, depth: int = 6) -> Optional[tf.Operation]:
+    """The int ``Range`` whose values ``op`` yields unchanged (through a few index moves), or None."""
+    if op.type == "Range":
+        return op
+    if depth == 0 or op.type not in _INDEX_MOVES or not op.inputs:
+        return None
+    return _range_source(op.inputs[0].op, depth - 1)
+
+
+def _maker(layer: keras.layers.Layer, owner: keras.layers.Layer, values: tf.Tensor) -> Optional[keras.layers.Layer]:
+    """The direct sublayer of ``owner`` making ``values`` (through order-keeping ops in ``owner``'s code), or None."""
+    op = values.op
+    for _ in range(len(_ORDER_KEEPING) + 1):
+        chain = _scope_chain(layer, op.name)
+        if owner not in chain:
+            return None
+        if chain[-1] is not owner:
+            return chain[chain.index(owner) + 1]
+        if op.type not in _ORDER_KEEPING or not op.inputs:
+            return None
+        op = op.inputs[0].op
+    return None
 
 
 def _trace(layer: keras.layers.Layer, args: tuple, kwargs: dict) -> Optional[tf.Graph]:
@@ -124,16 +288,17 @@ def _trace(layer: keras.layers.Layer, args: tuple, kwargs: dict) -> Optional[tf.
         return None
 
 
-def _owner(layer: keras.layers.Layer, op_name: str) -> keras.layers.Layer:
-    """The innermost layer whose ``__call__`` name scope (maybe suffixed ``_1``...) holds ``op_name``."""
-    owner = layer
+def _scope_chain(layer: keras.layers.Layer, op_name: str) -> List[keras.layers.Layer]:
+    """``layer`` and each sublayer whose ``__call__`` name scope (maybe suffixed ``_1``...) holds
+    ``op_name``, outermost first: the last is the op's innermost owner."""
+    chain = [layer]
     for scope in op_name.split("/")[1:-1]:
-        child = next((c for c in child_layers(owner)
+        child = next((c for c in child_layers(chain[-1])
                       if re.fullmatch(re.escape(c.name) + r"(?:_\d+)?", scope)), None)
         if child is None:
             break
-        owner = child
-    return owner
+        chain.append(child)
+    return chain
 
 
 def _extent(op: tf.Operation) -> Optional[int]:

@@ -189,7 +189,7 @@ def test_an_excluded_bfloat16_linalg_layer_fails_naming_the_layer_the_op_and_the
                 _linalg_model("inv")
         message = str(caught.value)
         assert "layer 'lin' (LinalgLayer) runs MatrixInverse on bfloat16 inputs" in message
-        assert "exclusion keeps it out of float32" in message and 'dtype="float32"' in message
+        assert "keeps it out of float32" in message and "remove the exclusion matching 'lin'" in message and 'dtype="float32"' in message
     finally:
         tfmp.disable()
 
@@ -207,3 +207,19 @@ def test_a_constant_the_16_bit_dtype_holds_is_not_forced(policy, mask_value):
         assert np.isfinite(losses).all()
     finally:
         tfmp.disable()
+
+
+def test_plain_keras_audit_and_check_numerics_name_the_layer_and_the_constant():
+    """The -1e9 model under plain Keras: `tfmp.audit` warns naming the layer, the constant and the
+    fix; `tfmp.check_numerics` stops at that layer with the same cause."""
+    model = _plain("mixed_float16", lambda: _attention_model(-1e9))
+    [warning] = [w for w in tfmp.audit(model).warnings if w.kind == "sensitive_16bit"]
+    assert warning.path == "attn"
+    assert "its constant -1e+09 is beyond float16's largest value (6.55e+04)" in warning.message
+    assert "tfmp.register_float32('attn')" in warning.message
+    model.compile("sgd", "mse")
+    with tfmp.check_numerics(model, phase="forward"):
+        with pytest.raises(tfmp.NonFiniteError) as caught:
+            model.fit(X6, Y6, epochs=1, verbose=0)
+    assert caught.value.layer == "attn"
+    assert "its constant -1e+09 is beyond float16's largest value" in str(caught.value)

@@ -60,19 +60,20 @@ class UnsafeOps:
 
     def advice(self, path: str) -> str:
         """The cause and the fix, said for the layer at ``path``."""
-        cause = (f"TensorFlow's {', '.join(self.linalg)} has no {self.dtype} CPU kernel or loses "
-                 "about 10% in float16" if self.linalg
-                 else f"{', '.join(self.constants)} is -inf or inf in {self.dtype} (largest {FLOAT16_MAX:g}), "
-                      "NaN after a softmax or a product with 0")
-        return (f"{cause}. Compute it in float32: leave the rule on (tfmp.register_float32 "
-                f"exclusions matching '{path}' switch it off), create the layer with dtype=\"float32\", "
-                f"or cast its inputs to float32 in call()" + ("" if self.linalg else
-                " or use a constant 16 bits hold (e.g. -3e4 for float16)") + ".")
+        if self.linalg:
+            cause = (f"TensorFlow's {', '.join(self.linalg)} has no {self.dtype} kernel (bfloat16: none at all; "
+                     "float16: none on CPUs for most, and MatrixInverse and Qr lose about 10%)")
+        else:
+            cause = (f"its constant {', '.join(self.constants)} is beyond {self.dtype}'s largest value "
+                     f"({float(tf.as_dtype(self.dtype).max):.4g}): -inf or inf, then NaN after 0 * inf or a softmax")
+        fix = "" if self.linalg else f", or use a constant {self.dtype} holds (e.g. -3e4 for float16)"
+        return (f"{cause}. Compute it in float32: tfmp.force_float32(model) (the layer not excluded) or "
+                f"tfmp.register_float32('{path}'), or create the layer with dtype=\"float32\"{fix}.")
 
 
 _FOUND: "weakref.WeakKeyDictionary[keras.layers.Layer, Optional[UnsafeOps]]" = weakref.WeakKeyDictionary()
-#: Layers set to float32 when their Functional build failed in 16 bits: layer -> their policy before.
-_AT_BUILD: "weakref.WeakKeyDictionary[keras.layers.Layer, str]" = weakref.WeakKeyDictionary()
+#: Layers set to float32 when their Functional build failed in 16 bits.
+_AT_BUILD: "weakref.WeakSet[keras.layers.Layer]" = weakref.WeakSet()
 
 
 def unsafe_ops(layer: keras.layers.Layer) -> Optional[UnsafeOps]:
@@ -107,6 +108,7 @@ def force_at_build(layer: keras.layers.Layer, args: tuple, kwargs: dict, error: 
     dtype = layer.compute_dtype
     if dtype not in LOW_PRECISION or not _runs_user_code(layer) or not error_texts.refused_dtype(error):
         raise error
+
     def in_float32(x: Any) -> Any:
         if isinstance(x, keras.KerasTensor) and x.dtype in LOW_PRECISION:
             return keras.KerasTensor(x.shape, "float32", sparse=x.sparse, ragged=x.ragged)
@@ -126,11 +128,13 @@ def force_at_build(layer: keras.layers.Layer, args: tuple, kwargs: dict, error: 
         layer.dtype_policy = policy
         if not refused:
             raise error
-        found = UnsafeOps(dtype, refused)
-        raise TypeError(f"tfmp: layer '{layer.name}' ({type(layer).__name__}) runs {', '.join(refused)} "
-                        f"on {dtype} inputs, and an exclusion keeps it out of float32: "
-                        f"{found.advice(layer.name)}") from error
-    _AT_BUILD[layer] = policy
+        raise TypeError(
+            f"tfmp: layer '{layer.name}' ({type(layer).__name__}) runs {', '.join(refused)} on {dtype} inputs, "
+            f"which TensorFlow has no {dtype} kernel for, and an exclusion (exclude_float32= or "
+            "tfmp.register_float32(..., exclude=True)) keeps it out of float32. Fix: remove the exclusion "
+            f"matching '{layer.name}', create the layer with dtype=\"float32\", or cast its inputs to float32 "
+            "in call().") from error
+    _AT_BUILD.add(layer)
     _FOUND[layer] = UnsafeOps(dtype, refused)
     return result
 
@@ -182,8 +186,9 @@ def _as_written(root: keras.layers.Layer, owner: keras.layers.Layer, arguments: 
                 names: Dict[str, float]) -> Tuple[str, ...]:
     """The values of ``owner``'s non-finite 16-bit constants (op name -> value) as its code wrote them.
 
-    Read from a float32 trace (``owner`` and its sublayers set to float32 for it, as forcing would): a constant infinite there too
-    (a deliberate ``-inf``) is left out; one the float32 trace does not make is said as its 16-bit value.
+    Read from a float32 trace (``owner`` and its sublayers set to float32 for it, as forcing would):
+    a constant infinite there too (a deliberate ``-inf``) is left out; one the float32 trace does not
+    make is said as its 16-bit value.
     """
     largest = float(tf.as_dtype(owner.compute_dtype).max)
     policies = {layer: layer.dtype_policy for layer in [owner] + [entry.layer for entry in walk(owner)]}

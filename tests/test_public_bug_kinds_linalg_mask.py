@@ -7,6 +7,9 @@ output is handed back in the 16-bit dtype, so tfmp matches float32 within a few 
 that dtype: `STEP` is its spacing relative to a value (2**-7 bfloat16, 2**-10 float16).
 """
 
+import gc
+import weakref
+
 import keras
 import numpy as np
 import pytest
@@ -223,3 +226,15 @@ def test_plain_keras_audit_and_check_numerics_name_the_layer_and_the_constant():
             model.fit(X6, Y6, epochs=1, verbose=0)
     assert caught.value.layer == "attn"
     assert "its constant -1e+09 is beyond float16's largest value" in str(caught.value)
+
+
+def test_the_findings_keep_no_model_alive():
+    """The findings are kept per layer, weakly: a model audited (traced twice) and dropped is collected,
+    its attention layer too."""
+    model = _plain("mixed_float16", lambda: _attention_model(-1e9))
+    assert _rows(model)["attn"] == ("float16", "")
+    assert any(w.path == "attn" for w in tfmp.audit(model).warnings)
+    gone = [weakref.ref(model), weakref.ref(model.get_layer("attn"))]
+    del model
+    gc.collect()
+    assert [ref() for ref in gone] == [None, None]

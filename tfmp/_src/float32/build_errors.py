@@ -41,8 +41,11 @@ def annotate(layer: Any, error: BaseException) -> BaseException:
         error, dtype_errors.explanation(path, failing, *dtypes, at_build=True))
 
 
-def _in_float32_or_annotated(layer: Any, args: tuple, kwargs: dict, original: Callable) -> Any:
-    """`original` on `layer` again in float32 when TensorFlow refused its 16-bit linalg op (`unsafe_ops`)."""
+def _in_float32_if_refused(layer: Any, args: tuple, kwargs: dict, original: Callable) -> Any:
+    """`original` on `layer`; again in float32 when TensorFlow refused its 16-bit linalg op (`unsafe_ops`).
+
+    Exclusions are matched with the layer's name for its path (a Functional model's own layers).
+    """
     try:
         return original(layer, *args, **kwargs)
     except (TypeError, ValueError) as error:
@@ -58,7 +61,7 @@ def _wrap(original: Callable) -> Callable:
     @functools.wraps(original)
     def tfmp_compute_output_spec(self: Any, *args: Any, **kwargs: Any) -> Any:
         return dtype_errors.call_explained(lambda error: error if session.current() is None else annotate(self, error),
-                                           _in_float32_or_annotated, self, args, kwargs, original)
+                                           _in_float32_if_refused, self, args, kwargs, original)
 
     return tfmp_compute_output_spec
 

@@ -19,7 +19,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp._src.constants import FLOAT16_MAX, LOW_PRECISION
+from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.float32.reductions import _owner, _runs_user_code, _trace
 from tfmp._src.keras_hooks import error_texts
 from tfmp._src.keras_hooks.functional_graph import first_call_arguments

@@ -602,6 +602,16 @@ def test_keras_still_refuses_int8_for_float16_with_the_text_tfmp_reads():
     assert error_texts.QUANTIZE_FLOAT16.search(str(refused)).group(1) == "int8"
 
 
+def test_tensorflow_still_refuses_bfloat16_linalg_with_the_text_tfmp_reads():
+    """`error_texts.REFUSED_DTYPE`: read when a Functional build fails (`unsafe_ops.force_at_build`)."""
+    from tfmp._src.keras_hooks import error_texts
+
+    spec = tf.TensorSpec((2, 2), tf.bfloat16)
+    refused = _raised(lambda: tf.function(tf.linalg.inv).get_concrete_function(spec))
+    assert isinstance(refused, TypeError)
+    assert error_texts.refused_dtype(refused) == "bfloat16"
+
+
 # Contracts with Keras's signatures and call order (keras_hooks/contracts.py) -----------
 
 

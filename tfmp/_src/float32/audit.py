@@ -24,6 +24,7 @@ from tfmp._src.float32.cast_back import handed_back_dtype
 from tfmp._src.float32.logits import projects, reverse_call
 from tfmp._src.float32 import reductions as _reductions
 from tfmp._src.float32 import registry as _registry
+from tfmp._src.float32 import unsafe_ops as _unsafe_ops
 from tfmp._src.keras_hooks import layer_calls
 from tfmp._src.keras_hooks.functional_graph import functional_graph, nodes_by_depth
 from tfmp._src.layer_tree import is_wiring, own_weights, walk
@@ -61,7 +62,7 @@ def _layer_warnings(path, layer, reason, producers, policy, tensor_cores, built_
     compute = layer.compute_dtype
     excluded = _float32.excluded_by_user(layer) or _registry.is_excluded(layer, path, ())
     if compute in LOW_PRECISION and not excluded and _registry.builtin_reason(layer):
-        reduction = _reductions.wide_reduction(layer)
+        reduction = _reductions.wide_reduction(layer) or _unsafe_ops.unsafe_ops(layer)
         yield "sensitive_16bit", (
             f"'{path}' ({type(layer).__name__}) computes in {compute}; "
             + (reduction.advice(path) if reduction else _FORCE_FIX + " computes it in float32.")

@@ -4,6 +4,8 @@ A layer mixing its 16-bit inputs with a float32 tensor it creates fails when cal
 ``keras.Input`` tensors, before ``compile`` and so before `dtype_errors`' hooks. `install`
 hooks ``compute_output_spec``: in a thread with a session such an error is raised again,
 same type, with the layer's path, both dtypes and the remedies that work before ``compile``.
+A layer whose linalg op TensorFlow refuses in its 16-bit dtype is computed in float32 instead
+(`unsafe_ops.force_at_build`), or, excluded, fails naming the op and the fix.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any, Callable
 
 import keras
 
-from tfmp._src.float32 import dtype_errors
+from tfmp._src.float32 import dtype_errors, registry, unsafe_ops
 from tfmp._src.keras_hooks import error_texts, layer_calls
 from tfmp._src.layer_tree import walk
 from tfmp._src.policy import session
@@ -43,11 +45,27 @@ def annotate(layer: Any, error: BaseException) -> BaseException:
         error, dtype_errors.explanation(path, failing, *dtypes, at_build=True))
 
 
+def _in_float32_if_refused(layer: Any, args: tuple, kwargs: dict, original: Callable) -> Any:
+    """`original` on `layer`; again in float32 when TensorFlow refused its 16-bit linalg op (`unsafe_ops`).
+
+    Exclusions are matched with the layer's name for its path (a Functional model's own layers).
+    """
+    try:
+        return original(layer, *args, **kwargs)
+    except (TypeError, ValueError) as error:
+        state = session.current()
+        if state is None:
+            raise
+        excluded = registry.is_excluded(layer, layer.name, state.exclude_float32)
+        return unsafe_ops.force_at_build(layer, args, kwargs, error, functools.partial(original, layer),
+                                         excluded)
+
+
 def _wrap(original: Callable) -> Callable:
     @functools.wraps(original)
     def tfmp_compute_output_spec(self: Any, *args: Any, **kwargs: Any) -> Any:
         return dtype_errors.call_explained(lambda error: error if session.current() is None else annotate(self, error),
-                                           original, self, *args, **kwargs)
+                                           _in_float32_if_refused, self, args, kwargs, original)
 
     return tfmp_compute_output_spec
 

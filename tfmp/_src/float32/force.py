@@ -22,6 +22,7 @@ from tfmp._src.float32 import pooling3d as _pooling3d
 from tfmp._src.float32 import reductions as _reductions
 from tfmp._src.float32 import registry as _registry
 from tfmp._src.float32 import unmatched as _unmatched
+from tfmp._src.float32 import unsafe_ops as _unsafe_ops
 from tfmp._src.float32.cast_back import casts_back
 from tfmp._src.float32.logits import logits_layers, projects, reverse_call
 from tfmp._src.keras_hooks import layer_calls
@@ -109,7 +110,8 @@ def _set_float32(layer: keras.layers.Layer, reason: str, parent=None, adopt: boo
         _cast_back.remove(layer)
         _FORCED[layer] = reason
         return True
-    elif layer in _FORCED or not _exact.forced_when_created(layer):  # else float32 since made
+    elif layer in _FORCED or not (_exact.forced_when_created(layer)  # else float32 since made
+                                   or _unsafe_ops.forced_at_build(layer)):  # or since its first build
         if layer.compute_dtype not in LOW_PRECISION or layer.dtype_policy.quantization_mode:
             return False
         layer.dtype_policy = "float32"

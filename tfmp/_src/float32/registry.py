@@ -17,6 +17,7 @@ import keras
 from tfmp._src.errors import check_bool, check_type, invalid_argument
 from tfmp._src.float32 import pooling3d as _pooling3d
 from tfmp._src.float32 import reductions as _reductions
+from tfmp._src.float32 import unsafe_ops as _unsafe_ops
 from tfmp._src.float32.logits import LOGITS_CAST
 from tfmp._src.keras_hooks.layer_calls import child_layers
 from tfmp._src.keras_hooks.versions import keras_at_least
@@ -350,7 +351,7 @@ def builtin_reason(layer: keras.layers.Layer) -> Optional[str]:
     name = getattr(getattr(layer, "activation", None), "__name__", "") or ""
     if name in ("softmax", "log_softmax"):
         return "softmax" if isinstance(layer, keras.layers.Activation) else f"fused {name}"
-    return _reductions.reason(layer)
+    return _reductions.reason(layer) or _unsafe_ops.reason(layer)
 
 
 def decide(

@@ -36,6 +36,12 @@ DTYPE_MISMATCH: Dict[str, Tuple[type, "re.Pattern[str]"]] = {
     "division": (TypeError, re.compile(rf"must have the same dtype, got {_NAME} != {_NAME}")),
 }
 
+#: TensorFlow's TypeError building an op whose definition refuses a 16-bit dtype (``tf.linalg.inv`` of a
+#: bfloat16 tensor in a graph): "Value passed to parameter 'input' has DataType bfloat16 not in list of
+#: allowed values: float64, float32, float16, complex64, complex128". ``keras.ops.linalg.cholesky`` and
+#: ``lu_factor`` raise it again as a ValueError ("Cholesky decomposition failed: Value passed ...").
+REFUSED_DTYPE = re.compile(r"has DataType (b?float16) not in list of allowed values")
+
 #: Keras's texts naming the layer that raised: name -> pattern.
 KERAS_TEXTS: Dict[str, "re.Pattern[str]"] = {
     # An error in a layer's call, re-raised by Keras's traceback filter.
@@ -75,6 +81,12 @@ QUANTIZE_FLOAT16 = re.compile(r"Quantization mode='(\w+)' doesn't work well with
 #: (``strategy.reduce`` in Keras's ``_maybe_symbolic_build`` on ``fit``'s first batch, `multi_worker`):
 #: "Attempt to convert a value (PerReplica:{...}) with an unsupported type (<class ...>) to a Tensor."
 PER_REPLICA_CONVERSION = re.compile(r"Attempt to convert a value \(.*PerReplica:.*\) with an unsupported type", re.S)
+
+
+def refused_dtype(error: BaseException) -> Optional[str]:
+    """The 16-bit dtype a `REFUSED_DTYPE` text in `error` (a TypeError or ValueError) names, or None."""
+    match = isinstance(error, (TypeError, ValueError)) and REFUSED_DTYPE.search(str(error))
+    return match.group(1) if match else None
 
 
 def is_per_replica_conversion(error: BaseException) -> bool:

@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from tfmp._src.errors import invalid_argument
 from tfmp._src.float32.reductions import wide_reduction
+from tfmp._src.float32.unsafe_ops import unsafe_ops
 from tfmp._src.layer_tree import is_wiring, walk
 
 LayerSpec = Union[None, Sequence[Union[str, type, keras.layers.Layer]], Callable[[keras.layers.Layer], bool]]
@@ -23,12 +24,13 @@ def layer_paths(model: keras.Model) -> list[tuple[keras.layers.Layer, str]]:
 
 
 def reduction_hint(model: keras.Model, path: str) -> Optional[str]:
-    """The cause and fix of a float16 reduction that can overflow in the layer at `path` or, failing
-    that, in the nearest layer enclosing it (a custom block's sublayer is seen in its trace), or None."""
+    """The cause and fix of a float16 reduction that can overflow (or an `unsafe_ops` finding) in the layer
+    at `path` or, failing that, in the nearest layer enclosing it (a custom block's sublayer is seen in its
+    trace), or None."""
     found = None
     for layer, where in layer_paths(model):
         if path == where or path.startswith(where + "/"):
-            found = wide_reduction(layer)  # pre-order: the layer itself comes last
+            found = wide_reduction(layer) or unsafe_ops(layer)  # pre-order: the layer itself comes last
     return None if found is None else found.advice(path)
 
 

@@ -92,7 +92,7 @@ def _forward_message(item: dict, kind: str, step: int, hint: Optional[str]) -> s
             " The inputs were already non-finite: the bad values came in with the data (check it with "
             "tfmp.check_dataset) or from an unchecked operation before this layer."
         )
-    elif item["dtype"] == "float16" and "inf" in kind and hint:
+    elif item["dtype"] == "float16" and hint:  # a known hazard: an overflow, or NaN after one (0 * inf)
         text += f" The likely cause: {hint}"
     elif item["dtype"] == "float16" and "inf" in kind:
         text += (

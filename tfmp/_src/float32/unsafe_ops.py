@@ -167,13 +167,16 @@ def _analyze(layer: keras.layers.Layer) -> None:
     _FOUND[layer] = None
     linalg: Dict[Any, set] = {}
     constants: Dict[Any, Dict[str, float]] = {}
+    def owner(op: tf.Operation) -> Any:
+        return _scope_chain(layer, op.name)[-1]
+
     for op in graph.get_operations():
         if op.type in LINALG_OPS and op.inputs and op.inputs[0].dtype.name in LOW_PRECISION:
-            linalg.setdefault(_scope_chain(layer, op.name)[-1], set()).add(op.type)
+            linalg.setdefault(owner(op), set()).add(op.type)
         elif op.type == "Const" and op.outputs[0].dtype.name in LOW_PRECISION:
             value = np.asarray(tf.get_static_value(op.outputs[0]), "float32").ravel()
             if not np.all(np.isfinite(value)):
-                constants.setdefault(_scope_chain(layer, op.name)[-1], {})[op.name] = float(value[~np.isfinite(value)][0])
+                constants.setdefault(owner(op), {})[op.name] = float(value[~np.isfinite(value)][0])
     for owner, types in linalg.items():
         _FOUND[owner] = UnsafeOps(owner.compute_dtype, tuple(sorted(types)))
     for owner, names in constants.items():

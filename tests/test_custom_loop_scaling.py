@@ -111,8 +111,9 @@ def _keras_scaled_gradients(tape, loss, variables, optimizer):
 def test_clipping_the_scaled_gradients_in_an_eager_loop_is_refused_where_keras_updates_about_nothing(
         clip, then_unscaled):
     """Eager, no graph shows the clip: `apply` compares with what `tfmp.scaled_gradients` handed out
-    (`guard.cut_while_scaled`). The float32 update of the clipped gradients is ~0.1 (clip_by_value:
-    ~0.01); plain Keras's LossScaleOptimizer divides the clipped gradients by 256: ~1/256 of it."""
+    (`guard.cut_while_scaled`). Plain Keras's LossScaleOptimizer divides the gradients clipped at their
+    scaled size by 256: its update is ~1/256 of float32's update of the clipped gradients."""
+    keras.utils.set_random_seed(0)  # initial weights whose gradients the clips cut
     model, _ = _model_and_optimizer()
     float32_kernel = model.get_layer("out").kernel.numpy()
     float32_update = _clipped_sgd_update(model, CLIPS[clip])
@@ -141,6 +142,7 @@ def _clipped_sgd_update(model, clip):
 
 @pytest.mark.parametrize("clip", list(CLIPS))
 def test_eager_gradients_unscaled_then_clipped_update_like_float32(clip):
+    keras.utils.set_random_seed(0)  # initial weights whose gradients the clips cut
     model, optimizer = _model_and_optimizer()
     kernel = model.get_layer("out").kernel.numpy()
     expected = kernel + _clipped_sgd_update(model, CLIPS[clip])
@@ -154,11 +156,14 @@ def test_eager_gradients_unscaled_then_clipped_update_like_float32(clip):
     np.testing.assert_allclose(model.get_layer("out").kernel.numpy(), expected, rtol=1e-2, atol=1e-4)
 
 
-def test_eager_scaled_gradients_copied_or_clipped_above_their_norm_are_applied_unscaled_once():
-    """What leaves the scaled gradients as they are is no clip: no refusal, the float32 update."""
+@pytest.mark.parametrize("copy", [tf.identity, lambda g: tf.cast(tf.cast(g, "bfloat16"), g.dtype)],
+                         ids=["identity", "bfloat16-round-trip"])
+def test_eager_scaled_gradients_copied_or_clipped_above_their_norm_are_applied_unscaled_once(copy):
+    """What leaves the scaled gradients as they are (to a cast's rounding, the bias's one value among them)
+    is no clip: no refusal, the float32 update."""
     model, optimizer = _model_and_optimizer()
     expected = _expected_kernel(model)
-    _eager_step(optimizer, model, lambda grads: tf.clip_by_global_norm([tf.identity(g) for g in grads], 1e9)[0])
+    _eager_step(optimizer, model, lambda grads: tf.clip_by_global_norm([copy(g) for g in grads], 1e9)[0])
     np.testing.assert_allclose(model.get_layer("out").kernel.numpy(), expected, rtol=2e-3, atol=2e-3)
 
 
@@ -178,3 +183,15 @@ def test_unscaled_for_logging_then_the_scaled_gradients_applied_is_unscaled_once
 
     assert float(step()) > 0
     np.testing.assert_allclose(model.get_layer("out").kernel.numpy(), expected, rtol=2e-3, atol=2e-3)
+
+
+def test_a_cast_rounding_one_value_down_is_no_eager_clip_but_a_clip_to_half_is():
+    """`guard.cut_while_scaled` on a one-value gradient (a bias): bfloat16 rounds 1001.0 down to 1000.0
+    (0.1%), less than `guard.LEAST_CUT`; a clip to 500.0 cuts it by half."""
+    from tfmp._src.loss_scale import guard
+
+    given = [tf.constant([1001.0])]
+    rounded = [tf.cast(tf.cast(given[0], "bfloat16"), "float32")]
+    assert float(rounded[0][0]) == 1000.0
+    assert guard.cut_while_scaled(given, rounded) == ""
+    assert guard.cut_while_scaled(given, [tf.clip_by_value(given[0], -500.0, 500.0)]).startswith("a factor of 0.5")

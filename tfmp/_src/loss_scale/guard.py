@@ -29,9 +29,11 @@ ORIGIN_SEARCH_DEPTH = 8
 CLIP_SCOPES = ("clip_by_global_norm", "clip_by_norm", "clip_by_value")
 #: How many ops back from a gradient `clipped_while_scaled` looks.
 CLIP_SEARCH_DEPTH = 4
-#: Eager: relative change below which gradients count as those `tfmp.scaled_gradients` handed out (a
-#: float32 round-off of a cast or copy), above which a uniform shrink or a cut at a bound is a clip.
-CUT_TOLERANCE = 1e-4
+#: Eager: relative round-off within which gradients still match what `tfmp.scaled_gradients` handed out,
+#: shrunk or cut (a float32 copy; a float16 cast rounds by 2**-11).
+MATCH_TOLERANCE = 1e-3
+#: Eager: the least relative shrink or cut that counts as a clip (more than any cast's rounding).
+LEAST_CUT = 1e-2
 
 
 class LossScaleWarning(UserWarning):
@@ -237,13 +239,14 @@ def cut_while_scaled(handed_out: list, grads: list) -> str:
         given, got = np.asarray(given, "float64").ravel(), np.asarray(got, "float64").ravel()
         if not given.size or np.array_equal(given, got) or not np.isfinite(given).all() or not np.isfinite(got).all():
             continue
-        tolerance = CUT_TOLERANCE * max(np.abs(given).max(initial=0.0), np.finfo("float32").tiny)
+        largest = max(np.abs(given).max(), np.finfo("float32").tiny)
         factor = float(np.dot(got, given) / max(np.dot(given, given), np.finfo("float64").tiny))
-        if factor < 1.0 - CUT_TOLERANCE and np.allclose(got, factor * given, rtol=CUT_TOLERANCE, atol=tolerance):
+        if factor < 1.0 - LEAST_CUT and np.allclose(got, factor * given, rtol=MATCH_TOLERANCE,
+                                                    atol=MATCH_TOLERANCE * largest):
             return f"a factor of {factor:.3g} applied to gradient {position} after tfmp.scaled_gradients"
         low, high = got.min(), got.max()
-        if ((given < low - tolerance).any() or (given > high + tolerance).any()) and np.allclose(
-                got, np.clip(given, low, high), rtol=CUT_TOLERANCE, atol=tolerance):
+        if ((given < low - LEAST_CUT * largest).any() or (given > high + LEAST_CUT * largest).any()) and np.allclose(
+                got, np.clip(given, low, high), rtol=MATCH_TOLERANCE, atol=MATCH_TOLERANCE * largest):
             return f"a cut at [{low:.3g}, {high:.3g}] of gradient {position} after tfmp.scaled_gradients"
     return ""
 

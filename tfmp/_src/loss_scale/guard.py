@@ -257,9 +257,11 @@ def refuse_clipped_scaled(optimizer: Any, grads: list, handed_out: list = ()) ->
     the update would silently be about 1/scale of the intended one. Traced: a clipping op after the
     tape (`clipped_while_scaled`); eager: `grads` clipped from `handed_out` (`cut_while_scaled`)."""
     clip = ""
-    if optimizer.loss_scaling:
-        clip = cut_while_scaled(list(handed_out), grads) if tf.executing_eagerly() else clipped_while_scaled(grads)
-        clip = clip if tf.executing_eagerly() or not clip else f"the op {clip}"
+    if optimizer.loss_scaling and tf.executing_eagerly():
+        clip = cut_while_scaled(list(handed_out), grads)
+    elif optimizer.loss_scaling:
+        op_name = clipped_while_scaled(grads)
+        clip = f"the op {op_name}" if op_name else ""
     if clip:
         raise invalid_argument(
             "grads", f"gradients clipped by {clip} while multiplied by the loss scale",

@@ -342,10 +342,11 @@ def scaled_gradients(
         opt.apply(grads, model.trainable_variables)
 
     In a `tf.function` step, call `opt.raise_if_stuck()` after it (eager `apply` and
-    `model.fit` do). Clip only after `opt.get_unscaled_gradients` (or with the inner
-    optimizer's `global_clipnorm`): a `LossScaleOptimizer`'s `apply` refuses these gradients
-    clipped while scaled, traced (a clipping op) or eager (shrunk or cut from these tensors). Any Keras optimizer works: a `LossScaleOptimizer` multiplies by its
+    `model.fit` do). Any Keras optimizer works: a `LossScaleOptimizer` multiplies by its
     scale (and records whether the loss is finite), a plain one by its `loss_scale_factor`, if any.
+    Clip only after `opt.get_unscaled_gradients` (or with the inner optimizer's
+    `global_clipnorm`): a `LossScaleOptimizer` refuses these gradients clipped while scaled,
+    traced (a clipping op) or eager (shrunk or cut from these very tensors).
 
     Args:
         tape: `tf.GradientTape` that recorded `loss` and has not yet computed gradients

@@ -737,3 +737,36 @@ def test_keras_at_least_holds_for_the_installed_version_itself():
     major, minor = (int(part) for part in keras.__version__.split(".")[:2])
     assert versions.keras_at_least(keras.__version__) and versions.keras_at_least(f"{major}.{minor}")
     assert not versions.keras_at_least(f"{major}.{minor + 1}")
+
+
+def test_tensorflow_names_a_traced_backward_pass_under_its_gradient_scopes():
+    """`error_texts.in_backward_pass`: every op a tape's (but its seed) or `tf.gradients`' backward pass adds
+    (a forward clip's gradient among them) is in it, none the user adds after it (`guard.clipped_while_scaled`)."""
+    from tfmp._src.keras_hooks import error_texts
+
+    names = {}
+
+    @tf.function(autograph=False)
+    def step(x):
+        graph = tf.compat.v1.get_default_graph()
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            with tf.name_scope("loss"):
+                y = tf.reduce_sum(tf.math.log(tf.clip_by_value(x, 1e-7, 1.0)))
+        forward = len(graph.get_operations())
+        grads = tape.gradient(y, x)
+        backward = len(graph.get_operations())
+        (second,) = tf.gradients(y, x)
+        gradients = len(graph.get_operations())
+        clipped = tf.clip_by_global_norm([grads, second], 1.0)[0]
+        operations = [op.name for op in graph.get_operations()]
+        names.update(forward=operations[:forward], tape=operations[forward:backward],
+                     gradients=operations[backward:gradients], after=operations[gradients:])
+        return clipped
+
+    step(tf.constant([0.5, 2.0]))
+    assert any("clip_by_value" in name for name in names["tape"])  # the forward clip's gradient
+    seed = [name for name in names["tape"] if not error_texts.in_backward_pass(name)]
+    assert seed == ["ones"]  # the tape's output gradient, before its backward pass: no clip
+    assert all(error_texts.in_backward_pass(name) for name in names["gradients"])
+    assert not any(error_texts.in_backward_pass(name) for name in names["forward"] + names["after"])

@@ -321,3 +321,56 @@ def test_trace_length_bound_is_checked_by_enable_before_any_state_changes():
     with pytest.raises(ValueError, match=r"Invalid `trace_length` argument.*<= 1024.*Received: trace_length=1025"):
         tfmp.enable("float32", debug={"trace_length": 1025})
     assert not tfmp._src.policy.enable.is_enabled()
+
+
+def _softmax_classifier(divide=False, seed=3):
+    """Dense -> (Lambda dividing by input feature 0) -> Dense softmax head: the commonest classifier."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(4, name="d1")(inputs)
+    if divide:
+        hidden = keras.layers.Lambda(lambda ts: ts[0] / ts[1][:, :1], name="divide")([hidden, inputs])
+    outputs = keras.layers.Dense(3, activation="softmax", name="probabilities")(hidden)
+    return keras.Model(inputs, outputs, name="classifier")
+
+
+def _class_ids(y):
+    return (y[:, 0] * 3).astype("int32")  # three classes from the uniform targets
+
+
+def _fit_classifier(policy, divide=False, checked=False, **data):
+    """History of 1 epoch of 6 steps of sparse categorical cross-entropy on probabilities (Keras
+    clips them in the loss): under tfmp's `policy` if `checked`, else plain Keras's."""
+    x, y = _data(**data)
+    if checked:
+        tfmp.enable(policy, verbose=False)
+    else:
+        keras.config.set_dtype_policy(policy)
+    try:
+        model = _softmax_classifier(divide)
+        model.compile("adam", "sparse_categorical_crossentropy")
+        if checked:
+            tfmp.check_numerics(model)
+        return _fit(model, x, _class_ids(y)).history["loss"]
+    finally:
+        if checked:
+            tfmp.disable()
+
+
+def test_a_healthy_float16_softmax_classifier_with_sparse_cross_entropy_trains_under_check_numerics():
+    """The gradient of the loss's own clip of the probabilities is not a clip of the scaled
+    gradients (`guard.clipped_while_scaled`): training goes on, as float32's and plain Keras's."""
+    reference = _fit_classifier("float32")
+    plain = _fit_classifier("mixed_float16")
+    checked = _fit_classifier("mixed_float16", checked=True)
+    assert np.isfinite(plain).all()  # plain Keras trains too (its float16 softmax: ~2% off float32)
+    np.testing.assert_allclose(checked, reference, rtol=5e-3)
+
+
+def test_a_float16_softmax_classifier_with_sparse_cross_entropy_gets_the_layer_that_divided_by_zero():
+    plain = _fit_classifier("mixed_float16", divide=True, zero_at=2)
+    assert np.isnan(plain[0])  # plain Keras trains on: its loss is NaN, no layer named
+    with pytest.raises(tfmp.NonFiniteError) as info:
+        _fit_classifier("mixed_float16", divide=True, checked=True, zero_at=2)
+    error = info.value
+    assert (error.layer, error.phase, error.step, error.kind) == ("divide", "forward", 2, "inf")

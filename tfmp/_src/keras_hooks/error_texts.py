@@ -150,3 +150,13 @@ def gradient_frames(error: BaseException) -> Iterator[Tuple[str, Tuple[str, ...]
         if frame.f_code.co_name == function and grads_name in frame.f_locals:
             grads = frame.f_locals.get(grads_name) or ()
             yield frame.f_locals.get(scope_name) or "", tuple(getattr(getattr(g, "dtype", None), "name", "") for g in grads)
+
+
+#: The name scopes TensorFlow puts a traced backward pass's ops in: ``"gradient_tape/<forward op's scope>/"``
+#: for a tape (``backprop._gradient_function``), ``"gradients"`` (``"gradients_1"``, ...) for `tf.gradients`.
+BACKWARD_PASS_SCOPE = re.compile(r"gradient_tape|gradients(_\d+)?")
+
+
+def in_backward_pass(op_name: str) -> bool:
+    """Whether a graph op's name puts it in a backward pass (`BACKWARD_PASS_SCOPE`), not in the user's code."""
+    return any(BACKWARD_PASS_SCOPE.fullmatch(part) for part in op_name.split("/"))

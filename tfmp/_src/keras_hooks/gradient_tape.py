@@ -27,6 +27,9 @@ CALL_ORDER: Tuple[Tuple[str, str], ...] = (
      "tests/test_user_code_dtypes.py::test_a_float32_gradient_returned_under_bfloat16_is_named_where_it_arrives"),
     ("tf.GradientTape.gradient runs a built-in op's gradient in error_texts.GRADIENT_FRAME",
      "tests/test_keras_hooks.py::test_tensorflow_still_runs_an_op_gradient_in_the_gradient_frame"),
+    ("a traced tf.GradientTape.gradient (and tf.gradients) names each op of its backward pass, but the "
+     "output gradient's seed, under error_texts.BACKWARD_PASS_SCOPE (the clipped-while-scaled guard)",
+     "tests/test_keras_hooks.py::test_tensorflow_names_a_traced_backward_pass_under_its_gradient_scopes"),
     ("tape.gradient calls a tf.custom_gradient function below itself, in a frame of its own",
      "tests/test_user_code_dtypes.py::test_backward_error_in_fit_names_layer_dtypes_and_fix"),
 )

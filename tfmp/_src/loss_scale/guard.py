@@ -13,9 +13,11 @@ import warnings
 import weakref
 from typing import Any, Iterator
 
+import numpy as np
 import tensorflow as tf
 
 from tfmp._src.errors import invalid_argument, user_stacklevel
+from tfmp._src.keras_hooks import error_texts
 
 #: Values of the `guard` argument of `tfmp.LossScaleOptimizer`.
 GUARDS = ("auto", "batch", "loss", "gradients", "values")
@@ -27,6 +29,11 @@ ORIGIN_SEARCH_DEPTH = 8
 CLIP_SCOPES = ("clip_by_global_norm", "clip_by_norm", "clip_by_value")
 #: How many ops back from a gradient `clipped_while_scaled` looks.
 CLIP_SEARCH_DEPTH = 4
+#: Eager: relative round-off within which gradients still match what `tfmp.scaled_gradients` handed out,
+#: shrunk or cut (a float32 copy; a float16 cast rounds by 2**-11).
+MATCH_TOLERANCE = 1e-3
+#: Eager: the least relative shrink or cut that counts as a clip (more than any cast's rounding).
+LEAST_CUT = 1e-2
 
 
 class LossScaleWarning(UserWarning):
@@ -104,6 +111,17 @@ class StepRecord:
         self._batch = threading.local()  # .noted: (graph or None when eager, status)
         self.ever = False
         self.warned = False
+        self.handed_out: list = []  # eager: the gradients `tfmp.scaled_gradients` handed out, until `apply`
+
+    def note_handed_out(self, grads: list) -> None:
+        """Called by `tfmp.scaled_gradients` with the scaled gradients it returns; kept only when eager,
+        where no graph shows what was done to them before `apply` (`cut_while_scaled`)."""
+        self.handed_out = list(grads) if tf.executing_eagerly() else []
+
+    def take_handed_out(self) -> list:
+        """Called by `apply`: the gradients `note_handed_out` kept (then forgotten), else []."""
+        handed_out, self.handed_out = self.handed_out, []
+        return handed_out
 
     def note_batch(self, status: Any) -> None:
         """As a train step starts: `status` is the batch's (nan, inf) scalar bool tensors."""
@@ -169,39 +187,84 @@ class GradientOrigins:
         return unscaled_in_step  # found nowhere: unscaled if `get_unscaled_gradients` ran (tf.keras 2 code)
 
 
-def _back(tensors: list, depth: int) -> Iterator[Any]:
-    """`tensors`, then the inputs of their ops, breadth first, `depth` levels (each op expanded once)."""
+def _back(tensors: list, depth: int, expand: Any = None) -> Iterator[Any]:
+    """`tensors`, then the inputs of their ops, breadth first, `depth` levels (each op expanded once;
+    with `expand`, only the ops it accepts)."""
     seen = set()
     for _ in range(depth):
         following = []
         for tensor in tensors:
             yield tensor
-            if tensor.op.name not in seen:
+            if tensor.op.name not in seen and (expand is None or expand(tensor.op)):
                 seen.add(tensor.op.name)
                 following += list(tensor.op.inputs)
         tensors = following
 
 
+def _after_backward_pass(op: Any) -> bool:
+    """Whether `op` is outside the backward pass (`error_texts.in_backward_pass`): the user's own op."""
+    return not error_texts.in_backward_pass(op.name)
+
+
 def clipped_while_scaled(grads: list) -> str:
     """The name of a clipping op (`CLIP_SCOPES` or ``ClipByValue``) up to `CLIP_SEARCH_DEPTH` ops
-    back from one of `grads` in the graph now traced, or ``""`` (always when eager)."""
+    back from one of `grads` in the graph now traced, or ``""`` (always when eager).
+
+    The walk stops at the backward pass (`error_texts.in_backward_pass`): only ops applied to the gradients
+    after the tape count, never the gradient of a clip in the forward pass (a loss's own
+    ``clip_by_value`` of probabilities) nor a forward op the backward pass reads."""
     if tf.executing_eagerly():
         return ""
-    for tensor in _back([g for g in grads if g is not None and hasattr(g, "op")], CLIP_SEARCH_DEPTH):
+    for tensor in _back([g for g in grads if g is not None and hasattr(g, "op")], CLIP_SEARCH_DEPTH,
+                        _after_backward_pass):
         op = tensor.op
+        if not _after_backward_pass(op):
+            continue
         if op.type == "ClipByValue" or any(part.startswith(CLIP_SCOPES) for part in op.name.split("/")):
             return op.name
     return ""
 
 
+def cut_while_scaled(handed_out: list, grads: list) -> str:
+    """Eager: how one of `grads` was clipped from the scaled gradient at its place in `handed_out`
+    (`tfmp.scaled_gradients`' result): shrunk by one factor below 1 (`tf.clip_by_global_norm`,
+    `tf.clip_by_norm`) or cut at bounds it exceeded (`tf.clip_by_value`); ``""`` when none was.
+
+    A gradient that is the handed-out tensor costs nothing; a non-finite one (a step to skip) is not read."""
+    if len(handed_out) != len(grads):
+        return ""
+    for position, (given, got) in enumerate(zip(handed_out, grads)):
+        if given is None or got is None or got is given or tuple(given.shape) != tuple(np.shape(got)):
+            continue
+        given, got = np.asarray(given, "float64").ravel(), np.asarray(got, "float64").ravel()
+        if not given.size or np.array_equal(given, got) or not np.isfinite(given).all() or not np.isfinite(got).all():
+            continue
+        largest = max(np.abs(given).max(), np.finfo("float32").tiny)
+        factor = float(np.dot(got, given) / max(np.dot(given, given), np.finfo("float64").tiny))
+        if factor < 1.0 - LEAST_CUT and np.allclose(got, factor * given, rtol=MATCH_TOLERANCE,
+                                                    atol=MATCH_TOLERANCE * largest):
+            return f"a factor of {factor:.3g} applied to gradient {position} after tfmp.scaled_gradients"
+        low, high = got.min(), got.max()
+        if ((given < low - LEAST_CUT * largest).any() or (given > high + LEAST_CUT * largest).any()) and np.allclose(
+                got, np.clip(given, low, high), rtol=MATCH_TOLERANCE, atol=MATCH_TOLERANCE * largest):
+            return f"a cut at [{low:.3g}, {high:.3g}] of gradient {position} after tfmp.scaled_gradients"
+    return ""
+
+
 @tf.autograph.experimental.do_not_convert  # Python run once per trace, never graph code
-def refuse_clipped_scaled(optimizer: Any, grads: list) -> None:
+def refuse_clipped_scaled(optimizer: Any, grads: list, handed_out: list = ()) -> None:
     """Raises ValueError (template) for gradients clipped while still scaled (dynamic scaling only):
-    the update would silently be about 1/scale of the intended one."""
-    clip = clipped_while_scaled(grads) if optimizer.loss_scaling else ""
+    the update would silently be about 1/scale of the intended one. Traced: a clipping op after the
+    tape (`clipped_while_scaled`); eager: `grads` clipped from `handed_out` (`cut_while_scaled`)."""
+    clip = ""
+    if optimizer.loss_scaling and tf.executing_eagerly():
+        clip = cut_while_scaled(list(handed_out), grads)
+    elif optimizer.loss_scaling:
+        op_name = clipped_while_scaled(grads)
+        clip = f"the op {op_name}" if op_name else ""
     if clip:
         raise invalid_argument(
-            "grads", f"gradients clipped by the op {clip} while multiplied by the loss scale",
+            "grads", f"gradients clipped by {clip} while multiplied by the loss scale",
             "gradients of the scaled loss as the tape returned them, or gradients unscaled before clipping",
             fix="Clip after unscaling: grads = optimizer.get_unscaled_gradients(grads), then clip, then "
             "optimizer.apply(grads, variables) (tfmp divides those by the scale no more); or let the "

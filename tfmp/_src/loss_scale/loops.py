@@ -355,6 +355,9 @@ def scaled_gradients(
     In a `tf.function` step, call `opt.raise_if_stuck()` after it (eager `apply` and
     `model.fit` do). Any Keras optimizer works: a `LossScaleOptimizer` multiplies by its
     scale (and records whether the loss is finite), a plain one by its `loss_scale_factor`, if any.
+    Clip only after `opt.get_unscaled_gradients` (or with the inner optimizer's
+    `global_clipnorm`): a `LossScaleOptimizer` refuses these gradients clipped while scaled,
+    traced (a clipping op) or eager (shrunk or cut from these very tensors).
 
     Args:
         tape: `tf.GradientTape` that recorded `loss` and has not yet computed gradients
@@ -381,4 +384,8 @@ def scaled_gradients(
     variables = arguments.check_gradient_arguments(loss, variables, optimizer)
     with tape:
         scaled_loss = optimizer.scale_loss(loss)
-    return tape.gradient(scaled_loss, variables)
+    grads = tape.gradient(scaled_loss, variables)
+    note = getattr(optimizer, "_note_handed_out", None)  # a tfmp.LossScaleOptimizer's: eager, `apply` tells
+    if note is not None:                                  # a clip of them (`guard.cut_while_scaled`)
+        note(grads)
+    return grads

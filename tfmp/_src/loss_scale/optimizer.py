@@ -312,6 +312,11 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         """Alias of `scale_loss`, under its tf.keras 2 name."""
         return self.scale_loss(loss)
 
+    def _note_handed_out(self, grads: list) -> None:
+        """`tfmp.scaled_gradients`' result, so an eager `apply` tells a clip of it (`guard.cut_while_scaled`)."""
+        if self.loss_scaling:
+            self._steps.note_handed_out(grads)
+
     def get_unscaled_gradients(self, grads: list) -> list:
         """Divides `grads` (list of tensors or None) by the scale, as tf.keras 2 did.
 
@@ -322,11 +327,12 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
             List of tensors (float32 where given float32), gradients of the true loss.
 
         Raises:
-            ValueError: (template) in a traced step, gradients clipped by TensorFlow's
-                clipping functions while still scaled (`guard.refuse_clipped_scaled`).
+            ValueError: (template) gradients clipped while still scaled: in a traced step by
+                TensorFlow's clipping functions, eager from `tfmp.scaled_gradients`' result
+                (`guard.refuse_clipped_scaled`).
         """
         grads = list(grads)
-        _guard.refuse_clipped_scaled(self, grads)  # clipped, then unscaled: as wrong
+        _guard.refuse_clipped_scaled(self, grads, self._steps.handed_out)  # clipped, then unscaled: as wrong
         scale = self.dynamic_scale if self.built else self.initial_scale
         unscaled = [None if g is None else ops.divide(g, ops.cast(scale, g.dtype)) for g in grads]
         self._origins.note(list(grads), unscaled)
@@ -339,7 +345,8 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         Raises:
             ValueError: in an XLA-compiled step replicated over several replicas
                 (`tfmp._src.distribute`); (template) under dynamic loss scaling, gradients
-                clipped while still scaled in a traced step (`guard.refuse_clipped_scaled`);
+                clipped while still scaled: in a traced step, or eager from `tfmp.scaled_gradients`'
+                result (`guard.refuse_clipped_scaled`);
                 (template) the ``"values"`` guard under a tf.distribute strategy.
 
         Warns:
@@ -350,7 +357,8 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         grads = list(grads)
         loss_recorded = self._steps.take_loss_recorded()
         already = self._origins.already_unscaled(grads, self._steps.unscaled.take())
-        _guard.refuse_clipped_scaled(self, [g for g, done in zip(grads, already) if not done])
+        _guard.refuse_clipped_scaled(self, [None if done else g for g, done in zip(grads, already)],
+                                     self._steps.take_handed_out())
         _guard.warn_if_unscaled(self, self._steps, any(already))
         resolved = _guard.resolve(self.guard, self.loss_scaling)
         check_values = resolved == "values"

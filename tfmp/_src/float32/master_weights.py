@@ -60,6 +60,13 @@ def mixed_16bit(variables: List[Any]) -> List[Any]:
     return low if len(low) < len(variables) else []
 
 
+def float32_gradients(grads: List[Any], variables: List[Any]) -> List[Any]:
+    """`grads` with those of `mixed_16bit(variables)` cast to float32: the gradients of their float32 copies,
+    cast before the step's branches (one graph) and all-reduced with the others (one dtype)."""
+    low = {id(variable) for variable in mixed_16bit(variables)}
+    return [tf.cast(g, tf.float32) if g is not None and id(v) in low else g for g, v in zip(grads, variables)]
+
+
 class MasterCopies:
     """Float32 copies of a mixed model's 16-bit trainable variables, made by a `tfmp.LossScaleOptimizer`.
 
@@ -88,7 +95,7 @@ class MasterCopies:
         return [copy for _, copy in self.pairs]
 
     def substitute(self, variables: List[Any]) -> List[Any]:
-        """`variables` with each 16-bit variable replaced by its copy (the inner optimizer casts its gradient)."""
+        """`variables` with each 16-bit variable replaced by its copy (its gradient: `float32_gradients`)."""
         return [self._copy_of.get(id(variable), variable) for variable in variables]
 
     def refresh(self) -> None:

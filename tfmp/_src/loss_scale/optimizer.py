@@ -18,7 +18,7 @@ from keras import ops
 
 from tfmp._src import distribute as _distribute
 from tfmp._src.errors import invalid_argument
-from tfmp._src.float32.master_weights import MasterCopies
+from tfmp._src.float32.master_weights import MasterCopies, float32_gradients
 from tfmp._src.keras_hooks.optimizer_steps import (
     LossScaleOptimizerBase,
     no_automatic_dependency_tracking,
@@ -355,6 +355,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
                 fix="Use guard='auto' or 'gradients' under a tf.distribute strategy.",
             )
         variables = list(trainable_variables or optimizer_variables(self))
+        grads = float32_gradients(grads, variables)
         object.__setattr__(self, "_applying", _Applying(
             first if loss_recorded and first in _guard.LOSS_GUARDS else "", check_values,
             frozenset(id(g) for g, done in zip(grads, already) if done), tuple(_step_state.take(variables))))

@@ -177,7 +177,7 @@ def test_a_16_bit_variables_master_copy_trains_on_both_replicas_as_without_a_str
     np.testing.assert_array_equal(gains[0], gains[1])
     rounded = keras.ops.convert_to_numpy(keras.ops.cast(keras.ops.cast(copies[0], "bfloat16"), "float32"))
     np.testing.assert_array_equal(gains[0], rounded)
-    assert np.abs(gains[0] - 1.0).max() > 2.0**-5  # Keras's bfloat16 Adam would not move it
+    assert np.abs(gains[0] - 1.0).max() > 2.0**-7  # Keras's bfloat16 Adam would not move it
     np.testing.assert_allclose(gains[0], result["gain_alone"], atol=2.0**-7)  # bfloat16 rounding, reduction order
 
 

@@ -9,6 +9,7 @@ overflows Adam's second moment (`EFFECT`; IEEE 754 binary16 and bfloat16, as in
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 from typing import Any, List, Tuple
@@ -111,15 +112,16 @@ class MasterCopies:
 
 def _float32_copy(variable: Any) -> keras.Variable:
     """A float32 copy of `variable`, at its path (the inner optimizer names its slots from it)."""
-    parent, _, name = variable.path.rpartition("/")
+    parent, _, name = getattr(variable, "path", variable.name).rpartition("/")
     grandparent, _, parent = parent.rpartition("/")
-    with keras.name_scope(parent, override_parent=grandparent):
+    with keras.name_scope(parent, override_parent=grandparent) if parent else contextlib.nullcontext():
         return keras.Variable(lambda shape, dtype: tf.cast(variable, dtype), shape=variable.shape,
-                              dtype="float32", trainable=False, name=name)
+                              dtype="float32", trainable=False, name=name.partition(":")[0])
 
 
 def _take_changed(copy: tf.Variable, variable: tf.Variable) -> Any:
-    return copy.assign(tf.where(tf.equal(tf.cast(copy, variable.dtype), variable), copy, tf.cast(variable, copy.dtype)))
+    unchanged = tf.equal(tf.cast(copy, variable.dtype), variable)
+    return copy.assign(tf.where(unchanged, copy, tf.cast(variable, copy.dtype)))
 
 
 def _assign_rounded(variable: tf.Variable, copy: tf.Variable) -> Any:
@@ -138,9 +140,9 @@ def _warn(owner: str, found: List[Tuple[str, Any]]) -> None:
     effects = " ".join(f"{EFFECT[dtype]}." for dtype in sorted({weight.dtype for _, weight in found}))
     warnings.warn(
         f"{owner} trains {len(found)} variable(s) stored in 16 bits, without float32 master copies: "
-        f"{named}{more}. {effects} Compile the model under tfmp.enable() (its "
-        "tfmp.LossScaleOptimizer keeps float32 master copies), or create them in float32: leave `dtype` out of add_weight (a layer "
-        "under a 'mixed_*' policy then keeps them in float32) or pass dtype='float32'; Keras casts "
+        f"{named}{more}. {effects} Compile the model under tfmp.enable() (its tfmp.LossScaleOptimizer "
+        "keeps float32 master copies), or create them in float32: leave `dtype` out of add_weight (a "
+        "layer under a 'mixed_*' policy then keeps them in float32) or pass dtype='float32'; Keras casts "
         "them to the compute dtype in call. A layer given a pure 16-bit policy needs a 'mixed_*' one.",
         UserWarning,
         stacklevel=user_stacklevel(),

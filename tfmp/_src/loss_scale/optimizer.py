@@ -126,6 +126,13 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         **kwargs: Keras's backwards-compatibility arguments (`dynamic=True` and the base
             optimizer's defaults); anything else raises ValueError.
 
+    Master copies: a 16-bit trainable variable among float32 ones (a mixed model's, e.g.
+    ``add_weight(dtype=self.compute_dtype)``) gets a float32 copy at `build` (`master_copies`):
+    the inner optimizer updates the copy (its slots float32, so Adam's bias correction is right)
+    and the variable, still 16-bit, is assigned the rounded copy after each applied step. The
+    copies are not saved (the file keeps Keras's layout); a variable changed elsewhere (a
+    loaded file, `set_weights`) gives its value back to its copy at the next step.
+
     `fused_updates` (bool attribute, not saved, read when a step is traced): run an inner
     Adam's or SGD's update on TensorFlow's fused kernel. Default: True where no GPU or TPU
     runs the steps, unless made under ``tfmp.enable(speedups=False)`` or ``{"fused_update": False}``.
@@ -407,10 +414,11 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
             return
         # The "values" guard: read what the step may write, write, check, put back.
         trained = list(trainable_variables or optimizer_variables(self))
-        written = trained + self.master_copies.copies + list(self.inner_optimizer.variables)
+        trained += self.master_copies.copies
+        written = trained + list(self.inner_optimizer.variables)
         before = [tf.identity(variable) for variable in written]
         self._apply_inner(grads, trainable_variables)
-        checked = trained + self.master_copies.copies + [v for v in self.inner_optimizer.variables if "float" in str(v.dtype)]
+        checked = trained + [v for v in self.inner_optimizer.variables if "float" in str(v.dtype)]
         finite = ops.all(ops.stack([ops.all(ops.isfinite(variable)) for variable in checked]))
 
         def put_back() -> None:

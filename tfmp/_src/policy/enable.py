@@ -352,7 +352,7 @@ def _fix_and_attach(model: keras.Model, state: Session, attached_by: str, optimi
     """Exact token ids and dtype-error explanations, then the model's `Attachment` (`optimizer`: the one a
     loaded model is about to be compiled with)."""
     keep_exact_ids(model)
-    optimizer = optimizer or getattr(model, "optimizer", None)
+    optimizer = getattr(model, "optimizer", None) if optimizer is None else optimizer
     warn_16bit_trainable(model, master_copies=isinstance(optimizer, LossScaleOptimizer))
     prepare_multi_worker(model)
     explains = model.dtype_policy.compute_dtype in LOW_PRECISION

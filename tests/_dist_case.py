@@ -429,6 +429,40 @@ def case_replica_graphs(tmp):
     }
 
 
+class LowGain(keras.layers.Layer):
+    """Stores its gain in the compute dtype (16 bits under a mixed policy)."""
+
+    def build(self, input_shape):
+        self.gain = self.add_weight(shape=(input_shape[-1],), initializer="ones", dtype=self.compute_dtype,
+                                    name="gain")
+
+    def call(self, x):
+        return x * keras.ops.cast(self.gain, x.dtype)
+
+
+def case_master_copies(tmp):
+    """mixed_bfloat16, Adam: a 16-bit gain's float32 copy per replica, and the gain without a strategy."""
+    pairs = {}
+    for name, strategy in (("mirrored", mirrored()), ("alone", tf.distribute.get_strategy())):
+        with tfmp.policy_scope("mixed_bfloat16"), strategy.scope():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((4,)), LowGain(name="scale"), keras.layers.Dense(1)])
+            model.compile(keras.optimizers.Adam(1e-2), "mse")
+            model.fit(data(bad=False), epochs=2, verbose=0)
+        (pairs[name],) = model.optimizer.master_copies.pairs
+    (variable, copy), (alone, _) = pairs["mirrored"], pairs["alone"]
+
+    def per_replica(v):
+        return [np.asarray(x.numpy(), "float32").tolist() for x in mirrored().experimental_local_results(v.value)]
+
+    return {
+        "copy_per_replica": per_replica(copy),
+        "gain_per_replica": per_replica(variable),
+        "gain_alone": np.asarray(alone.numpy(), "float32").tolist(),
+        "dtypes": [variable.dtype, copy.dtype],
+    }
+
+
 CASES = {
     "replica_graphs": case_replica_graphs,
     "fit": case_fit,
@@ -437,6 +471,7 @@ CASES = {
     "xla": case_xla,
     "checkpoint": case_checkpoint,
     "numerics": case_numerics,
+    "master_copies": case_master_copies,
 }
 
 

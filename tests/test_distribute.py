@@ -30,7 +30,7 @@ from tfmp._src import distribute as _distribute
 # check_numerics runs; the bounds leave room for a busy machine.
 CASES_TIMEOUT_S = 420
 WORKERS_TIMEOUT_S = 300
-CASES = ["replica_graphs", "fit", "keras_lso", "custom_loop", "xla", "checkpoint", "numerics"]
+CASES = ["replica_graphs", "fit", "keras_lso", "custom_loop", "xla", "checkpoint", "numerics", "master_copies"]
 SCALES = [1024.0, 512.0, 512.0, 1024.0]  # finite, overflow, finite, finite (growth 2)
 
 
@@ -167,6 +167,18 @@ def test_keras_own_optimizer_misses_the_same_overflow(mirrored):
     assert result["iterations"] == 2
     assert result["scale"] == [2048.0, 2048.0]
     assert not result["weights_finite"]
+
+
+def test_a_16_bit_variables_master_copy_trains_on_both_replicas_as_without_a_strategy(mirrored):
+    result = case(mirrored, "master_copies")  # mixed_bfloat16, Adam, 8 steps
+    assert result["dtypes"] == ["bfloat16", "float32"]
+    copies, gains = np.array(result["copy_per_replica"]), np.array(result["gain_per_replica"])
+    np.testing.assert_array_equal(copies[0], copies[1])
+    np.testing.assert_array_equal(gains[0], gains[1])
+    rounded = keras.ops.convert_to_numpy(keras.ops.cast(keras.ops.cast(copies[0], "bfloat16"), "float32"))
+    np.testing.assert_array_equal(gains[0], rounded)
+    assert np.abs(gains[0] - 1.0).max() > 2.0**-7  # Keras's bfloat16 Adam would not move it
+    np.testing.assert_allclose(gains[0], result["gain_alone"], atol=2.0**-7)  # bfloat16 rounding, reduction order
 
 
 def test_custom_loop_skips_when_any_replica_overflows(mirrored):

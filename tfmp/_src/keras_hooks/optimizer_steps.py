@@ -10,6 +10,7 @@ Subscribers innermost first in `SURFACE`. `LossScaleOptimizerBase` is the one su
 | ``Optimizer._get_variable_index``, ``Adam._momentums`` / ``_velocities`` | ``keras/src/optimizers/base_optimizer.py``, ``keras/src/optimizers/adam.py`` | `adam_slots`, `sgd_momentum_slot`: a variable's slots, updated by `tfmp._src.policy.fused_update` |
 | ``LossScaleOptimizer._stateful_handle_finite_grads`` / ``_stateful_handle_non_finite_grads`` | ``keras/src/optimizers/loss_scale_optimizer.py`` | overridden by `LossScaleOptimizerBase` only |
 | ``keras.src.utils.tracking.no_automatic_dependency_tracking`` | ``keras/src/utils/tracking.py`` | `no_automatic_dependency_tracking`: tfmp's optimizer variables stored as attributes |
+| ``tf.__internal__.distribute.interim.maybe_merge_call`` | TensorFlow's ``distribute/merge_call_interim.py`` (Keras's TensorFlow optimizer calls it) | `update_each`: writes to (possibly mirrored) variables from a step, as Keras's updates are made |
 """
 
 from __future__ import annotations
@@ -71,6 +72,31 @@ def adam_slots(optimizer: Any, variable: Any) -> tuple:
 def sgd_momentum_slot(optimizer: Any, variable: Any) -> Any:
     """The `keras.Variable` momentum slot a built SGD (``momentum > 0``) keeps for `variable`."""
     return optimizer.momentums[optimizer._get_variable_index(variable)]
+
+
+def update_each(update: Callable, pairs: list) -> None:
+    """Runs ``update(target, source)`` for each ``(target, source)`` pair of variables, on each device.
+
+    As Keras's TensorFlow optimizer updates a variable: in a cross-replica context through
+    ``strategy.extended.update`` (per device: a mirrored `source` gives its copy on that
+    device), also from a replica context and inside a `tf.cond` branch (TensorFlow's
+    ``maybe_merge_call``); without a strategy, the default one.
+    """
+    import tensorflow as tf
+
+    def update_all(strategy: Any, pairs: list) -> None:
+        for target, source in pairs:
+            strategy.extended.update(_tf_variable(target), update, args=(_tf_variable(source),), group=False)
+
+    if tf.distribute.in_cross_replica_context():
+        update_all(tf.distribute.get_strategy(), pairs)
+    else:
+        tf.__internal__.distribute.interim.maybe_merge_call(update_all, tf.distribute.get_strategy(), pairs)
+
+
+def _tf_variable(variable: Any) -> Any:
+    """The `tf.Variable` a `keras.Variable` holds (itself if it is one)."""
+    return variable.value if isinstance(variable, keras.Variable) else variable
 
 
 def no_automatic_dependency_tracking(function: Callable) -> Callable:

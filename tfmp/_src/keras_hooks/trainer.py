@@ -119,12 +119,12 @@ def install_compile_hook(
     handler: CompileHandler,
     *,
     keep_saved: Callable[[], bool] = lambda: True,
-    on_load: Callable[[Any, Any], None] = lambda model, loss: None,
+    on_load: Callable[[Any, Any, Any], None] = lambda model, loss, optimizer: None,
 ) -> List[patches.Hook]:
     """Routes ``Model.compile`` to ``handler(compile, model, args, kwargs)``, which calls ``compile`` itself.
 
     Hooked where ``compile`` is defined, so ``compile_from_config`` still compiles a model Keras loads;
-    there `handler` is bypassed: ``on_load(model, loss)`` runs first (layers built, weights not loaded),
+    there `handler` is bypassed: ``on_load(model, loss, optimizer)`` runs first (layers built, weights not loaded),
     and while ``keep_saved()`` Keras's ``auto_scale_loss`` is off (under a ``mixed_float16`` global
     policy Keras would wrap a saved plain optimizer, then skip loading its variables).
 
@@ -137,7 +137,8 @@ def install_compile_hook(
         def tfmp_compile(self: Any, *args: Any, **kwargs: Any) -> Any:
             if _restoring():
                 _RESTORED.add(self)
-                on_load(self, kwargs.get("loss", args[1] if len(args) > 1 else None))
+                on_load(self, kwargs.get("loss", args[1] if len(args) > 1 else None),
+                        kwargs.get("optimizer", args[0] if args else None))
                 if keep_saved():
                     kwargs.setdefault("auto_scale_loss", False)
                 return compile(self, *args, **kwargs)

@@ -18,7 +18,7 @@ from keras import ops
 
 from tfmp._src import distribute as _distribute
 from tfmp._src.errors import invalid_argument
-from tfmp._src.float32.master_weights import warn_16bit_applied
+from tfmp._src.float32.master_weights import MasterCopies, float32_gradients
 from tfmp._src.keras_hooks.optimizer_steps import (
     LossScaleOptimizerBase,
     no_automatic_dependency_tracking,
@@ -133,6 +133,13 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         **kwargs: Keras's backwards-compatibility arguments (`dynamic=True` and the base
             optimizer's defaults); anything else raises ValueError.
 
+    Master copies: a 16-bit trainable variable among float32 ones (a mixed model's, e.g.
+    ``add_weight(dtype=self.compute_dtype)``) gets a float32 copy at `build` (`master_copies`):
+    the inner optimizer updates the copy (its slots float32, so Adam's bias correction is right)
+    and the variable, still 16-bit, is assigned the rounded copy after each applied step. The
+    copies are not saved (the file keeps Keras's layout); a variable changed elsewhere (a
+    loaded file, `set_weights`) gives its value back to its copy at the next step.
+
     `fused_updates` (bool attribute, not saved, read when a step is traced): run an inner
     Adam's or SGD's update on TensorFlow's fused kernel. Default: True where no GPU or TPU
     runs the steps, unless made under ``tfmp.enable(speedups=False)`` or ``{"fused_update": False}``.
@@ -231,6 +238,10 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         """Creates Keras's variables, then tfmp's counters (see the class docstring)."""
         object.__setattr__(self, "_tfmp_building", True)
         try:
+            masters = MasterCopies(var_list)
+            object.__setattr__(self, "_master_copies", masters)  # past Keras's tracking: not saved
+            if masters:  # the inner optimizer's slots on the float32 copies (Keras's build then finds it built)
+                self.inner_optimizer.build(masters.substitute(var_list))
             super().build(var_list)
         finally:
             object.__setattr__(self, "_tfmp_building", False)
@@ -241,6 +252,12 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
             (OVERFLOW_HISTORY,), keras.initializers.Constant(-1), _INT, name="overflow_history_steps")
         self.overflow_history_scales = self.add_variable(
             (OVERFLOW_HISTORY, 2), "zeros", "float32", name="overflow_history_scales")
+
+    @property
+    def master_copies(self) -> MasterCopies:
+        """`master_weights.MasterCopies`: float32 copies of the 16-bit trainable variables of a mixed model
+        (none before `build`, nor for a model without such variables)."""
+        return vars(self).get("_master_copies") or MasterCopies([])
 
     @property
     def loss_scale(self) -> float:
@@ -370,7 +387,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
                 fix="Use guard='auto' or 'gradients' under a tf.distribute strategy.",
             )
         variables = list(trainable_variables or optimizer_variables(self))
-        warn_16bit_applied(self, variables)
+        grads = float32_gradients(grads, variables)
         object.__setattr__(self, "_applying", _Applying(
             first if loss_recorded and first in _guard.LOSS_GUARDS else "", check_values,
             frozenset(id(g) for g, done in zip(grads, already) if done), tuple(_step_state.take(variables))))
@@ -406,8 +423,14 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
             grads = [g if g is None or overwrites_with_gradient(self, v) or id(g) in unscaled
                      else ops.divide(g, self.dynamic_scale)
                      for g, v in zip(grads, trainable_variables or optimizer_variables(self))]
+        masters = self.master_copies
+        if masters:
+            masters.refresh()
+            trainable_variables = masters.substitute(trainable_variables or optimizer_variables(self))
         with fused_updates(self.inner_optimizer) if self.fused_updates else contextlib.nullcontext():
             self.inner_optimizer.apply(grads, trainable_variables=trainable_variables)
+        if masters:
+            masters.round_to_variables()
 
     def _finite_step(self, grads: list, trainable_variables: list | None) -> None:
         if not self._applying.check_values:
@@ -416,6 +439,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
             return
         # The "values" guard: read what the step may write, write, check, put back.
         trained = list(trainable_variables or optimizer_variables(self))
+        trained += self.master_copies.copies
         written = trained + list(self.inner_optimizer.variables)
         before = [tf.identity(variable) for variable in written]
         self._apply_inner(grads, trainable_variables)

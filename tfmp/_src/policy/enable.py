@@ -350,10 +350,12 @@ def _warn_if_compiled_before_enable(model: keras.Model) -> None:
     )
 
 
-def _fix_and_attach(model: keras.Model, state: Session, attached_by: str) -> Attachment:
-    """Exact token ids and dtype-error explanations, then the model's `Attachment`."""
+def _fix_and_attach(model: keras.Model, state: Session, attached_by: str, optimizer: Any = None) -> Attachment:
+    """Exact token ids and dtype-error explanations, then the model's `Attachment` (`optimizer`: the one a
+    loaded model is about to be compiled with)."""
     keep_exact_ids(model)
-    warn_16bit_trainable(model)
+    optimizer = getattr(model, "optimizer", None) if optimizer is None else optimizer
+    warn_16bit_trainable(model, master_copies=isinstance(optimizer, LossScaleOptimizer))
     prepare_multi_worker(model)
     explains = model.dtype_policy.compute_dtype in LOW_PRECISION
     if explains:
@@ -369,12 +371,12 @@ def _fix_and_attach(model: keras.Model, state: Session, attached_by: str) -> Att
     return found
 
 
-def _attach_loaded(model: keras.Model, loss: Any = None) -> None:
+def _attach_loaded(model: keras.Model, loss: Any = None, optimizer: Any = None) -> None:
     """While enabled, puts tfmp's per-model changes (not kept by saving) back on a model Keras loads, as saved."""
     state = session.current()
     if state is not None:
         force_loaded(model, keep=state.keep_float32, exclude=state.exclude_float32, loss=loss)
-        found = _fix_and_attach(model, state, "load")
+        found = _fix_and_attach(model, state, "load", optimizer)
         saved = saved_policy(model)
         if saved is not None and saved != state.decision.policy:
             found.policy = saved

@@ -260,3 +260,44 @@ def test_int_ranges_and_exactly_counted_sums_are_not_forced(policy):
     model = _plain(policy, build)
     assert {layer.compute_dtype for layer in model.layers[1:-1]} == {policy.split("_")[1]}
     assert [w.path for w in tfmp.audit(model).warnings if w.kind == "sensitive_16bit"] == []
+
+
+class HandDropout(keras.layers.Layer):
+    """Dropout written by hand: a uniform draw in the compute dtype compared with the rate."""
+
+    def __init__(self, rate, **kwargs):
+        super().__init__(**kwargs)
+        self.rate = rate
+        self.seed_generator = keras.random.SeedGenerator(7)
+
+    def call(self, x):
+        keep = keras.random.uniform(ops.shape(x), dtype=self.compute_dtype, seed=self.seed_generator) >= self.rate
+        return ops.where(keep, x / (1 - self.rate), ops.zeros_like(x))
+
+
+RATE, WIDTH = 0.002, 1024
+
+
+def hand_dropout_model():
+    inputs = keras.Input((WIDTH,))
+    return keras.Model(inputs, keras.layers.Activation("linear", name="out")(HandDropout(RATE, name="drop")(inputs)))
+
+
+def _dropped(model):
+    return float(np.mean(np.asarray(model(np.ones((WIDTH, WIDTH), "float32"))) == 0))
+
+
+@pytest.mark.filterwarnings("ignore::tfmp.PerformanceWarning")
+@pytest.mark.parametrize("policy, steps", [("mixed_bfloat16", 128), ("mixed_float16", 1024)])
+def test_a_hand_written_dropout_drawing_in_16_bits_drops_its_rate(policy, steps):
+    """Item 2 (keras.random in user layers): a 16-bit uniform draw comes in steps of 1/128
+    (bfloat16) or 1/1024 (float16), so a rate of 0.002 counts as a whole step in plain
+    Keras; tfmp draws in float32 and drops the rate, within a binomial bound (1e-6)."""
+    from scipy.stats import binom
+
+    low, high = (bound / WIDTH**2 for bound in binom.interval(1 - 1e-6, WIDTH**2, RATE))
+    assert _dropped(_plain(policy, hand_dropout_model)) > high
+    model = _with_tfmp(policy, hand_dropout_model)
+    assert low <= _dropped(model) <= high
+    low_dtype = policy.split("_")[1]
+    assert _why(model)["drop"] == f"{low_dtype} random draw: uniform in steps of 1/{steps:,} compared with a threshold"

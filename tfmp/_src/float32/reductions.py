@@ -15,7 +15,11 @@ Flagged, by tracing a 16-bit layer's user code once on placeholders:
   sublayers (a MoE router), only those follow it into float32 (`inherits`): the others
   (the experts) keep the 16-bit policy;
 - positions past the exact integer range: a 16-bit ``Range``, or an int ``Range`` cast to
-  16 bits (a RoPE's ``arange(seq_len, dtype=self.compute_dtype)``). Int ranges are not flagged.
+  16 bits (a RoPE's ``arange(seq_len, dtype=self.compute_dtype)``). Int ranges are not flagged;
+- a 16-bit uniform random draw compared with a threshold (a hand-written dropout mask,
+  ``keras.random.uniform(..., dtype=self.compute_dtype) < rate``): the draw comes in steps
+  of 1/128 (bfloat16) or 1/1024 (float16), so the rate rounds to a whole step (a rate of
+  0.002 drops 3.9x its rate in bfloat16). Keras's own dropout is `dropout_draw.py`'s.
 
 Keras's own layers and subclassed models without a graph call are skipped.
 """
@@ -55,6 +59,10 @@ _PASS_THROUGH = ("StopGradient", "SelectV2", "Select", "Identity", "Cast")
 _ORDER_KEEPING = ("Identity", "Softmax", "LogSoftmax", "Sigmoid", "Tanh", "Reshape", "ExpandDims", "Squeeze")
 #: Ops between an int ``Range`` and its cast to 16 bits, moving values without changing them.
 _INDEX_MOVES = ("Identity", "Reshape", "ExpandDims", "Squeeze", "StridedSlice", "Tile", "BroadcastTo", "Cast")
+#: Uniform random draws, and what may stand between one and its comparison with a threshold.
+_UNIFORM_DRAWS = ("RandomUniform", "StatelessRandomUniform", "StatelessRandomUniformV2")
+_COMPARISONS = ("Less", "LessEqual", "Greater", "GreaterEqual")
+_DRAW_MOVES = ("Identity", "Mul", "AddV2", "Add", "Sub", "Reshape", "ExpandDims")
 #: Significant bits of each 16-bit dtype, as `EXACT_INTEGER_LIMIT` counts them.
 _BITS = {dtype: int(math.log2(limit)) for dtype, limit in EXACT_INTEGER_LIMIT.items()}
 
@@ -66,7 +74,7 @@ class WideReduction:
     Attributes:
         kind: String. ``"logsumexp"``, ``"sum of exp"``, ``"sum"``, ``"mean"``; an accumulation
             op's name (``"cumsum"``, ``"segment_sum"``, ``"unsorted_segment_sum"``...);
-            ``"top_k"``; ``"range"`` (positions).
+            ``"top_k"``; ``"range"`` (positions); ``"uniform draw"`` (compared with a threshold).
         extent: Int or None (unknown). Values reduced into each result, accumulated, or
             ranked; for ``"range"``, the largest position.
         dtype: String. ``"float16"`` or ``"bfloat16"``, the op's dtype.
@@ -87,10 +95,17 @@ class WideReduction:
         if self.kind == "range":
             return f"{self.dtype} positions: range up to " + (
                 "an unknown length" if self.extent is None else f"{self.extent:,}")
+        if self.kind == "uniform draw":
+            return f"{self.dtype} random draw: uniform in steps of 1/{self._steps:,} compared with a threshold"
         category = "ranking" if self.kind == "top_k" else "reduction"
         made_by = ", ".join(f"'{name}'" for name in self.made_by)
         text = f"{self.dtype} {category}: {self.kind} over {self._count}"
         return f"{text} made by {made_by}" if made_by else text
+
+    @property
+    def _steps(self) -> int:
+        """Values of a 16-bit uniform draw in [1, 2) (TensorFlow fills the significand): 2**(bits - 1)."""
+        return 2 ** (_BITS[self.dtype] - 1)
 
     @property
     def _count(self) -> str:
@@ -109,6 +124,12 @@ class WideReduction:
             largest = "an unknown length" if self.extent is None else f"{self.extent:,}"
             problem = f"its {self.dtype} positions up to {largest} round together ({exact})"
             local_fix = "make the positions in float32 (keras.ops.arange(n, dtype='float32'))"
+        elif self.kind == "uniform draw":
+            problem = (f"its {self.dtype} uniform draw comes in steps of 1/{self._steps:,}: compared with a "
+                       "threshold (a dropout rate), the threshold counts as the next whole step (measured: "
+                       "a rate of 0.002 dropped 3.9x its rate in bfloat16, 1.5x in float16)")
+            local_fix = ("draw in float32: keras.random.uniform(..., dtype='float32'), or "
+                         "keras.random.dropout, which tfmp draws in float32")
         elif self.kind == "top_k":
             problem = (f"its top_k over {self._count} ranks values rounded to {_BITS[self.dtype]} significant "
                        "bits: near-ties become ties and top_k picks other entries than float32 does")
@@ -193,9 +214,11 @@ def _finding(op: tf.Operation) -> Optional[WideReduction]:
     """What `op` computes wrong in 16 bits, or None."""
     if not op.inputs or not op.outputs:
         return None
-    dtype = (op.outputs[0] if op.type in ("Range", "Cast") else op.inputs[0]).dtype.name
+    dtype = (op.outputs[0] if op.type in ("Range", "Cast") + _UNIFORM_DRAWS else op.inputs[0]).dtype.name
     if dtype not in LOW_PRECISION:
         return None
+    if op.type in _UNIFORM_DRAWS:
+        return WideReduction("uniform draw", None, dtype) if _compared(op.outputs[0]) else None
     if op.type in _SUMS:
         if dtype != "float16":
             return None
@@ -244,6 +267,15 @@ def _largest_position(op: tf.Operation) -> Optional[int]:
     start, limit, delta = (float(bound) for bound in bounds)
     count = max(0, math.ceil((limit - start) / delta))
     return 0 if count == 0 else int(max(abs(start), abs(start + (count - 1) * delta)))
+
+
+def _compared(tensor: tf.Tensor, depth: int = 4) -> bool:
+    """True when ``tensor`` reaches a comparison (`_COMPARISONS`) through a few ops (`_DRAW_MOVES`)."""
+    for consumer in tensor.consumers():
+        if consumer.type in _COMPARISONS or (
+                depth > 0 and consumer.type in _DRAW_MOVES and _compared(consumer.outputs[0], depth - 1)):
+            return True
+    return False
 
 
 def _range_source(op: tf.Operation, depth: int = 6) -> Optional[tf.Operation]:

@@ -18,6 +18,9 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import harness, side_experiments  # noqa: E402
 
 # One worker runs this module (conftest.ONE_WORKER_MODULES), so its module fixtures run once.
+# Research scripts, not tfmp: their quick runs (every experiment in mixed_bfloat16, 2-3
+# minutes where bfloat16 is emulated) run with `-m slow`, outside README's command.
+pytestmark = pytest.mark.slow
 
 NAMES = tuple(side_experiments.EXPERIMENTS)
 REWRITE_KEY = "auto_mixed_precision_onednn_bfloat16"

@@ -30,7 +30,7 @@ import dataclasses
 import math
 import re
 import weakref
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import keras
 import numpy as np
@@ -144,6 +144,8 @@ class WideReduction:
 
 _FOUND: "weakref.WeakKeyDictionary[keras.layers.Layer, Optional[WideReduction]]" = (
     weakref.WeakKeyDictionary())
+#: Other rules reading the same trace, ``scan(layer, arguments, graph)`` (`unsafe_ops`): one trace per layer.
+SCANNERS: List[Callable[[keras.layers.Layer, tuple, tf.Graph], None]] = []
 
 
 def wide_reduction(layer: keras.layers.Layer) -> Optional[WideReduction]:
@@ -151,8 +153,7 @@ def wide_reduction(layer: keras.layers.Layer) -> Optional[WideReduction]:
 
     Traced once; a trace also decides for every sublayer, so ask for parents first.
     """
-    if layer not in _FOUND:
-        _analyze(layer)
+    analyze(layer)
     return _FOUND.get(layer)
 
 
@@ -174,6 +175,13 @@ def inherits(parent: keras.layers.Layer, child: keras.layers.Layer) -> bool:
     return found is None or found.kind != "top_k" or not found.made_by or child.name in found.made_by
 
 
+def analyze(layer: keras.layers.Layer) -> None:
+    """Traces a 16-bit user-code ``layer`` once (unless done) and records, for it and each
+    sublayer, the widest finding of this rule and of each of `SCANNERS`."""
+    if layer not in _FOUND:
+        _analyze(layer)
+
+
 def _analyze(layer: keras.layers.Layer) -> None:
     """Traces ``layer`` and records the widest finding of it and each sublayer."""
     if layer.compute_dtype not in LOW_PRECISION or not _runs_user_code(layer):
@@ -185,6 +193,8 @@ def _analyze(layer: keras.layers.Layer) -> None:
     for entry in walk(layer):
         _FOUND.setdefault(entry.layer, None)
     _FOUND[layer] = None
+    for scan in SCANNERS:
+        scan(layer, arguments, graph)
     makers: Dict[keras.layers.Layer, Set[str]] = {}  # top_k owner -> sublayers making ranked values
     whole: Set[int] = set()  # ids of owners whose every sublayer is forced with them
     for op in graph.get_operations():

@@ -20,9 +20,9 @@ import numpy as np
 import tensorflow as tf
 
 from tfmp._src.constants import LOW_PRECISION
+from tfmp._src.float32 import reductions
 from tfmp._src.float32.reductions import _runs_user_code, _scope_chain, _trace
 from tfmp._src.keras_hooks import error_texts
-from tfmp._src.keras_hooks.functional_graph import first_call_arguments
 from tfmp._src.layer_tree import walk
 
 #: TensorFlow's linear-algebra ops (``keras.ops.linalg``, ``keras.ops.slogdet``, ``tf.linalg``).
@@ -79,10 +79,9 @@ _AT_BUILD: "weakref.WeakSet[keras.layers.Layer]" = weakref.WeakSet()
 def unsafe_ops(layer: keras.layers.Layer) -> Optional[UnsafeOps]:
     """What ``layer``'s own 16-bit code does that 16 bits cannot, or None.
 
-    Traced once; a trace also decides for every sublayer, so ask for parents first.
+    Read from `reductions`' one trace; it also decides for every sublayer, so ask for parents first.
     """
-    if layer not in _FOUND:
-        _analyze(layer)
+    reductions.analyze(layer)
     return _FOUND.get(layer)
 
 
@@ -153,15 +152,8 @@ def _refused_ops(graph: Optional[tf.Graph], dtype: str) -> Tuple[str, ...]:
     return tuple(sorted(refused))
 
 
-def _analyze(layer: keras.layers.Layer) -> None:
-    """Traces a 16-bit ``layer`` and records what each of it and its sublayers does unsafely."""
-    dtype = layer.compute_dtype
-    if dtype not in LOW_PRECISION or not _runs_user_code(layer):
-        return
-    arguments = first_call_arguments(layer)
-    graph = None if arguments is None else _trace(layer, *arguments)
-    if graph is None:
-        return
+def _scan(layer: keras.layers.Layer, arguments: tuple, graph: tf.Graph) -> None:
+    """Records what a 16-bit ``layer`` traced on ``arguments`` into ``graph`` and each sublayer do unsafely."""
     for entry in walk(layer):
         _FOUND.setdefault(entry.layer, None)
     _FOUND[layer] = None
@@ -214,3 +206,6 @@ def _as_written(root: keras.layers.Layer, owner: keras.layers.Layer, arguments: 
         if beyond.size:
             written.append(f"{float(beyond[0]):g}")
     return tuple(dict.fromkeys(written))
+
+
+reductions.SCANNERS.append(_scan)

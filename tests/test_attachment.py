@@ -11,7 +11,7 @@ from _machines import ZEN4
 
 import tfmp
 from tfmp._src.attachment import hooks as attachment_hooks
-from tfmp._src.float32 import fused_batchnorm
+from tfmp._src.float32 import conv, fused_batchnorm
 from tfmp._src.keras_hooks import patches
 from tfmp._src.keras_hooks import backend_ops
 from tfmp._src.policy.hardware import injected_facts
@@ -199,7 +199,7 @@ def test_detach_gives_the_model_back_to_keras():
     original_call = vars(keras.layers.BatchNormalization)["call"]
     original_losses = vars(keras.layers.Layer)["losses"]
     original_gelu = backend_ops.backend_nn().gelu
-    original_convs = [getattr(backend_ops.backend_nn(), name) for name in ("conv", "conv_transpose")]
+    original_convs = [getattr(backend_ops.backend_nn(), name) for name in conv.FUNCTIONS]
     tfmp.enable("mixed_bfloat16")
     model = cnn(kl=True)
     model.compile("sgd", "mse")
@@ -223,7 +223,7 @@ def test_detach_gives_the_model_back_to_keras():
     assert vars(keras.layers.BatchNormalization)["call"] is original_call
     assert vars(keras.layers.Layer)["losses"] is original_losses
     assert backend_ops.backend_nn().gelu is original_gelu
-    assert [getattr(backend_ops.backend_nn(), name) for name in ("conv", "conv_transpose")] == original_convs
+    assert [getattr(backend_ops.backend_nn(), name) for name in conv.FUNCTIONS] == original_convs
 
 
 def test_the_attachment_lists_every_subscription_and_detach_leaves_only_float32_forcing_and_the_optimizers():
@@ -270,8 +270,8 @@ def test_the_attachment_lists_every_subscription_and_detach_leaves_only_float32_
     assert [hook for hook in surfaces.process_wide() if hook not in before] == []
 
 
-MODEL_LEVEL_OWNERS = ["bias_gradient", "conv", "conv", "dropout", "enable.gradient_errors", "enable.losses",
-                      "fused_batchnorm", "gelu"]  # conv: the backend's conv and conv_transpose
+MODEL_LEVEL_OWNERS = ["bias_gradient", "conv", "conv", "conv", "conv", "dropout", "enable.gradient_errors",
+                      "enable.losses", "fused_batchnorm", "gelu"]  # conv: the backend's four convolutions
 
 
 def test_without_a_session_the_model_level_hooks_are_on_only_while_an_attached_model_traces_its_step():

@@ -2,8 +2,9 @@
 
 The decision rests on the machine's facts: on a CPU (a Zen 4 or a Sapphire Rapids
 made this machine's with `injected_facts`) a float16 model's convolutions compute
-in float32 inside, on a GPU machine (an A100) they stay Keras's, so both branches
-run on any CPU; no test asserts a time (benchmarks/float16_cpu.py measures).
+in float32 inside, its depthwise ones only where TensorFlow's oneDNN takes float16
+(the Sapphire Rapids), on a GPU machine (an A100) they stay Keras's, so every branch
+runs on any CPU; no test asserts a time (benchmarks/float16_cpu.py measures).
 """
 
 import inspect
@@ -14,7 +15,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from _machines import A100, SAPPHIRE_RAPIDS, XEON_NO_BF16, ZEN4
+from _machines import A100, SAPPHIRE_RAPIDS, SAPPHIRE_RAPIDS_NO_ONEDNN, XEON_NO_BF16, ZEN3, ZEN4
 from _premises import channels_first_conv_trains, require
 from _traced import forward_and_backward_ops
 
@@ -27,6 +28,8 @@ X = np.random.default_rng(0).normal(size=(4, 8, 8, 3)).astype("float32")
 Y = np.random.default_rng(1).integers(0, 3, size=(4,))
 CONV_OPS = ("Conv1D", "Conv2D", "Conv3D", "Conv2DBackpropInput", "Conv2DBackpropFilter",
             "Conv3DBackpropInputV2", "Conv3DBackpropFilterV2")
+DEPTHWISE_OPS = ("DepthwiseConv2dNative", "DepthwiseConv2dNativeBackpropInput",
+                 "DepthwiseConv2dNativeBackpropFilter")
 
 
 def _build():
@@ -49,13 +52,13 @@ def _attached(facts):
             return _build()
 
 
-def _conv_ops(model):
-    """Convolution op types of a traced forward and backward pass, by dtype."""
+def _conv_ops(model, ops=CONV_OPS):
+    """Counts of `ops` (op types) in a traced forward and backward pass, by dtype."""
     counts = forward_and_backward_ops(model, tf.constant(X), tf.constant(Y))
     found = {}
     for key, count in counts.items():
         op, _, dtype = key.partition(":")
-        if op in CONV_OPS:
+        if op in ops:
             found[dtype] = found.get(dtype, 0) + count
     return found
 
@@ -69,34 +72,54 @@ def test_the_decision_rests_on_the_machine_facts_and_only_float16_changes():
         assert conv.decision("float16").startswith(conv.FLOAT32_INSIDE)
 
 
-@pytest.mark.parametrize("transpose", [False, True], ids=["conv", "conv_transpose"])
-def test_values_and_gradients_are_the_float64_ones_rounded_once(transpose):
+def test_depthwise_convolutions_take_float32_inside_only_where_oneDNN_takes_float16():
+    assert conv.depthwise_decision("float16", SAPPHIRE_RAPIDS) == f"float32 inside: {conv.DEPTHWISE_RULE}"
+    for facts in (ZEN4, ZEN3, XEON_NO_BF16, SAPPHIRE_RAPIDS_NO_ONEDNN):  # Eigen's float16 kernels
+        assert conv.depthwise_decision("float16", facts) == f"keras: {conv.DEPTHWISE_KEPT}"
+    for facts in (SAPPHIRE_RAPIDS, ZEN4):
+        assert conv.depthwise_decision("bfloat16", facts) == conv.depthwise_decision("float32", facts) == conv.KERAS
+    assert conv.depthwise_decision("float16", A100) == conv.KERAS
+    with injected_facts(SAPPHIRE_RAPIDS):
+        assert conv.depthwise_decision("float16").startswith(conv.FLOAT32_INSIDE)
+
+
+#: Backend convolution (its arguments after the tensors) and operand shapes, per case.
+CASES = {
+    "conv": ("conv", (1, "same"), [(2, 6, 6, 5), (3, 3, 5, 4)]),
+    "conv_transpose": ("conv_transpose", (2, "same"), [(2, 6, 6, 5), (3, 3, 4, 5)]),
+    "depthwise_conv": ("depthwise_conv", (1, "same"), [(2, 6, 6, 5), (3, 3, 5, 2)]),
+    "depthwise_conv_1d": ("depthwise_conv", (2, "valid"), [(2, 9, 5), (3, 5, 1)]),
+    "separable_conv": ("separable_conv", (1, "same"), [(2, 6, 6, 5), (3, 3, 5, 2), (1, 1, 10, 4)]),
+    "separable_conv_1d": ("separable_conv", (1, "valid"), [(2, 9, 5), (3, 5, 1), (1, 5, 4)]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_values_and_gradients_are_the_float32_ones_rounded_once(case):
+    name, args, shapes = CASES[case]
     rng = np.random.default_rng(2)
-    x64 = rng.normal(size=(2, 6, 6, 5))
-    k64 = rng.normal(size=(3, 3, 4, 5) if transpose else (3, 3, 5, 4)) / 4.0
-    x16, k16 = tf.constant(x64, tf.float16), tf.constant(k64, tf.float16)
-    exact_x, exact_k = tf.cast(x16, tf.float64), tf.cast(k16, tf.float64)  # the 16-bit values, exactly
-    backend = backend_ops.backend_nn()
-    if transpose:
-        def convolve(x, k):
-            return backend.conv_transpose(x, k, 2, "same")
-    else:
-        def convolve(x, k):
-            return backend.conv(x, k, 1, "same")
+    operands = [tf.constant(rng.normal(size=shape) / (1.0 if i == 0 else 4.0), tf.float16)
+                for i, shape in enumerate(shapes)]
+    function = getattr(backend_ops.backend_nn(), name)
+
+    def convolve(*tensors):
+        return function(*tensors, *args)
+
     with tf.GradientTape() as tape:
-        tape.watch([x16, k16])
-        y = conv.float32_inside(convolve, x16, k16)
-    assert y.dtype == tf.float16
+        tape.watch(operands)
+        y = conv.float32_inside(convolve, *operands)
     dy = tf.constant(rng.normal(size=y.shape), tf.float16)
-    dx, dk = tape.gradient(y, [x16, k16], output_gradients=dy)
-    assert (dx.dtype, dk.dtype) == (tf.float16, tf.float16)
+    grads = tape.gradient(y, operands, output_gradients=dy)
+    # the reference: Keras's float32 convolution and TensorFlow's float32 gradients of the
+    # same float16 values, each rounded once to float16
+    wide = [tf.cast(t, tf.float32) for t in operands]
     with tf.GradientTape() as tape:
-        tape.watch([exact_x, exact_k])
-        y64 = convolve(exact_x, exact_k)
-    dx64, dk64 = tape.gradient(y64, [exact_x, exact_k], output_gradients=tf.cast(dy, tf.float64))
-    for found, exact in ((y, y64), (dx, dx64), (dk, dk64)):  # one float16 rounding of a float32 sum
-        np.testing.assert_allclose(tf.cast(found, tf.float64).numpy(), exact.numpy(),
-                                   rtol=2.0**-10, atol=1e-3)
+        tape.watch(wide)
+        y32 = convolve(*wide)
+    grads32 = tape.gradient(y32, wide, output_gradients=tf.cast(dy, tf.float32))
+    assert [t.dtype for t in (y, *grads)] == [tf.float16] * (1 + len(operands))
+    for found, reference in zip((y, *grads), (y32, *grads32)):
+        np.testing.assert_array_equal(found.numpy(), tf.cast(reference, tf.float16).numpy())
 
 
 def test_a_float16_model_on_a_cpu_convolves_in_float32_only():
@@ -112,6 +135,40 @@ def test_a_float16_model_on_a_cpu_convolves_in_float32_only():
     np.testing.assert_allclose(model(X).numpy(), tf.cast(plain(X), tf.float32).numpy(), rtol=0.02, atol=0.02)
     history = model.fit(X, Y, batch_size=2, epochs=2, verbose=0)
     assert all(math.isfinite(loss) for loss in history.history["loss"])
+
+
+def _depthwise_model():
+    """A SeparableConv2D, then a DepthwiseConv2D and a SeparableConv1D, then a float32 head (logits)."""
+    inputs = keras.Input((8, 8, 3))
+    x = keras.layers.SeparableConv2D(4, 3, padding="same", activation="relu")(inputs)
+    x = keras.layers.DepthwiseConv2D(3, depth_multiplier=2, padding="same")(x)
+    x = keras.layers.SeparableConv1D(4, 3)(keras.layers.Reshape((64, 8))(x))
+    model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Flatten()(x)))
+    model.compile(keras.optimizers.SGD(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("facts", [SAPPHIRE_RAPIDS, ZEN4], ids=["sapphire_rapids", "zen4"])
+def test_separable_convolutions_take_float32_inside_on_a_cpu_depthwise_ones_where_the_facts_say(facts):
+    with injected_facts(facts), warnings.catch_warnings():
+        warnings.simplefilter("ignore", tfmp.PerformanceWarning)
+        with tfmp.policy_scope("mixed_float16"):
+            model = _depthwise_model()
+    found = tfmp.attachment(model)
+    assert found.conv == f"float32 inside: {conv.RULE}"
+    assert found.depthwise_conv == conv.depthwise_decision("float16", facts)
+    counts = forward_and_backward_ops(model, tf.constant(X), tf.constant(Y))
+    float16_ops = {key: count for key, count in counts.items()
+                   if key.partition(":")[0] in CONV_OPS + DEPTHWISE_OPS and key.endswith(":float16")}
+    # the separable layers' depthwise and pointwise halves in float32; the DepthwiseConv2D
+    # layer's forward op and both gradients too, or in float16 where its field says keras
+    kept = {} if facts.onednn_float16 else {f"{op}:float16": 1 for op in DEPTHWISE_OPS}
+    assert float16_ops == kept
+    assert counts["DepthwiseConv2dNative:float32"] >= 2 and counts["Conv2D:float32"] >= 2
+    keras.config.set_dtype_policy("float32")  # restored by the conftest fixture
+    reference = _depthwise_model()
+    reference.set_weights(model.get_weights())
+    np.testing.assert_allclose(model(X).numpy(), reference(X).numpy(), rtol=0.02, atol=0.02)
 
 
 def test_on_a_gpu_machine_the_model_keeps_kerass_convolutions():
@@ -153,17 +210,20 @@ def test_keras_still_calls_the_backend_convolutions_by_module_attribute():
     """The contract: keras.ops.conv / conv_transpose look conv / conv_transpose up on backend.nn
     at each call, taking (inputs, kernel, ...) first."""
     backend = backend_ops.backend_nn()
+    x, kernel = tf.ones((1, 4, 4, 1)), tf.ones((2, 2, 1, 1))
+    kernels = {"separable_conv": (kernel, tf.ones((1, 1, 1, 1)))}
     for name in conv.FUNCTIONS:
-        assert list(inspect.signature(getattr(backend, name)).parameters)[:2] == ["inputs", "kernel"]
-    seen = []
-    real = backend.conv
-    try:
-        backend.conv = lambda *args, **kwargs: seen.append(1) or real(*args, **kwargs)
-        keras.ops.conv(tf.ones((1, 4, 4, 1)), tf.ones((2, 2, 1, 1)))
-    finally:
-        backend.conv = real
-    assert seen == [1]
-    assert any("backend.nn" in row and "conv" in row for row, _ in contracts.CALL_ORDER)
+        tensors = backend_ops.FUNCTION_SIGNATURES[name]
+        assert list(inspect.signature(getattr(backend, name)).parameters)[:len(tensors)] == list(tensors)
+        seen = []
+        real = getattr(backend, name)
+        try:
+            setattr(backend, name, lambda *args, real=real, **kwargs: seen.append(name) or real(*args, **kwargs))
+            getattr(keras.ops, name)(x, *kernels.get(name, (kernel,)))
+        finally:
+            setattr(backend, name, real)
+        assert seen == [name]
+        assert any("backend.nn" in row and f"{name}(" in row for row, _ in contracts.CALL_ORDER)
 
 
 def _channels_first_model():

@@ -122,9 +122,10 @@ def test_the_float16_remapper_and_convolution_switches_on_the_cpu_with_the_trap(
     found = tfmp.attachment(model)
     if switch is True:
         assert found.remapper.startswith("off: ") and found.conv.startswith("float32 inside")
+        assert found.depthwise_conv.startswith("float32 inside")  # oneDNN takes float16 there
         assert step_scope.scope_of(model) == "remapper off"
     else:
-        assert found.remapper == "on" and found.conv == speedups.KERAS_BY_SWITCH
+        assert found.remapper == "on" and found.conv == found.depthwise_conv == speedups.KERAS_BY_SWITCH
         assert step_scope.scope_of(model) is None
         assert found.speedups["fused_batchnorm"] == "on"
 

@@ -68,6 +68,7 @@ def attach(model: keras.Model, policy: str, *, attached_by: str, exact_ids: int,
         exact_ids=exact_ids, explains_dtype_errors=explains_dtype_errors, check_numerics=numerics,
         remapper=remapper, bias_gradient=bias_gradient.decision(compute_dtype),
         gelu=inside("gelu", gelu.decision), conv=inside("conv", conv.decision),
+        depthwise_conv=inside("conv", conv.depthwise_decision),
         dropout=dropout_draw.decision(compute_dtype),
         speedups=speeds,
         activity_regularizers_in_float32=sorted(

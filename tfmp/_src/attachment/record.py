@@ -62,8 +62,12 @@ class Attachment:
             Conv2D: <check>"``: the same but a trainable Conv2D keeps oneDNN's fused kernel, which kept
             it; ``"keras: <check>"``: checked, not lost.
         conv: String. ``"keras"``: Keras's convolutions (not float16, a GPU or TPU, a layer attached at
-            its first call); ``"float32 inside: <why>"``: float16 Conv1D/2D/3D and transposes computed
-            in float32 and rounded once, as on every CPU.
+            its first call); ``"float32 inside: <why>"``: float16 Conv1D/2D/3D, their transposes and
+            SeparableConv1D/2D computed in float32 and rounded once, as on every CPU.
+        depthwise_conv: String. ``"keras"``: Keras's depthwise convolutions, as for `conv`;
+            ``"float32 inside: <why>"``: float16 DepthwiseConv1D/2D computed in float32 and rounded
+            once, on a CPU whose TensorFlow oneDNN takes float16 (``DeviceFacts.onednn_float16``);
+            ``"keras: <why>"``: kept on any other CPU (TensorFlow's float16 kernel there is Eigen's).
         dropout: String. ``"keras"``: Keras's dropout (a float32 model, a layer attached at its first
             call); ``"float32 draw: <why>"``: a 16-bit model's ``Dropout``, ``SpatialDropout*`` and
             ``keras.random.dropout`` draw and compare their uniform noise in float32 and round the
@@ -97,6 +101,7 @@ class Attachment:
     gelu: str = "keras"
     bias_gradient: str = "keras"
     conv: str = "keras"
+    depthwise_conv: str = "keras"
     dropout: str = "keras"
     speedups: Dict[str, str] = dataclasses.field(default_factory=lambda: speedups.decided(None))
     optimizer: str = ""
@@ -108,7 +113,7 @@ class Attachment:
         for name, example in (("model", "'sequential'"), ("attached_by", "'compile'"),
                               ("policy", "'mixed_float16'"), ("remapper", "'on'"),
                               ("gelu", "'keras'"), ("bias_gradient", "'keras'"), ("conv", "'keras'"),
-                              ("dropout", "'keras'"),
+                              ("depthwise_conv", "'keras'"), ("dropout", "'keras'"),
                               ("optimizer", "'Adam: kept (float32 compute)'")):
             check_type(name, getattr(self, name), str, "a string", fix=f"Pass e.g. {name}={example}.")
         for name in ("layer_policies", "forced_float32", "batchnorm_kernel", "speedups"):

@@ -1,13 +1,14 @@
 """The backend-ops surface: the functions of Keras's TensorFlow backend that ``keras.ops`` calls.
 
-``keras.ops`` looks ``gelu``, ``conv``, ``conv_transpose`` and ``add`` up on the backend module at
+``keras.ops`` looks ``gelu``, the convolutions (``conv``, ``conv_transpose``, ``depthwise_conv``,
+``separable_conv``) and ``add`` up on the backend module at
 each call (`PLACES`), and Keras's dropout layers and ``keras.random.dropout`` look up
 ``backend.random.dropout``, so a hook on the module attribute sees every call. Each wrapper hands its
 subscriber an `OpCall`; the subscriber returns `KERAS` for a call it leaves to Keras.
 
 | private name used | where in Keras | what tfmp does with it |
 |---|---|---|
-| ``keras.src.backend.tensorflow.nn`` (3.12-3.15, ``backend.nn``), ``...tensorflow.ops.nn`` (3.16, ``backend.ops.nn``) | ``keras/src/backend/tensorflow/[ops/]nn.py``, ``keras/src/ops/nn.py`` | `backend_nn`: the module whose ``gelu``, ``conv``, ``conv_transpose`` are hooked |
+| ``keras.src.backend.tensorflow.nn`` (3.12-3.15, ``backend.nn``), ``...tensorflow.ops.nn`` (3.16, ``backend.ops.nn``) | ``keras/src/backend/tensorflow/[ops/]nn.py``, ``keras/src/ops/nn.py`` | `backend_nn`: the module whose ``gelu``, ``conv``, ``conv_transpose``, ``depthwise_conv``, ``separable_conv`` are hooked |
 | ``keras.src.backend.tensorflow.random`` (3.12-3.16, ``backend.random``); its ``dropout`` calls ``tf.nn.experimental.stateless_dropout``, which draws its uniform noise in the input's dtype | ``keras/src/backend/tensorflow/random.py``, ``keras/src/random/random.py``, ``keras/src/layers/regularization/dropout.py``, ``spatial_dropout.py`` | `backend_random`: the module whose ``dropout`` is hooked |
 | ``keras.src.backend.tensorflow.numpy`` (3.12-3.15, ``backend.numpy``), ``...tensorflow.ops.numpy`` (3.16, ``backend.ops.numpy``); its ``add`` takes ``tf.nn.bias_add`` for a bias vector | ``keras/src/backend/tensorflow/[ops/]numpy.py``, ``keras/src/ops/numpy.py`` | `backend_numpy`: the module whose ``add`` is hooked |
 """
@@ -22,7 +23,7 @@ from tfmp._src.keras_hooks import patches
 
 SURFACE = patches.Surface(
     "backend ops",
-    methods=("gelu", "conv", "conv_transpose", "add", "dropout"),
+    methods=("gelu", "conv", "conv_transpose", "depthwise_conv", "separable_conv", "add", "dropout"),
     subscribers=("gelu", "conv", "bias_gradient", "dropout"),
 )
 
@@ -31,8 +32,10 @@ CALL_ORDER: Tuple[Tuple[str, str], ...] = (
     ("keras.ops.gelu (so activation='gelu', keras.activations.gelu, Activation('gelu')) calls "
      "gelu(x, approximate) looked up on backend.nn (Keras 3.12-3.15) or backend.ops.nn (3.16) at each call",
      "tests/test_gelu.py::test_where_the_16_bit_gelu_is_slow_a_model_computes_its_exact_gelus_in_float32_only"),
-    ("keras.ops.conv and conv_transpose (so Conv1D/2D/3D and their transposes) call "
-     "conv(inputs, kernel, ...) and conv_transpose(inputs, kernel, ...) looked up on backend.nn "
+    ("keras.ops.conv, conv_transpose, depthwise_conv and separable_conv (so Conv1D/2D/3D, their "
+     "transposes, DepthwiseConv1D/2D and SeparableConv1D/2D) call conv(inputs, kernel, ...), "
+     "conv_transpose(inputs, kernel, ...), depthwise_conv(inputs, kernel, ...) and "
+     "separable_conv(inputs, depthwise_kernel, pointwise_kernel, ...) looked up on backend.nn "
      "(Keras 3.12-3.15) or backend.ops.nn (3.16) at each call",
      "tests/test_conv.py::test_keras_still_calls_the_backend_convolutions_by_module_attribute"),
     ("keras.ops.add (so Dense's and the convolutions' bias) calls add(x1, x2) looked up on "
@@ -73,7 +76,7 @@ def backend_numpy() -> Any:
 
 
 def backend_nn() -> Any:
-    """The backend module whose ``gelu``, ``conv``, ``conv_transpose`` ``keras.ops`` calls (AttributeError if moved)."""
+    """The backend module whose ``gelu`` and convolutions ``keras.ops`` calls (AttributeError if moved)."""
     return _backend_module("nn")
 
 
@@ -94,6 +97,8 @@ FUNCTION_SIGNATURES: Dict[str, Tuple[str, ...]] = {
     "gelu": ("x", "approximate"),
     "conv": ("inputs", "kernel"),
     "conv_transpose": ("inputs", "kernel"),
+    "depthwise_conv": ("inputs", "kernel"),
+    "separable_conv": ("inputs", "depthwise_kernel", "pointwise_kernel"),
     "add": ("x1", "x2"),
     "dropout": ("inputs", "rate", "noise_shape", "seed"),
 }
@@ -104,7 +109,9 @@ class OpCall(NamedTuple):
 
     Attributes:
         inputs: Tuple of tensors: ``(x,)`` for ``gelu``, ``(inputs, kernel)`` for the
-            convolutions, ``(x1, x2)`` for ``add``, ``(inputs,)`` for ``dropout``.
+            convolutions but ``(inputs, depthwise_kernel, pointwise_kernel)`` for
+            ``separable_conv`` (`FUNCTION_SIGNATURES`), ``(x1, x2)`` for ``add``,
+            ``(inputs,)`` for ``dropout``.
         exact: Bool. ``gelu``: ``approximate=False`` was asked; True for the others.
         keras: Callable on as many tensors as `inputs`: Keras's function, other arguments as given.
     """
@@ -141,9 +148,13 @@ def _wrapper(function: str, replace: Callable[[OpCall], Any]) -> Callable[[Calla
                 return run(OpCall((inputs,), True, lambda x: next_function(x, *args, **kwargs)))
 
             hooked = dropout
-        else:  # conv, conv_transpose: the arguments after the kernel pass as given
-            def convolution(inputs: Any, kernel: Any, *args: Any, **kwargs: Any) -> Any:
-                return run(OpCall((inputs, kernel), True, lambda x, k: next_function(x, k, *args, **kwargs)))
+        else:  # the convolutions: their tensors (`FUNCTION_SIGNATURES`) first, the other arguments as given
+            names = FUNCTION_SIGNATURES[function]
+
+            def convolution(*args: Any, **kwargs: Any) -> Any:
+                tensors = args[:len(names)] + tuple(kwargs.pop(name) for name in names[len(args):])
+                rest = args[len(names):]
+                return run(OpCall(tensors, True, lambda *given: next_function(*given, *rest, **kwargs)))
 
             hooked = convolution
         return functools.wraps(next_function)(hooked)

@@ -19,7 +19,8 @@ FEATURES = {
     "fused_batchnorm": "BatchNormalization of a mixed policy on TensorFlow's FusedBatchNormV3 "
                        "(Attachment.batchnorm_kernel; float32/fused_batchnorm.py)",
     "gelu": "a bfloat16 model's exact GELU computed in float32 inside on a CPU (Attachment.gelu; float32/gelu.py)",
-    "conv": "a float16 model's convolutions computed in float32 inside on a CPU (Attachment.conv; float32/conv.py)",
+    "conv": ("a float16 model's convolutions computed in float32 inside on a CPU (Attachment.conv, "
+             "Attachment.depthwise_conv; float32/conv.py)"),
     "remapper": "a float16 model's steps without Grappler's remapper where the CPU's oneDNN takes float16 "
                 "(Attachment.remapper; policy/float16_fusion.py)",
     "fused_update": "Adam's and SGD's updates on TensorFlow's fused training kernels "

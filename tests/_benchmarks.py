@@ -8,6 +8,13 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def benchmark_module(name):
+    """The module ``benchmarks/<name>.py``, imported as its command line imports it."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    return importlib.import_module(f"benchmarks.{name}")
+
+
 def quick_run(name, tmp_path):
     """``python benchmarks/<name>.py --quick --json ...``, in this process.
 
@@ -15,8 +22,7 @@ def quick_run(name, tmp_path):
         ``(module, written)``: the benchmark's module and the JSON it wrote, which
         must equal what its ``main`` returned.
     """
-    sys.path.insert(0, str(ROOT))
-    module = importlib.import_module(f"benchmarks.{name}")
+    module = benchmark_module(name)
     path = tmp_path / f"{name}.json"
     returned = module.main(["--quick", "--json", str(path)])
     written = json.loads(path.read_text(encoding="utf-8"))

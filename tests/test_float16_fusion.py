@@ -22,11 +22,12 @@ import tensorflow as tf
 
 import tfmp
 from tfmp import DeviceFacts, GpuFacts
+from tfmp._src.float32 import conv
 from tfmp._src.keras_hooks import patches, runtime_options, step_scope, train_function
 from tfmp._src.policy import float16_fusion
 from tfmp._src.policy.hardware import injected_facts
 from tfmp._src.policy.policy import resolve_policy
-from _benchmarks import quick_run
+from _benchmarks import benchmark_module, quick_run
 from _traced import fused_matmuls, post_optimization_ops
 from _machines import A100, SAPPHIRE_RAPIDS, SAPPHIRE_RAPIDS_NO_ONEDNN, XEON_NO_BF16, ZEN4
 
@@ -221,6 +222,7 @@ def test_the_float16_cpu_warning_names_the_trap_the_path_taken_and_the_loop_scop
     assert "with tfmp.step_scope(model):" in message
     assert "240x float32's under plain Keras" in message
     assert "convolutions in float32 inside on every CPU (tfmp.attachment(model).conv)" in message
+    assert "its depthwise convolutions too (tfmp.attachment(model).depthwise_conv)" in message
     assert "0.0012x" not in message
     for facts in (ZEN4, XEON_NO_BF16):  # no trap on those CPUs
         with pytest.warns(tfmp.PerformanceWarning) as caught:
@@ -271,15 +273,29 @@ def test_step_scope_refuses_what_is_not_a_model_and_passes_through_a_model_not_a
 
 def test_the_float16_cpu_benchmark_runs_and_its_tables_hang_together(tmp_path):
     benchmark, written = quick_run("float16_cpu", tmp_path)
-    assert list(written["models"]) == ["MLP", "CNN"]
-    for variants in written["models"].values():
-        assert list(variants) == list(benchmark.VARIANTS)
+    assert list(written["models"]) == ["MLP", "CNN", "DepthwiseConv2D", "SeparableConv1D"]
+    for kind, variants in written["models"].items():
+        assert list(variants) == list(benchmark.variants_of(kind))
         assert variants["float32"]["vs_float32"] == {"value": 1.0, "paired": 1.0, "fastest": 1.0}
-        for found in variants.values():
+        for found in variants.values():  # none over the step budget at these sizes
             assert len(found["ms"]) == 2 and found["fastest_ms"] == min(found["ms"]) > 0
-        assert variants["tfmp fit, remapper off"]["remapper"].startswith("off: ")
         assert variants["float32"]["remapper"] == variants["Keras float16"]["remapper"] == "plain Keras"
-    text = benchmark.markdown(written)
-    assert "MLP:" in text and "| tfmp fit, remapper off |" in text
+    assert written["models"]["CNN"]["tfmp fit, remapper off"]["remapper"].startswith("off: ")
+    assert written["conv_by_facts"] == {"conv": conv.decision("float16"),
+                                        "depthwise_conv": conv.depthwise_decision("float16")}
     assert written["fused_matmul"].startswith("a float16 Dense training step took ")
     assert written["remapper_trap_by_facts"] is (float16_fusion.remapper_trap("float16") is not None)
+    text = benchmark.markdown(written)
+    assert "MLP:" in text and "| tfmp fit, remapper off |" in text and "| tfmp, float32 inside |" in text
+    # a variant over its budget is reported as a bound, from its one step timed alone
+    written["models"]["CNN"]["Keras float16"] = {"ms": [99.0], "over_budget": True, "remapper": "plain Keras"}
+    assert f"| Keras float16 | 99.00 (one step) |  | > {benchmark.STEP_BUDGET:g}x slower |" in benchmark.markdown(written)
+
+
+def test_the_float16_cpu_benchmark_leaves_a_step_over_its_budget_out_of_the_timing():
+    float16_cpu = benchmark_module("float16_cpu")
+    calls = []
+    steps = {"float32": lambda: calls.append("float32"), "slow": lambda: calls.append("slow")}
+    assert float16_cpu.over_budget(steps, budget=0.0).keys() == {"slow"}  # any time is over 0x
+    assert float16_cpu.over_budget(steps, budget=1e9) == {}
+    assert calls == ["float32", "slow"] * 2  # each step once per check

@@ -146,5 +146,6 @@ def warning_clause(compute_dtype: str, facts: DeviceFacts) -> Optional[str]:
         "`with tfmp.step_scope(model):`. float16 convolutions crawl there unfused too (two "
         "Conv2D layers, 32x32, batch 32: a training step 240x float32's under plain Keras); "
         "tfmp computes a float16 model's convolutions in float32 inside on every CPU "
-        "(tfmp.attachment(model).conv). mixed_bfloat16 runs in hardware there"
+        "(tfmp.attachment(model).conv), and on this one its depthwise convolutions too "
+        "(tfmp.attachment(model).depthwise_conv). mixed_bfloat16 runs in hardware there"
     )

@@ -8,6 +8,7 @@ Measurements: docs/guides/policy.md, "Facts, not timings".
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -161,8 +162,14 @@ def format_factor(factor: float) -> str:
 ROUNDS = 3
 
 
-def measure_rounds(rounds: int = ROUNDS) -> SpeedProbe:
+def measure_rounds(rounds: int = ROUNDS, float16_unfused: bool = False) -> SpeedProbe:
     """Measures the probe `rounds` times now (not cached), for `tfmp doctor`.
+
+    Args:
+        rounds: Int >= 1.
+        float16_unfused: Bool. Time the float16 step without Grappler's remapper
+            (`float16_fusion.remapper_off`), the path tfmp runs float16 on where
+            `float16_fusion.remapper_trap` holds, instead of TensorFlow's fused kernel.
 
     Returns:
         `SpeedProbe`: each dtype's fastest step over all rounds, the timed steps
@@ -173,7 +180,7 @@ def measure_rounds(rounds: int = ROUNDS) -> SpeedProbe:
     """
     if not is_positive_int(rounds):
         raise invalid_argument("rounds", rounds, "an integer >= 1", fix="Pass e.g. rounds=3.")
-    probes = [_measure() for _ in range(rounds)]
+    probes = [_measure(float16_unfused) for _ in range(rounds)]
     factors = [[probe.factor(dtype) for probe in probes] for dtype in DTYPES]
     return SpeedProbe(
         *(min(probe.step_ms(dtype) for probe in probes) for dtype in DTYPES),
@@ -184,9 +191,19 @@ def measure_rounds(rounds: int = ROUNDS) -> SpeedProbe:
     )
 
 
-def _measure() -> SpeedProbe:
-    """One probe: each dtype warmed up, then timed in turns until `REPEATS`, `BUDGET_MS` or `FAR_SLOWER`."""
+def _measure(float16_unfused: bool = False) -> SpeedProbe:
+    """One probe: each dtype warmed up, then timed in turns until `REPEATS`, `BUDGET_MS` or `FAR_SLOWER`.
+
+    `float16_unfused`: float16's calls run inside `float16_fusion.remapper_off`.
+    """
     import tensorflow as tf
+
+    from tfmp._src.policy import float16_fusion  # it imports this module
+
+    def timed(dtype: str) -> float:
+        unfused = float16_unfused and dtype == "float16"
+        with float16_fusion.remapper_off() if unfused else contextlib.nullcontext():
+            return time_step(*steps[dtype], w, b)
 
     start = time.perf_counter()
     with tf.device("/CPU:0"):
@@ -205,15 +222,15 @@ def _measure() -> SpeedProbe:
         count = {dtype: 0 for dtype in DTYPES}
         active = list(DTYPES)
         for dtype in DTYPES:  # warm-up: Grappler, kernel set-up and one step, never timed
-            time_step(*steps[dtype], w, b)
-        best["float32"] = spent["float32"] = time_step(*steps["float32"], w, b)
+            timed(dtype)
+        best["float32"] = spent["float32"] = timed("float32")
         count["float32"] = 1
         for _ in range(REPEATS):
             for dtype in list(active):
                 if count[dtype] >= REPEATS:
                     active.remove(dtype)
                     continue
-                took = time_step(*steps[dtype], w, b)
+                took = timed(dtype)
                 best[dtype] = min(best[dtype], took)
                 spent[dtype] += took
                 count[dtype] += 1

@@ -269,30 +269,33 @@ def finish(child: "subprocess.Popen[str]", timeout_s: float = TIMEOUT_S) -> OneD
 
 
 _cache: Dict[Tuple[Optional[str], ...], OneDnnIsa] = {}
+_pending: Dict[Tuple[Optional[str], ...], "subprocess.Popen[str]"] = {}
 _cache_lock = threading.Lock()
 
 
-def env_key(env: Optional[Mapping[str, str]] = None) -> Tuple[Optional[str], ...]:
-    """The values of `ENV_KEYS` in `env` (None: this process's environment)."""
-    env = os.environ if env is None else env
-    return tuple(env.get(name) for name in ENV_KEYS)
+def _env_key() -> Tuple[Optional[str], ...]:
+    return tuple(os.environ.get(name) for name in ENV_KEYS)
 
 
-def cached(key: Tuple[Optional[str], ...]) -> Optional[OneDnnIsa]:
-    """The reading kept for `env_key` `key` in this process, or None."""
+def start_early() -> None:
+    """Starts this process's reading now, for `detect` to finish: the command line calls it
+    before importing TensorFlow, so the child runs beside that import."""
+    key = _env_key()
     with _cache_lock:
-        return _cache.get(key)
+        if key not in _cache and key not in _pending:
+            _pending[key] = start()
 
 
-def keep(key: Tuple[Optional[str], ...], reading: OneDnnIsa) -> OneDnnIsa:
-    """Keeps a measured `reading` for `key` (a failed one is not kept) and returns it."""
+def detect() -> OneDnnIsa:
+    """This machine's `OneDnnIsa`, read once per process for each value of `ENV_KEYS`
+    (report-only; a failed reading is not kept)."""
+    key = _env_key()
+    with _cache_lock:
+        if key in _cache:
+            return _cache[key]
+        child = _pending.pop(key, None)
+    reading = finish(child if child is not None else start())
     if reading.source == "measured":
         with _cache_lock:
             _cache[key] = reading
     return reading
-
-
-def detect() -> OneDnnIsa:
-    """This machine's `OneDnnIsa`, read once per process for each value of `ENV_KEYS` (report-only)."""
-    key = env_key()
-    return cached(key) or keep(key, finish(start()))

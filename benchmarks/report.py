@@ -188,12 +188,15 @@ def machine_line(machine: dict, duration_s: float) -> str:
         duration_s: Float. Seconds the run took.
 
     Returns:
-        String: CPU, cores, TensorFlow and Keras versions, date, load average
-        (1 minute) at start and end, duration.
+        String: CPU, cores, the ISA oneDNN ran TensorFlow's matmuls with (when
+        recorded), TensorFlow and Keras versions, date, load average (1 minute)
+        at start and end, duration.
     """
     m = machine
     flags = ", ".join(m.get("cpu_flags", [])) or "none of " + ", ".join(CPU_FLAGS)
-    return (f"{m['cpu']} (flags: {flags}), {m['cores']} cores; TensorFlow {m['tensorflow']}, Keras "
+    isa = m.get("onednn_isa")
+    isa_text = f"; oneDNN matmul ISA: {isa['label']}" if isa else ""
+    return (f"{m['cpu']} (flags: {flags}{isa_text}), {m['cores']} cores; TensorFlow {m['tensorflow']}, Keras "
             f"{m['keras']}; {m['date']}; load average {m['load_average_start'][0]:.2f} "
             f"-> {m['load_average_end'][0]:.2f}; {duration_s:.0f} s")
 

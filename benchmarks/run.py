@@ -46,6 +46,7 @@ import tensorflow as tf  # noqa: E402
 import tfmp  # noqa: E402
 from benchmarks import harness, report  # noqa: E402
 from benchmarks.workloads import Workload, workloads  # noqa: E402
+from tfmp._src.policy import onednn_isa  # noqa: E402
 from tfmp._src.policy.hardware import detect_device_facts  # noqa: E402
 
 # (repeats, warm-up steps, seconds per timed call, min steps, max steps,
@@ -65,12 +66,13 @@ def _log(message: str) -> None:
 
 
 def machine() -> dict:
-    """Facts about where the suite ran: CPU, cores, versions, date, load."""
+    """Facts about where the suite ran: CPU, cores, the ISA oneDNN runs matmuls with, versions, date, load."""
     facts = detect_device_facts()
     return {
         "cpu": facts.cpu_name,
         "cpu_bf16_flags": list(facts.cpu_bf16_flags),
         "cpu_flags": [flag for flag in report.CPU_FLAGS if flag in facts.cpu_flags],
+        "onednn_isa": onednn_isa.detect().to_dict(),
         "cores": os.cpu_count(),
         "gpus": [f"{g.name} (cc {g.cc_string})" for g in facts.gpus],
         "python": platform.python_version(),

@@ -120,6 +120,8 @@ def test_machine_names_the_cpu_flags_of_proc_cpuinfo(quick):
     assert quick["written"]["machine"]["cpu_flags"] == [f for f in wanted if f in flags]
     line = report.machine_line(quick["written"]["machine"], 1.0)
     assert all(f in line for f in quick["written"]["machine"]["cpu_flags"])
+    isa = quick["written"]["machine"]["onednn_isa"]  # read in a child, as tfmp doctor reads it
+    assert isa["source"] == "measured" and f"oneDNN matmul ISA: {isa['label']}" in line
 
 
 def test_real_models_are_written_as_keras_io_writes_them():

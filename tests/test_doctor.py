@@ -13,7 +13,9 @@ import tensorflow as tf
 
 import tfmp
 import _tfmp_command as cli
-from tfmp._src.policy.hardware import DeviceFacts, GpuFacts
+from tfmp._src.policy import float16_fusion
+from tfmp._src.policy.hardware import DeviceFacts, GpuFacts, detect_device_facts, injected_facts
+from test_onednn_isa import _expected_isa
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: Where the messages' troubleshooting guide lies in this checkout (package data).
@@ -221,14 +223,16 @@ def test_json_keys_are_stable_and_the_probe_is_none_for_injected_facts():
     data = tfmp.doctor(PLAIN_CPU, file=None).to_dict()
     assert set(data) == {"versions", "build", "devices", "tf32_enabled", "xla",
                          "global_policy", "recommendation", "facts", "speed_probe",
-                         "troubleshooting", "notes"}
+                         "onednn_isa", "troubleshooting", "notes"}
     assert data["speed_probe"] is None and data["devices"][0]["tf32"] is None
-    assert "training step" not in str(tfmp.doctor(PLAIN_CPU, file=None))
+    assert data["onednn_isa"] is None  # another machine's: not read from this one
+    text = str(tfmp.doctor(PLAIN_CPU, file=None))
+    assert "training step" not in text and "oneDNN matmul ISA" not in text
 
 
 def test_an_injected_probe_is_printed_and_quoted():
     report = tfmp.doctor(BF16_CPU, speed_probe=PROBE, file=None)
-    assert report.data["speed_probe"] == PROBE.to_dict()
+    assert report.data["speed_probe"] == {**PROBE.to_dict(), "float16_remapper": None}
     lines = str(report).splitlines()
     at = lines.index("      float16: no   bfloat16: yes")
     assert lines[at + 1:at + 3] == [
@@ -264,6 +268,30 @@ def test_this_machine_reports_its_probe_when_the_cpu_decides():
     assert 0 < low <= high and "-" in str(report).split("bfloat16 ", 2)[-1]
     assert "3 rounds" in str(report)
     assert report.data["recommendation"]["policy"] == tfmp.recommend_policy().policy
+    # float16 timed on tfmp's path: the remapper off only where its trap is (not on this CPU's facts)
+    trap = float16_fusion.remapper_trap("float16", detect_device_facts()) is not None
+    assert probe["float16_remapper"] == ("off" if trap else "on")
+    # oneDNN's ISA, read in a child: the default oneDNN setting of this process
+    isa = report.data["onednn_isa"]
+    assert isa["source"] == "measured" and isa["isa"] == _expected_isa(detect_device_facts())
+    assert f"      oneDNN matmul ISA: {isa['label']}" in str(report)
+
+
+TRAP_CPU = DeviceFacts(cpu_name="Intel Xeon 6", cpu_flags=frozenset(
+    {"avx512f", "avx512bw", "avx512_fp16", "avx512_bf16", "amx_bf16"}))
+
+
+def test_float16_is_timed_on_the_path_tfmp_takes(monkeypatch):
+    """Where the fused float16 matmul is a trap, tfmp runs float16 without the remapper: so does the probe."""
+    from tfmp._src.advisors import doctor as doctor_module
+
+    asked = []
+    monkeypatch.setattr(doctor_module, "measure_rounds",
+                        lambda **how: asked.append(how["float16_unfused"]) or PROBE)
+    with injected_facts(TRAP_CPU):
+        report = tfmp.doctor(file=None)
+    assert asked == [True] and report.data["speed_probe"]["float16_remapper"] == "off"
+    assert "float16 200 ms (0.01x) (remapper off, as tfmp runs float16 here)" in str(report)
 
 
 def test_a_slow_probe_never_changes_the_recommendation():

@@ -1,11 +1,13 @@
 """The CPU speed probe (advice for `tfmp doctor`): its measurement on this CPU, its rounds, its bounds and its checks."""
 
+import contextlib
 import math
 import time
 
 import pytest
 
 import tfmp
+from tfmp._src.policy import float16_fusion
 from tfmp._src.policy import speed_probe as _speed
 
 
@@ -105,6 +107,45 @@ def test_a_far_slower_dtype_stops_after_one_timed_step(monkeypatch):
     assert probe.float16_ms >= 70.0
 
 
+def test_float16_runs_inside_remapper_off_only_when_asked(monkeypatch):
+    """tfmp's own float16 path where the fused kernel is a trap (`float16_fusion.remapper_off`)."""
+    inside = []
+
+    @contextlib.contextmanager
+    def recording_off():
+        inside.append(True)
+        yield
+        inside.pop()
+
+    class Recording(_FakeStep):
+        def __call__(self, *args):
+            self.off.append(bool(inside))
+            return super().__call__(*args)
+
+    monkeypatch.setattr(float16_fusion, "remapper_off", recording_off)
+    for unfused in (True, False):
+        steps = {dtype: Recording(0.001) for dtype in _speed.DTYPES}
+        for step in steps.values():
+            step.off = []
+        monkeypatch.setattr(_speed, "train_step", lambda dtype: steps[dtype])
+        _speed._measure(float16_unfused=unfused)
+        assert set(steps["float16"].off) == {unfused}
+        assert set(steps["float32"].off) == set(steps["bfloat16"].off) == {False}
+
+
+def test_rounds_share_one_trace_of_each_step(monkeypatch):
+    """Tracing took 2/3 of three rounds (AMD EPYC Zen 3): the rounds reuse the first one's steps."""
+    built = []
+
+    def build(dtype):
+        built.append(dtype)
+        return _FakeStep(0.001)
+
+    monkeypatch.setattr(_speed, "train_step", build)
+    probe = _speed.measure_rounds(3)
+    assert sorted(built) == sorted(_speed.DTYPES) and probe.repeats == (15, 15, 15)
+
+
 def test_each_dtype_stops_at_its_time_budget(monkeypatch):
     """float32 and bfloat16 0.06 s a step: not far slower, but two steps pass the 100 ms budget."""
     probe, _ = _fake_probe(monkeypatch, {"float32": 0.06, "bfloat16": 0.06, "float16": 0.001})
@@ -128,7 +169,7 @@ def test_rounds_report_the_fastest_step_and_the_spread_of_each_factor(monkeypatc
     rounds = iter([tfmp.SpeedProbe(2.0, 1.0, 100.0, repeats=(5, 5, 1), wall_ms=300.0),
                    tfmp.SpeedProbe(4.0, 1.0, 50.0, repeats=(5, 4, 1), wall_ms=400.0),
                    tfmp.SpeedProbe(2.0, 4.0, 200.0, repeats=(3, 2, 1), wall_ms=500.0)])
-    monkeypatch.setattr(_speed, "_measure", lambda: next(rounds))
+    monkeypatch.setattr(_speed, "_measure", lambda float16_unfused, traced: next(rounds))
     probe = _speed.measure_rounds(3)
     assert (probe.float32_ms, probe.bfloat16_ms, probe.float16_ms) == (2.0, 1.0, 50.0)
     assert probe.repeats == (13, 11, 3) and probe.wall_ms == 1200.0

@@ -80,16 +80,16 @@ def test_missing_scikit_learn_stops_before_tensorflow(script, tmp_path):
 
 
 CONSOLE_SCRIPT = """import re, sys
-from _tfmp_command import main
+from _tfmp_command import run
 if __name__ == "__main__":
     sys.argv[0] = re.sub(r"(-script\\.pyw|\\.exe)?$", "", sys.argv[0])
-    sys.exit(main())
+    sys.exit(run())
 """
 
 
 @pytest.fixture
 def console_script(tmp_path):
-    """A copy of the script pip writes for setup.cfg's `tfmp = _tfmp_command:main`."""
+    """A copy of the script pip writes for setup.cfg's `tfmp = _tfmp_command:run`."""
     path = tmp_path / "tfmp"
     path.write_text(CONSOLE_SCRIPT)
     return str(path)

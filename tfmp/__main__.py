@@ -2,7 +2,7 @@
 
 import sys
 
-from _tfmp_command import main
+from _tfmp_command import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

@@ -1,8 +1,8 @@
 """`tfmp doctor`: what this machine offers for mixed precision, in one report.
 
 What practitioners otherwise check by hand: versions, whether each device runs float16,
-bfloat16 and TF32 in hardware, the CPU's timed step, XLA, the global policy and what
-"auto" would pick. Facts can be injected to report on another machine.
+bfloat16 and TF32 in hardware, the ISA oneDNN runs matmuls with, the CPU's timed step, XLA,
+the global policy and what "auto" would pick. Facts can be injected to report on another machine.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from tfmp._src.constants import TROUBLESHOOTING_GUIDE
 from tfmp._src.errors import check_bool, invalid_argument
+from tfmp._src.policy import float16_fusion, onednn_isa
 from tfmp._src.policy.hardware import DeviceFacts, GpuFacts
 from tfmp._src.policy.policy import _facts_and_probe, recommend_policy, slower_than_float32
 from tfmp._src.policy.speed_probe import DTYPES, SpeedProbe, format_factor, format_ms, measure_rounds, ROUNDS
@@ -27,7 +28,7 @@ from tfmp._version import __version__
 
 _YES = {True: "yes", False: "no", None: "n/a"}
 _REPORT_KEYS = ("versions", "build", "devices", "tf32_enabled", "xla", "global_policy",
-                "recommendation", "facts", "speed_probe", "troubleshooting", "notes")
+                "recommendation", "facts", "speed_probe", "onednn_isa", "troubleshooting", "notes")
 _REPORT_DATA = Kind("a dict with the keys " + ", ".join(_REPORT_KEYS),
                     lambda data: isinstance(data, dict) and set(_REPORT_KEYS) <= set(data))
 
@@ -113,7 +114,7 @@ def _span(low: float, high: float) -> str:
 
 
 def _probe_lines(probe: Dict[str, Any]) -> List[str]:
-    """The CPU's measured step (`SpeedProbe.to_dict`), as two lines of the device list."""
+    """The CPU's measured step (`SpeedProbe.to_dict`, and doctor's ``float16_remapper``), as two lines of the device list."""
     ranges = probe.get("factor_range")
 
     def factor(dtype: str) -> str:
@@ -127,11 +128,24 @@ def _probe_lines(probe: Dict[str, Any]) -> List[str]:
         f"{dtype} {format_ms(probe['step_ms'][dtype])} ms"
         + ("" if dtype == "float32" else factor(dtype))
         for dtype in DTYPES)
+    if probe.get("float16_remapper") == "off":
+        times += " (remapper off, as tfmp runs float16 here)"
     size = f"{probe['batch']}x{probe['units']} @ {probe['units']}x{probe['units']}"
     rounds = f"{ROUNDS} rounds" if ranges else "probe"
     took = f", {rounds} {probe['wall_ms'] / 1e3:.2f} s" if probe["wall_ms"] is not None else ""
     return [f"      training step (MatMul {size} + bias + ReLU, forward and backward{took}):",
             f"        {times}"]
+
+
+def _isa_text(isa: Dict[str, Any]) -> str:
+    """The ``onednn_isa`` entry (`OneDnnIsa.to_dict`) as one line's text."""
+    if isa["source"] != "measured":
+        return f"unknown ({isa['source']})"
+    if isa["isa"] == "off":
+        return "none: oneDNN printed nothing for TensorFlow's matmuls (oneDNN off)"
+    matmuls = ", ".join(f"{dtype} {impl}" for dtype, impl in isa["matmuls"].items())
+    said = "; ".join(filter(None, [f"oneDNN: {isa['cpu_isa']}" if isa["cpu_isa"] else "", matmuls]))
+    return f"{isa['label']} ({said})" if said else isa["label"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,8 +160,12 @@ class DoctorReport:
             ``recommendation`` (``policy``, ``reason``, ``device``, ``tf32``,
             ``compute_dtype``, ``loss_scaling``), ``facts`` (``"detected"`` or
             ``"injected"``), ``speed_probe`` (`SpeedProbe.to_dict` of the CPU's
-            measured step; None when `doctor` neither got nor measured one),
-            ``troubleshooting`` (the guide's path) and ``notes`` (list of strings).
+            measured step, plus ``float16_remapper``: ``"off"`` where float16 was
+            timed without Grappler's remapper as tfmp runs it, ``"on"``, or None
+            for a given probe; None when `doctor` neither got nor measured one),
+            ``onednn_isa`` (`OneDnnIsa.to_dict` of
+            `tfmp._src.policy.onednn_isa`: ``isa``, ``label``, ``cpu_isa``,
+            ``matmuls``, ``source``; None for injected facts), ``troubleshooting`` (the guide's path) and ``notes`` (list of strings).
 
     Raises:
         ValueError: (template) `data` is not a dict with (at least) the keys above.
@@ -188,6 +206,8 @@ class DoctorReport:
             if dev["type"] == "GPU":
                 support += f"   TF32: {word[dev['tf32']]}"
             lines += [f"  {_device_name(dev)}", f"      {support}"]
+            if dev["type"] == "CPU" and d["onednn_isa"] is not None:
+                lines.append(f"      oneDNN matmul ISA: {_isa_text(d['onednn_isa'])}")
             if dev["type"] == "CPU" and d["speed_probe"] is not None:
                 lines += _probe_lines(d["speed_probe"])
         if not gpus:
@@ -224,8 +244,13 @@ def doctor(
         speed_probe: `SpeedProbe` or None. The CPU's measured step, quoted, never
             deciding the recommendation; None measures this CPU (`speed_probe.ROUNDS` rounds,
             about a second) when `device_facts` is None and there is no GPU or TPU.
+            float16 is timed as tfmp runs it: without Grappler's remapper where
+            `float16_fusion.remapper_trap` holds.
         as_json: Bool. Print JSON instead of text.
         file: Writable text stream or None (do not print). Default stdout.
+
+    With `device_facts` None, the ISA oneDNN runs TensorFlow's matmuls with is read
+    from a child process (`onednn_isa.detect`: about a second, once per process).
 
     Returns:
         `DoctorReport`; ``report.to_dict()`` for programs.
@@ -249,8 +274,12 @@ def doctor(
             fix="Pass e.g. file=sys.stdout or an open(path, 'w') file; to write to a path, "
             "open it first.")
     facts, probe = _facts_and_probe(device_facts, speed_probe)  # checks both
+    isa = onednn_isa.detect() if device_facts is None else None  # before the probe, not beside it
+    remapper = None
     if probe is None and device_facts is None and not facts.gpus and not facts.tpu:
-        probe = measure_rounds()
+        unfused = float16_fusion.remapper_trap("float16", facts) is not None
+        probe = measure_rounds(float16_unfused=unfused)
+        remapper = "off" if unfused else "on"
     info = dict(tf.sysconfig.get_build_info())
     decision = recommend_policy(facts, speed_probe=probe)
     devices = [_cpu_entry(facts, probe)]
@@ -281,7 +310,9 @@ def doctor(
             "loss_scaling": decision.loss_scaling,
         },
         "facts": "detected" if device_facts is None else "injected",
-        "speed_probe": probe.to_dict() if probe is not None else None,
+        "speed_probe": ({**probe.to_dict(), "float16_remapper": remapper}
+                        if probe is not None else None),
+        "onednn_isa": isa.to_dict() if isa is not None else None,
         "troubleshooting": TROUBLESHOOTING_GUIDE,
     }
     data["notes"] = _notes(data, facts, probe)

@@ -8,6 +8,7 @@ Measurements: docs/guides/policy.md, "Facts, not timings".
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -161,8 +162,14 @@ def format_factor(factor: float) -> str:
 ROUNDS = 3
 
 
-def measure_rounds(rounds: int = ROUNDS) -> SpeedProbe:
+def measure_rounds(rounds: int = ROUNDS, float16_unfused: bool = False) -> SpeedProbe:
     """Measures the probe `rounds` times now (not cached), for `tfmp doctor`.
+
+    Args:
+        rounds: Int >= 1.
+        float16_unfused: Bool. Time the float16 step without Grappler's remapper
+            (`float16_fusion.remapper_off`), the path tfmp runs float16 on where
+            `float16_fusion.remapper_trap` holds, instead of TensorFlow's fused kernel.
 
     Returns:
         `SpeedProbe`: each dtype's fastest step over all rounds, the timed steps
@@ -173,7 +180,8 @@ def measure_rounds(rounds: int = ROUNDS) -> SpeedProbe:
     """
     if not is_positive_int(rounds):
         raise invalid_argument("rounds", rounds, "an integer >= 1", fix="Pass e.g. rounds=3.")
-    probes = [_measure() for _ in range(rounds)]
+    traced: Dict[str, Any] = {}  # the rounds share their traced steps: tracing was 2/3 of the time
+    probes = [_measure(float16_unfused, traced) for _ in range(rounds)]
     factors = [[probe.factor(dtype) for probe in probes] for dtype in DTYPES]
     return SpeedProbe(
         *(min(probe.step_ms(dtype) for probe in probes) for dtype in DTYPES),
@@ -184,36 +192,51 @@ def measure_rounds(rounds: int = ROUNDS) -> SpeedProbe:
     )
 
 
-def _measure() -> SpeedProbe:
-    """One probe: each dtype warmed up, then timed in turns until `REPEATS`, `BUDGET_MS` or `FAR_SLOWER`."""
+def _measure(float16_unfused: bool = False, traced: Optional[Dict[str, Any]] = None) -> SpeedProbe:
+    """One probe: each dtype warmed up, then timed in turns until `REPEATS`, `BUDGET_MS` or `FAR_SLOWER`.
+
+    `float16_unfused`: float16's calls run inside `float16_fusion.remapper_off`.
+    `traced`: dict or None. The inputs and traced steps, filled by the first round
+    that gets an empty one and reused by the next (None: traced for this round only).
+    """
     import tensorflow as tf
 
+    from tfmp._src.policy import float16_fusion  # it imports this module
+
+    def timed(dtype: str) -> float:
+        unfused = float16_unfused and dtype == "float16"
+        with float16_fusion.remapper_off() if unfused else contextlib.nullcontext():
+            return time_step(*steps[dtype], w, b)
+
     start = time.perf_counter()
+    traced = {} if traced is None else traced
     with tf.device("/CPU:0"):
-        x = tf.random.stateless_uniform((BATCH, UNITS), seed=(1, 2), minval=-1.0, maxval=1.0)
-        w = tf.random.stateless_uniform((UNITS, UNITS), seed=(3, 4), minval=-1.0,
-                                        maxval=1.0) * (1.0 / UNITS) ** 0.5
-        b = tf.zeros((UNITS,))
-        steps = {}
-        for dtype in DTYPES:
-            inputs = tf.cast(x, dtype)
-            step = train_step(dtype)
-            step.get_concrete_function(inputs, w, b)  # traced here, so not in the warm-up
-            steps[dtype] = (step, inputs)
+        if not traced:
+            x = tf.random.stateless_uniform((BATCH, UNITS), seed=(1, 2), minval=-1.0, maxval=1.0)
+            traced["w"] = tf.random.stateless_uniform((UNITS, UNITS), seed=(3, 4), minval=-1.0,
+                                                      maxval=1.0) * (1.0 / UNITS) ** 0.5
+            traced["b"] = tf.zeros((UNITS,))
+            for dtype in DTYPES:
+                inputs = tf.cast(x, dtype)
+                step = train_step(dtype)
+                step.get_concrete_function(inputs, traced["w"], traced["b"])  # not in the warm-up
+                traced[dtype] = (step, inputs)
+        w, b = traced["w"], traced["b"]
+        steps = {dtype: traced[dtype] for dtype in DTYPES}
         best = {dtype: math.inf for dtype in DTYPES}
         spent = {dtype: 0.0 for dtype in DTYPES}
         count = {dtype: 0 for dtype in DTYPES}
         active = list(DTYPES)
         for dtype in DTYPES:  # warm-up: Grappler, kernel set-up and one step, never timed
-            time_step(*steps[dtype], w, b)
-        best["float32"] = spent["float32"] = time_step(*steps["float32"], w, b)
+            timed(dtype)
+        best["float32"] = spent["float32"] = timed("float32")
         count["float32"] = 1
         for _ in range(REPEATS):
             for dtype in list(active):
                 if count[dtype] >= REPEATS:
                     active.remove(dtype)
                     continue
-                took = time_step(*steps[dtype], w, b)
+                took = timed(dtype)
                 best[dtype] = min(best[dtype], took)
                 spent[dtype] += took
                 count[dtype] += 1

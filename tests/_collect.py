@@ -1,6 +1,7 @@
 """A full garbage collection in a suite that freezes what outlives each test (tests/conftest.py)."""
 
 import gc
+from typing import Callable
 
 
 def collect_everything():
@@ -12,3 +13,14 @@ def collect_everything():
     """
     gc.unfreeze()
     gc.collect()
+
+
+def collect_until(done: Callable[[], bool]) -> None:
+    """`gc.collect()`, then `collect_everything` only where ``done()`` is still False.
+
+    A full collection walks every object earlier tests left (seconds late in the
+    suite); most tests leave nothing frozen that holds what ``done`` waits for.
+    """
+    gc.collect()
+    if not done():
+        collect_everything()

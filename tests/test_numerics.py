@@ -374,3 +374,29 @@ def test_a_float16_softmax_classifier_with_sparse_cross_entropy_gets_the_layer_t
         _fit_classifier("mixed_float16", divide=True, checked=True, zero_at=2)
     error = info.value
     assert (error.layer, error.phase, error.step, error.kind) == ("divide", "forward", 2, "inf")
+
+
+_COMPILES_SCRIPT = """
+import numpy as np, keras, tfmp
+keras.utils.set_random_seed(1)
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(2)])
+model.compile("sgd", "mse", jit_compile=True)
+tfmp.check_numerics(model)
+rng = np.random.default_rng(0)
+model.fit(rng.random((48, 4), "float32"), rng.random((48, 2), "float32"), batch_size=8, shuffle=False, verbose=0)
+"""
+
+
+def test_under_xla_the_checked_train_step_compiles_once_not_at_every_step():
+    """Six steps with new data and weights, one XLA compilation: no op of the checks makes XLA
+    take the step's data (or weights) as compile-time constants, which would compile every step."""
+    import subprocess
+    import sys
+
+    from _subproc import ROOT, script_env
+
+    env = script_env({"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "device_compiler=1"})
+    run = subprocess.run([sys.executable, "-c", _COMPILES_SCRIPT], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stderr.count("Compilation of XLA executable") == 1, run.stderr[-3000:]

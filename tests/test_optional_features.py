@@ -11,7 +11,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
-from _collect import collect_everything
+from _collect import collect_until
 
 import tfmp
 from tfmp._src.attachment import hooks as attachment_hooks
@@ -45,11 +45,15 @@ def _train_save_load(tmp_path):
     return model, losses, loaded
 
 
+def _no_hooks_left():
+    tfmp.disable()
+    return attachment_hooks.installed() == []
+
+
 @pytest.mark.parametrize("feature", sorted(set(TABLES) | {"fused_update"}))
 def test_a_feature_that_cannot_install_is_off_alone_and_training_saving_loading_go_on(
         feature, monkeypatch, tmp_path):
-    collect_everything()
-    tfmp.disable()
+    collect_until(_no_hooks_left)
     assert attachment_hooks.installed() == []  # installed afresh by this test's enable()
     if feature == "fused_update":
         def moved(optimizer, variable):

@@ -18,7 +18,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from _collect import collect_everything
+from _collect import collect_until
 
 import tfmp
 
@@ -26,12 +26,16 @@ POLICIES = ("mixed_bfloat16", "mixed_float16")
 ORIGINAL_LOSSES = keras.layers.Layer.__dict__["losses"]
 
 
+def _losses_hook_gone():
+    tfmp.disable()
+    return keras.layers.Layer.__dict__["losses"] is ORIGINAL_LOSSES
+
+
 @pytest.fixture(autouse=True)
 def always_disable():
     yield
     tfmp.disable()
-    collect_everything()  # the test's models are gone: nothing keeps the losses hook
-    tfmp.disable()
+    collect_until(_losses_hook_gone)  # the test's models are gone: nothing keeps the losses hook
     assert keras.layers.Layer.__dict__["losses"] is ORIGINAL_LOSSES
 
 

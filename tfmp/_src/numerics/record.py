@@ -223,7 +223,9 @@ class FailureRecorder:
                 tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(maxima)), tf.int64)),
             ]
         )
-        window = tf.slice(history, tf.stack([begin, 0]), [self.trace_length, len(COLUMNS)])
+        # A gather, not a slice: XLA takes a slice's begin as a compile-time constant, and this
+        # one depends on the step's data: every step would compile again.
+        window = tf.gather(history, begin + tf.range(self.trace_length, dtype=tf.int64))
         boundary = tf.where(tf.logical_and(any_bound, tf.logical_not(any_fwd)), boundary, tf.zeros([3]))
         return fields, window, scale, boundary
 

@@ -77,9 +77,6 @@ def cross_entropy(labels, logits, *, label_smoothing: float = 0.0,
     return tf.reshape(loss, tf.shape(logits)[:-1])
 
 
-def _chunk_rows(start, size: int, rows):
-    """Int32 ``[size]`` row ids from ``start``, the ones past the end clamped to the last row."""
-    return tf.minimum(start + tf.range(size), rows - 1)
 
 
 def _targets(tile, rows_ids, ids, dense, smoothing: float):
@@ -97,11 +94,18 @@ def _targets(tile, rows_ids, ids, dense, smoothing: float):
 def _chunked(flat, ids, dense, valid, smoothing: float, size: int):
     """Float32 ``[rows]`` losses of ``flat`` ``[rows, classes]``; ``ids`` or ``dense`` gives the labels."""
     rows = tf.shape(flat)[0]
-    chunks = (rows + size - 1) // size
+    if flat.shape[0] is not None:  # known rows: no chunk longer than the input
+        size = max(1, min(size, int(flat.shape[0])))
+        offsets = tf.range(size)
+    else:  # at most `rows` (under XLA a compile-time constant: it comes from a shape)
+        offsets = tf.range(tf.minimum(size, tf.maximum(rows, 1)))
+        size = None
+    step = tf.shape(offsets)[0]
+    chunks = (rows + step - 1) // step
     dtype = flat.dtype
 
     def tiles(index):
-        rows_ids = _chunk_rows(index * size, size, rows)
+        rows_ids = tf.minimum(index * step + offsets, rows - 1)  # the last chunk takes rows again from the end
         return rows_ids, tf.cast(tf.gather(flat, rows_ids), tf.float32)
 
     @tf.custom_gradient

@@ -18,18 +18,20 @@ trained by SGD (no optimizer slots: the loss's memory is what differs). Configur
 - ``tfmp_chunked``: ``tfmp.enable("mixed_bfloat16")`` and the chunked loss (tfmp keeps the
   logits bfloat16, `tfmp._src.float32.logits`).
 
-Each configuration runs in a fresh Python process (``--one``), with ``MALLOC_MMAP_THRESHOLD_``
-set to 128 KiB so that a freed tensor leaves the resident set (glibc otherwise keeps freed
-blocks under its dynamic threshold, up to 32 MiB). After one warm-up step (it traces the
-step), the child reads its resident set size, resets the kernel's high-water mark
-(``/proc/self/clear_refs``, Linux >= 4.0), runs ``--steps`` timed steps
-(``train_on_batch``), and reports the high-water mark above the resident set before them:
-the peak memory a training step adds (activations, logits, gradients, temporaries).
+Each configuration runs in a fresh Python process (``--one``): one warm-up step (it traces
+the step), ``--steps`` timed steps (``train_on_batch``; step time: their median), then one
+memory step: glibc is told to map every block of 128 KiB or more on its own
+(``mallopt(M_MMAP_THRESHOLD)``, so that a freed tensor leaves the resident set at once; by
+default glibc keeps freed blocks under its dynamic threshold, up to 32 MiB, and a step
+reuses the previous one's) and to give back what it holds free (``malloc_trim``); the child
+reads its resident set size, resets the kernel's high-water mark (``/proc/self/clear_refs``,
+Linux >= 4.0), runs the step and reports the high-water mark above the resident set before
+it: the peak memory a training step adds (activations, logits, gradients, temporaries).
 TensorFlow's allocator statistics (``tf.config.experimental.get_memory_info``) are not
 kept for a CPU (TensorFlow 2.21 raises "Allocator stats not available for device 'CPU:0'").
-Step time: median of the timed steps. Loss: each configuration's loss on the batch before
-training, against Keras's float32 loss on the same logits cast to float32 (the relative
-difference); all configurations start from the same weights (seeded).
+Loss: each configuration's loss on the batch before training, against Keras's float32 loss
+on the same logits cast to float32 (the relative difference); all configurations start from
+the same weights (seeded).
 
 Configurations alternate within each repeat (the order rotated each repeat); reported:
 medians over repeats, and each configuration's memory and step time over ``keras``'s, the
@@ -53,8 +55,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's tfmp
 
 CONFIGS = ("keras", "tfmp_cast", "chunked", "tfmp_chunked")
-#: glibc's mmap threshold in the children: a freed tensor of 128 KiB or more leaves RSS at once.
+#: glibc's mmap threshold for the memory step: a freed tensor of 128 KiB or more leaves RSS at once.
 MMAP_THRESHOLD = 128 * 1024
+#: ``mallopt``'s parameter number for the mmap threshold (glibc's malloc.h).
+M_MMAP_THRESHOLD = -3
 _MIB = 2.0**20
 
 
@@ -65,6 +69,17 @@ def _status(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _exact_rss() -> None:
+    """From now on, blocks of `MMAP_THRESHOLD` bytes or more are mapped on their own; free heap given back."""
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    if not libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD):
+        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed: not glibc?")
+    libc.malloc_trim(0)
 
 
 def build(config: str, vocab: int, dim: int, seq: int):
@@ -110,17 +125,17 @@ def one(config: str, vocab: int, batch: int, seq: int, dim: int, steps: int) -> 
     x = rng.integers(0, vocab, size=(batch, seq)).astype("int32")
     y = rng.integers(0, vocab, size=(batch, seq)).astype("int32")
     model, loss = build(config, vocab, dim, seq)
-    before_any = _status("VmRSS")
     model.train_on_batch(x, y)  # traces the step
-    rss = _status("VmRSS")
-    traced_peak = _status("VmHWM")
-    with open("/proc/self/clear_refs", "w", encoding="ascii") as clear:
-        clear.write("5")  # resets VmHWM to the current RSS
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         model.train_on_batch(x, y)
         times.append(time.perf_counter() - start)
+    _exact_rss()
+    rss = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as clear:
+        clear.write("5")  # resets VmHWM to the current RSS
+    model.train_on_batch(x, y)
     peak = _status("VmHWM")
     # the loss before training, against Keras's float32 loss on the same logits cast to float32
     model2, _ = build(config, vocab, dim, seq)
@@ -130,7 +145,6 @@ def one(config: str, vocab: int, batch: int, seq: int, dim: int, steps: int) -> 
     return {
         "config": config, "vocab": vocab, "tokens": batch * seq, "logits_dtype": logits.dtype.name,
         "step_peak_mib": (peak - rss) / _MIB, "rss_before_steps_mib": rss / _MIB,
-        "first_step_peak_mib": (traced_peak - before_any) / _MIB,
         "step_ms": 1000 * statistics.median(times), "step_ms_all": [1000 * t for t in times],
         "loss": value, "keras_float32_loss": reference, "loss_relative_difference": abs(value - reference) / reference,
     }
@@ -139,8 +153,7 @@ def one(config: str, vocab: int, batch: int, seq: int, dim: int, steps: int) -> 
 def _child(config: str, vocab: int, args: argparse.Namespace) -> Dict[str, Any]:
     command = [sys.executable, os.path.abspath(__file__), "--one", config, "--vocab", str(vocab),
                "--batch", str(args.batch), "--seq", str(args.seq), "--dim", str(args.dim), "--steps", str(args.steps)]
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
-    done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"configuration {config} (vocab {vocab}) failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -175,8 +188,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--vocab", type=int, nargs="+", default=[32000, 128000])
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration (after one warm-up)")
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per configuration (after one warm-up)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     parser.add_argument("--quick", action="store_true", help="vocabulary 2000, 2 x 64 tokens, dim 32, 1 step")

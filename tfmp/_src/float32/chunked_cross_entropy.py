@@ -79,16 +79,34 @@ def cross_entropy(labels, logits, *, label_smoothing: float = 0.0,
 
 
 
-def _targets(tile, rows_ids, ids, dense, smoothing: float):
-    """The float32 target distribution of one chunk ``[size, classes]`` (sparse labels as a one-hot)."""
+def _label_terms(tile, rows_ids, ids, dense, smoothing: float):
+    """``(sum(t), sum(t * x))`` per row of one float32 chunk ``x`` ``[size, classes]`` and its target ``t``
+    (sparse: ``(1 - s) * one_hot + s / classes``, never made whole; dense: Keras's smoothed labels)."""
     classes = tile.shape[-1]
+    if dense is None:
+        picked = tf.gather(tile, tf.gather(ids, rows_ids), batch_dims=1)
+        if smoothing:
+            picked = (1.0 - smoothing) * picked + smoothing / classes * tf.reduce_sum(tile, axis=-1)
+        return tf.ones_like(picked), picked
+    target = _dense_target(rows_ids, dense, smoothing, classes)
+    return tf.reduce_sum(target, axis=-1), tf.reduce_sum(target * tile, axis=-1)
+
+
+def _dense_target(rows_ids, dense, smoothing: float, classes: int):
+    target = tf.cast(tf.gather(dense, rows_ids), tf.float32)
+    return target * (1.0 - smoothing) + smoothing / classes if smoothing else target
+
+
+def _minus_target(softmax, rows_ids, ids, dense, smoothing: float):
+    """``softmax * sum(t) - t`` of one chunk (the gradient of ``lse * sum(t) - sum(t * x)``)."""
+    classes = softmax.shape[-1]
     if dense is not None:
-        target = tf.cast(tf.gather(dense, rows_ids), tf.float32)
-    else:
-        target = tf.one_hot(tf.gather(ids, rows_ids), classes, dtype=tf.float32)
-    if smoothing:
-        target = target * (1.0 - smoothing) + smoothing / classes
-    return target
+        target = _dense_target(rows_ids, dense, smoothing, classes)
+        return softmax * tf.reduce_sum(target, axis=-1, keepdims=True) - target
+    labels = tf.gather(ids, rows_ids)
+    where = tf.stack([tf.range(tf.shape(labels)[0]), labels], axis=1)
+    spread = softmax - smoothing / classes if smoothing else softmax
+    return tf.tensor_scatter_nd_sub(spread, where, tf.fill(tf.shape(labels), 1.0 - smoothing))
 
 
 def _chunked(flat, ids, dense, valid, smoothing: float, size: int):
@@ -114,14 +132,13 @@ def _chunked(flat, ids, dense, valid, smoothing: float, size: int):
             rows_ids, tile = tiles(index)
             peak = tf.stop_gradient(tf.reduce_max(tile, axis=-1, keepdims=True))
             lse = tf.math.log(tf.reduce_sum(tf.exp(tile - peak), axis=-1)) + peak[:, 0]
-            target = _targets(tile, rows_ids, ids, dense, smoothing)
-            # -sum(t * (x - lse)) = lse * sum(t) - sum(t * x)
-            loss = lse * tf.reduce_sum(target, axis=-1) - tf.reduce_sum(target * tile, axis=-1)
+            total, weighted = _label_terms(tile, rows_ids, ids, dense, smoothing)
+            loss = lse * total - weighted  # -sum(t * (x - lse))
             return index + 1, out_lse.write(index, lse), out_loss.write(index, loss)
 
         arrays = [tf.TensorArray(tf.float32, size=chunks, element_shape=[size]) for _ in range(2)]
         _, lse_array, loss_array = tf.while_loop(lambda i, *_: i < chunks, body, (0, *arrays),
-                                                 maximum_iterations=chunks)
+                                                 maximum_iterations=chunks, parallel_iterations=1)
         lse = tf.reshape(lse_array.stack(), [-1])[:rows]
         loss = tf.reshape(loss_array.stack(), [-1])[:rows]
         if valid is not None:
@@ -134,17 +151,16 @@ def _chunked(flat, ids, dense, valid, smoothing: float, size: int):
 
             def back(index, out):
                 rows_ids, tile = tiles(index)
-                target = _targets(tile, rows_ids, ids, dense, smoothing)
                 softmax = tf.exp(tile - tf.gather(lse, rows_ids)[:, None])
                 scale = tf.gather(upstream, rows_ids)[:, None]
-                # d/dx [lse * sum(t) - sum(t * x)] = softmax * sum(t) - t
-                chunk = (softmax * tf.reduce_sum(target, axis=-1, keepdims=True) - target) * scale
+                chunk = _minus_target(softmax, rows_ids, ids, dense, smoothing) * scale
                 if valid is not None:
                     chunk = tf.where(tf.gather(valid, rows_ids)[:, None], chunk, 0.0)
                 return index + 1, out.write(index, tf.cast(chunk, dtype))
 
             array = tf.TensorArray(dtype, size=chunks, element_shape=[size, flat.shape[-1]])
-            _, array = tf.while_loop(lambda i, _: i < chunks, back, (0, array), maximum_iterations=chunks)
+            _, array = tf.while_loop(lambda i, _: i < chunks, back, (0, array), maximum_iterations=chunks,
+                                     parallel_iterations=1)  # one chunk's float32 tiles at a time
             return tf.reshape(array.stack(), [-1, flat.shape[-1]])[:rows]
 
         return loss, grad

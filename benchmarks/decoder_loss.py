@@ -169,6 +169,7 @@ def markdown(results: Dict[str, Any]) -> str:
     lines = [f"CPU: {results['cpu']}, {results['cores']} cores; TensorFlow {results['tensorflow']}, "
              f"Keras {results['keras']}; {results['tokens']} tokens ({results['batch']} x {results['seq']}), "
              f"dim {results['dim']}, {results['steps']} timed steps, {results['repeats']} repeat(s); "
+             f"TF_ENABLE_ONEDNN_OPTS {results['onednn']}; "
              f"load average {results['load_start']} -> {results['load_end']}.", "",
              "| vocab | config | logits | step peak MiB | vs keras | step ms | vs keras | loss rel. diff vs float32 |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -192,6 +193,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--steps", type=int, default=2, help="timed steps per configuration (after one warm-up)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    parser.add_argument("--onednn", choices=["default", "on", "off"], default="default",
+                        help="TF_ENABLE_ONEDNN_OPTS in the children: 'on' (1), 'off' (0), or as inherited")
     parser.add_argument("--quick", action="store_true", help="vocabulary 2000, 2 x 64 tokens, dim 32, 1 step")
     parser.add_argument("--json", help="write every number here")
     parser.add_argument("--one", choices=CONFIGS, help=argparse.SUPPRESS)  # child process: print JSON
@@ -206,6 +209,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
 
     from tfmp._src.policy.hardware import detect_device_facts
 
+    if args.onednn != "default":
+        os.environ["TF_ENABLE_ONEDNN_OPTS"] = "1" if args.onednn == "on" else "0"  # the children's
     load_start = [round(v, 2) for v in os.getloadavg()]
     vocabs: Dict[str, List[Dict[str, Any]]] = {}
     for vocab in args.vocab:
@@ -220,7 +225,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     results = {
         "cpu": detect_device_facts().cpu_name, "cores": os.cpu_count(), "tensorflow": tf.__version__,
         "keras": keras.__version__, "tokens": args.batch * args.seq, "batch": args.batch, "seq": args.seq,
-        "dim": args.dim, "steps": args.steps, "repeats": args.repeats, "configs": args.configs,
+        "dim": args.dim, "steps": args.steps, "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "unset"), "repeats": args.repeats, "configs": args.configs,
         "load_start": load_start, "load_end": [round(v, 2) for v in os.getloadavg()], "vocabs": vocabs,
     }
     print(markdown(results))

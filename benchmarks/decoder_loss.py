@@ -27,8 +27,9 @@ reuses the previous one's) and to give back what it holds free (``malloc_trim``)
 reads its resident set size, resets the kernel's high-water mark (``/proc/self/clear_refs``,
 Linux >= 4.0), runs the step and reports the high-water mark above the resident set before
 it: the peak memory a training step adds (activations, logits, gradients, temporaries).
-TensorFlow's allocator statistics (``tf.config.experimental.get_memory_info``) are not
-kept for a CPU (TensorFlow 2.21 raises "Allocator stats not available for device 'CPU:0'").
+With ``--onednn on`` TensorFlow's CPU allocator is a pool that keeps freed blocks, so the
+memory step shows only growth beyond it (compare times only). TensorFlow's allocator
+statistics (``tf.config.experimental.get_memory_info``) are not kept for a CPU (TensorFlow 2.21 raises "Allocator stats not available for device 'CPU:0'").
 Loss: each configuration's loss on the batch before training, against Keras's float32 loss
 on the same logits cast to float32 (the relative difference); all configurations start from
 the same weights (seeded).

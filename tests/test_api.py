@@ -19,6 +19,8 @@ PUBLIC_API = {
     "Verdict",
     "Attachment",
     "CompareReport",
+    "ChunkedCategoricalCrossentropy",
+    "ChunkedSparseCategoricalCrossentropy",
     "DeviceFacts",
     "DoctorReport",
     "GpuFacts",

@@ -397,6 +397,29 @@ def test_warnings_take_any_message_as_python_warnings_do(message):
         assert str(warning) == str(message)
 
 
+# ChunkedSparseCategoricalCrossentropy, ChunkedCategoricalCrossentropy
+
+CHUNKED_LOSSES = st.sampled_from([tfmp.ChunkedSparseCategoricalCrossentropy, tfmp.ChunkedCategoricalCrossentropy])
+
+
+@covers("ChunkedSparseCategoricalCrossentropy", "ChunkedCategoricalCrossentropy")
+@given(loss=CHUNKED_LOSSES, from_logits=st.one_of(st.just(False), NON_BOOLS, st.none()),
+       smoothing=st.one_of(NON_NUMBERS, NON_FINITE, st.floats(max_value=-1e-9), st.floats(min_value=1.0 + 1e-9)),
+       chunk_bytes=st.one_of(NOT_COUNTS, st.integers(min_value=2**30 + 1)))
+@BAD_INPUT_SETTINGS
+def test_chunked_losses_refuse_logits_flags_smoothing_and_chunk_sizes(loss, from_logits, smoothing, chunk_bytes):
+    assert_refused(lambda: loss(from_logits=from_logits), "from_logits")
+    assert_refused(lambda: loss(label_smoothing=smoothing), "label_smoothing")
+    assert_refused(lambda: loss(chunk_bytes=chunk_bytes), "chunk_bytes")
+
+
+@covers("ChunkedSparseCategoricalCrossentropy")
+@given(ignore_class=st.one_of(st.booleans(), st.floats(), st.text(max_size=3), st.lists(st.integers(), max_size=2)))
+@BAD_INPUT_SETTINGS
+def test_chunked_sparse_loss_refuses_an_ignore_class(ignore_class):
+    assert_refused(lambda: tfmp.ChunkedSparseCategoricalCrossentropy(ignore_class=ignore_class), "ignore_class")
+
+
 # LossScaleMonitor
 
 @covers("LossScaleMonitor")
@@ -593,6 +616,7 @@ def test_this_module_covers_its_half_of_the_public_names():
         "LossScaleWarning", "SkippedStepWarning", "scaled_gradients", "LossScaleMonitor", "LoggingWarning",
         "check_numerics", "NumericsHandle", "NonFiniteError", "audit", "AuditReport", "attachment", "detach", "step_scope",
         "Attachment", "multi_worker_strategy", "PerformanceWarning", "PolicyDecision", "UnmatchedTargetWarning",
+        "ChunkedSparseCategoricalCrossentropy", "ChunkedCategoricalCrossentropy",
     }
     assert covered_names([sys.modules[__name__]]) == half
     assert half <= set(tfmp.__all__)

@@ -28,6 +28,8 @@ __all__ = [
     # Float32 where 16 bits break numerics
     "force_float32", "register_float32", "unregister_float32", "float32_layers", "Float32Rules",
     "Registration", "audit", "AuditReport", "UnmatchedTargetWarning",
+    # A language model's loss from 16-bit logits, float32 by chunks
+    "ChunkedSparseCategoricalCrossentropy", "ChunkedCategoricalCrossentropy",
     # Loss scaling
     "LossScaleOptimizer", "scaled_gradients", "LossScaleWarning", "SkippedStepWarning",
     # Finding the first non-finite value
@@ -99,6 +101,9 @@ if not _IMPORTS_DEFERRED:
     from tfmp._src.float32.audit import audit as audit
     from tfmp._src.float32.audit_report import AuditReport as AuditReport
     from tfmp._src.float32.unmatched import UnmatchedTargetWarning as UnmatchedTargetWarning
+    from tfmp._src.float32.chunked_losses import (
+        ChunkedSparseCategoricalCrossentropy as ChunkedSparseCategoricalCrossentropy)
+    from tfmp._src.float32.chunked_losses import ChunkedCategoricalCrossentropy as ChunkedCategoricalCrossentropy
     from tfmp._src.loss_scale.optimizer import LossScaleOptimizer as LossScaleOptimizer
     from tfmp._src.loss_scale.loops import scaled_gradients as scaled_gradients
     from tfmp._src.loss_scale.guard import LossScaleWarning as LossScaleWarning

@@ -67,7 +67,7 @@ def _layer_warnings(path, layer, reason, producers, policy, tensor_cores, built_
             f"'{path}' ({type(layer).__name__}) computes in {compute}; "
             + (reduction.advice(path) if reduction else _FORCE_FIX + " computes it in float32.")
         )
-    if compute in LOW_PRECISION and id(layer) in producers and reason not in _registry.CAST_ONLY:
+    if compute in LOW_PRECISION and id(layer) in producers and reason not in _registry.KEPT_16BIT:
         yield "output_16bit", (
             f"'{path}' produces a model output in {compute}; outputs (and the loss) should be float32. "
             + (f"An exclusion keeps it out of float32: remove the target matching '{path}' from "
@@ -283,7 +283,7 @@ def audit(
             if _cost.float32_projection(layer):
                 forced.append((path, layer, reason if reason and reason not in _registry.CAST_ONLY
                                else _cost.KERAS_PROJECTION, multiplied))
-        elif reason and reason not in _registry.CAST_ONLY:
+        elif reason and reason not in _registry.KEPT_16BIT:
             forced.append((path, layer, reason, multiplied))
         kinds = []
         consumers = graph_consumers.get(id(layer)) if output_from == "graph" else None

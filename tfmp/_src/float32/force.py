@@ -24,7 +24,7 @@ from tfmp._src.float32 import registry as _registry
 from tfmp._src.float32 import unmatched as _unmatched
 from tfmp._src.float32 import unsafe_ops as _unsafe_ops
 from tfmp._src.float32.cast_back import casts_back
-from tfmp._src.float32.logits import logits_layers, projects, reverse_call
+from tfmp._src.float32.logits import LOGITS_16BIT, chunked, logits_layers, projects, reverse_call
 from tfmp._src.keras_hooks import layer_calls
 from tfmp._src.keras_hooks.object_state import PerObject
 from tfmp._src.keras_hooks.functional_graph import (
@@ -126,7 +126,7 @@ def _set_float32(layer: keras.layers.Layer, reason: str, parent=None, adopt: boo
 
 def _apply_rules(
     entries, outputs: Set[int], keep, exclude, inherited: Dict[int, str], adopt: bool = False,
-    logits: Set[int] = frozenset(),
+    logits: Set[int] = frozenset(), chunked_logits: Set[int] = frozenset(),
 ) -> Set[int]:
     """Forces every ``(path, layer, parent)`` entry some rule selects; returns ids of changed layers.
 
@@ -146,8 +146,11 @@ def _apply_rules(
         _EXCLUDED.discard(layer)
         reason = _registry.decide(
             layer, path, is_output=id(layer) in outputs, keep=keep, exclude=exclude,
-            logits=id(layer) in logits,
+            logits=id(layer) in logits, chunked=id(layer) in chunked_logits,
         )
+        if reason == LOGITS_16BIT:  # 16-bit and handing back 16-bit: the chunked loss computes in float32
+            _FORCED[layer] = reason
+            continue
         if reason in _registry.CAST_ONLY and layer.compute_dtype not in LOW_PRECISION:
             reason = "output"  # float32 already (forced earlier, or loaded so): stays whole
         if reason in _registry.CAST_ONLY:
@@ -328,7 +331,7 @@ def _force(model: keras.Model, keep, exclude, adopt: bool = False, loss=None) ->
     entries = walk(model)
     producers, subclassed = output_producers(model)
     changed = _apply_rules(entries, {id(x) for x in producers}, keep, exclude, {}, adopt,
-                           logits_layers(model, loss))
+                           logits_layers(model, loss), logits_layers(model, loss, chunked))
     if not model.built and not functional_graph(model):
         _defer(model, "", keep, exclude, None)
     for sub in subclassed:

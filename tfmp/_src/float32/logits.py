@@ -4,6 +4,9 @@ A from-logits cross-entropy computes its log-softmax in float32 (Keras mixed-pre
 guide), so a linear leaf output layer whose outputs all have one in ``compile``'s ``loss``
 keeps its 16-bit policy, its output cast to float32 (`LOGITS_CAST`); a tied embedding
 casts only its projecting calls. Measurements: benchmarks/README.md, "Where the time goes".
+Where every loss of its outputs is a chunked cross-entropy (`tfmp.ChunkedSparseCategoricalCrossentropy`,
+which computes in float32 chunk by chunk), its output stays 16-bit too (`LOGITS_16BIT`):
+no float32 tensor of the logits' size. Measurements: benchmarks/README.md, "Decoder loss".
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from typing import Any, Dict, List, Set
 
 import keras
 
+from tfmp._src.float32.chunked_losses import _ChunkedLoss
 from tfmp._src.keras_hooks.functional_graph import functional_graph, inbound_node, keras_history
 from tfmp._src.keras_hooks.layer_calls import child_layers
 
@@ -25,6 +29,8 @@ CROSS_ENTROPY = (
 )
 #: Why a logits layer keeps its 16-bit policy and returns float32.
 LOGITS_CAST = "logits cast to float32 (16-bit matmul, float32 cross-entropy)"
+#: Why a logits layer whose outputs all feed a chunked cross-entropy keeps its 16-bit policy and output.
+LOGITS_16BIT = "logits kept 16-bit (chunked float32 cross-entropy)"
 #: Keras's tied input/output embedding (Keras >= 3.13; None on an older Keras).
 REVERSIBLE_EMBEDDING = getattr(keras.layers, "ReversibleEmbedding", None)
 
@@ -52,11 +58,18 @@ def takes_logits(loss: Any) -> bool:
     return isinstance(loss, CROSS_ENTROPY) and bool(loss.get_config().get("from_logits"))
 
 
-def logits_layers(model: keras.Model, loss: Any) -> Set[int]:
+def chunked(loss: Any) -> bool:
+    """True for a chunked cross-entropy (`tfmp.ChunkedSparseCategoricalCrossentropy` and its dense sibling)."""
+    return isinstance(loss, _ChunkedLoss)
+
+
+def logits_layers(model: keras.Model, loss: Any, accepts=None) -> Set[int]:
     """Ids of the `linear_output` layers producing outputs of ``model`` that all have a from-logits loss.
 
     ``loss`` is what ``compile`` receives (one, a list or a dict by output name); empty without a graph or loss.
+    ``accepts`` (default: `takes_logits` or `chunked`) says which losses count.
     """
+    accepts = accepts or (lambda one: takes_logits(one) or chunked(one))
     graph = functional_graph(model)
     if loss is None or graph is None:
         return set()
@@ -67,7 +80,7 @@ def logits_layers(model: keras.Model, loss: Any) -> Set[int]:
         layer = None if history is None else history.operation
         if isinstance(layer, keras.layers.Layer) and not isinstance(layer, keras.Model):
             verdicts.setdefault(layer, []).append(
-                takes_logits(output_loss) and linear_output(layer, history.node_index))
+                accepts(output_loss) and linear_output(layer, history.node_index))
     return {id(layer) for layer, logits in verdicts.items() if all(logits)}
 
 

@@ -18,7 +18,7 @@ from tfmp._src.errors import check_bool, check_type, invalid_argument
 from tfmp._src.float32 import pooling3d as _pooling3d
 from tfmp._src.float32 import reductions as _reductions
 from tfmp._src.float32 import unsafe_ops as _unsafe_ops
-from tfmp._src.float32.logits import LOGITS_CAST
+from tfmp._src.float32.logits import LOGITS_16BIT, LOGITS_CAST
 from tfmp._src.keras_hooks.layer_calls import child_layers
 from tfmp._src.keras_hooks.versions import keras_at_least
 
@@ -110,6 +110,8 @@ EXACT = "exact preprocessing"
 OUTPUT_CAST = "output cast to float32 (body 16-bit)"
 #: Reasons of output producers that keep their 16-bit policy: only their outputs are cast.
 CAST_ONLY = (OUTPUT_CAST, LOGITS_CAST)
+#: Reasons of output producers that keep their 16-bit policy (a chunked loss's logits: not even cast).
+KEPT_16BIT = (*CAST_ONLY, LOGITS_16BIT)
 
 _keep: List[Target] = []
 _exclude: List[Target] = []
@@ -362,10 +364,12 @@ def decide(
     keep: Tuple[Target, ...] = (),
     exclude: Tuple[Target, ...] = (),
     logits: bool = False,
+    chunked: bool = False,
 ) -> Optional[str]:
     """Reason to keep ``layer`` in float32 (exclusion, output, built-in, keep rules, in that order), or None.
 
-    An output-producing custom block or logits layer gets `OUTPUT_CAST` / `LOGITS_CAST` unless a rule selects it.
+    An output-producing custom block or logits layer gets `OUTPUT_CAST` / `LOGITS_CAST` unless a rule selects it;
+    a logits layer feeding only chunked cross-entropies (``chunked``) `LOGITS_16BIT`.
     """
     if is_excluded(layer, path, exclude):
         return None
@@ -377,7 +381,7 @@ def decide(
     if not reason and matches(layer, path, keep + tuple(_keep)):
         reason = "user rule"
     if is_output:
-        return "output" if reason else (OUTPUT_CAST if block else LOGITS_CAST)
+        return "output" if reason else (OUTPUT_CAST if block else LOGITS_16BIT if chunked else LOGITS_CAST)
     return reason
 
 

@@ -7,7 +7,7 @@
 | ``global_state`` attribute ``"name_scope_stack"`` (each ``name_scope``'s ``caller``) | ``keras/src/backend/common/name_scope.py``, ``Layer._open_name_scope`` | `calling_layer`: the innermost layer whose call is running in this thread |
 | ``Layer._convert_input_args`` | ``keras/src/layers/layer.py`` | `autocasts_inputs`: whether ``__call__`` casts float inputs |
 | ``Layer._build_shapes_dict``, ``Layer._tracker`` | ``keras/src/layers/layer.py`` | `build_state_restored_on_error`: a failed first call leaves the layer unbuilt |
-| ``backend.common.masking.get_keras_mask`` / ``set_keras_mask`` | ``keras/src/backend/common/masking.py`` | `carry_mask`: a tensor tfmp puts in place of a layer's input keeps its mask |
+| ``backend.common.masking.get_keras_mask`` / ``set_keras_mask`` | ``keras/src/backend/common/masking.py`` | `carry_mask`: a tensor tfmp puts in place of a layer's input keeps its mask; `keras_mask`, `with_keras_mask`: a chunked cross-entropy reads its logits' mask and hands its per-example losses to ``Loss.__call__`` with it |
 """
 
 from __future__ import annotations
@@ -107,6 +107,22 @@ def carry_mask(source: Any, target: Any) -> Any:
     if mask is not None:
         set_keras_mask(target, mask)
     return target
+
+
+def keras_mask(tensor: Any) -> Any:
+    """The Keras mask `tensor` carries (a boolean tensor), or None."""
+    from keras.src.backend.common.masking import get_keras_mask
+
+    return get_keras_mask(tensor)
+
+
+def with_keras_mask(tensor: Any, mask: Any) -> Any:
+    """`tensor` carrying the Keras mask `mask` (None: left as it is), as ``Loss.__call__`` reads it."""
+    from keras.src.backend.common.masking import set_keras_mask
+
+    if mask is not None:
+        set_keras_mask(tensor, mask)
+    return tensor
 
 
 def autocasts_inputs(layer: Any) -> bool:

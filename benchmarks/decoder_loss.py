@@ -1,0 +1,239 @@
+"""A language model's loss under mixed_bfloat16: peak memory and time of a training step, per loss.
+
+    python benchmarks/decoder_loss.py                       # vocabularies 32k and 128k, 4 x 512 tokens
+    python benchmarks/decoder_loss.py --vocab 32000 --repeats 3 --json decoder_loss.json
+    python benchmarks/decoder_loss.py --quick               # tiny sizes: checks that it runs
+
+The model is causal-LM shaped: token ids ``[batch, seq]`` -> ``Embedding(vocab, dim)`` ->
+``Dense(dim, relu)`` -> output projection ``Dense(vocab)`` -> logits ``[batch, seq, vocab]``,
+trained by SGD (no optimizer slots: the loss's memory is what differs). Configurations:
+
+- ``keras``: plain Keras as its mixed-precision guide does it: ``mixed_bfloat16`` global
+  policy, the output ``Dense(vocab, dtype="float32")``,
+  ``keras.losses.SparseCategoricalCrossentropy(from_logits=True)``;
+- ``tfmp_cast``: ``tfmp.enable("mixed_bfloat16")`` and Keras's loss: tfmp's logits rule keeps
+  the projection bfloat16 and casts its logits to float32 (before chunked losses existed);
+- ``chunked``: plain Keras, ``mixed_bfloat16``, the output ``Dense`` bfloat16 and
+  ``tfmp.ChunkedSparseCategoricalCrossentropy()``: no float32 tensor of the logits' size;
+- ``tfmp_chunked``: ``tfmp.enable("mixed_bfloat16")`` and the chunked loss (tfmp keeps the
+  logits bfloat16, `tfmp._src.float32.logits`).
+
+Each configuration runs in a fresh Python process (``--one``): one warm-up step (it traces
+the step), ``--steps`` timed steps (``train_on_batch``; step time: their median), then one
+memory step: glibc is told to map every block of 128 KiB or more on its own
+(``mallopt(M_MMAP_THRESHOLD)``, so that a freed tensor leaves the resident set at once; by
+default glibc keeps freed blocks under its dynamic threshold, up to 32 MiB, and a step
+reuses the previous one's) and to give back what it holds free (``malloc_trim``); the child
+reads its resident set size, resets the kernel's high-water mark (``/proc/self/clear_refs``,
+Linux >= 4.0), runs the step and reports the high-water mark above the resident set before
+it: the peak memory a training step adds (activations, logits, gradients, temporaries).
+With ``--onednn on`` TensorFlow's CPU allocator is a pool that keeps freed blocks, so the
+memory step shows only growth beyond it (compare times only). TensorFlow's allocator
+statistics (``tf.config.experimental.get_memory_info``) are not kept for a CPU (TensorFlow 2.21 raises "Allocator stats not available for device 'CPU:0'").
+Loss: each configuration's loss on the batch before training, against Keras's float32 loss
+on the same logits cast to float32 (the relative difference); all configurations start from
+the same weights (seeded).
+
+Configurations alternate within each repeat (the order rotated each repeat); reported:
+medians over repeats, and each configuration's memory and step time over ``keras``'s, the
+median of the per-repeat ratios (paired).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's tfmp
+
+CONFIGS = ("keras", "tfmp_cast", "chunked", "tfmp_chunked")
+#: glibc's mmap threshold for the memory step: a freed tensor of 128 KiB or more leaves RSS at once.
+MMAP_THRESHOLD = 128 * 1024
+#: ``mallopt``'s parameter number for the mmap threshold (glibc's malloc.h).
+M_MMAP_THRESHOLD = -3
+_MIB = 2.0**20
+
+
+def _status(field: str) -> int:
+    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``) in bytes."""
+    with open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _exact_rss() -> None:
+    """From now on, blocks of `MMAP_THRESHOLD` bytes or more are mapped on their own; free heap given back."""
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    if not libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD):
+        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed: not glibc?")
+    libc.malloc_trim(0)
+
+
+def build(config: str, vocab: int, dim: int, seq: int):
+    """The model of `config`, compiled; the global policy and tfmp as they were after."""
+    import keras
+    import tfmp
+
+    keras.utils.set_random_seed(0)
+    chunked = config in ("chunked", "tfmp_chunked")
+    loss = (tfmp.ChunkedSparseCategoricalCrossentropy() if chunked
+            else keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    scope = tfmp.policy_scope("mixed_bfloat16", verbose=False) if config.startswith("tfmp") else None
+    before = keras.config.dtype_policy()
+    if scope is None:
+        keras.config.set_dtype_policy("mixed_bfloat16")
+    else:
+        scope.__enter__()
+    try:
+        ids = keras.Input((seq,), dtype="int32")
+        x = keras.layers.Embedding(vocab, dim, name="embedding")(ids)
+        x = keras.layers.Dense(dim, activation="relu", name="block")(x)
+        out_dtype = "float32" if config == "keras" else None
+        logits = keras.layers.Dense(vocab, dtype=out_dtype, name="logits")(x)
+        model = keras.Model(ids, logits)
+        model.compile(keras.optimizers.SGD(0.01), loss=loss)
+    finally:
+        if scope is None:
+            keras.config.set_dtype_policy(before)
+        else:
+            scope.__exit__(None, None, None)
+    return model, loss
+
+
+def one(config: str, vocab: int, batch: int, seq: int, dim: int, steps: int) -> Dict[str, Any]:
+    """Measures one configuration in this process (a child); returns its JSON-able record."""
+    import numpy as np
+    import tensorflow as tf
+    import keras
+    import warnings
+
+    warnings.simplefilter("ignore")  # 16 bits on a CPU without bfloat16 instructions: PerformanceWarning
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, vocab, size=(batch, seq)).astype("int32")
+    y = rng.integers(0, vocab, size=(batch, seq)).astype("int32")
+    model, loss = build(config, vocab, dim, seq)
+    model.train_on_batch(x, y)  # traces the step
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        model.train_on_batch(x, y)
+        times.append(time.perf_counter() - start)
+    _exact_rss()
+    rss = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as clear:
+        clear.write("5")  # resets VmHWM to the current RSS
+    model.train_on_batch(x, y)
+    peak = _status("VmHWM")
+    # the loss before training, against Keras's float32 loss on the same logits cast to float32
+    model2, _ = build(config, vocab, dim, seq)
+    logits = model2(x)
+    value = float(loss(y, logits))
+    reference = float(keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, tf.cast(logits, tf.float32)))
+    return {
+        "config": config, "vocab": vocab, "tokens": batch * seq, "logits_dtype": logits.dtype.name,
+        "step_peak_mib": (peak - rss) / _MIB, "rss_before_steps_mib": rss / _MIB,
+        "step_ms": 1000 * statistics.median(times), "step_ms_all": [1000 * t for t in times],
+        "loss": value, "keras_float32_loss": reference, "loss_relative_difference": abs(value - reference) / reference,
+    }
+
+
+def _child(config: str, vocab: int, args: argparse.Namespace) -> Dict[str, Any]:
+    command = [sys.executable, os.path.abspath(__file__), "--one", config, "--vocab", str(vocab),
+               "--batch", str(args.batch), "--seq", str(args.seq), "--dim", str(args.dim), "--steps", str(args.steps)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"configuration {config} (vocab {vocab}) failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _paired(runs: List[Dict[str, Any]], key: str, config: str) -> float:
+    """Median over repeats of `config`'s `key` over ``keras``'s in the same repeat."""
+    return statistics.median(r[config][key] / r["keras"][key] for r in runs)
+
+
+def markdown(results: Dict[str, Any]) -> str:
+    """The results as a markdown table, one row per vocabulary and configuration."""
+    lines = [f"CPU: {results['cpu']}, {results['cores']} cores; TensorFlow {results['tensorflow']}, "
+             f"Keras {results['keras']}; {results['tokens']} tokens ({results['batch']} x {results['seq']}), "
+             f"dim {results['dim']}, {results['steps']} timed steps, {results['repeats']} repeat(s); "
+             f"TF_ENABLE_ONEDNN_OPTS {results['onednn']}; "
+             f"load average {results['load_start']} -> {results['load_end']}.", "",
+             "| vocab | config | logits | step peak MiB | vs keras | step ms | vs keras | loss rel. diff vs float32 |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for vocab, runs in results["vocabs"].items():
+        for config in results["configs"]:
+            med = {k: statistics.median(r[config][k] for r in runs)
+                   for k in ("step_peak_mib", "step_ms", "loss_relative_difference")}
+            lines.append(f"| {vocab} | {config} | {runs[0][config]['logits_dtype']} | {med['step_peak_mib']:,.0f} | "
+                         f"{_paired(runs, 'step_peak_mib', config):.2f} | {med['step_ms']:,.0f} | "
+                         f"{_paired(runs, 'step_ms', config):.2f} | {med['loss_relative_difference']:.1e} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    """Runs every configuration for every vocabulary, alternating, and prints the table."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--vocab", type=int, nargs="+", default=[32000, 128000])
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per configuration (after one warm-up)")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    parser.add_argument("--onednn", choices=["default", "on", "off"], default="default",
+                        help="TF_ENABLE_ONEDNN_OPTS in the children: 'on' (1), 'off' (0), or as inherited")
+    parser.add_argument("--quick", action="store_true", help="vocabulary 2000, 2 x 64 tokens, dim 32, 1 step")
+    parser.add_argument("--json", help="write every number here")
+    parser.add_argument("--one", choices=CONFIGS, help=argparse.SUPPRESS)  # child process: print JSON
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.vocab, args.batch, args.seq, args.dim, args.steps = [2000], 2, 64, 32, 1
+    if args.one:
+        print(json.dumps(one(args.one, args.vocab[0], args.batch, args.seq, args.dim, args.steps)))
+        return {}
+    import keras
+    import tensorflow as tf
+
+    from tfmp._src.policy.hardware import detect_device_facts
+
+    if args.onednn != "default":
+        os.environ["TF_ENABLE_ONEDNN_OPTS"] = "1" if args.onednn == "on" else "0"  # the children's
+    load_start = [round(v, 2) for v in os.getloadavg()]
+    vocabs: Dict[str, List[Dict[str, Any]]] = {}
+    for vocab in args.vocab:
+        vocabs[str(vocab)] = []
+        for repeat in range(args.repeats):
+            order = args.configs[repeat % len(args.configs):] + args.configs[:repeat % len(args.configs)]
+            runs = {config: _child(config, vocab, args) for config in order}
+            vocabs[str(vocab)].append(runs)
+            print(f"vocab {vocab} repeat {repeat}: " + ", ".join(
+                f"{c} {r['step_peak_mib']:.0f} MiB {r['step_ms']:.0f} ms" for c, r in runs.items()),
+                file=sys.stderr, flush=True)
+    results = {
+        "cpu": detect_device_facts().cpu_name, "cores": os.cpu_count(), "tensorflow": tf.__version__,
+        "keras": keras.__version__, "tokens": args.batch * args.seq, "batch": args.batch, "seq": args.seq,
+        "dim": args.dim, "steps": args.steps, "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "unset"), "repeats": args.repeats, "configs": args.configs,
+        "load_start": load_start, "load_end": [round(v, 2) for v in os.getloadavg()], "vocabs": vocabs,
+    }
+    print(markdown(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()

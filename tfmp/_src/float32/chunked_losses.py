@@ -1,0 +1,159 @@
+"""`tfmp.ChunkedSparseCategoricalCrossentropy` and `tfmp.ChunkedCategoricalCrossentropy`: Keras losses
+from 16-bit logits that never make a float32 tensor of the logits' size (`chunked_cross_entropy`).
+
+Keras's ``Loss.__call__`` casts ``y_pred`` to the loss's float32 dtype before ``call``; these
+losses compute their float32 per-example values from the logits as they come, then hand them
+to ``Loss.__call__`` (with the Keras mask, ``ignore_class``'s rows left out), so sample
+weights, masks, reductions and distribution scaling are Keras's own.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import keras
+import tensorflow as tf
+
+from tfmp._src.errors import check_positive_int, invalid_argument
+from tfmp._src.float32 import chunked_cross_entropy as _chunked
+from tfmp._src.keras_hooks.layer_calls import keras_mask, with_keras_mask
+
+#: Largest ``chunk_bytes``: 1 GiB (a bigger chunk undoes what chunking is for).
+MAX_CHUNK_BYTES = 2**30
+
+
+def _checked(from_logits: Any, label_smoothing: Any, chunk_bytes: Any) -> float:
+    """Raises the template ValueError for a wrong shared argument; returns ``label_smoothing`` as a float."""
+    if from_logits is not True:
+        raise invalid_argument("from_logits", from_logits, "True (a chunked cross-entropy takes logits)",
+                               fix="Pass from_logits=True and logits (no softmax on the output layer); for "
+                                   "probabilities use keras.losses.SparseCategoricalCrossentropy().")
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) or \
+            not (math.isfinite(label_smoothing) and 0.0 <= label_smoothing <= 1.0):
+        raise invalid_argument("label_smoothing", label_smoothing, "a number in [0, 1]",
+                               fix="Pass e.g. label_smoothing=0.1, or 0.0 for none.")
+    check_positive_int("chunk_bytes", chunk_bytes, maximum=MAX_CHUNK_BYTES, why="bytes of one float32 chunk",
+                       fix=f"Pass e.g. chunk_bytes={_chunked.CHUNK_BYTES} (32 MiB, the default).")
+    return float(label_smoothing)
+
+
+class _ChunkedLoss(keras.losses.Loss):
+    """A Keras Loss computing float32 per-example values from logits of any float dtype, by chunks."""
+
+    def __init__(self, from_logits: bool, label_smoothing: float, chunk_bytes: int, reduction: Optional[str],
+                 name: str, dtype: Any) -> None:
+        self.label_smoothing = _checked(from_logits, label_smoothing, chunk_bytes)
+        self.chunk_bytes = chunk_bytes
+        super().__init__(name=name, reduction=reduction, dtype=dtype)
+
+    def per_example(self, y_true: Any, logits: tf.Tensor):
+        """``(losses, valid)``: float32 losses of ``logits.shape[:-1]`` and the rows kept (None: all)."""
+        raise NotImplementedError
+
+    def __call__(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> Any:
+        logits = tf.convert_to_tensor(y_pred)
+        if not logits.dtype.is_floating:
+            logits = tf.cast(logits, self.dtype)
+        with tf.name_scope(self.name):
+            losses, valid = self.per_example(y_true, logits)
+        mask = keras_mask(y_pred)
+        if valid is not None:
+            mask = valid if mask is None else tf.logical_and(tf.cast(mask, tf.bool), valid)
+        losses = with_keras_mask(losses, mask)
+        return super().__call__(losses, losses, sample_weight)  # call() returns them as they are
+
+    def call(self, y_true: Any, y_pred: Any) -> Any:
+        """The per-example losses `__call__` computed, handed back to Keras's reduction."""
+        return y_pred
+
+    def get_config(self) -> dict:
+        config = super().get_config()
+        config.update(from_logits=True, label_smoothing=self.label_smoothing, chunk_bytes=self.chunk_bytes)
+        return config
+
+
+@keras.saving.register_keras_serializable(package="tfmp")
+class ChunkedSparseCategoricalCrossentropy(_ChunkedLoss):
+    """``keras.losses.SparseCategoricalCrossentropy(from_logits=True)`` from 16-bit logits, chunk by chunk.
+
+    Equal to Keras's loss on the logits cast to float32 (within float32 rounding), without
+    that cast: rows of logits are taken ``chunk_bytes // (4 * classes)`` at a time, in float32;
+    the gradient recomputes each chunk's softmax from the saved logits and a float32
+    log-sum-exp per row, and comes back in the logits' dtype. No float32 tensor of the logits'
+    size is made (a 16-bit gradient of that size is). For a language model's output layer:
+    keep it 16-bit (under `tfmp.enable`, ``compile`` does; plain Keras: no ``dtype="float32"``).
+
+    Args:
+        from_logits: Bool. Must be True (kept for Keras's signature and ``get_config``).
+        ignore_class: Int or None. Label of tokens to leave out (padding): their loss is 0, their
+            gradient 0, and with ``reduction="sum_over_batch_size"`` the mean is over the others,
+            as Keras's ``ignore_class`` does it.
+        label_smoothing: Float in ``[0, 1]``. Target ``(1 - s) * one_hot + s / classes``, as
+            ``keras.losses.CategoricalCrossentropy(label_smoothing=s)`` on one-hot labels.
+        reduction: As Keras's losses: ``"sum_over_batch_size"`` (default), ``"sum"``, ``"mean"``,
+            ``"mean_with_sample_weight"``, ``"none"`` or None.
+        name: String. The loss's name.
+        dtype: The dtype of the loss value (default ``keras.config.floatx()``); the computation is float32.
+        chunk_bytes: Int, bytes. Size of one float32 chunk of logits (default 32 MiB, at most 1 GiB).
+
+    Inputs: ``y_true`` integer class ids ``[batch, ...]`` (a trailing 1 allowed), ``y_pred``
+    logits ``[batch, ..., classes]`` of any float dtype, ``classes`` known.
+
+    Raises:
+        ValueError: (template) ``from_logits`` is not True, ``label_smoothing`` not in ``[0, 1]``,
+            ``ignore_class`` neither None nor an int, ``chunk_bytes`` not an int in ``[1, 2**30]``.
+
+    Example:
+        >>> import numpy as np, tensorflow as tf, tfmp
+        >>> loss = tfmp.ChunkedSparseCategoricalCrossentropy()
+        >>> logits = tf.constant([[2.0, 0.0, 0.0], [0.0, 0.0, 0.0]], tf.bfloat16)
+        >>> round(float(loss(np.array([0, 2]), logits)), 4)
+        0.6691
+    """
+
+    def __init__(self, from_logits: bool = True, ignore_class: Optional[int] = None, label_smoothing: float = 0.0,
+                 reduction: Optional[str] = "sum_over_batch_size", name: str = "sparse_categorical_crossentropy",
+                 dtype: Any = None, chunk_bytes: int = _chunked.CHUNK_BYTES) -> None:
+        if ignore_class is not None and (isinstance(ignore_class, bool) or not isinstance(ignore_class, int)):
+            raise invalid_argument("ignore_class", ignore_class, "an int or None",
+                                   fix="Pass the label of the tokens to leave out, e.g. ignore_class=0, or None.")
+        self.ignore_class = ignore_class
+        super().__init__(from_logits, label_smoothing, chunk_bytes, reduction, name, dtype)
+
+    def per_example(self, y_true: Any, logits: tf.Tensor):
+        return _chunked.sparse_cross_entropy(y_true, logits, label_smoothing=self.label_smoothing,
+                                             ignore_class=self.ignore_class, chunk_bytes=self.chunk_bytes)
+
+    def get_config(self) -> dict:
+        return {**super().get_config(), "ignore_class": self.ignore_class}
+
+
+@keras.saving.register_keras_serializable(package="tfmp")
+class ChunkedCategoricalCrossentropy(_ChunkedLoss):
+    """``keras.losses.CategoricalCrossentropy(from_logits=True)`` from 16-bit logits, chunk by chunk.
+
+    As `tfmp.ChunkedSparseCategoricalCrossentropy`, for dense labels (one-hot or probabilities,
+    ``y_true`` of the logits' shape, read a chunk at a time in float32).
+
+    Args:
+        from_logits: Bool. Must be True.
+        label_smoothing: Float in ``[0, 1]``. Labels become ``y_true * (1 - s) + s / classes`` (Keras's rule).
+        reduction: As Keras's losses (default ``"sum_over_batch_size"``).
+        name: String. The loss's name.
+        dtype: The dtype of the loss value (default ``keras.config.floatx()``); the computation is float32.
+        chunk_bytes: Int, bytes. Size of one float32 chunk of logits (default 32 MiB, at most 1 GiB).
+
+    Raises:
+        ValueError: (template) ``from_logits`` is not True, ``label_smoothing`` not in ``[0, 1]``,
+            ``chunk_bytes`` not an int in ``[1, 2**30]``.
+    """
+
+    def __init__(self, from_logits: bool = True, label_smoothing: float = 0.0,
+                 reduction: Optional[str] = "sum_over_batch_size", name: str = "categorical_crossentropy",
+                 dtype: Any = None, chunk_bytes: int = _chunked.CHUNK_BYTES) -> None:
+        super().__init__(from_logits, label_smoothing, chunk_bytes, reduction, name, dtype)
+
+    def per_example(self, y_true: Any, logits: tf.Tensor):
+        return _chunked.cross_entropy(y_true, logits, label_smoothing=self.label_smoothing,
+                                      chunk_bytes=self.chunk_bytes), None

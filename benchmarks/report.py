@@ -9,6 +9,10 @@ Ratios of one model (samples/s of the numerator over the denominator):
 * ``tfmp_vs_float32_of_ceiling`` (`add_ceiling_fractions`): ``tfmp_vs_float32``
   divided by the matmul ceiling (``tf.matmul`` 16-bit / float32 GFLOP/s on the
   same machine): the share of the hardware's 16-bit speed-up that tfmp reaches.
+* ``tfmp_vs_float32_of_roofline`` (`benchmarks.roofline.add_roofline_fractions`):
+  ``tfmp_vs_float32`` divided by the model's roofline speed-up (its own float32
+  profile, matmuls at the matmul ceiling, memory-bound ops at half their time),
+  or None when the model was not profiled (shown as "n/a").
 
 Each ratio has three forms: ``value``, the ratio of the medians over the repeats;
 ``paired``, the median over repeats of the ratio within one repeat
@@ -227,6 +231,9 @@ def markdown(results: dict) -> str:
         f"{mm['configs']['float32']['median_gflops']:.0f} vs "
         f"{mm['configs'][mm['dtype']]['median_gflops']:.0f} GFLOP/s): the hardware ceiling."
     )
+    if mm["dtype"] != "float32" and mm["ratio"]["paired"] < 1:
+        lines.append(f"{mm['dtype']} matmuls are slower than float32 here: the rooflines take "
+                     "matmuls at float32 speed (a mixed policy can keep them in float32).")
     if not results["models"]:  # --batchnorm-only
         return "\n".join(lines + _batchnorm_markdown(results.get("batchnorm")))
     lines += ["", "Ratios: median of the paired per-repeat ratios / ratio of the fastest repeats.", ""]
@@ -239,14 +246,16 @@ def markdown(results: dict) -> str:
             *(f"{r[k]['paired']:.2f}x / {r[k]['fastest']:.2f}x"
               for k in ("keras_mixed_vs_float32", "tfmp_vs_float32")),
             "{paired:.0%} / {fastest:.0%}".format(**r["tfmp_vs_float32_of_ceiling"]),
+            *_roofline_cells(model),
             f"{r['tfmp_vs_keras_step_time']['paired']:.3f} / {r['tfmp_vs_keras_step_time']['fastest']:.3f}",
         ])
     lines += table(
         ["model", "float32 samples/s", "Keras mixed samples/s", "tfmp samples/s",
          "Keras mixed / float32", "tfmp / float32", "tfmp / float32 of ceiling",
-         "tfmp / Keras step time"],
+         "roofline", "tfmp / float32 of roofline", "tfmp / Keras step time"],
         rows,
     )
+    lines += _roofline_lines(results["models"])
     lines.append("")
     rows = []
     for name, model in results["models"].items():
@@ -274,6 +283,30 @@ def markdown(results: dict) -> str:
     lines += table(["model", "target", "rule", "paired", "fastest", "verdict"], rows)
     lines += _batchnorm_markdown(results.get("batchnorm"))
     return "\n".join(lines)
+
+
+def _roofline_cells(model: dict) -> List[str]:
+    """The roofline speed-up (paired form) and tfmp / float32 as a fraction of it, or "n/a"."""
+    fraction = model["ratios"].get("tfmp_vs_float32_of_roofline")
+    if fraction is None:
+        return ["n/a", "n/a"]
+    return [f"{model['roofline']['speed_up']['paired']:.2f}x",
+            "{paired:.0%} / {fastest:.0%}".format(**fraction)]
+
+
+def _roofline_lines(models: Dict[str, dict]) -> List[str]:
+    """One line per profiled model: the parts of its float32 step the roofline scales."""
+    profiled = {name: m["roofline"] for name, m in models.items() if m.get("roofline")}
+    if not profiled:
+        return []
+    steps = sorted({r["steps"] for r in profiled.values()})
+    lines = ["", f"Roofline: step / (matmul / max(ratio, 1) + halved / 2 + kept), from each model's "
+             f"float32 profile ({' or '.join(map(str, steps))} traced steps; shares of the step):", ""]
+    for name, r in profiled.items():
+        s = r["split"]
+        lines.append(f"- {name}: matmul/conv {s['matmul']:.0%}, halved (elementwise, normalization, "
+                     f"softmax, casts) {s['halved']:.0%}, kept (optimizer, host) {s['kept']:.0%}")
+    return lines
 
 
 def _batchnorm_markdown(batchnorm: Optional[dict]) -> List[str]:

@@ -7,8 +7,10 @@ alternately over several repeats in this one process; medians of samples/s and
 their ratios (median of the paired per-repeat ratios and ratio of the fastest
 repeats) are printed with the targets of issues 9, 15 and 27, next to the
 hardware ceiling (``tf.matmul`` in float32 vs the recommended 16-bit dtype) and
-each model's tfmp / float32 as a fraction of it, the CPU and its flags, and the memory of
-each configuration. Then the "Keras BatchNormalization vs fused" line: the CNN
+each model's tfmp / float32 as a fraction of it and of the model's roofline
+(`benchmarks.roofline`: its float32 step, profiled, with the matmuls at that
+ceiling and the memory-bound ops at half their time), the CPU and its flags, and
+the memory of each configuration. Then the "Keras BatchNormalization vs fused" line: the CNN
 (and ResNet50 at full size) under plain Keras with a mixed policy, Keras's
 BatchNormalization against the same model traced with tfmp's fused kernel.
 
@@ -18,6 +20,7 @@ BatchNormalization against the same model traced with tfmp's fused kernel.
     python benchmarks/run.py --batchnorm-only --models cnn resnet50
     python benchmarks/run.py --policy mixed_bfloat16   # tfmp vs Keras where "auto" is float32
     python benchmarks/run.py --policy float32          # what tfmp costs where "auto" keeps float32
+    python benchmarks/run.py --roofline-steps 0        # no float32 profile, roofline "n/a"
 
 Close other work first: the ratios are only as good as the machine is quiet
 (the load average is recorded in the results).
@@ -44,21 +47,21 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfmp  # noqa: E402
-from benchmarks import harness, report  # noqa: E402
+from benchmarks import harness, report, roofline  # noqa: E402
 from benchmarks.workloads import Workload, workloads  # noqa: E402
 from tfmp._src.policy import onednn_isa  # noqa: E402
 from tfmp._src.policy.hardware import detect_device_facts  # noqa: E402
 
 # (repeats, warm-up steps, seconds per timed call, min steps, max steps,
-#  matmul size, matmul products per timed call)
+#  matmul size, matmul products per timed call, float32 steps profiled for the roofline)
 FULL = dict(repeats=5, warmup=5, seconds=3.0, min_steps=10, max_steps=2000,
-            matmul_size=2048, matmul_iterations=8)
+            matmul_size=2048, matmul_iterations=8, roofline_steps=5)
 #: Workloads of the "Keras BatchNormalization vs fused" line (those present at the size run).
 BATCHNORM_MODELS = ("cnn", "resnet50")
 #: ``--policy`` choices: "auto", or a policy run by both plain Keras and tfmp.
 POLICIES = ("auto", "mixed_bfloat16", "mixed_float16", "float32")
 QUICK = dict(repeats=2, warmup=2, seconds=0.0, min_steps=2, max_steps=2,
-             matmul_size=64, matmul_iterations=2)
+             matmul_size=64, matmul_iterations=2, roofline_steps=2)
 
 
 def _log(message: str) -> None:
@@ -121,9 +124,35 @@ def bench_workload(
            **bench_runs(runs, workload.batch_size, sizes, workload.name)}
     if tuple(configs) == harness.CONFIGS:
         out["ratios"] = report.ratios(out["configs"])
+        out["roofline"] = float32_profile(runs["float32"], sizes["roofline_steps"], workload.name)
     else:
         out["ratios"] = {"fused_vs_keras": report.speed_ratio(out["configs"], "fused_bn", "keras_mixed")}
     return out
+
+
+def float32_profile(float32_run: harness.ConfiguredRun, steps: int, label: str) -> Optional[dict]:
+    """The roofline's split of a float32 step (`benchmarks.roofline.split`), from a profile.
+
+    Args:
+        float32_run: The workload's warmed-up ``float32`` `harness.ConfiguredRun`.
+        steps: Int >= 0. Steps traced (`benchmarks.profile_step.profile_run`,
+            with TensorFlow's profiler); 0 profiles nothing.
+        label: String. Prefix of the progress line (stderr).
+
+    Returns:
+        None when `steps` is 0, else a dict: ``steps``, ``step_ms`` (float, the
+        traced step, which tracing slows a little), ``shares`` (category ->
+        share of the step, `benchmarks.op_classes.CATEGORIES`) and ``split``.
+    """
+    if not steps:
+        return None
+    from benchmarks import profile_step  # it imports this module
+
+    _log(f"  {label}: profiling {steps} float32 steps for the roofline")
+    with tempfile.TemporaryDirectory() as folder:
+        traced = profile_step.profile_run(float32_run, steps, folder)
+    return {"steps": steps, "step_ms": traced["step_ms"], "shares": traced["shares"],
+            "split": roofline.split(traced["shares"])}
 
 
 def bench_runs(
@@ -175,7 +204,7 @@ def batchnorm_policy(decision_policy: str) -> str:
 def run_suite(
     quick: bool = False, repeats: Optional[int] = None,
     models: Optional[Sequence[str]] = None, log_dir: Optional[str] = None,
-    batchnorm_only: bool = False, policy: str = "auto",
+    batchnorm_only: bool = False, policy: str = "auto", roofline_steps: Optional[int] = None,
 ) -> dict:
     """Runs the suite and returns every number (the ``--json`` content).
 
@@ -194,9 +223,14 @@ def run_suite(
             targets are then "n/a"); ``"float32"`` measures what tfmp costs
             where "auto" keeps float32 (the "costs nothing" target), on any CPU:
             tfmp's hooks, not the CPU's 16-bit kernels, are what it times.
+        roofline_steps: Int >= 0 or None. float32 steps profiled per model for
+            its roofline (`float32_profile`); 0: no roofline ("n/a"); None: the
+            size's default (5, quick 2).
 
     Returns:
-        Dict with ``machine``, ``suite``, ``decision``, ``matmul``, ``models``,
+        Dict with ``machine``, ``suite``, ``decision``, ``matmul``, ``models``
+        (per model its configurations, ``ratios`` and ``roofline``: see
+        `float32_profile` and `benchmarks.roofline.add_roofline_fractions`),
         ``batchnorm`` (``policy`` and, per model of `BATCHNORM_MODELS` run,
         the ``keras_mixed`` and ``fused_bn`` configurations and their
         ``fused_vs_keras`` ratio) and ``targets``.
@@ -204,6 +238,8 @@ def run_suite(
     sizes = dict(QUICK if quick else FULL)
     if repeats is not None:
         sizes["repeats"] = repeats
+    if roofline_steps is not None:
+        sizes["roofline_steps"] = roofline_steps
     start = time.perf_counter()
     decision = tfmp.recommend_policy()
     mixed = decision.policy if policy == "auto" else policy
@@ -230,6 +266,7 @@ def run_suite(
                 chosen[name], bn_policy, sizes, log_dir or tmp, configs=harness.BN_CONFIGS)
             gc.collect()
     report.add_ceiling_fractions(results["models"], results["matmul"]["ratio"])
+    roofline.add_roofline_fractions(results["models"], results["matmul"]["ratio"])
     cpu_only = not detect_device_facts().gpus
     results["targets"] = report.verdicts(
         results["models"], cpu_only and policy == "auto" and decision.compute_dtype == "bfloat16",
@@ -296,9 +333,14 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser.add_argument("--policy", choices=POLICIES, default="auto",
                         help="policy of the Keras mixed and tfmp configurations "
                              "(default: what tfmp's 'auto' picks here)")
+    parser.add_argument("--roofline-steps", type=int,
+                        help="float32 steps profiled per model for its roofline "
+                             "(default 5, quick 2; 0: no roofline, shown as n/a)")
     args = parse_checked(parser, argv)
+    if args.roofline_steps is not None and args.roofline_steps < 0:
+        parser.error(f"--roofline-steps must be >= 0, got {args.roofline_steps}")
     results = run_suite(args.quick, args.repeats, args.models, args.log_dir,
-                        args.batchnorm_only, args.policy)
+                        args.batchnorm_only, args.policy, args.roofline_steps)
     print(report.machine_line(results["machine"], results["suite"]["duration_s"]))
     print(f"auto: {results['decision']['policy']}; run: {results['decision']['run']}\n")
     return publish(results, report.markdown(results), args.json)

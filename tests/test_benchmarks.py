@@ -107,6 +107,31 @@ def test_ceiling_fraction_divides_the_speed_up_by_the_matmul_ratio(quick):
             assert fraction[form] == pytest.approx(speed_up[form] / ceiling[form]), (name, form)
 
 
+def test_roofline_comes_from_each_models_float32_profile(quick):
+    mm = quick["written"]["matmul"]["ratio"]
+    text = report.markdown(quick["written"])
+    assert "| roofline | tfmp / float32 of roofline |" in text
+    for name, model in quick["written"]["models"].items():
+        profile = model["roofline"]
+        assert profile["steps"] == quick["written"]["suite"]["roofline_steps"] == 2
+        shares = profile["shares"]
+        assert sum(shares.values()) == pytest.approx(1.0) and shares["matmul"] > 0, name
+        kept = shares["optimizer"] + shares["host"]
+        assert profile["split"] == pytest.approx(
+            {"matmul": shares["matmul"], "halved": 1.0 - shares["matmul"] - kept, "kept": kept})
+        speed_up = model["ratios"]["tfmp_vs_float32"]
+        for form in ("value", "paired", "fastest"):
+            # Matmuls at the ceiling (never below float32 speed), the rest of the ops at half time.
+            ideal = 1.0 / (shares["matmul"] / max(mm[form], 1.0) + (1.0 - shares["matmul"] - kept) / 2 + kept)
+            assert profile["speed_up"][form] == pytest.approx(ideal), (name, form)
+            assert model["ratios"]["tfmp_vs_float32_of_roofline"][form] == pytest.approx(
+                speed_up[form] / ideal), (name, form)
+        fraction = model["ratios"]["tfmp_vs_float32_of_roofline"]
+        assert f"| {profile['speed_up']['paired']:.2f}x | {fraction['paired']:.0%} / {fraction['fastest']:.0%} |" \
+            in text, name
+        assert f"- {name}: matmul/conv {profile['split']['matmul']:.0%}" in text
+
+
 def test_machine_names_the_cpu_flags_of_proc_cpuinfo(quick):
     cpuinfo = pathlib.Path("/proc/cpuinfo")
     if not cpuinfo.exists():
@@ -333,10 +358,11 @@ def test_guard_cost_pairs_each_repeat_with_plain_keras():
     assert keras.config.dtype_policy().name == before
 
 
-def _run_under(policy, model):
+def _run_under(policy, model, roofline_steps=None):
     """A quick run of `model` with ``--policy policy``: the results and the model's configs,
     checked to run plain Keras and tfmp under `policy`."""
-    results = run.run_suite(quick=True, repeats=1, models=[model], policy=policy)
+    results = run.run_suite(quick=True, repeats=1, models=[model], policy=policy,
+                            roofline_steps=roofline_steps)
     assert results["decision"]["run"] == policy
     configs = results["models"][model]["configs"]
     assert {c: configs[c]["policy"] for c in harness.CONFIGS} == {
@@ -360,8 +386,12 @@ def test_explicit_policy_runs_keras_and_tfmp_under_it():
 
 
 def test_float32_policy_measures_what_tfmp_costs_where_auto_keeps_float32():
-    results, _ = _run_under("float32", "mlp")
+    results, _ = _run_under("float32", "mlp", roofline_steps=0)
     assert results["matmul"]["dtype"] == "float32"
+    # No profile asked for: no roofline, "n/a" in its columns.
+    assert results["models"]["mlp"]["roofline"] is None
+    assert results["models"]["mlp"]["ratios"]["tfmp_vs_float32_of_roofline"] is None
+    assert "| n/a | n/a |" in report.markdown(results) and "Roofline:" not in report.markdown(results)
     verdicts = {(t["what"], t["model"]): t for t in results["targets"]}
     costs_nothing = verdicts[("costs nothing where auto is float32", "mlp")]
     assert costs_nothing["met"] == (costs_nothing["value"] <= 1.01)  # judged, not "n/a"

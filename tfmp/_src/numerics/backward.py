@@ -17,11 +17,23 @@ import tensorflow as tf
 from tfmp._src.keras_hooks.layer_calls import carry_mask
 
 
+def keep_nan(values: tf.Tensor, reduced: tf.Tensor) -> tf.Tensor:
+    """``reduced`` (a min or max of ``values``), NaN wherever ``values`` holds a NaN.
+
+    TensorFlow's min/max kernels propagate NaN; XLA's CPU ones may drop it (under
+    ``jit_compile=True`` a NaN input row read as finite), so the NaN is said explicitly.
+    """
+    if not values.dtype.is_floating:
+        return reduced
+    return tf.where(tf.reduce_any(tf.math.is_nan(values)), tf.cast(float("nan"), reduced.dtype), reduced)
+
+
 def max_magnitude(gradient: Any) -> tf.Tensor:
-    """Float32 max |gradient| (of the values of `tf.IndexedSlices`), no gradient through it."""
+    """Float32 max |gradient| (of the values of `tf.IndexedSlices`), NaN if any is; no gradient through it."""
     if isinstance(gradient, tf.IndexedSlices):
         gradient = gradient.values
-    return tf.cast(tf.reduce_max(tf.abs(tf.stop_gradient(gradient))), tf.float32)
+    values = tf.abs(tf.stop_gradient(gradient))
+    return tf.cast(keep_nan(values, tf.reduce_max(values)), tf.float32)
 
 
 @dataclasses.dataclass

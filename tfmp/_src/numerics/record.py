@@ -15,10 +15,10 @@ import keras
 import tensorflow as tf
 
 from tfmp._src.distribute import gather_replicas, replica_local_variable
-from tfmp._src.numerics.backward import max_magnitude
+from tfmp._src.numerics.backward import keep_nan, max_magnitude
 
 #: Columns of one trace row (float32): the range of |output| and the signed range of the inputs.
-#: TensorFlow's and XLA's min/max propagate NaN, so a range shows any non-finite value; a row
+#: A range shows any non-finite value (NaN said explicitly: `backward.keep_nan`); a row
 #: with non-finite inputs counts too: the first layer to *see* a bad value is named (ReLU hides NaN).
 COLUMNS = ("valid", "abs_min", "abs_max", "in_min", "in_max", "has_input")
 VALID, ABS_MIN, ABS_MAX, IN_MIN, IN_MAX, HAS_INPUT = range(len(COLUMNS))
@@ -55,11 +55,16 @@ def _range(tensors: list[tf.Tensor], magnitude: bool) -> tf.Tensor:
     pairs = []
     for tensor in tensors:
         values = tf.abs(tensor) if magnitude else tensor
-        pairs.append(tf.cast(tf.stack([tf.reduce_min(values), tf.reduce_max(values)]), tf.float32))
+        pairs.append(tf.cast(keep_nan(values, tf.stack([tf.reduce_min(values), tf.reduce_max(values)])), tf.float32))
     if len(pairs) == 1:
         return pairs[0]
     stacked = tf.stack(pairs)
-    return tf.stack([tf.reduce_min(stacked[:, 0]), tf.reduce_max(stacked[:, 1])])
+    return keep_nan(stacked, tf.stack([tf.reduce_min(stacked[:, 0]), tf.reduce_max(stacked[:, 1])]))
+
+
+def _max(values: tf.Tensor) -> tf.Tensor:
+    """The max of ``values``, NaN if any is (`keep_nan`)."""
+    return keep_nan(values, tf.reduce_max(values))
 
 
 def entry_row(outputs: Any, inputs: Any = None) -> Optional[tf.Tensor]:
@@ -323,14 +328,14 @@ class FailureRecorder:
             return tf.zeros([0, 3])
 
         def largest(values: list) -> tf.Tensor:
-            return tf.reduce_max(tf.stack(values)) if values else tf.constant(0.0)
+            return _max(tf.stack(values)) if values else tf.constant(0.0)
 
         rows = []
         for bound in trace.boundaries:
             held = [i for i, variable in enumerate(self.variables) if id(variable) in bound.variables]
             weights = [tf.gather(maxima, held)] if held else []
             rows.append(tf.stack([largest(bound.out_grads), largest(bound.in_grads),
-                                  tf.reduce_max(weights[0]) if weights else tf.constant(0.0)]))
+                                  _max(weights[0]) if weights else tf.constant(0.0)]))
         return tf.stack(rows)
 
     def failed(self) -> bool:

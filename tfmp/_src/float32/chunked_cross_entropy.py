@@ -77,8 +77,6 @@ def cross_entropy(labels, logits, *, label_smoothing: float = 0.0,
     return tf.reshape(loss, tf.shape(logits)[:-1])
 
 
-
-
 def _label_terms(tile, rows_ids, ids, dense, smoothing: float):
     """``(sum(t), sum(t * x))`` per row of one float32 chunk ``x`` ``[size, classes]`` and its target ``t``
     (sparse: ``(1 - s) * one_hot + s / classes``, never made whole; dense: Keras's smoothed labels)."""
@@ -123,7 +121,7 @@ def _chunked(flat, ids, dense, valid, smoothing: float, size: int):
     dtype = flat.dtype
 
     def tiles(index):
-        rows_ids = tf.minimum(index * step + offsets, rows - 1)  # the last chunk takes rows again from the end
+        rows_ids = tf.minimum(index * step + offsets, rows - 1)  # past the end: the last row, cut off after
         return rows_ids, tf.cast(tf.gather(flat, rows_ids), tf.float32)
 
     @tf.custom_gradient

@@ -28,12 +28,16 @@ def keep_nan(values: tf.Tensor, reduced: tf.Tensor) -> tf.Tensor:
     return tf.where(tf.reduce_any(tf.math.is_nan(values)), tf.cast(float("nan"), reduced.dtype), reduced)
 
 
+def nan_max(values: tf.Tensor) -> tf.Tensor:
+    """The max of ``values``, NaN if any is (`keep_nan`)."""
+    return keep_nan(values, tf.reduce_max(values))
+
+
 def max_magnitude(gradient: Any) -> tf.Tensor:
     """Float32 max |gradient| (of the values of `tf.IndexedSlices`), NaN if any is; no gradient through it."""
     if isinstance(gradient, tf.IndexedSlices):
         gradient = gradient.values
-    values = tf.abs(tf.stop_gradient(gradient))
-    return tf.cast(keep_nan(values, tf.reduce_max(values)), tf.float32)
+    return tf.cast(nan_max(tf.abs(tf.stop_gradient(gradient))), tf.float32)
 
 
 @dataclasses.dataclass

@@ -15,7 +15,7 @@ import keras
 import tensorflow as tf
 
 from tfmp._src.distribute import gather_replicas, replica_local_variable
-from tfmp._src.numerics.backward import keep_nan, max_magnitude
+from tfmp._src.numerics.backward import keep_nan, max_magnitude, nan_max
 
 #: Columns of one trace row (float32): the range of |output| and the signed range of the inputs.
 #: A range shows any non-finite value (NaN said explicitly: `backward.keep_nan`); a row
@@ -60,11 +60,6 @@ def _range(tensors: list[tf.Tensor], magnitude: bool) -> tf.Tensor:
         return pairs[0]
     stacked = tf.stack(pairs)
     return keep_nan(stacked, tf.stack([tf.reduce_min(stacked[:, 0]), tf.reduce_max(stacked[:, 1])]))
-
-
-def _max(values: tf.Tensor) -> tf.Tensor:
-    """The max of ``values``, NaN if any is (`keep_nan`)."""
-    return keep_nan(values, tf.reduce_max(values))
 
 
 def entry_row(outputs: Any, inputs: Any = None) -> Optional[tf.Tensor]:
@@ -328,14 +323,14 @@ class FailureRecorder:
             return tf.zeros([0, 3])
 
         def largest(values: list) -> tf.Tensor:
-            return _max(tf.stack(values)) if values else tf.constant(0.0)
+            return nan_max(tf.stack(values)) if values else tf.constant(0.0)
 
         rows = []
         for bound in trace.boundaries:
             held = [i for i, variable in enumerate(self.variables) if id(variable) in bound.variables]
             weights = [tf.gather(maxima, held)] if held else []
             rows.append(tf.stack([largest(bound.out_grads), largest(bound.in_grads),
-                                  _max(weights[0]) if weights else tf.constant(0.0)]))
+                                  nan_max(weights[0]) if weights else tf.constant(0.0)]))
         return tf.stack(rows)
 
     def failed(self) -> bool:

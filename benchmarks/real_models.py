@@ -1,4 +1,4 @@
-"""Real models, written as keras.io writes them: a Vision Transformer and a miniature GPT.
+"""Real models, written as keras.io writes them: a Vision Transformer, a miniature GPT, a timeseries CNN.
 
 * ``vit``: keras.io "Image classification with Vision Transformer" (a `Patches`
   layer, a `PatchEncoder` with a Dense projection plus a position Embedding,
@@ -10,6 +10,10 @@
   MultiHeadAttention, a Dense FFN, LayerNormalization and Dropout; the model
   outputs ``[logits, x]`` and is compiled with
   ``loss=[SparseCategoricalCrossentropy(from_logits=True), None]``).
+* ``timeseries``: keras.io "Timeseries classification from scratch" (three
+  Conv1D(64, 3, padding="same") + BatchNormalization + ReLU blocks,
+  GlobalAveragePooling1D, a softmax Dense; ``sparse_categorical_crossentropy``
+  on the probabilities).
 
 The layers keep the examples' structure and names; sizes are arguments
 (`benchmarks.workloads.workloads` picks them).
@@ -220,3 +224,39 @@ def decoder(
         f"GPT-style decoder (keras.io) {maxlen} tokens, vocabulary {vocab_size}, d {embed_dim}, "
         f"{num_heads} heads, FFN {feed_forward_dim}, batch {batch_size}",
         batch_size, build, inputs, loss=decoder_loss)
+
+
+def timeseries(length: int, filters: int, classes: int, batch_size: int) -> Workload:
+    """The keras.io fully convolutional timeseries classifier (softmax probabilities out).
+
+    Args:
+        length: Int. Time steps of the univariate input series.
+        filters: Int. Conv1D filters of each block (the example: 64).
+        classes: Int. Output classes.
+        batch_size: Int. Samples per step.
+
+    Returns:
+        `Workload` named ``"timeseries"``, compiled with the example's loss
+        ``"sparse_categorical_crossentropy"`` on the softmax output.
+    """
+
+    def build() -> keras.Model:
+        input_layer = keras.layers.Input((length, 1))
+        x = input_layer
+        for _ in range(3):
+            x = keras.layers.Conv1D(filters=filters, kernel_size=3, padding="same")(x)
+            x = keras.layers.BatchNormalization()(x)
+            x = keras.layers.ReLU()(x)
+        gap = keras.layers.GlobalAveragePooling1D()(x)
+        output_layer = keras.layers.Dense(classes, activation="softmax")(gap)
+        return keras.models.Model(inputs=input_layer, outputs=output_layer, name="timeseries")
+
+    def inputs(batch: int, rng: np.random.Generator):
+        n = batch * DISTINCT_BATCHES
+        return rng.standard_normal((n, length, 1)).astype(np.float32), sparse_labels(rng, (n,), classes)
+
+    return Workload(
+        "timeseries",
+        f"Conv1D + BatchNormalization timeseries classifier (keras.io) {length} steps, "
+        f"3 blocks of {filters} filters, {classes} classes, batch {batch_size}",
+        batch_size, build, inputs, loss=lambda: "sparse_categorical_crossentropy")

@@ -31,7 +31,9 @@ Targets (`TARGETS`), judged on the paired form, each where it applies:
   >= 1.5 on the MLP, >= 1.8 on the CNN, >= 1.3 on ResNet50 (issue 9); tfmp at or
   ahead of plain Keras (step-time ratio <= 1.00) on every model, and
   ``tfmp_vs_float32_of_ceiling`` >= 0.70 on the MLP, the Transformer and
-  ResNet50 (issue 27);
+  ResNet50 (issue 27); ``tfmp_vs_float32_of_roofline`` >= 0.70 on the MLP, the
+  Transformer and the ViT, and the decoder at 0.85 of plain Keras's step time
+  or less (issue 54; a model run without its roofline profile is "n/a");
 * where tfmp ran "auto" (``auto``): ``tfmp_vs_float32`` >= 1.0 on every model
   ("auto" never picks a policy slower than float32);
 * where tfmp runs float32 on a CPU (``float32_cpu``: "auto" kept it, or
@@ -59,6 +61,10 @@ TARGETS = (
     ("mlp", "tfmp_vs_float32_of_ceiling", ">=", 0.7, "70% of the matmul ceiling", "bf16_cpu"),
     ("transformer", "tfmp_vs_float32_of_ceiling", ">=", 0.7, "70% of the matmul ceiling", "bf16_cpu"),
     ("resnet50", "tfmp_vs_float32_of_ceiling", ">=", 0.7, "70% of the matmul ceiling", "bf16_cpu"),
+    ("mlp", "tfmp_vs_float32_of_roofline", ">=", 0.7, "70% of the roofline", "bf16_cpu"),
+    ("transformer", "tfmp_vs_float32_of_roofline", ">=", 0.7, "70% of the roofline", "bf16_cpu"),
+    ("vit", "tfmp_vs_float32_of_roofline", ">=", 0.7, "70% of the roofline", "bf16_cpu"),
+    ("decoder", "tfmp_vs_keras_step_time", "<=", 0.85, "decoder: 0.85 of plain Keras", "bf16_cpu"),
     (None, "tfmp_vs_keras_step_time", "<=", 1.01, "costs nothing where auto is float32", "float32_cpu"),
 )
 #: The ratio forms kept per ratio (module docstring).
@@ -164,9 +170,10 @@ def verdicts(
 
     Returns:
         List of dicts: ``model``, ``ratio``, ``op``, ``limit``, ``what``,
-        ``where``, ``value`` (float, the median of the per-repeat ratios),
-        ``fastest`` (float, the ratio of the fastest repeats), ``met`` (bool, or
-        None when the target does not apply here).
+        ``where``, ``value`` (float, the median of the per-repeat ratios;
+        None where the model has no such ratio, e.g. no roofline profile),
+        ``fastest`` (float or None, the ratio of the fastest repeats), ``met``
+        (bool, or None when the target does not apply here or was not measured).
     """
     applies = {"any": True, "bf16_cpu": bf16_cpu, "auto": auto, "float32_cpu": float32_cpu}
     out = []
@@ -174,12 +181,14 @@ def verdicts(
         for name, model in models.items():
             if model_filter not in (None, name):
                 continue
-            measured = model["ratios"][ratio]
-            value = measured["paired"]
-            met: Optional[bool] = value <= limit if op == "<=" else value >= limit
+            measured = model["ratios"].get(ratio)  # None: not measured (no roofline profile)
+            value = None if measured is None else measured["paired"]
+            met: Optional[bool] = None
+            if value is not None and applies[where]:
+                met = value <= limit if op == "<=" else value >= limit
             out.append(dict(model=name, ratio=ratio, op=op, limit=limit, what=what, where=where,
-                            value=value, fastest=measured["fastest"],
-                            met=met if applies[where] else None))
+                            value=value, fastest=None if measured is None else measured["fastest"],
+                            met=met))
     return out
 
 
@@ -279,7 +288,8 @@ def markdown(results: dict) -> str:
     for t in results["targets"]:
         verdict = "n/a" if t["met"] is None else ("met" if t["met"] else "NOT met")
         rows.append([t["model"], t["what"], f"{t['ratio']} {t['op']} {t['limit']}",
-                     f"{t['value']:.3f}", f"{t['fastest']:.3f}", verdict])
+                     *("n/a" if t[form] is None else f"{t[form]:.3f}" for form in ("value", "fastest")),
+                     verdict])
     lines += table(["model", "target", "rule", "paired", "fastest", "verdict"], rows)
     lines += _batchnorm_markdown(results.get("batchnorm"))
     return "\n".join(lines)

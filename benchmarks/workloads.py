@@ -265,9 +265,10 @@ def workloads(quick: bool = False, batch_norm: bool = True) -> Dict[str, Workloa
 
     Returns:
         Dict mapping ``"mlp"``, ``"cnn"``, ``"transformer"``, ``"vit"``,
-        ``"decoder"`` and, at full size only, ``"resnet50"`` to `Workload`.
+        ``"decoder"`` and, at full size only, ``"resnet50"``, ``"timeseries"``
+        and, where keras-hub is installed, ``"gpt2"`` and ``"bart"`` to `Workload`.
     """
-    from benchmarks import real_models  # it builds on this module's Workload
+    from benchmarks import hub_models, real_models  # they build on this module's Workload
 
     if quick:
         chosen = (
@@ -285,5 +286,9 @@ def workloads(quick: bool = False, batch_norm: bool = True) -> Dict[str, Workloa
             resnet50(64, 10, batch_size=32),
             real_models.vit(32, 4, 64, 4, 4, (2048, 1024), 10, batch_size=64),
             real_models.decoder(80, 2000, 128, 2, 128, batch_size=32),
+            real_models.timeseries(500, 64, 2, batch_size=32),
         )
+        if hub_models.available():
+            chosen += (hub_models.gpt2(8000, 2, 4, 256, 128, batch_size=8),
+                       hub_models.bart(8000, 2, 4, 256, 64, batch_size=8))
     return {w.name: w for w in chosen}

@@ -1,13 +1,13 @@
 """Prints, as JSON, every method and property Keras's main classes define.
 
-Run as a script: ``python tests/_keras_surface.py [--use-tfmp]``. With
-``--use-tfmp`` it first enables tfmp, trains a model under a loss-scale optimizer,
-with a monitor, check_numerics and an audit, saves and loads it, and lets every tfmp object go
-(garbage collection, then `tfmp.disable()`: the stuck check's hook comes off there
-or at the next ``make_train_function``, not from the garbage collector); without,
-tfmp is never imported.
-`tests/test_keras_hooks.py` compares the two outputs: after tfmp lets go, Keras
-is as an import without tfmp made it.
+Run as a script: ``python tests/_keras_surface.py``. It reads the surface
+before tfmp is imported (``"plain"``), then enables tfmp, trains a model under a
+loss-scale optimizer, with a monitor, check_numerics and an audit, saves and loads
+it, lets every tfmp object go (garbage collection, then `tfmp.disable()`: the stuck
+check's hook comes off there or at the next ``make_train_function``, not from the
+garbage collector) and reads it again (``"after"``).
+`tests/test_keras_hooks.py` compares the two: after tfmp lets go, Keras is as an
+import without tfmp made it.
 """
 
 import gc
@@ -73,6 +73,7 @@ def use_tfmp():
 
 
 if __name__ == "__main__":
-    if "--use-tfmp" in sys.argv:
-        use_tfmp()
-    print(json.dumps(surface()))
+    assert "tfmp" not in sys.modules
+    plain = surface()
+    use_tfmp()
+    print(json.dumps({"plain": plain, "after": surface()}))

@@ -367,20 +367,19 @@ def test_the_speed_column_says_its_figure_and_a_disagreement_with_the_ms_step_co
     planted = _planted([0.9, 0.9, 0.9], [0.9, 0.9, 0.9])
     busy = dataclasses.replace(planted, speed=_timed([0.010, 0.020, 0.030], [0.011, 0.015, 0.031]))
     table = str(busy)
-    assert "speed vs fp32 is the median over 3 alternated round(s) of the paired ratio" in table
+    assert "Speed vs fp32: median over 3 alternated round(s) of float32's s/step / this policy's" in table
     row = next(line for line in table.splitlines() if line.startswith("mixed_bfloat16 "))
     assert row.split()[-3:] == ["15.00", f"{32 / 0.015:.0f}", "0.97x*"]
-    assert ("* mixed_bfloat16: the paired ratio says 0.97x, the ms/step medians 1.33x; "
-            "its rounds ranged 0.91x to 1.33x.") in table
+    assert "* mixed_bfloat16: paired ratio 0.97x, ms/step medians 1.33x, rounds 0.91x to 1.33x:" in table
     # Both faster, but 1.05x paired against 1.30x by the medians: marked too.
     apart = dataclasses.replace(planted, speed=_timed([0.010, 0.020, 0.030], [0.0095, 0.0154, 0.0286]))
-    assert "the paired ratio says 1.05x, the ms/step medians 1.30x" in str(apart)
+    assert "paired ratio 1.05x, ms/step medians 1.30x" in str(apart)
     # Rounds that agree (1.10x each round): no mark, no footnote.
     idle = dataclasses.replace(planted, speed=_timed([0.011, 0.022, 0.033], [0.010, 0.020, 0.030]))
     row = next(line for line in str(idle).splitlines() if line.startswith("mixed_bfloat16 "))
     assert row.endswith(" 1.10x") and "* " not in str(idle)
     # Untimed: the column is the ratio of the two runs' step times, and says so.
-    assert "speed vs fp32 is float32's median ms/step / this policy's (separate runs)" in str(planted)
+    assert "Speed vs fp32: float32's median ms/step / this policy's (separate runs)." in str(planted)
 
 
 def test_identical_runs_pass_with_a_zero_width_interval():

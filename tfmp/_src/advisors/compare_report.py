@@ -458,10 +458,9 @@ def _speed_disagreement(label: str, timed: Optional[Dict[str, Any]],
     if (paired >= 1.0) == (medians >= 1.0) and abs(paired / medians - 1.0) <= SPEED_DISAGREEMENT:
         return None
     ratios = timed["ratios"]
-    return (f"* {label}: the paired ratio says {paired:.2f}x, the ms/step medians "
-            f"{medians:.2f}x; its rounds ranged {min(ratios):.2f}x to {max(ratios):.2f}x. "
-            "The machine's load changed while timing: neither figure is reliable; time "
-            "again on an idle machine or with more timing_rounds.")
+    return (f"* {label}: paired ratio {paired:.2f}x, ms/step medians {medians:.2f}x, rounds "
+            f"{min(ratios):.2f}x to {max(ratios):.2f}x: the load changed while timing, so "
+            "neither is reliable; time again on an idle machine or with more timing_rounds.")
 
 
 def format_report(report: CompareReport) -> str:
@@ -491,13 +490,13 @@ def format_report(report: CompareReport) -> str:
     settings = ", ".join(f"{k}={v}" for k, v in report.settings.items())
     if report.speed:
         rounds = len(next(iter(report.speed.values()))["seconds"])
-        speed_note = (f"speed vs fp32 is the median over {rounds} alternated round(s) of the paired "
-                      "ratio float32 s/step / this policy's in the same round (> 1: faster); "
-                      "ms/step and samples/s are each policy's median over the same rounds")
+        speed_note = (f"Speed vs fp32: median over {rounds} alternated round(s) of float32's "
+                      "s/step / this policy's in the same round (> 1: faster);\nms/step, "
+                      "samples/s: each policy's median over those rounds.")
     else:
-        speed_note = "speed vs fp32 is float32's median ms/step / this policy's (separate runs)"
+        speed_note = "Speed vs fp32: float32's median ms/step / this policy's (separate runs)."
     lines = [f"tfmp.compare ({settings})",
-             f"Mean final metrics over {len(seeds)} seed(s); {speed_note}."]
+             f"Mean final metrics over {len(seeds)} seed(s).", speed_note]
     lines += _align(rows)
     lines += notes
     lines.append("")

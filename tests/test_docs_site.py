@@ -7,7 +7,9 @@ API reference's long signatures wrapped (the docs extra installs Ruff for
 mkdocstrings; without a formatter each is one clipped line).
 
 The site is the one .ci/run built (``TFMP_DOCS_SITE``), or built here into a
-temporary directory (about 8 s on 2 cores) where the docs extra is installed."""
+temporary directory where the docs extra is installed (6 s of CPU time on the 2-core
+AMD EPYC Zen 3, 13 s of wall time there at a load average of 8; Ruff's formatting of
+the signatures is within that spread)."""
 
 import html
 import html.parser

@@ -76,7 +76,12 @@ def assert_refused(call: Callable[[], Any], argument: str) -> BaseException:
     with pytest.raises((ValueError, TypeError), match=template_pattern(argument)) as info:
         call()
     assert FIX_AFTER_RECEIVED.search(str(info.value)), f"no fix after what was received: {info.value}"
+    # A phrase said twice, as "Expected a CommunicationOptions or None or None".
+    assert not DOUBLED.search(str(info.value).split("Received:")[0]), f"a phrase said twice: {info.value}"
     return info.value
+
+
+DOUBLED = re.compile(r"\b(\w+(?: \w+)?) (?:or |and )?\1\b")
 
 
 # Wrong values, by kind. Each strategy draws values that no argument of the kind

@@ -29,7 +29,7 @@ Cases (one process runs them in this order; the result holds each one's findings
   after setting it to 2 on a model compiled with 1.
 * ``backup`` (with ``--backup``, instead of the others): 3 epochs with
   `keras.callbacks.BackupAndRestore` in this worker's own folder, saving each
-  epoch; with ``--die-at E`` the process ends itself (exit code `DIED`) at batch 1 of
+  epoch (``double_checkpoint=True``, as docs/guides/distributed.md shows it); with ``--die-at E`` the process ends itself (exit code `DIED`) at batch 1 of
   epoch E, as a killed worker would. Each epoch's start and end are appended to
   ``--progress`` (JSON lines: epoch, iterations, scale, counters).
 """
@@ -237,7 +237,7 @@ def backup_case(args):
     model.build((None, 4))
     x, y = arrays()
     callbacks = [
-        keras.callbacks.BackupAndRestore(args.backup, save_freq="epoch"),
+        keras.callbacks.BackupAndRestore(args.backup, save_freq="epoch", double_checkpoint=True),
         Progress(args.progress, args.die_at),
     ]
     model.fit(dataset(x, y), epochs=3, verbose=0, callbacks=callbacks)

@@ -1,5 +1,6 @@
 """Tests for tfmp.compare on scikit-learn's digits (1,797 real 8x8 images)."""
 
+import dataclasses
 import functools
 import json
 import math
@@ -348,6 +349,37 @@ def test_planted_noise_without_a_difference_is_inconclusive_with_a_seed_count():
     assert verdict.status == "inconclusive" and verdict.difference == pytest.approx(0.0, abs=1e-9)
     assert verdict.seeds_needed == 41  # as in test_compare_stats: std sqrt(2.5) pp
     assert "about 41 seeds would decide it" in str(verdict)
+
+
+def _timed(reference_s, other_s):
+    ratios = [a / b for a, b in zip(reference_s, other_s)]
+    return {"float32": {"step_time_s": statistics.median(reference_s), "ratio": 1.0,
+                        "seconds": reference_s, "ratios": [1.0] * len(reference_s)},
+            "mixed_bfloat16": {"step_time_s": statistics.median(other_s),
+                               "ratio": statistics.median(ratios), "seconds": other_s,
+                               "ratios": ratios}}
+
+
+def test_the_speed_column_says_its_figure_and_a_disagreement_with_the_ms_step_column():
+    """Injected timings as a busy machine gives them: three rounds whose paired ratios
+    (0.91x, 1.33x, 0.97x: median 0.97x) and ms/step medians (20 vs 15 ms: 1.33x)
+    tell opposite speeds; the table says which figure its column is, and says so."""
+    planted = _planted([0.9, 0.9, 0.9], [0.9, 0.9, 0.9])
+    busy = dataclasses.replace(planted, speed=_timed([0.010, 0.020, 0.030], [0.011, 0.015, 0.031]))
+    table = str(busy)
+    assert "Speed vs fp32: median over 3 alternated round(s) of float32's s/step / this policy's" in table
+    row = next(line for line in table.splitlines() if line.startswith("mixed_bfloat16 "))
+    assert row.split()[-3:] == ["15.00", f"{32 / 0.015:.0f}", "0.97x*"]
+    assert "* mixed_bfloat16: paired ratio 0.97x, ms/step medians 1.33x, rounds 0.91x to 1.33x:" in table
+    # Both faster, but 1.05x paired against 1.30x by the medians: marked too.
+    apart = dataclasses.replace(planted, speed=_timed([0.010, 0.020, 0.030], [0.0095, 0.0154, 0.0286]))
+    assert "paired ratio 1.05x, ms/step medians 1.30x" in str(apart)
+    # Rounds that agree (1.10x each round): no mark, no footnote.
+    idle = dataclasses.replace(planted, speed=_timed([0.011, 0.022, 0.033], [0.010, 0.020, 0.030]))
+    row = next(line for line in str(idle).splitlines() if line.startswith("mixed_bfloat16 "))
+    assert row.endswith(" 1.10x") and "* " not in str(idle)
+    # Untimed: the column is the ratio of the two runs' step times, and says so.
+    assert "Speed vs fp32: float32's median ms/step / this policy's (separate runs)." in str(planted)
 
 
 def test_identical_runs_pass_with_a_zero_width_interval():

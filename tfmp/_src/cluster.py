@@ -63,7 +63,7 @@ def multi_worker_strategy(
     check_positive_number("timeout_s", timeout_s, fix="Pass e.g. timeout_s=300.0 (the default).")
     check_type("communication_options", communication_options,
                tf.distribute.experimental.CommunicationOptions,
-               "a tf.distribute.experimental.CommunicationOptions or None", allow_none=True,
+               "a tf.distribute.experimental.CommunicationOptions", allow_none=True,
                fix="Pass e.g. communication_options=tf.distribute.experimental.CommunicationOptions("
                "timeout_seconds=60), or None.")
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()

@@ -433,6 +433,36 @@ def _align(rows: List[List[str]]) -> List[str]:
                       for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
 
 
+# Paired ratio and ratio of the ms/step medians further apart than this (relative) are
+# reported as a disagreement. A choice, not a measurement: below it, on the same side
+# of 1.00x, both figures tell the reader the same.
+SPEED_DISAGREEMENT = 0.05
+
+
+def _speed_disagreement(label: str, timed: Optional[Dict[str, Any]],
+                        reference: Optional[Dict[str, Any]]) -> Optional[str]:
+    """A footnote when the paired ratio and the ms/step medians tell different speeds.
+
+    Both come from the same rounds, but the median of per-round ratios and the ratio of
+    per-policy medians part when the machine's load changes between rounds: then the
+    table's speed column and its ms/step column would contradict each other unsaid.
+
+    Returns:
+        String (the footnote, starting with "*") or None when they agree: on the same
+        side of 1.00x and within `SPEED_DISAGREEMENT` of each other.
+    """
+    if not timed or not reference or not timed["step_time_s"] > 0:
+        return None
+    paired = timed["ratio"]
+    medians = reference["step_time_s"] / timed["step_time_s"]
+    if (paired >= 1.0) == (medians >= 1.0) and abs(paired / medians - 1.0) <= SPEED_DISAGREEMENT:
+        return None
+    ratios = timed["ratios"]
+    return (f"* {label}: paired ratio {paired:.2f}x, ms/step medians {medians:.2f}x, rounds "
+            f"{min(ratios):.2f}x to {max(ratios):.2f}x: the load changed while timing, so "
+            "neither is reliable; time again on an idle machine or with more timing_rounds.")
+
+
 def format_report(report: CompareReport) -> str:
     """The table, intervals, per-example statistics and verdict, as one string."""
     seeds = report.seeds
@@ -440,10 +470,10 @@ def format_report(report: CompareReport) -> str:
     for run in report.runs:
         by_label.setdefault(run.label, []).append(run)
     metrics = list(report.baseline.history)
-    speed_note = "median paired ratio" if report.speed else "medians of separate runs"
     header = ["policy"] + metrics + ["ms/step", "samples/s", "speed vs fp32"]
     rows = [header]
     base_step = statistics.median(r.step_time_s for r in by_label[report.baseline.label])
+    notes = []
     for label, runs in by_label.items():
         cells = [label]
         for m in metrics:
@@ -452,13 +482,23 @@ def format_report(report: CompareReport) -> str:
         timed = report.speed.get(label)
         step = timed["step_time_s"] if timed else statistics.median(r.step_time_s for r in runs)
         ratio = timed["ratio"] if timed else base_step / step
+        note = _speed_disagreement(label, timed, report.speed.get(report.baseline.label))
         cells += [f"{1000 * step:.2f}", f"{report.settings['samples_per_step'] / step:.0f}",
-                  f"{ratio:.2f}x"]
+                  f"{ratio:.2f}x" + ("*" if note else "")]
         rows.append(cells)
+        notes += [note] if note else []
     settings = ", ".join(f"{k}={v}" for k, v in report.settings.items())
+    if report.speed:
+        rounds = len(next(iter(report.speed.values()))["seconds"])
+        speed_note = (f"Speed vs fp32: median over {rounds} alternated round(s) of float32's "
+                      "s/step / this policy's in the same round (> 1: faster);\nms/step, "
+                      "samples/s: each policy's median over those rounds.")
+    else:
+        speed_note = "Speed vs fp32: float32's median ms/step / this policy's (separate runs)."
     lines = [f"tfmp.compare ({settings})",
-             f"Mean final metrics over {len(seeds)} seed(s); speed: {speed_note}."]
+             f"Mean final metrics over {len(seeds)} seed(s).", speed_note]
     lines += _align(rows)
+    lines += notes
     lines.append("")
     lines.append("Difference to float32 (paired by seed): mean, 95% interval, "
                  "float32's seed-to-seed std (noise floor)")

@@ -73,8 +73,8 @@ class MemoryEstimate:
         notes: Tuple of strings. Layers skipped and other caveats.
 
     Raises:
-        ValueError: (template) `policy` not a string, `batch_size` not an integer
-            >= 1, a byte count not an integer >= 0, `notes` not a tuple of strings.
+        ValueError: (template) `policy` not a string, `batch_size` not an
+            integer >= 1, a byte count not an integer >= 0, `notes` not a tuple of strings.
     """
 
     policy: str

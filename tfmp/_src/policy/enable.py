@@ -159,8 +159,8 @@ def enable(
             ``guard`` defaults to every gradient under float16, else ``"batch"``.
         allow_pure_16bit: Bool. Accept ``"float16"``/``"bfloat16"`` policies, which
             keep no float32 master weights. Default False.
-        tf32: Bool or None. Switch TF32 matmuls on GPUs of compute capability
-            >= 8.0 on or off; None leaves TensorFlow's setting (on by default).
+        tf32: Bool or None. Switch TF32 matmuls on or off on GPUs of compute
+            capability 8.0 or more; None leaves TensorFlow's setting (on by default).
             The setting is process-wide until `disable()` puts it back.
         debug: Bool or dict. True instruments every model compiled while enabled
             with `tfmp.check_numerics` (first non-finite layer raises

@@ -1,7 +1,7 @@
 """Same script, same machine, same decisions: fresh processes under load decide alike.
 
-Several fresh processes run tests/_decisions.py while two other processes keep both
-cores busy: each must choose the same "auto" policy with the same reason and make
+Two fresh processes run tests/_decisions.py while another one keeps a core busy
+(README's command runs the suite's other tests on the other): each must choose the same "auto" policy with the same reason and make
 the same per-model decisions for the same model (every field of its
 `tfmp.Attachment`: remapper, GELU, bias gradients, convolutions, the
 BatchNormalization kernel, speedups, layer policies, float32 forcing, optimizer), and none may run a timing probe
@@ -15,7 +15,7 @@ import sys
 from _subproc import results, script_env, started
 
 #: Fresh processes deciding at once; loaders keeping both cores busy meanwhile.
-PROCESSES, LOADERS = 3, 2
+PROCESSES, LOADERS = 2, 1
 #: Seconds for all of them to import TensorFlow and decide, under that load.
 TIMEOUT_S = 300
 

@@ -10,7 +10,7 @@ Both train on next-token labels with the task's own default loss,
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Callable, Dict
 
 import keras
 import numpy as np
@@ -36,6 +36,21 @@ def _lm_loss():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
+def _task_builder(backbone: str, task: str, vocab: int, layers: int, heads: int, hidden: int,
+                  length: int) -> Callable[[], keras.Model]:
+    """`Workload.build` of keras-hub's ``task`` on a ``backbone`` of that size (feed-forward 4x wide)."""
+
+    def build() -> keras.Model:
+        import keras_hub
+
+        made = getattr(keras_hub.models, backbone)(
+            vocabulary_size=vocab, num_layers=layers, num_heads=heads, hidden_dim=hidden,
+            intermediate_dim=4 * hidden, max_sequence_length=length)
+        return getattr(keras_hub.models, task)(backbone=made, preprocessor=None)
+
+    return build
+
+
 def gpt2(vocab: int, layers: int, heads: int, hidden: int, length: int, batch_size: int) -> Workload:
     """keras-hub's GPT-2 causal LM at the given size.
 
@@ -51,13 +66,7 @@ def gpt2(vocab: int, layers: int, heads: int, hidden: int, length: int, batch_si
         `Workload` named ``"gpt2"``; inputs ``{"token_ids", "padding_mask"}``, labels the next tokens.
     """
 
-    def build() -> keras.Model:
-        import keras_hub
-
-        backbone = keras_hub.models.GPT2Backbone(
-            vocabulary_size=vocab, num_layers=layers, num_heads=heads, hidden_dim=hidden,
-            intermediate_dim=4 * hidden, max_sequence_length=length)
-        return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+    build = _task_builder("GPT2Backbone", "GPT2CausalLM", vocab, layers, heads, hidden, length)
 
     def inputs(batch: int, rng: np.random.Generator):
         t = _tokens(rng, batch * DISTINCT_BATCHES, length, vocab)
@@ -86,13 +95,7 @@ def bart(vocab: int, layers: int, heads: int, hidden: int, length: int, batch_si
         padding masks, labels the decoder's next tokens.
     """
 
-    def build() -> keras.Model:
-        import keras_hub
-
-        backbone = keras_hub.models.BartBackbone(
-            vocabulary_size=vocab, num_layers=layers, num_heads=heads, hidden_dim=hidden,
-            intermediate_dim=4 * hidden, max_sequence_length=length)
-        return keras_hub.models.BartSeq2SeqLM(backbone=backbone, preprocessor=None)
+    build = _task_builder("BartBackbone", "BartSeq2SeqLM", vocab, layers, heads, hidden, length)
 
     def inputs(batch: int, rng: np.random.Generator):
         n = batch * DISTINCT_BATCHES

@@ -965,7 +965,7 @@ def test_full_disk_warns_once_and_training_goes_on_and_the_note_follows(tmp_path
     text = str(warning.message)
     assert f"to '{monitor.train_log_dir}'" in text
     assert "(ResourceExhaustedError: No space left on device)" in text
-    assert "Events from step 5 on are lost" in text and "Free space on the disk" in text
+    assert "Events from step 5 on are lost" in text and "free space on the disk" in text
     assert warning.filename == __file__  # names the user's fit line
     assert disk.attempts == 7  # steps 6..11 and the end of epoch 0 retried, each refused
     run = read_run(tmp_path)

@@ -45,8 +45,10 @@ def warn_16bit_trainable(model: Any, master_copies: bool) -> None:
     """
     if master_copies or model.dtype_policy.variable_dtype in LOW_PRECISION or not model.built:
         return
+    optimizer = getattr(model, "optimizer", None)
     _warn(f"Model {model.name!r} ({model.dtype_policy.name})",
-          f"Its {type(getattr(model, 'optimizer', None)).__name__} (not a tfmp.LossScaleOptimizer) keeps no float32 copies: ",
+          f"Its {'optimizer' if optimizer is None else type(optimizer).__name__} (not a tfmp.LossScaleOptimizer) "
+          "keeps no float32 copies: ",
           [(f"{path}/{weight.name}", weight) for path, weight in trainable_16bit(model)])
 
 

@@ -119,7 +119,7 @@ def message(model: keras.Model, argument: str, target: Any,
     count = f"{len(paths)} layer{'s' if len(paths) != 1 else ''}"
     if isinstance(target, str):
         shown = sorted(paths, key=lambda path: path.count("/"))[:SHOWN]
-        expected = f"a glob pattern over the layer paths, such as {', '.join(map(repr, shown))} ({count})"
+        expected = f"a layer-path glob pattern, such as {', '.join(map(repr, shown))} ({count})"
         fix = (_class_note(target, entries) or _case_note(target, paths)
                or did_you_mean(target, _close_patterns(target, paths))
                or "Correct the pattern to match a layer path, or leave it out.")
@@ -131,7 +131,7 @@ def message(model: keras.Model, argument: str, target: Any,
     if argument.endswith("_float32"):
         fix += " Or tfmp.register_float32 it: not checked per model."
     return (f"A target in `{argument}` matches no layer of model {model.name!r}. Received: {argument}={target!r}.",
-            f"Expected {expected}; print(tfmp.audit(model)) lists them.", fix)
+            f"Expected {expected}; tfmp.audit(model) lists them.", fix)
 
 
 def _class_note(pattern: str, entries: Sequence[Tuple[str, Any, Any]]) -> str:

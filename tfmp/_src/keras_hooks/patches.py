@@ -114,7 +114,7 @@ class _Slot:
         if foreign is not None:  # warned first: a filter may make it an error
             warn(f"tfmp took its hooks off {self.describe()}, under another patch ({foreign}).",
                  "tfmp left a pass-through to the original method under it instead of overwriting it.",
-                 "Fix: none needed; remove that patch first to restore the original method itself.",
+                 "Fix: nothing to do; to have the original method back, take that patch off first.",
                  RuntimeWarning, section="another-library-patches-keras")
         self.hooks, self.composed = [], self._innermost()
         if foreign is not None:

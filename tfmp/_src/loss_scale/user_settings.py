@@ -61,11 +61,11 @@ def warn_keras_optimizer_replaced(optimizer: keras.optimizers.LossScaleOptimizer
     inner = type(optimizer.inner_optimizer).__name__
     if options["loss_scaling"]:
         overridden = {key: options[key] for key in KERAS_SETTINGS if options[key] != given[key]}
-        kept = f"except {_listed(overridden)}, from tfmp.enable" if overridden else "with its settings"
-        cause = f"It keeps them ({kept}) and adds overflow counters, scale bounds and stuck detection."
+        kept = f"these but {_listed(overridden)} (from tfmp.enable)" if overridden else "these settings"
+        cause = f"tfmp.LossScaleOptimizer keeps {kept} and adds overflow counters and stuck detection."
     else:
-        cause = f"{_no_scaling_reason(compute_dtype)}: the scale is fixed at 1.0, its settings unused."
-    warn(f"compile() received keras.optimizers.LossScaleOptimizer({inner}): tfmp replaced it with its own.",
+        cause = f"{_no_scaling_reason(compute_dtype)}: the scale is fixed at 1.0 and these settings are unused."
+    warn(f"tfmp replaced the Keras LossScaleOptimizer({inner}, {_listed(given)}) given to compile().",
          cause,
          f"Fix: pass the {inner} alone to silence this; compile after tfmp.disable() to keep Keras's optimizer.",
          LossScaleWarning, section="loss-scaling-in-a-custom-train_step")

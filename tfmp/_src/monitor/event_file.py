@@ -105,13 +105,13 @@ def _fix(directory: str, error: BaseException) -> str:
     text = str(error).lower()
     code = getattr(error, "errno", None)
     if code == errno.ENOSPC or isinstance(error, tf.errors.ResourceExhaustedError) or "no space" in text:
-        return f"Free space on the disk of '{directory}', or pass another log_dir."
+        return f"free space on the disk of '{directory}', or pass another log_dir."
     if code == errno.ENOTDIR or "not a directory" in text:
         return (f"'{directory}' or a folder above it is a file: remove or rename that file, "
                 "or pass another log_dir.")
     if isinstance(error, (PermissionError, tf.errors.PermissionDeniedError)):
-        return f"Make '{directory}' writable, or pass another log_dir."
-    return f"Check that '{directory}' is a writable folder with free space, or pass another log_dir."
+        return f"make '{directory}' writable, or pass another log_dir."
+    return f"check that '{directory}' is a writable folder with free space, or pass another log_dir."
 
 
 class EventFile:

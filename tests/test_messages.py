@@ -219,6 +219,7 @@ def test_the_float16_cpu_warning_is_short_and_the_decision_does_not_print_it_aga
     assert "fused" not in str(decision) and "Guide" not in str(decision)
 
 
+@pytest.mark.filterwarnings("ignore::tfmp.PerformanceWarning")  # bfloat16 on a CPU without its flags
 def test_a_model_that_never_builds_is_offered_only_fixes_that_act_before_compile():
     """keras.io's Swin Transformer: its attention adds a mask it casts to float32 onto 16-bit scores."""
 

@@ -27,6 +27,7 @@ from tfmp._src.float32 import dtype_errors, master_weights, xla_bilinear
 from tfmp._src.keras_hooks import availability
 from tfmp._src.loss_scale import custom_optimizers, guard, loops, user_settings
 from tfmp._src.monitor import event_file
+from tfmp._src.numerics import record, report, terms
 from tfmp._src.policy import enable as enable_module
 from tfmp._src.policy.hardware import detect_device_facts, injected_facts
 from tfmp._src.policy.policy import resolve_policy
@@ -205,8 +206,35 @@ def test_each_warning_and_error_opening_is_three_short_lines_and_the_guide(tmp_p
         text = dtype_errors.explanation("block/attention", keras.layers.Dense(2), "bfloat16", "float32",
                                         at_build=at_build)
         said.append((TypeError, text, ()))
+    # check_numerics' errors: each forward case and each loss term, built from injected trace rows.
+    row = {"layer": "block/dense", "layer_class": "Dense", "kind": "inf", "input_kind": None,
+           "input_range": (-3.0, 70000.0), "dtype": "float16"}
+    rows = [row, dict(row, input_kind="nan"), dict(row, kind=None), dict(row, layer=record.LOSS_ENTRY),
+            dict(row, dtype="bfloat16", input_range=None)]
+    hint = "its float16 logsumexp over 76,800 values can exceed 65504: tfmp.register_float32('block/dense')."
+    lines = [report._forward_message(item, "inf", 3, None) for item in rows] + [
+        report._forward_message(row, "inf", 3, hint)]
+    for kind in (terms.WEIGHT, terms.ACTIVITY, terms.ADD_LOSS, terms.ADD_LOSS_OR_ACTIVITY, "position"):
+        term = types.SimpleNamespace(kind=kind, regularizer="L2(l2=1e+38)", variable="kernel", position=2)
+        for dtype in ("float16", "float32"):
+            lines.append(terms.term_message(dict(row, term=term, dtype=dtype), "inf", 3, "net"))
+    said += [(tfmp.NonFiniteError, errors.opening(*three, "nan-or-inf-loss", details="Trace (...):"), ())
+             for three in lines]
     for _, text, names in said:
         _check(text, names)
+
+
+def test_a_non_finite_error_opens_with_three_lines_and_keeps_its_trace_below():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2, name="dense"),
+                              keras.layers.Lambda(lambda x: 1.0 / (x * 0.0), name="divide")], name="net")
+    tfmp.check_numerics(model)
+    model.compile("sgd", "mse")
+    with pytest.raises(tfmp.NonFiniteError) as info:
+        model.fit(np.ones((4, 2)), np.ones((4, 2)), verbose=0)
+    opening = _check(str(info.value))
+    assert opening[0].startswith("Layer 'divide' (Lambda) is the first checked layer to see ")
+    assert opening[0].endswith("at train step 0.")
+    assert str(info.value).split("\nGuide: ")[1].splitlines()[1].startswith("Trace (")
 
 
 def test_the_float16_cpu_warning_is_short_and_the_decision_does_not_print_it_again():

@@ -150,7 +150,12 @@ def test_each_warning_and_error_opening_is_three_short_lines_and_the_guide(tmp_p
         said += [(c, t, (here,)) for c, t in _warned(resolve_policy, policy)]
     with injected_facts(SAPPHIRE_RAPIDS):  # the float16 remapper trap: names only this (injected) CPU
         said += [(c, t, (SAPPHIRE_RAPIDS.cpu_name,)) for c, t in _warned(resolve_policy, "mixed_float16")]
-    assert len(said) == 3 and all(c is tfmp.PerformanceWarning for c, _, _ in said)
+    onednn_off = tfmp.DeviceFacts(cpu_name="Intel Xeon Platinum 8480+", cpu_flags=frozenset({"avx512_bf16"}),
+                                  system="Darwin")  # bfloat16 flags, oneDNN off (TensorFlow's default there)
+    said += [(c, t, (onednn_off.cpu_name,)) for c, t in _warned(resolve_policy, "mixed_bfloat16",
+                                                                 device_facts=onednn_off)]
+    assert len(said) == 4 and all(c is tfmp.PerformanceWarning for c, _, _ in said)
+    assert "Fix: set TF_ENABLE_ONEDNN_OPTS=1 before TensorFlow starts" in said[-1][1]
     # Loss scaling: custom loops, Keras's optimizer replaced, unused options.
     net = types.SimpleNamespace(name="net")
     said += [(c, t, ()) for c, t in _warned(custom_optimizers._warn_container, net, "optimizers", "float16")]
@@ -194,7 +199,7 @@ def test_each_warning_and_error_opening_is_three_short_lines_and_the_guide(tmp_p
     writer = event_file.EventFile("full")
     said += [(c, t, ()) for c, t in _warned(writer._fail, 3, OSError(errno.ENOSPC, "No space left on device"))]
     writer.close()
-    assert len(said) == 18, [t for _, t, _ in said]
+    assert len(said) == 19, [t for _, t, _ in said]
     # Errors: the stuck run's and the skips' causes, a dtype mismatch at build and at compile.
     for status in (32, 4, 1, 16, 0):
         for scaling in (True, False):

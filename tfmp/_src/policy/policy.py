@@ -264,18 +264,17 @@ def slower_than_float32(
     return f"{measured}: {text}" if factor is not None and factor < 1.0 else f"{text} ({device})"
 
 
+#: The fix where a CPU with bfloat16 instructions has TensorFlow's oneDNN off (`_onednn_off`'s last sentence).
+ONEDNN_FIX = f"Set {ONEDNN_ENV}=1 before TensorFlow starts to use oneDNN."
+
+
 def _onednn_off(facts: DeviceFacts, probe: Optional[SpeedProbe] = None) -> str:
     """Why a CPU with bfloat16 instructions still gets float32: TensorFlow's oneDNN is off."""
     why = (f"{ONEDNN_ENV}={facts.onednn_env}" if facts.onednn_env
-           else f"TensorFlow's default on {facts.system} for this CPU")
+           else f"the default on {facts.system} here")  # TensorFlow's rule: docs/guides/policy.md
     return (
-        f"The CPU has {'/'.join(facts.cpu_bf16_flags).upper()}, but TensorFlow's oneDNN "
-        f"kernels are off ({why}; TensorFlow 2.21 turns them on by default only on "
-        "Linux for x86 CPUs with AVX512_VNNI, AVX512_BF16, AVX_VNNI or AMX and for Arm "
-        "Neoverse V1, and on Windows x86): bfloat16 would run on "
-        "Eigen's kernels, which convert to float32 and back, slower than float32"
-        f"{_measured('bfloat16', probe)}. "
-        f"Set {ONEDNN_ENV}=1 before TensorFlow starts to use oneDNN."
+        f"The CPU has {'/'.join(facts.cpu_bf16_flags).upper()}, but TensorFlow's oneDNN is off ({why}): "
+        f"Eigen's bfloat16 runs slower{_measured('bfloat16', probe)}. {ONEDNN_FIX}"
     )
 
 
@@ -327,9 +326,11 @@ def resolve_policy(
     slow = slower_than_float32(name, facts, probe)
     if slow:
         path = float16_fusion.warning_clause(compute, facts)
+        cause, onednn_off, _ = slow.partition(f" {ONEDNN_FIX}")
+        fix = (f"Fix: set {ONEDNN_ENV}=1 before TensorFlow starts, or use tfmp.enable({auto.policy!r})."
+               if onednn_off else f"Fix: tfmp.enable('auto') (which picks {auto.policy!r}) or tfmp.enable('float32').")
         warn(f"Policy {name!r} is slower than float32 here{'; ' + path if path else ''}.",
-             f"{slow[0].upper()}{slow[1:]}.",
-             f"Fix: tfmp.enable('auto') (which picks {auto.policy!r}) or tfmp.enable('float32').",
+             f"{cause[0].upper()}{cause[1:].rstrip('.')}.", fix,
              PerformanceWarning, section="no-speed-up")  # names the caller of enable() or policy_scope()
         reason = f"Requested explicitly; it is slower than float32 here: {slow}."
     else:

@@ -75,11 +75,11 @@ def cause(status: int, loss_scaling: bool) -> Tuple[str, str, str, str]:
         where = ("float16 holds at most 65504" if loss_scaling else
                  "not an overflow: bfloat16 and float32 reach 3.4e38")
         return "loss", loss, (
-            f"The loss itself is {loss} ({where}), so a lower loss scale cannot help."
+            f"The loss itself is non-finite ({loss}; {where}): a lower loss scale cannot help."
         ), f"{FIND_LAYER}, or lower the learning rate."
     if status & 16:
         return "values", "", (
-            "The update would write a non-finite value into a variable although the gradients were finite."
+            "The update would have written a non-finite value into a variable although the gradients were finite."
         ), "Fix: the learning rate (or the optimizer's epsilon) is too large or too small for these gradients."
     if loss_scaling:
         return "gradients", "", (

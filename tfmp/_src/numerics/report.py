@@ -87,7 +87,9 @@ def _forward_message(item: dict, kind: str, step: int, hint: Optional[str]) -> t
         return (what, f"{ranged}: inputs were already non-finite, from the data or an unchecked op before it.",
                 "Fix: check the data with tfmp.check_dataset, or the operation before this layer.")
     if span is not None and item["dtype"] == "float16" and hint:  # a known hazard: an overflow, or NaN after one
-        return what, f"The likely cause: {hint}", "Fix: as the line above says, or keep the layer's inputs smaller."
+        cause, _, fix = hint.partition(". ")  # `advice`: the cause, then the fix
+        return (what, f"The likely cause: {cause.rstrip('.')}.",
+                f"Fix: {fix[0].lower()}{fix[1:]}" if fix else "Fix: compute the layer in float32 (tfmp.force_float32).")
     if span is not None and item["dtype"] == "float16" and "inf" in kind:
         return (what, f"{ranged}; float16 holds at most {FLOAT16_MAX:g}.",
                 "Fix: compute it in float32 (tfmp.force_float32) or keep its inputs smaller; look for a 0 it divides by.")

@@ -279,6 +279,6 @@ def warn_if_unscaled(optimizer: Any, record: StepRecord, from_unscale: bool) -> 
     with tf.init_scope():
         scale = optimizer.loss_scale
     warn(f"Gradients reached {type(optimizer).__name__} {optimizer.name!r} (scale {scale:g}), but it scaled no loss.",
-         f"`apply` divides them by the scale, as Keras's does: each update is {scale:g}x too small.",
-         "Fix: grads = tfmp.scaled_gradients(tape, loss, variables, optimizer), or scale_loss in the tape.",
+         f"`apply` divides them by the scale, as Keras's LossScaleOptimizer does: each update is {scale:g}x too small.",
+         "Fix: scaled_loss = self.optimizer.scale_loss(loss) in the tape, or grads = tfmp.scaled_gradients(...).",
          LossScaleWarning, section="loss-scaling-in-a-custom-train_step")

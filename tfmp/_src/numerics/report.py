@@ -75,7 +75,7 @@ def _forward_message(item: dict, kind: str, step: int, hint: Optional[str]) -> t
     if item["layer"] == LOSS_ENTRY:
         return (
             f"The loss is {kind} at train step {step} while every checked layer output before it was finite.",
-            "The loss function produced it: e.g. log(0), a division by zero in a custom loss, or NaN/Inf labels.",
+            "Hence the loss function produced it: e.g. log(0), a division by zero in a custom loss, or NaN/Inf labels.",
             "Fix: guard the loss (an epsilon, keras.ops.clip); check the labels with tfmp.check_dataset.",
         )
     where = "in its output" if item["kind"] else "in its inputs only"

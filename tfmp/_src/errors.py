@@ -7,9 +7,9 @@
 and the one form of every warning (`warn`) and of a longer error's opening (`opening`): what
 happened, the cause in this model, the fix, one short line each, then the guide's section::
 
-    tfmp skipped step 3 (1 of the 4 steps since step 0; loss scale 32768): nothing was written.
-    The loss was NaN before scaling: the forward pass overflowed, not the loss scale.
-    Fix: run tfmp.check_numerics(model) to find the first layer that goes non-finite.
+    tfmp skipped step 3 (1 of 4 steps since step 0; scale 32768): nothing written.
+    The loss itself is non-finite (nan; float16 holds at most 65504): a lower loss scale cannot help.
+    Fix: tfmp.check_numerics(model) finds the first layer that goes non-finite, or lower the learning rate.
     Guide: .../site-packages/tfmp/docs/troubleshooting.md#nan-or-inf-loss
 """
 

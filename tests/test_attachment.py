@@ -480,9 +480,9 @@ def test_an_optional_feature_whose_keras_surface_moved_is_off_with_one_warning_a
             assert len(said) == 3  # gelu, conv, bias_gradient: once each
             assert {w.filename for w in caught if "turned one feature off" in str(w.message)} == {__file__}
             for feature, text in zip(("bfloat16 bias gradients", "exact GELU", "float16 convolutions"), said):
-                assert text.startswith(f"tfmp turned one feature off in this process, {feature}")
+                assert text.startswith(f"tfmp turned one feature off in this process: {feature}")
                 assert f"Keras {keras.__version__}" in text
-                assert "has no attribute 'nn'" in text and "work as under plain Keras" in text
+                assert "has no attribute 'nn'" in text and "works as under plain Keras" in text
             found = tfmp.attachment(model)
             assert found.gelu.startswith("keras: off, Keras ") and found.bias_gradient.startswith("keras: off, ")
             assert found.conv == "keras"  # a bfloat16 model: the convolution rule does not apply

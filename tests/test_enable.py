@@ -10,6 +10,7 @@ from _collect import collect_everything
 
 import tfmp
 from tfmp import DeviceFacts, GpuFacts
+from tfmp._src.errors import guide
 
 V100 = DeviceFacts(gpus=(GpuFacts("Tesla V100", (7, 0)),))
 A100 = DeviceFacts(gpus=(GpuFacts("NVIDIA A100", (8, 0)),))
@@ -70,12 +71,10 @@ def test_enable_with_another_policy_warns_naming_both_and_the_explicit_way():
         tfmp.enable("mixed_float16", device_facts=V100)
     assert [(w.category, str(w.message), w.filename) for w in record] == [(
         UserWarning,
-        "tfmp.enable() replaces the policy 'mixed_bfloat16' of the earlier tfmp.enable() in "
-        "this thread by 'mixed_float16': models built and compiled from now on get "
-        "'mixed_float16', models compiled before keep 'mixed_bfloat16', and tfmp.disable() "
-        "still restores 'float32', the policy in force before the first enable(). To switch "
-        "on purpose, call tfmp.disable() first, then tfmp.enable('mixed_float16'); for a "
-        "block, use `with tfmp.policy_scope('mixed_float16'):`.",
+        "tfmp.enable('mixed_float16') replaces the policy 'mixed_bfloat16' of the earlier tfmp.enable() "
+        "in this thread.\nModels compiled before keep 'mixed_bfloat16'; tfmp.disable() still restores "
+        "'float32'.\nFix: call tfmp.disable() first, or for a block use `with "
+        "tfmp.policy_scope('mixed_float16'):`.\nGuide: " + guide("policy-and-build-order"),
         __file__,
     )]
     tfmp.disable()
@@ -295,7 +294,7 @@ def test_compiling_a_model_built_before_enable_warns():
     keras.config.set_dtype_policy("float32")
     model = mlp()
     tfmp.enable("mixed_bfloat16", device_facts=A100)
-    with pytest.warns(tfmp.PerformanceWarning, match="built under the policy 'float32'.*after tfmp.enable"):
+    with pytest.warns(tfmp.PerformanceWarning, match="(?s)built under 'float32'.*after tfmp.enable"):
         model.compile(optimizer="sgd", loss="mse")
 
 
@@ -347,12 +346,13 @@ def test_a_model_under_another_policy_is_said_at_compile_with_its_cause(when):
     finally:
         tfmp.disable()
         keras.config.set_dtype_policy("float32")
-    [message] = [str(w.message) for w in record if "was built under the policy" in str(w.message)]
+    [message] = [str(w.message) for w in record if "was built under" in str(w.message)]
     assert "Model 'sequential" in message and "'float32', not tfmp's 'mixed_bfloat16'" in message
+    message = message.rsplit("\nGuide: ", 1)[0]
     if when == "built_before_enable":
         assert message.endswith("build the model after tfmp.enable().")
     else:
-        assert "The global policy is 'float32' now: it was changed after tfmp.enable()" in message
+        assert "The global policy was changed to 'float32' after tfmp.enable()" in message
         assert message.endswith("or call tfmp.enable('float32') instead.")
 
 
@@ -366,7 +366,7 @@ def test_compile_hook_turns_xla_off_for_a_16_bit_bilinear_upsampling_on_one_repl
     model = keras.Sequential([keras.Input((4, 4, 2)), keras.layers.Conv2D(2, 1, activation="tanh"),
                               keras.layers.UpSampling2D(interpolation="bilinear", name="up"),
                               keras.layers.Flatten(), keras.layers.Dense(1)])
-    with pytest.warns(tfmp.PerformanceWarning, match=r"XLA \(jit_compile=True\) on the CPU cannot train bfloat16"):
+    with pytest.warns(tfmp.PerformanceWarning, match=r"with jit_compile=False: XLA cannot train its bfloat16 bilinear resizes"):
         model.compile("sgd", "mse", jit_compile=True)
     assert model.jit_compile is False
 

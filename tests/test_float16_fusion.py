@@ -211,26 +211,21 @@ def test_the_decision_follows_the_injected_machine_not_a_timing(monkeypatch):
     assert float16_fusion.remapper_trap("float16", ZEN4) is None
 
 
-def test_the_float16_cpu_warning_names_the_trap_the_path_taken_and_the_loop_scope():
+def test_the_float16_cpu_warning_names_the_path_taken_where_the_trap_is_and_no_timing():
     with injected_facts(SAPPHIRE_RAPIDS):
         with pytest.warns(tfmp.PerformanceWarning) as caught:
             resolve_policy("mixed_float16")
     message = str(caught[0].message)
-    assert "Grappler's remapper fuses each float16 MatMul with its bias add" in message
-    assert "17,027 ms fused, 37.5 ms unfused, 36.8 ms in float32" in message
-    assert "24.8-29.8 ms against float32's 28.3-29.9 ms" in message  # the path tfmp takes
-    assert "with tfmp.step_scope(model):" in message
-    assert "240x float32's under plain Keras" in message
-    assert "convolutions in float32 inside on every CPU (tfmp.attachment(model).conv)" in message
-    assert "its depthwise convolutions too (tfmp.attachment(model).depthwise_conv)" in message
-    assert "0.0012x" not in message
+    assert "tfmp fits it without the fused float16 MatMul" in message.splitlines()[0]
+    assert message.endswith("troubleshooting.md#no-speed-up")  # the guide says the rest (step_scope, convolutions)
+    assert " ms" not in message and "0.0012x" not in message
     for facts in (ZEN4, XEON_NO_BF16):  # no trap on those CPUs
         with pytest.warns(tfmp.PerformanceWarning) as caught:
             resolve_policy("mixed_float16", device_facts=facts)
-        assert "step_scope" not in str(caught[0].message)
+        assert "fused" not in str(caught[0].message)
     with pytest.warns(tfmp.PerformanceWarning) as caught:
         resolve_policy("mixed_bfloat16", device_facts=T4)
-    assert "step_scope" not in str(caught[0].message)
+    assert "fused" not in str(caught[0].message)
 
 
 @pytest.mark.parametrize("slow", [True, False], ids=["sapphire_rapids", "zen4"])

@@ -185,10 +185,10 @@ def test_onednn_rule_follows_tensorflow(facts, env, system, onednn):
     if onednn:
         assert warning is None
     else:
-        assert "oneDNN kernels are off" in decision.reason and "TF_ENABLE_ONEDNN_OPTS=1" in decision.reason
+        assert "oneDNN is off" in decision.reason and "TF_ENABLE_ONEDNN_OPTS=1" in decision.reason
         # Why it is off: the variable's value when set, else the system's default.
-        why = f"TF_ENABLE_ONEDNN_OPTS={env}" if env else f"TensorFlow's default on {system} for this CPU"
-        assert f"oneDNN kernels are off ({why}; " in decision.reason
+        why = f"TF_ENABLE_ONEDNN_OPTS={env}" if env else f"the default on {system} here"
+        assert f"oneDNN is off ({why}): " in decision.reason
         assert warning == decision.reason  # the warning of an explicit policy says the same
 
 

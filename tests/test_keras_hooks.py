@@ -304,7 +304,7 @@ def test_a_patch_another_library_puts_on_top_is_never_overwritten():
 
     Thing.greet = other
     assert Thing().greet("x") == "other(tfmp(hello x))"
-    with pytest.warns(RuntimeWarning, match=r"another patch \(.*other\) sits on top"):
+    with pytest.warns(RuntimeWarning, match=r"under another patch \(.*other\)"):
         ours.remove()
     assert vars(Thing)["greet"] is other  # kept, and tfmp's hook is gone from under it
     assert Thing().greet("x") == "other(hello x)"
@@ -316,7 +316,7 @@ def test_a_patch_another_library_puts_on_top_is_never_overwritten():
         with pytest.raises(RuntimeWarning, match="Another patch"):
             _GREETING.subscribe(Thing, "greet", _tag("more"), owner="grad_stats")
         assert [h.owner for h in patches.installed(Thing, "greet")] == ["numerics"]
-        with pytest.raises(RuntimeWarning, match="sits on top"):
+        with pytest.raises(RuntimeWarning, match="under another patch"):
             again.remove()
         assert again.active and Thing().greet("x") == "other(tfmp(hello x))"
     Thing.greet = below  # the other library takes its patch off

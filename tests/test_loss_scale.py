@@ -519,12 +519,13 @@ def test_a_non_finite_loss_is_explained_by_the_compute_dtypes_range(loss_scaling
     from tfmp._src.loss_scale import loops as skips
 
     nan = next(bits for bits, kind in NON_FINITE_KINDS.items() if kind == "nan")
-    phase, kind, sentence = skips.cause(nan, loss_scaling)  # the loss's bits, a finite batch
+    phase, kind, sentence, fix = skips.cause(nan, loss_scaling)  # the loss's bits, a finite batch
     assert (phase, kind) == ("loss", "nan")
     if loss_scaling:  # float16
         assert "float16 holds at most 65504" in sentence
     else:  # bfloat16 or float32: their range is float32's
         assert "65504" not in sentence and "3.4e38" in sentence
+    assert fix.startswith("Fix: tfmp.check_numerics(model)")
 
 
 def test_an_inner_optimizers_argument_given_to_the_wrapper_is_sent_to_the_inner_optimizer():

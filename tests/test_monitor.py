@@ -965,7 +965,7 @@ def test_full_disk_warns_once_and_training_goes_on_and_the_note_follows(tmp_path
     text = str(warning.message)
     assert f"to '{monitor.train_log_dir}'" in text
     assert "(ResourceExhaustedError: No space left on device)" in text
-    assert "Events from step 5 on are lost" in text and "Free space on the disk" in text
+    assert "Events from step 5 on are lost" in text and "free space on the disk" in text
     assert warning.filename == __file__  # names the user's fit line
     assert disk.attempts == 7  # steps 6..11 and the end of epoch 0 retried, each refused
     run = read_run(tmp_path)
@@ -1055,9 +1055,8 @@ def test_another_process_writing_the_same_log_dir_is_said_once_with_the_fix(tmp_
         model = tiny_model()
         model.compile("adam", "mse")
         monitor = tfmp.LossScaleMonitor(tmp_path, update_freq="batch")
-        with pytest.warns(tfmp.LoggingWarning, match=r"writes into '.*train', where another process \(pid 4242 on "
-                          r"other-host\) wrote 'events\.out\.tfevents\.1796400000\.other-host\.4242\.0\.v2' \d+ s "
-                          r"ago: TensorBoard shows every event file of a folder as one run.* Give each run its own "
+        with pytest.warns(tfmp.LoggingWarning, match=r"(?s)writes into '.*train', where process 4242 on other-host wrote \d+ s ago\.\n"
+                          r"TensorBoard shows all event files of a folder as one run.*\nFix: give each run its own "
                           r"log_dir") as caught:
             model.fit(x, y, epochs=2, batch_size=8, verbose=0, callbacks=[monitor])
             model.fit(x, y, epochs=1, batch_size=8, verbose=0, callbacks=[monitor])

@@ -70,7 +70,7 @@ def test_a_feature_that_cannot_install_is_off_alone_and_training_saving_loading_
             model, losses, loaded = _train_save_load(tmp_path)
         said = [str(w.message) for w in caught if "turned one feature off" in str(w.message)]
         assert len(said) == 1, said
-        assert said[0].startswith(f"tfmp turned one feature off in this process, {availability.FEATURES[feature]}: ")
+        assert said[0].startswith(f"tfmp turned one feature off in this process: {availability.FEATURES[feature]}.\n")
         assert f"Keras {keras.__version__}" in said[0] and "AttributeError" in said[0]
         assert availability.off(feature) and all(availability.off(other) is None
                                                  for other in availability.FEATURES if other != feature)

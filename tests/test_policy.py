@@ -7,6 +7,7 @@ import pytest
 
 import tfmp
 from tfmp import DeviceFacts, GpuFacts
+from tfmp._src.errors import guide
 from tfmp._src.policy import policy as _policy
 from tfmp._src.policy.hardware import injected_facts
 from tfmp._src.policy.policy import resolve_policy
@@ -197,10 +198,10 @@ def test_float16_warning_quotes_the_factor_and_the_kernels():
                                   speed_probe=SLOW_BF16)
     [message] = [str(w.message) for w in caught]
     assert message == (
-        "Policy 'mixed_float16' is slower than float32 here: a float16 training step measured "
+        "Policy 'mixed_float16' is slower than float32 here.\nA float16 training step measured "
         "0.02x float32's speed on this CPU (CPU 'AMD EPYC' (avx512_bf16)): TensorFlow has no "
-        "fast float16 CPU kernels for training. Use tfmp.enable('auto') (which picks "
-        "'mixed_bfloat16') or 'float32'.")
+        "fast float16 CPU kernels for training.\nFix: tfmp.enable('auto') (which picks "
+        "'mixed_bfloat16') or tfmp.enable('float32').\nGuide: " + guide("no-speed-up"))
     assert "no float16 arithmetic" not in decision.reason
 
 
@@ -219,12 +220,6 @@ def test_float16_warning_at_break_even_still_names_the_kernels():
                     "training step measured 1.0x float32's speed on this CPU (CPU 'Intel "
                     "Core i7-8700' (no bfloat16 flags))), and float16 needs loss scaling at "
                     "every step")
-
-
-def test_float16_slow_path_clause_is_appended():
-    slow = _policy.slower_than_float32("mixed_float16", CPU_PLAIN, SLOW_BF16,
-                                       float16_slow_path="the slow path")
-    assert slow.endswith("TensorFlow has no fast float16 CPU kernels for training; the slow path")
 
 
 def test_a_probe_that_is_not_a_speed_probe_is_refused():

@@ -15,6 +15,7 @@ import tensorflow as tf
 from keras import layers, ops
 
 import tfmp
+from tfmp._src.errors import guide
 
 
 @contextlib.contextmanager
@@ -59,15 +60,12 @@ _MUL_TEXT = "Input 'y' of 'Mul' Op has type float32 that does not match type bfl
 
 
 def _tfmp_text(path, cls):
+    """tfmp's lines after the build error: the only fixes that act before compile (not keep_float32)."""
     return (
-        f"tfmp: Layer '{path}' ({cls}) mixes bfloat16 and float32 tensors. Under the mixed "
-        "policy its inputs arrive in bfloat16 (its compute dtype), while a tensor it creates "
-        "itself (tf.random.*, keras.random.*, tf.constant, tf.ones, a raw TF op, a weight read "
-        "without autocast) is float32 by default. Fix: create such tensors with "
-        "dtype=self.compute_dtype (in a Lambda or plain function: tf.cast(t, x.dtype)); or "
-        f"compute the layer in float32: create the layer with dtype=\"float32\" ({cls}(..., "
-        f"dtype=\"float32\")); tfmp.enable(..., keep_float32=['{path}']) and "
-        f"tfmp.register_float32({cls}) force a layer when the model is compiled, after this build."
+        f"tfmp: Layer '{path}' ({cls}) mixes bfloat16 and float32 tensors; its inputs are bfloat16.\n"
+        "Its own code makes the float32 one: a cast to float32, tf.constant, tf.ones, tf.random.*, a raw TF op.\n"
+        f"Fix: make it with tf.cast(t, x.dtype) or dtype=self.compute_dtype; or create {cls} with "
+        f"dtype=\"float32\".\nGuide: " + guide("a-layer-mixes-16-bit-and-float32-tensors")
     )
 
 
@@ -217,14 +215,10 @@ def test_bilinear_upsampling_under_xla_falls_back_with_one_warning_openxla_43052
             model.compile("sgd", "mse", jit_compile=True)
     [warning] = [w for w in caught if "XLA" in str(w.message)]
     assert str(warning.message) == (
-        "XLA (jit_compile=True) on the CPU cannot train bfloat16 "
-        f"UpSampling2D(interpolation='bilinear') layers ['up'] of model {model.name!r}: the "
-        "resize's gradient comes out in float32 and meets the bfloat16 gradient of the op before "
-        "it, and XLA stops the first step with 'Seen floating point types of different "
-        "precisions ... but mixed precision is disallowed' (openxla/xla#43052). tfmp compiled "
-        "the model with jit_compile=False instead; the step runs as a tf.function graph. To keep "
-        "XLA, compute these layers in float32: tfmp.enable(..., keep_float32=['up']); to compile "
-        "without XLA and without this warning, pass jit_compile=False.")
+        f"tfmp compiled model {model.name!r} with jit_compile=False: XLA cannot train its bfloat16 "
+        "bilinear resizes.\nUpSampling2D(interpolation='bilinear') layers ['up']: XLA on the CPU refuses "
+        "their gradient.\nFix: tfmp.enable(..., keep_float32=['up']) keeps XLA; jit_compile=False "
+        "silences this.\nGuide: " + guide("xla-turned-off"))
     assert model.jit_compile is False
     model.set_weights(weights)
     model.fit(x, y, batch_size=8, epochs=2, verbose=0)

@@ -219,7 +219,7 @@ def test_plain_keras_rounds_float_ids_past_the_vocabulary():
 
 # 3. Dtype errors that say what to do ------------------------------------------------
 
-REMEDY = ("dtype=self.compute_dtype", "keep_float32=['block/noise']", "tfmp.register_float32(Noise)")
+REMEDY = ("dtype=self.compute_dtype", "keep_float32=['block/noise']", "tf.cast(t, x.dtype)")
 
 
 class Noise(keras.layers.Layer):

@@ -12,31 +12,20 @@ import keras
 import pytest
 
 import tfmp
+from tfmp._src.errors import guide
 from tfmp._src.loss_scale import optimizer as _loss_scale
 
 # float16 has no arithmetic on this CPU: enable() would say so; these tests only compile.
 pytestmark = pytest.mark.filterwarnings("ignore::tfmp.PerformanceWarning")
 
-TO_KEEP_KERAS = (
-    " To keep Keras's own optimizer, compile the model after tfmp.disable() (plain Keras: "
-    "no float32 forcing either); to silence this, pass tfmp.LossScaleOptimizer(SGD(...), ...) "
-    "or the SGD alone."
-)
-KEPT = (
-    "compile() received keras.optimizers.LossScaleOptimizer(SGD, initial_scale=1024.0, "
-    "dynamic_growth_steps=100); tfmp replaced it with tfmp.LossScaleOptimizer around the "
-    "same SGD, keeping its settings, and adding overflow counters, scale bounds, stuck "
-    "detection and one skip verdict across tf.distribute replicas." + TO_KEEP_KERAS
-)
-FIXED_AT_1 = (
-    "compile() received keras.optimizers.LossScaleOptimizer(SGD, initial_scale=1024.0, "
-    "dynamic_growth_steps=100); tfmp replaced it with tfmp.LossScaleOptimizer around the "
-    "same SGD with the scale fixed at 1.0 (loss_scaling=False): the model computes in "
-    "bfloat16, which has float32's exponent range and needs no loss scaling, so "
-    "initial_scale=1024.0, dynamic_growth_steps=100 are not used; non-finite steps are "
-    "still skipped and counted. To scale anyway, call tfmp.enable(..., "
-    "loss_scale_options={'loss_scaling': True})." + TO_KEEP_KERAS
-)
+RECEIVED = ("tfmp replaced the Keras LossScaleOptimizer(SGD, initial_scale=1024.0, dynamic_growth_steps=100) "
+            "given to compile().\n")
+TO_KEEP_KERAS = ("\nFix: pass the SGD alone to silence this; compile after tfmp.disable() to keep Keras's optimizer.\n"
+                 + "Guide: " + guide("loss-scaling-in-a-custom-train_step"))
+KEPT = (RECEIVED + "tfmp.LossScaleOptimizer keeps these settings and adds overflow counters and stuck detection."
+        + TO_KEEP_KERAS)
+FIXED_AT_1 = (RECEIVED + "A bfloat16 model needs no loss scaling (float32's range): the scale is fixed at 1.0 and "
+              "these settings are unused." + TO_KEEP_KERAS)
 
 
 @pytest.fixture(autouse=True)
@@ -89,9 +78,7 @@ def test_loss_scale_options_win_over_the_keras_optimizer_and_the_warning_names_t
     _, keras_lso = _keras_lso()
     model = _model()
     [(_, message, _)] = _compile_recording(model, keras_lso)
-    assert message == KEPT.replace(
-        "keeping its settings,",
-        "keeping its settings except initial_scale=256.0 (from tfmp.enable(loss_scale_options=...)),")
+    assert message == KEPT.replace("keeps these settings", "keeps these but initial_scale=256.0 (from tfmp.enable)")
     assert (model.optimizer.initial_scale, model.optimizer.dynamic_growth_steps) == (256.0, 100)
 
 
@@ -148,12 +135,11 @@ def test_scaling_options_under_bfloat16_warn_at_enable_naming_them():
     assert [(w.category, str(w.message), w.filename) for w in record
             if w.category is not tfmp.PerformanceWarning] == [(
         tfmp.LossScaleWarning,
-        "tfmp.enable(loss_scale_options=...) sets initial_scale=1024.0, dynamic_growth_steps=50, "
-        "but under the policy 'mixed_bfloat16' the model computes in bfloat16, which has "
-        "float32's exponent range and needs no loss scaling: tfmp.LossScaleOptimizer fixes the "
-        "scale at 1.0 (loss_scaling=False) and these settings are not used; non-finite steps "
-        "are still skipped and counted. Add 'loss_scaling': True to loss_scale_options to "
-        "scale anyway, or 'loss_scaling': False to keep the fixed scale without this warning.",
+        "tfmp.enable(loss_scale_options=...) sets initial_scale=1024.0, dynamic_growth_steps=50, which "
+        "policy 'mixed_bfloat16' does not use.\nA bfloat16 model needs no loss scaling (float32's range): "
+        "tfmp fixes the scale at 1.0 and still skips non-finite steps.\nFix: add 'loss_scaling': True to "
+        "scale anyway, or 'loss_scaling': False to keep 1.0 silently.\n"
+        "Guide: " + guide("loss-scaling-in-a-custom-train_step"),
         __file__,
     )]
     model = _model()

@@ -9,13 +9,12 @@ replicas fails in Keras (keras-team/keras issue 21366): tfmp compiles such model
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Sequence
 from typing import Any, Optional
 
 import tensorflow as tf
 
-from tfmp._src.errors import invalid_argument, user_stacklevel
+from tfmp._src.errors import invalid_argument, warn
 from tfmp._src.keras_hooks import multi_worker
 from tfmp._src.keras_hooks.runtime_options import in_xla_context
 from tfmp._src.policy.policy import PerformanceWarning
@@ -128,14 +127,10 @@ def turn_off_xla_if_replicated(model: Any) -> bool:
     replicas = replicas_in_sync(model.distribute_strategy)
     if replicas == 1 or not model.jit_compile:
         return False
-    warnings.warn(
-        _xla_refusal(replicas)
-        + f" tfmp compiled model {model.name!r} with jit_compile=False instead; "
-        "the step runs as a tf.function graph. To keep XLA, train on a single "
-        "replica.",
-        PerformanceWarning,
-        stacklevel=user_stacklevel(),  # the caller of Model.compile
-    )
+    warn(f"tfmp compiled model {model.name!r} with jit_compile=False: XLA cannot compile a step on {replicas} replicas.",
+         "Keras XLA-compiles the whole strategy.run step, which fails in merge_call (keras-team/keras#21366).",
+         "Fix: train on a single replica to keep XLA; jit_compile=False silences this.",
+         PerformanceWarning, section="xla-turned-off")
     model.jit_compile = False
     return True
 

@@ -1,8 +1,16 @@
-"""tfmp's error types and the one message template every check uses (STYLE.md, rule 4)::
+"""tfmp's error types, the one message template every check uses (STYLE.md, rule 4)::
 
     Invalid `policy` argument. Expected one of 'auto', 'mixed_float16',
     'mixed_bfloat16', 'float32'. Received: policy='fp16' (of type str).
     Did you mean 'mixed_float16'?
+
+and the one form of every warning (`warn`) and of a longer error's opening (`opening`): what
+happened, the cause in this model, the fix, one short line each, then the guide's section::
+
+    tfmp skipped step 3 (1 of 4 steps since step 0; scale 32768): nothing written.
+    The loss itself is non-finite (nan; float16 holds at most 65504): a lower loss scale cannot help.
+    Fix: tfmp.check_numerics(model) finds the first layer that goes non-finite, or lower the learning rate.
+    Guide: .../site-packages/tfmp/docs/troubleshooting.md#nan-or-inf-loss
 """
 
 from __future__ import annotations
@@ -12,7 +20,10 @@ import difflib
 import math
 import os
 import sys
+import warnings
 from typing import Any, Iterable, Optional
+
+from tfmp._src.constants import TROUBLESHOOTING_GUIDE
 
 
 class NonFiniteError(FloatingPointError):
@@ -60,6 +71,43 @@ class NonFiniteError(FloatingPointError):
         self.step = step
         self.kind = kind
         self.details = dict(details or {})
+
+
+#: Int. Most lines of a message's opening before its guide line (what, cause, fix).
+OPENING_LINES = 3
+#: Int. Most characters of one opening line, with short layer and model names (tests/test_messages.py).
+LINE_LENGTH = 120
+#: String. How the line naming the guide starts.
+GUIDE_PREFIX = "Guide: "
+
+
+def guide(section: str) -> str:
+    """The troubleshooting guide shipped with tfmp at `section` (a heading's anchor, e.g. ``"no-speed-up"``)."""
+    return f"{TROUBLESHOOTING_GUIDE}#{section}"
+
+
+def opening(what: str, cause: str, fix: str, section: str, details: str = "") -> str:
+    """A message in tfmp's one form: `what` happened, its `cause` in this model, the `fix` (one line each;
+    `cause` may be "" when `what` says it), then ``Guide: <troubleshooting.md>#<section>``; `details` (e.g.
+    a trace) follow below it."""
+    lines = [line for line in (what, cause, fix) if line] + [GUIDE_PREFIX + guide(section)]
+    return "\n".join(lines + ([details] if details else []))
+
+
+def warn(what: str, cause: str, fix: str, category: type, *, section: str, stacklevel: Optional[int] = None) -> None:
+    """Warns `category` with the text `opening` builds; the one door of every tfmp warning.
+
+    `stacklevel` None names the user's line (`user_stacklevel`), else counts from the caller of `warn`.
+    """
+    level = user_stacklevel() if stacklevel is None else stacklevel + 1
+    warnings.warn(opening(what, cause, fix, section), category, stacklevel=level)
+
+
+def warn_error(error: BaseException, category: type, stacklevel: Optional[int] = None) -> None:
+    """Warns `category` with the text of `error`, an error whose message `opening` built (e.g. a
+    `NonFiniteError` a run reports instead of raising)."""
+    level = user_stacklevel() if stacklevel is None else stacklevel + 1
+    warnings.warn(str(error), category, stacklevel=level)
 
 
 def invalid_argument(name: str, received: Any, expected: str, fix: str = "", choices: Iterable[str] = ()) -> ValueError:

@@ -15,6 +15,7 @@ import keras
 import tensorflow as tf
 
 from tfmp._src.constants import LOW_PRECISION
+from tfmp._src.errors import opening
 from tfmp._src.keras_hooks import error_texts, layer_calls
 from tfmp._src.layer_tree import walk
 
@@ -51,27 +52,22 @@ def _failing_layer(model: Any, error: BaseException, message: str) -> Tuple[str,
 def explanation(path: str, layer: Any, low: str, wide: str, *, at_build: bool = False) -> str:
     """The text tfmp appends: the layer (``path`` "" when unknown), both dtypes and the remedies.
 
-    With ``at_build`` (before ``compile``) the float32 remedy is the layer's own ``dtype="float32"``.
+    Three lines and the guide's (`errors.opening`). With ``at_build`` (a model that has not built, so
+    not compiled) only remedies that act before ``compile`` are offered: the layer's own ``dtype="float32"``,
+    not ``keep_float32`` or ``register_float32``, which act at ``compile``.
     """
     cls = type(layer).__name__ if layer is not None else "its layer class"
     where = f"Layer '{path}' ({cls})" if path else "A layer of this model"
     target = repr(path) if path else "'<layer path>'"
-    register = f"tfmp.register_float32({cls if layer is not None else target})"
     if at_build:
-        in_float32 = (
-            f"create the layer with dtype=\"float32\" ({cls}(..., dtype=\"float32\")); "
-            f"tfmp.enable(..., keep_float32=[{target}]) and {register} force a layer "
-            "when the model is compiled, after this build")
+        in_float32 = f"create {cls if layer is not None else 'the layer'} with dtype=\"float32\""
     else:
-        in_float32 = f"tfmp.enable(..., keep_float32=[{target}]) or {register} before compile"
-    return (
-        f"tfmp: {where} mixes {low} and {wide} tensors. Under the mixed policy its "
-        f"inputs arrive in {low} (its compute dtype), while a tensor it creates "
-        f"itself (tf.random.*, keras.random.*, tf.constant, tf.ones, a raw TF op, a weight "
-        f"read without autocast) is {wide} by default. Fix: create such tensors with dtype=self.compute_dtype (in a "
-        f"Lambda or plain function: tf.cast(t, x.dtype)); or compute the layer in "
-        f"float32: {in_float32}."
-    )
+        in_float32 = f"tfmp.enable(keep_float32=[{target}])"
+    return "tfmp: " + opening(
+        f"{where} mixes {low} and {wide} tensors; its inputs are {low}.",
+        f"Its own code makes the {wide} one: a cast to {wide}, tf.constant, tf.ones, tf.random.*, a raw TF op.",
+        f"Fix: make it with tf.cast(t, x.dtype) or dtype=self.compute_dtype; or {in_float32}.",
+        "a-layer-mixes-16-bit-and-float32-tensors")
 
 
 def _rebuilt(error: BaseException, text: str) -> Optional[BaseException]:

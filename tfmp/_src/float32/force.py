@@ -8,14 +8,13 @@ A forced layer hands back its parent's dtype (`cast_back`); output layers return
 from __future__ import annotations
 
 import functools
-import warnings
 import weakref
 from typing import Dict, List, Optional, Set, Tuple
 
 import keras
 
 from tfmp._src.constants import LOW_PRECISION
-from tfmp._src.errors import check_model
+from tfmp._src.errors import check_model, warn
 from tfmp._src.float32 import cast_back as _cast_back
 from tfmp._src.float32 import exact_layers as _exact
 from tfmp._src.float32 import pooling3d as _pooling3d
@@ -234,12 +233,11 @@ def _refresh_graph(graph, changed_ops: Set[int]) -> bool:
             try:
                 spec = op.compute_output_spec(*args, **kwargs)
             except Exception as error:  # Keras may raise anything from tracing `call`.
-                warnings.warn(
-                    f"tfmp could not recompute the symbolic output dtype of layer "
-                    f"'{op.name}' ({type(op).__name__}): {error}. Its runtime "
-                    "outputs follow its new policy regardless.",
-                    stacklevel=3,
-                )
+                first = (str(error).splitlines() or [""])[0]
+                warn(f"tfmp could not recompute the symbolic output dtype of layer '{op.name}' ({type(op).__name__}).",
+                     f"Its compute_output_spec raised {type(error).__name__}: {first}",
+                     "Fix: none needed; its runtime outputs follow its new policy regardless.",
+                     UserWarning, section="symbolic-dtypes-not-recomputed")
                 continue
             for tensor, new in zip(node.outputs, keras.tree.flatten(spec)):
                 new_dtype = keras.backend.standardize_dtype(new.dtype)

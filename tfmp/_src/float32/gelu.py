@@ -27,8 +27,7 @@ FLOAT32_INSIDE = inside.FLOAT32_INSIDE
 KERAS = inside.KERAS
 #: Why a bfloat16 model on a CPU takes `FLOAT32_INSIDE` (``Attachment.gelu`` after the colon).
 RULE = ("TensorFlow's bfloat16 elementwise CPU kernels convert to float32 and back inside "
-        "every op of Keras's GELU (measured on an AMD EPYC Zen 4: a Dense + GELU step "
-        "2.0-2.6x faster with float32 inside)")
+        "every op of Keras's GELU (benchmarks/README.md, \"Exact GELU\")")
 #: `GeluProbe.source` when asked while a function is traced.
 TRACING = "failed: called while tracing"
 #: `benchmarks/gelu.py` reports float32 inside as faster from this ratio of Keras's time to its own.

@@ -10,7 +10,6 @@ overflows Adam's second moment (`EFFECT`; IEEE 754 binary16 and bfloat16, as in
 from __future__ import annotations
 
 import contextlib
-import warnings
 import weakref
 from typing import Any, List, Tuple
 
@@ -18,18 +17,14 @@ import keras
 import tensorflow as tf
 
 from tfmp._src.constants import LOW_PRECISION
-from tfmp._src.errors import user_stacklevel
+from tfmp._src.errors import warn
 from tfmp._src.keras_hooks.optimizer_steps import update_each
 from tfmp._src.layer_tree import own_weights, walk
 
 #: What a 16-bit trainable variable does to training, per dtype.
 EFFECT = {
-    "bfloat16": ("bfloat16 keeps 8 significant bits: an update below half its spacing (2**-7 = 0.0078 "
-                 "around 1.0) rounds away, and Adam's beta_2 = 0.999 is 1.0 in bfloat16, so it stops "
-                 "learning"),
-    "float16": ("float16 keeps 11 significant bits and holds at most 65504: updates below 2**-11 of "
-                "the weight round away and Adam's second moment overflows for gradients above 256, "
-                "so it stalls or runs away"),
+    "bfloat16": "updates below 2**-8 of a bfloat16 weight round away",
+    "float16": "updates below 2**-11 of a float16 weight round away",
 }
 #: The name scope of the ops `MasterCopies` adds to a step (none in a step without copies).
 SCOPE = "master_copies"
@@ -50,8 +45,10 @@ def warn_16bit_trainable(model: Any, master_copies: bool) -> None:
     """
     if master_copies or model.dtype_policy.variable_dtype in LOW_PRECISION or not model.built:
         return
-    _warn(f"Model {model.name!r} ({model.dtype_policy.name}), whose optimizer "
-          f"{type(getattr(model, 'optimizer', None)).__name__} is not a tfmp.LossScaleOptimizer,",
+    optimizer = getattr(model, "optimizer", None)
+    _warn(f"Model {model.name!r} ({model.dtype_policy.name})",
+          f"Its {'optimizer' if optimizer is None else type(optimizer).__name__} (not a tfmp.LossScaleOptimizer) "
+          "keeps no float32 copies: ",
           [(f"{path}/{weight.name}", weight) for path, weight in trainable_16bit(model)])
 
 
@@ -128,7 +125,7 @@ def _assign_rounded(variable: tf.Variable, copy: tf.Variable) -> Any:
     return variable.assign(tf.cast(copy, variable.dtype))
 
 
-def _warn(owner: str, found: List[Tuple[str, Any]]) -> None:
+def _warn(owner: str, why: str, found: List[Tuple[str, Any]]) -> None:
     """Warns (UserWarning) once per variable: up to 5 named with their dtype, what they do (`EFFECT`), the fix."""
     found = [(name, weight) for name, weight in found if _named.get(id(weight)) is not weight]
     if not found:
@@ -137,13 +134,8 @@ def _warn(owner: str, found: List[Tuple[str, Any]]) -> None:
         _named[id(weight)] = weight
     named = ", ".join(f"'{name}' ({weight.dtype})" for name, weight in found[:5])
     more = f" and {len(found) - 5} more" if len(found) > 5 else ""
-    effects = " ".join(f"{EFFECT[dtype]}." for dtype in sorted({weight.dtype for _, weight in found}))
-    warnings.warn(
-        f"{owner} trains {len(found)} variable(s) stored in 16 bits, without float32 master copies: "
-        f"{named}{more}. {effects} Compile the model under tfmp.enable() (its tfmp.LossScaleOptimizer "
-        "keeps float32 master copies), or create them in float32: leave `dtype` out of add_weight (a "
-        "layer under a 'mixed_*' policy then keeps them in float32) or pass dtype='float32'; Keras casts "
-        "them to the compute dtype in call. A layer given a pure 16-bit policy needs a 'mixed_*' one.",
-        UserWarning,
-        stacklevel=user_stacklevel(),
-    )
+    effects = "; ".join(EFFECT[dtype] for dtype in sorted({weight.dtype for _, weight in found}))
+    warn(f"{owner} trains {len(found)} variable(s) stored in 16 bits: {named}{more}.",
+         f"{why}{effects}.",
+         "Fix: compile under tfmp.enable(), or in add_weight leave `dtype` out or pass dtype='float32'.",
+         UserWarning, section="variables-stored-in-16-bits")

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import warnings
 import weakref
 from typing import Any, Container, Iterable, List, Sequence, Set, Tuple
 
 import keras
 
-from tfmp._src.errors import did_you_mean, user_stacklevel
+from tfmp._src.errors import did_you_mean, warn
 from tfmp._src.float32 import registry as _registry
 from tfmp._src.keras_hooks.object_state import PerObject
 from tfmp._src.layer_tree import walk
@@ -110,40 +109,29 @@ def _judge(model: keras.Model, found: _Check) -> None:
         if (argument, target) in warned:
             continue
         warned.add((argument, target))
-        warnings.warn(message(model, argument, target, entries), UnmatchedTargetWarning,
-                      stacklevel=user_stacklevel())
+        warn(*message(model, argument, target, entries), UnmatchedTargetWarning, section="unmatched-targets")
 
 
 def message(model: keras.Model, argument: str, target: Any,
-            entries: Sequence[Tuple[str, Any, Any]]) -> str:
-    """The warning's text for ``target``, given as ``argument``, matching none of ``entries``."""
+            entries: Sequence[Tuple[str, Any, Any]]) -> Tuple[str, str, str]:
+    """The warning's (what, expected, fix) lines for ``target``, given as ``argument``, matching none of ``entries``."""
     paths = [path for path, _, _ in entries]
     count = f"{len(paths)} layer{'s' if len(paths) != 1 else ''}"
     if isinstance(target, str):
         shown = sorted(paths, key=lambda path: path.count("/"))[:SHOWN]
-        expected = (
-            "a glob pattern over the model's layer paths (fnmatch; `*` also crosses '/'), "
-            f"such as {', '.join(map(repr, shown))} ({count}; print(tfmp.audit(model)) lists every path)")
+        expected = f"a layer-path glob pattern, such as {', '.join(map(repr, shown))} ({count})"
         fix = (_class_note(target, entries) or _case_note(target, paths)
                or did_you_mean(target, _close_patterns(target, paths))
                or "Correct the pattern to match a layer path, or leave it out.")
     else:
         classes = list(dict.fromkeys(type(layer).__name__ for _, layer, _ in entries))
-        expected = (
-            "a Layer class of which some layer of the model is an instance (subclasses "
-            f"match); its layers are {', '.join(classes[:SHOWN])}"
-            f"{', ...' if len(classes) > SHOWN else ''} ({count}; print(tfmp.audit(model)) "
-            "lists every layer)")
+        expected = (f"a Layer class the model uses, such as {', '.join(classes[:SHOWN])}"
+                    f"{', ...' if len(classes) > SHOWN else ''} ({count})")
         fix = "Pass a class the model uses, or a layer-path pattern."
-    text = (
-        f"A target in `{argument}` matches no layer of model {model.name!r}, so it changes "
-        f"nothing. Expected {expected}. Received: {argument}={target!r}. {fix}")
     if argument.endswith("_float32"):
-        text += (
-            " Targets given to tfmp.enable or tfmp.policy_scope apply to every model compiled "
-            "while enabled; one meant for other models only can be registered with "
-            "tfmp.register_float32(...) instead, which is not checked per model.")
-    return text
+        fix += " Or tfmp.register_float32 it: not checked per model."
+    return (f"A target in `{argument}` matches no layer of model {model.name!r}. Received: {argument}={target!r}.",
+            f"Expected {expected}; tfmp.audit(model) lists them.", fix)
 
 
 def _class_note(pattern: str, entries: Sequence[Tuple[str, Any, Any]]) -> str:

@@ -7,14 +7,13 @@ sets ``model.jit_compile = False`` and warns once; not when a GPU or TPU is visi
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, List
 
 import keras
 import tensorflow as tf
 
 from tfmp._src.constants import LOW_PRECISION
-from tfmp._src.errors import user_stacklevel
+from tfmp._src.errors import warn
 from tfmp._src.layer_tree import walk
 from tfmp._src.policy.policy import PerformanceWarning
 
@@ -38,18 +37,9 @@ def turn_off_xla_for_bilinear(model: keras.Model) -> bool:
     if not paths:
         return False
     compute = model.dtype_policy.compute_dtype
-    warnings.warn(
-        f"XLA (jit_compile=True) on the CPU cannot train {compute} "
-        f"UpSampling2D(interpolation='bilinear') layers {paths} of model {model.name!r}: "
-        f"the resize's gradient comes out in float32 and meets the {compute} gradient of "
-        "the op before it, and XLA stops the first step with 'Seen floating point types "
-        "of different precisions ... but mixed precision is disallowed' "
-        f"(openxla/xla#43052). tfmp compiled the model with jit_compile=False instead; "
-        f"the step runs as a tf.function graph. To keep XLA, compute these layers in "
-        f"float32: tfmp.enable(..., keep_float32={paths}); to compile without XLA and "
-        "without this warning, pass jit_compile=False.",
-        PerformanceWarning,
-        stacklevel=user_stacklevel(),  # the caller of Model.compile
-    )
+    warn(f"tfmp compiled model {model.name!r} with jit_compile=False: XLA cannot train its {compute} bilinear resizes.",
+         f"UpSampling2D(interpolation='bilinear') layers {paths}: XLA on the CPU refuses their gradient.",
+         f"Fix: tfmp.enable(..., keep_float32={paths}) keeps XLA; jit_compile=False silences this.",
+         PerformanceWarning, section="xla-turned-off")
     model.jit_compile = False
     return True

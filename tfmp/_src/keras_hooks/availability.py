@@ -8,10 +8,9 @@ tfmp goes on as plain Keras for that part.
 from __future__ import annotations
 
 import threading
-import warnings
 from typing import Dict, Optional
 
-from tfmp._src.errors import user_stacklevel
+from tfmp._src.errors import warn
 
 #: What each optional feature does, for the warning.
 FEATURES = {
@@ -50,14 +49,10 @@ def switch_off(feature: str, error: BaseException) -> str:
         first = feature not in _off
         _off[feature] = reason
     if first:
-        warnings.warn(
-            f"tfmp turned one feature off in this process, {FEATURES[feature]}: {reason}. "
-            "Training, saving and loading work as under plain Keras for that part. To have it "
-            "back, install the Keras and TensorFlow versions tfmp lists as supported "
-            "(setup.cfg) or a tfmp release that knows this Keras.",
-            UserWarning,
-            stacklevel=user_stacklevel(),
-        )
+        warn(f"tfmp turned one feature off in this process: {FEATURES[feature]}.",
+             f"{reason}; that part works as under plain Keras.",
+             "Fix: install the Keras and TensorFlow versions setup.cfg lists, or a tfmp release for this Keras.",
+             UserWarning, section="a-feature-turned-off")
     return reason
 
 

@@ -14,10 +14,9 @@ import functools
 import inspect
 import threading
 import types
-import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from tfmp._src.errors import user_stacklevel
+from tfmp._src.errors import warn
 from tfmp._src.keras_hooks import versions  # noqa: F401 (an unsupported pair fails at import)
 from tfmp._src.keras_hooks.object_state import PerObject
 
@@ -80,11 +79,10 @@ class _Slot:
             call = hook.wrap(call)
         foreign = self.foreign_patch() if self.pass_through is not None else None
         if foreign is not None:
-            warnings.warn(
-                f"Another patch ({foreign}) sits on {self.describe()} above "
-                "tfmp's: tfmp's hooks run only if it calls the method it replaced. "
-                "Apply that patch after tfmp.enable() is done, or before tfmp is imported.",
-                RuntimeWarning, stacklevel=user_stacklevel())
+            warn(f"Another patch ({foreign}) sits on {self.describe()} above tfmp's.",
+                 "tfmp's hooks run only if that patch calls the method it replaced.",
+                 "Fix: apply that patch after tfmp.enable() is done, or before tfmp is imported.",
+                 RuntimeWarning, section="another-library-patches-keras")
         self.hooks, self.composed = hooks, call
         if self.pass_through is None:
             self.pass_through = _pass_through(self, innermost)
@@ -114,11 +112,10 @@ class _Slot:
             return
         foreign = self.foreign_patch()
         if foreign is not None:  # warned first: a filter may make it an error
-            warnings.warn(
-                f"tfmp took its hooks off {self.describe()}, but another patch ({foreign}) "
-                "sits on top: tfmp left a pass-through to the original method under it "
-                "instead of overwriting it.",
-                RuntimeWarning, stacklevel=user_stacklevel())
+            warn(f"tfmp took its hooks off {self.describe()}, under another patch ({foreign}).",
+                 "tfmp left a pass-through to the original method under it instead of overwriting it.",
+                 "Fix: nothing to do; to have the original method back, take that patch off first.",
+                 RuntimeWarning, section="another-library-patches-keras")
         self.hooks, self.composed = [], self._innermost()
         if foreign is not None:
             return

@@ -9,14 +9,13 @@ Such a ``train_step`` seldom scales its loss: an ``apply`` in a step without its
 from __future__ import annotations
 
 import functools
-import warnings
 import weakref
 from typing import Any, Callable, Dict
 
 import keras
 
 from tfmp._src.attachment import record
-from tfmp._src.errors import user_stacklevel
+from tfmp._src.errors import warn
 from tfmp._src.keras_hooks import optimizer_steps, train_function, trainer
 from tfmp._src.keras_hooks.object_state import PerObject
 from tfmp._src.keras_hooks.trainer import SETATTR_HOOK
@@ -122,18 +121,13 @@ def _raise_if_stuck(model_ref: Callable, logs: Any) -> Any:
 
 def _warn_container(model: keras.Model, name: str, compute_dtype: str) -> None:
     if compute_dtype == "float16":
-        fix = ("wrap each by hand, `tfmp.LossScaleOptimizer(opt)`, and compute its gradients "
-               "with `grads = tfmp.scaled_gradients(tape, loss, variables, opt)`")
+        fix = "or wrap each in tfmp.LossScaleOptimizer and use tfmp.scaled_gradients"
     else:
-        fix = "wrap each by hand, `tfmp.LossScaleOptimizer(opt, loss_scaling=False)`"
-    warnings.warn(
-        f"Model {model.name!r} stores plain optimizers inside `{name}` (a list, tuple or dict): tfmp "
-        f"cannot replace them there, so under {compute_dtype} they apply gradients without loss "
-        "scaling, step checks or counters. Store each optimizer in an attribute of its own "
-        f"(tfmp wraps those), or {fix}.",
-        LossScaleWarning,
-        stacklevel=user_stacklevel(),
-    )
+        fix = "or wrap each in tfmp.LossScaleOptimizer(opt, loss_scaling=False)"
+    warn(f"Model {model.name!r} keeps plain optimizers in `{name}` (a list, tuple or dict): tfmp cannot wrap them.",
+         f"Under {compute_dtype} they apply gradients without loss scaling, step checks or counters.",
+         f"Fix: keep each in an attribute of its own, {fix}.",
+         LossScaleWarning, section="loss-scaling-in-a-custom-train_step")
 
 
 def _apply_unscaled_gradients_as_given(optimizer: LossScaleOptimizer, model_name: str, name: str) -> None:
@@ -167,15 +161,7 @@ def _apply_unscaled_gradients_as_given(optimizer: LossScaleOptimizer, model_name
 
 
 def _warn_unscaled(optimizer: LossScaleOptimizer, model_name: str, name: str) -> None:
-    warnings.warn(
-        f"`{name}` of model {model_name!r} ({type(optimizer.inner_optimizer).__name__}, wrapped by tfmp in a "
-        "tfmp.LossScaleOptimizer) applies gradients of a loss that was not scaled: float16 "
-        "gradients below float16's smallest subnormal (~6e-8) flush to zero, so small updates "
-        "are lost. tfmp applies these gradients as they are (not divided by the loss scale), "
-        "checks every one and skips and counts a step with an inf or NaN. Fix: in train_step, "
-        f"`grads = tfmp.scaled_gradients(tape, loss, variables, self.{name})`, then "
-        f"`self.{name}.apply_gradients(zip(grads, variables))` as before. Warned once per "
-        "optimizer; make it an error with warnings.simplefilter('error', tfmp.LossScaleWarning).",
-        LossScaleWarning,
-        stacklevel=user_stacklevel(),
-    )
+    warn(f"`{name}` of model {model_name!r} applies gradients of a loss that was not scaled.",
+         "float16 gradients below ~6e-8 flush to zero; tfmp applies them as given, skipping inf/NaN steps.",
+         f"Fix: in train_step, grads = tfmp.scaled_gradients(tape, loss, variables, self.{name}).",
+         LossScaleWarning, section="loss-scaling-in-a-custom-train_step")

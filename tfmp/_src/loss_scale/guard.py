@@ -9,14 +9,13 @@ in its step gets the gradients check.
 from __future__ import annotations
 
 import threading
-import warnings
 import weakref
 from typing import Any, Iterator
 
 import numpy as np
 import tensorflow as tf
 
-from tfmp._src.errors import invalid_argument, user_stacklevel
+from tfmp._src.errors import invalid_argument, warn
 from tfmp._src.keras_hooks import error_texts
 
 #: Values of the `guard` argument of `tfmp.LossScaleOptimizer`.
@@ -279,15 +278,7 @@ def warn_if_unscaled(optimizer: Any, record: StepRecord, from_unscale: bool) -> 
     record.warned = True
     with tf.init_scope():
         scale = optimizer.loss_scale
-    warnings.warn(
-        f"Gradients reached {type(optimizer).__name__} {optimizer.name!r} (dynamic loss "
-        f"scaling, scale {scale:g}), but no loss was scaled by it: `apply` divides the "
-        f"gradients by the scale, as Keras's LossScaleOptimizer does, so each update is "
-        f"{scale:g}x too small and training barely moves. Scale the loss inside the "
-        "GradientTape, before tape.gradient: `scaled_loss = self.optimizer.scale_loss(loss)`, "
-        "then take the gradients of `scaled_loss` (keep `loss` for the metrics), or `grads = "
-        "tfmp.scaled_gradients(tape, loss, variables, optimizer)`. Warned once per "
-        "optimizer; make it an error with warnings.simplefilter('error', tfmp.LossScaleWarning).",
-        LossScaleWarning,
-        stacklevel=user_stacklevel(),
-    )
+    warn(f"Gradients reached {type(optimizer).__name__} {optimizer.name!r} (scale {scale:g}), but it scaled no loss.",
+         f"`apply` divides them by the scale, as Keras's LossScaleOptimizer does: each update is {scale:g}x too small.",
+         "Fix: scaled_loss = self.optimizer.scale_loss(loss) in the tape, or grads = tfmp.scaled_gradients(...).",
+         LossScaleWarning, section="loss-scaling-in-a-custom-train_step")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any, Callable, List, Optional, Tuple
@@ -20,7 +19,7 @@ import tensorflow as tf
 
 from tfmp._src.attachment import record
 from tfmp._src.constants import NON_FINITE_KINDS
-from tfmp._src.errors import NonFiniteError, invalid_argument, user_stacklevel
+from tfmp._src.errors import NonFiniteError, invalid_argument, opening, warn, warn_error
 from tfmp._src.keras_hooks import surfaces, train_function, trainer
 from tfmp._src.loss_scale import arguments, saved_form, state_check
 
@@ -52,50 +51,43 @@ class SkippedStepWarning(RuntimeWarning):
     """
 
 
-def cause(status: int, loss_scaling: bool) -> Tuple[str, str, str]:
-    """(phase, kind, sentence) of the last skip from its `last_overflow_status` bits.
+#: The fix line of a skip whose first non-finite value a layer of the forward or backward pass made.
+FIND_LAYER = "Fix: tfmp.check_numerics(model) finds the first layer that goes non-finite"
+
+
+def cause(status: int, loss_scaling: bool) -> Tuple[str, str, str, str]:
+    """(phase, kind, cause, fix) of the last skip from its `last_overflow_status` bits.
 
     Phase ``"scale"``, ``"batch"``, ``"loss"``, ``"values"`` or ``"gradients"``; kind ``"nan"``,
-    ``"inf"``, ``"nan+inf"`` or ``""``; the sentence names the cause and what to look at.
+    ``"inf"``, ``"nan+inf"`` or ``""``; `cause` and `fix` are one line each of a message's opening.
     """
     if status & 32:
         return "scale", "", (
-            "The loss scale itself was not a finite number > 0, a value no run reaches (a checkpoint "
-            "restored it, or code assigned it), not the data nor the learning rate: the step was skipped "
-            "and the scale set to min_scale. Restore a sound checkpoint, or check what assigns dynamic_scale."
-        )
+            "The loss scale itself was not a finite number > 0: a checkpoint or code assigned it."
+        ), "Fix: restore a sound checkpoint, or check what assigns dynamic_scale (now min_scale)."
     batch = NON_FINITE_KINDS.get((status >> 2) & 3, "")
     loss = NON_FINITE_KINDS.get(status & 3, "")
     if batch:
         return "batch", batch, (
-            f"The batch itself holds {batch} (its inputs, targets or sample weights): "
-            "the data pipeline produced it; lowering the loss scale cannot help. Find the "
-            "records with tfmp.check_dataset(dataset)."
-        )
+            f"The batch itself holds {batch} (inputs, targets or sample weights), not the model."
+        ), "Fix: find the records with tfmp.check_dataset(dataset); a lower loss scale cannot help."
     if loss:
-        where = ("(a float16 overflow: float16 holds at most 65504)" if loss_scaling else
-                 "(not a range overflow of the compute dtype: bfloat16 and float32 hold up to "
-                 "about 3.4e38, so the values themselves diverged)")
+        where = ("float16 holds at most 65504" if loss_scaling else
+                 "not an overflow: bfloat16 and float32 reach 3.4e38")
         return "loss", loss, (
-            f"The loss itself is non-finite ({loss}): it comes from the forward pass "
-            f"{where}, the data or the learning rate, and lowering the loss scale cannot help."
-        )
+            f"The loss itself is non-finite ({loss}; {where}): a lower loss scale cannot help."
+        ), f"{FIND_LAYER}, or lower the learning rate."
     if status & 16:
         return "values", "", (
-            "The update would have written a non-finite value into a trainable "
-            "variable although the gradients were finite: the learning rate (or the "
-            "optimizer's epsilon) is too large or too small for these gradients."
-        )
+            "The update would have written a non-finite value into a variable although the gradients were finite."
+        ), "Fix: the learning rate (or the optimizer's epsilon) is too large or too small for these gradients."
     if loss_scaling:
         return "gradients", "", (
-            "The loss is finite but the gradients overflow (float16 holds at most "
-            "65504) even at this scale: look for exploding activations or gradients, "
-            "or lower the learning rate."
-        )
+            "The loss is finite but the gradients overflow (float16 holds at most 65504) even at this scale."
+        ), f"{FIND_LAYER}, or lower the learning rate."
     return "gradients", "", (
-        "The loss is finite but a gradient is not: an inf or NaN born in the "
-        "backward pass (a custom gradient, a sqrt or log at 0)."
-    )
+        "The loss is finite but a gradient is not: an inf or NaN born in the backward pass."
+    ), f"{FIND_LAYER} (a custom gradient, sqrt or log at 0)."
 
 
 def _read(optimizer: Any, name: str) -> int:
@@ -137,25 +129,16 @@ def warn_early(optimizer: Any) -> None:
     skips = _read(optimizer, "overflow_count") - start_skips
     if skips <= 0:
         return
-    phase, _, sentence = cause(_read(optimizer, "last_overflow_status"), optimizer.loss_scaling)
+    phase, _, why, fix = cause(_read(optimizer, "last_overflow_status"), optimizer.loss_scaling)
     not_overflow = phase != "gradients" or not optimizer.loss_scaling
     all_first = steps >= EARLY_STEPS and skips == steps
     rate = skips >= EARLY_STEPS and skips > EARLY_RATE * steps
     if not (not_overflow or all_first or rate):
         return
     watch.warned_fit = (start_total, start_skips)
-    kept = "weights and optimizer slots keep their values"
-    if tf.distribute.get_strategy().num_replicas_in_sync == 1:  # see step_state
-        kept = "weights, optimizer slots and BatchNormalization statistics keep their values"
-    warnings.warn(
-        f"tfmp skipped step {_read(optimizer, 'last_overflow_step')} ({skips} of the {steps} steps since step "
-        f"{start_total}; loss scale {optimizer.loss_scale:g}): nothing was written ({kept}). {sentence} "
-        "Run tfmp.check_numerics(model) to find the first layer that goes non-finite. "
-        "Warned once per fit; stuck detection stops the run after "
-        f"{optimizer.max_consecutive_overflows} skipped steps in a row.",
-        SkippedStepWarning,
-        stacklevel=user_stacklevel(),  # the user's fit() or apply
-    )
+    warn(f"tfmp skipped step {_read(optimizer, 'last_overflow_step')} ({skips} of {steps} steps since step "
+         f"{start_total}; scale {optimizer.loss_scale:g}): nothing written.", why, fix,
+         SkippedStepWarning, section="nan-or-inf-loss")
 
 
 def check(optimizer: Any) -> None:
@@ -174,14 +157,14 @@ def check(optimizer: Any) -> None:
     if consecutive < limit and at_floor < MIN_SCALE_PATIENCE:
         return
     step, scale = _read(optimizer, "last_overflow_step"), optimizer.loss_scale
-    phase, kind, sentence = cause(_read(optimizer, "last_overflow_status"), optimizer.loss_scaling)
+    phase, kind, why, fix = cause(_read(optimizer, "last_overflow_status"), optimizer.loss_scaling)
     if consecutive >= limit:
         rule = f"{consecutive} non-finite steps in a row (max_consecutive_overflows={limit})"
     else:
         rule = f"{at_floor} non-finite steps in a row at min_scale={optimizer.min_scale:g}"
     error = NonFiniteError(
-        f"Training is stuck: {rule}; last skipped step {step}, loss scale {scale:g}. {sentence} Run "
-        "tfmp.check_numerics(model) to find the first layer that produces it.",
+        opening(f"Training is stuck: {rule}; last skipped step {step}, loss scale {scale:g}.", why, fix,
+                "nan-or-inf-loss"),
         phase=phase, step=step, kind=kind or None,
         details={"scale": scale, "overflow_count": overflows, "consecutive_overflows": consecutive,
                  "min_scale_overflows": at_floor})
@@ -189,7 +172,7 @@ def check(optimizer: Any) -> None:
         raise error
     if watch.warned_run != step - consecutive + 1:  # the first skipped step names this run
         watch.warned_run = step - consecutive + 1
-        warnings.warn(str(error), RuntimeWarning, stacklevel=user_stacklevel())
+        warn_error(error, RuntimeWarning)
 
 
 _live: "weakref.WeakSet[Any]" = weakref.WeakSet()  # tfmp optimizers not yet collected

@@ -6,13 +6,12 @@ keeping its settings; scaling settings for a bfloat16 or float32 model are unuse
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from typing import Any, Dict, Mapping
 
 import keras
 
-from tfmp._src.errors import user_stacklevel
+from tfmp._src.errors import warn
 from tfmp._src.loss_scale.guard import LossScaleWarning
 
 #: Options of `tfmp.LossScaleOptimizer` that do nothing with ``loss_scaling=False``.
@@ -29,8 +28,8 @@ def _listed(settings: Mapping[str, Any]) -> str:
 
 def _no_scaling_reason(compute_dtype: str) -> str:
     if compute_dtype == "bfloat16":
-        return "the model computes in bfloat16, which has float32's exponent range and needs no loss scaling"
-    return f"the model computes in {compute_dtype}, which needs no loss scaling"
+        return "A bfloat16 model needs no loss scaling (float32's range)"
+    return f"A {compute_dtype} model needs no loss scaling"
 
 
 def keras_settings(optimizer: keras.optimizers.LossScaleOptimizer) -> Dict[str, Any]:
@@ -60,24 +59,16 @@ def warn_keras_optimizer_replaced(optimizer: keras.optimizers.LossScaleOptimizer
     _warned_keras_optimizers.add(optimizer)
     given = keras_settings(optimizer)
     inner = type(optimizer.inner_optimizer).__name__
-    text = (f"compile() received keras.optimizers.LossScaleOptimizer({inner}, {_listed(given)}); "
-            f"tfmp replaced it with tfmp.LossScaleOptimizer around the same {inner}")
     if options["loss_scaling"]:
         overridden = {key: options[key] for key in KERAS_SETTINGS if options[key] != given[key]}
-        text += ", keeping its settings"
-        if overridden:
-            text += f" except {_listed(overridden)} (from tfmp.enable(loss_scale_options=...))"
-        text += (", and adding overflow counters, scale bounds, stuck detection and one "
-                 "skip verdict across tf.distribute replicas.")
+        kept = f"these but {_listed(overridden)} (from tfmp.enable)" if overridden else "these settings"
+        cause = f"tfmp.LossScaleOptimizer keeps {kept} and adds overflow counters and stuck detection."
     else:
-        text += (f" with the scale fixed at 1.0 (loss_scaling=False): {_no_scaling_reason(compute_dtype)}, "
-                 f"so {_listed(given)} are not used; non-finite steps are still skipped and "
-                 "counted. To scale anyway, call tfmp.enable(..., loss_scale_options="
-                 "{'loss_scaling': True}).")
-    text += (" To keep Keras's own optimizer, compile the model after tfmp.disable() (plain "
-             "Keras: no float32 forcing either); to silence this, pass tfmp.LossScaleOptimizer("
-             f"{inner}(...), ...) or the {inner} alone.")
-    warnings.warn(text, LossScaleWarning, stacklevel=user_stacklevel())
+        cause = f"{_no_scaling_reason(compute_dtype)}: the scale is fixed at 1.0 and these settings are unused."
+    warn(f"tfmp replaced the Keras LossScaleOptimizer({inner}, {_listed(given)}) given to compile().",
+         cause,
+         f"Fix: pass the {inner} alone to silence this; compile after tfmp.disable() to keep Keras's optimizer.",
+         LossScaleWarning, section="loss-scaling-in-a-custom-train_step")
 
 
 def warn_unused_scaling_options(options: Mapping[str, Any], policy: str, compute_dtype: str) -> None:
@@ -86,12 +77,8 @@ def warn_unused_scaling_options(options: Mapping[str, Any], policy: str, compute
     given = {key: options[key] for key in SCALING_SETTINGS if key in options}
     if compute_dtype == "float16" or "loss_scaling" in options or not given:
         return
-    warnings.warn(
-        f"tfmp.enable(loss_scale_options=...) sets {_listed(given)}, but under the policy "
-        f"{policy!r} {_no_scaling_reason(compute_dtype)}: tfmp.LossScaleOptimizer fixes the "
-        "scale at 1.0 (loss_scaling=False) and these settings are not used; non-finite steps "
-        "are still skipped and counted. Add 'loss_scaling': True to loss_scale_options to "
-        "scale anyway, or 'loss_scaling': False to keep the fixed scale without this warning.",
-        LossScaleWarning,
-        stacklevel=user_stacklevel(),
-    )
+    warn(f"tfmp.enable(loss_scale_options=...) sets {_listed(given)}, which policy {policy!r} does not use.",
+         f"{_no_scaling_reason(compute_dtype)}: "
+         "tfmp fixes the scale at 1.0 and still skips non-finite steps.",
+         "Fix: add 'loss_scaling': True to scale anyway, or 'loss_scaling': False to keep 1.0 silently.",
+         LossScaleWarning, section="loss-scaling-in-a-custom-train_step")

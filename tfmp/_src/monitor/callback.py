@@ -11,13 +11,12 @@ import collections
 import logging
 import os
 import time
-import warnings
 from typing import Optional, Sequence, Union
 
 import keras
 
 from tfmp._src import distribute as _distribute
-from tfmp._src.errors import check_positive_int, invalid_argument, is_positive_int
+from tfmp._src.errors import check_positive_int, invalid_argument, is_positive_int, warn
 from tfmp._src.keras_hooks import fit_lifecycle, train_function
 from tfmp._src.loss_scale.optimizer import OVERFLOW_HISTORY, LossScaleOptimizer
 from tfmp._src.monitor import metrics as _metrics, runtime, tags
@@ -359,10 +358,12 @@ class LossScaleMonitor(keras.callbacks.Callback):
             self._note(step, text + " tfmp leaves a float32 model's optimizer alone; pass "
                        "tfmp.enable(loss_scale_options={...}) or debug=True to count non-finite steps.")
             return
-        text += (" Call tfmp.enable() before compile, or wrap the optimizer in "
-                 "tfmp.LossScaleOptimizer, to count skipped steps.")
-        warnings.warn(f"LossScaleMonitor: {text}", UserWarning, stacklevel=3)
-        self._note(step, text)
+        fix = "Call tfmp.enable() before compile, or wrap the optimizer in tfmp.LossScaleOptimizer."
+        warn(f"LossScaleMonitor: the optimizer ({type(self.model.optimizer).__name__}) keeps no overflow counts.",
+             f"Only loss_scale and lr are written, while model {self.model.name!r} computes in "
+             f"{self.model.dtype_policy.compute_dtype}, where skipped steps are likely.", f"Fix: {fix[0].lower()}{fix[1:]}",
+             UserWarning, section="tensorboard-logs")
+        self._note(step, f"{text} {fix}")
 
     def _note(self, step: int, text: str) -> None:
         """Writes a ``monitor_notes`` line; notes use the step axis of batches."""

@@ -14,14 +14,13 @@ import os
 import re
 import socket
 import time
-import warnings
 from typing import Iterable, Mapping, Optional
 
 import numpy as np
 import tensorflow as tf
 from tensorboard.compat.proto import summary_pb2
 
-from tfmp._src.errors import user_stacklevel
+from tfmp._src.errors import warn
 
 _LOG = logging.getLogger(__name__)
 #: Seconds between two attempts to open a new event file after a failed write (closing
@@ -77,15 +76,11 @@ def _warn_if_shared(directory: str) -> None:
     found = other_writers(directory)
     if not found:
         return
-    name, host, pid, age = found[0]
-    warnings.warn(
-        f"{_OWNER} writes into '{directory}', where another process (pid {pid} on {host}) wrote "
-        f"'{name}' {age:.0f} s ago: TensorBoard shows every event file of a folder as one run, so "
-        "the two runs' points would interleave. Give each run its own log_dir, e.g. "
-        "log_dir=f\"logs/{time.strftime('%Y%m%d-%H%M%S')}\".",
-        LoggingWarning,
-        stacklevel=user_stacklevel(),
-    )
+    _, host, pid, age = found[0]
+    warn(f"{_OWNER} writes into '{directory}', where process {pid} on {host} wrote {age:.0f} s ago.",
+         "TensorBoard shows all event files of a folder as one run, so the two runs' points interleave.",
+         "Fix: give each run its own log_dir, e.g. log_dir=f\"logs/{time.strftime('%Y%m%d-%H%M%S')}\".",
+         LoggingWarning, section="tensorboard-logs")
 
 
 @dataclasses.dataclass
@@ -110,13 +105,13 @@ def _fix(directory: str, error: BaseException) -> str:
     text = str(error).lower()
     code = getattr(error, "errno", None)
     if code == errno.ENOSPC or isinstance(error, tf.errors.ResourceExhaustedError) or "no space" in text:
-        return f"Free space on the disk of '{directory}', or pass another log_dir."
+        return f"free space on the disk of '{directory}', or pass another log_dir."
     if code == errno.ENOTDIR or "not a directory" in text:
         return (f"'{directory}' or a folder above it is a file: remove or rename that file, "
                 "or pass another log_dir.")
     if isinstance(error, (PermissionError, tf.errors.PermissionDeniedError)):
-        return f"Make '{directory}' writable, or pass another log_dir."
-    return f"Check that '{directory}' is a writable folder with free space, or pass another log_dir."
+        return f"make '{directory}' writable, or pass another log_dir."
+    return f"check that '{directory}' is a writable folder with free space, or pass another log_dir."
 
 
 class EventFile:
@@ -192,15 +187,10 @@ class EventFile:
             _LOG.info("%s: still cannot write to %r: %s", _OWNER, self.directory, describe_error(error))
             return
         self._failure = _Failure(step, describe_error(error), time.monotonic())
-        warnings.warn(
-            f"{_OWNER} could not write TensorBoard events to '{self.directory}' "
-            f"({self._failure.cause}). Events from step {step} on are lost until a write "
-            f"succeeds; training goes on. It tries a new event file at later logging "
-            f"points (at most every {RETRY_SECONDS:g} s) and when training ends; that file "
-            f"starts with a '{_NOTE_TAG}' note naming the lost steps. {_fix(self.directory, error)}",
-            LoggingWarning,
-            stacklevel=user_stacklevel(),
-        )
+        warn(f"{_OWNER} could not write events to '{self.directory}' ({self._failure.cause}).",
+             f"Events from step {step} on are lost until a write succeeds (retried at most every {RETRY_SECONDS:g} s); "
+             "training goes on.", f"Fix: {_fix(self.directory, error)}",
+             LoggingWarning, section="tensorboard-logs")
 
     def _recover(self, step: int, closing: bool = False) -> bool:
         """Opens a new writer and writes the note about the lost events; True on success."""

@@ -12,14 +12,13 @@ import functools
 import inspect
 import logging
 import threading
-import warnings
 from typing import Any, Callable, Optional
 
 import keras
 import tensorflow as tf
 
 from tfmp._src.errors import (NonFiniteError, check_bool, check_model, check_positive_int, invalid_argument,
-                              model_fix)
+                              model_fix, warn_error)
 from tfmp._src.keras_hooks import layer_calls, loss_terms, optimizer_steps, surfaces, train_function, trainer
 from tfmp._src.keras_hooks.optimizer_steps import optimizer_variables
 from tfmp._src.monitor.metrics import scales_loss
@@ -280,7 +279,7 @@ class NumericsHandle:
             return
         self._reported.add(key)
         if self.action == "warn":
-            warnings.warn(str(error), RuntimeWarning, stacklevel=2)
+            warn_error(error, RuntimeWarning)
         else:
             logger.warning("%s", error)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import warnings
 from typing import Any, Iterable, Iterator, Optional, Union
 
 import keras
@@ -17,7 +16,7 @@ import ml_dtypes
 import numpy as np
 import tensorflow as tf
 
-from tfmp._src.errors import check_positive_int, invalid_argument
+from tfmp._src.errors import check_positive_int, invalid_argument, warn
 from tfmp._src.report_fields import COUNT, REAL, STRING, check_fields, instance_of, list_of
 
 _COMPONENTS = ("x", "y", "sample_weight")
@@ -299,10 +298,8 @@ def check_dataset(
             "dataset", dataset, "a data set that yields at least one batch",
             fix="It yielded none: check that it is not empty and that a generator was not already consumed.")
     if not report.values_checked:
-        warnings.warn(
-            f"check_dataset found no floating-point values in {report.batches_checked} batch(es): nothing "
-            "was checked (it scans float inputs, targets and sample weights; strings and integer ids "
-            "cannot hold NaN or Inf). Check the numbers the model computes on instead, e.g. the output "
-            "of your text or lookup preprocessing: check_dataset(dataset.map(preprocess)).",
-            UserWarning, stacklevel=2)
+        warn(f"check_dataset found no floating-point values in {report.batches_checked} batch(es): nothing was checked.",
+             "It scans float inputs, targets and sample weights; strings and integer ids cannot hold NaN or Inf.",
+             "Fix: check what the model computes on, e.g. check_dataset(dataset.map(preprocess)).",
+             UserWarning, section="nan-or-inf-loss")
     return report

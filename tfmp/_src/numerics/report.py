@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from tfmp._src.constants import FLOAT16_MAX, NON_FINITE_KINDS
-from tfmp._src.errors import NonFiniteError
+from tfmp._src.errors import NonFiniteError, opening
 from tfmp._src.numerics.record import (ABOVE, ABS_MAX, ABS_MIN, BAD_GRADS, FORWARD, HAS_INPUT, IN_GRAD, IN_MAX, IN_MIN,
                                        INDEX, KIND, LAYER_BACKWARD, LOSS_ENTRY, OUT_GRAD, PHASE, STEP, VALID,
                                        WEIGHT_GRAD, FailureRecorder)
@@ -67,40 +67,34 @@ def format_trace(trace: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _forward_message(item: dict, kind: str, step: int, hint: Optional[str]) -> str:
-    """Names the layer and says whether its inputs were already bad, or float16 overflowed.
+def _forward_message(item: dict, kind: str, step: int, hint: Optional[str]) -> tuple:
+    """(what, cause, fix) naming the layer and whether its inputs were already bad, or float16 overflowed.
 
     `hint`, the cause and fix of the layer's known float16 hazard, replaces the generic advice.
     """
     if item["layer"] == LOSS_ENTRY:
         return (
-            f"The loss is {kind} at train step {step} while every checked layer output before it "
-            "was finite: the loss function produced it (e.g. log(0), a division by zero in a custom "
-            "loss, or NaN/Inf labels)."
+            f"The loss is {kind} at train step {step} while every checked layer output before it was finite.",
+            "Hence the loss function produced it: e.g. log(0), a division by zero in a custom loss, or NaN/Inf labels.",
+            "Fix: guard the loss (an epsilon, keras.ops.clip); check the labels with tfmp.check_dataset.",
         )
-    where = "in its output" if item["kind"] else "in its inputs (its output stays finite)"
-    text = (
-        f"Layer '{item['layer']}' ({item['layer_class']}) saw {kind} {where} at train step {step} "
-        "(phase 'forward'); it is the first checked layer call to see a non-finite value."
-    )
+    where = "in its output" if item["kind"] else "in its inputs only"
+    what = (f"Layer '{item['layer']}' ({item['layer_class']}) is the first checked layer to see {kind} ({where}), "
+            f"at train step {step}.")
     span = item["input_range"]
-    if span is None:
-        return text
-    text += f" Its inputs ranged over [{span[0]:.4g}, {span[1]:.4g}]."
-    if item["input_kind"]:
-        text += (
-            " The inputs were already non-finite: the bad values came in with the data (check it with "
-            "tfmp.check_dataset) or from an unchecked operation before this layer."
-        )
-    elif item["dtype"] == "float16" and hint:  # a known hazard: an overflow, or NaN after one (0 * inf)
-        text += f" The likely cause: {hint}"
-    elif item["dtype"] == "float16" and "inf" in kind:
-        text += (
-            f" float16 holds at most {FLOAT16_MAX:g}: if this layer computes large values "
-            "(exponentials, squares, long sums), compute it in float32 (tfmp.force_float32) "
-            "or keep its inputs smaller; if it divides or takes a logarithm, look for a zero there."
-        )
-    return text
+    ranged = "" if span is None else f"Its inputs ranged over [{span[0]:.4g}, {span[1]:.4g}]"
+    if span is not None and item["input_kind"]:
+        return (what, f"{ranged}: inputs were already non-finite, from the data or an unchecked op before it.",
+                "Fix: check the data with tfmp.check_dataset, or the operation before this layer.")
+    if span is not None and item["dtype"] == "float16" and hint:  # a known hazard: an overflow, or NaN after one
+        cause, _, fix = hint.partition(". ")  # `advice`: the cause, then the fix
+        return (what, f"The likely cause: {cause.rstrip('.')}.",
+                f"Fix: {fix[0].lower()}{fix[1:]}" if fix else "Fix: compute the layer in float32 (tfmp.force_float32).")
+    if span is not None and item["dtype"] == "float16" and "inf" in kind:
+        return (what, f"{ranged}; float16 holds at most {FLOAT16_MAX:g}.",
+                "Fix: compute it in float32 (tfmp.force_float32) or keep its inputs smaller; look for a 0 it divides by.")
+    cause = f"{ranged}." if ranged else "Its inputs were finite."
+    return what, cause, "Fix: look in its call for log, sqrt or a division at 0, or an overflow; lower the learning rate."
 
 
 def _gradient(value: float) -> str:
@@ -117,22 +111,19 @@ def _backward_message(recorder: FailureRecorder, phase_code: int, index: int, ki
     if phase_code == ABOVE:
         return (
             f"The gradient reaching the output of layer '{path}' ({layer_class}) is already {kind} at train "
-            f"step {step} (phase 'backward'), and no checked layer after it made it: the loss function's "
-            "backward pass produced it (e.g. the derivative of sqrt, log or a norm of the prediction at 0 in "
-            "a custom loss), or an operation between this layer and the loss that is not checked.",
-            path, details,
-        )
+            f"step {step}.",
+            "No checked layer after it made it: the loss function's backward pass produced it, or an unchecked op.",
+            "Fix: look in the loss for sqrt, log or a norm of the prediction at 0; add an epsilon.",
+        ), path, details
     passed = [f"to its inputs {_gradient(grads[IN_GRAD])}"]
     if has_weights:
         passed.append(f"to its weights {_gradient(grads[WEIGHT_GRAD])}")
     message = (
         f"The backward pass of layer '{path}' ({layer_class}) turned a finite gradient into {kind} at train "
-        f"step {step} (phase 'backward'): the gradient reaching its output was {_gradient(grads[OUT_GRAD])}, "
-        f"the gradient it passed {', '.join(passed)}. Layers before it only passed the bad gradient on. "
-        "Look in its call for an operation whose derivative is infinite or undefined at the values it saw "
-        "(sqrt or a norm at 0, log at 0, pow with a fractional exponent at 0, a division by a value "
-        "reaching 0) or for a custom gradient; add a small epsilon (tf.sqrt(x + 1e-12)) or use a safe "
-        "form (tf.math.divide_no_nan)."
+        f"step {step}.",
+        f"The gradient reaching its output was {_gradient(grads[OUT_GRAD])}, the gradient it passed "
+        f"{', '.join(passed)}.",
+        "Fix: in its call, add an epsilon where a derivative is infinite (tf.sqrt(x + 1e-12)) or divide_no_nan.",
     )
     return message, path, details
 
@@ -168,8 +159,6 @@ def build_error(recorder: FailureRecorder, owners: dict, loss_scaling: bool, hin
     elif state[PHASE] in (LAYER_BACKWARD, ABOVE) and index < len(recorder.boundary_names):
         trace = _trace(recorder, len(recorder.names), step)
         message, layer, found = _backward_message(recorder, state[PHASE], index, kind, step)
-        message += (f" {state[BAD_GRADS]} of {len(recorder.variables)} weight gradients are non-finite, "
-                    f"loss scale {scale:g}.")
         phase = "backward"
         details.update(found, variable=None)
     else:
@@ -179,18 +168,17 @@ def build_error(recorder: FailureRecorder, owners: dict, loss_scaling: bool, hin
         var_path = getattr(variable, "path", getattr(variable, "name", "?"))
         phase = "backward"
         message = (
-            f"The gradient of variable '{var_path}' (layer '{layer}', {layer_class}) is {kind} at "
-            f"train step {step} (phase 'backward'); {state[BAD_GRADS]} of {len(recorder.variables)} "
-            f"gradients are non-finite, loss scale {scale:g}. It is the non-finite gradient nearest the "
-            "loss, so its layer's backward pass is the likely origin."
+            f"The gradient of variable '{var_path}' (layer '{layer}', {layer_class}) is {kind} at train step {step}.",
+            "It is the non-finite gradient nearest the loss, so its layer's backward pass is the likely origin.",
+            "Fix: look in that layer's call for sqrt, log or a division at 0, or a custom gradient.",
         )
         details.update(layer_class=layer_class, variable=var_path)
-    if phase == "backward" and loss_scaling:
-        message += (
-            " The loss scale is already at its floor, so this is not an overflow that lowering the "
-            "scale can cure."
-        )
+    below = []  # details below the guide line
+    if phase == "backward":
+        below.append(f"{state[BAD_GRADS]} of {len(recorder.variables)} weight gradients are non-finite, "
+                     f"loss scale {scale:g}" + (" (its floor: not an overflow a lower scale can cure)."
+                                                if loss_scaling else "."))
     details["trace"] = trace
-    text = format_trace(trace)
-    return NonFiniteError(message + ("\n" + text if text else ""), layer=layer, phase=phase, step=step, kind=kind,
-                          details=details)
+    below.append(format_trace(trace))
+    text = opening(*message, "nan-or-inf-loss", details="\n".join(line for line in below if line))
+    return NonFiniteError(text, layer=layer, phase=phase, step=step, kind=kind, details=details)

@@ -86,33 +86,34 @@ def term_entries(model: Any, terms: list, added_in_call: set, checked: set,
     return entries
 
 
-def term_message(item: dict, kind: str, step: int, model_name: str) -> str:
-    """Names a non-finite loss term (a trace item whose ``"term"`` is a `TermSource`) and its fix."""
+def term_message(item: dict, kind: str, step: int, model_name: str) -> tuple:
+    """(what, cause, fix) naming a non-finite loss term (a trace item whose ``"term"`` is a `TermSource`)."""
     term: TermSource = item["term"]
     layer = f"layer '{item['layer']}' ({item['layer_class']})" if item["layer"] else f"model '{model_name}'"
     low = item["dtype"] in LOW_PRECISION
-    tail = (f" at train step {step} while every checked layer output before it was finite: the total loss "
-            "is non-finite because of this term, not the loss function.")
+    at = f"at train step {step}."
+    not_loss = "Every checked layer output before it was finite: this term, not the loss function, is non-finite."
     if term.kind == WEIGHT:
-        fix = (f" The term is computed in {item['dtype']}, the variable's dtype: use a mixed policy so the "
-               "weights stay float32, or lower the factor." if low else
-               " Lower the regularizer's factor: it multiplies a sum over the weights, and float32 holds at "
-               "most about 3.4e38.")
+        fix = (f"Fix: the term is computed in {item['dtype']}, the variable's dtype: use a mixed policy, or lower "
+               "the factor." if low else
+               "Fix: lower the regularizer's factor: it multiplies a sum over the weights (float32 reaches 3.4e38).")
         return (f"The loss term of regularizer {term.regularizer} on variable '{term.variable}' of {layer} "
-                f"is {kind}{tail}{fix}")
+                f"is {kind} {at}", not_loss, fix)
     if term.kind == ACTIVITY:
-        return (f"The loss term of {layer}'s activity regularizer {term.regularizer} is {kind}{tail} "
-                f"Lower the regularizer's factor or keep the layer's outputs smaller (the term is computed "
-                f"in {item['dtype']}).")
-    add_loss = ("compute it in float32 (keras.ops.cast its inputs to 'float32' first) or guard it (an "
-                "epsilon, keras.ops.clip): the computation in the layer's call() that feeds add_loss produced "
-                "it (log of 0, sqrt of a negative number, 0/0, or an overflow"
-                + (f" of {item['dtype']}" if low else "") + ").")
+        return (f"The loss term of {layer}'s activity regularizer {term.regularizer} is {kind} {at}", not_loss,
+                f"Fix: lower the regularizer's factor or keep the layer's outputs smaller (computed in {item['dtype']}).")
+    overflow = f" of {item['dtype']}" if low else ""
+    add_loss = ("compute it in float32 (keras.ops.cast its inputs to 'float32' first) or guard it (an epsilon, "
+                "keras.ops.clip)")
     if term.kind == ADD_LOSS:
-        return f"The loss term {layer} adds with add_loss is {kind}{tail} To fix it, {add_loss}"
+        return (f"The loss term {layer} adds with add_loss is {kind} {at}",
+                f"The computation in its call() that feeds add_loss produced it (log of 0, 0/0, an overflow{overflow}).",
+                f"Fix: {add_loss}.")
     if term.kind == ADD_LOSS_OR_ACTIVITY:
-        return (f"A loss term of {layer} (its activity regularizer {term.regularizer} or an add_loss term; the "
-                f"layer is not checked, so tfmp cannot tell which) is {kind}{tail} Lower the regularizer's "
-                f"factor, or for an add_loss term {add_loss}")
-    return (f"Term {term.position} of model.losses is {kind}{tail} (The model's losses are overridden, so "
-            "tfmp cannot name the layer that added it.)")
+        return (f"A loss term of {layer} is {kind} {at}",
+                f"Its activity regularizer {term.regularizer} or an add_loss term: the layer is unchecked, so tfmp "
+                "cannot tell which.", "Fix: lower the regularizer's factor; for an add_loss term, compute it in "
+                "float32 or add an epsilon.")
+    return (f"Term {term.position} of model.losses is {kind} {at}",
+            "The model's losses are overridden, so tfmp cannot name the layer that added it.",
+            "Fix: guard each term the model's `losses` returns (an epsilon, a float32 cast).")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import inspect
-import warnings
 import weakref
 from typing import Any, Callable, Iterator, List, Optional, Union
 
@@ -24,7 +23,7 @@ from tfmp._src.attachment.attach import attach, optimizer_decision
 from tfmp._src.attachment.record import Attachment
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.distribute import prepare_multi_worker, turn_off_xla_if_replicated
-from tfmp._src.errors import check_bool, user_stacklevel
+from tfmp._src.errors import check_bool, warn
 from tfmp._src.keras_hooks import fit_lifecycle, surfaces, trainer
 from tfmp._src.deployment.quantize_hint import explain_quantize
 from tfmp._src.float32 import build_errors, exact_layers, loaded_layers
@@ -244,16 +243,10 @@ def _start(say_replaced: bool, policy: Union[str, keras.DTypePolicy], keep_float
 def _warn_replaced(state: Session, decision: PolicyDecision) -> None:
     """Warns that a second `enable()` replaces this thread's policy by another."""
     old, new = state.decision.policy, decision.policy
-    warnings.warn(
-        f"tfmp.enable() replaces the policy {old!r} of the earlier tfmp.enable() in this thread "
-        f"by {new!r}: models built and compiled from now on get {new!r}, models compiled "
-        f"before keep {old!r}, and tfmp.disable() still restores "
-        f"{state.previous_policy.name!r}, the policy in force before the first enable(). To "
-        f"switch on purpose, call tfmp.disable() first, then tfmp.enable({new!r}); for a "
-        f"block, use `with tfmp.policy_scope({new!r}):`.",
-        UserWarning,
-        stacklevel=user_stacklevel(),
-    )
+    warn(f"tfmp.enable({new!r}) replaces the policy {old!r} of the earlier tfmp.enable() in this thread.",
+         f"Models compiled before keep {old!r}; tfmp.disable() still restores {state.previous_policy.name!r}.",
+         f"Fix: call tfmp.disable() first, or for a block use `with tfmp.policy_scope({new!r}):`.",
+         UserWarning, section="policy-and-build-order")
 
 
 def disable() -> None:
@@ -314,21 +307,15 @@ def _warn_if_built_before_enable(model: keras.Model, policy: str) -> None:
         counts = collections.Counter(entry.layer.compute_dtype for entry in walk(model))
         layers = ", ".join(f"{dtype} ({n})" for dtype, n in counts.most_common())
         now = keras.config.dtype_policy().name
-        cause = (
-            f"The global policy is {now!r} now: it was changed after tfmp.enable() "
-            "(keras.config.set_dtype_policy or keras.mixed_precision.set_global_policy). "
-            f"Leave the global policy to tfmp, or call tfmp.enable({now!r}) instead."
-            if now != policy else
-            "Layers take the global policy when they are created: build the model after tfmp.enable()."
-        )
-        warnings.warn(
-            f"Model {model.name!r} was built under the policy "
-            f"{model.dtype_policy.name!r}, not tfmp's {policy!r}; its layers compute in "
-            f"{layers or model.dtype_policy.compute_dtype} (layers per compute dtype), as "
-            f"they were made. {cause}",
-            PerformanceWarning,
-            stacklevel=user_stacklevel(),
-        )
+        if now != policy:
+            cause = f"The global policy was changed to {now!r} after tfmp.enable() (keras.config.set_dtype_policy)."
+            fix = f"Fix: leave the global policy to tfmp, or call tfmp.enable({now!r}) instead."
+        else:
+            cause = "Layers take the global policy when they are created, and these were created before."
+            fix = "Fix: build the model after tfmp.enable()."
+        warn(f"Model {model.name!r} was built under {model.dtype_policy.name!r}, not tfmp's {policy!r}: "
+             f"its layers compute in {layers or model.dtype_policy.compute_dtype}.",
+             cause, fix, PerformanceWarning, section="policy-and-build-order")
 
 
 def _warn_if_compiled_before_enable(model: keras.Model) -> None:
@@ -339,15 +326,11 @@ def _warn_if_compiled_before_enable(model: keras.Model) -> None:
         return
     _warned_compiled_before.add(model)
     optimizer = getattr(model, "optimizer", None)
-    warnings.warn(
-        f"Model {model.name!r} was compiled before tfmp.enable(): it trains with the "
-        f"policy {model.dtype_policy.name!r} and the optimizer "
-        f"{type(optimizer).__name__}, without tfmp's float32 forcing or loss-scale "
-        f"optimizer, although tfmp's policy is {state.decision.policy!r}. Build and "
-        "compile the model after tfmp.enable().",
-        PerformanceWarning,
-        stacklevel=user_stacklevel(),
-    )
+    warn(f"Model {model.name!r} was compiled before tfmp.enable(): it trains without tfmp.",
+         f"It has policy {model.dtype_policy.name!r}, optimizer {type(optimizer).__name__}, no float32 forcing; "
+         f"tfmp's is {state.decision.policy!r}.",
+         "Fix: build and compile the model after tfmp.enable().",
+         PerformanceWarning, section="policy-and-build-order")
 
 
 def _fix_and_attach(model: keras.Model, state: Session, attached_by: str, optimizer: Any = None) -> Attachment:
@@ -391,15 +374,10 @@ def saved_policy(model: keras.Model) -> Optional[str]:
 
 def _warn_loaded_under_another_policy(model: keras.Model, saved: str, policy: str) -> None:
     """Says once that a loaded model trains under the policy it was saved with, not the session's."""
-    warnings.warn(
-        f"Model {model.name!r} was saved under {saved!r} and trains so: its layers keep the policies "
-        f"saved with them, not this session's {policy!r} (tfmp.attachment(model).policy says "
-        f"{saved!r}). To train it under {policy!r}, build the model anew after tfmp.enable({policy!r}) "
-        "and copy the weights: new_model.set_weights(model.get_weights()); or enable "
-        f"tfmp.enable({saved!r}) before loading it.",
-        UserWarning,
-        stacklevel=user_stacklevel(),
-    )
+    warn(f"Model {model.name!r} was saved under {saved!r} and trains so, not under this session's {policy!r}.",
+         "Its layers keep the policies saved with them (tfmp.attachment(model).policy says so).",
+         f"Fix: build it anew after tfmp.enable({policy!r}) and copy the weights (set_weights).",
+         UserWarning, section="policy-and-build-order")
 
 
 def _compile_with_tfmp(compile: Callable, model: keras.Model, args: tuple, kwargs: dict) -> Any:

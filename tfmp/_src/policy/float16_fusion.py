@@ -114,9 +114,8 @@ def remapper_off() -> Iterator[None]:
 
 #: Why a float16 model runs without the remapper where `remapper_trap` finds the trap.
 TRAP = ("TensorFlow's oneDNN takes float16 on this CPU ({flags}), where Grappler's remapper "
-        "fuses each float16 MatMul with its bias add into a kernel measured 100-500x slower "
-        "than the same ops unfused (Intel Sapphire Rapids, TensorFlow 2.21: a "
-        "1024-1024-1024-10 MLP step 17,027 ms fused, 37.5 ms unfused, 36.8 ms in float32)")
+        "fuses each float16 MatMul with its bias add into a kernel far slower than the same ops "
+        "unfused (docs/guides/speed.md, \"float16 on a CPU\")")
 
 
 def remapper_trap(compute_dtype: str, facts: Optional[DeviceFacts] = None) -> Optional[str]:
@@ -134,18 +133,8 @@ def remapper_trap(compute_dtype: str, facts: Optional[DeviceFacts] = None) -> Op
 
 
 def warning_clause(compute_dtype: str, facts: DeviceFacts) -> Optional[str]:
-    """What the float16-on-CPU `tfmp.PerformanceWarning` adds where `remapper_trap` finds the trap, or None."""
-    trap = remapper_trap(compute_dtype, facts)
-    if trap is None:
+    """What the float16-on-CPU `tfmp.PerformanceWarning`'s first line adds where `remapper_trap` finds the
+    trap, or None: the path tfmp takes (the guide's section "No speed-up" says the rest)."""
+    if remapper_trap(compute_dtype, facts) is None:
         return None
-    return (
-        f"{trap}. tfmp runs the fit, evaluate and predict of each mixed_float16 model it "
-        "attaches without the remapper (tfmp.attachment(model).remapper), which cost what "
-        "float32 does there (an MLP step 24.8-29.8 ms against float32's 28.3-29.9 ms); a "
-        "custom training loop takes the same path when it calls its tf.function inside "
-        "`with tfmp.step_scope(model):`. float16 convolutions crawl there unfused too (two "
-        "Conv2D layers, 32x32, batch 32: a training step 240x float32's under plain Keras); "
-        "tfmp computes a float16 model's convolutions in float32 inside on every CPU "
-        "(tfmp.attachment(model).conv), and on this one its depthwise convolutions too "
-        "(tfmp.attachment(model).depthwise_conv). mixed_bfloat16 runs in hardware there"
-    )
+    return "tfmp fits it without the fused float16 MatMul"

@@ -8,12 +8,11 @@ the reason. float16 is never chosen on a CPU (no fast float16 CPU kernels for tr
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Optional, Tuple, Union
 
 import keras
 
-from tfmp._src.errors import check_bool, check_type, invalid_argument, user_stacklevel
+from tfmp._src.errors import check_bool, check_type, invalid_argument, warn
 from tfmp._src.policy import float16_fusion
 from tfmp._src.policy.hardware import ONEDNN_ENV, DeviceFacts, detect_device_facts
 from tfmp._src.policy.speed_probe import SpeedProbe, format_factor
@@ -223,15 +222,12 @@ def slower_than_float32(
     policy: str,
     facts: DeviceFacts,
     speed_probe: Optional[SpeedProbe] = None,
-    *,
-    float16_slow_path: Optional[str] = None,
 ) -> Optional[str]:
     """Why the Keras `policy` runs slower than float32 on `facts`' hardware, or None.
 
     Slower, by the facts as "auto" decides: float16 on any CPU or below compute
     capability 7.0; bfloat16 below 8.0, or on a CPU without bfloat16 flags or
-    oneDNN. `speed_probe`'s factor is quoted, deciding nothing; `float16_slow_path`
-    is a clause appended to the float16-on-CPU explanation.
+    oneDNN. `speed_probe`'s factor (this machine's) is quoted, deciding nothing.
     """
     compute = keras.DTypePolicy(policy).compute_dtype
     if compute == "float32" or facts.tpu:
@@ -259,28 +255,26 @@ def slower_than_float32(
             text = f"{measured}: {text}"
         else:  # a small step can break even; a model's step adds loss scaling
             text = f"{text} ({measured}), and float16 needs loss scaling at every step"
-        return f"{text}; {float16_slow_path}" if float16_slow_path else text
+        return text
     if facts.cpu_bf16_flags:
         if not facts.onednn:
             return _onednn_off(facts, speed_probe)
         return None  # by the flags, as "auto" decides; a measured factor is advice
-    text = ("this CPU has none of AVX512_BF16, AMX-BF16 or Arm BF16, so TensorFlow has no "
-            "hardware bfloat16 matmuls here")
+    text = "this CPU has no AVX512_BF16, AMX-BF16 or Arm BF16: no hardware bfloat16 matmuls"
     return f"{measured}: {text}" if factor is not None and factor < 1.0 else f"{text} ({device})"
+
+
+#: The fix where a CPU with bfloat16 instructions has TensorFlow's oneDNN off (`_onednn_off`'s last sentence).
+ONEDNN_FIX = f"Set {ONEDNN_ENV}=1 before TensorFlow starts to use oneDNN."
 
 
 def _onednn_off(facts: DeviceFacts, probe: Optional[SpeedProbe] = None) -> str:
     """Why a CPU with bfloat16 instructions still gets float32: TensorFlow's oneDNN is off."""
     why = (f"{ONEDNN_ENV}={facts.onednn_env}" if facts.onednn_env
-           else f"TensorFlow's default on {facts.system} for this CPU")
+           else f"the default on {facts.system} here")  # TensorFlow's rule: docs/guides/policy.md
     return (
-        f"The CPU has {'/'.join(facts.cpu_bf16_flags).upper()}, but TensorFlow's oneDNN "
-        f"kernels are off ({why}; TensorFlow 2.21 turns them on by default only on "
-        "Linux for x86 CPUs with AVX512_VNNI, AVX512_BF16, AVX_VNNI or AMX and for Arm "
-        "Neoverse V1, and on Windows x86): bfloat16 would run on "
-        "Eigen's kernels, which convert to float32 and back, slower than float32"
-        f"{_measured('bfloat16', probe)}. "
-        f"Set {ONEDNN_ENV}=1 before TensorFlow starts to use oneDNN."
+        f"The CPU has {'/'.join(facts.cpu_bf16_flags).upper()}, but TensorFlow's oneDNN is off ({why}): "
+        f"Eigen's bfloat16 runs slower{_measured('bfloat16', probe)}. {ONEDNN_FIX}"
     )
 
 
@@ -329,15 +323,15 @@ def resolve_policy(
     facts, probe = _facts_and_probe(device_facts, speed_probe)
     auto = _recommend(facts, probe)
     compute = keras.DTypePolicy(name).compute_dtype
-    slow = slower_than_float32(name, facts, probe,
-                               float16_slow_path=float16_fusion.warning_clause(compute, facts))
+    slow = slower_than_float32(name, facts, probe)
     if slow:
-        warnings.warn(
-            f"Policy {name!r} is slower than float32 here: {slow}. "
-            f"Use tfmp.enable('auto') (which picks {auto.policy!r}) or 'float32'.",
-            PerformanceWarning,
-            stacklevel=user_stacklevel(),  # the caller of enable() or policy_scope()
-        )
+        path = float16_fusion.warning_clause(compute, facts)
+        cause, onednn_off, _ = slow.partition(f" {ONEDNN_FIX}")
+        fix = (f"Fix: set {ONEDNN_ENV}=1 before TensorFlow starts, or use tfmp.enable({auto.policy!r})."
+               if onednn_off else f"Fix: tfmp.enable('auto') (which picks {auto.policy!r}) or tfmp.enable('float32').")
+        warn(f"Policy {name!r} is slower than float32 here{'; ' + path if path else ''}.",
+             f"{cause[0].upper()}{cause[1:].rstrip('.')}.", fix,
+             PerformanceWarning, section="no-speed-up")  # names the caller of enable() or policy_scope()
         reason = f"Requested explicitly; it is slower than float32 here: {slow}."
     else:
         reason = "Requested explicitly."

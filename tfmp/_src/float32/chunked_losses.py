@@ -17,6 +17,8 @@ import tensorflow as tf
 
 from tfmp._src.errors import check_positive_int, invalid_argument
 from tfmp._src.float32 import chunked_cross_entropy as _chunked
+from tfmp._src.float32 import fused_cross_entropy as _fused
+from tfmp._src.keras_hooks.projection_graph import output_projection
 from tfmp._src.keras_hooks.layer_calls import keras_mask, with_keras_mask
 
 #: Largest ``chunk_bytes``: 1 GiB (a bigger chunk undoes what chunking is for).
@@ -42,22 +44,38 @@ class _ChunkedLoss(keras.losses.Loss):
     """A Keras Loss computing float32 per-example values from logits of any float dtype, by chunks."""
 
     def __init__(self, from_logits: bool, label_smoothing: float, chunk_bytes: int, reduction: Optional[str],
-                 name: str, dtype: Any) -> None:
+                 name: str, dtype: Any, fuse_projection: bool) -> None:
         self.label_smoothing = _checked(from_logits, label_smoothing, chunk_bytes)
+        if not isinstance(fuse_projection, bool):
+            raise invalid_argument("fuse_projection", fuse_projection, "True or False",
+                                   fix="Pass fuse_projection=True (the default) or False.")
         self.chunk_bytes = chunk_bytes
+        self.fuse_projection = fuse_projection
         super().__init__(name=name, reduction=reduction, dtype=dtype)
 
     def per_example(self, y_true: Any, logits: tf.Tensor):
         """``(losses, valid)``: float32 losses of ``logits.shape[:-1]`` and the rows kept (None: all)."""
         raise NotImplementedError
 
+    def per_row_fused(self, y_true: Any, projection: Any, keep: Optional[tf.Tensor], uniform: bool):
+        """``(losses, valid)`` as `per_example`, flat ``[rows]``, from the output projection (`fused_cross_entropy`)."""
+        raise NotImplementedError
+
     def __call__(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> Any:
         logits = tf.convert_to_tensor(y_pred)
         if not logits.dtype.is_floating:
             logits = tf.cast(logits, self.dtype)
-        with tf.name_scope(self.name):
-            losses, valid = self.per_example(y_true, logits)
         mask = keras_mask(y_pred)
+        projection = output_projection(logits) if self.fuse_projection else None
+        with tf.name_scope(self.name):
+            if projection is None:
+                losses, valid = self.per_example(y_true, logits)
+            else:  # a Keras reduction without sample weights weighs every kept row alike
+                keep = None if mask is None else tf.reshape(tf.cast(mask, tf.bool), [-1])
+                uniform = sample_weight is None and self.reduction not in (None, "none")
+                losses, valid = self.per_row_fused(y_true, projection, keep, uniform)
+                shape = tf.shape(logits)[:-1]
+                losses, valid = tf.reshape(losses, shape), None if valid is None else tf.reshape(valid, shape)
         if valid is not None:
             mask = valid if mask is None else tf.logical_and(tf.cast(mask, tf.bool), valid)
         losses = with_keras_mask(losses, mask)
@@ -69,7 +87,8 @@ class _ChunkedLoss(keras.losses.Loss):
 
     def get_config(self) -> dict:
         config = super().get_config()
-        config.update(from_logits=True, label_smoothing=self.label_smoothing, chunk_bytes=self.chunk_bytes)
+        config.update(from_logits=True, label_smoothing=self.label_smoothing, chunk_bytes=self.chunk_bytes,
+                      fuse_projection=self.fuse_projection)
         return config
 
 
@@ -114,16 +133,21 @@ class ChunkedSparseCategoricalCrossentropy(_ChunkedLoss):
 
     def __init__(self, from_logits: bool = True, ignore_class: Optional[int] = None, label_smoothing: float = 0.0,
                  reduction: Optional[str] = "sum_over_batch_size", name: str = "sparse_categorical_crossentropy",
-                 dtype: Any = None, chunk_bytes: int = _chunked.CHUNK_BYTES) -> None:
+                 dtype: Any = None, chunk_bytes: int = _chunked.CHUNK_BYTES, fuse_projection: bool = True) -> None:
         if ignore_class is not None and (isinstance(ignore_class, bool) or not isinstance(ignore_class, int)):
             raise invalid_argument("ignore_class", ignore_class, "an int or None",
                                    fix="Pass the label of the tokens to leave out, e.g. ignore_class=0, or None.")
         self.ignore_class = ignore_class
-        super().__init__(from_logits, label_smoothing, chunk_bytes, reduction, name, dtype)
+        super().__init__(from_logits, label_smoothing, chunk_bytes, reduction, name, dtype, fuse_projection)
 
     def per_example(self, y_true: Any, logits: tf.Tensor):
         return _chunked.sparse_cross_entropy(y_true, logits, label_smoothing=self.label_smoothing,
                                              ignore_class=self.ignore_class, chunk_bytes=self.chunk_bytes)
+
+    def per_row_fused(self, y_true: Any, projection: Any, keep: Optional[tf.Tensor], uniform: bool):
+        return _fused.sparse_cross_entropy(y_true, projection, keep, uniform=uniform,
+                                           label_smoothing=self.label_smoothing, ignore_class=self.ignore_class,
+                                           chunk_bytes=self.chunk_bytes)
 
     def get_config(self) -> dict:
         return {**super().get_config(), "ignore_class": self.ignore_class}
@@ -151,9 +175,13 @@ class ChunkedCategoricalCrossentropy(_ChunkedLoss):
 
     def __init__(self, from_logits: bool = True, label_smoothing: float = 0.0,
                  reduction: Optional[str] = "sum_over_batch_size", name: str = "categorical_crossentropy",
-                 dtype: Any = None, chunk_bytes: int = _chunked.CHUNK_BYTES) -> None:
-        super().__init__(from_logits, label_smoothing, chunk_bytes, reduction, name, dtype)
+                 dtype: Any = None, chunk_bytes: int = _chunked.CHUNK_BYTES, fuse_projection: bool = True) -> None:
+        super().__init__(from_logits, label_smoothing, chunk_bytes, reduction, name, dtype, fuse_projection)
 
     def per_example(self, y_true: Any, logits: tf.Tensor):
         return _chunked.cross_entropy(y_true, logits, label_smoothing=self.label_smoothing,
                                       chunk_bytes=self.chunk_bytes), None
+
+    def per_row_fused(self, y_true: Any, projection: Any, keep: Optional[tf.Tensor], uniform: bool):
+        return _fused.cross_entropy(y_true, projection, keep, uniform=uniform, label_smoothing=self.label_smoothing,
+                                    chunk_bytes=self.chunk_bytes), None

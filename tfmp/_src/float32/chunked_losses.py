@@ -35,15 +35,16 @@ def _checked(from_logits: Any, label_smoothing: Any, chunk_bytes: Any) -> float:
             not (math.isfinite(label_smoothing) and 0.0 <= label_smoothing <= 1.0):
         raise invalid_argument("label_smoothing", label_smoothing, "a number in [0, 1]",
                                fix="Pass e.g. label_smoothing=0.1, or 0.0 for none.")
-    check_positive_int("chunk_bytes", chunk_bytes, maximum=MAX_CHUNK_BYTES, why="bytes of one float32 chunk",
-                       fix=f"Pass e.g. chunk_bytes={_chunked.CHUNK_BYTES} (32 MiB, the default).")
+    if chunk_bytes is not None:
+        check_positive_int("chunk_bytes", chunk_bytes, maximum=MAX_CHUNK_BYTES, why="bytes of one float32 chunk",
+                           fix=f"Pass e.g. chunk_bytes={_chunked.CHUNK_BYTES} (32 MiB), or None (the default).")
     return float(label_smoothing)
 
 
 class _ChunkedLoss(keras.losses.Loss):
     """A Keras Loss computing float32 per-example values from logits of any float dtype, by chunks."""
 
-    def __init__(self, from_logits: bool, label_smoothing: float, chunk_bytes: int, reduction: Optional[str],
+    def __init__(self, from_logits: bool, label_smoothing: float, chunk_bytes: Optional[int], reduction: Optional[str],
                  name: str, dtype: Any, fuse_projection: bool) -> None:
         self.label_smoothing = _checked(from_logits, label_smoothing, chunk_bytes)
         if not isinstance(fuse_projection, bool):
@@ -52,6 +53,14 @@ class _ChunkedLoss(keras.losses.Loss):
         self.chunk_bytes = chunk_bytes
         self.fuse_projection = fuse_projection
         super().__init__(name=name, reduction=reduction, dtype=dtype)
+
+    @property
+    def _rows_bytes(self) -> int:
+        return _chunked.CHUNK_BYTES if self.chunk_bytes is None else self.chunk_bytes
+
+    @property
+    def _columns_bytes(self) -> int:
+        return _fused.CHUNK_BYTES if self.chunk_bytes is None else self.chunk_bytes
 
     def per_example(self, y_true: Any, logits: tf.Tensor):
         """``(losses, valid)``: float32 losses of ``logits.shape[:-1]`` and the rows kept (None: all)."""
@@ -114,14 +123,22 @@ class ChunkedSparseCategoricalCrossentropy(_ChunkedLoss):
             ``"mean_with_sample_weight"``, ``"none"`` or None.
         name: String. The loss's name.
         dtype: The dtype of the loss value (default ``keras.config.floatx()``); the computation is float32.
-        chunk_bytes: Int, bytes. Size of one float32 chunk of logits (default 32 MiB, at most 1 GiB).
+        chunk_bytes: Int (bytes, at most 1 GiB) or None. Size of one float32 chunk of logits; None: 32 MiB
+            of rows from whole logits, 8 MiB of columns when fused (`fuse_projection`).
+        fuse_projection: Bool (default True). Under ``tf.function`` (Keras's ``fit``), where ``y_pred`` is
+            the output of a Keras ``Dense`` or a projecting ``ReversibleEmbedding`` (bias optional), compute
+            the logits from that layer's input and weights a block of vocabulary columns at a time, as the
+            layer outputs them (its compute dtype), so that its full-size matmul is pruned and the logits
+            are never whole (`tfmp._src.float32.fused_cross_entropy`); elsewhere (eager, other ops)
+            the chunked loss on ``y_pred``.
 
     Inputs: ``y_true`` integer class ids ``[batch, ...]`` (a trailing 1 allowed), ``y_pred``
     logits ``[batch, ..., classes]`` of any float dtype, ``classes`` known.
 
     Raises:
         ValueError: (template) ``from_logits`` is not True, ``label_smoothing`` not in ``[0, 1]``,
-            ``ignore_class`` neither None nor an int, ``chunk_bytes`` not an int in ``[1, 2**30]``.
+            ``ignore_class`` neither None nor an int, ``chunk_bytes`` neither None nor an int in ``[1, 2**30]``,
+            ``fuse_projection`` not a bool.
 
     Example:
         >>> import numpy as np, tensorflow as tf, tfmp
@@ -133,7 +150,7 @@ class ChunkedSparseCategoricalCrossentropy(_ChunkedLoss):
 
     def __init__(self, from_logits: bool = True, ignore_class: Optional[int] = None, label_smoothing: float = 0.0,
                  reduction: Optional[str] = "sum_over_batch_size", name: str = "sparse_categorical_crossentropy",
-                 dtype: Any = None, chunk_bytes: int = _chunked.CHUNK_BYTES, fuse_projection: bool = True) -> None:
+                 dtype: Any = None, chunk_bytes: Optional[int] = None, fuse_projection: bool = True) -> None:
         if ignore_class is not None and (isinstance(ignore_class, bool) or not isinstance(ignore_class, int)):
             raise invalid_argument("ignore_class", ignore_class, "an int or None",
                                    fix="Pass the label of the tokens to leave out, e.g. ignore_class=0, or None.")
@@ -142,12 +159,12 @@ class ChunkedSparseCategoricalCrossentropy(_ChunkedLoss):
 
     def per_example(self, y_true: Any, logits: tf.Tensor):
         return _chunked.sparse_cross_entropy(y_true, logits, label_smoothing=self.label_smoothing,
-                                             ignore_class=self.ignore_class, chunk_bytes=self.chunk_bytes)
+                                             ignore_class=self.ignore_class, chunk_bytes=self._rows_bytes)
 
     def per_row_fused(self, y_true: Any, projection: Any, keep: Optional[tf.Tensor], uniform: bool):
         return _fused.sparse_cross_entropy(y_true, projection, keep, uniform=uniform,
                                            label_smoothing=self.label_smoothing, ignore_class=self.ignore_class,
-                                           chunk_bytes=self.chunk_bytes)
+                                           chunk_bytes=self._columns_bytes)
 
     def get_config(self) -> dict:
         return {**super().get_config(), "ignore_class": self.ignore_class}
@@ -166,22 +183,29 @@ class ChunkedCategoricalCrossentropy(_ChunkedLoss):
         reduction: As Keras's losses (default ``"sum_over_batch_size"``).
         name: String. The loss's name.
         dtype: The dtype of the loss value (default ``keras.config.floatx()``); the computation is float32.
-        chunk_bytes: Int, bytes. Size of one float32 chunk of logits (default 32 MiB, at most 1 GiB).
+        chunk_bytes: Int (bytes, at most 1 GiB) or None. Size of one float32 chunk of logits; None: 32 MiB
+            of rows from whole logits, 8 MiB of columns when fused (`fuse_projection`).
+        fuse_projection: Bool (default True). Under ``tf.function`` (Keras's ``fit``), where ``y_pred`` is
+            the output of a Keras ``Dense`` or a projecting ``ReversibleEmbedding`` (bias optional), compute
+            the logits from that layer's input and weights a block of vocabulary columns at a time, as the
+            layer outputs them (its compute dtype), so that its full-size matmul is pruned and the logits
+            are never whole (`tfmp._src.float32.fused_cross_entropy`); elsewhere (eager, other ops)
+            the chunked loss on ``y_pred``.
 
     Raises:
         ValueError: (template) ``from_logits`` is not True, ``label_smoothing`` not in ``[0, 1]``,
-            ``chunk_bytes`` not an int in ``[1, 2**30]``.
+            ``chunk_bytes`` neither None nor an int in ``[1, 2**30]``, ``fuse_projection`` not a bool.
     """
 
     def __init__(self, from_logits: bool = True, label_smoothing: float = 0.0,
                  reduction: Optional[str] = "sum_over_batch_size", name: str = "categorical_crossentropy",
-                 dtype: Any = None, chunk_bytes: int = _chunked.CHUNK_BYTES, fuse_projection: bool = True) -> None:
+                 dtype: Any = None, chunk_bytes: Optional[int] = None, fuse_projection: bool = True) -> None:
         super().__init__(from_logits, label_smoothing, chunk_bytes, reduction, name, dtype, fuse_projection)
 
     def per_example(self, y_true: Any, logits: tf.Tensor):
         return _chunked.cross_entropy(y_true, logits, label_smoothing=self.label_smoothing,
-                                      chunk_bytes=self.chunk_bytes), None
+                                      chunk_bytes=self._rows_bytes), None
 
     def per_row_fused(self, y_true: Any, projection: Any, keep: Optional[tf.Tensor], uniform: bool):
         return _fused.cross_entropy(y_true, projection, keep, uniform=uniform, label_smoothing=self.label_smoothing,
-                                    chunk_bytes=self.chunk_bytes), None
+                                    chunk_bytes=self._columns_bytes), None

@@ -16,9 +16,10 @@ computed in the forward loop and scaled once by the upstream gradient (as Liger-
 linear cross-entropy does); otherwise the backward loop recomputes each chunk's logits. A float32
 kernel or bias (a mixed policy's variable before the layer's cast) gets its gradient in float32.
 
-The chunk's matmul runs in float32 where the hardware has no fast 16-bit matmul (`float32_matmul`:
+The block's matmul runs in float32 where the hardware has no fast 16-bit matmul (`float32_matmul`:
 TensorFlow's 16-bit CPU matmul without oneDNN converts to float32 and back, so the result, rounded
-once to the compute dtype, is the same) and in the compute dtype elsewhere.
+once to the compute dtype as that kernel rounds it, `matmul_truncates`, is the same) and in the
+compute dtype elsewhere.
 Measurements: benchmarks/README.md, "Decoder loss".
 """
 
@@ -28,14 +29,12 @@ from typing import Optional, Tuple
 
 import tensorflow as tf
 
-from tfmp._src.float32.chunked_cross_entropy import (
-    CHUNK_BYTES,
-    chunk_plan,
-    minus_target,
-    row_terms,
-    rows_per_chunk,
-)
 from tfmp._src.keras_hooks.projection_graph import Projection
+
+#: Default bytes of one float32 block of logits (all rows x some vocabulary columns): 8 MiB. Measured
+#: (benchmarks/README.md, "Decoder loss", Zen 3): at 32 MiB the block's float32 temporaries made the
+#: step's peak 0.60x plain Keras's and its time 2.3x; at 8 MiB 0.17x and 0.9x.
+CHUNK_BYTES = 8 * 2**20
 
 
 def float32_matmul(dtype: tf.DType) -> bool:
@@ -49,6 +48,26 @@ def float32_matmul(dtype: tf.DType) -> bool:
     facts = detect_device_facts()
     fast = facts.onednn_bfloat16 if dtype == tf.bfloat16 else facts.onednn_float16
     return not (facts.gpus or facts.tpu or fast)
+
+
+_truncation = {}
+
+
+def matmul_truncates(dtype: tf.DType) -> bool:
+    """True when this process's ``tf.matmul`` of ``dtype`` (bfloat16) rounds its float32 sums toward zero.
+
+    A known answer, measured once per process: ``[1, 1] @ [1, 3 * 2**-9]`` is 1.005859375, which
+    rounds to 1.0078125 to nearest and to 1.0 toward zero. TensorFlow 2.21's bfloat16 CPU matmul
+    without oneDNN (Eigen) truncates (measured on Zen 3); its casts round to nearest even.
+    """
+    if dtype != tf.bfloat16:
+        return False
+    if dtype not in _truncation:
+        with tf.init_scope():  # eager, outside any graph being traced
+            one = tf.constant([[1.0, 1.0]], dtype)
+            value = tf.matmul(one, tf.constant([[1.0], [3 * 2.0**-9]], dtype))
+            _truncation[dtype] = float(tf.cast(value, tf.float32)[0, 0]) == 1.0
+    return _truncation[dtype]
 
 
 def sparse_cross_entropy(labels, projection: Projection, keep: Optional[tf.Tensor], *, uniform: bool,
@@ -90,98 +109,113 @@ def _classes(projection: Projection) -> int:
 
 
 def _fused(projection: Projection, ids, dense, keep, uniform: bool, smoothing: float, chunk_bytes: int):
-    """Float32 ``[rows]`` losses (0 outside ``keep``) of the logits ``projection`` outputs."""
+    """Float32 ``[rows]`` losses (0 outside ``keep``) of the logits ``projection`` outputs, by column blocks."""
     hidden, kernel, transpose, bias, dtype = projection
-    classes = _classes(projection)
-    size = rows_per_chunk(classes, chunk_bytes)
-    offsets, step, chunks, size = chunk_plan(hidden, size)
+    classes, depth = _classes(projection), int(hidden.shape[-1])
     rows = tf.shape(hidden)[0]
+    # columns per block: `chunk_bytes` of float32 logits over every row (under XLA a constant: from a shape)
+    width = tf.clip_by_value(int(chunk_bytes) // (4 * tf.maximum(rows, 1)), 1, classes)
+    blocks = (classes + width - 1) // width
+    offsets = tf.range(width)
     work = tf.float32 if float32_matmul(dtype) else dtype  # the matmuls' dtype
-
-    def rounded(value):  # a kernel or bias as the layer multiplies it: in the compute dtype
-        return tf.cast(tf.cast(value, dtype), work)
+    kernel_axis = 0 if transpose else 1
+    kept = tf.ones([rows], tf.float32) if keep is None else tf.cast(keep, tf.float32)
 
     def round_trip(value):  # a float32 tensor rounded to the compute dtype, as the layer's op outputs it
         return value if dtype == tf.float32 else tf.cast(tf.cast(value, dtype), tf.float32)
 
-    def chunk(index, weights, shift):
-        """Rows, live rows (in range and kept), hidden rows and float32 logits of chunk ``index``."""
-        at = index * step + offsets
-        rows_ids = tf.minimum(at, rows - 1)  # past the end: the last row again, not live
-        live = at < rows
-        if keep is not None:
-            live = tf.logical_and(live, tf.gather(keep, rows_ids))
-        part = tf.cast(tf.gather(hidden, rows_ids), work)
-        product = tf.matmul(part, weights, transpose_b=transpose)
+    cut = matmul_truncates(dtype) and work == tf.float32
+
+    def matmul_output(value):  # a float32 product as TensorFlow's 16-bit matmul kernel outputs it
+        if not cut:
+            return round_trip(value)
+        return tf.bitcast(tf.bitwise.bitwise_and(tf.bitcast(value, tf.int32), -65536), tf.float32)
+
+    def block(index, hidden_in, kernel_in, bias_in):
+        """Columns, live columns (float 0/1), the kernel block and float32 logits ``[rows, width]`` of block ``index``."""
+        at = index * width + offsets
+        cols = tf.minimum(at, classes - 1)  # past the end: the last column again, not live
+        live = tf.cast(at < classes, tf.float32)
+        weights = tf.cast(tf.cast(tf.gather(kernel_in, cols, axis=kernel_axis), dtype), work)
+        product = tf.matmul(tf.cast(hidden_in, work), weights, transpose_b=transpose)
         if work != tf.float32:  # the layer's ops in its dtype
-            logits = product if shift is None else tf.nn.bias_add(product, shift)
-            return rows_ids, live, part, tf.cast(logits, tf.float32)
-        logits = round_trip(product)  # the matmul's output rounding; a 16-bit add computes in float32, rounds
-        return rows_ids, live, part, logits if shift is None else round_trip(tf.nn.bias_add(logits, shift))
+            logits = tf.cast(product if bias_in is None else
+                             tf.nn.bias_add(product, tf.cast(tf.gather(bias_in, cols), dtype)), tf.float32)
+        else:  # the matmul's output rounding; a 16-bit add computes in float32 and rounds
+            logits = matmul_output(product)
+            if bias_in is not None:
+                logits = round_trip(logits + tf.cast(tf.cast(tf.gather(bias_in, cols), dtype), tf.float32))
+        return cols, live, weights, logits
 
-    def gradients(softmax, rows_ids, live, part, weights, scale):
-        """``(d_hidden rows, d_kernel, d_bias)`` of one chunk, float32: ``g = softmax - target`` times ``scale``."""
-        scale = scale * tf.cast(live, tf.float32)
-        g = minus_target(softmax, rows_ids, ids, dense, smoothing) * scale[:, None]
-        low = tf.cast(g, work)
-        d_part = tf.matmul(low, weights, transpose_b=not transpose)
-        d_weights = tf.matmul(low, part, transpose_a=True) if transpose else tf.matmul(part, low, transpose_a=True)
-        return tf.cast(d_part, tf.float32), tf.cast(d_weights, tf.float32), tf.reduce_sum(g, axis=0)
-
-    def zeros_like_kernel():
-        return tf.zeros(kernel.shape, tf.float32)
-
-    def arrays(count, shape, dtype_=tf.float32):
-        return [tf.TensorArray(dtype_, size=chunks, element_shape=shape) for _ in range(count)]
+    def target(cols, live):
+        """The float32 target of a block ``[rows, width]``, 0 in dead columns."""
+        if dense is None:
+            one_hot = tf.cast(tf.equal(ids[:, None], cols[None, :]), tf.float32) * live
+            return (1.0 - smoothing) * one_hot + smoothing / classes * live if smoothing else one_hot
+        t = tf.cast(tf.gather(dense, cols, axis=1), tf.float32)
+        return (t * (1.0 - smoothing) + smoothing / classes if smoothing else t) * live
 
     def loop(body, state):
-        return tf.while_loop(lambda i, *_: i < chunks, body, (0, *state), maximum_iterations=chunks,
+        return tf.while_loop(lambda i, *_: i < blocks, body, (0, *state), maximum_iterations=blocks,
                              parallel_iterations=1)[1:]
 
-    depth = int(hidden.shape[-1])
+    def log_sum_exp(hidden_in, kernel_in, bias_in):
+        """Pass 1: float32 ``(lse, sum(t), sum(t * x))`` per row, an online log-sum-exp over the blocks."""
+        def body(index, peak, total_exp, total, weighted):
+            cols, live, _, logits = block(index, hidden_in, kernel_in, bias_in)
+            logits = logits + (live - 1.0) * 3e38  # dead columns: far below every live one
+            new_peak = tf.maximum(peak, tf.stop_gradient(tf.reduce_max(logits, axis=1)))
+            total_exp = total_exp * tf.exp(peak - new_peak) + tf.reduce_sum(tf.exp(logits - new_peak[:, None]), 1)
+            t = target(cols, live)
+            logits = logits * live  # no 3e38 * 0 below
+            return index + 1, new_peak, total_exp, total + tf.reduce_sum(t, 1), weighted + tf.reduce_sum(t * logits, 1)
+
+        zeros = tf.zeros([rows], tf.float32)
+        peak, total_exp, total, weighted = loop(body, (zeros - 3e38, zeros, zeros, zeros))
+        return tf.math.log(total_exp) + peak, total, weighted
+
+    def gradients(hidden_in, kernel_in, bias_in, lse, total, scale):
+        """Pass 2: float32 ``d_hidden``, ``d_kernel`` and ``d_bias`` for ``g = (softmax * sum(t) - t) * scale``."""
+        def body(index, d_hidden, d_kernel, d_bias):
+            cols, live, weights, logits = block(index, hidden_in, kernel_in, bias_in)
+            softmax = tf.exp(logits - lse[:, None]) * live
+            g = (softmax * total[:, None] - target(cols, live)) * scale[:, None]
+            low = tf.cast(g, work)
+            d_hidden += tf.cast(tf.matmul(low, weights, transpose_b=not transpose), tf.float32)
+            part = tf.cast(hidden_in, work)
+            d_weights = tf.matmul(low, part, transpose_a=True) if transpose else tf.matmul(part, low, transpose_a=True)
+            return index + 1, d_hidden, d_kernel.write(index, tf.cast(d_weights, tf.float32)), d_bias.write(
+                index, tf.reduce_sum(g, axis=0))
+
+        shape = [None, depth] if transpose else [depth, None]
+        d_hidden, d_kernel, d_bias = loop(body, (tf.zeros([rows, depth], tf.float32),
+                                                 tf.TensorArray(tf.float32, size=blocks, element_shape=shape),
+                                                 tf.TensorArray(tf.float32, size=blocks, element_shape=[None])))
+        d_kernel = d_kernel.stack()  # [blocks, width, depth] or [blocks, depth, width]
+        if transpose:
+            d_kernel = tf.reshape(d_kernel, [-1, depth])[:classes]
+        else:
+            d_kernel = tf.reshape(tf.transpose(d_kernel, [1, 0, 2]), [depth, -1])[:, :classes]
+        return d_hidden, d_kernel, tf.reshape(d_bias.stack(), [-1])[:classes]
+
     no_bias = bias is None
 
     @tf.custom_gradient
     def loss_of(hidden_in, kernel_in, *bias_in):
-        weights = rounded(kernel_in)
-        shift = None if no_bias else rounded(bias_in[0])
-        ones = tf.ones([step], tf.float32)
-
-        def forward(index, lse_array, loss_array, *grads):
-            rows_ids, live, part, tile = chunk(index, weights, shift)
-            if not uniform:
-                lse, loss = row_terms(tile, rows_ids, ids, dense, smoothing)
-                return index + 1, lse_array.write(index, lse), loss_array.write(index, tf.where(live, loss, 0.0))
-            lse, loss, softmax = row_terms(tile, rows_ids, ids, dense, smoothing, softmax=True)
-            out = (index + 1, lse_array.write(index, lse), loss_array.write(index, tf.where(live, loss, 0.0)))
-            d_part, d_weights, d_shift = gradients(softmax, rows_ids, live, part, weights, ones)
-            d_hidden, d_kernel, d_bias = grads
-            return out + (d_hidden.write(index, d_part), d_kernel + d_weights, d_bias + d_shift)
-
-        state = arrays(2, [size])
-        if uniform:
-            state += arrays(1, [size, depth]) + [zeros_like_kernel(), tf.zeros([classes], tf.float32)]
-        lse_array, loss_array, *found = loop(forward, state)
-        lse = tf.reshape(lse_array.stack(), [-1])[:rows]
-        loss = tf.reshape(loss_array.stack(), [-1])[:rows]
+        shift = None if no_bias else bias_in[0]
+        lse, total, weighted = log_sum_exp(hidden_in, kernel_in, shift)
+        loss = (lse * total - weighted) * kept  # -sum(t * (x - lse)); 0 outside `keep`
+        if uniform:  # every kept row's upstream gradient alike: the gradients now, scaled later
+            found = gradients(hidden_in, kernel_in, shift, lse, total, kept)
 
         def grad(upstream):
             upstream = tf.cast(upstream, tf.float32)
-            if uniform:  # every kept row's upstream gradient is that of the first kept one
+            if uniform:  # scaled by the upstream gradient of the first kept row (all kept rows': the same)
                 first = 0 if keep is None else tf.argmax(tf.cast(keep, tf.int32), output_type=tf.int32)
-                d_hidden = tf.reshape(found[0].stack(), [-1, depth])[:rows] * upstream[:, None]
-                d_kernel, d_bias = found[1] * upstream[first], found[2] * upstream[first]
+                alike = tf.gather(upstream, first)  # not upstream[first]: XLA would take `first` as a constant
+                d_hidden, d_kernel, d_bias = found[0] * upstream[:, None], found[1] * alike, found[2] * alike
             else:
-                def backward(index, d_hidden, d_kernel, d_bias):
-                    rows_ids, live, part, tile = chunk(index, weights, shift)
-                    softmax = tf.exp(tile - tf.gather(lse, rows_ids)[:, None])
-                    d_part, d_weights, d_shift = gradients(softmax, rows_ids, live, part, weights,
-                                                           tf.gather(upstream, rows_ids))
-                    return index + 1, d_hidden.write(index, d_part), d_kernel + d_weights, d_bias + d_shift
-
-                d_hidden, d_kernel, d_bias = loop(backward, arrays(1, [size, depth]) + [
-                    zeros_like_kernel(), tf.zeros([classes], tf.float32)])
-                d_hidden = tf.reshape(d_hidden.stack(), [-1, depth])[:rows]
+                d_hidden, d_kernel, d_bias = gradients(hidden_in, kernel_in, shift, lse, total, upstream * kept)
             out = [tf.cast(d_hidden, hidden_in.dtype), tf.cast(d_kernel, kernel_in.dtype)]
             return out if no_bias else out + [tf.cast(d_bias, bias_in[0].dtype)]
 

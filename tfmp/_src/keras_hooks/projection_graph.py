@@ -6,6 +6,7 @@ logits tensor it receives through the ops Keras's TensorFlow backend writes:
 
 | op (from the logits back) | where in Keras | what `output_projection` takes |
 |---|---|---|
+| ``IdentityN`` of a bias add (optional) | ``tf.custom_gradient`` of tfmp's ``float32/bias_gradient.py`` | (its input: the fused loss sums the bias gradient in float32 itself) |
 | ``BiasAdd`` / ``Add`` / ``AddV2`` of a 1-D tensor (optional) | ``Dense.call``: ``ops.add(x, self.bias)`` | the bias |
 | ``Reshape`` (optional) | ``backend/tensorflow/numpy.py`` ``matmul``: ``tf.tensordot`` of a 3-D input | (its input) |
 | ``MatMul`` (or ``BatchMatMulV2``/``V3`` against a 2-D kernel) | ``ops.matmul(inputs, kernel)`` | the 2-D hidden states and the kernel, ``transpose_b`` |
@@ -68,6 +69,8 @@ def _before_cast(tensor: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
 def _split_bias(tensor: tf.Tensor, classes: int):
     """``(before the bias add, bias)`` of ``tensor``; bias None when it is no bias add over the last axis."""
     op = tensor.op
+    if op.type == "IdentityN" and op.inputs[tensor.value_index].op.type in _ADDS:
+        op = op.inputs[tensor.value_index].op  # tfmp's float32-summed bias gradient (`bias_gradient`)
     if op.type not in _ADDS or len(op.inputs) != 2:
         return tensor, None
     if op.type == "BiasAdd" and op.get_attr("data_format") not in (b"NHWC", "NHWC"):

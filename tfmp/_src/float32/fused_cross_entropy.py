@@ -132,7 +132,7 @@ def _fused(projection: Projection, ids, dense, keep, uniform: bool, smoothing: f
         return tf.bitcast(tf.bitwise.bitwise_and(tf.bitcast(value, tf.int32), -65536), tf.float32)
 
     def block(index, hidden_in, kernel_in, bias_in):
-        """Columns, live columns (float 0/1), the kernel block and float32 logits ``[rows, width]`` of block ``index``."""
+        """Columns, live columns (float 0/1), the kernel block and float32 logits ``[rows, width]`` of a block."""
         at = index * width + offsets
         cols = tf.minimum(at, classes - 1)  # past the end: the last column again, not live
         live = tf.cast(at < classes, tf.float32)

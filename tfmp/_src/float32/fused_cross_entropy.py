@@ -1,20 +1,24 @@
 """Output projection and softmax cross-entropy fused: the logits are never whole, in float32 or 16 bits.
 
 Given what the output projection multiplies (`tfmp._src.keras_hooks.projection_graph.Projection`:
-hidden states ``[rows, depth]``, kernel, optional bias), the loss takes ``rows_per_chunk`` rows at
-a time, computes that chunk's logits as the layer would output them (the matmul rounded to the
-layer's compute dtype, then the bias added in it), and reduces them in float32 to one
-log-sum-exp and one loss per row (`chunked_cross_entropy.row_terms`), as the chunked loss does
-from whole logits. The layer's full-size matmul then has no consumer in the training step and
-TensorFlow prunes it; a metric reading the logits keeps it (and still gets the layer's values).
+hidden states ``[rows, depth]``, kernel, optional bias), the loss takes the vocabulary a block of
+columns at a time (``chunk_bytes // (4 * rows)`` columns: one block of float32 logits over every
+row), computes that block's logits as the layer outputs them (the matmul rounded to the layer's
+compute dtype, then the bias added in it), and keeps per row a running maximum and sum of
+exponentials (an online log-sum-exp) and the target's terms. The layer's full-size matmul then
+has no consumer in the training step and TensorFlow prunes it; a metric reading the logits keeps
+it (and still gets the layer's values). Blocks of columns rather than rows: each block multiplies
+a slice of the kernel by every row (a large matmul) and yields its slice of the kernel's gradient
+once, where a block of rows would multiply the whole kernel and add a kernel-sized gradient.
 
-Gradients (``tf.custom_gradient``, for hidden, kernel and bias): per chunk,
-``g = softmax - target`` in float32, ``d_hidden = g @ kernel^T``, ``d_kernel += hidden^T @ g``,
-``d_bias += sum(g)``. When every kept row's upstream gradient is the same (``uniform``: a Keras
-reduction without sample weights, which weighs every kept row alike, `chunked_losses`), they are
-computed in the forward loop and scaled once by the upstream gradient (as Liger-Kernel's fused
-linear cross-entropy does); otherwise the backward loop recomputes each chunk's logits. A float32
-kernel or bias (a mixed policy's variable before the layer's cast) gets its gradient in float32.
+Gradients (``tf.custom_gradient``, for hidden, kernel and bias), a second pass over the blocks:
+``g = softmax * sum(target) - target`` in float32, ``d_hidden += g @ block^T``, the block's
+``d_kernel = hidden^T @ g`` and ``d_bias = sum(g)``. When every kept row's upstream gradient is the
+same (``uniform``: a Keras reduction without sample weights weighs every kept row alike,
+`chunked_losses`), the second pass runs in the forward and its results are scaled by the upstream
+gradient (as Liger-Kernel's fused linear cross-entropy does); otherwise the backward runs it with
+each row's upstream gradient. A float32 kernel or bias (a mixed policy's variable before the
+layer's cast) gets its gradient in float32.
 
 The block's matmul runs in float32 where the hardware has no fast 16-bit matmul (`float32_matmul`:
 TensorFlow's 16-bit CPU matmul without oneDNN converts to float32 and back, so the result, rounded
@@ -81,7 +85,9 @@ def sparse_cross_entropy(labels, projection: Projection, keep: Optional[tf.Tenso
         projection: The output projection (`output_projection` of the logits).
         keep: Boolean ``[rows]`` tensor or None: rows outside it have loss 0 and gradient 0 (a Keras mask).
         uniform: Bool. Every kept row's upstream gradient is the same (gradients made in the forward loop).
-        label_smoothing, ignore_class, chunk_bytes: As `chunked_cross_entropy.sparse_cross_entropy`.
+        label_smoothing, ignore_class: As `chunked_cross_entropy.sparse_cross_entropy`.
+        chunk_bytes: Int. Bytes of one float32 block of logits: every row, ``chunk_bytes // (4 * rows)``
+            vocabulary columns (at least 1).
 
     Returns:
         ``(loss, valid)``: float32 ``[rows]`` losses and the rows not ignored (None without ``ignore_class``).

@@ -161,6 +161,14 @@ def _fused(projection: Projection, ids, dense, keep, uniform: bool, smoothing: f
         t = tf.cast(tf.gather(dense, cols, axis=1), tf.float32)
         return (t * (1.0 - smoothing) + smoothing / classes if smoothing else t) * live
 
+    hard = dense is None and not smoothing  # one-hot targets: read and subtract at the label only
+
+    def at_label(index):
+        """``(rows ids of the labels inside block index, whether inside)`` for ``gather``/``scatter``."""
+        local = ids - index * width
+        inside = tf.logical_and(local >= 0, local < width)
+        return tf.stack([tf.range(rows), tf.clip_by_value(local, 0, width - 1)], axis=1), inside
+
     def loop(body, state):
         return tf.while_loop(lambda i, *_: i < blocks, body, (0, *state), maximum_iterations=blocks,
                              parallel_iterations=1)[1:]
@@ -172,12 +180,16 @@ def _fused(projection: Projection, ids, dense, keep, uniform: bool, smoothing: f
             logits = logits + (live - 1.0) * 3e38  # dead columns: far below every live one
             new_peak = tf.maximum(peak, tf.stop_gradient(tf.reduce_max(logits, axis=1)))
             total_exp = total_exp * tf.exp(peak - new_peak) + tf.reduce_sum(tf.exp(logits - new_peak[:, None]), 1)
+            if hard:
+                where, inside = at_label(index)
+                return index + 1, new_peak, total_exp, total, weighted + tf.where(
+                    inside, tf.gather_nd(logits, where), 0.0)
             t = target(cols, live)
             logits = logits * live  # no 3e38 * 0 below
             return index + 1, new_peak, total_exp, total + tf.reduce_sum(t, 1), weighted + tf.reduce_sum(t * logits, 1)
 
         zeros = tf.zeros([rows], tf.float32)
-        peak, total_exp, total, weighted = loop(body, (zeros - 3e38, zeros, zeros, zeros))
+        peak, total_exp, total, weighted = loop(body, (zeros - 3e38, zeros, zeros + 1.0 if hard else zeros, zeros))
         return tf.math.log(total_exp) + peak, total, weighted
 
     def gradients(hidden_in, kernel_in, bias_in, lse, total, scale):
@@ -185,7 +197,11 @@ def _fused(projection: Projection, ids, dense, keep, uniform: bool, smoothing: f
         def body(index, d_hidden, d_kernel, d_bias):
             cols, live, weights, logits = block(index, hidden_in, kernel_in, bias_in)
             softmax = tf.exp(logits - lse[:, None]) * live
-            g = (softmax * total[:, None] - target(cols, live)) * scale[:, None]
+            if hard:  # sum(target) is 1
+                where, inside = at_label(index)
+                g = tf.tensor_scatter_nd_sub(softmax, where, tf.cast(inside, tf.float32)) * scale[:, None]
+            else:
+                g = (softmax * total[:, None] - target(cols, live)) * scale[:, None]
             low = tf.cast(g, work)
             d_hidden += tf.cast(tf.matmul(low, weights, transpose_b=not transpose), tf.float32)
             part = tf.cast(hidden_in, work)

@@ -36,8 +36,8 @@ import tensorflow as tf
 from tfmp._src.keras_hooks.projection_graph import Projection
 
 #: Default bytes of one float32 block of logits (all rows x some vocabulary columns): 8 MiB. Measured
-#: (benchmarks/README.md, "Decoder loss", Zen 3): at 32 MiB the block's float32 temporaries made the
-#: step's peak 0.60x plain Keras's and its time 2.3x; at 8 MiB 0.17x and 0.9x.
+#: (benchmarks/README.md, "Decoder loss", Zen 3, vocabulary 32k): at 32 MiB the block's float32
+#: temporaries made the step's peak 0.60x plain Keras's; at 8 MiB 0.17-0.20x.
 CHUNK_BYTES = 8 * 2**20
 
 

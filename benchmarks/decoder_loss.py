@@ -14,9 +14,13 @@ trained by SGD (no optimizer slots: the loss's memory is what differs). Configur
 - ``tfmp_cast``: ``tfmp.enable("mixed_bfloat16")`` and Keras's loss: tfmp's logits rule keeps
   the projection bfloat16 and casts its logits to float32 (before chunked losses existed);
 - ``chunked``: plain Keras, ``mixed_bfloat16``, the output ``Dense`` bfloat16 and
-  ``tfmp.ChunkedSparseCategoricalCrossentropy()``: no float32 tensor of the logits' size;
-- ``tfmp_chunked``: ``tfmp.enable("mixed_bfloat16")`` and the chunked loss (tfmp keeps the
-  logits bfloat16, `tfmp._src.float32.logits`).
+  ``tfmp.ChunkedSparseCategoricalCrossentropy(fuse_projection=False)``: no float32 tensor of
+  the logits' size, bfloat16 logits whole;
+- ``fused``: as ``chunked`` with the loss's default ``fuse_projection=True``: the loss computes
+  the logits from the projection's input and kernel a chunk at a time, the full-size
+  projection is pruned, no logits of full size in any dtype;
+- ``tfmp_fused``: ``tfmp.enable("mixed_bfloat16")`` and the (fused) chunked loss (tfmp keeps
+  the logits bfloat16, `tfmp._src.float32.logits`).
 
 Each configuration runs in a fresh Python process (``--one``): one warm-up step (it traces
 the step), ``--steps`` timed steps (``train_on_batch``; step time: their median), then one
@@ -30,9 +34,10 @@ it: the peak memory a training step adds (activations, logits, gradients, tempor
 With ``--onednn on`` TensorFlow's CPU allocator is a pool that keeps freed blocks, so the
 memory step shows only growth beyond it (compare times only). TensorFlow's allocator
 statistics (``tf.config.experimental.get_memory_info``) are not kept for a CPU (TensorFlow 2.21 raises "Allocator stats not available for device 'CPU:0'").
-Loss: each configuration's loss on the batch before training, against Keras's float32 loss
-on the same logits cast to float32 (the relative difference); all configurations start from
-the same weights (seeded).
+Loss: each configuration's loss on the batch before training (the warm-up step's, as the
+training step computes it, fused or not), against Keras's float32 loss on the same model's
+logits cast to float32 (the relative difference); all configurations start from the same
+weights (seeded).
 
 Configurations alternate within each repeat (the order rotated each repeat); reported:
 medians over repeats, and each configuration's memory and step time over ``keras``'s, the
@@ -55,7 +60,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's tfmp
 
-CONFIGS = ("keras", "tfmp_cast", "chunked", "tfmp_chunked")
+CONFIGS = ("keras", "tfmp_cast", "chunked", "fused", "tfmp_fused")
 #: glibc's mmap threshold for the memory step: a freed tensor of 128 KiB or more leaves RSS at once.
 MMAP_THRESHOLD = 128 * 1024
 #: ``mallopt``'s parameter number for the mmap threshold (glibc's malloc.h).
@@ -83,15 +88,17 @@ def _exact_rss() -> None:
     libc.malloc_trim(0)
 
 
-def build(config: str, vocab: int, dim: int, seq: int):
+def build(config: str, vocab: int, dim: int, seq: int, chunk_bytes: Optional[int] = None):
     """The model of `config`, compiled; the global policy and tfmp as they were after."""
     import keras
     import tfmp
 
     keras.utils.set_random_seed(0)
-    chunked = config in ("chunked", "tfmp_chunked")
-    loss = (tfmp.ChunkedSparseCategoricalCrossentropy() if chunked
-            else keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    if config in ("keras", "tfmp_cast"):
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    else:
+        sizes = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
+        loss = tfmp.ChunkedSparseCategoricalCrossentropy(fuse_projection=config != "chunked", **sizes)
     scope = tfmp.policy_scope("mixed_bfloat16", verbose=False) if config.startswith("tfmp") else None
     before = keras.config.dtype_policy()
     if scope is None:
@@ -114,7 +121,8 @@ def build(config: str, vocab: int, dim: int, seq: int):
     return model, loss
 
 
-def one(config: str, vocab: int, batch: int, seq: int, dim: int, steps: int) -> Dict[str, Any]:
+def one(config: str, vocab: int, batch: int, seq: int, dim: int, steps: int,
+        chunk_bytes: Optional[int] = None) -> Dict[str, Any]:
     """Measures one configuration in this process (a child); returns its JSON-able record."""
     import numpy as np
     import tensorflow as tf
@@ -125,8 +133,8 @@ def one(config: str, vocab: int, batch: int, seq: int, dim: int, steps: int) -> 
     rng = np.random.default_rng(1)
     x = rng.integers(0, vocab, size=(batch, seq)).astype("int32")
     y = rng.integers(0, vocab, size=(batch, seq)).astype("int32")
-    model, loss = build(config, vocab, dim, seq)
-    model.train_on_batch(x, y)  # traces the step
+    model, loss = build(config, vocab, dim, seq, chunk_bytes)
+    step_loss = float(model.train_on_batch(x, y))  # traces the step; the loss before the update
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -139,9 +147,9 @@ def one(config: str, vocab: int, batch: int, seq: int, dim: int, steps: int) -> 
     model.train_on_batch(x, y)
     peak = _status("VmHWM")
     # the loss before training, against Keras's float32 loss on the same logits cast to float32
-    model2, _ = build(config, vocab, dim, seq)
+    model2, _ = build(config, vocab, dim, seq, chunk_bytes)
     logits = model2(x)
-    value = float(loss(y, logits))
+    value = step_loss
     reference = float(keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, tf.cast(logits, tf.float32)))
     return {
         "config": config, "vocab": vocab, "tokens": batch * seq, "logits_dtype": logits.dtype.name,
@@ -154,6 +162,8 @@ def one(config: str, vocab: int, batch: int, seq: int, dim: int, steps: int) -> 
 def _child(config: str, vocab: int, args: argparse.Namespace) -> Dict[str, Any]:
     command = [sys.executable, os.path.abspath(__file__), "--one", config, "--vocab", str(vocab),
                "--batch", str(args.batch), "--seq", str(args.seq), "--dim", str(args.dim), "--steps", str(args.steps)]
+    if args.chunk_bytes is not None:
+        command += ["--chunk-bytes", str(args.chunk_bytes)]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"configuration {config} (vocab {vocab}) failed:\n{done.stderr[-3000:]}")
@@ -169,7 +179,7 @@ def markdown(results: Dict[str, Any]) -> str:
     """The results as a markdown table, one row per vocabulary and configuration."""
     lines = [f"CPU: {results['cpu']}, {results['cores']} cores; TensorFlow {results['tensorflow']}, "
              f"Keras {results['keras']}; {results['tokens']} tokens ({results['batch']} x {results['seq']}), "
-             f"dim {results['dim']}, {results['steps']} timed steps, {results['repeats']} repeat(s); "
+             f"dim {results['dim']}, chunk_bytes {results['chunk_bytes'] or 'default'}, {results['steps']} timed steps, {results['repeats']} repeat(s); "
              f"TF_ENABLE_ONEDNN_OPTS {results['onednn']}; "
              f"load average {results['load_start']} -> {results['load_end']}.", "",
              "| vocab | config | logits | step peak MiB | vs keras | step ms | vs keras | loss rel. diff vs float32 |",
@@ -193,6 +203,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per configuration (after one warm-up)")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--chunk-bytes", type=int, help="the chunked losses' chunk_bytes (default: theirs)")
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     parser.add_argument("--onednn", choices=["default", "on", "off"], default="default",
                         help="TF_ENABLE_ONEDNN_OPTS in the children: 'on' (1), 'off' (0), or as inherited")
@@ -203,7 +214,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     if args.quick:
         args.vocab, args.batch, args.seq, args.dim, args.steps = [2000], 2, 64, 32, 1
     if args.one:
-        print(json.dumps(one(args.one, args.vocab[0], args.batch, args.seq, args.dim, args.steps)))
+        print(json.dumps(one(args.one, args.vocab[0], args.batch, args.seq, args.dim, args.steps, args.chunk_bytes)))
         return {}
     import keras
     import tensorflow as tf
@@ -226,7 +237,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     results = {
         "cpu": detect_device_facts().cpu_name, "cores": os.cpu_count(), "tensorflow": tf.__version__,
         "keras": keras.__version__, "tokens": args.batch * args.seq, "batch": args.batch, "seq": args.seq,
-        "dim": args.dim, "steps": args.steps, "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "unset"), "repeats": args.repeats, "configs": args.configs,
+        "dim": args.dim, "chunk_bytes": args.chunk_bytes, "steps": args.steps, "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "unset"), "repeats": args.repeats, "configs": args.configs,
         "load_start": load_start, "load_end": [round(v, 2) for v in os.getloadavg()], "vocabs": vocabs,
     }
     print(markdown(results))

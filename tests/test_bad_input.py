@@ -405,12 +405,15 @@ CHUNKED_LOSSES = st.sampled_from([tfmp.ChunkedSparseCategoricalCrossentropy, tfm
 @covers("ChunkedSparseCategoricalCrossentropy", "ChunkedCategoricalCrossentropy")
 @given(loss=CHUNKED_LOSSES, from_logits=st.one_of(st.just(False), NON_BOOLS, st.none()),
        smoothing=st.one_of(NON_NUMBERS, NON_FINITE, st.floats(max_value=-1e-9), st.floats(min_value=1.0 + 1e-9)),
-       chunk_bytes=st.one_of(NOT_COUNTS, st.integers(min_value=2**30 + 1)))
+       chunk_bytes=st.one_of(NOT_COUNTS.filter(lambda value: value is not None), st.integers(min_value=2**30 + 1)),
+       fuse=st.one_of(NON_BOOLS, st.none()))
 @BAD_INPUT_SETTINGS
-def test_chunked_losses_refuse_logits_flags_smoothing_and_chunk_sizes(loss, from_logits, smoothing, chunk_bytes):
+def test_chunked_losses_refuse_logits_flags_smoothing_and_chunk_sizes(loss, from_logits, smoothing, chunk_bytes,
+                                                                      fuse):
     assert_refused(lambda: loss(from_logits=from_logits), "from_logits")
     assert_refused(lambda: loss(label_smoothing=smoothing), "label_smoothing")
-    assert_refused(lambda: loss(chunk_bytes=chunk_bytes), "chunk_bytes")
+    assert_refused(lambda: loss(chunk_bytes=chunk_bytes), "chunk_bytes")  # None: the default sizes
+    assert_refused(lambda: loss(fuse_projection=fuse), "fuse_projection")
 
 
 @covers("ChunkedSparseCategoricalCrossentropy")

@@ -22,6 +22,7 @@ from tfmp._src.keras_hooks import (
     layer_calls,
     optimizer_steps,
     patches,
+    projection_graph,
     runtime_options,
     train_function,
     trainer,
@@ -761,3 +762,23 @@ def test_tensorflow_names_a_traced_backward_pass_under_its_gradient_scopes():
     assert seed == ["ones"]  # the tape's output gradient, before its backward pass: no clip
     assert all(error_texts.in_backward_pass(name) for name in names["gradients"])
     assert not any(error_texts.in_backward_pass(name) for name in names["forward"] + names["after"])
+
+
+def test_keras_projections_still_trace_to_the_ops_the_fused_cross_entropy_follows():
+    """A Dense (3-D input, bias, a mixed policy's float32 variables) and a tied ReversibleEmbedding's
+    reverse call trace to `projection_graph`'s pattern; a 2-D Dense without bias and a float32 one too."""
+    projection_graph._probe()  # raises LookupError naming the layer whose graph moved
+    found = []
+    layers = (keras.layers.Dense(5, use_bias=False, dtype="mixed_float16"), keras.layers.Dense(5))
+    for layer in layers:
+        layer.build((None, 3))
+
+    @tf.function(autograph=False)
+    def trace(x):
+        for layer in layers:
+            found.append(projection_graph._walk(layer(tf.cast(x, layer.compute_dtype))))
+        return x
+
+    trace(tf.ones((2, 3)))
+    assert [(p.transpose, p.bias is None, p.kernel.dtype, p.dtype) for p in found] == [
+        (False, True, tf.float32, tf.float16), (False, False, tf.float32, tf.float32)]

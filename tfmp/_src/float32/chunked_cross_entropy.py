@@ -77,7 +77,7 @@ def cross_entropy(labels, logits, *, label_smoothing: float = 0.0,
     return tf.reshape(loss, tf.shape(logits)[:-1])
 
 
-def _label_terms(tile, rows_ids, ids, dense, smoothing: float):
+def label_terms(tile, rows_ids, ids, dense, smoothing: float):
     """``(sum(t), sum(t * x))`` per row of one float32 chunk ``x`` ``[size, classes]`` and its target ``t``
     (sparse: ``(1 - s) * one_hot + s / classes``, never made whole; dense: Keras's smoothed labels)."""
     classes = tile.shape[-1]
@@ -95,7 +95,21 @@ def _dense_target(rows_ids, dense, smoothing: float, classes: int):
     return target * (1.0 - smoothing) + smoothing / classes if smoothing else target
 
 
-def _minus_target(softmax, rows_ids, ids, dense, smoothing: float):
+def row_terms(tile, rows_ids, ids, dense, smoothing: float, softmax: bool = False):
+    """``(lse, loss)`` float32 ``[size]`` of one float32 chunk ``tile`` ``[size, classes]``: its log-sum-exp
+    and ``-sum(t * (x - lse))`` for the target ``t`` of its rows (``rows_ids`` into ``ids`` or ``dense``);
+    with ``softmax``, ``(lse, loss, softmax of tile)``."""
+    peak = tf.stop_gradient(tf.reduce_max(tile, axis=-1, keepdims=True))
+    exp = tf.exp(tile - peak)
+    total_exp = tf.reduce_sum(exp, axis=-1)
+    lse = tf.math.log(total_exp) + peak[:, 0]
+    total, weighted = label_terms(tile, rows_ids, ids, dense, smoothing)
+    if softmax:
+        return lse, lse * total - weighted, exp * (1.0 / total_exp)[:, None]
+    return lse, lse * total - weighted
+
+
+def minus_target(softmax, rows_ids, ids, dense, smoothing: float):
     """``softmax * sum(t) - t`` of one chunk (the gradient of ``lse * sum(t) - sum(t * x)``)."""
     classes = softmax.shape[-1]
     if dense is not None:
@@ -107,17 +121,25 @@ def _minus_target(softmax, rows_ids, ids, dense, smoothing: float):
     return tf.tensor_scatter_nd_sub(spread, where, tf.fill(tf.shape(labels), 1.0 - smoothing))
 
 
-def _chunked(flat, ids, dense, valid, smoothing: float, size: int):
-    """Float32 ``[rows]`` losses of ``flat`` ``[rows, classes]``; ``ids`` or ``dense`` gives the labels."""
+def chunk_plan(flat, size: int):
+    """``(offsets, step, chunks, size)`` to take ``flat``'s rows (axis 0) ``size`` at a time: ``offsets``
+    ``tf.range(step)``; ``size`` the static ``step`` or None (unknown rows: ``step`` is at most the rows,
+    under XLA a compile-time constant as it comes from a shape)."""
     rows = tf.shape(flat)[0]
     if flat.shape[0] is not None:  # known rows: no chunk longer than the input
         size = max(1, min(size, int(flat.shape[0])))
         offsets = tf.range(size)
-    else:  # at most `rows` (under XLA a compile-time constant: it comes from a shape)
+    else:
         offsets = tf.range(tf.minimum(size, tf.maximum(rows, 1)))
         size = None
     step = tf.shape(offsets)[0]
-    chunks = (rows + step - 1) // step
+    return offsets, step, (rows + step - 1) // step, size
+
+
+def _chunked(flat, ids, dense, valid, smoothing: float, size: int):
+    """Float32 ``[rows]`` losses of ``flat`` ``[rows, classes]``; ``ids`` or ``dense`` gives the labels."""
+    rows = tf.shape(flat)[0]
+    offsets, step, chunks, size = chunk_plan(flat, size)
     dtype = flat.dtype
 
     def tiles(index):
@@ -128,10 +150,7 @@ def _chunked(flat, ids, dense, valid, smoothing: float, size: int):
     def loss_of(logits):
         def body(index, out_lse, out_loss):
             rows_ids, tile = tiles(index)
-            peak = tf.stop_gradient(tf.reduce_max(tile, axis=-1, keepdims=True))
-            lse = tf.math.log(tf.reduce_sum(tf.exp(tile - peak), axis=-1)) + peak[:, 0]
-            total, weighted = _label_terms(tile, rows_ids, ids, dense, smoothing)
-            loss = lse * total - weighted  # -sum(t * (x - lse))
+            lse, loss = row_terms(tile, rows_ids, ids, dense, smoothing)
             return index + 1, out_lse.write(index, lse), out_loss.write(index, loss)
 
         arrays = [tf.TensorArray(tf.float32, size=chunks, element_shape=[size]) for _ in range(2)]
@@ -151,7 +170,7 @@ def _chunked(flat, ids, dense, valid, smoothing: float, size: int):
                 rows_ids, tile = tiles(index)
                 softmax = tf.exp(tile - tf.gather(lse, rows_ids)[:, None])
                 scale = tf.gather(upstream, rows_ids)[:, None]
-                chunk = _minus_target(softmax, rows_ids, ids, dense, smoothing) * scale
+                chunk = minus_target(softmax, rows_ids, ids, dense, smoothing) * scale
                 if valid is not None:
                     chunk = tf.where(tf.gather(valid, rows_ids)[:, None], chunk, 0.0)
                 return index + 1, out.write(index, tf.cast(chunk, dtype))

@@ -17,6 +17,8 @@ import tensorflow as tf
 
 from tfmp._src.errors import check_positive_int, invalid_argument
 from tfmp._src.float32 import chunked_cross_entropy as _chunked
+from tfmp._src.float32 import fused_cross_entropy as _fused
+from tfmp._src.keras_hooks.projection_graph import output_projection
 from tfmp._src.keras_hooks.layer_calls import keras_mask, with_keras_mask
 
 #: Largest ``chunk_bytes``: 1 GiB (a bigger chunk undoes what chunking is for).
@@ -33,31 +35,56 @@ def _checked(from_logits: Any, label_smoothing: Any, chunk_bytes: Any) -> float:
             not (math.isfinite(label_smoothing) and 0.0 <= label_smoothing <= 1.0):
         raise invalid_argument("label_smoothing", label_smoothing, "a number in [0, 1]",
                                fix="Pass e.g. label_smoothing=0.1, or 0.0 for none.")
-    check_positive_int("chunk_bytes", chunk_bytes, maximum=MAX_CHUNK_BYTES, why="bytes of one float32 chunk",
-                       fix=f"Pass e.g. chunk_bytes={_chunked.CHUNK_BYTES} (32 MiB, the default).")
+    if chunk_bytes is not None:
+        check_positive_int("chunk_bytes", chunk_bytes, maximum=MAX_CHUNK_BYTES, why="bytes of one float32 chunk",
+                           fix=f"Pass e.g. chunk_bytes={_chunked.CHUNK_BYTES} (32 MiB), or None (the default).")
     return float(label_smoothing)
 
 
 class _ChunkedLoss(keras.losses.Loss):
     """A Keras Loss computing float32 per-example values from logits of any float dtype, by chunks."""
 
-    def __init__(self, from_logits: bool, label_smoothing: float, chunk_bytes: int, reduction: Optional[str],
-                 name: str, dtype: Any) -> None:
+    def __init__(self, from_logits: bool, label_smoothing: float, chunk_bytes: Optional[int], reduction: Optional[str],
+                 name: str, dtype: Any, fuse_projection: bool) -> None:
         self.label_smoothing = _checked(from_logits, label_smoothing, chunk_bytes)
+        if not isinstance(fuse_projection, bool):
+            raise invalid_argument("fuse_projection", fuse_projection, "True or False",
+                                   fix="Pass fuse_projection=True (the default) or False.")
         self.chunk_bytes = chunk_bytes
+        self.fuse_projection = fuse_projection
         super().__init__(name=name, reduction=reduction, dtype=dtype)
+
+    @property
+    def _rows_bytes(self) -> int:
+        return _chunked.CHUNK_BYTES if self.chunk_bytes is None else self.chunk_bytes
+
+    @property
+    def _columns_bytes(self) -> int:
+        return _fused.CHUNK_BYTES if self.chunk_bytes is None else self.chunk_bytes
 
     def per_example(self, y_true: Any, logits: tf.Tensor):
         """``(losses, valid)``: float32 losses of ``logits.shape[:-1]`` and the rows kept (None: all)."""
+        raise NotImplementedError
+
+    def per_row_fused(self, y_true: Any, projection: Any, keep: Optional[tf.Tensor], uniform: bool):
+        """``(losses, valid)`` as `per_example`, flat ``[rows]``, from the output projection (`fused_cross_entropy`)."""
         raise NotImplementedError
 
     def __call__(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> Any:
         logits = tf.convert_to_tensor(y_pred)
         if not logits.dtype.is_floating:
             logits = tf.cast(logits, self.dtype)
-        with tf.name_scope(self.name):
-            losses, valid = self.per_example(y_true, logits)
         mask = keras_mask(y_pred)
+        projection = output_projection(logits) if self.fuse_projection else None
+        with tf.name_scope(self.name):
+            if projection is None:
+                losses, valid = self.per_example(y_true, logits)
+            else:  # a Keras reduction without sample weights weighs every kept row alike
+                keep = None if mask is None else tf.reshape(tf.cast(mask, tf.bool), [-1])
+                uniform = sample_weight is None and self.reduction not in (None, "none")
+                losses, valid = self.per_row_fused(y_true, projection, keep, uniform)
+                shape = tf.shape(logits)[:-1]
+                losses, valid = tf.reshape(losses, shape), None if valid is None else tf.reshape(valid, shape)
         if valid is not None:
             mask = valid if mask is None else tf.logical_and(tf.cast(mask, tf.bool), valid)
         losses = with_keras_mask(losses, mask)
@@ -69,7 +96,8 @@ class _ChunkedLoss(keras.losses.Loss):
 
     def get_config(self) -> dict:
         config = super().get_config()
-        config.update(from_logits=True, label_smoothing=self.label_smoothing, chunk_bytes=self.chunk_bytes)
+        config.update(from_logits=True, label_smoothing=self.label_smoothing, chunk_bytes=self.chunk_bytes,
+                      fuse_projection=self.fuse_projection)
         return config
 
 
@@ -95,14 +123,22 @@ class ChunkedSparseCategoricalCrossentropy(_ChunkedLoss):
             ``"mean_with_sample_weight"``, ``"none"`` or None.
         name: String. The loss's name.
         dtype: The dtype of the loss value (default ``keras.config.floatx()``); the computation is float32.
-        chunk_bytes: Int, bytes. Size of one float32 chunk of logits (default 32 MiB, at most 1 GiB).
+        chunk_bytes: Int (bytes, at most 1 GiB) or None. Size of one float32 chunk of logits; None: 32 MiB
+            of rows from whole logits, 8 MiB of columns when fused (`fuse_projection`).
+        fuse_projection: Bool (default True). Under ``tf.function`` (Keras's ``fit``), where ``y_pred`` is
+            the output of a Keras ``Dense`` or a projecting ``ReversibleEmbedding`` (bias optional), compute
+            the logits from that layer's input and weights a block of vocabulary columns at a time, as the
+            layer outputs them (its compute dtype), so that its full-size matmul is pruned and the logits
+            are never whole (`tfmp._src.float32.fused_cross_entropy`); elsewhere (eager, other ops)
+            the chunked loss on ``y_pred``.
 
     Inputs: ``y_true`` integer class ids ``[batch, ...]`` (a trailing 1 allowed), ``y_pred``
     logits ``[batch, ..., classes]`` of any float dtype, ``classes`` known.
 
     Raises:
         ValueError: (template) ``from_logits`` is not True, ``label_smoothing`` not in ``[0, 1]``,
-            ``ignore_class`` neither None nor an int, ``chunk_bytes`` not an int in ``[1, 2**30]``.
+            ``ignore_class`` neither None nor an int, ``chunk_bytes`` neither None nor an int in ``[1, 2**30]``,
+            ``fuse_projection`` not a bool.
 
     Example:
         >>> import numpy as np, tensorflow as tf, tfmp
@@ -114,16 +150,21 @@ class ChunkedSparseCategoricalCrossentropy(_ChunkedLoss):
 
     def __init__(self, from_logits: bool = True, ignore_class: Optional[int] = None, label_smoothing: float = 0.0,
                  reduction: Optional[str] = "sum_over_batch_size", name: str = "sparse_categorical_crossentropy",
-                 dtype: Any = None, chunk_bytes: int = _chunked.CHUNK_BYTES) -> None:
+                 dtype: Any = None, chunk_bytes: Optional[int] = None, fuse_projection: bool = True) -> None:
         if ignore_class is not None and (isinstance(ignore_class, bool) or not isinstance(ignore_class, int)):
             raise invalid_argument("ignore_class", ignore_class, "an int or None",
                                    fix="Pass the label of the tokens to leave out, e.g. ignore_class=0, or None.")
         self.ignore_class = ignore_class
-        super().__init__(from_logits, label_smoothing, chunk_bytes, reduction, name, dtype)
+        super().__init__(from_logits, label_smoothing, chunk_bytes, reduction, name, dtype, fuse_projection)
 
     def per_example(self, y_true: Any, logits: tf.Tensor):
         return _chunked.sparse_cross_entropy(y_true, logits, label_smoothing=self.label_smoothing,
-                                             ignore_class=self.ignore_class, chunk_bytes=self.chunk_bytes)
+                                             ignore_class=self.ignore_class, chunk_bytes=self._rows_bytes)
+
+    def per_row_fused(self, y_true: Any, projection: Any, keep: Optional[tf.Tensor], uniform: bool):
+        return _fused.sparse_cross_entropy(y_true, projection, keep, uniform=uniform,
+                                           label_smoothing=self.label_smoothing, ignore_class=self.ignore_class,
+                                           chunk_bytes=self._columns_bytes)
 
     def get_config(self) -> dict:
         return {**super().get_config(), "ignore_class": self.ignore_class}
@@ -142,18 +183,29 @@ class ChunkedCategoricalCrossentropy(_ChunkedLoss):
         reduction: As Keras's losses (default ``"sum_over_batch_size"``).
         name: String. The loss's name.
         dtype: The dtype of the loss value (default ``keras.config.floatx()``); the computation is float32.
-        chunk_bytes: Int, bytes. Size of one float32 chunk of logits (default 32 MiB, at most 1 GiB).
+        chunk_bytes: Int (bytes, at most 1 GiB) or None. Size of one float32 chunk of logits; None: 32 MiB
+            of rows from whole logits, 8 MiB of columns when fused (`fuse_projection`).
+        fuse_projection: Bool (default True). Under ``tf.function`` (Keras's ``fit``), where ``y_pred`` is
+            the output of a Keras ``Dense`` or a projecting ``ReversibleEmbedding`` (bias optional), compute
+            the logits from that layer's input and weights a block of vocabulary columns at a time, as the
+            layer outputs them (its compute dtype), so that its full-size matmul is pruned and the logits
+            are never whole (`tfmp._src.float32.fused_cross_entropy`); elsewhere (eager, other ops)
+            the chunked loss on ``y_pred``.
 
     Raises:
         ValueError: (template) ``from_logits`` is not True, ``label_smoothing`` not in ``[0, 1]``,
-            ``chunk_bytes`` not an int in ``[1, 2**30]``.
+            ``chunk_bytes`` neither None nor an int in ``[1, 2**30]``, ``fuse_projection`` not a bool.
     """
 
     def __init__(self, from_logits: bool = True, label_smoothing: float = 0.0,
                  reduction: Optional[str] = "sum_over_batch_size", name: str = "categorical_crossentropy",
-                 dtype: Any = None, chunk_bytes: int = _chunked.CHUNK_BYTES) -> None:
-        super().__init__(from_logits, label_smoothing, chunk_bytes, reduction, name, dtype)
+                 dtype: Any = None, chunk_bytes: Optional[int] = None, fuse_projection: bool = True) -> None:
+        super().__init__(from_logits, label_smoothing, chunk_bytes, reduction, name, dtype, fuse_projection)
 
     def per_example(self, y_true: Any, logits: tf.Tensor):
         return _chunked.cross_entropy(y_true, logits, label_smoothing=self.label_smoothing,
-                                      chunk_bytes=self.chunk_bytes), None
+                                      chunk_bytes=self._rows_bytes), None
+
+    def per_row_fused(self, y_true: Any, projection: Any, keep: Optional[tf.Tensor], uniform: bool):
+        return _fused.cross_entropy(y_true, projection, keep, uniform=uniform, label_smoothing=self.label_smoothing,
+                                    chunk_bytes=self._columns_bytes), None

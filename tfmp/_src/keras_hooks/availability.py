@@ -26,6 +26,7 @@ FEATURES = {
     "exact_layers": "Discretization, CategoryEncoding and Normalization made in float32 (exact)",
     "first_step": "the warning at fit about a model compiled before tfmp.enable()",
     "tflite_hint": "TFLite converter errors on a 16-bit model explained, naming tfmp.to_float32",
+    "fused_projection": "chunked cross-entropies fused with the output projection (no whole logits)",
 }
 
 _off: Dict[str, str] = {}

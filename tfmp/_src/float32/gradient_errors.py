@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from tfmp._src.attachment import record
 from tfmp._src.constants import LOW_PRECISION
+from tfmp._src.errors import opening
 from tfmp._src.float32 import dtype_errors
 from tfmp._src.keras_hooks import error_texts, gradient_tape
 from tfmp._src.layer_tree import walk
@@ -24,42 +25,47 @@ from tfmp._src.layer_tree import walk
 _OWNER = "enable.gradient_errors"
 
 
-def explanation(path: str, layer: Any, low: str, wide: str, received: bool = False) -> str:
-    """The text tfmp appends to a backward-pass mismatch: the layer, both dtypes, the fix.
+def explanation(path: str, layer: Any, low: str, wide: str, received: bool = False,
+                output_gradient: Optional[Tuple[str, str]] = None) -> str:
+    """The text tfmp appends to a backward-pass mismatch: the layer, both dtypes, the fix (`errors.opening`).
 
-    With `received`, the gradient reaching the layer is already `wide`, from a layer after it.
+    With `received`, the gradient reaching the layer is already `wide`, from a layer after it. With
+    `output_gradient` ``(given, output)``, the ``output_gradients`` passed to ``tape.gradient`` were
+    `given` for a `output` output: that is the cause named.
     """
     cls = type(layer).__name__ if layer is not None else "its layer class"
     where = f"layer '{path}' ({cls})" if path else "a layer of this model"
     target = repr(path) if path else "'<layer path>'"
-    cast = ("cast such tensors to dy.dtype (ops.cast(self.kernel, dy.dtype)) and return "
-            "each gradient in the dtype of its input (a variable's gradient in the "
-            "variable's dtype)")
     if received:
-        return (
-            f"tfmp: The backward pass of {where} received a {wide} gradient for its {low} "
-            f"output: a layer after it returns its gradient in the wrong dtype, typically "
-            f"a gradient function (tf.custom_gradient) that reads a float32 variable "
-            f"directly (self.kernel; tf.matmul of bfloat16 and float32 gives float32) or "
-            f"creates a {wide} tensor. Fix: in that gradient function {cast}; or compute "
-            f"that layer in float32: tfmp.enable(..., keep_float32=['<its path>']) or "
-            f"tfmp.register_float32(<its class>) before compile.{_OUTPUT_GRADIENTS}"
-        )
-    return (
-        f"tfmp: The backward pass of {where} mixes {low} and {wide} tensors: its "
-        f"gradient function (tf.custom_gradient) receives the upstream gradient dy in "
-        f"{low} (the layer's compute dtype), while a variable it reads directly "
-        f"(self.kernel) or a tensor it creates (tf.constant, tf.ones, a raw TF op) "
-        f"is {wide}. Fix: in the gradient function {cast}; or compute "
-        f"the layer in float32: tfmp.enable(..., keep_float32=[{target}]) or "
-        f"tfmp.register_float32({cls if layer is not None else target}) before compile."
-        f"{_OUTPUT_GRADIENTS}"
-    )
+        what = f"The backward pass of {where} received a {wide} gradient for its {low} output."
+        cause = ("A layer after it returns its gradient in the wrong dtype, e.g. its tf.custom_gradient "
+                 "reads self.kernel.")
+        fix = "Fix: in that gradient function use ops.cast(self.kernel, dy.dtype); or keep_float32=['<its path>']."
+    else:
+        what = f"The backward pass of {where} mixes {low} and {wide} tensors; dy is {low}."
+        cause = (f"Its tf.custom_gradient reads a {wide} variable (self.kernel) or makes a {wide} tensor "
+                 "(tf.constant, tf.ones).")
+        fix = (f"Fix: ops.cast(self.kernel, dy.dtype), return gradients in their inputs' dtypes; "
+               f"or keep_float32=[{target}].")
+    if output_gradient is not None:
+        given, output = output_gradient
+        cause = f"The output_gradients given to tape.gradient are {given} for a {output} output."
+        fix = "Fix: give each output gradient the dtype of the output it belongs to (float32 under tfmp)."
+    return "tfmp: " + opening(what, cause, fix, "a-gradient-function-mixes-16-bit-and-float32-tensors")
 
 
-#: The other cause of both mismatches: an upstream gradient given in the wrong dtype.
-_OUTPUT_GRADIENTS = (" If you pass output_gradients to tape.gradient, give each the dtype of the "
-                     "output it belongs to (under tfmp a model's outputs are float32).")
+def _wrong_output_gradient(target: Any, output_gradients: Any) -> Optional[Tuple[str, str]]:
+    """(given, output) dtypes of the first of `output_gradients` whose dtype is not its `target`'s; else None."""
+    if output_gradients is None:
+        return None
+    for output, given in zip(tf.nest.flatten(target), tf.nest.flatten(output_gradients)):
+        try:
+            wanted, got = tf.as_dtype(output.dtype), tf.as_dtype(given.dtype)
+        except (AttributeError, TypeError):  # None, or not a tensor: nothing to compare
+            continue
+        if wanted != got:
+            return got.name, wanted.name
+    return None
 
 
 def _explaining_models() -> List[Any]:
@@ -151,21 +157,25 @@ def _failing_layer(error: BaseException, sources: Any) -> Optional[Tuple[str, An
     return "", None, False
 
 
-def annotate(error: BaseException, sources: Any) -> BaseException:
-    """The exception to raise for `error` out of ``tape.gradient(target, sources)``: explained, or `error`."""
+def annotate(error: BaseException, sources: Any, target: Any = None, output_gradients: Any = None) -> BaseException:
+    """The exception to raise for `error` out of ``tape.gradient(target, sources, output_gradients)``:
+    explained, or `error`."""
     dtypes = dtype_errors.unexplained_mismatch(error)[1]
     found = None if dtypes is None else _failing_layer(error, sources)
     if found is None:
         return error
     path, layer, received = found
-    return dtype_errors.with_explanation(error, explanation(path, layer, *dtypes, received=received))
+    wrong = _wrong_output_gradient(target, output_gradients)
+    return dtype_errors.with_explanation(
+        error, explanation(path, layer, *dtypes, received=received, output_gradient=wrong))
 
 
 def _wrap(gradient: Callable) -> Callable:
     @functools.wraps(gradient)
     def explained_gradient(self: Any, target: Any, sources: Any, *args: Any, **kwargs: Any) -> Any:
+        given = kwargs.get("output_gradients", args[0] if args else None)
         return dtype_errors.call_explained(
-            lambda error: annotate(error, sources), gradient, self, target, sources, *args, **kwargs)
+            lambda error: annotate(error, sources, target, given), gradient, self, target, sources, *args, **kwargs)
 
     return explained_gradient
 

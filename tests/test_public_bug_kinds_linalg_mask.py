@@ -17,6 +17,7 @@ import tensorflow as tf
 from keras import ops
 
 import tfmp
+from tfmp._src.float32.unsafe_ops import UnsafeOps
 
 STEP = {"mixed_bfloat16": 2.0**-7, "mixed_float16": 2.0**-10}
 X4 = np.random.RandomState(0).randn(16, 4).astype("float32")
@@ -191,7 +192,7 @@ def test_an_excluded_bfloat16_linalg_layer_fails_naming_the_layer_the_op_and_the
             with pytest.raises(TypeError) as caught:
                 _linalg_model("inv")
         message = str(caught.value)
-        assert "layer 'lin' (LinalgLayer) runs MatrixInverse on bfloat16 inputs" in message
+        assert "Layer 'lin' (LinalgLayer) runs MatrixInverse on bfloat16 inputs" in message
         assert "keeps it out of float32" in message and "remove the exclusion matching 'lin'" in message and 'dtype="float32"' in message
     finally:
         tfmp.disable()
@@ -226,6 +227,8 @@ def test_plain_keras_audit_and_check_numerics_name_the_layer_and_the_constant():
             model.fit(X6, Y6, epochs=1, verbose=0)
     assert caught.value.layer == "attn"
     assert "its constant -1e+09 is beyond float16's largest value" in str(caught.value)
+    assert "\nFix: use a constant within +-6.55e+04 (e.g. -3e4), or tfmp.register_float32('attn').\nGuide: " \
+        in str(caught.value)
 
 
 def test_the_findings_keep_no_model_alive():
@@ -238,3 +241,25 @@ def test_the_findings_keep_no_model_alive():
     del model
     gc.collect()
     assert [ref() for ref in gone] == [None, None]
+
+
+def test_the_float16_advice_names_the_ops_tensorflow_has_no_cpu_kernel_for():
+    """The cause `tfmp.audit` and `tfmp.check_numerics` give for a float16 linalg layer, read against
+    TensorFlow itself: each op run eagerly on a float16 3x3 matrix either has no CPU kernel
+    (NotFoundError) or runs (then the advice says it is off, as measured above)."""
+    matrix = tf.constant(np.eye(3) * 2.0 + 0.1, tf.float16)
+    runs = {"Cholesky": tf.linalg.cholesky, "MatrixInverse": tf.linalg.inv, "Qr": tf.linalg.qr,
+            "LogMatrixDeterminant": tf.linalg.slogdet}
+    missing, running = [], []
+    for name, op in runs.items():
+        try:
+            with tf.device("/CPU:0"):
+                op(matrix)
+            running.append(name)
+        except tf.errors.NotFoundError:
+            missing.append(name)
+    advice = UnsafeOps("float16", tuple(sorted(runs))).advice("lin")
+    cause, _, fix = advice.partition(". ")
+    assert cause == (f"TensorFlow has no float16 CPU kernel for {', '.join(sorted(missing))}; "
+                     f"its float16 {', '.join(sorted(running))} is about 10% off")
+    assert fix == "Compute it in float32: tfmp.register_float32('lin') or tfmp.force_float32(model)."

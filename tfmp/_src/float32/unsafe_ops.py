@@ -19,6 +19,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmp._src import errors
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.float32 import reductions
 from tfmp._src.float32.reductions import _runs_user_code, _scope_chain, _trace
@@ -31,6 +32,8 @@ LINALG_OPS = frozenset({
     "MatrixTriangularSolve", "MatrixSolveLs", "SelfAdjointEigV2", "Svd", "Eig", "Lu",
     "MatrixExponential", "MatrixLogarithm", "MatrixSquareRoot",
 })
+#: The `LINALG_OPS` with a float16 CPU kernel in TensorFlow 2.21 (about 10% off); the others have none.
+_FLOAT16_KERNELS = frozenset({"MatrixInverse", "Qr"})
 #: The start of the reasons `tfmp.audit` shows for a layer these rules force.
 LINALG = "16-bit linalg"
 CONSTANT = "16-bit constant"
@@ -59,16 +62,35 @@ class UnsafeOps:
         return f"{CONSTANT}: {', '.join(self.constants)} is not finite in {self.dtype}"
 
     def advice(self, path: str) -> str:
-        """The cause and the fix, said for the layer at ``path``."""
+        """The cause, then the fix, said for the layer at ``path`` (``"cause. Fix"``: `tfmp.audit` shows it on
+        one line, `tfmp.check_numerics` as its cause and fix lines; the guide's section has the rest)."""
+        holds = f"{float(tf.as_dtype(self.dtype).max):.4g}"
         if self.linalg:
-            cause = (f"TensorFlow's {', '.join(self.linalg)} has no {self.dtype} kernel (bfloat16: none at all; "
-                     "float16: none on CPUs for most, and MatrixInverse and Qr lose about 10%)")
-        else:
-            cause = (f"its constant {', '.join(self.constants)} is beyond {self.dtype}'s largest value "
-                     f"({float(tf.as_dtype(self.dtype).max):.4g}): -inf or inf, then NaN after 0 * inf or a softmax")
-        fix = "" if self.linalg else f", or use a constant {self.dtype} holds (e.g. -3e4 for float16)"
-        return (f"{cause}. Compute it in float32: tfmp.force_float32(model) (the layer not excluded) or "
-                f"tfmp.register_float32('{path}'), or create the layer with dtype=\"float32\"{fix}.")
+            off = [op for op in self.linalg if self.dtype == "float16" and op in _FLOAT16_KERNELS]
+            missing = [op for op in self.linalg if op not in off]
+            cause = "; ".join(
+                ([f"TensorFlow has no {self.dtype}{' CPU' if self.dtype == 'float16' else ''} kernel for "
+                  + ", ".join(missing)] if missing else [])
+                + ([f"its float16 {', '.join(off)} is about 10% off"] if off else []))
+            return f"{cause}. Compute it in float32: tfmp.register_float32('{path}') or tfmp.force_float32(model)."
+        written = ", ".join(self.constants)
+        return (f"its constant {written} is beyond {self.dtype}'s largest value ({holds}): -inf, then NaN. "
+                f"Use a constant within +-{holds}{' (e.g. -3e4)' if self.dtype == 'float16' else ''}, "
+                f"or tfmp.register_float32('{path}').")
+
+
+#: The troubleshooting guide's section on these rules.
+SECTION = "linear-algebra-and-constants-16-bits-cannot-hold"
+
+
+def excluded_message(layer: keras.layers.Layer, refused: Tuple[str, ...], dtype: str) -> str:
+    """The text of the TypeError for an excluded `layer` whose `refused` linalg ops have no `dtype` kernel."""
+    return "tfmp: " + errors.opening(
+        f"Layer '{layer.name}' ({type(layer).__name__}) runs {', '.join(refused)} on {dtype} inputs: "
+        f"TensorFlow has no {dtype} kernel.",
+        "An exclusion (exclude_float32= or tfmp.register_float32(..., exclude=True)) keeps it out of float32.",
+        f"Fix: remove the exclusion matching '{layer.name}', create the layer with dtype=\"float32\", or cast "
+        "its inputs to float32.", SECTION)
 
 
 _FOUND: "weakref.WeakKeyDictionary[keras.layers.Layer, Optional[UnsafeOps]]" = weakref.WeakKeyDictionary()
@@ -127,12 +149,7 @@ def force_at_build(layer: keras.layers.Layer, args: tuple, kwargs: dict, error: 
         layer.dtype_policy = policy
         if not refused:
             raise error
-        raise TypeError(
-            f"tfmp: layer '{layer.name}' ({type(layer).__name__}) runs {', '.join(refused)} on {dtype} inputs, "
-            f"which TensorFlow has no {dtype} kernel for, and an exclusion (exclude_float32= or "
-            "tfmp.register_float32(..., exclude=True)) keeps it out of float32. Fix: remove the exclusion "
-            f"matching '{layer.name}', create the layer with dtype=\"float32\", or cast its inputs to float32 "
-            "in call().") from error
+        raise TypeError(excluded_message(layer, refused, dtype)) from error
     _AT_BUILD.add(layer)
     _FOUND[layer] = UnsafeOps(dtype, refused)
     return result

@@ -273,7 +273,7 @@ def test_a_plain_tflite_conversion_of_a_16bit_model_names_the_dtype_the_layer_an
     with pytest.raises(tflite_converter_error()) as info:
         tf.lite.TFLiteConverter.from_keras_model(model).convert()
     text = str(info.value)
-    assert f"tfmp: the model converted still computes in {low} (first in the ops of '" in text
+    assert f"tfmp: The model converted still computes in {low} (first in the ops of '" in text
     assert "/dense" in text and "from_keras_model(tfmp.to_float32(model))" in text
     assert "neither a custom op nor a flex op" in text  # the converter's words kept
     # The fix it names converts, and the file computes the trained model's outputs (float32 reference).

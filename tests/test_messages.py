@@ -23,7 +23,8 @@ from _machines import SAPPHIRE_RAPIDS
 import tfmp
 from tfmp._src import errors
 from tfmp._src.constants import TROUBLESHOOTING_GUIDE
-from tfmp._src.float32 import dtype_errors, master_weights, xla_bilinear
+from tfmp._src.deployment import quantize_hint, tflite_hint
+from tfmp._src.float32 import dtype_errors, gradient_errors, master_weights, unsafe_ops, xla_bilinear
 from tfmp._src.keras_hooks import availability
 from tfmp._src.loss_scale import custom_optimizers, guard, loops, user_settings
 from tfmp._src.monitor import event_file
@@ -41,6 +42,15 @@ MACHINES = re.compile(r"Zen ?\d|Sapphire|Xeon|EPYC|Cascade Lake|Ice Lake|Skylake
 TIMING = re.compile(r"\d[\d,.]*\s*(ms|seconds)\b|\d[\d.]*(-\d[\d.]*)?x (slower|faster|float32)")
 #: The characters a formatted field (a model name, a layer path, a dtype) counts for in the static check.
 FIELD = 10
+
+
+#: The error TensorFlow 2.21's TFLite converter raised for a bfloat16 Dense model (its first and last lines).
+CONVERTER_ERROR = (
+    'Could not translate MLIR to FlatBuffer.<unknown>:0: error: loc(callsite(fused["MatMul:", '
+    '"sequential_1/dense_1/MatMul@__inference_function_74"] at callsite(fused["StatefulPartitionedCall:", '
+    '"StatefulPartitionedCall@__inference_signature_wrapper_93"] at fused["StatefulPartitionedCall:", '
+    '"StatefulPartitionedCall_1"]))): \'tf.MatMul\' op is neither a custom op nor a flex op\n'
+    "\ttf.MatMul(tensor<?x4xbf16>, tensor<2x4xbf16>) -> (tensor<?x2xbf16>) : {transpose_b = true}\n")
 
 
 def _slug(heading):
@@ -211,6 +221,18 @@ def test_each_warning_and_error_opening_is_three_short_lines_and_the_guide(tmp_p
         text = dtype_errors.explanation("block/attention", keras.layers.Dense(2), "bfloat16", "float32",
                                         at_build=at_build)
         said.append((TypeError, text, ()))
+    # A backward-pass mismatch (in the layer, where a wrong gradient arrives, from output_gradients), an
+    # excluded layer's 16-bit linalg, a TFLite conversion and an int8 quantization of a 16-bit model.
+    for kwargs in ({}, {"received": True}, {"output_gradient": ("bfloat16", "float32")}):
+        said.append((TypeError, gradient_errors.explanation("block/scaled", keras.layers.Dense(2), "bfloat16",
+                                                            "float32", **kwargs), ()))
+    said.append((TypeError, unsafe_ops.excluded_message(keras.layers.Dense(2, name="lin"),
+                                                        ("Cholesky", "MatrixInverse"), "bfloat16"), ()))
+    assert "runs Cholesky, MatrixInverse on bfloat16 inputs" in said[-1][1].splitlines()[0]
+    said.append((Exception, tflite_hint.hint(CONVERTER_ERROR), ()))
+    float16_model = types.SimpleNamespace(name="net", dtype_policy=keras.DTypePolicy("mixed_float16"))
+    said.append((ValueError, quantize_hint.hint(float16_model, "int8"), ()))
+    assert "in bfloat16 (first in the ops of 'sequential_1/dense_1')." in said[-2][1].splitlines()[0]
     # check_numerics' errors: each forward case and each loss term, built from injected trace rows.
     row = {"layer": "block/dense", "layer_class": "Dense", "kind": "inf", "input_kind": None,
            "input_range": (-3.0, 70000.0), "dtype": "float16"}
@@ -218,7 +240,10 @@ def test_each_warning_and_error_opening_is_three_short_lines_and_the_guide(tmp_p
             dict(row, dtype="bfloat16", input_range=None)]
     hint = "its float16 logsumexp over 76,800 values can exceed 65504: tfmp.register_float32('block/dense')."
     lines = [report._forward_message(item, "inf", 3, None) for item in rows] + [
-        report._forward_message(row, "inf", 3, hint)]
+        report._forward_message(row, "inf", 3, hint)] + [
+        report._forward_message(row, "inf", 3, found.advice("block/dense"))  # a 16-bit constant or linalg op
+        for found in (unsafe_ops.UnsafeOps("float16", constants=("-1e+09",)),
+                      unsafe_ops.UnsafeOps("float16", ("Cholesky", "MatrixInverse")))]
     for kind in (terms.WEIGHT, terms.ACTIVITY, terms.ADD_LOSS, terms.ADD_LOSS_OR_ACTIVITY, "position"):
         term = types.SimpleNamespace(kind=kind, regularizer="L2(l2=1e+38)", variable="kernel", position=2)
         for dtype in ("float16", "float32"):

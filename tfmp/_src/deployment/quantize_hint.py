@@ -12,19 +12,21 @@ from typing import Any, Callable
 
 import keras
 
+from tfmp._src.deployment.tflite_hint import SECTION
+from tfmp._src.errors import opening
 from tfmp._src.float32.dtype_errors import with_explanation
 from tfmp._src.keras_hooks import error_texts, trainer
 
 
 def hint(model: Any, mode: str) -> str:
-    """The text tfmp appends to Keras's refusal to quantize `model` in `mode`."""
-    policy = model.dtype_policy.name
-    return (
-        f"tfmp: model {model.name!r} computes in float16 (dtype policy {policy!r}), so "
-        f"Keras refuses quantize({mode!r}); the policies it suggests do not help a "
-        "model trained under 'mixed_float16'. Quantize a float32 copy with the same "
-        f"weights instead: quantized = tfmp.to_float32(model); quantized.quantize({mode!r})."
-    )
+    """The text tfmp appends to Keras's refusal to quantize `model` in `mode` (`errors.opening`)."""
+    return "tfmp: " + opening(
+        f"Keras refuses quantize({mode!r}) for model {model.name!r}: it computes in float16 "
+        f"(dtype policy {model.dtype_policy.name!r}).",
+        "The policies Keras suggests do not help a model trained under 'mixed_float16'.",
+        "Fix: quantize a float32 copy, same weights: quantized = tfmp.to_float32(model); "
+        f"quantized.quantize({mode!r}).",
+        SECTION)
 
 
 def _wrap(model: Any) -> Callable[[Callable], Callable]:

@@ -13,9 +13,12 @@ import functools
 import re
 from typing import Any, Callable, List, Optional
 
+from tfmp._src.errors import opening
 from tfmp._src.float32.dtype_errors import explained, with_explanation
 from tfmp._src.keras_hooks import error_texts, export_io, surfaces
 
+#: The troubleshooting guide's section on converting a 16-bit model (also `quantize_hint`'s).
+SECTION = "converting-or-quantizing-a-16-bit-model"
 #: The converter's location of an op: ``"sequential_1/dense_1/MatMul@__inference_..."`` (its scopes, then the op).
 _LOCATION = re.compile(r'"((?:[\w.-]+/)+)[\w.-]+@')
 
@@ -28,20 +31,21 @@ def _first_scope(message: str) -> Optional[str]:
 
 
 def hint(message: str) -> Optional[str]:
-    """The text tfmp appends to a converter error naming 16-bit tensors; None for any other error."""
+    """The text tfmp appends to a converter error naming 16-bit tensors (`errors.opening`); None for any other
+    error."""
     low = error_texts.converter_16bit_dtypes(message)
     if not low:
         return None
     scope = _first_scope(message)
     where = f" (first in the ops of {scope!r})" if scope else ""
     dtypes = " and ".join(low)
-    return (
-        f"tfmp: the model converted still computes in {dtypes}{where}: a model trained under a mixed policy "
-        f"keeps its 16-bit compute dtype, and TFLite's builtin kernels have no {' or '.join(low)} ops. Fix: "
-        "convert its float32 copy, same weights: tf.lite.TFLiteConverter.from_keras_model(tfmp.to_float32("
-        "model)); or tfmp.export(model, 'model.tflite', format='tflite'), which converts that copy and checks "
-        "the file against the model."
-    )
+    return "tfmp: " + opening(
+        f"The model converted still computes in {dtypes}{where}.",
+        "Trained under a mixed policy, it keeps its 16-bit compute dtype; "
+        f"TFLite's builtins have no {' or '.join(low)} ops.",
+        "Fix: TFLiteConverter.from_keras_model(tfmp.to_float32(model)), "
+        "or tfmp.export(model, 'model.tflite', format='tflite').",
+        SECTION)
 
 
 def _wrap(original: Callable) -> Callable:

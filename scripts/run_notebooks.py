@@ -10,8 +10,9 @@ there and not into the repository; the kernel imports tfmp from this checkout
 that notebook's file as it was. Before a notebook is saved, the lines TensorFlow
 and CUDA print while they start (no GPU driver, oneDNN notices, float16 on a CPU
 without AVX-512: `ENVIRONMENT_NOISE`) are dropped from its stderr outputs: they
-describe the machine that ran it, not the notebook. Every other output, tfmp's
-warnings included, is kept. Needs the `notebooks` extra (nbclient, ipykernel).
+describe the machine that ran it, not the notebook, and paths inside the
+checkout (the guide tfmp's messages link) are written relative to it. Every
+other output, tfmp's warnings included, is kept. Needs the `notebooks` extra (nbclient, ipykernel).
 """
 
 from __future__ import annotations
@@ -68,6 +69,25 @@ def drop_environment_noise(notebook: Any) -> int:
     return removed
 
 
+def relative_to_checkout(notebook: Any, root: pathlib.Path = ROOT) -> int:
+    """Writes paths inside the checkout (tfmp's messages link its installed guide) relative to it, in place.
+
+    Args:
+        notebook: `nbformat.NotebookNode`, version 4.
+        root: The checkout the kernel imported tfmp from.
+
+    Returns:
+        Int: the number of stream outputs changed.
+    """
+    prefix, changed = str(root) + os.sep, 0
+    for cell in notebook.cells:
+        for output in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            if output.get("output_type") == "stream" and prefix in output["text"]:
+                output["text"] = output["text"].replace(prefix, "")
+                changed += 1
+    return changed
+
+
 def run(path: pathlib.Path) -> float:
     """Executes the notebook at `path` and writes it back with its outputs; returns seconds."""
     import nbformat
@@ -80,6 +100,7 @@ def run(path: pathlib.Path) -> float:
                        resources={"metadata": {"path": workdir}}).execute()
     took = time.perf_counter() - start
     removed = drop_environment_noise(notebook)
+    relative_to_checkout(notebook)
     nbformat.write(notebook, path)
     print(f"{path.name}: {took:.0f} s, {removed} start-up line(s) dropped")
     return took

@@ -155,6 +155,17 @@ def test_run_notebooks_drops_start_up_lines_and_keeps_the_rest():
         "UserWarning: keep me\n", "tfmp.PerformanceWarning: kept\n"]
 
 
+def test_run_notebooks_writes_the_guide_link_relative_to_the_checkout():
+    notebook = nbformat.v4.new_notebook()
+    guide = f"Guide: {ROOT / 'tfmp' / 'docs' / 'troubleshooting.md'}#nan-or-inf-loss\n"
+    stderr = nbformat.v4.new_output("stream", name="stderr", text="SkippedStepWarning: step 3\n" + guide)
+    other = nbformat.v4.new_output("stream", name="stdout", text="/elsewhere/file.txt\n")
+    notebook.cells = [nbformat.v4.new_code_cell("x = 1", outputs=[stderr, other])]
+    assert run_notebooks.relative_to_checkout(notebook) == 1
+    assert [o["text"] for o in notebook.cells[0].outputs] == [
+        "SkippedStepWarning: step 3\nGuide: tfmp/docs/troubleshooting.md#nan-or-inf-loss\n", "/elsewhere/file.txt\n"]
+
+
 def test_a_failing_cell_fails_the_run(tmp_path):
     notebook = nbformat.v4.new_notebook()
     notebook.cells = [nbformat.v4.new_code_cell("x = 1"),

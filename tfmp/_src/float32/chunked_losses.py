@@ -183,14 +183,8 @@ class ChunkedCategoricalCrossentropy(_ChunkedLoss):
         reduction: As Keras's losses (default ``"sum_over_batch_size"``).
         name: String. The loss's name.
         dtype: The dtype of the loss value (default ``keras.config.floatx()``); the computation is float32.
-        chunk_bytes: Int (bytes, at most 1 GiB) or None. Size of one float32 chunk of logits; None: 32 MiB
-            of rows from whole logits, 8 MiB of columns when fused (`fuse_projection`).
-        fuse_projection: Bool (default True). Under ``tf.function`` (Keras's ``fit``), where ``y_pred`` is
-            the output of a Keras ``Dense`` or a projecting ``ReversibleEmbedding`` (bias optional), compute
-            the logits from that layer's input and weights a block of vocabulary columns at a time, as the
-            layer outputs them (its compute dtype), so that its full-size matmul is pruned and the logits
-            are never whole (`tfmp._src.float32.fused_cross_entropy`); elsewhere (eager, other ops)
-            the chunked loss on ``y_pred``.
+        chunk_bytes: Int (bytes, at most 1 GiB) or None, as in `tfmp.ChunkedSparseCategoricalCrossentropy`.
+        fuse_projection: Bool (default True), as in `tfmp.ChunkedSparseCategoricalCrossentropy`.
 
     Raises:
         ValueError: (template) ``from_logits`` is not True, ``label_smoothing`` not in ``[0, 1]``,

@@ -10,10 +10,15 @@ has no consumer in the training step and TensorFlow prunes it; a metric reading 
 it (and still gets the layer's values). Blocks of columns rather than rows: each block multiplies
 a slice of the kernel by every row (a large matmul) and yields its slice of the kernel's gradient
 once, where a block of rows would multiply the whole kernel and add a kernel-sized gradient.
+Each block is a contiguous slice of the kernel; the last one ends at the last class, and its
+columns already in the block before are dead there (masked in that block only).
 
 Gradients (``tf.custom_gradient``, for hidden, kernel and bias), a second pass over the blocks:
 ``g = softmax * sum(target) - target`` in float32, ``d_hidden += g @ block^T``, the block's
-``d_kernel = hidden^T @ g`` and ``d_bias = sum(g)``. When every kept row's upstream gradient is the
+``d_kernel = hidden^T @ g`` and ``d_bias = sum(g)``, each row's upstream factor applied to the
+hidden states (and ``d_hidden``) once rather than to every block. For one-hot targets the
+``-target`` term is taken out of the blocks: ``-1`` at each row's label is a gather of kernel
+columns for ``d_hidden`` and a scatter of hidden rows into ``d_kernel``, done once. When every kept row's upstream gradient is the
 same (``uniform``: a Keras reduction without sample weights weighs every kept row alike,
 `chunked_losses`), the second pass runs in the forward and its results are scaled by the upstream
 gradient (as Liger-Kernel's fused linear cross-entropy does); otherwise the backward runs it with
@@ -122,6 +127,9 @@ def _fused(projection: Projection, ids, dense, keep, uniform: bool, smoothing: f
     # columns per block: `chunk_bytes` of float32 logits over every row (under XLA a constant: from a shape)
     width = tf.clip_by_value(int(chunk_bytes) // (4 * tf.maximum(rows, 1)), 1, classes)
     blocks = (classes + width - 1) // width
+    # Block i is the contiguous columns [start(i), start(i) + width): i * width, except the last, which
+    # ends at `classes`; its first `overlap` columns, already in the block before, are dead there.
+    overlap = blocks * width - classes
     offsets = tf.range(width)
     work = tf.float32 if float32_matmul(dtype) else dtype  # the matmuls' dtype
     kernel_axis = 0 if transpose else 1
@@ -137,37 +145,44 @@ def _fused(projection: Projection, ids, dense, keep, uniform: bool, smoothing: f
             return round_trip(value)
         return tf.bitcast(tf.bitwise.bitwise_and(tf.bitcast(value, tf.int32), -65536), tf.float32)
 
-    def block(index, hidden_in, kernel_in, bias_in):
-        """Columns, live columns (float 0/1), the kernel block and float32 logits ``[rows, width]`` of a block."""
-        at = index * width + offsets
-        cols = tf.minimum(at, classes - 1)  # past the end: the last column again, not live
-        live = tf.cast(at < classes, tf.float32)
-        weights = tf.cast(tf.cast(tf.gather(kernel_in, cols, axis=kernel_axis), dtype), work)
-        product = tf.matmul(tf.cast(hidden_in, work), weights, transpose_b=transpose)
+    def start(index):
+        return tf.minimum(index * width, classes - width)
+
+    def columns(kernel_in, first):
+        """The kernel's columns (rows, transposed) ``[first, first + width)``, contiguous."""
+        return tf.slice(kernel_in, [first, 0], [width, depth]) if transpose else \
+            tf.slice(kernel_in, [0, first], [depth, width])
+
+    def block(index, part, kernel_in, bias_in):
+        """Start, live columns (float 0/1), the kernel block and float32 logits ``[rows, width]`` of a block
+        (``part``: the hidden states in the matmuls' dtype)."""
+        first = start(index)
+        live = tf.cast(first + offsets >= index * width, tf.float32)
+        weights = tf.cast(tf.cast(columns(kernel_in, first), dtype), work)
+        product = tf.matmul(part, weights, transpose_b=transpose)
         if work != tf.float32:  # the layer's ops in its dtype
             logits = tf.cast(product if bias_in is None else
-                             tf.nn.bias_add(product, tf.cast(tf.gather(bias_in, cols), dtype)), tf.float32)
+                             tf.nn.bias_add(product, tf.cast(tf.slice(bias_in, [first], [width]), dtype)), tf.float32)
         else:  # the matmul's output rounding; a 16-bit add computes in float32 and rounds
             logits = matmul_output(product)
             if bias_in is not None:
-                logits = round_trip(logits + tf.cast(tf.cast(tf.gather(bias_in, cols), dtype), tf.float32))
-        return cols, live, weights, logits
+                logits = round_trip(logits + tf.cast(tf.cast(tf.slice(bias_in, [first], [width]), dtype), tf.float32))
+        return first, live, weights, logits
 
-    def target(cols, live):
+    def target(first, live):
         """The float32 target of a block ``[rows, width]``, 0 in dead columns."""
+        cols = first + offsets
         if dense is None:
             one_hot = tf.cast(tf.equal(ids[:, None], cols[None, :]), tf.float32) * live
             return (1.0 - smoothing) * one_hot + smoothing / classes * live if smoothing else one_hot
-        t = tf.cast(tf.gather(dense, cols, axis=1), tf.float32)
+        t = tf.cast(tf.slice(dense, [0, first], [rows, width]), tf.float32)
         return (t * (1.0 - smoothing) + smoothing / classes if smoothing else t) * live
 
-    hard = dense is None and not smoothing  # one-hot targets: read and subtract at the label only
+    def where_dead(index, masked, value):
+        """``masked()`` in the block with dead columns (the last, when ``overlap > 0``), else ``value``."""
+        return tf.cond(tf.logical_and(overlap > 0, index == blocks - 1), masked, lambda: value)
 
-    def at_label(index):
-        """``(rows ids of the labels inside block index, whether inside)`` for ``gather``/``scatter``."""
-        local = ids - index * width
-        inside = tf.logical_and(local >= 0, local < width)
-        return tf.stack([tf.range(rows), tf.clip_by_value(local, 0, width - 1)], axis=1), inside
+    hard = dense is None and not smoothing  # one-hot targets: read at the label; their gradient term outside the loop
 
     def loop(body, state):
         return tf.while_loop(lambda i, *_: i < blocks, body, (0, *state), maximum_iterations=blocks,
@@ -175,39 +190,57 @@ def _fused(projection: Projection, ids, dense, keep, uniform: bool, smoothing: f
 
     def log_sum_exp(hidden_in, kernel_in, bias_in):
         """Pass 1: float32 ``(lse, sum(t), sum(t * x))`` per row, an online log-sum-exp over the blocks."""
+        part = tf.cast(hidden_in, work)
+
         def body(index, peak, total_exp, total, weighted):
-            cols, live, _, logits = block(index, hidden_in, kernel_in, bias_in)
-            logits = logits + (live - 1.0) * 3e38  # dead columns: far below every live one
+            first, live, _, logits = block(index, part, kernel_in, bias_in)
+            logits = where_dead(index, lambda: logits + (live - 1.0) * 3e38, logits)  # far below every live one
             new_peak = tf.maximum(peak, tf.stop_gradient(tf.reduce_max(logits, axis=1)))
             total_exp = total_exp * tf.exp(peak - new_peak) + tf.reduce_sum(tf.exp(logits - new_peak[:, None]), 1)
-            if hard:
-                where, inside = at_label(index)
+            if hard:  # the label's logit, where the label is a live column of this block
+                inside = tf.logical_and(ids >= index * width, ids < first + width)
+                where = tf.stack([tf.range(rows), tf.clip_by_value(ids - first, 0, width - 1)], axis=1)
                 return index + 1, new_peak, total_exp, total, weighted + tf.where(
                     inside, tf.gather_nd(logits, where), 0.0)
-            t = target(cols, live)
-            logits = logits * live  # no 3e38 * 0 below
+            t = target(first, live)
+            logits = where_dead(index, lambda: logits * live, logits)  # no 3e38 * 0 below
             return index + 1, new_peak, total_exp, total + tf.reduce_sum(t, 1), weighted + tf.reduce_sum(t * logits, 1)
 
         zeros = tf.zeros([rows], tf.float32)
         peak, total_exp, total, weighted = loop(body, (zeros - 3e38, zeros, zeros + 1.0 if hard else zeros, zeros))
         return tf.math.log(total_exp) + peak, total, weighted
 
+    def assembled(blocks_stack, axis):
+        """The ``classes`` columns along ``axis`` of per-block gradients laid end to end: the last block's
+        first ``overlap`` (dead) columns left out."""
+        end = (blocks - 1) * width
+        size = tf.shape(blocks_stack)[axis]
+        if axis == 0:
+            return tf.concat([blocks_stack[:end], blocks_stack[end + overlap:size]], axis=0)
+        return tf.concat([blocks_stack[:, :end], blocks_stack[:, end + overlap:size]], axis=1)
+
     def gradients(hidden_in, kernel_in, bias_in, lse, total, scale):
-        """Pass 2: float32 ``d_hidden``, ``d_kernel`` and ``d_bias`` for ``g = (softmax * sum(t) - t) * scale``."""
+        """Pass 2: float32 ``d_hidden``, ``d_kernel`` and ``d_bias`` for ``g = (softmax * sum(t) - t) * scale``.
+
+        The loop takes ``g / scale`` (one row factor): ``scale`` multiplies the hidden states once for the
+        kernel's gradient, ``d_hidden`` once after the loop, and ``d_bias`` is ``scale @ g``. One-hot
+        targets: the loop takes ``softmax``; the target's term (``-scale`` at each row's label) is added
+        after it, a gather and a segment sum instead of a pass over every block."""
+        part = tf.cast(hidden_in, work)
+        scaled = tf.cast(tf.cast(part, tf.float32) * scale[:, None], work)
+
         def body(index, d_hidden, d_kernel, d_bias):
-            cols, live, weights, logits = block(index, hidden_in, kernel_in, bias_in)
-            softmax = tf.exp(logits - lse[:, None]) * live
-            if hard:  # sum(target) is 1
-                where, inside = at_label(index)
-                g = tf.tensor_scatter_nd_sub(softmax, where, tf.cast(inside, tf.float32)) * scale[:, None]
-            else:
-                g = (softmax * total[:, None] - target(cols, live)) * scale[:, None]
+            first, live, weights, logits = block(index, part, kernel_in, bias_in)
+            g = tf.exp(logits - lse[:, None])
+            g = where_dead(index, lambda: g * live, g)
+            if not hard:  # hard: sum(target) is 1, the target's term after the loop
+                g = g * total[:, None] - target(first, live)
             low = tf.cast(g, work)
             d_hidden += tf.cast(tf.matmul(low, weights, transpose_b=not transpose), tf.float32)
-            part = tf.cast(hidden_in, work)
-            d_weights = tf.matmul(low, part, transpose_a=True) if transpose else tf.matmul(part, low, transpose_a=True)
+            d_weights = tf.matmul(low, scaled, transpose_a=True) if transpose else \
+                tf.matmul(scaled, low, transpose_a=True)
             return index + 1, d_hidden, d_kernel.write(index, tf.cast(d_weights, tf.float32)), d_bias.write(
-                index, tf.reduce_sum(g, axis=0))
+                index, tf.linalg.matvec(g, scale, transpose_a=True))
 
         shape = [None, depth] if transpose else [depth, None]
         d_hidden, d_kernel, d_bias = loop(body, (tf.zeros([rows, depth], tf.float32),
@@ -215,10 +248,23 @@ def _fused(projection: Projection, ids, dense, keep, uniform: bool, smoothing: f
                                                  tf.TensorArray(tf.float32, size=blocks, element_shape=[None])))
         d_kernel = d_kernel.stack()  # [blocks, width, depth] or [blocks, depth, width]
         if transpose:
-            d_kernel = tf.reshape(d_kernel, [-1, depth])[:classes]
+            d_kernel = assembled(tf.reshape(d_kernel, [-1, depth]), 0)
         else:
-            d_kernel = tf.reshape(tf.transpose(d_kernel, [1, 0, 2]), [depth, -1])[:, :classes]
-        return d_hidden, d_kernel, tf.reshape(d_bias.stack(), [-1])[:classes]
+            d_kernel = assembled(tf.reshape(tf.transpose(d_kernel, [1, 0, 2]), [depth, -1]), 1)
+        d_bias = assembled(tf.reshape(d_bias.stack(), [-1]), 0)
+        d_hidden *= scale[:, None]
+        if hard:  # the one-hot term: -scale at each row's label (scattered into the gradients, no kernel-sized copy)
+            label_rows = tf.cast(tf.cast(tf.gather(kernel_in, ids, axis=kernel_axis), dtype), tf.float32)
+            d_hidden -= scale[:, None] * (label_rows if transpose else tf.transpose(label_rows))
+            rows_scaled = tf.cast(part, tf.float32) * scale[:, None]  # [rows, depth]
+            if transpose:
+                d_kernel = tf.tensor_scatter_nd_sub(d_kernel, ids[:, None], rows_scaled)
+            else:  # kernel [depth, classes]: element (d, ids[r]) -= rows_scaled[r, d]
+                at = tf.stack([tf.broadcast_to(tf.range(depth)[:, None], [depth, rows]),
+                               tf.broadcast_to(ids[None, :], [depth, rows])], axis=-1)
+                d_kernel = tf.tensor_scatter_nd_sub(d_kernel, at, tf.transpose(rows_scaled))
+            d_bias = tf.tensor_scatter_nd_sub(d_bias, ids[:, None], scale)
+        return d_hidden, d_kernel, d_bias
 
     no_bias = bias is None
 

@@ -26,6 +26,22 @@ ONE_WORKER_MODULES = frozenset({
 })
 
 
+#: Modules with tests of 10 s or more (2 idle cores), sent to the workers first, slowest first, so that
+#: the run does not end on one of them while the other worker waits. A scheduling hint only: a module
+#: missing here runs as fast, just later. xdist's loadscope sends `ONE_WORKER_MODULES` (more tests a
+#: unit) before single tests anyway.
+SLOW_FIRST = ("test_notebooks.py", "test_examples.py", "test_reproducible.py", "test_monitor.py",
+              "test_float16_fusion.py", "test_numerics.py", "test_layer_numerics_3d.py", "test_tfds_preflight.py",
+              "test_keras_hooks.py", "test_saved_form.py", "test_startup.py", "test_layer_numerics.py",
+              "test_fused_cross_entropy.py", "test_master_weights.py", "test_optional_dependencies.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Moves the `SLOW_FIRST` modules' tests to the front, module by module (each module's order kept)."""
+    rank = {name: index for index, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1], len(rank)))
+
+
 def pytest_collection_finish(session):
     """Moves what importing TensorFlow, Keras and the test modules made out of the collector's reach.
 

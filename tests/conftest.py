@@ -183,7 +183,8 @@ def no_tfmp_state_at_module_end():
     from tfmp._src.policy import enable
 
     gc.unfreeze()  # the module's fixtures, frozen after each of its tests
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
+    gc.collect()  # walks every object of the process: once, here (frozen again below)
     enable.disable()  # not enabled here: takes off the hooks no live model needs
     hooks = _class_hooks()
     leftovers = [repr(hook) for hook in hooks]
@@ -193,6 +194,11 @@ def no_tfmp_state_at_module_end():
         record.unmark(list(record._marked))
         _clean_up(hooks + attachment_hooks.installed())
         pytest.fail("The module left tfmp state behind: " + "; ".join(leftovers), pytrace=False)
+    # What is left outlives the module: frozen now, so that the collection after this
+    # test (`pytest_runtest_protocol`) does not walk it all a second time (a second or
+    # two late in the suite, at every module switch of an xdist worker). Hooks
+    # `disable` just dropped are collected at the next module's end.
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import pathlib
 import shutil
 import socket
+import tempfile
 import urllib.parse
 import urllib.request
 from typing import Callable, List, Optional
@@ -77,6 +78,31 @@ def _how_to_provide(name: str, version: str, root: pathlib.Path) -> str:
     )
 
 
+def tfds_builder(name: str, data_dir: Optional[str] = None):
+    """``tfds.builder(name, data_dir=data_dir)``, leaving no folder in the system's temporary folder.
+
+    For a data set not yet prepared, tensorflow-datasets (4.9) makes a ``tempfile.mkdtemp("tfds")``
+    folder for metadata from its bucket and leaves it behind, empty when the bucket is off (its
+    default): one more folder in /tmp per run. Here that folder is made inside a temporary
+    folder of this call's own, removed when the builder is made.
+
+    Args:
+        name: String. A tensorflow-datasets data set name, e.g. "mnist".
+        data_dir: String or None, as `prepare`'s.
+
+    Returns:
+        `tfds.core.DatasetBuilder` of `name`.
+    """
+    import tensorflow_datasets as tfds
+
+    with tempfile.TemporaryDirectory(prefix="tfmp-tfds-") as scratch:
+        default, tempfile.tempdir = tempfile.tempdir, scratch
+        try:
+            return tfds.builder(name, data_dir=data_dir)
+        finally:
+            tempfile.tempdir = default
+
+
 def prepare(
     name: str,
     data_dir: Optional[str] = None,
@@ -109,9 +135,7 @@ def prepare(
             f"Invalid `name` argument. Expected one of {sorted(DOWNLOAD_URLS)}. "
             f"Received: name={name!r}. Add its download URL to DOWNLOAD_URLS."
         )
-    import tensorflow_datasets as tfds
-
-    builder = tfds.builder(name, data_dir=data_dir)
+    builder = tfds_builder(name, data_dir)
     version, root = str(builder.version), pathlib.Path(builder.data_dir_root)
     where = f"tensorflow-datasets data set {name!r} (version {version})"
     target = pathlib.Path(builder.data_dir)

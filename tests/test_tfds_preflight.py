@@ -9,6 +9,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import tensorflow_datasets as tfds
@@ -29,7 +30,7 @@ def must_not_connect(url):
 
 def write_prepared(data_dir, name="mnist"):
     """A prepared-looking data set: the metadata tensorflow-datasets writes last."""
-    builder = tfds.builder(name, data_dir=str(data_dir))
+    builder = tfds_preflight.tfds_builder(name, str(data_dir))
     pathlib.Path(builder.data_dir).mkdir(parents=True)
     builder.info.write_to_directory(builder.data_dir)
     return pathlib.Path(builder.data_dir)
@@ -49,15 +50,21 @@ def test_prepared_data_set_passes_without_network(tmp_path):
     assert str(builder.version) == "3.0.1"
 
 
-def test_unreachable_host_stops_with_what_to_do(tmp_path):
+def test_unreachable_host_stops_with_what_to_do(tmp_path, monkeypatch):
+    system_tmp = tmp_path / "system_tmp"  # the system's temporary folder, as tensorflow-datasets sees it
+    system_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(system_tmp))
+    data = tmp_path / "data"
+    data.mkdir()
     with pytest.raises(SystemExit) as info:
-        tfds_preflight.prepare("mnist", str(tmp_path), reachable=unreachable)
+        tfds_preflight.prepare("mnist", str(data), reachable=unreachable)
     message = str(info.value.code)
-    for part in ("'mnist' (version 3.0.1)", f"not prepared in {tmp_path}",
+    for part in ("'mnist' (version 3.0.1)", f"not prepared in {data}",
                  "storage.googleapis.com:443", "TFDS_DATA_DIR", "--data-dir",
                  "tfds build mnist", "--dataset digits"):
         assert part in message, part
-    assert list(tmp_path.iterdir()) == []
+    assert list(data.iterdir()) == []
+    assert list(system_tmp.iterdir()) == []  # tensorflow-datasets' scratch folder (mkdtemp("tfds")) too
 
 
 def test_failed_download_removes_only_what_it_created(tmp_path, monkeypatch):

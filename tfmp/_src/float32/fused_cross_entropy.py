@@ -18,11 +18,12 @@ Gradients (``tf.custom_gradient``, for hidden, kernel and bias), a second pass o
 ``d_kernel = hidden^T @ g`` and ``d_bias = sum(g)``, each row's upstream factor applied to the
 hidden states (and ``d_hidden``) once rather than to every block. For one-hot targets the
 ``-target`` term is taken out of the blocks: ``-1`` at each row's label is a gather of kernel
-columns for ``d_hidden`` and a scatter of hidden rows into ``d_kernel``, done once. When every kept row's upstream gradient is the
-same (``uniform``: a Keras reduction without sample weights weighs every kept row alike,
-`chunked_losses`), the second pass runs in the forward and its results are scaled by the upstream
-gradient (as Liger-Kernel's fused linear cross-entropy does); otherwise the backward runs it with
-each row's upstream gradient. A float32 kernel or bias (a mixed policy's variable before the
+columns for ``d_hidden`` and a scatter of hidden rows into ``d_kernel``, done once. When every
+kept row's upstream gradient is the same (``uniform``: a Keras reduction without sample weights
+weighs every kept row alike, `chunked_losses`), the second pass runs in the forward and its
+results are scaled by the upstream gradient (as Liger-Kernel's fused linear cross-entropy does;
+where no gradient is taken, as in ``evaluate``, TensorFlow prunes it); otherwise the backward
+runs it with each row's upstream gradient. A float32 kernel or bias (a mixed policy's variable before the
 layer's cast) gets its gradient in float32.
 
 The block's matmul runs in float32 where the hardware has no fast 16-bit matmul (`float32_matmul`:

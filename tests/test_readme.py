@@ -196,7 +196,7 @@ def test_defaults_the_readme_states_are_the_real_ones():
 # Paths the docs name that are not in the repository: folders a run writes (logs,
 # exported artifacts, the venv, a temporary folder "$out"), layer paths ("encoder/..."),
 # and the monitor's TensorBoard tags ("metrics/batch_loss", "precision/").
-NOT_IN_THE_REPOSITORY = ("logs/", ".venv/", "exported/", "encoder/", "block/", "out/",
+NOT_IN_THE_REPOSITORY = ("logs/", ".venv/", ".venv-test/", "exported/", "encoder/", "block/", "out/",
                          tags.METRICS, tags.OPTIMIZER, tags.PRECISION, tags.SYSTEM)
 
 

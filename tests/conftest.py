@@ -183,8 +183,7 @@ def no_tfmp_state_at_module_end():
     from tfmp._src.policy import enable
 
     gc.unfreeze()  # the module's fixtures, frozen after each of its tests
-    keras.backend.clear_session(free_memory=False)
-    gc.collect()  # walks every object of the process: once, here (frozen again below)
+    keras.backend.clear_session()  # its gc.collect() walks every object of the process: once (frozen below)
     enable.disable()  # not enabled here: takes off the hooks no live model needs
     hooks = _class_hooks()
     leftovers = [repr(hook) for hook in hooks]

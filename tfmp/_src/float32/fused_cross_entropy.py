@@ -226,9 +226,10 @@ def _fused(projection: Projection, ids, dense, keep, uniform: bool, smoothing: f
         The loop takes ``g / scale`` (one row factor): ``scale`` multiplies the hidden states once for the
         kernel's gradient, ``d_hidden`` once after the loop, and ``d_bias`` is ``scale @ g``. One-hot
         targets: the loop takes ``softmax``; the target's term (``-scale`` at each row's label) is added
-        after it, a gather and a segment sum instead of a pass over every block."""
+        after it, a gather and a scatter instead of a pass over every block."""
         part = tf.cast(hidden_in, work)
-        scaled = tf.cast(tf.cast(part, tf.float32) * scale[:, None], work)
+        rows_scaled = tf.cast(part, tf.float32) * scale[:, None]  # [rows, depth]
+        scaled = tf.cast(rows_scaled, work)
 
         def body(index, d_hidden, d_kernel, d_bias):
             first, live, weights, logits = block(index, part, kernel_in, bias_in)
@@ -253,11 +254,9 @@ def _fused(projection: Projection, ids, dense, keep, uniform: bool, smoothing: f
         else:
             d_kernel = assembled(tf.reshape(tf.transpose(d_kernel, [1, 0, 2]), [depth, -1]), 1)
         d_bias = assembled(tf.reshape(d_bias.stack(), [-1]), 0)
-        d_hidden *= scale[:, None]
         if hard:  # the one-hot term: -scale at each row's label (scattered into the gradients, no kernel-sized copy)
             label_rows = tf.cast(tf.cast(tf.gather(kernel_in, ids, axis=kernel_axis), dtype), tf.float32)
-            d_hidden -= scale[:, None] * (label_rows if transpose else tf.transpose(label_rows))
-            rows_scaled = tf.cast(part, tf.float32) * scale[:, None]  # [rows, depth]
+            d_hidden -= label_rows if transpose else tf.transpose(label_rows)
             if transpose:
                 d_kernel = tf.tensor_scatter_nd_sub(d_kernel, ids[:, None], rows_scaled)
             else:  # kernel [depth, classes]: element (d, ids[r]) -= rows_scaled[r, d]
@@ -265,7 +264,7 @@ def _fused(projection: Projection, ids, dense, keep, uniform: bool, smoothing: f
                                tf.broadcast_to(ids[None, :], [depth, rows])], axis=-1)
                 d_kernel = tf.tensor_scatter_nd_sub(d_kernel, at, tf.transpose(rows_scaled))
             d_bias = tf.tensor_scatter_nd_sub(d_bias, ids[:, None], scale)
-        return d_hidden, d_kernel, d_bias
+        return d_hidden * scale[:, None], d_kernel, d_bias
 
     no_bias = bias is None
 

@@ -88,6 +88,7 @@ class Overrides:
             16-bit bias gradients are summed with float32 accumulation (the bias
             gradient check's result injected while it compiles); None: as this
             CPU's check decides.
+        speedups_off: Tuple of speed feature names (`tfmp.enable`'s ``speedups``) turned off under ``tfmp``.
         bias_gradient_conv2d: Bool. With `bias_gradient_summed`, whether a
             Conv2D's bias gradient is summed too (injected as if oneDNN's fused
             kernel lost the sum); False: it keeps that kernel, as tfmp decides
@@ -103,6 +104,7 @@ class Overrides:
     gelu_float32_inside: Optional[bool] = None
     bias_gradient_summed: Optional[bool] = None
     bias_gradient_conv2d: bool = False
+    speedups_off: Tuple[str, ...] = ()
 
 
 @contextlib.contextmanager
@@ -220,7 +222,8 @@ def _build_compile_and_warm_up(
         if config == "tfmp":
             with warnings.catch_warnings():  # an explicit policy may be emulated on this CPU
                 warnings.simplefilter("ignore", tfmp.PerformanceWarning)
-                tfmp.enable(overrides.tfmp_policy, exclude_float32=overrides.exclude_float32)
+                tfmp.enable(overrides.tfmp_policy, exclude_float32=overrides.exclude_float32,
+                            speedups=dict.fromkeys(overrides.speedups_off, False))
         else:
             keras.config.set_dtype_policy("float32" if config == "float32" else policy)
         model = workload.build()

@@ -237,8 +237,8 @@ def markdown(results: dict) -> str:
     lines.append(
         f"tf.matmul {mm['size']}^3: {mm['dtype']} {mm['ratio']['value']:.2f}x float32 "
         f"(paired {mm['ratio']['paired']:.2f}x, fastest {mm['ratio']['fastest']:.2f}x; "
-        f"{mm['configs']['float32']['median_gflops']:.0f} vs "
-        f"{mm['configs'][mm['dtype']]['median_gflops']:.0f} GFLOP/s): the hardware ceiling."
+        f"{mm['configs']['float32']['median_gflops']:.0f} GFLOP/s float32 vs "
+        f"{mm['configs'][mm['dtype']]['median_gflops']:.0f} {mm['dtype']}): the hardware ceiling."
     )
     if mm["dtype"] != "float32" and mm["ratio"]["paired"] < 1:
         lines.append(f"{mm['dtype']} matmuls are slower than float32 here: the rooflines take "

@@ -5,6 +5,7 @@
     python benchmarks/side_experiments.py cnn-without-bn        # CNN with and without BatchNormalization
     python benchmarks/side_experiments.py transformer-overhead  # tfmp vs plain Keras, its guard, its monitor, tfmp vs itself
     python benchmarks/side_experiments.py gelu                  # Transformer, ViT: tfmp's float32-inside GELU vs Keras's
+    python benchmarks/side_experiments.py cross-entropy         # decoder: the loss from bfloat16 logits vs Keras's kernel
     python benchmarks/side_experiments.py bias-gradient         # Transformer, ViT: summed bias gradients vs Keras's BiasAddGrad
     python benchmarks/side_experiments.py bias-gradient-resnet50  # ResNet50: the same for Conv2D biases
     python benchmarks/side_experiments.py xla --repeats 15 --json xla.json
@@ -159,6 +160,15 @@ EXPERIMENTS = {
         (("tfmp", "tfmp, Keras's GELU"), ("tfmp", "Keras"), ("tfmp, Keras's GELU", "Keras"),
          ("ViT tfmp", "ViT tfmp, Keras's GELU"), ("ViT tfmp", "ViT Keras"), ("ViT tfmp, Keras's GELU", "ViT Keras")),
     ),
+    "cross-entropy": Experiment(
+        "decoder, mixed_bfloat16: tfmp with its sparse cross-entropy read from the bfloat16 logits vs "
+        "tfmp with Keras's cast and float32 kernel, vs plain Keras",
+        {"Keras": Variant("decoder", "keras_mixed"),
+         "tfmp": Variant("decoder", "tfmp", Overrides(tfmp_policy=BF16)),
+         "tfmp, Keras's kernel": Variant("decoder", "tfmp", Overrides(tfmp_policy=BF16,
+                                                                       speedups_off=("cross_entropy",)))},
+        (("tfmp", "tfmp, Keras's kernel"), ("tfmp", "Keras"), ("tfmp, Keras's kernel", "Keras")),
+    ),
     "bias-gradient": Experiment(
         "Transformer and ViT, mixed_bfloat16: tfmp with its Dense bias gradients summed with float32 "
         "accumulation vs tfmp with Keras's BiasAddGrad",
@@ -201,6 +211,7 @@ def _facts(prepared: harness.ConfiguredRun) -> dict:
     return {
         "gelu": found.gelu if found is not None else "keras (not attached)",
         "bias_gradient": found.bias_gradient if found is not None else "keras (not attached)",
+        "cross_entropy": found.cross_entropy if found is not None else "keras (not attached)",
         "optimizer": type(prepared.model.optimizer).__name__,
         "jit_compile": bool(prepared.model.jit_compile),
         "monitor": any(isinstance(c, tfmp.LossScaleMonitor) for c in prepared.callbacks),

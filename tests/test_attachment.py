@@ -270,8 +270,8 @@ def test_the_attachment_lists_every_subscription_and_detach_leaves_only_float32_
     assert [hook for hook in surfaces.process_wide() if hook not in before] == []
 
 
-MODEL_LEVEL_OWNERS = ["bias_gradient", "conv", "conv", "conv", "conv", "dropout", "enable.gradient_errors",
-                      "enable.losses", "fused_batchnorm", "gelu"]  # conv: the backend's four convolutions
+MODEL_LEVEL_OWNERS = ["bias_gradient", "conv", "conv", "conv", "conv", "cross_entropy", "dropout",
+                      "enable.gradient_errors", "enable.losses", "fused_batchnorm", "gelu"]  # conv: the backend's four
 
 
 def test_without_a_session_the_model_level_hooks_are_on_only_while_an_attached_model_traces_its_step():
@@ -477,14 +477,16 @@ def test_an_optional_feature_whose_keras_surface_moved_is_off_with_one_warning_a
                                               keras.layers.Dense(2)])
                     model.compile("adam", "mse")
             said = sorted(str(w.message) for w in caught if "turned one feature off" in str(w.message))
-            assert len(said) == 3  # gelu, conv, bias_gradient: once each
+            assert len(said) == 4  # gelu, conv, cross_entropy, bias_gradient: once each
             assert {w.filename for w in caught if "turned one feature off" in str(w.message)} == {__file__}
-            for feature, text in zip(("bfloat16 bias gradients", "exact GELU", "float16 convolutions"), said):
+            for feature, text in zip(("bfloat16 bias gradients", "exact GELU", "float16 convolutions",
+                                      "sparse cross-entropy from 16-bit logits"), said):
                 assert text.startswith(f"tfmp turned one feature off in this process: {feature}")
                 assert f"Keras {keras.__version__}" in text
                 assert "has no attribute 'nn'" in text and "works as under plain Keras" in text
             found = tfmp.attachment(model)
             assert found.gelu.startswith("keras: off, Keras ") and found.bias_gradient.startswith("keras: off, ")
+            assert found.cross_entropy.startswith("keras: off, Keras ")
             assert found.conv == "keras"  # a bfloat16 model: the convolution rule does not apply
             history = model.fit(x, y, batch_size=4, epochs=2, verbose=0)
             assert all(np.isfinite(history.history["loss"]))

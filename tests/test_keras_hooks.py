@@ -491,7 +491,7 @@ def test_the_leak_guard_sees_enabled_threads_and_class_hooks():
         assert {hook.owner for hook in hooks} == {
             "enable.compile", "enable.first_step", "enable.losses", "fused_batchnorm", "float32.from_config",
             "float32.exact", "enable.gradient_errors", "enable.build_errors", "gelu",
-            "conv", "bias_gradient", "dropout", "enable.tflite_hint"}
+            "conv", "cross_entropy", "bias_gradient", "dropout", "enable.tflite_hint"}
     assert tfmp_leftovers() == ([], [])
 
 

@@ -39,6 +39,7 @@ VARIANTS = {
                              "Keras + monitor": BF16, "tfmp again": BF16},
     "gelu": {"Keras": BF16, "tfmp": BF16, "tfmp, Keras's GELU": BF16,
              "ViT Keras": BF16, "ViT tfmp": BF16, "ViT tfmp, Keras's GELU": BF16},
+    "cross-entropy": {"Keras": BF16, "tfmp": BF16, "tfmp, Keras's kernel": BF16},
     "bias-gradient": {"transformer summed": BF16, "transformer BiasAddGrad": BF16,
                       "vit summed": BF16, "vit BiasAddGrad": BF16},
     "bias-gradient-resnet50": {"resnet50 summed": BF16, "resnet50 BiasAddGrad": BF16,
@@ -57,6 +58,7 @@ RATIOS = {
     "gelu": [("tfmp", "tfmp, Keras's GELU"), ("tfmp", "Keras"), ("tfmp, Keras's GELU", "Keras"),
              ("ViT tfmp", "ViT tfmp, Keras's GELU"), ("ViT tfmp", "ViT Keras"),
              ("ViT tfmp, Keras's GELU", "ViT Keras")],
+    "cross-entropy": [("tfmp", "tfmp, Keras's kernel"), ("tfmp", "Keras"), ("tfmp, Keras's kernel", "Keras")],
     "bias-gradient": [("transformer summed", "transformer BiasAddGrad"), ("vit summed", "vit BiasAddGrad")],
     "bias-gradient-resnet50": [("resnet50 summed", "resnet50 BiasAddGrad"),
                                ("resnet50 summed with Conv2D", "resnet50 BiasAddGrad")],
@@ -79,9 +81,9 @@ def quick(tmp_path_factory):
     return out
 
 
-def test_subcommands_are_the_seven_experiments():
+def test_subcommands_are_the_eight_experiments():
     assert NAMES == ("xla", "onednn-rewrite", "cnn-without-bn", "transformer-overhead", "gelu",
-                     "bias-gradient", "bias-gradient-resnet50")
+                     "cross-entropy", "bias-gradient", "bias-gradient-resnet50")
     assert set(VARIANTS) == set(RATIOS) == set(NAMES)
 
 
@@ -177,6 +179,17 @@ def test_gelu_variants_differ_in_the_gelu_decision_only(quick):
         ours, theirs = variants[f"{model}tfmp"]["overrides"], variants[f"{model}tfmp, Keras's GELU"]["overrides"]
         assert (ours.pop("gelu_float32_inside"), theirs.pop("gelu_float32_inside")) == (True, False)
         assert ours == theirs
+
+
+def test_cross_entropy_variants_differ_in_the_cross_entropy_feature_only(quick):
+    variants = quick["cross-entropy"]["written"]["variants"]
+    decisions = {label: v["cross_entropy"] for label, v in variants.items()}
+    assert decisions["Keras"] == "keras (not attached)"
+    assert decisions["tfmp"].startswith("float32 inside: ")  # the quick decoder, on this CPU
+    assert decisions["tfmp, Keras's kernel"] == "keras: speed-up off (tfmp.enable(speedups=...))"
+    ours, theirs = dict(variants["tfmp"]["overrides"]), dict(variants["tfmp, Keras's kernel"]["overrides"])
+    assert (ours.pop("speedups_off"), theirs.pop("speedups_off")) == ([], ["cross_entropy"])
+    assert ours == theirs
 
 
 @pytest.mark.parametrize("name", ["bias-gradient", "bias-gradient-resnet50"])

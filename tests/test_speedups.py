@@ -92,10 +92,10 @@ def test_speedups_false_installs_no_speed_hook_and_one_feature_on_installs_its_o
     assert _speed_hooks() == []
     plain.fit(X, Y, batch_size=2, verbose=0)
     assert _speed_hooks() == []
-    _compiled("mixed_bfloat16", {"gelu": False, "conv": False})
+    _compiled("mixed_bfloat16", {"gelu": False, "conv": False, "cross_entropy": False})
     assert _speed_hooks() == ["fused_batchnorm"]
     _compiled("mixed_bfloat16", True)
-    assert _speed_hooks() == ["conv", "fused_batchnorm", "gelu"]
+    assert _speed_hooks() == ["conv", "cross_entropy", "fused_batchnorm", "gelu"]
 
 
 def test_one_feature_off_leaves_the_others_on():

@@ -8,7 +8,7 @@ are recorded in one `Attachment` carried by the model and every layer in it. Aft
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Dict, Iterator, List, Optional
+from typing import Any, ContextManager, Dict, FrozenSet, Iterator, List, Optional
 
 import keras
 
@@ -16,7 +16,8 @@ from tfmp._src.attachment import hooks, record
 from tfmp._src.attachment.record import Attachment
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.errors import invalid_argument
-from tfmp._src.float32 import activity_regularizers, bias_gradient, conv, dropout_draw, fused_batchnorm, gelu
+from tfmp._src.float32 import (activity_regularizers, bias_gradient, conv, cross_entropy, dropout_draw,
+                               fused_batchnorm, gelu)
 from tfmp._src.float32.force import forced_reason
 from tfmp._src.keras_hooks import multi_worker, surfaces, train_function
 from tfmp._src.keras_hooks import step_scope as model_scopes
@@ -40,6 +41,13 @@ def _check_model(model: Any, function: str) -> None:
         )
 
 
+@contextlib.contextmanager
+def _tracing_step(model: keras.Model, features: FrozenSet[str]) -> Iterator[None]:
+    """The scope `model`'s steps are traced in: the model-level hooks on, `model` the stepping one."""
+    with hooks.in_step(features), record.stepping(model):
+        yield
+
+
 def attach(model: keras.Model, policy: str, *, attached_by: str, exact_ids: int,
            explains_dtype_errors: bool, numerics: bool,
            speedups: Optional[Dict[str, bool]] = None) -> Attachment:
@@ -50,7 +58,7 @@ def attach(model: keras.Model, policy: str, *, attached_by: str, exact_ids: int,
     """
     features = hooks.speed_features(speedups)
     if isinstance(model, keras.Model):  # the model-level hooks while Keras traces its steps
-        model_scopes.trace_in(model, lambda: hooks.in_step(features))
+        model_scopes.trace_in(model, lambda: _tracing_step(model, features))
         loops.serve(model)  # the stuck check, batch record and saved form on the model itself
     speeds = speedup_rules.decided(speedups)
     remapper = _remapper_decision(model, allowed=speeds["remapper"] == speedup_rules.ON)
@@ -70,6 +78,7 @@ def attach(model: keras.Model, policy: str, *, attached_by: str, exact_ids: int,
         gelu=inside("gelu", gelu.decision), conv=inside("conv", conv.decision),
         depthwise_conv=inside("conv", conv.depthwise_decision),
         dropout=dropout_draw.decision(compute_dtype),
+        cross_entropy=inside("cross_entropy", cross_entropy.decision),
         speedups=speeds,
         activity_regularizers_in_float32=sorted(
             e.path for e in entries if activity_regularizers.regularize_in_float32(e.layer)),

@@ -15,7 +15,7 @@ import threading
 from typing import Any, Callable, Dict, FrozenSet, Iterable, Iterator, List, Mapping, Optional
 
 from tfmp._src.attachment import record
-from tfmp._src.float32 import bias_gradient, conv, dropout_draw, fused_batchnorm, gelu, gradient_errors
+from tfmp._src.float32 import bias_gradient, conv, cross_entropy, dropout_draw, fused_batchnorm, gelu, gradient_errors
 from tfmp._src.keras_hooks import layer_calls, surfaces
 from tfmp._src.keras_hooks.loss_terms import install_losses_hook
 from tfmp._src.policy import session, speedups
@@ -25,7 +25,8 @@ _lock = threading.RLock()
 _steps = 0  # `in_step` blocks open, in any thread
 #: The optional ones, each installed on its own: one whose surface is missing is switched off (`availability`).
 OPTIONAL = (("fused_batchnorm", fused_batchnorm.install), ("gradient_errors", gradient_errors.install),
-            ("gelu", gelu.install), ("conv", conv.install), ("bias_gradient", bias_gradient.install),
+            ("gelu", gelu.install), ("conv", conv.install), ("cross_entropy", cross_entropy.install),
+            ("bias_gradient", bias_gradient.install),
             ("dropout", dropout_draw.install))
 #: The speed features of `OPTIONAL`: installed only where a session's or attached model's ``speedups`` has them on.
 SPEED = frozenset(feature for feature, _ in OPTIONAL if feature in speedups.FEATURES)

@@ -7,10 +7,11 @@ thread's session; a layer without one takes its model's, or attaches at first us
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import weakref
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, Iterator, List, Optional
 
 from tfmp._src.errors import check_bool, check_type, invalid_argument
 from tfmp._src.keras_hooks.layer_calls import entry_layer
@@ -72,6 +73,10 @@ class Attachment:
             call); ``"float32 draw: <why>"``: a 16-bit model's ``Dropout``, ``SpatialDropout*`` and
             ``keras.random.dropout`` draw and compare their uniform noise in float32 and round the
             output once to the 16-bit dtype, so they drop their rate.
+        cross_entropy: String. ``"keras"``: Keras's sparse cross-entropy as it is (a float32 model, a GPU
+            or TPU); ``"float32 inside: <why>"``: a bfloat16 model's from-logits sparse cross-entropy,
+            in its train and test steps, read from the 16-bit logits Keras would cast to float32, in
+            two fused float32 passes with the gradient rounded once (``float32/cross_entropy.py``).
         speedups: Dict, speed feature -> ``"on"`` or ``"off (<why>)"``: the switch
             (``tfmp.enable(speedups=...)``), a moved Keras surface, or a GPU or TPU (none measured). A
             feature on still applies only where its own field says so.
@@ -103,6 +108,7 @@ class Attachment:
     conv: str = "keras"
     depthwise_conv: str = "keras"
     dropout: str = "keras"
+    cross_entropy: str = "keras"
     speedups: Dict[str, str] = dataclasses.field(default_factory=lambda: speedups.decided(None))
     optimizer: str = ""
     activity_regularizers_in_float32: List[str] = dataclasses.field(default_factory=list)
@@ -113,7 +119,7 @@ class Attachment:
         for name, example in (("model", "'sequential'"), ("attached_by", "'compile'"),
                               ("policy", "'mixed_float16'"), ("remapper", "'on'"),
                               ("gelu", "'keras'"), ("bias_gradient", "'keras'"), ("conv", "'keras'"),
-                              ("depthwise_conv", "'keras'"), ("dropout", "'keras'"),
+                              ("depthwise_conv", "'keras'"), ("dropout", "'keras'"), ("cross_entropy", "'keras'"),
                               ("optimizer", "'Adam: kept (float32 compute)'")):
             check_type(name, getattr(self, name), str, "a string", fix=f"Pass e.g. {name}={example}.")
         for name in ("layer_policies", "forced_float32", "batchnorm_kernel", "speedups"):
@@ -131,6 +137,26 @@ class Attachment:
         check_type("subscriptions", self.subscriptions, dict, "a dict of object -> list of strings",
                    items=list, fix="Pass e.g. subscriptions={'model': ['trainer: fit (fit_lifecycle)']}, "
                    "or {} for none.")
+
+
+_stepping = threading.local()  # .models: the models whose steps this thread traces, innermost last
+
+
+@contextlib.contextmanager
+def stepping(model: Any) -> Iterator[None]:
+    """Marks `model` as the model whose train, test or predict step this thread traces inside the block."""
+    models = _stepping.__dict__.setdefault("models", [])
+    models.append(model)
+    try:
+        yield
+    finally:
+        models.pop()
+
+
+def of_stepping() -> Optional[Attachment]:
+    """The `Attachment` of the model whose step this thread traces (innermost `stepping`), or None."""
+    models = getattr(_stepping, "models", None)
+    return of(models[-1]) if models else None
 
 
 def of(obj: Any) -> Optional[Attachment]:

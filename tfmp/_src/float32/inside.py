@@ -45,3 +45,9 @@ def calling_layer_takes(field: str) -> bool:
     """Bool. The calling layer's model is attached with `field` starting with `FLOAT32_INSIDE`."""
     found = record.of_calling(layer_calls.calling_layer())
     return found is not None and getattr(found, field).startswith(FLOAT32_INSIDE)
+
+
+def stepping_model_takes(field: str) -> bool:
+    """Bool. The model whose step this thread traces (`record.of_stepping`) has `field` starting with `FLOAT32_INSIDE`."""
+    found = record.of_stepping()
+    return found is not None and getattr(found, field).startswith(FLOAT32_INSIDE)

@@ -16,6 +16,7 @@ from tfmp._src.errors import warn
 FEATURES = {
     "gelu": "exact GELU in float32 inside (bfloat16 models on a CPU)",
     "conv": "float16 convolutions in float32 inside (float16 models on a CPU)",
+    "cross_entropy": "sparse cross-entropy from 16-bit logits in two fused float32 passes (bfloat16 models on a CPU)",
     "bias_gradient": "bfloat16 bias gradients summed with float32 accumulation (CPU)",
     "dropout": "16-bit dropout drawing its noise in float32, so it drops its rate",
     "fused_batchnorm": "BatchNormalization on TensorFlow's fused kernel (mixed policies)",

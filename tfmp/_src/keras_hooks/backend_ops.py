@@ -1,14 +1,14 @@
 """The backend-ops surface: the functions of Keras's TensorFlow backend that ``keras.ops`` calls.
 
 ``keras.ops`` looks ``gelu``, the convolutions (``conv``, ``conv_transpose``, ``depthwise_conv``,
-``separable_conv``) and ``add`` up on the backend module at
+``separable_conv``), ``sparse_categorical_crossentropy`` and ``add`` up on the backend module at
 each call (`PLACES`), and Keras's dropout layers and ``keras.random.dropout`` look up
 ``backend.random.dropout``, so a hook on the module attribute sees every call. Each wrapper hands its
 subscriber an `OpCall`; the subscriber returns `KERAS` for a call it leaves to Keras.
 
 | private name used | where in Keras | what tfmp does with it |
 |---|---|---|
-| ``keras.src.backend.tensorflow.nn`` (3.12-3.15, ``backend.nn``), ``...tensorflow.ops.nn`` (3.16, ``backend.ops.nn``) | ``keras/src/backend/tensorflow/[ops/]nn.py``, ``keras/src/ops/nn.py`` | `backend_nn`: the module whose ``gelu``, ``conv``, ``conv_transpose``, ``depthwise_conv``, ``separable_conv`` are hooked |
+| ``keras.src.backend.tensorflow.nn`` (3.12-3.15, ``backend.nn``), ``...tensorflow.ops.nn`` (3.16, ``backend.ops.nn``) | ``keras/src/backend/tensorflow/[ops/]nn.py``, ``keras/src/ops/nn.py`` | `backend_nn`: the module whose ``gelu``, ``conv``, ``conv_transpose``, ``depthwise_conv``, ``separable_conv``, ``sparse_categorical_crossentropy`` are hooked |
 | ``keras.src.backend.tensorflow.random`` (3.12-3.16, ``backend.random``); its ``dropout`` calls ``tf.nn.experimental.stateless_dropout``, which draws its uniform noise in the input's dtype | ``keras/src/backend/tensorflow/random.py``, ``keras/src/random/random.py``, ``keras/src/layers/regularization/dropout.py``, ``spatial_dropout.py`` | `backend_random`: the module whose ``dropout`` is hooked |
 | ``keras.src.backend.tensorflow.numpy`` (3.12-3.15, ``backend.numpy``), ``...tensorflow.ops.numpy`` (3.16, ``backend.ops.numpy``); its ``add`` takes ``tf.nn.bias_add`` for a bias vector | ``keras/src/backend/tensorflow/[ops/]numpy.py``, ``keras/src/ops/numpy.py`` | `backend_numpy`: the module whose ``add`` is hooked |
 """
@@ -23,8 +23,9 @@ from tfmp._src.keras_hooks import patches
 
 SURFACE = patches.Surface(
     "backend ops",
-    methods=("gelu", "conv", "conv_transpose", "depthwise_conv", "separable_conv", "add", "dropout"),
-    subscribers=("gelu", "conv", "bias_gradient", "dropout"),
+    methods=("gelu", "conv", "conv_transpose", "depthwise_conv", "separable_conv", "sparse_categorical_crossentropy",
+             "add", "dropout"),
+    subscribers=("gelu", "conv", "cross_entropy", "bias_gradient", "dropout"),
 )
 
 #: (what tfmp relies on Keras doing, the test that checks it).
@@ -38,6 +39,11 @@ CALL_ORDER: Tuple[Tuple[str, str], ...] = (
      "separable_conv(inputs, depthwise_kernel, pointwise_kernel, ...) looked up on backend.nn "
      "(Keras 3.12-3.15) or backend.ops.nn (3.16) at each call",
      "tests/test_conv.py::test_keras_still_calls_the_backend_convolutions_by_module_attribute"),
+    ("keras.losses.SparseCategoricalCrossentropy and keras.ops.sparse_categorical_crossentropy call "
+     "sparse_categorical_crossentropy(target, output, from_logits, axis) looked up on backend.nn "
+     "(Keras 3.12-3.15) or backend.ops.nn (3.16) at each call, with the logits cast to float32 by "
+     "Loss.__call__ (a Cast op in a traced step)",
+     "tests/test_cross_entropy.py::test_keras_still_calls_the_backend_cross_entropy_on_logits_cast_to_float32"),
     ("keras.ops.add (so Dense's and the convolutions' bias) calls add(x1, x2) looked up on "
      "backend.numpy (Keras 3.12-3.15) or backend.ops.numpy (3.16) at each call, which adds a bias "
      "vector with tf.nn.bias_add",
@@ -99,6 +105,7 @@ FUNCTION_SIGNATURES: Dict[str, Tuple[str, ...]] = {
     "conv_transpose": ("inputs", "kernel"),
     "depthwise_conv": ("inputs", "kernel"),
     "separable_conv": ("inputs", "depthwise_kernel", "pointwise_kernel"),
+    "sparse_categorical_crossentropy": ("target", "output", "from_logits", "axis"),
     "add": ("x1", "x2"),
     "dropout": ("inputs", "rate", "noise_shape", "seed"),
 }
@@ -110,9 +117,10 @@ class OpCall(NamedTuple):
     Attributes:
         inputs: Tuple of tensors: ``(x,)`` for ``gelu``, ``(inputs, kernel)`` for the
             convolutions but ``(inputs, depthwise_kernel, pointwise_kernel)`` for
-            ``separable_conv`` (`FUNCTION_SIGNATURES`), ``(x1, x2)`` for ``add``,
-            ``(inputs,)`` for ``dropout``.
-        exact: Bool. ``gelu``: ``approximate=False`` was asked; True for the others.
+            ``separable_conv`` (`FUNCTION_SIGNATURES`), ``(target, output)`` for
+            ``sparse_categorical_crossentropy``, ``(x1, x2)`` for ``add``, ``(inputs,)`` for ``dropout``.
+        exact: Bool. ``gelu``: ``approximate=False`` was asked; ``sparse_categorical_crossentropy``:
+            ``from_logits=True`` on the last axis; True for the others.
         keras: Callable on as many tensors as `inputs`: Keras's function, other arguments as given.
     """
 
@@ -143,6 +151,15 @@ def _wrapper(function: str, replace: Callable[[OpCall], Any]) -> Callable[[Calla
                 return run(OpCall((x1, x2), True, next_function))
 
             hooked = add
+        elif function == "sparse_categorical_crossentropy":
+            def sparse_categorical_crossentropy(target: Any, output: Any, from_logits: bool = False,
+                                                axis: int = -1) -> Any:
+                rank = getattr(getattr(output, "shape", None), "rank", None)
+                last = axis == -1 or (rank is not None and axis == rank - 1)
+                return run(OpCall((target, output), bool(from_logits) and last,
+                                  lambda target, output: next_function(target, output, from_logits, axis)))
+
+            hooked = sparse_categorical_crossentropy
         elif function == "dropout":  # the rate, noise shape and seed pass as given
             def dropout(inputs: Any, *args: Any, **kwargs: Any) -> Any:
                 return run(OpCall((inputs,), True, lambda x: next_function(x, *args, **kwargs)))

@@ -169,7 +169,7 @@ def enable(
         device_facts: `tfmp.DeviceFacts` or None. Device facts to decide "auto"
             for; None reads this machine's.
         speedups: Bool or dict of feature name -> bool. tfmp's speed features
-            (``"fused_batchnorm"``, ``"gelu"``, ``"conv"``, ``"remapper"``,
+            (``"fused_batchnorm"``, ``"gelu"``, ``"conv"``, ``"cross_entropy"``, ``"remapper"``,
             ``"fused_update"``) for the models compiled from now on: True
             (default) on CPUs, where they were measured (a GPU or TPU keeps
             Keras's paths), False none; a dict turns the named ones on or off.

@@ -260,8 +260,9 @@ def slower_than_float32(
         if not facts.onednn:
             return _onednn_off(facts, speed_probe)
         return None  # by the flags, as "auto" decides; a measured factor is advice
-    text = "this CPU has no AVX512_BF16, AMX-BF16 or Arm BF16: no hardware bfloat16 matmuls"
-    return f"{measured}: {text}" if factor is not None and factor < 1.0 else f"{text} ({device})"
+    if factor is not None and factor < 1.0:
+        return f"{measured}: this CPU has no AVX512_BF16, AMX-BF16 or Arm BF16: no hardware bfloat16 matmuls"
+    return f"CPU '{facts.cpu_name}' has no AVX512_BF16, AMX-BF16 or Arm BF16: no hardware bfloat16 matmuls"
 
 
 #: The fix where a CPU with bfloat16 instructions has TensorFlow's oneDNN off (`_onednn_off`'s last sentence).

@@ -185,5 +185,5 @@ def test_the_benchmark_runs_and_its_table_hangs_together(tmp_path):
     (row,) = written["timings"]
     assert (row["shape"], row["size"]) == ("tiny", [64, 50]) and 1 <= row["rounds"] <= 2
     assert row["fastest_ratio"] == pytest.approx(row["keras_ms"] / row["fused_ms"]) and row["paired_ratio"] > 0
-    assert row["loss_relative_difference"] < 1e-6 and row["gradient_difference"] <= 2.0**-8
+    assert row["loss_relative_difference"] < 1e-6 and row["gradient_difference"] <= 2.0**-7  # one bfloat16 step
     assert "| tiny (64 x 50) |" in benchmark.markdown(written)

@@ -11,8 +11,7 @@ or TPUs. Measurements: benchmarks/README.md, "Cross-entropy from 16-bit logits".
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 from tfmp._src.float32 import inside
 from tfmp._src.keras_hooks import backend_ops
@@ -49,14 +48,6 @@ def _backward(logits: Any, labels: Any, log_sum_exp: Any, upstream: Any) -> Any:
     return tf.cast((probabilities - one_hot) * tf.cast(upstream, tf.float32)[:, None], logits.dtype)
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled(function: Callable) -> Callable:
-    """`function` as one XLA-compiled `tf.function` (its elementwise ops and reductions fused, per shape)."""
-    import tensorflow as tf
-
-    return tf.function(function, jit_compile=True, autograph=False, reduce_retracing=True)
-
-
 def fused(labels: Any, logits: Any) -> Any:
     """Per-row cross-entropy of 16-bit logits, computed in float32, with its gradient in the logits' dtype.
 
@@ -85,10 +76,10 @@ def fused(labels: Any, logits: Any) -> Any:
 
     @tf.custom_gradient
     def cross_entropy(logits: Any) -> Any:
-        losses, log_sum_exp = _compiled(_forward)(logits, labels)
+        losses, log_sum_exp = inside.xla_compiled(_forward)(logits, labels)
 
         def gradient(upstream: Any) -> Any:
-            return _compiled(_backward)(logits, labels, log_sum_exp, upstream)
+            return inside.xla_compiled(_backward)(logits, labels, log_sum_exp, upstream)
 
         return losses, gradient
 
@@ -126,7 +117,7 @@ def _replace(call: backend_ops.OpCall) -> Any:
         target = tf.squeeze(target, axis=-1)
     if target.shape.rank != logits.shape.rank - 1 or not target.shape.is_compatible_with(logits.shape[:-1]):
         return backend_ops.KERAS  # Keras raises its own shape error
-    losses = fused(tf.reshape(tf.cast(target, tf.int64), [-1]), tf.reshape(logits, [-1, logits.shape[-1]]))
+    losses = fused(tf.reshape(target, [-1]), tf.reshape(logits, [-1, logits.shape[-1]]))  # ids cast there
     return tf.reshape(losses, tf.shape(logits)[:-1])
 
 

@@ -9,7 +9,6 @@ without GPUs or TPUs. Measurements: benchmarks/README.md, "Exact GELU".
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import statistics
 import time
@@ -105,12 +104,9 @@ def _gradient(x: Any, dy: Any) -> Any:
     return tf.cast(tf.cast(dy, tf.float32) * slope, x.dtype)
 
 
-@functools.lru_cache(maxsize=None)
 def fused_gradient() -> Callable:
     """`_gradient` as one XLA-compiled `tf.function`: its dozen elementwise ops fused in one loop (per shape)."""
-    import tensorflow as tf
-
-    return tf.function(_gradient, jit_compile=True, autograph=False, reduce_retracing=True)
+    return inside.xla_compiled(_gradient)
 
 
 def _dense_step(gelu: Callable) -> Any:

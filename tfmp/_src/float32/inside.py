@@ -1,4 +1,5 @@
-"""What the float32-inside rules (`gelu.py`, `conv.py`) share: the per-model decision and the calling layer's.
+"""What the float32-inside rules (`gelu.py`, `conv.py`, `cross_entropy.py`) share: the per-model decision,
+the calling layer's or stepping model's, and their XLA-compiled functions.
 
 The decision is made once, when tfmp attaches the model, from facts that do not move (the
 compute dtype, whether a GPU or TPU runs the steps), and kept in an `Attachment` field.
@@ -6,7 +7,8 @@ compute dtype, whether a GPU or TPU runs the steps), and kept in an `Attachment`
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Callable, Optional
 
 from tfmp._src.attachment import record
 from tfmp._src.keras_hooks import availability, layer_calls
@@ -45,6 +47,14 @@ def calling_layer_takes(field: str) -> bool:
     """Bool. The calling layer's model is attached with `field` starting with `FLOAT32_INSIDE`."""
     found = record.of_calling(layer_calls.calling_layer())
     return found is not None and getattr(found, field).startswith(FLOAT32_INSIDE)
+
+
+@functools.lru_cache(maxsize=None)
+def xla_compiled(function: Callable) -> Callable:
+    """`function` as one XLA-compiled `tf.function` (its ops fused in one loop, compiled per shape), made once."""
+    import tensorflow as tf
+
+    return tf.function(function, jit_compile=True, autograph=False, reduce_retracing=True)
 
 
 def stepping_model_takes(field: str) -> bool:

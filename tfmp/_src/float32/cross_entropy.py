@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 from tfmp._src.float32 import inside
-from tfmp._src.keras_hooks import backend_ops
+from tfmp._src.keras_hooks import backend_ops, projection_graph
 from tfmp._src.policy.hardware import DeviceFacts
 
 #: The one compute dtype changed (the one measured: float16 is never tfmp's choice on a CPU).
@@ -92,15 +92,11 @@ def decision(compute_dtype: str, facts: Optional[DeviceFacts] = None) -> str:
 
 
 def sixteen_bit_logits(output: Any) -> Optional[Any]:
-    """The 16-bit tensor a traced float32 `output` is a Cast of, with its classes known; else None."""
-    import tensorflow as tf
-
-    if tf.executing_eagerly() or not tf.is_tensor(output) or output.dtype != tf.float32:
+    """The bfloat16 tensor a traced float32 `output` is a Cast of (`projection_graph.cast_from_16_bit`),
+    with its classes known; else None."""
+    source = projection_graph.cast_from_16_bit(output)
+    if source is None or source.dtype.name != DTYPE:
         return None
-    op = getattr(output, "op", None)
-    if op is None or op.type != "Cast" or op.inputs[0].dtype != tf.as_dtype(DTYPE):
-        return None
-    source = op.inputs[0]
     return source if source.shape.rank and source.shape[-1] is not None else None
 
 

@@ -13,6 +13,10 @@ logits tensor it receives through the ops Keras's TensorFlow backend writes:
 | ``Transpose`` ``[1, 0]`` of the kernel (optional) | ``ReversibleEmbedding.call(reverse=True)``: ``ops.transpose(embeddings)`` | the embedding matrix, transposed |
 | ``Cast`` float32 -> 16-bit of kernel or bias (optional) | ``Layer`` autocast of a mixed policy's float32 variables | the float32 value (its gradient stays float32) |
 
+`cast_from_16_bit` reads the one op a from-logits cross-entropy's float32 logits come from
+(`tfmp._src.float32.cross_entropy`): Keras's ``Loss.__call__`` converting 16-bit logits to its
+float32 dtype, a ``Cast``, whose 16-bit input the loss then reads instead.
+
 Only ops of the graph being built are followed; anything else (eager tensors, a soft cap, an
 activation) is no match, and the caller computes from the logits as they are. `pattern_matches`
 checks once per process that a Keras ``Dense`` still traces to this pattern; where it does
@@ -64,6 +68,16 @@ def _before_cast(tensor: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
             not op.get_attr("Truncate"):
         return op.inputs[0]
     return tensor
+
+
+def cast_from_16_bit(tensor: Any) -> Optional[tf.Tensor]:
+    """The bfloat16 or float16 input of a ``Cast`` to float32 producing `tensor` in the graph being built, else None."""
+    if not _graph_tensor(tensor) or tensor.dtype != tf.float32:
+        return None
+    op = tensor.op
+    if op.type != "Cast" or op.inputs[0].dtype not in _LOW or op.get_attr("Truncate"):
+        return None
+    return op.inputs[0]
 
 
 def _split_bias(tensor: tf.Tensor, classes: int):

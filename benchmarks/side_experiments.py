@@ -206,12 +206,11 @@ def rewrite_applies() -> bool:
 
 
 def _facts(prepared: harness.ConfiguredRun) -> dict:
-    """What the variant's model really ran with: optimizer class, XLA, monitor, GELU."""
+    """What the variant's model really ran with: its GELU, bias-gradient and cross-entropy decisions, optimizer class, XLA, monitor."""
     found = tfmp.attachment(prepared.model)
     return {
-        "gelu": found.gelu if found is not None else "keras (not attached)",
-        "bias_gradient": found.bias_gradient if found is not None else "keras (not attached)",
-        "cross_entropy": found.cross_entropy if found is not None else "keras (not attached)",
+        **{field: getattr(found, field) if found is not None else "keras (not attached)"
+           for field in ("gelu", "bias_gradient", "cross_entropy")},
         "optimizer": type(prepared.model.optimizer).__name__,
         "jit_compile": bool(prepared.model.jit_compile),
         "monitor": any(isinstance(c, tfmp.LossScaleMonitor) for c in prepared.callbacks),

@@ -198,7 +198,8 @@ def test_eager_logits_and_other_ops_are_not_fused_and_a_keras_that_moved_the_pat
         return logits
 
     traced(hidden)
-    assert seen[0] is not None and seen[0].transpose is False and seen[1:] == [None, None]
+    traces = [seen[i:i + 3] for i in range(0, len(seen), 3)]  # TensorFlow may trace the function twice
+    assert traces and all(t[0] is not None and t[0].transpose is False and t[1:] == [None, None] for t in traces)
     projection_graph.forget()
     monkeypatch.setattr(projection_graph, "_walk", lambda logits: None)  # "Keras moved the pattern"
     try:

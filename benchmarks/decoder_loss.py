@@ -11,8 +11,10 @@ trained by SGD (no optimizer slots: the loss's memory is what differs). Configur
 - ``keras``: plain Keras as its mixed-precision guide does it: ``mixed_bfloat16`` global
   policy, the output ``Dense(vocab, dtype="float32")``,
   ``keras.losses.SparseCategoricalCrossentropy(from_logits=True)``;
-- ``tfmp_cast``: ``tfmp.enable("mixed_bfloat16")`` and Keras's loss: tfmp's logits rule keeps
-  the projection bfloat16 and casts its logits to float32 (before chunked losses existed);
+- ``tfmp``: ``tfmp.enable("mixed_bfloat16")`` and Keras's loss: tfmp's logits rule keeps the
+  projection bfloat16 and casts its logits to float32; on a CPU, tfmp's cross-entropy reads the
+  bfloat16 logits (`tfmp._src.float32.cross_entropy`: two passes, or fused with the projection
+  where one step's logits exceed 1 GiB). Before that feature: ``tfmp_cast`` in older tables;
 - ``chunked``: plain Keras, ``mixed_bfloat16``, the output ``Dense`` bfloat16 and
   ``tfmp.ChunkedSparseCategoricalCrossentropy(fuse_projection=False)``: no float32 tensor of
   the logits' size, bfloat16 logits whole;
@@ -31,8 +33,10 @@ reuses the previous one's) and to give back what it holds free (``malloc_trim``)
 reads its resident set size, resets the kernel's high-water mark (``/proc/self/clear_refs``,
 Linux >= 4.0), runs the step and reports the high-water mark above the resident set before
 it: the peak memory a training step adds (activations, logits, gradients, temporaries).
-With ``--onednn on`` TensorFlow's CPU allocator is a pool that keeps freed blocks, so the
-memory step shows only growth beyond it (compare times only). TensorFlow's allocator
+Where TensorFlow's oneDNN ops are on, its CPU allocator is a pool that keeps freed blocks (the
+memory step would show only growth beyond it), so the children run with
+``TF_ONEDNN_USE_SYSTEM_ALLOCATOR=1`` (TensorFlow's switch to malloc; it reads it in
+``mkl_cpu_allocator.h``), in every configuration alike. TensorFlow's allocator
 statistics (``tf.config.experimental.get_memory_info``) are not kept for a CPU (TensorFlow 2.21 raises "Allocator stats not available for device 'CPU:0'").
 Loss: each configuration's loss on the batch before training (the warm-up step's, as the
 training step computes it, fused or not), against Keras's float32 loss on the same model's
@@ -60,7 +64,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's tfmp
 
-CONFIGS = ("keras", "tfmp_cast", "chunked", "fused", "tfmp_fused")
+CONFIGS = ("keras", "tfmp", "chunked", "fused", "tfmp_fused")
 #: glibc's mmap threshold for the memory step: a freed tensor of 128 KiB or more leaves RSS at once.
 MMAP_THRESHOLD = 128 * 1024
 #: ``mallopt``'s parameter number for the mmap threshold (glibc's malloc.h).
@@ -94,7 +98,7 @@ def build(config: str, vocab: int, dim: int, seq: int, chunk_bytes: Optional[int
     import tfmp
 
     keras.utils.set_random_seed(0)
-    if config in ("keras", "tfmp_cast"):
+    if config in ("keras", "tfmp"):
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     else:
         sizes = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
@@ -164,7 +168,8 @@ def _child(config: str, vocab: int, args: argparse.Namespace) -> Dict[str, Any]:
                "--batch", str(args.batch), "--seq", str(args.seq), "--dim", str(args.dim), "--steps", str(args.steps)]
     if args.chunk_bytes is not None:
         command += ["--chunk-bytes", str(args.chunk_bytes)]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    env = {**os.environ, "TF_ONEDNN_USE_SYSTEM_ALLOCATOR": "1"}  # oneDNN's pool would hide freed memory
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"configuration {config} (vocab {vocab}) failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -15,7 +15,7 @@ import tensorflow as tf
 
 import tfmp
 from tfmp._src.float32 import cross_entropy
-from tfmp._src.keras_hooks import backend_ops, contracts
+from tfmp._src.keras_hooks import backend_ops, contracts, projection_graph
 from tfmp._src.policy.hardware import injected_facts
 from _machines import A100, SAPPHIRE_RAPIDS, XEON_NO_BF16, ZEN4
 
@@ -45,8 +45,11 @@ def _fused_loss_and_gradient(labels, logits, upstream):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_the_fused_passes_equal_tensorflows_cross_entropy_of_the_logits_cast_to_float32(dtype):
+@pytest.mark.parametrize("block_rows", [None, 7])  # None: one block; 7: 43 blocks, the last overlapping
+def test_the_fused_passes_equal_tensorflows_cross_entropy_of_the_logits_cast_to_float32(dtype, block_rows, monkeypatch):
     rows, classes = 300, 1000
+    if block_rows:
+        monkeypatch.setattr(cross_entropy, "BLOCK_BYTES", 4 * classes * block_rows)
     wide = tf.random.stateless_normal((rows, classes), seed=(3, 4)) * 6.0
     # rows whose largest logit is far above the others (exp overflows float32 without the shift)
     wide = tf.tensor_scatter_nd_update(wide, [[0, 5], [1, 999], [2, 0]], [3.0e4, 2.0e4, -3.0e4])
@@ -127,6 +130,56 @@ def test_an_attached_bfloat16_model_trains_on_the_fused_passes_and_learns_as_wit
     sample_weight = np.linspace(0.0, 2.0, X.size).reshape(X.shape)  # per token
     np.testing.assert_allclose(model.evaluate(X, Y, sample_weight=sample_weight, verbose=0),
                                keras_kernel.evaluate(X, Y, sample_weight=sample_weight, verbose=0), rtol=1e-5)
+
+
+def test_logits_above_the_size_limit_are_fused_with_the_output_projection_and_learn_as_with_kerass_kernel(
+        monkeypatch):
+    calls = []
+    real = cross_entropy.fused_with_projection
+    monkeypatch.setattr(cross_entropy, "fused_with_projection", lambda *a: calls.append(a) or real(*a))
+    # the step's logits: BATCH x TOKENS x VOCABULARY bfloat16 values, 2 bytes each
+    monkeypatch.setattr(cross_entropy, "FUSED_ABOVE_BYTES", BATCH * TOKENS * VOCABULARY * 2 - 1)
+    model, keras_kernel = _compiled(ZEN4), _compiled(ZEN4, speedups={"cross_entropy": False})
+    assert KERNEL not in step_ops(model) and calls  # TensorFlow may trace the step more than once
+    for labels, projection in calls:
+        assert (labels.shape, projection.hidden.shape, projection.kernel.shape, projection.transpose) == \
+            ((BATCH * TOKENS,), (BATCH * TOKENS, 16), (16, VOCABULARY), False) and projection.bias is not None
+    model.set_weights(keras_kernel.get_weights())
+    for m in (model, keras_kernel):  # one step: the gradients differ by their bfloat16 rounding only
+        m.train_on_batch(X[:BATCH], Y[:BATCH])
+    for found, expected in zip(model.get_weights(), keras_kernel.get_weights()):
+        np.testing.assert_allclose(found, expected, rtol=1e-2, atol=1e-3)
+    histories = [m.fit(X, Y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0).history["loss"]
+                 for m in (model, keras_kernel)]
+    np.testing.assert_allclose(histories[0], histories[1], rtol=1e-4)
+    assert histories[0][-1] < histories[0][0]
+    calls.clear()  # one byte more than the logits: the two passes
+    monkeypatch.setattr(cross_entropy, "FUSED_ABOVE_BYTES", BATCH * TOKENS * VOCABULARY * 2)
+    assert KERNEL not in step_ops(_compiled(ZEN4)) and not calls
+
+
+def test_the_size_limit_counts_the_logits_bytes_and_needs_their_shape():
+    limit = cross_entropy.FUSED_ABOVE_BYTES
+    assert cross_entropy.takes_projection(tf.TensorSpec((limit // 2 + 1,), tf.bfloat16))
+    assert not cross_entropy.takes_projection(tf.TensorSpec((limit // 2,), tf.bfloat16))
+    assert not cross_entropy.takes_projection(tf.TensorSpec((None, 2**30), tf.bfloat16))  # rows unknown
+
+
+def test_a_label_outside_the_classes_raises_or_is_nan_where_the_loss_is_fused_with_the_projection():
+    hidden = tf.cast(tf.random.stateless_normal((4, 3), seed=(1, 2)), tf.bfloat16)
+    kernel, bias = tf.random.stateless_normal((3, 10), seed=(2, 3)), tf.zeros((10,))
+    projection = projection_graph.Projection(hidden, kernel, False, bias, tf.bfloat16)
+    logits = tf.nn.bias_add(tf.matmul(hidden, tf.cast(kernel, tf.bfloat16)), tf.cast(bias, tf.bfloat16))
+    good = tf.constant([0, 1, 9, 3])
+    expected = tf.nn.sparse_softmax_cross_entropy_with_logits(good, tf.cast(logits, tf.float32))
+    np.testing.assert_allclose(tf.function(lambda y: cross_entropy.fused_with_projection(y, projection))(good),
+                               expected, rtol=1e-5)
+    for wrong in (10, -1):
+        labels = tf.constant([0, 1, wrong, 3])
+        with pytest.raises(tf.errors.InvalidArgumentError, match=r"outside the valid range of \[0, 10\)"):
+            tf.function(lambda y: cross_entropy.fused_with_projection(y, projection))(labels)
+        found = tf.function(lambda y: cross_entropy.fused_with_projection(y, projection), jit_compile=True)(labels)
+        assert np.isnan(found[2]) and np.isfinite(tf.gather(found, [0, 1, 3])).all()
 
 
 def test_ignore_class_and_another_axis_keep_kerass_cross_entropy_with_its_value():

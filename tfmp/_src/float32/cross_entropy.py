@@ -6,7 +6,12 @@ size, which a Cast rounds back to 16 bits: three ops over logits-sized tensors, 
 writing float32. `fused` reads the 16-bit logits once forward (float32 log-sum-exp and label logit per
 row) and once backward (softmax minus one-hot, times the upstream gradient, rounded once), each
 pass one XLA-compiled loop. The rule (`decision`): a bfloat16 model on a machine without GPUs
-or TPUs. Measurements: benchmarks/README.md, "Cross-entropy from 16-bit logits".
+or TPUs. Where one step's 16-bit logits are larger than `FUSED_ABOVE_BYTES` and come from a Keras
+``Dense`` or projecting ``ReversibleEmbedding`` (`projection_graph.output_projection`), the loss
+is fused with that projection instead (`fused_cross_entropy`, as
+`tfmp.ChunkedSparseCategoricalCrossentropy` computes it): the logits are never whole, and the
+projection's full-size matmul is pruned. Measurements: benchmarks/README.md, "Cross-entropy from
+16-bit logits".
 """
 
 from __future__ import annotations
@@ -24,19 +29,54 @@ RULE = ("TensorFlow's CPU cross-entropy reads the 16-bit logits cast to float32 
         "gradient of their size (benchmarks/README.md, \"Cross-entropy from 16-bit logits\")")
 #: The start of the error a label outside ``[0, classes)`` raises, as TensorFlow's own kernel words it.
 OUT_OF_RANGE = "Received a label value outside the valid range of [0, {classes})"
+#: Bytes of one step's 16-bit logits above which the loss is fused with the output projection: 1 GiB.
+#: Below it the two passes are faster (the fused loss computes the logits twice, 1.1-1.6x their time,
+#: benchmarks/README.md); above it they keep two tensors of the logits' size (logits and gradient,
+#: over 2 GiB), the fused loss none.
+FUSED_ABOVE_BYTES = 2**30
 
 
-def _forward(logits: Any, labels: Any) -> Tuple[Any, Any]:
-    """``(losses, log_sum_exp)``: float32 ``[rows]`` each; a row whose label is out of range loses NaN."""
+#: Bytes of float32 values one XLA-compiled block of the forward works on (rows x classes x 4): XLA's CPU
+#: backend writes a reduction's input out whole, so the forward takes rows a block at a time.
+BLOCK_BYTES = 4 * 2**20
+
+
+def _block_forward(logits: Any, labels: Any) -> Tuple[Any, Any]:
+    """``(losses, log_sum_exp)`` of a block of rows, float32 ``[size]`` each; labels in range."""
     import tensorflow as tf
 
     wide = tf.cast(logits, tf.float32)
     top = tf.reduce_max(wide, axis=-1)
     log_sum_exp = tf.math.log(tf.reduce_sum(tf.exp(wide - top[:, None]), axis=-1)) + top
-    classes = tf.shape(logits)[-1]
+    return log_sum_exp - tf.gather(wide, labels, axis=1, batch_dims=1), log_sum_exp
+
+
+def _forward(logits: Any, labels: Any) -> Tuple[Any, Any]:
+    """``(losses, log_sum_exp)``: float32 ``[rows]`` each; a row whose label is out of range loses NaN.
+
+    Rows are taken ``BLOCK_BYTES // (4 * classes)`` at a time, each block one XLA-compiled call (the
+    last block ends at the last row and recomputes rows of the block before, to the same values): XLA's
+    float32 temporaries are one block, not the logits' size (measured, one call: 254 MiB of temporaries
+    for 2,048 x 32,000 logits, even looping inside it, as XLA hoists the cast out of its loop)."""
+    import tensorflow as tf
+
+    rows, classes = tf.shape(logits)[0], tf.shape(logits)[1]
+    size = tf.clip_by_value(BLOCK_BYTES // (4 * classes), 1, tf.maximum(rows, 1))
     valid = tf.logical_and(labels >= 0, labels < classes)
-    picked = tf.gather(wide, tf.clip_by_value(labels, 0, classes - 1), axis=1, batch_dims=1)
-    return tf.where(valid, log_sum_exp - picked, float("nan")), log_sum_exp
+    index = tf.clip_by_value(labels, 0, classes - 1)
+    block = inside.xla_compiled(_block_forward)
+
+    def body(step, losses, sums):
+        first = tf.minimum(step * size, rows - size)
+        part_losses, part_sums = block(tf.slice(logits, [first, 0], [size, classes]), tf.slice(index, [first], [size]))
+        at = (first + tf.range(size))[:, None]
+        return step + 1, tf.tensor_scatter_nd_update(losses, at, part_losses), \
+            tf.tensor_scatter_nd_update(sums, at, part_sums)
+
+    zeros = tf.zeros([rows], tf.float32)
+    blocks = (rows + size - 1) // size
+    _, losses, log_sum_exp = tf.while_loop(lambda step, *_: step < blocks, body, (0, zeros, zeros))
+    return tf.where(valid, losses, float("nan")), log_sum_exp
 
 
 def _backward(logits: Any, labels: Any, log_sum_exp: Any, upstream: Any) -> Any:
@@ -69,14 +109,11 @@ def fused(labels: Any, logits: Any) -> Any:
     """
     import tensorflow as tf
 
-    labels = tf.cast(labels, tf.int32)
-    message = OUT_OF_RANGE.format(classes=logits.shape[-1])
-    tf.debugging.assert_less(labels, tf.shape(logits)[-1], message=message)  # run by tf.function's
-    tf.debugging.assert_non_negative(labels, message=message)  # automatic control dependencies
+    labels = _checked_labels(labels, logits.shape[-1])
 
     @tf.custom_gradient
     def cross_entropy(logits: Any) -> Any:
-        losses, log_sum_exp = inside.xla_compiled(_forward)(logits, labels)
+        losses, log_sum_exp = _forward(logits, labels)
 
         def gradient(upstream: Any) -> Any:
             return inside.xla_compiled(_backward)(logits, labels, log_sum_exp, upstream)
@@ -84,6 +121,48 @@ def fused(labels: Any, logits: Any) -> Any:
         return losses, gradient
 
     return cross_entropy(logits)
+
+
+def _checked_labels(labels: Any, classes: int) -> Any:
+    """`labels` as int32, asserted in ``[0, classes)`` (`OUT_OF_RANGE`) where the graph runs assertions."""
+    import tensorflow as tf
+
+    labels = tf.cast(labels, tf.int32)
+    message = OUT_OF_RANGE.format(classes=classes)
+    tf.debugging.assert_less(labels, classes, message=message)  # run by tf.function's
+    tf.debugging.assert_non_negative(labels, message=message)  # automatic control dependencies
+    return labels
+
+
+def fused_with_projection(labels: Any, projection: projection_graph.Projection) -> Any:
+    """Per-row cross-entropy of the logits `projection` outputs, never whole (`fused_cross_entropy`).
+
+    Args:
+        labels: Integer tensor ``[rows]``, class ids in ``[0, classes)``.
+        projection: The output projection of the logits (`projection_graph.output_projection`).
+
+    Returns:
+        float32 tensor ``[rows]``, equal to `fused` on the projection's logits within float32 rounding.
+
+    Raises:
+        tf.errors.InvalidArgumentError: as `fused` (under XLA: NaN in that row).
+    """
+    import tensorflow as tf
+
+    from tfmp._src.float32 import fused_cross_entropy
+
+    classes = int(projection.kernel.shape[0 if projection.transpose else 1])
+    labels = _checked_labels(labels, classes)
+    valid = tf.logical_and(labels >= 0, labels < classes)
+    losses, _ = fused_cross_entropy.sparse_cross_entropy(tf.clip_by_value(labels, 0, classes - 1), projection,
+                                                         None, uniform=False)
+    return tf.where(valid, losses, float("nan"))
+
+
+def takes_projection(logits: Any) -> bool:
+    """Bool. One step's `logits` (16-bit, shape known) are larger than `FUSED_ABOVE_BYTES`."""
+    size = logits.shape.num_elements()
+    return size is not None and size * logits.dtype.size > FUSED_ABOVE_BYTES
 
 
 def decision(compute_dtype: str, facts: Optional[DeviceFacts] = None) -> str:
@@ -113,7 +192,12 @@ def _replace(call: backend_ops.OpCall) -> Any:
         target = tf.squeeze(target, axis=-1)
     if target.shape.rank != logits.shape.rank - 1 or not target.shape.is_compatible_with(logits.shape[:-1]):
         return backend_ops.KERAS  # Keras raises its own shape error
-    losses = fused(tf.reshape(target, [-1]), tf.reshape(logits, [-1, logits.shape[-1]]))  # ids cast there
+    labels = tf.reshape(target, [-1])  # ids cast and checked in the functions below
+    projection = projection_graph.output_projection(logits) if takes_projection(logits) else None
+    if projection is not None:
+        losses = fused_with_projection(labels, projection)
+    else:
+        losses = fused(labels, tf.reshape(logits, [-1, logits.shape[-1]]))
     return tf.reshape(losses, tf.shape(logits)[:-1])
 
 

@@ -22,7 +22,8 @@ FEATURES = {
     "conv": ("a float16 model's convolutions computed in float32 inside on a CPU (Attachment.conv, "
              "Attachment.depthwise_conv; float32/conv.py)"),
     "cross_entropy": "a bfloat16 model's from-logits sparse cross-entropy read from its 16-bit logits in two "
-                     "fused float32 passes on a CPU (Attachment.cross_entropy; float32/cross_entropy.py)",
+                     "fused float32 passes on a CPU, fused with the output projection above 1 GiB of logits "
+                     "(Attachment.cross_entropy; float32/cross_entropy.py)",
     "remapper": "a float16 model's steps without Grappler's remapper where the CPU's oneDNN takes float16 "
                 "(Attachment.remapper; policy/float16_fusion.py)",
     "fused_update": "Adam's and SGD's updates on TensorFlow's fused training kernels "

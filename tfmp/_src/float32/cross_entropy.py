@@ -65,6 +65,9 @@ def _forward(logits: Any, labels: Any) -> Tuple[Any, Any]:
     valid = tf.logical_and(labels >= 0, labels < classes)
     index = tf.clip_by_value(labels, 0, classes - 1)
     block = inside.xla_compiled(_block_forward)
+    if logits.shape.num_elements() is not None and 4 * logits.shape.num_elements() <= BLOCK_BYTES:
+        losses, log_sum_exp = block(logits, index)  # one block: no loop
+        return tf.where(valid, losses, float("nan")), log_sum_exp
 
     def body(step, losses, sums):
         first = tf.minimum(step * size, rows - size)

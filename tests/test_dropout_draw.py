@@ -85,7 +85,7 @@ def test_a_16_bit_dropout_drops_its_rate_under_tfmp_where_plain_keras_drops_more
     assert low <= reference[0] <= high, (reference, low, high)  # float32: unbiased
     assert low <= ours <= high, (ours, low, high, plain)
     assert dtype == plain_dtype == policy.split("_")[1]
-    assert found.dropout.startswith(dropout_draw.FLOAT32_DRAW)
+    assert found.dropout.startswith(dropout_draw.EXACT_DRAW)
     require(plain > high, f"plain Keras's {policy} {kind}({rate}) drops more than its rate "
                           f"(dropped {plain} of {DRAWS}, bound {high:.0f}): TensorFlow draws in the inputs' dtype")
 
@@ -127,8 +127,8 @@ def test_kept_values_are_scaled_by_one_over_one_minus_rate_and_rounded_once(poli
 
 def _spy(monkeypatch):
     calls = []
-    original = dropout_draw.float32_draw
-    monkeypatch.setattr(dropout_draw, "float32_draw", lambda *a: calls.append(1) or original(*a))
+    original = dropout_draw.exact_draw
+    monkeypatch.setattr(dropout_draw, "exact_draw", lambda *a: calls.append(1) or original(*a))
     return calls
 
 
@@ -149,7 +149,7 @@ def test_a_detached_model_and_one_tfmp_did_not_attach_run_kerass_own_dropout(mon
         assert "dropout" in {hook.owner for hook in attachment_hooks.installed()}
         detached_layer = keras.layers.Dropout(0.002, seed=5)
         detached = _compiled(detached_layer, x)
-        assert tfmp.attachment(detached).dropout.startswith(dropout_draw.FLOAT32_DRAW)
+        assert tfmp.attachment(detached).dropout.startswith(dropout_draw.EXACT_DRAW)
         tfmp.detach(detached)
         results = [layer(tf.cast(x, "bfloat16"), training=True).numpy()
                    for layer in (unattached.layers[0], detached_layer)]
@@ -204,3 +204,35 @@ def test_keras_still_calls_the_backend_dropout_by_module_attribute():
     assert seen == ["float32", "float32", "bfloat16"]  # the layers cast to their float32 policy
     # the draw takes the inputs' dtype: bfloat16 steps of 1/128, so 0.002 drops 1/128
     assert dropped > binomial_bound(0.002)[1] and dropped > 0.5 * DRAWS / 128
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_the_exact_draw_advances_the_layers_seed_as_kerass_dropout_does(policy):
+    x = np.ones((64, 32), "float32")
+
+    def run():
+        layer = keras.layers.Dropout(0.3, seed=5)
+        _compiled(layer, x)
+        for _ in range(3):
+            layer(tf.cast(x, layer.compute_dtype), training=True)
+        return layer.seed_generator.state.numpy()
+
+    np.testing.assert_array_equal(_under_tfmp(policy, run), _plain_keras(policy, run))
+
+
+def test_rates_the_exact_draw_cannot_hold_take_kerass_dropout_widened_to_float32(monkeypatch):
+    assert dropout_draw._exact_rate(0.5) and dropout_draw._exact_rate(2.0**-16)
+    for rate in (0.0, 1e-6, 1.0 - 1e-6, 1.0, True, tf.constant(0.5), None):
+        assert not dropout_draw._exact_rate(rate), rate
+    exact, widened = _spy(monkeypatch), []
+    original = dropout_draw.float32_draw
+    monkeypatch.setattr(dropout_draw, "float32_draw", lambda *a: widened.append(1) or original(*a))
+    x = np.ones((8, 1 << 16), "float32")
+
+    def run():
+        layer = keras.layers.Dropout(1e-6, seed=2)  # below 2**-16: the 16-bit threshold would be 0
+        _compiled(layer, x)
+        return layer(tf.cast(x, layer.compute_dtype), training=True)
+
+    y = _under_tfmp("mixed_bfloat16", run)
+    assert (len(exact), len(widened)) == (0, 1) and y.dtype == tf.bfloat16

@@ -70,9 +70,9 @@ class Attachment:
             once, on a CPU whose TensorFlow oneDNN takes float16 (``DeviceFacts.onednn_float16``);
             ``"keras: <why>"``: kept on any other CPU (TensorFlow's float16 kernel there is Eigen's).
         dropout: String. ``"keras"``: Keras's dropout (a float32 model, a layer attached at its first
-            call); ``"float32 draw: <why>"``: a 16-bit model's ``Dropout``, ``SpatialDropout*`` and
-            ``keras.random.dropout`` draw and compare their uniform noise in float32 and round the
-            output once to the 16-bit dtype, so they drop their rate.
+            call); ``"exact draw: <why>"``: a 16-bit model's ``Dropout``, ``SpatialDropout*`` and
+            ``keras.random.dropout`` decide each value on 16 random bits (the rate to within 2**-17),
+            scale in float32 and round the output once to the 16-bit dtype, so they drop their rate.
         cross_entropy: String. ``"keras"``: Keras's sparse cross-entropy as it is (a float32 model, a GPU
             or TPU); ``"float32 inside: <why>"``: a bfloat16 model's from-logits sparse cross-entropy,
             in its train and test steps, read from the 16-bit logits Keras would cast to float32, in

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Any, Callable, Dict, NamedTuple, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 from tfmp._src.keras_hooks import patches
 
@@ -122,11 +122,14 @@ class OpCall(NamedTuple):
         exact: Bool. ``gelu``: ``approximate=False`` was asked; ``sparse_categorical_crossentropy``:
             ``from_logits=True`` on the last axis; True for the others.
         keras: Callable on as many tensors as `inputs`: Keras's function, other arguments as given.
+        options: Dict or None. ``dropout``: its other arguments by name (``rate``, ``noise_shape``,
+            ``seed``, as given); None for the others.
     """
 
     inputs: Tuple[Any, ...]
     exact: bool
     keras: Callable[..., Any]
+    options: Optional[Dict[str, Any]] = None
 
 
 #: What a subscriber returns for a call it leaves to Keras.
@@ -162,7 +165,9 @@ def _wrapper(function: str, replace: Callable[[OpCall], Any]) -> Callable[[Calla
             hooked = sparse_categorical_crossentropy
         elif function == "dropout":  # the rate, noise shape and seed pass as given
             def dropout(inputs: Any, *args: Any, **kwargs: Any) -> Any:
-                return run(OpCall((inputs,), True, lambda x: next_function(x, *args, **kwargs)))
+                options = {"noise_shape": None, "seed": None,
+                           **dict(zip(FUNCTION_SIGNATURES["dropout"][1:], args)), **kwargs}
+                return run(OpCall((inputs,), True, lambda x: next_function(x, *args, **kwargs), options))
 
             hooked = dropout
         else:  # the convolutions: their tensors (`FUNCTION_SIGNATURES`) first, the other arguments as given

@@ -72,7 +72,8 @@ def test_a_label_outside_the_classes_raises_as_tensorflows_kernel_does_and_is_na
     logits = tf.cast(tf.random.stateless_normal((4, 10), seed=(1, 1)), tf.bfloat16)
     graph = tf.function(cross_entropy.fused)
     for wrong in (10, -1):
-        with pytest.raises(tf.errors.InvalidArgumentError, match=r"outside the valid range of \[0, 10\)"):
+        with pytest.raises(tf.errors.InvalidArgumentError,  # names the label and where it is
+                           match=rf"outside the valid range of \[0, 10\): label\] \[{wrong}\] \[at flat position\] \[2\]"):
             graph(tf.constant([0, 1, wrong, 3]), logits)
         with pytest.raises(tf.errors.InvalidArgumentError):  # TensorFlow's own kernel, as plain Keras runs it
             tf.function(tf.nn.sparse_softmax_cross_entropy_with_logits)(
@@ -156,6 +157,35 @@ def test_logits_above_the_size_limit_are_fused_with_the_output_projection_and_le
     calls.clear()  # one byte more than the logits: the two passes
     monkeypatch.setattr(cross_entropy, "FUSED_ABOVE_BYTES", BATCH * TOKENS * VOCABULARY * 2)
     assert KERNEL not in step_ops(_compiled(ZEN4)) and not calls
+
+
+@pytest.mark.parametrize("normalized", [True, False])
+def test_the_fused_loss_reads_the_logits_the_layer_computes_with_its_bias_rounded_as_the_layer_rounds_it(
+        normalized, monkeypatch):
+    """The logits of a Dense on 3-D hidden states: its matmul and its bias add each rounded to bfloat16 (a
+    reshape between them: nothing fused). The fused loss's blocks add the bias the same way, never as a
+    BiasAdd that TensorFlow's remapper may fuse into their matmul with one rounding."""
+    from tfmp._src.float32 import fused_cross_entropy
+
+    rows, classes, depth = 4 * 128, 2000, 32
+    monkeypatch.setattr(cross_entropy, "FUSED_ABOVE_BYTES", 0)
+    monkeypatch.setattr(fused_cross_entropy, "CHUNK_BYTES", 4 * rows * 256)  # 256 columns a block
+    ids = RNG.integers(0, classes, size=(4, 128))
+    labels = (ids * 7 + 1) % classes
+    models = []
+    for speedups in (True, {"cross_entropy": False}):
+        with tfmp.policy_scope("mixed_bfloat16", speedups=speedups, verbose=False), injected_facts(ZEN4):
+            inputs = keras.Input((128,), dtype="int32")
+            x = keras.layers.Embedding(classes, depth)(inputs)
+            x = keras.layers.LayerNormalization()(x) if normalized else x
+            models.append(keras.Model(inputs, keras.layers.Dense(classes)(x)))
+            models[-1].compile(keras.optimizers.Adam(0.05),
+                               keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    fused, keras_kernel = models
+    fused.fit(ids, labels, batch_size=4, epochs=3, verbose=0)  # trained: logits of several units
+    keras_kernel.set_weights(fused.get_weights())
+    np.testing.assert_allclose(fused.evaluate(ids, labels, batch_size=4, verbose=0),
+                               keras_kernel.evaluate(ids, labels, batch_size=4, verbose=0), rtol=1e-6)
 
 
 def test_the_size_limit_counts_the_logits_bytes_and_needs_their_shape():

@@ -26,7 +26,8 @@ from tfmp._src.policy.hardware import DeviceFacts
 DTYPE = "bfloat16"
 #: Why a bfloat16 model on a CPU takes `fused` (``Attachment.cross_entropy`` after the colon).
 RULE = ("TensorFlow's CPU cross-entropy reads the 16-bit logits cast to float32 and writes a float32 "
-        "gradient of their size (benchmarks/README.md, \"Cross-entropy from 16-bit logits\")")
+        "gradient of their size; read from the bfloat16 logits in two passes, or fused with the output "
+        "projection where a step's logits exceed 1 GiB (benchmarks/README.md, \"Cross-entropy from 16-bit logits\")")
 #: The start of the error a label outside ``[0, classes)`` raises, as TensorFlow's own kernel words it.
 OUT_OF_RANGE = "Received a label value outside the valid range of [0, {classes})"
 #: Bytes of one step's 16-bit logits above which the loss is fused with the output projection: 1 GiB.
@@ -127,13 +128,16 @@ def fused(labels: Any, logits: Any) -> Any:
 
 
 def _checked_labels(labels: Any, classes: int) -> Any:
-    """`labels` as int32, asserted in ``[0, classes)`` (`OUT_OF_RANGE`) where the graph runs assertions."""
+    """`labels` as int32, asserted in ``[0, classes)`` where the graph runs assertions: the error names the
+    first label outside, as TensorFlow's kernel does (`OUT_OF_RANGE`, then that label and its flat position)."""
     import tensorflow as tf
 
     labels = tf.cast(labels, tf.int32)
-    message = OUT_OF_RANGE.format(classes=classes)
-    tf.debugging.assert_less(labels, classes, message=message)  # run by tf.function's
-    tf.debugging.assert_non_negative(labels, message=message)  # automatic control dependencies
+    outside = tf.logical_or(labels < 0, labels >= classes)
+    where = tf.argmax(tf.cast(outside, tf.int32), output_type=tf.int32)
+    tf.debugging.Assert(tf.logical_not(tf.reduce_any(outside)),  # run by tf.function's automatic
+                        [OUT_OF_RANGE.format(classes=classes) + ": label", tf.gather(labels, where),  # control
+                         "at flat position", where, "(fix the data, or use ignore_class for padding)"])  # deps
     return labels
 
 
@@ -158,7 +162,7 @@ def fused_with_projection(labels: Any, projection: projection_graph.Projection) 
     labels = _checked_labels(labels, classes)
     valid = tf.logical_and(labels >= 0, labels < classes)
     losses, _ = fused_cross_entropy.sparse_cross_entropy(tf.clip_by_value(labels, 0, classes - 1), projection,
-                                                         None, uniform=False)
+                                                         None, uniform=False, chunk_bytes=fused_cross_entropy.CHUNK_BYTES)
     return tf.where(valid, losses, float("nan"))
 
 

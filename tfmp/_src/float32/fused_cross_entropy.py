@@ -122,7 +122,7 @@ def _classes(projection: Projection) -> int:
 
 def _fused(projection: Projection, ids, dense, keep, uniform: bool, smoothing: float, chunk_bytes: int):
     """Float32 ``[rows]`` losses (0 outside ``keep``) of the logits ``projection`` outputs, by column blocks."""
-    hidden, kernel, transpose, bias, dtype = projection
+    hidden, kernel, transpose, bias, dtype, bias_on_product = projection
     classes, depth = _classes(projection), int(hidden.shape[-1])
     rows = tf.shape(hidden)[0]
     # columns per block: `chunk_bytes` of float32 logits over every row (under XLA a constant: from a shape)
@@ -160,14 +160,16 @@ def _fused(projection: Projection, ids, dense, keep, uniform: bool, smoothing: f
         first = start(index)
         live = tf.cast(first + offsets >= index * width, tf.float32)
         weights = tf.cast(tf.cast(columns(kernel_in, first), dtype), work)
+        shift = None if bias_in is None else tf.cast(tf.cast(tf.slice(bias_in, [first], [width]), dtype), tf.float32)
+        if shift is not None and bias_on_product and work != tf.float32:
+            # as the layer's matmul with its bias fused in by TensorFlow's remapper: float32 sums, one rounding
+            product = tf.matmul(tf.cast(part, tf.float32), tf.cast(weights, tf.float32), transpose_b=transpose)
+            return first, live, weights, round_trip(product + shift)
         product = tf.matmul(part, weights, transpose_b=transpose)
-        if work != tf.float32:  # the layer's ops in its dtype
-            logits = tf.cast(product if bias_in is None else
-                             tf.nn.bias_add(product, tf.cast(tf.slice(bias_in, [first], [width]), dtype)), tf.float32)
-        else:  # the matmul's output rounding; a 16-bit add computes in float32 and rounds
-            logits = matmul_output(product)
-            if bias_in is not None:
-                logits = round_trip(logits + tf.cast(tf.cast(tf.slice(bias_in, [first], [width]), dtype), tf.float32))
+        # the matmul's output rounded to the layer's dtype (by the matmul in it, else as its kernel rounds)
+        logits = tf.cast(product, tf.float32) if work != tf.float32 else matmul_output(product)
+        if shift is not None:  # a 16-bit add: the float32 sum, rounded. Not a BiasAdd on the 16-bit product,
+            logits = round_trip(logits + shift)  # which the remapper may fuse into the matmul (one rounding)
         return first, live, weights, logits
 
     def target(first, live):

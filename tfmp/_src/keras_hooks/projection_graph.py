@@ -47,6 +47,8 @@ class Projection(NamedTuple):
     transpose: Bool. The kernel is ``[classes, depth]`` (a tied embedding matrix).
     bias: ``[classes]`` tensor of ``dtype`` or float32, or None.
     dtype: The logits' dtype (the layer's compute dtype).
+    bias_on_product: Bool. The bias is added to the matmul's own output (2-D hidden states), an add
+        TensorFlow's remapper may fuse into a oneDNN matmul with one rounding; False: after a reshape.
     """
 
     hidden: tf.Tensor
@@ -54,6 +56,7 @@ class Projection(NamedTuple):
     transpose: bool
     bias: Optional[tf.Tensor]
     dtype: tf.DType
+    bias_on_product: bool = False
 
 
 def _graph_tensor(value: Any) -> bool:
@@ -116,6 +119,7 @@ def output_projection(logits: Any) -> Optional[Projection]:
 def _walk(logits: tf.Tensor) -> Optional[Projection]:
     classes, dtype = int(logits.shape[-1]), logits.dtype
     product, bias = _split_bias(logits, classes)
+    bias_on_product = bias is not None and product.op.type in _MATMULS
     if product.op.type == "Reshape":
         product = product.op.inputs[0]
     op = product.op
@@ -142,7 +146,7 @@ def _walk(logits: tf.Tensor) -> Optional[Projection]:
     if hidden.shape[-1] is None:  # a tensordot of unknown batch size: the depth is the kernel's
         hidden = tf.reshape(hidden, [-1, depth])
     bias = None if bias is None else _before_cast(bias, dtype)
-    return Projection(hidden, _before_cast(kernel, dtype), transpose, bias, dtype)
+    return Projection(hidden, _before_cast(kernel, dtype), transpose, bias, dtype, bias_on_product)
 
 
 _checked = {}

@@ -129,7 +129,7 @@ class WideReduction:
                        "threshold (a dropout rate), the threshold counts as the next whole step (measured: "
                        "a rate of 0.002 dropped 3.9x its rate in bfloat16, 1.5x in float16)")
             local_fix = ("draw in float32: keras.random.uniform(..., dtype='float32'), or "
-                         "keras.random.dropout, which tfmp draws in float32")
+                         "keras.random.dropout, which drops its rate under tfmp")
         elif self.kind == "top_k":
             problem = (f"its top_k over {self._count} ranks values rounded to {_BITS[self.dtype]} significant "
                        "bits: near-ties become ties and top_k picks other entries than float32 does")

@@ -52,8 +52,8 @@ def _block_forward(logits: Any, labels: Any) -> Tuple[Any, Any]:
     return log_sum_exp - tf.gather(wide, labels, axis=1, batch_dims=1), log_sum_exp
 
 
-def _forward(logits: Any, labels: Any) -> Tuple[Any, Any]:
-    """``(losses, log_sum_exp)``: float32 ``[rows]`` each; a row whose label is out of range loses NaN.
+def _forward(logits: Any, labels: Any, valid: Any) -> Tuple[Any, Any]:
+    """``(losses, log_sum_exp)``: float32 ``[rows]`` each; a row whose label is not `valid` loses NaN.
 
     Rows are taken ``BLOCK_BYTES // (4 * classes)`` at a time, each block one XLA-compiled call (the
     last block ends at the last row and recomputes rows of the block before, to the same values): XLA's
@@ -62,13 +62,12 @@ def _forward(logits: Any, labels: Any) -> Tuple[Any, Any]:
     import tensorflow as tf
 
     rows, classes = tf.shape(logits)[0], tf.shape(logits)[1]
-    size = tf.clip_by_value(BLOCK_BYTES // (4 * classes), 1, tf.maximum(rows, 1))
-    valid = tf.logical_and(labels >= 0, labels < classes)
     index = tf.clip_by_value(labels, 0, classes - 1)
     block = inside.xla_compiled(_block_forward)
     if logits.shape.num_elements() is not None and 4 * logits.shape.num_elements() <= BLOCK_BYTES:
         losses, log_sum_exp = block(logits, index)  # one block: no loop
         return tf.where(valid, losses, float("nan")), log_sum_exp
+    size = tf.clip_by_value(BLOCK_BYTES // (4 * classes), 1, tf.maximum(rows, 1))
 
     def body(step, losses, sums):
         first = tf.minimum(step * size, rows - size)
@@ -113,11 +112,11 @@ def fused(labels: Any, logits: Any) -> Any:
     """
     import tensorflow as tf
 
-    labels = _checked_labels(labels, logits.shape[-1])
+    labels, valid = _checked_labels(labels, logits.shape[-1])
 
     @tf.custom_gradient
     def cross_entropy(logits: Any) -> Any:
-        losses, log_sum_exp = _forward(logits, labels)
+        losses, log_sum_exp = _forward(logits, labels, valid)
 
         def gradient(upstream: Any) -> Any:
             return inside.xla_compiled(_backward)(logits, labels, log_sum_exp, upstream)
@@ -127,9 +126,10 @@ def fused(labels: Any, logits: Any) -> Any:
     return cross_entropy(logits)
 
 
-def _checked_labels(labels: Any, classes: int) -> Any:
-    """`labels` as int32, asserted in ``[0, classes)`` where the graph runs assertions: the error names the
-    first label outside, as TensorFlow's kernel does (`OUT_OF_RANGE`, then that label and its flat position)."""
+def _checked_labels(labels: Any, classes: int) -> Tuple[Any, Any]:
+    """``(labels, valid)``: `labels` as int32 and where they are in ``[0, classes)``, asserted where the graph
+    runs assertions: the error names the first label outside, as TensorFlow's kernel does (`OUT_OF_RANGE`,
+    then that label and its flat position)."""
     import tensorflow as tf
 
     labels = tf.cast(labels, tf.int32)
@@ -138,7 +138,7 @@ def _checked_labels(labels: Any, classes: int) -> Any:
     tf.debugging.Assert(tf.logical_not(tf.reduce_any(outside)),  # run by tf.function's automatic
                         [OUT_OF_RANGE.format(classes=classes) + ": label", tf.gather(labels, where),  # control
                          "at flat position", where, "(fix the data, or use ignore_class for padding)"])  # deps
-    return labels
+    return labels, tf.logical_not(outside)
 
 
 def fused_with_projection(labels: Any, projection: projection_graph.Projection) -> Any:
@@ -158,9 +158,8 @@ def fused_with_projection(labels: Any, projection: projection_graph.Projection) 
 
     from tfmp._src.float32 import fused_cross_entropy
 
-    classes = int(projection.kernel.shape[0 if projection.transpose else 1])
-    labels = _checked_labels(labels, classes)
-    valid = tf.logical_and(labels >= 0, labels < classes)
+    classes = fused_cross_entropy.classes_of(projection)
+    labels, valid = _checked_labels(labels, classes)
     losses, _ = fused_cross_entropy.sparse_cross_entropy(tf.clip_by_value(labels, 0, classes - 1), projection,
                                                          None, uniform=False, chunk_bytes=fused_cross_entropy.CHUNK_BYTES)
     return tf.where(valid, losses, float("nan"))

@@ -111,19 +111,20 @@ def cross_entropy(labels, projection: Projection, keep: Optional[tf.Tensor], *, 
                   label_smoothing: float = 0.0, chunk_bytes: int = CHUNK_BYTES) -> tf.Tensor:
     """Per-row softmax cross-entropy of dense labels ``[..., classes]`` (read a chunk at a time) on the
     logits ``projection`` would output; arguments as `sparse_cross_entropy`. Float32 ``[rows]``."""
-    classes = _classes(projection)
+    classes = classes_of(projection)
     dense = tf.reshape(tf.convert_to_tensor(labels), [-1, classes])
     return _fused(projection, None, dense, keep, uniform, float(label_smoothing), chunk_bytes)
 
 
-def _classes(projection: Projection) -> int:
+def classes_of(projection: Projection) -> int:
+    """Int. The classes (logits' last size) `projection` outputs."""
     return int(projection.kernel.shape[0 if projection.transpose else 1])
 
 
 def _fused(projection: Projection, ids, dense, keep, uniform: bool, smoothing: float, chunk_bytes: int):
     """Float32 ``[rows]`` losses (0 outside ``keep``) of the logits ``projection`` outputs, by column blocks."""
     hidden, kernel, transpose, bias, dtype, bias_on_product = projection
-    classes, depth = _classes(projection), int(hidden.shape[-1])
+    classes, depth = classes_of(projection), int(hidden.shape[-1])
     rows = tf.shape(hidden)[0]
     # columns per block: `chunk_bytes` of float32 logits over every row (under XLA a constant: from a shape)
     width = tf.clip_by_value(int(chunk_bytes) // (4 * tf.maximum(rows, 1)), 1, classes)

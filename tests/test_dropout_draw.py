@@ -1,4 +1,4 @@
-"""A 16-bit dropout under tfmp drops its rate: the uniform draw made in float32 (`float32/dropout_draw.py`).
+"""A 16-bit dropout under tfmp drops its rate: each value decided on 16 random bits (`float32/dropout_draw.py`).
 
 TensorFlow draws a dropout's noise in the inputs' dtype (steps of 1/128 in bfloat16, 1/1024 in
 float16), so plain Keras drops ``ceil(rate * steps) / steps``: 3.9x the rate at 0.002 in
@@ -125,10 +125,11 @@ def test_kept_values_are_scaled_by_one_over_one_minus_rate_and_rounded_once(poli
     np.testing.assert_array_equal(y.numpy()[kept], expected[kept])
 
 
-def _spy(monkeypatch):
+def _spy(monkeypatch, name="exact_draw"):
+    """A list growing by one at each call of `dropout_draw`'s function `name`, which still runs."""
     calls = []
-    original = dropout_draw.exact_draw
-    monkeypatch.setattr(dropout_draw, "exact_draw", lambda *a: calls.append(1) or original(*a))
+    original = getattr(dropout_draw, name)
+    monkeypatch.setattr(dropout_draw, name, lambda *a: calls.append(1) or original(*a))
     return calls
 
 
@@ -224,9 +225,7 @@ def test_rates_the_exact_draw_cannot_hold_take_kerass_dropout_widened_to_float32
     assert dropout_draw._exact_rate(0.5) and dropout_draw._exact_rate(2.0**-16)
     for rate in (0.0, 1e-6, 1.0 - 1e-6, 1.0, True, tf.constant(0.5), None):
         assert not dropout_draw._exact_rate(rate), rate
-    exact, widened = _spy(monkeypatch), []
-    original = dropout_draw.float32_draw
-    monkeypatch.setattr(dropout_draw, "float32_draw", lambda *a: widened.append(1) or original(*a))
+    exact, widened = _spy(monkeypatch), _spy(monkeypatch, "float32_draw")
     x = np.ones((8, 1 << 16), "float32")
 
     def run():

@@ -77,7 +77,7 @@ def exact_draw(inputs: Any, rate: float, noise_shape: Any, seed: Any) -> Any:
     # every 32-bit draw (all 2**32 - 1 values but one) split into two 16-bit ones
     pairs = keras.random.randint([(count + 1) // 2], -2**31, 2**31 - 1, dtype="int32", seed=seed)
     draws = tf.reshape(tf.reshape(tf.bitcast(pairs, tf.uint16), [-1])[:count], shape)
-    keep = draws >= tf.constant(min(round(rate * 2**BITS), 2**BITS - 1), tf.uint16)
+    keep = draws >= tf.constant(round(rate * 2**BITS), tf.uint16)  # at most 2**16 - 1 for such a rate
     scaled = tf.cast(inputs, tf.float32) * (1.0 / (1.0 - rate))
     return tf.cast(tf.where(keep, scaled, 0.0), inputs.dtype)
 

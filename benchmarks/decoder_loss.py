@@ -26,18 +26,28 @@ trained by SGD (no optimizer slots: the loss's memory is what differs). Configur
 
 Each configuration runs in a fresh Python process (``--one``): one warm-up step (it traces
 the step), ``--steps`` timed steps (``train_on_batch``; step time: their median), then one
-memory step: glibc is told to map every block of 128 KiB or more on its own
-(``mallopt(M_MMAP_THRESHOLD)``, so that a freed tensor leaves the resident set at once; by
-default glibc keeps freed blocks under its dynamic threshold, up to 32 MiB, and a step
-reuses the previous one's) and to give back what it holds free (``malloc_trim``); the child
-reads its resident set size, resets the kernel's high-water mark (``/proc/self/clear_refs``,
-Linux >= 4.0), runs the step and reports the high-water mark above the resident set before
-it: the peak memory a training step adds (activations, logits, gradients, temporaries).
-Where TensorFlow's oneDNN ops are on, its CPU allocator is a pool that keeps freed blocks (the
-memory step would show only growth beyond it), so the children run with
-``TF_ONEDNN_USE_SYSTEM_ALLOCATOR=1`` (TensorFlow's switch to malloc; it reads it in
-``mkl_cpu_allocator.h``), in every configuration alike. TensorFlow's allocator
-statistics (``tf.config.experimental.get_memory_info``) are not kept for a CPU (TensorFlow 2.21 raises "Allocator stats not available for device 'CPU:0'").
+memory step, its peak above the memory held before it: what a training step adds
+(activations, logits, gradients, temporaries). Two ways to read it (``--memory``):
+
+- ``allocator`` (the default where TensorFlow keeps the statistics): TensorFlow's CPU
+  allocator's own count of the bytes its tensors hold
+  (``tf.config.experimental.reset_memory_stats`` before the step, then
+  ``get_memory_info``'s ``peak`` less its ``current`` before). TensorFlow keeps them where
+  its oneDNN ops are on (their pool allocator, ``mkl_cpu_allocator.h``); its plain CPU
+  allocator keeps none (TensorFlow 2.21: "Allocator stats not available for device
+  'CPU:0'"), and there the child falls back to ``rss``. Exact and repeatable; it counts
+  tensors only.
+- ``rss``: the process's resident set. glibc is told to map every block of 128 KiB or more
+  on its own (``mallopt(M_MMAP_THRESHOLD)``, so that a freed tensor leaves the resident set
+  at once; by default glibc keeps freed blocks under its dynamic threshold, up to 32 MiB,
+  and a step reuses the previous one's) and to give back what it holds free
+  (``malloc_trim``); the child reads its resident set size, resets the kernel's high-water
+  mark (``/proc/self/clear_refs``, Linux >= 4.0), runs the step and reads the high-water
+  mark. Where oneDNN's ops are on, the children run with
+  ``TF_ONEDNN_USE_SYSTEM_ALLOCATOR=1`` (TensorFlow's switch from oneDNN's pool, which keeps
+  freed blocks, to malloc). It counts everything the process touches (thread arenas, oneDNN's
+  caches), and scatters by tens of MiB between repeats of the same code.
+
 Loss: each configuration's loss on the batch before training (the warm-up step's, as the
 training step computes it, fused or not), against Keras's float32 loss on the same model's
 logits cast to float32 (the relative difference); all configurations start from the same
@@ -125,9 +135,21 @@ def build(config: str, vocab: int, dim: int, seq: int, chunk_bytes: Optional[int
     return model, loss
 
 
+def _allocator_stats_kept() -> bool:
+    """True where TensorFlow's CPU allocator keeps statistics (its oneDNN pool allocator does)."""
+    import tensorflow as tf
+
+    try:
+        tf.config.experimental.get_memory_info("CPU:0")
+    except (ValueError, tf.errors.OpError):
+        return False
+    return True
+
+
 def one(config: str, vocab: int, batch: int, seq: int, dim: int, steps: int,
-        chunk_bytes: Optional[int] = None) -> Dict[str, Any]:
-    """Measures one configuration in this process (a child); returns its JSON-able record."""
+        chunk_bytes: Optional[int] = None, memory: str = "allocator") -> Dict[str, Any]:
+    """Measures one configuration in this process (a child); returns its JSON-able record. `memory`:
+    ``"allocator"`` (TensorFlow's allocator statistics, where kept; else the resident set) or ``"rss"``."""
     import numpy as np
     import tensorflow as tf
     import keras
@@ -144,12 +166,19 @@ def one(config: str, vocab: int, batch: int, seq: int, dim: int, steps: int,
         start = time.perf_counter()
         model.train_on_batch(x, y)
         times.append(time.perf_counter() - start)
-    _exact_rss()
-    rss = _status("VmRSS")
-    with open("/proc/self/clear_refs", "w", encoding="ascii") as clear:
-        clear.write("5")  # resets VmHWM to the current RSS
-    model.train_on_batch(x, y)
-    peak = _status("VmHWM")
+    method = memory if memory == "rss" or _allocator_stats_kept() else "rss"
+    if method == "allocator":
+        held = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        model.train_on_batch(x, y)
+        step_peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - held
+    else:
+        _exact_rss()
+        held = _status("VmRSS")
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as clear:
+            clear.write("5")  # resets VmHWM to the current RSS
+        model.train_on_batch(x, y)
+        step_peak = _status("VmHWM") - held
     # the loss before training, against Keras's float32 loss on the same logits cast to float32
     model2, _ = build(config, vocab, dim, seq, chunk_bytes)
     logits = model2(x)
@@ -157,7 +186,7 @@ def one(config: str, vocab: int, batch: int, seq: int, dim: int, steps: int,
     reference = float(keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, tf.cast(logits, tf.float32)))
     return {
         "config": config, "vocab": vocab, "tokens": batch * seq, "logits_dtype": logits.dtype.name,
-        "step_peak_mib": (peak - rss) / _MIB, "rss_before_steps_mib": rss / _MIB,
+        "memory": method, "step_peak_mib": step_peak / _MIB, "held_before_step_mib": held / _MIB,
         "step_ms": 1000 * statistics.median(times), "step_ms_all": [1000 * t for t in times],
         "loss": value, "keras_float32_loss": reference, "loss_relative_difference": abs(value - reference) / reference,
     }
@@ -165,10 +194,13 @@ def one(config: str, vocab: int, batch: int, seq: int, dim: int, steps: int,
 
 def _child(config: str, vocab: int, args: argparse.Namespace) -> Dict[str, Any]:
     command = [sys.executable, os.path.abspath(__file__), "--one", config, "--vocab", str(vocab),
-               "--batch", str(args.batch), "--seq", str(args.seq), "--dim", str(args.dim), "--steps", str(args.steps)]
+               "--batch", str(args.batch), "--seq", str(args.seq), "--dim", str(args.dim), "--steps", str(args.steps),
+               "--memory", args.memory]
     if args.chunk_bytes is not None:
         command += ["--chunk-bytes", str(args.chunk_bytes)]
-    env = {**os.environ, "TF_ONEDNN_USE_SYSTEM_ALLOCATOR": "1"}  # oneDNN's pool would hide freed memory
+    env = dict(os.environ)
+    if args.memory == "rss":
+        env["TF_ONEDNN_USE_SYSTEM_ALLOCATOR"] = "1"  # oneDNN's pool would hide freed memory from RSS
     done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"configuration {config} (vocab {vocab}) failed:\n{done.stderr[-3000:]}")
@@ -180,12 +212,18 @@ def _paired(runs: List[Dict[str, Any]], key: str, config: str) -> float:
     return statistics.median(r[config][key] / r["keras"][key] for r in runs)
 
 
+def _methods(results: Dict[str, Any]) -> List[str]:
+    """How the children read a step's peak (``allocator``, ``rss``), as they recorded it."""
+    return sorted({r.get("memory", "rss") for runs in results["vocabs"].values() for repeat in runs
+                   for r in repeat.values()})
+
+
 def markdown(results: Dict[str, Any]) -> str:
     """The results as a markdown table, one row per vocabulary and configuration."""
     lines = [f"CPU: {results['cpu']}, {results['cores']} cores; TensorFlow {results['tensorflow']}, "
              f"Keras {results['keras']}; {results['tokens']} tokens ({results['batch']} x {results['seq']}), "
              f"dim {results['dim']}, chunk_bytes {results['chunk_bytes'] or 'default'}, {results['steps']} timed steps, {results['repeats']} repeat(s); "
-             f"TF_ENABLE_ONEDNN_OPTS {results['onednn']}; "
+             f"TF_ENABLE_ONEDNN_OPTS {results['onednn']}; step peak read by: {', '.join(_methods(results))}; "
              f"load average {results['load_start']} -> {results['load_end']}.", "",
              "| vocab | config | logits | step peak MiB | vs keras | step ms | vs keras | loss rel. diff vs float32 |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -212,6 +250,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     parser.add_argument("--onednn", choices=["default", "on", "off"], default="default",
                         help="TF_ENABLE_ONEDNN_OPTS in the children: 'on' (1), 'off' (0), or as inherited")
+    parser.add_argument("--memory", choices=["allocator", "rss"], default="allocator",
+                        help="a step's peak from TensorFlow's allocator statistics (where kept, else RSS) or the resident set")
     parser.add_argument("--quick", action="store_true", help="vocabulary 2000, 2 x 64 tokens, dim 32, 1 step")
     parser.add_argument("--json", help="write every number here")
     parser.add_argument("--one", choices=CONFIGS, help=argparse.SUPPRESS)  # child process: print JSON
@@ -219,7 +259,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     if args.quick:
         args.vocab, args.batch, args.seq, args.dim, args.steps = [2000], 2, 64, 32, 1
     if args.one:
-        print(json.dumps(one(args.one, args.vocab[0], args.batch, args.seq, args.dim, args.steps, args.chunk_bytes)))
+        print(json.dumps(one(args.one, args.vocab[0], args.batch, args.seq, args.dim, args.steps, args.chunk_bytes,
+                             args.memory)))
         return {}
     import keras
     import tensorflow as tf

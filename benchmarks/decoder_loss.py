@@ -24,6 +24,11 @@ trained by SGD (no optimizer slots: the loss's memory is what differs). Configur
 - ``tfmp_fused``: ``tfmp.enable("mixed_bfloat16")`` and the (fused) chunked loss (tfmp keeps
   the logits bfloat16, `tfmp._src.float32.logits`).
 
+``--model gpt2`` trains keras-hub's ``GPT2CausalLM`` instead (built from a configuration:
+`GPT2_LAYERS` blocks of width ``--dim``, `GPT2_HEADS` heads, no dropout, no metric; inputs
+``token_ids`` and ``padding_mask``), the same in every configuration: its tied
+``ReversibleEmbedding`` projects the logits in float32 under a mixed policy.
+
 Each configuration runs in a fresh Python process (``--one``): one warm-up step (it traces
 the step), ``--steps`` timed steps (``train_on_batch``; step time: their median), then one
 memory step, its peak above the memory held before it: what a training step adds
@@ -75,6 +80,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's tfmp
 
 CONFIGS = ("keras", "tfmp", "chunked", "fused", "tfmp_fused")
+#: ``--model gpt2``: keras-hub GPT2CausalLM's blocks and heads.
+GPT2_LAYERS, GPT2_HEADS = 2, 4
 #: glibc's mmap threshold for the memory step: a freed tensor of 128 KiB or more leaves RSS at once.
 MMAP_THRESHOLD = 128 * 1024
 #: ``mallopt``'s parameter number for the mmap threshold (glibc's malloc.h).
@@ -102,8 +109,8 @@ def _exact_rss() -> None:
     libc.malloc_trim(0)
 
 
-def build(config: str, vocab: int, dim: int, seq: int, chunk_bytes: Optional[int] = None):
-    """The model of `config`, compiled; the global policy and tfmp as they were after."""
+def build(config: str, vocab: int, dim: int, seq: int, chunk_bytes: Optional[int] = None, model_kind: str = "lm"):
+    """The model of `config` (`model_kind`: ``"lm"`` or ``"gpt2"``), compiled; the global policy and tfmp as they were after."""
     import keras
     import tfmp
 
@@ -120,19 +127,44 @@ def build(config: str, vocab: int, dim: int, seq: int, chunk_bytes: Optional[int
     else:
         scope.__enter__()
     try:
-        ids = keras.Input((seq,), dtype="int32")
-        x = keras.layers.Embedding(vocab, dim, name="embedding")(ids)
-        x = keras.layers.Dense(dim, activation="relu", name="block")(x)
-        out_dtype = "float32" if config == "keras" else None
-        logits = keras.layers.Dense(vocab, dtype=out_dtype, name="logits")(x)
-        model = keras.Model(ids, logits)
-        model.compile(keras.optimizers.SGD(0.01), loss=loss)
+        model = _gpt2(vocab, dim, seq) if model_kind == "gpt2" else _lm(config, vocab, dim, seq)
+        # no metric: keras-hub's default accuracy reads the logits, which makes them whole in every configuration
+        extra = {"weighted_metrics": []} if model_kind == "gpt2" else {}
+        model.compile(keras.optimizers.SGD(0.01), loss=loss, **extra)
     finally:
         if scope is None:
             keras.config.set_dtype_policy(before)
         else:
             scope.__exit__(None, None, None)
     return model, loss
+
+
+def _lm(config: str, vocab: int, dim: int, seq: int):
+    """Embedding -> Dense(relu) -> Dense(vocab); under ``keras`` the last Dense float32, as Keras's guide does it."""
+    import keras
+
+    ids = keras.Input((seq,), dtype="int32")
+    x = keras.layers.Embedding(vocab, dim, name="embedding")(ids)
+    x = keras.layers.Dense(dim, activation="relu", name="block")(x)
+    out_dtype = "float32" if config == "keras" else None
+    return keras.Model(ids, keras.layers.Dense(vocab, dtype=out_dtype, name="logits")(x))
+
+
+def _gpt2(vocab: int, dim: int, seq: int):
+    """keras-hub's ``GPT2CausalLM``: `GPT2_LAYERS` blocks of width `dim`, `GPT2_HEADS` heads, its tied embedding
+    projecting the logits (in float32 under a mixed policy: its table is not autocast), in every configuration.
+    Without dropout, so that the training step's loss compares with the float32 loss of the model's own logits."""
+    from benchmarks import hub_models
+
+    return hub_models.task_builder("GPT2Backbone", "GPT2CausalLM", vocab, GPT2_LAYERS, GPT2_HEADS, dim, seq,
+                                   dropout=0.0)()
+
+
+def _inputs(model_kind: str, ids):
+    """The model's inputs for token ids ``[batch, seq]``."""
+    import numpy as np
+
+    return {"token_ids": ids, "padding_mask": np.ones(ids.shape, bool)} if model_kind == "gpt2" else ids
 
 
 def _allocator_stats_kept() -> bool:
@@ -147,7 +179,7 @@ def _allocator_stats_kept() -> bool:
 
 
 def one(config: str, vocab: int, batch: int, seq: int, dim: int, steps: int,
-        chunk_bytes: Optional[int] = None, memory: str = "allocator") -> Dict[str, Any]:
+        chunk_bytes: Optional[int] = None, memory: str = "allocator", model_kind: str = "lm") -> Dict[str, Any]:
     """Measures one configuration in this process (a child); returns its JSON-able record. `memory`:
     ``"allocator"`` (TensorFlow's allocator statistics, where kept; else the resident set) or ``"rss"``."""
     import numpy as np
@@ -157,9 +189,9 @@ def one(config: str, vocab: int, batch: int, seq: int, dim: int, steps: int,
 
     warnings.simplefilter("ignore")  # 16 bits on a CPU without bfloat16 instructions: PerformanceWarning
     rng = np.random.default_rng(1)
-    x = rng.integers(0, vocab, size=(batch, seq)).astype("int32")
+    x = _inputs(model_kind, rng.integers(0, vocab, size=(batch, seq)).astype("int32"))
     y = rng.integers(0, vocab, size=(batch, seq)).astype("int32")
-    model, loss = build(config, vocab, dim, seq, chunk_bytes)
+    model, loss = build(config, vocab, dim, seq, chunk_bytes, model_kind)
     step_loss = float(model.train_on_batch(x, y))  # traces the step; the loss before the update
     times = []
     for _ in range(steps):
@@ -180,7 +212,7 @@ def one(config: str, vocab: int, batch: int, seq: int, dim: int, steps: int,
         model.train_on_batch(x, y)
         step_peak = _status("VmHWM") - held
     # the loss before training, against Keras's float32 loss on the same logits cast to float32
-    model2, _ = build(config, vocab, dim, seq, chunk_bytes)
+    model2, _ = build(config, vocab, dim, seq, chunk_bytes, model_kind)
     logits = model2(x)
     value = step_loss
     reference = float(keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, tf.cast(logits, tf.float32)))
@@ -195,7 +227,7 @@ def one(config: str, vocab: int, batch: int, seq: int, dim: int, steps: int,
 def _child(config: str, vocab: int, args: argparse.Namespace) -> Dict[str, Any]:
     command = [sys.executable, os.path.abspath(__file__), "--one", config, "--vocab", str(vocab),
                "--batch", str(args.batch), "--seq", str(args.seq), "--dim", str(args.dim), "--steps", str(args.steps),
-               "--memory", args.memory]
+               "--memory", args.memory, "--model", args.model]
     if args.chunk_bytes is not None:
         command += ["--chunk-bytes", str(args.chunk_bytes)]
     env = dict(os.environ)
@@ -221,7 +253,7 @@ def _methods(results: Dict[str, Any]) -> List[str]:
 def markdown(results: Dict[str, Any]) -> str:
     """The results as a markdown table, one row per vocabulary and configuration."""
     lines = [f"CPU: {results['cpu']}, {results['cores']} cores; TensorFlow {results['tensorflow']}, "
-             f"Keras {results['keras']}; {results['tokens']} tokens ({results['batch']} x {results['seq']}), "
+             f"Keras {results['keras']}; model {results.get('model', 'lm')}; {results['tokens']} tokens ({results['batch']} x {results['seq']}), "
              f"dim {results['dim']}, chunk_bytes {results['chunk_bytes'] or 'default'}, {results['steps']} timed steps, {results['repeats']} repeat(s); "
              f"TF_ENABLE_ONEDNN_OPTS {results['onednn']}; step peak read by: {', '.join(_methods(results))}; "
              f"load average {results['load_start']} -> {results['load_end']}.", "",
@@ -250,6 +282,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     parser.add_argument("--onednn", choices=["default", "on", "off"], default="default",
                         help="TF_ENABLE_ONEDNN_OPTS in the children: 'on' (1), 'off' (0), or as inherited")
+    parser.add_argument("--model", choices=["lm", "gpt2"], default="lm",
+                        help="the causal-LM-shaped model, or keras-hub's GPT2CausalLM (keras-hub installed)")
     parser.add_argument("--memory", choices=["allocator", "rss"], default="allocator",
                         help="a step's peak from TensorFlow's allocator statistics (where kept, else RSS) or the resident set")
     parser.add_argument("--quick", action="store_true", help="vocabulary 2000, 2 x 64 tokens, dim 32, 1 step")
@@ -260,7 +294,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         args.vocab, args.batch, args.seq, args.dim, args.steps = [2000], 2, 64, 32, 1
     if args.one:
         print(json.dumps(one(args.one, args.vocab[0], args.batch, args.seq, args.dim, args.steps, args.chunk_bytes,
-                             args.memory)))
+                             args.memory, args.model)))
         return {}
     import keras
     import tensorflow as tf
@@ -282,7 +316,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                 file=sys.stderr, flush=True)
     results = {
         "cpu": detect_device_facts().cpu_name, "cores": os.cpu_count(), "tensorflow": tf.__version__,
-        "keras": keras.__version__, "tokens": args.batch * args.seq, "batch": args.batch, "seq": args.seq,
+        "keras": keras.__version__, "model": args.model, "tokens": args.batch * args.seq, "batch": args.batch, "seq": args.seq,
         "dim": args.dim, "chunk_bytes": args.chunk_bytes, "steps": args.steps, "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "unset"), "repeats": args.repeats, "configs": args.configs,
         "load_start": load_start, "load_end": [round(v, 2) for v in os.getloadavg()], "vocabs": vocabs,
     }

@@ -36,16 +36,17 @@ def _lm_loss():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def _task_builder(backbone: str, task: str, vocab: int, layers: int, heads: int, hidden: int,
-                  length: int) -> Callable[[], keras.Model]:
-    """`Workload.build` of keras-hub's ``task`` on a ``backbone`` of that size (feed-forward 4x wide)."""
+def task_builder(backbone: str, task: str, vocab: int, layers: int, heads: int, hidden: int,
+                 length: int, **options) -> Callable[[], keras.Model]:
+    """`Workload.build` of keras-hub's ``task`` on a ``backbone`` of that size (feed-forward 4x wide);
+    `options` go to the backbone too (e.g. ``dropout=0.0``)."""
 
     def build() -> keras.Model:
         import keras_hub
 
         made = getattr(keras_hub.models, backbone)(
             vocabulary_size=vocab, num_layers=layers, num_heads=heads, hidden_dim=hidden,
-            intermediate_dim=4 * hidden, max_sequence_length=length)
+            intermediate_dim=4 * hidden, max_sequence_length=length, **options)
         return getattr(keras_hub.models, task)(backbone=made, preprocessor=None)
 
     return build
@@ -66,7 +67,7 @@ def gpt2(vocab: int, layers: int, heads: int, hidden: int, length: int, batch_si
         `Workload` named ``"gpt2"``; inputs ``{"token_ids", "padding_mask"}``, labels the next tokens.
     """
 
-    build = _task_builder("GPT2Backbone", "GPT2CausalLM", vocab, layers, heads, hidden, length)
+    build = task_builder("GPT2Backbone", "GPT2CausalLM", vocab, layers, heads, hidden, length)
 
     def inputs(batch: int, rng: np.random.Generator):
         t = _tokens(rng, batch * DISTINCT_BATCHES, length, vocab)
@@ -95,7 +96,7 @@ def bart(vocab: int, layers: int, heads: int, hidden: int, length: int, batch_si
         padding masks, labels the decoder's next tokens.
     """
 
-    build = _task_builder("BartBackbone", "BartSeq2SeqLM", vocab, layers, heads, hidden, length)
+    build = task_builder("BartBackbone", "BartSeq2SeqLM", vocab, layers, heads, hidden, length)
 
     def inputs(batch: int, rng: np.random.Generator):
         n = batch * DISTINCT_BATCHES

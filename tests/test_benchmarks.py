@@ -445,3 +445,25 @@ def test_float32_policy_measures_what_tfmp_costs_where_auto_keeps_float32():
     assert costs_nothing["met"] == (costs_nothing["value"] <= 1.01)  # judged, not "n/a"
     assert verdicts[("at or ahead of plain Keras on a bf16 CPU", "mlp")]["met"] is None
     assert verdicts[("auto not slower than float32", "mlp")]["met"] is None
+
+
+def test_decoder_loss_table_pairs_each_repeat_with_kerass_and_names_the_memory_method():
+    from benchmarks import decoder_loss
+
+    def record(peak, ms, memory):
+        return {"step_peak_mib": peak, "step_ms": ms, "loss_relative_difference": 0.0,
+                "logits_dtype": "float32", "memory": memory}
+
+    # per repeat fused/keras memory: 0.5, 0.1, 0.3 -> paired median 0.3 (the ratio of medians would be 0.25)
+    repeats = [{"keras": record(100, 10, "allocator"), "fused": record(50, 5, "allocator")},
+               {"keras": record(400, 10, "allocator"), "fused": record(40, 5, "allocator")},
+               {"keras": record(200, 20, "rss"), "fused": record(60, 20, "allocator")}]
+    results = {"cpu": "c", "cores": 2, "tensorflow": "t", "keras": "k", "model": "gpt2", "tokens": 8,
+               "batch": 2, "seq": 4, "dim": 8, "chunk_bytes": None, "steps": 1, "repeats": 3,
+               "onednn": "unset", "load_start": [0], "load_end": [0], "configs": ["keras", "fused"],
+               "vocabs": {"32000": repeats}}
+    table = decoder_loss.markdown(results)
+    assert "step peak read by: allocator, rss" in table and "model gpt2" in table
+    fused = next(line for line in table.splitlines() if line.startswith("| 32000 | fused"))
+    cells = [c.strip() for c in fused.strip("|").split("|")]
+    assert cells[3:7] == ["50", "0.30", "5", "0.50"]

@@ -404,6 +404,32 @@ def test_keras_infinite_step():
     np.testing.assert_array_equal(variables[0].numpy(), [1.0, 2.0, 3.0, 4.0])
 
 
+
+@pytest.mark.parametrize("bad", [None, INF, float("nan")])
+def test_a_sparse_gradient_is_checked_on_its_values_without_a_dense_copy(bad):
+    """An embedding's ``tf.IndexedSlices`` gradient: a non-finite row skips the step, a finite one applies,
+    and the traced check makes no table-sized tensor (Keras's ``ops.isfinite`` scatters into one)."""
+    optimizer = _optimizer()
+    table = keras.Variable(np.ones((1000, 4), "float32"))
+    values = np.full((2, 4), 0.5 * optimizer.initial_scale, "float32")
+    if bad is not None:
+        values[1, 2] = bad
+    gradient = tf.IndexedSlices(tf.constant(values), tf.constant([3, 7]), tf.constant([1000, 4]))
+    optimizer.apply([gradient], [table])
+    after = table.numpy()
+    if bad is None:
+        np.testing.assert_allclose(after[[3, 7]], 0.75)
+    else:
+        np.testing.assert_array_equal(after[[3, 7]], 1.0)
+    np.testing.assert_array_equal(np.delete(after, [3, 7], axis=0), 1.0)
+
+    traced = tf.function(lambda v, i: optimizer.check_finite(
+        [tf.IndexedSlices(v, i, tf.constant([1000, 4]))])).get_concrete_function(
+        tf.TensorSpec([None, 4], tf.float32), tf.TensorSpec([None], tf.int32))
+    assert bool(traced(tf.constant(values), tf.constant([3, 7]))) is (bad is None)
+    kinds = {op.type for op in traced.graph.get_operations()}
+    assert not kinds & {"TensorScatterUpdate", "Fill", "ScatterNd"}, kinds
+
 def test_keras_finite_step_with_overwrite():
     optimizer = _optimizer()
     variables = [keras.Variable([1.0, 2.0, 3.0, 4.0])]

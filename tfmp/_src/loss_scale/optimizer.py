@@ -56,6 +56,18 @@ def _sound_scale(scale: Any) -> Any:
     return ops.logical_and(ops.isfinite(scale), ops.greater(scale, 0.0))
 
 
+def all_finite(grads: list) -> Any:
+    """Scalar bool tensor: every value of every gradient in `grads` (tensors, ``tf.IndexedSlices`` or None) is finite.
+
+    As Keras's ``LossScaleOptimizer.check_finite``, except that a sparse gradient (an embedding's
+    ``tf.IndexedSlices``) is checked on its values: Keras's ``ops.isfinite`` first writes it out as a
+    dense boolean tensor of the whole table's shape (``tf.fill`` and ``tf.tensor_scatter_nd_update``),
+    every step.
+    """
+    checks = [ops.all(ops.isfinite(g.values if isinstance(g, tf.IndexedSlices) else g))
+              for g in grads if g is not None]
+    return ops.all(ops.convert_to_tensor(checks))
+
 class _Applying(NamedTuple):
     """The `apply` under way: its loss check (``""``: the gradients'), the ``"values"`` guard,
     ids of gradients not to divide again, statistics a skipped step puts back."""
@@ -323,7 +335,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
         return ops.logical_and(finite, scale_sound)
 
     def _gradients_finite(self, grads: list) -> Any:
-        return _distribute.all_replicas_finite(super().check_finite(grads))
+        return _distribute.all_replicas_finite(all_finite(grads))
 
     def get_scaled_loss(self, loss: Any) -> Any:
         """Alias of `scale_loss`, under its tf.keras 2 name."""

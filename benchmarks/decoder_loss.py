@@ -240,7 +240,9 @@ def _child(config: str, vocab: int, args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def _paired(runs: List[Dict[str, Any]], key: str, config: str) -> float:
-    """Median over repeats of `config`'s `key` over ``keras``'s in the same repeat."""
+    """Median over repeats of `config`'s `key` over ``keras``'s in the same repeat (NaN without ``keras``)."""
+    if any("keras" not in r for r in runs):
+        return float("nan")
     return statistics.median(r[config][key] / r["keras"][key] for r in runs)
 
 

@@ -83,6 +83,23 @@ def test_a_label_outside_the_classes_raises_as_tensorflows_kernel_does_and_is_na
         assert np.isnan(found[2]) and np.isfinite(found[[0, 1, 3]]).all()  # tfmp's guard skips that step
 
 
+
+def test_under_xla_a_label_outside_the_classes_skips_the_step_and_the_warning_names_labels():
+    with tfmp.policy_scope("mixed_bfloat16", verbose=False):
+        keras.utils.set_random_seed(1)
+        model = _decoder()
+        model.compile(keras.optimizers.SGD(0.5), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      jit_compile=True)
+        before = [w.numpy() for w in model.weights]
+        tokens = np.zeros((2, TOKENS), "int32")
+        labels = np.ones((2, TOKENS), "int32")
+        labels[1, 2] = VOCABULARY  # one label out of range
+        with pytest.warns(tfmp.SkippedStepWarning, match=r"under XLA, check labels"):
+            model.fit(tokens, labels, epochs=1, verbose=0)
+        assert int(model.optimizer.overflow_count.numpy()) == 1
+        for old, new in zip(before, model.weights):
+            np.testing.assert_array_equal(old, new.numpy())
+
 def test_the_decision_rests_on_the_machine_facts_and_measures_nothing():
     for facts in (ZEN4, SAPPHIRE_RAPIDS, XEON_NO_BF16):  # every CPU: TensorFlow's float32 kernel on a cast
         assert cross_entropy.decision("bfloat16", facts) == f"float32 inside: {cross_entropy.RULE}"

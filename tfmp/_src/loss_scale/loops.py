@@ -53,6 +53,9 @@ class SkippedStepWarning(RuntimeWarning):
 
 #: The fix line of a skip whose first non-finite value a layer of the forward or backward pass made.
 FIND_LAYER = "Fix: tfmp.check_numerics(model) finds the first layer that goes non-finite"
+#: The fix line of a NaN loss: an XLA-compiled step gives NaN for a label TensorFlow's kernel refuses.
+LABEL_NAN_FIX = ("Fix: tfmp.check_numerics(model) finds the first non-finite layer, or lower the learning rate; "
+                 "under XLA, check labels.")
 
 
 def cause(status: int, loss_scaling: bool) -> Tuple[str, str, str, str]:
@@ -76,7 +79,7 @@ def cause(status: int, loss_scaling: bool) -> Tuple[str, str, str, str]:
                  "not an overflow: bfloat16 and float32 reach 3.4e38")
         return "loss", loss, (
             f"The loss itself is non-finite ({loss}; {where}): a lower loss scale cannot help."
-        ), f"{FIND_LAYER}, or lower the learning rate."
+        ), LABEL_NAN_FIX if "nan" in loss else f"{FIND_LAYER}, or lower the learning rate."
     if status & 16:
         return "values", "", (
             "The update would have written a non-finite value into a variable although the gradients were finite."

@@ -169,13 +169,17 @@ def test_a_model_loaded_under_the_switch_off_takes_kerass_update(tmp_path):
 def test_a_feature_whose_keras_surface_moved_reads_off_with_why():
     assert availability.off("gelu") is None
     try:
-        with pytest.warns(UserWarning, match="tfmp turned one feature off"):
+        with pytest.warns(UserWarning, match="tfmp turned one feature off") as said:
             availability.switch_off("gelu", AttributeError("module 'keras.src.backend' has no attribute 'nn'"))
         with injected_facts(ZEN4):
             found = speedups.decided(None)
     finally:
         availability.clear()
     assert found["gelu"].startswith("off (Keras ") and "has no attribute 'nn'" in found["gelu"]
+    # the error's text, of any length, below the guide line; the opening's lines stay short with any version
+    text = str(said[0].message).splitlines()
+    assert text[-1] == "What failed: AttributeError: module 'keras.src.backend' has no attribute 'nn'"
+    assert text[-2].startswith("Guide: ") and "has no attribute" not in "\n".join(text[:-1])
     assert found["conv"] == "on"
 
 

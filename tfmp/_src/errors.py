@@ -94,13 +94,15 @@ def opening(what: str, cause: str, fix: str, section: str, details: str = "") ->
     return "\n".join(lines + ([details] if details else []))
 
 
-def warn(what: str, cause: str, fix: str, category: type, *, section: str, stacklevel: Optional[int] = None) -> None:
+def warn(what: str, cause: str, fix: str, category: type, *, section: str, stacklevel: Optional[int] = None,
+         details: str = "") -> None:
     """Warns `category` with the text `opening` builds; the one door of every tfmp warning.
 
-    `stacklevel` None names the user's line (`user_stacklevel`), else counts from the caller of `warn`.
+    `stacklevel` None names the user's line (`user_stacklevel`), else counts from the caller of `warn`;
+    `details` (text of any length, e.g. an error's) follow the guide line.
     """
     level = user_stacklevel() if stacklevel is None else stacklevel + 1
-    warnings.warn(opening(what, cause, fix, section), category, stacklevel=level)
+    warnings.warn(opening(what, cause, fix, section, details), category, stacklevel=level)
 
 
 def warn_error(error: BaseException, category: type, stacklevel: Optional[int] = None) -> None:

@@ -45,16 +45,17 @@ def switch_off(feature: str, error: BaseException) -> str:
     import keras
     import tensorflow as tf
 
-    reason = (f"Keras {keras.__version__} / TensorFlow {tf.__version__} moved what it hooks "
-              f"({type(error).__name__}: {error})")
+    moved = f"Keras {keras.__version__} / TensorFlow {tf.__version__} moved what it hooks"
+    detail = f"{type(error).__name__}: {error}"
+    reason = f"{moved} ({detail})"
     with _lock:
         first = feature not in _off
         _off[feature] = reason
-    if first:
+    if first:  # the error, of any length, below the three-line opening
         warn(f"tfmp turned one feature off in this process: {FEATURES[feature]}.",
-             f"{reason}; that part works as under plain Keras.",
+             f"{moved}; that part works as under plain Keras.",
              "Fix: install the Keras and TensorFlow versions setup.cfg lists, or a tfmp release for this Keras.",
-             UserWarning, section="a-feature-turned-off")
+             UserWarning, section="a-feature-turned-off", details=f"What failed: {detail}")
     return reason
 
 

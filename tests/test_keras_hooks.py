@@ -581,6 +581,21 @@ def test_the_tflite_converter_tfmp_hooks_still_raises_naming_16bit_tensor_types(
     with pytest.raises(export_io.tflite_converter_error()) as refused:
         converter.convert()
     assert error_texts.converter_16bit_dtypes(str(refused.value)) == ["bfloat16"]
+    scope = error_texts.converter_first_scope(str(refused.value))  # the layer's scope, as this TensorFlow writes it
+    assert scope is not None and model.layers[0].name in scope, str(refused.value)[:400]
+
+
+@pytest.mark.parametrize("location", [
+    '"sequential_1/dense_1/MatMul@__inference_function_74"] at callsite(fused["StatefulPartitionedCall:", '
+    '"StatefulPartitionedCall@__inference_signature_wrapper_93"]',  # TensorFlow 2.17-2.21
+    '"sequential_1/dense_1/MatMul"]',  # tf-nightly 2.23.0.dev20261026
+])
+def test_the_converters_location_of_an_op_reads_in_either_form(location):
+    from tfmp._src.keras_hooks import error_texts
+
+    message = f'Could not translate MLIR to FlatBuffer.<unknown>:0: error: loc(fused["MatMul:", {location})'
+    assert error_texts.converter_first_scope(message) == "sequential_1/dense_1"
+    assert error_texts.converter_first_scope('error: loc(fused["MatMul:", "MatMul"])') is None
 
 
 def test_keras_still_refuses_int8_for_float16_with_the_text_tfmp_reads():

@@ -36,6 +36,10 @@ def always_disable():
     tfmp.disable()
 
 
+#: The loss scale `sound_file` saves.
+SAVED_SCALE = 2.0**11
+
+
 def _enable(policy="mixed_float16"):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", tfmp.PerformanceWarning)  # 16 bits slower than float32 on this CPU
@@ -66,12 +70,14 @@ def _plain_keras_model():
 
 @pytest.fixture(scope="module")
 def sound_file(tmp_path_factory):
-    """A ``.weights.h5`` of a model trained under tfmp (mixed_float16), and its loss scale."""
+    """A ``.weights.h5`` of a model trained under tfmp (mixed_float16), and its loss scale (`SAVED_SCALE`:
+    not a fresh optimizer's, so that only a load restores it, whatever the steps did to it)."""
     path = tmp_path_factory.mktemp("state") / "sound.weights.h5"
     _enable()
     try:
         model = _tfmp_model()
         model.fit(X, Y, batch_size=4, verbose=0)
+        model.optimizer.dynamic_scale.assign(SAVED_SCALE)
         model.save_weights(path)
         scale = model.optimizer.loss_scale
     finally:
@@ -125,8 +131,9 @@ def test_a_sound_file_loads_under_tfmp_and_in_plain_keras(sound_file):
     path, scale = sound_file
     _enable()
     model = _tfmp_model()
+    assert model.optimizer.loss_scale != SAVED_SCALE  # a fresh optimizer's
     model.load_weights(path)
-    assert model.optimizer.loss_scale == scale == 2.0**15
+    assert model.optimizer.loss_scale == scale == SAVED_SCALE
     assert int(model.optimizer.total_steps.numpy()) == 4
     tfmp.disable()
     plain = _plain_keras_model()

@@ -130,8 +130,9 @@ def test_linalg_layer_builds_and_trains_under_bfloat16(op):
 @pytest.mark.parametrize("op, plain_fails", [("cholesky", True), ("inv", False), ("qr", False), ("slogdet", True)])
 def test_linalg_layer_under_float16_has_its_kernel_and_float32_accuracy(op, plain_fails):
     """Plain Keras under mixed_float16: Cholesky and LogMatrixDeterminant have no float16 CPU
-    kernel (fit fails with "No OpKernel"); MatrixInverse and Qr run, more than 1% off. tfmp's
-    layer runs in float32 and matches float32 within float16's rounding of its output."""
+    kernel (fit fails with "No OpKernel"); MatrixInverse and Qr run, further off float32 than the
+    bound tfmp's layer keeps (2 float16 steps of the output's magnitude: TensorFlow 2.21 over 1%,
+    tf-nightly 2.23's Qr 0.5%). tfmp's layer runs in float32 and matches float32 within that bound."""
     weights, reference = _reference(lambda: _linalg_model(op), X4, Y4)
     plain = _plain("mixed_float16", lambda: _linalg_model(op))
     if plain_fails:
@@ -139,7 +140,7 @@ def test_linalg_layer_under_float16_has_its_kernel_and_float32_accuracy(op, plai
             _run(plain, weights, X4, Y4)
     else:
         predictions, _ = _run(plain, weights, X4, Y4)
-        assert np.abs(predictions - reference[0]).max() > 0.01 * np.abs(reference[0]).max()
+        assert np.abs(predictions - reference[0]).max() > 2 * STEP["mixed_float16"] * np.abs(reference[0]).max()
     try:
         with tfmp.policy_scope("mixed_float16"):
             model = _linalg_model(op)

@@ -10,7 +10,6 @@ layer the converter locates and ``tfmp.to_float32`` / ``tfmp.export``.
 from __future__ import annotations
 
 import functools
-import re
 from typing import Any, Callable, List, Optional
 
 from tfmp._src.errors import opening
@@ -19,24 +18,13 @@ from tfmp._src.keras_hooks import error_texts, export_io, surfaces
 
 #: The troubleshooting guide's section on converting a 16-bit model (also `quantize_hint`'s).
 SECTION = "converting-or-quantizing-a-16-bit-model"
-#: The converter's location of an op: ``"sequential_1/dense_1/MatMul@__inference_..."`` (its scopes, then the op).
-_LOCATION = re.compile(r'"((?:[\w.-]+/)+)[\w.-]+@')
-
-
-def _first_scope(message: str) -> Optional[str]:
-    """The name scope of the first op the converter locates (``"sequential_1/dense_1"``: Keras's layer names,
-    suffixed by TensorFlow when traced again); None if none."""
-    match = _LOCATION.search(message)
-    return match.group(1).rstrip("/") if match else None
-
-
 def hint(message: str) -> Optional[str]:
     """The text tfmp appends to a converter error naming 16-bit tensors (`errors.opening`); None for any other
     error."""
     low = error_texts.converter_16bit_dtypes(message)
     if not low:
         return None
-    scope = _first_scope(message)
+    scope = error_texts.converter_first_scope(message)
     where = f" (first in the ops of {scope!r})" if scope else ""
     dtypes = " and ".join(low)
     return "tfmp: " + opening(

@@ -74,6 +74,19 @@ def converter_16bit_dtypes(message: str) -> List[str]:
     return sorted({_CONVERTER_DTYPES[match] for match in _CONVERTER_16BIT.findall(message)})
 
 
+#: The converter's location of an op: ``fused["MatMul:", "sequential_1/dense_1/MatMul@__inference_..."]``
+#: (TensorFlow 2.17-2.21) or ``fused["MatMul:", "sequential_1/dense_1/MatMul"]`` (2.23 pre-releases): its
+#: scopes, then the op.
+_CONVERTER_LOCATION = re.compile(r'"((?:[\w.-]+/)+)[\w.-]+(?:@|")')
+
+
+def converter_first_scope(message: str) -> Optional[str]:
+    """The name scope of the first op a TFLite converter error locates (``"sequential_1/dense_1"``: Keras's
+    layer names, suffixed by TensorFlow when traced again); None if none."""
+    match = _CONVERTER_LOCATION.search(message)
+    return match.group(1).rstrip("/") if match else None
+
+
 #: Keras's ValueError refusing ``model.quantize("int8")`` for a float16 layer (``Layer._check_quantize_args``).
 QUANTIZE_FLOAT16 = re.compile(r"Quantization mode='(\w+)' doesn't work well with compute_dtype='float16'")
 

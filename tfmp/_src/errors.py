@@ -9,7 +9,7 @@ happened, the cause in this model, the fix, one short line each, then the guide'
 
     tfmp skipped step 3 (1 of 4 steps since step 0; scale 32768): nothing written.
     The loss itself is non-finite (nan; float16 holds at most 65504): a lower loss scale cannot help.
-    Fix: tfmp.check_numerics(model) finds the first layer that goes non-finite, or lower the learning rate.
+    Fix: tfmp.check_numerics(model) finds the first non-finite layer, or lower the learning rate; under XLA, check labels.
     Guide: .../site-packages/tfmp/docs/troubleshooting.md#nan-or-inf-loss
 """
 

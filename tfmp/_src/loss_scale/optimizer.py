@@ -68,6 +68,7 @@ def all_finite(grads: list) -> Any:
               for g in grads if g is not None]
     return ops.all(ops.convert_to_tensor(checks))
 
+
 class _Applying(NamedTuple):
     """The `apply` under way: its loss check (``""``: the gradients'), the ``"values"`` guard,
     ids of gradients not to divide again, statistics a skipped step puts back."""

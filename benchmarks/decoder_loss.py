@@ -235,7 +235,8 @@ def _child(config: str, vocab: int, args: argparse.Namespace) -> Dict[str, Any]:
         env["TF_ONEDNN_USE_SYSTEM_ALLOCATOR"] = "1"  # oneDNN's pool would hide freed memory from RSS
     done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
-        raise RuntimeError(f"configuration {config} (vocab {vocab}) failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"configuration {config} (vocab {vocab}) failed with exit status {done.returncode} "
+                           f"(negative: the signal that ended it):\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from _collect import collect_everything
-from _machines import ZEN4
+from _machines import SAPPHIRE_RAPIDS, ZEN4
 
 import tfmp
 from tfmp._src.attachment import hooks as attachment_hooks
@@ -383,6 +383,29 @@ def test_exact_float_ids_are_kept_by_a_model_loaded_while_enabled(tmp_path):
     table = tokens.embedding.embeddings
     expected = keras.ops.cast(keras.ops.take(table, np.array([1001, 1999]), axis=0), "bfloat16")
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(rows), keras.ops.convert_to_numpy(expected))
+
+
+@pytest.mark.parametrize("session", ["mixed_bfloat16", "float32", "auto"])
+def test_a_float16_file_loaded_under_another_policy_keeps_the_float16_decisions(tmp_path, session):
+    """Its layers stay float16 while Keras gives the model and its inputs the session's policy: on a
+    CPU whose oneDNN takes float16 the attachment decides for the layers (float32-inside
+    convolutions, the remapper off), not for the model's own policy."""
+    path = str(tmp_path / "float16.keras")
+    with injected_facts(SAPPHIRE_RAPIDS):
+        with tfmp.policy_scope("mixed_float16"):
+            inputs = keras.Input((6, 6, 3))
+            x = keras.layers.DepthwiseConv2D(3, padding="same")(keras.layers.Conv2D(4, 3, padding="same")(inputs))
+            model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(x)))
+            model.compile("sgd", "mse")
+            model.save(path)
+        tfmp.enable(session)
+        loaded = keras.models.load_model(path)
+    found = tfmp.attachment(loaded)
+    assert found.attached_by == "load"
+    assert loaded.dtype_policy.name != "mixed_float16"  # Keras's, the premise
+    assert {layer.dtype_policy.name for layer in loaded.layers[1:-1]} == {"mixed_float16"}
+    assert found.conv.startswith(conv.FLOAT32_INSIDE) and found.depthwise_conv.startswith(conv.FLOAT32_INSIDE)
+    assert found.remapper.startswith("off")
 
 
 @keras.saving.register_keras_serializable(package="tfmp_tests")

@@ -7,6 +7,7 @@ are recorded in one `Attachment` carried by the model and every layer in it. Aft
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from typing import Any, ContextManager, Dict, FrozenSet, Iterator, List, Optional
 
@@ -61,9 +62,9 @@ def attach(model: keras.Model, policy: str, *, attached_by: str, exact_ids: int,
         model_scopes.trace_in(model, lambda: _tracing_step(model, features))
         loops.serve(model)  # the stuck check, batch record and saved form on the model itself
     speeds = speedup_rules.decided(speedups)
-    remapper = _remapper_decision(model, allowed=speeds["remapper"] == speedup_rules.ON)
     entries = walk(model)
     compute_dtype = _compute_dtype(model, entries)
+    remapper = _remapper_decision(model, compute_dtype, allowed=speeds["remapper"] == speedup_rules.ON)
 
     def inside(feature: str, decision: Any) -> str:  # the switch, else the feature's own rule
         switched = speeds[feature] == speedup_rules.OFF_BY_SWITCH
@@ -93,22 +94,27 @@ def attach(model: keras.Model, policy: str, *, attached_by: str, exact_ids: int,
 
 
 def _compute_dtype(model: Any, entries: list) -> str:
-    """The 16-bit compute dtype of `model`, else of any of its layers (loaded before enable), else the model's."""
-    if model.dtype_policy.compute_dtype in LOW_PRECISION:
-        return model.dtype_policy.compute_dtype
-    found = [e.layer.compute_dtype for e in entries if e.layer.compute_dtype in LOW_PRECISION]
-    return found[0] if found else model.dtype_policy.compute_dtype
+    """The 16-bit compute dtype most of `model`'s layers compute in, else the model's own.
+
+    The layers', not the model's: a file saved under one mixed policy and loaded under another
+    session's keeps its layers' policies, while Keras gives the model and its inputs the session's.
+    """
+    found = collections.Counter(e.layer.compute_dtype for e in entries
+                                if e.layer.compute_dtype in LOW_PRECISION
+                                and not isinstance(e.layer, keras.layers.InputLayer))
+    return found.most_common(1)[0][0] if found else model.dtype_policy.compute_dtype
 
 
-def _remapper_decision(model: Any, *, allowed: bool) -> str:
-    """Runs `model`'s functions without Grappler's remapper where `float16_fusion.remapper_trap` says so.
+def _remapper_decision(model: Any, compute_dtype: str, *, allowed: bool) -> str:
+    """Runs `model`'s functions without Grappler's remapper where `float16_fusion.remapper_trap` says so
+    for its layers' `compute_dtype`.
 
     Any other model, or one whose switch is off (`allowed` False), has no scope. Returns
     ``Attachment.remapper``: ``"on"`` or ``"off: <why>"``.
     """
     trap = None
     if isinstance(model, keras.Model) and allowed:
-        trap = float16_fusion.remapper_trap(model.dtype_policy.compute_dtype)
+        trap = float16_fusion.remapper_trap(compute_dtype)
     if trap is None:
         model_scopes.remove(model)
         return "on"

@@ -171,6 +171,22 @@ def test_separable_convolutions_take_float32_inside_on_a_cpu_depthwise_ones_wher
     np.testing.assert_allclose(model(X).numpy(), reference(X).numpy(), rtol=0.02, atol=0.02)
 
 
+@pytest.mark.parametrize("facts", [SAPPHIRE_RAPIDS, ZEN4], ids=["sapphire_rapids", "zen4"])
+def test_the_audit_says_which_float16_convolutions_compute_in_float32_inside(facts):
+    with injected_facts(facts), warnings.catch_warnings():
+        warnings.simplefilter("ignore", tfmp.PerformanceWarning)
+        with tfmp.policy_scope("mixed_float16"):
+            model = _depthwise_model()
+            rows = {row.class_name: row for row in tfmp.audit(model).rows}
+    assert rows["SeparableConv2D"].why == rows["SeparableConv1D"].why == "float32 inside tfmp (Attachment.conv)"
+    depthwise = "float32 inside tfmp (Attachment.depthwise_conv)" if facts.onednn_float16 else ""
+    assert rows["DepthwiseConv2D"].why == depthwise
+    assert all(rows[name].compute_dtype == "float16" for name in ("SeparableConv2D", "DepthwiseConv2D"))
+    with injected_facts(facts):
+        plain = _depthwise_model()  # float32: nothing inside
+    assert all(not row.why for row in tfmp.audit(plain).rows if "Conv" in row.class_name)
+
+
 def test_on_a_gpu_machine_the_model_keeps_kerass_convolutions():
     model = _attached(A100)
     assert tfmp.attachment(model).conv == conv.KERAS

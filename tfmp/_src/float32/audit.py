@@ -16,6 +16,7 @@ from tfmp._src.attachment import record as _record
 from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.errors import check_bool, check_model, check_positive_int, model_fix
 from tfmp._src.float32 import audit_cost as _cost
+from tfmp._src.float32 import conv as _conv
 from tfmp._src.float32 import force as _float32
 from tfmp._src.float32.audit_batch import check_batch, gradient_check
 from tfmp._src.float32.audit_report import AuditReport, AuditRow, AuditWarning
@@ -265,7 +266,7 @@ def audit(
     compute_mixed = policy.startswith("mixed")
     for path, layer, parent in entries:
         reason = _float32.forced_reason(layer) or ""
-        why = reason or _registry.keras_float32_reason(layer) or ""
+        why = reason or _registry.keras_float32_reason(layer) or _conv.audit_reason(layer) or ""
         if id(layer) in graph_outputs:
             out_dtypes, output_from = graph_outputs[id(layer)], "graph"
         elif batch is not None:

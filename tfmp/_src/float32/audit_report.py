@@ -42,7 +42,9 @@ class AuditRow:
             or ``""``; ``"output cast to float32 (body 16-bit)"`` for a block
             producing a model output, computing in 16 bits.
         why: String. ``forced``, or ``"float32 inside Keras >= 3.12"`` for a layer
-            Keras itself computes in float32, or ``""``.
+            Keras itself computes in float32, or ``"float32 inside tfmp (Attachment.conv)"``
+            (``depthwise_conv``) for a float16 convolution tfmp computes in float32 inside,
+            or ``""``.
         params: Int. Its own parameter count.
         warnings: Tuple of warning kinds for this layer.
         output_from: String. Where ``output_dtype`` comes from: ``"graph"``,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Optional
 
+from tfmp._src.attachment import record
 from tfmp._src.float32 import inside
 from tfmp._src.keras_hooks import backend_ops
 from tfmp._src.policy.hardware import DeviceFacts, detect_device_facts
@@ -43,6 +44,10 @@ DEPTHWISE_KEPT = ("TensorFlow's oneDNN does not take float16 on this CPU (Device
 #: `Attachment` field that decides them.
 FUNCTIONS = {"conv": "conv", "conv_transpose": "conv", "separable_conv": "conv",
              "depthwise_conv": "depthwise_conv"}
+#: Keras's convolution layers (class names) by the `Attachment` field that decides them (`audit_reason`).
+LAYERS = {"conv": ("Conv1D", "Conv2D", "Conv3D", "Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose",
+                   "SeparableConv1D", "SeparableConv2D"),
+          "depthwise_conv": ("DepthwiseConv1D", "DepthwiseConv2D")}
 
 
 def decision(compute_dtype: str, facts: Optional[DeviceFacts] = None) -> str:
@@ -63,6 +68,21 @@ def depthwise_decision(compute_dtype: str, facts: Optional[DeviceFacts] = None) 
     if kept:
         return kept
     return f"{FLOAT32_INSIDE}: {DEPTHWISE_RULE}" if facts.onednn_float16 else f"{KERAS}: {DEPTHWISE_KEPT}"
+
+
+def audit_reason(layer: Any) -> Optional[str]:
+    """``"float32 inside tfmp (Attachment.<field>)"`` for a float16 Keras convolution layer (`LAYERS`)
+    whose attached model computes it so (`tfmp.audit`'s ``why``), else None."""
+    import keras
+
+    if layer.compute_dtype != DTYPE:
+        return None
+    found = record.of(layer)
+    for field, names in LAYERS.items():
+        if (found is not None and getattr(found, field).startswith(FLOAT32_INSIDE)
+                and any(isinstance(layer, getattr(keras.layers, name, ())) for name in names)):
+            return f"{FLOAT32_INSIDE} tfmp (Attachment.{field})"
+    return None
 
 
 def float32_inside(convolve: Callable, inputs: Any, *kernels: Any) -> Any:

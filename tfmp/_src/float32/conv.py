@@ -75,11 +75,11 @@ def audit_reason(layer: Any) -> Optional[str]:
     whose attached model computes it so (`tfmp.audit`'s ``why``), else None."""
     import keras
 
-    if layer.compute_dtype != DTYPE:
-        return None
     found = record.of(layer)
+    if found is None or layer.compute_dtype != DTYPE:
+        return None
     for field, names in LAYERS.items():
-        if (found is not None and getattr(found, field).startswith(FLOAT32_INSIDE)
+        if (getattr(found, field).startswith(FLOAT32_INSIDE)
                 and any(isinstance(layer, getattr(keras.layers, name, ())) for name in names)):
             return f"{FLOAT32_INSIDE} tfmp (Attachment.{field})"
     return None

@@ -142,7 +142,8 @@ def read_trace(path: str) -> Tuple[List[OpEvent], List[int], List[str]]:
 
     Returns:
         Tuple ``(ops, markers, functions)``: `OpEvent` list (ops of the host
-        plane, containers left out), the start times (ps) of events named
+        plane, containers left out, each XLA-compiled run as one op of type
+        `XLA_TYPE`, classified by its scope like any op), the start times (ps) of events named
         `profile_step.MARKER`, and the names of TensorFlow functions the trace
         mentions (``__inference_...``).
     """
@@ -156,24 +157,36 @@ def read_trace(path: str) -> Tuple[List[OpEvent], List[int], List[str]]:
         if not plane.name.startswith("/host:"):
             continue
         functions.update(s.name for s in plane.stat_metadata.values() if s.name.startswith("__inference_"))
+        names = {key: meta.name for key, meta in plane.stat_metadata.items()}
         for thread, line in enumerate(plane.lines):
             origin = line.timestamp_ns * 1000
+            launch = (0, "")  # end and op name of the async op (an XLA call) running on this thread
             for event in line.events:
                 label = plane.event_metadata[event.metadata_id].name
                 start = origin + event.offset_ps
                 if label == MARKER:
                     markers.append(start)
-                    continue
-                if "::" in label:  # the runtime's own events (ExecutorState::Process, Iterator::...)
-                    continue
-                name, sep, op_type = label.rpartition(":")
-                if sep and name and op_type and " " not in op_type and op_type not in CONTAINER_TYPES:
-                    ops.append(OpEvent(start, start + event.duration_ps, name, op_type, thread))
+                elif label == ASYNC_OP:
+                    stats = {names.get(stat.metadata_id): stat.str_value or names.get(stat.ref_value, "")
+                             for stat in event.stats}  # a string stat: its value, or a reference to it
+                    launch = (start + event.duration_ps, stats.get("name") or XLA_TYPE)
+                elif label == XLA_RUN:
+                    name = launch[1] if start < launch[0] else XLA_TYPE
+                    ops.append(OpEvent(start, start + event.duration_ps, name, XLA_TYPE, thread))
+                elif "::" not in label:  # not the runtime's own events (ExecutorState::Process, Iterator::...)
+                    name, sep, op_type = label.rpartition(":")
+                    if sep and name and op_type and " " not in op_type and op_type not in CONTAINER_TYPES:
+                        ops.append(OpEvent(start, start + event.duration_ps, name, op_type, thread))
     return ops, sorted(markers), sorted(functions)
 
 
 #: Name of the zero-length trace event `profile_step` records at the end of each step.
 MARKER = "tfmp_benchmark_step_end"
+#: The runtime's event of an XLA-compiled function's run on the CPU (its fused loops are no ops of the
+#: trace), recorded as an op of type `XLA_TYPE` named after the async op launching it (`ASYNC_OP`).
+XLA_RUN = "CpuExecutable::ExecuteAsyncOnStream"
+ASYNC_OP = "ExecutorState::ProcessAsync::Start"
+XLA_TYPE = "XlaExecutable"
 
 
 def _node_dtype(node) -> Optional[str]:

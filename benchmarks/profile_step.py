@@ -5,7 +5,9 @@ each configuration of `benchmarks.harness` (the suite's own), then a few
 training steps are traced with TensorFlow's profiler
 (``tf.profiler.experimental.start/stop``) and broken down by
 `benchmarks.op_classes`: matmul/convolution, normalization, softmax, casts,
-elementwise, optimizer update, other ops and host overhead (no op running),
+elementwise, optimizer update, other ops and host overhead (no op running;
+an XLA-compiled function's run, such as tfmp's GELU gradient, counts as one op
+of its caller's scope, `op_classes.XLA_TYPE`),
 each as a share of the step's wall time, and the op time split into 16-bit,
 32-bit and other dtypes.
 

@@ -6,6 +6,7 @@ import tempfile
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -116,3 +117,27 @@ def test_profile_of_a_tiny_model_adds_up(tmp_path):
     assert sum(b["width_of_ops"].values()) == pytest.approx(1.0)
     text = profile_step.markdown({"models": {"mlp": {"configs": {"tfmp": b}}}})
     assert "| mlp | tfmp |" in text and np.isfinite(b["step_ms"])
+
+
+def test_an_xla_compiled_function_is_one_op_named_after_its_call(tmp_path):
+    """XLA's fused loops are no ops of the trace: its run counts, in the scope of the op that called it."""
+    fused = tf.function(lambda x: tf.exp(-x * x) * 3.0 + x, jit_compile=True)
+
+    @tf.function
+    def step(x):
+        with tf.name_scope("dense_gelu"):
+            return tf.reduce_sum(fused(x))
+
+    x = tf.random.stateless_normal((2048, 1024), seed=(0, 1))
+    step(x)  # traced and compiled before the profile
+    tf.profiler.experimental.start(str(tmp_path))
+    try:
+        step(x).numpy()
+    finally:
+        tf.profiler.experimental.stop()
+    path = sorted(tmp_path.glob("**/*.xplane.pb"))[-1]
+    ops, _, _ = op_classes.read_trace(str(path))
+    runs = [op for op in ops if op.op_type == op_classes.XLA_TYPE]
+    assert len(runs) == 1
+    assert runs[0].name.startswith("dense_gelu/") and runs[0].end > runs[0].start
+    assert op_classes.classify(runs[0].name, runs[0].op_type) == "elementwise"

@@ -34,9 +34,11 @@ def _inf_gradient(x):
 
 
 def _model(policy, *, batch_norm=False, gradient_bomb=False, guard=None, learning_rate=1e-2,
-           optimizer="adam"):
+           optimizer="adam", initial_scale=None):
     """MLP 8-32-4 under `policy`, compiled while tfmp is enabled; float32 gets a tfmp optimizer too."""
     options = {"loss_scale_options": {"guard": guard}} if guard else {}
+    if initial_scale:
+        options = {"loss_scale_options": {"initial_scale": initial_scale}}
     if policy == "float32" and not guard:
         options = {"loss_scale_options": {"guard": "auto"}}  # under float32 only asked-for options wrap
     tfmp.enable(policy=policy, **options)
@@ -222,6 +224,29 @@ def test_gradient_overflow_warns_when_the_first_steps_are_all_skipped():
         _fit(model, np.tile(x, (10, 1)), np.tile(y, 10))
     assert "(8 of 8 steps since step 0" in str(record[0].message)
     assert _counters(model)[:2] == [10, 10]
+
+
+def test_the_descent_from_a_high_initial_scale_is_not_warned_about():
+    """2**24 overflows this model's float16 gradients (about 0.1): the first steps halve it, as asked."""
+    model = _model("mixed_float16", initial_scale=2.0**24)
+    x, y = _data()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tfmp.SkippedStepWarning)
+        _fit(model, np.tile(x, (12, 1)), np.tile(y, 12))
+    skipped, steps, _ = _counters(model)
+    assert steps == 12 and skipped >= 4, "the test needs a descent of at least 4 skipped steps"
+    assert model.optimizer.loss_scale > 2.0**15
+
+
+def test_gradient_overflow_after_a_descent_from_a_high_initial_scale_is_warned_about():
+    """The 9 halvings from 2**24 to Keras's default 2**15 are not counted; the 8 skips after them are."""
+    model = _model("mixed_float16", gradient_bomb=True, initial_scale=2.0**24)
+    x, y = _data()
+    with pytest.warns(tfmp.SkippedStepWarning, match="gradients overflow") as record:
+        _fit(model, np.tile(x, (20, 1)), np.tile(y, 20))
+    assert len([w for w in record if w.category is tfmp.SkippedStepWarning]) == 1
+    assert "skipped step 16 (8 of 8 steps since step 9; scale 128)" in str(record[0].message)
+    assert _counters(model)[:2] == [20, 20]
 
 
 @pytest.mark.parametrize("policy", POLICIES)

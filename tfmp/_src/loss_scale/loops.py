@@ -31,6 +31,9 @@ MIN_SCALE_PATIENCE = 3
 EARLY_STEPS = 8
 #: Share of a fit's steps skipped (with at least `EARLY_STEPS` of them) that is warned about.
 EARLY_RATE = 0.05
+#: Keras's default `initial_scale`. Steps skipped from the optimizer's first step on at a higher scale
+#: are the descent a higher start costs (``initial_scale=2**24``: about 8 steps), not a fault: unwarned.
+DEFAULT_INITIAL_SCALE = 2.0**15
 _BATCH_HOOK = "_tfmp_batch_check"  # on a model: its train_step hook
 
 
@@ -42,6 +45,7 @@ class Watch:
     warned_fit: Optional[Tuple[int, int]] = None  # the window `warn_early` warned about
     warned_run: Optional[int] = None  # the first skipped step of the stuck run `check` warned about
     checked: Optional[int] = 0  # overflow_count at the last `check` (None: check again)
+    descent: int = 0  # steps of the initial descent (`initial_descent`), kept once the history wraps
 
 
 class SkippedStepWarning(RuntimeWarning):
@@ -121,26 +125,47 @@ def start_fit(optimizer: Any) -> None:
         watch.fit_start = (total, _read(optimizer, "overflow_count"))
 
 
+def initial_descent(optimizer: Any) -> int:
+    """Int >= 0: the steps from the optimizer's first on, each skipped at a scale above
+    `DEFAULT_INITIAL_SCALE` (read from the overflow history); 0 without loss scaling."""
+    if not optimizer.loss_scaling:
+        return 0
+    scale_before = dict(zip(optimizer.overflow_history_steps.numpy().tolist(),
+                            optimizer.overflow_history_scales.numpy()[:, 0].tolist()))
+    steps = 0
+    while scale_before.get(steps, 0.0) > DEFAULT_INITIAL_SCALE:
+        steps += 1
+    return steps
+
+
 def warn_early(optimizer: Any) -> None:
     """Warns (`SkippedStepWarning`) once per fit window at the first skip loss scaling cannot cause, or when
-    the first `EARLY_STEPS` steps, or more than `EARLY_RATE` of at least `EARLY_STEPS`, were skipped."""
+    the first `EARLY_STEPS` steps, or more than `EARLY_RATE` of at least `EARLY_STEPS`, were skipped.
+
+    The initial descent from an `initial_scale` above Keras's default (`initial_descent`) is left out of
+    the count: those skips are what starting higher costs, and the monitor logs each of them.
+    """
     watch = optimizer._watch
     start_total, start_skips = watch.fit_start or (0, 0)
     if watch.warned_fit == (start_total, start_skips):
         return
-    steps = _read(optimizer, "total_steps") - start_total
     skips = _read(optimizer, "overflow_count") - start_skips
     if skips <= 0:
         return
     phase, _, why, fix = cause(_read(optimizer, "last_overflow_status"), optimizer.loss_scaling)
     not_overflow = phase != "gradients" or not optimizer.loss_scaling
+    watch.descent = max(watch.descent, initial_descent(optimizer))
+    descent = 0 if not_overflow else max(0, watch.descent - start_total)  # its steps in this window
+    since = start_total + descent
+    steps = _read(optimizer, "total_steps") - since
+    skips -= descent
     all_first = steps >= EARLY_STEPS and skips == steps
     rate = skips >= EARLY_STEPS and skips > EARLY_RATE * steps
     if not (not_overflow or all_first or rate):
         return
     watch.warned_fit = (start_total, start_skips)
     warn(f"tfmp skipped step {_read(optimizer, 'last_overflow_step')} ({skips} of {steps} steps since step "
-         f"{start_total}; scale {optimizer.loss_scale:g}): nothing written.", why, fix,
+         f"{since}; scale {optimizer.loss_scale:g}): nothing written.", why, fix,
          SkippedStepWarning, section="nan-or-inf-loss")
 
 

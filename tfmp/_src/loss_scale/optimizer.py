@@ -175,7 +175,7 @@ class LossScaleOptimizer(LossScaleOptimizerBase):
     def __init__(
         self,
         inner_optimizer: keras.optimizers.Optimizer,
-        initial_scale: float = 2.0**15,
+        initial_scale: float = _loops.DEFAULT_INITIAL_SCALE,
         dynamic_growth_steps: int = 2000,
         *,
         min_scale: float = _arguments.DEFAULT_MIN_SCALE,

@@ -15,6 +15,7 @@ import tfmp
 import _tfmp_command as cli
 from tfmp._src.policy import float16_fusion
 from tfmp._src.policy.hardware import DeviceFacts, GpuFacts, detect_device_facts, injected_facts
+from _machines import SAPPHIRE_RAPIDS, ZEN4
 from test_onednn_isa import _expected_isa
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -309,3 +310,14 @@ def test_a_spread_prints_both_ends_with_the_same_decimals(low, high, text):
     from tfmp._src.advisors.doctor import _span
 
     assert _span(low, high) == text
+
+
+def test_a_cpu_whose_onednn_takes_float16_says_so_beside_its_float16_verdict():
+    """float16 is still "no" (slower than float32) there, but not for want of kernels."""
+    report = tfmp.doctor(SAPPHIRE_RAPIDS, file=None)
+    [cpu] = report.data["devices"]
+    assert cpu["onednn_float16"] is True and cpu["float16"] is False
+    assert "      float16: no (oneDNN takes it, slower than float32)   bfloat16: yes" in str(report).splitlines()
+    report = tfmp.doctor(ZEN4, file=None)
+    assert report.data["devices"][0]["onednn_float16"] is False
+    assert "      float16: no   bfloat16: yes" in str(report).splitlines()

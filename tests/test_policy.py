@@ -4,6 +4,7 @@ import warnings
 
 import keras
 import pytest
+from _machines import SAPPHIRE_RAPIDS, ZEN4
 
 import tfmp
 from tfmp import DeviceFacts, GpuFacts
@@ -258,3 +259,14 @@ def test_a_hand_made_decision_with_a_string_that_is_no_policy_tfmp_applies_is_re
     """`PolicyDecision` checks that its policy is a string and one tfmp applies (both)."""
     with pytest.raises(ValueError, match="Invalid `policy` argument"):
         tfmp.PolicyDecision(policy, "reason", "device")
+
+
+@pytest.mark.parametrize("facts, kernels", [(SAPPHIRE_RAPIDS, "oneDNN"), (ZEN4, "none")])
+def test_the_float16_warning_on_a_cpu_names_the_kernels_the_cpu_has(facts, kernels):
+    slow = _policy.slower_than_float32("mixed_float16", facts)
+    if kernels == "oneDNN":
+        assert slow.startswith("TensorFlow's oneDNN takes float16 on this CPU, yet a float16 training step "
+                               "stays slower than float32")
+        assert "no fast float16 CPU kernels" not in slow
+    else:
+        assert slow.startswith("TensorFlow has no fast float16 CPU kernels for training (CPU 'AMD EPYC (Zen 4)'")

@@ -56,6 +56,7 @@ def _cpu_entry(facts: DeviceFacts, probe: Optional[SpeedProbe]) -> Dict[str, Any
         "name": facts.cpu_name,
         "bf16_flags": list(facts.cpu_bf16_flags),
         "onednn": facts.onednn,
+        "onednn_float16": facts.onednn_float16,
         "float16": False,
         "bfloat16": slower_than_float32("mixed_bfloat16", cpu, probe) is None,
         "tf32": None,
@@ -156,7 +157,9 @@ class DoctorReport:
         data: Dict, JSON-serializable. Keys: ``versions``, ``build``, ``devices``
             (list of dicts with ``type``, ``name``, ``compute_capability`` for GPUs,
             and ``float16``/``bfloat16``/``tf32``: True, False, or None for unknown
-            or not applicable), ``tf32_enabled``, ``xla``, ``global_policy``,
+            or not applicable, whether that mixed policy is faster than float32
+            there; the CPU's also ``bf16_flags``, ``onednn`` and
+            ``onednn_float16``, TensorFlow's oneDNN takes float16), ``tf32_enabled``, ``xla``, ``global_policy``,
             ``recommendation`` (``policy``, ``reason``, ``device``, ``tf32``,
             ``compute_dtype``, ``loss_scaling``), ``facts`` (``"detected"`` or
             ``"injected"``), ``speed_probe`` (`SpeedProbe.to_dict` of the CPU's
@@ -202,7 +205,9 @@ class DoctorReport:
         lines.append(f"devices ({d['facts']}):")
         for dev in d["devices"]:
             word = {**_YES, None: "unknown" if dev["type"] == "GPU" else "n/a"}
-            support = f"float16: {word[dev['float16']]}   bfloat16: {word[dev['bfloat16']]}"
+            float16 = word[dev["float16"]] + (" (oneDNN takes it, slower than float32)"
+                                              if dev.get("onednn_float16") else "")
+            support = f"float16: {float16}   bfloat16: {word[dev['bfloat16']]}"
             if dev["type"] == "GPU":
                 support += f"   TF32: {word[dev['tf32']]}"
             lines += [f"  {_device_name(dev)}", f"      {support}"]

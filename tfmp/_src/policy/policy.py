@@ -218,6 +218,14 @@ def _gpu_decision(cc, cc_string: str, device: str) -> PolicyDecision:
     return PolicyDecision(policy, reason, device, tf32=policy == MIXED_BFLOAT16)
 
 
+#: Why a float16 training step is slower than float32 on a CPU whose TensorFlow has no oneDNN float16 kernels.
+FLOAT16_CPU = "TensorFlow has no fast float16 CPU kernels for training"
+#: ... and on one whose oneDNN takes float16 (`DeviceFacts.onednn_float16`: AVX512_FP16, AMX-FP16).
+FLOAT16_CPU_ONEDNN = ("TensorFlow's oneDNN takes float16 on this CPU, yet a float16 training step stays slower "
+                      "than float32 (an MLP under tfmp 0.68x float32's speed on a Xeon with AVX512_FP16: "
+                      "benchmarks/README.md, \"float16 on a CPU\")")
+
+
 def slower_than_float32(
     policy: str,
     facts: DeviceFacts,
@@ -248,7 +256,7 @@ def slower_than_float32(
     measured = (f"a {compute} training step measured {format_factor(factor)}x float32's "
                 f"speed on this CPU ({device})" if factor is not None else "")
     if compute == "float16":
-        text = "TensorFlow has no fast float16 CPU kernels for training"
+        text = FLOAT16_CPU_ONEDNN if facts.onednn_float16 else FLOAT16_CPU
         if factor is None:
             text = f"{text} ({device})"
         elif factor < 1.0:

@@ -408,6 +408,28 @@ def test_a_float16_file_loaded_under_another_policy_keeps_the_float16_decisions(
     assert found.remapper.startswith("off")
 
 
+@pytest.mark.parametrize("session", ["mixed_bfloat16", "float32"])
+def test_a_float16_file_compiled_again_under_another_policy_keeps_loss_scaling(tmp_path, session, capsys):
+    """Fine-tuning a float16 model loaded under a bfloat16 or float32 session: its float16 layers' gradients
+    still need loss scaling, and the compile line names the policy they compute in."""
+    path = str(tmp_path / "float16.keras")
+    with tfmp.policy_scope("mixed_float16"):
+        inputs = keras.Input((4,))
+        model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Dense(8)(inputs)), name="clf")
+        model.compile("adam", "mse")
+        model.save(path)
+    with tfmp.policy_scope(session, verbose=True):
+        loaded = keras.models.load_model(path)
+        capsys.readouterr()
+        loaded.compile(keras.optimizers.Adam(1e-3), "mse")
+    assert loaded.dtype_policy.name == session  # Keras's, the premise
+    assert isinstance(loaded.optimizer, tfmp.LossScaleOptimizer) and loaded.optimizer.loss_scaling
+    assert tfmp.attachment(loaded).policy == "mixed_float16"
+    assert capsys.readouterr().out.startswith("tfmp: model 'clf' compiled under mixed_float16;")
+    loaded.fit(np.ones((8, 4), "float32"), np.zeros((8, 3), "float32"), verbose=0)
+    assert loaded.optimizer.loss_scale > 1.0
+
+
 @keras.saving.register_keras_serializable(package="tfmp_tests")
 class TransformerBlock(keras.layers.Layer):
     """The keras.io miniature GPT's block: sublayers made in __init__ without a dtype."""

@@ -340,12 +340,14 @@ def _fix_and_attach(model: keras.Model, state: Session, attached_by: str, optimi
     optimizer = getattr(model, "optimizer", None) if optimizer is None else optimizer
     warn_16bit_trainable(model, master_copies=isinstance(optimizer, LossScaleOptimizer))
     prepare_multi_worker(model)
-    explains = model.dtype_policy.compute_dtype in LOW_PRECISION
+    compute_dtype = layers_compute_dtype(model)
+    explains = compute_dtype in LOW_PRECISION
     if explains:
         explain_dtype_errors(model)
-    if model.dtype_policy.compute_dtype == "float16":
+    if compute_dtype == "float16":
         explain_quantize(model)
-    found = attach(model, state.decision.policy, attached_by=attached_by,
+    saved = saved_policy(model)
+    found = attach(model, saved or state.decision.policy, attached_by=attached_by,
                    exact_ids=exact_id_embeddings(model), explains_dtype_errors=explains,
                    numerics=bool(state.debug) and attached_by == "compile", speedups=state.speedups)
     if isinstance(getattr(model, "optimizer", None), LossScaleOptimizer) and off("fused_update", found.speedups):
@@ -360,10 +362,17 @@ def _attach_loaded(model: keras.Model, loss: Any = None, optimizer: Any = None) 
     if state is not None:
         force_loaded(model, keep=state.keep_float32, exclude=state.exclude_float32, loss=loss)
         found = _fix_and_attach(model, state, "load", optimizer)
-        saved = saved_policy(model)
-        if saved is not None and saved != state.decision.policy:
-            found.policy = saved
-            _warn_loaded_under_another_policy(model, saved, state.decision.policy)
+        if found.policy != state.decision.policy:
+            _warn_loaded_under_another_policy(model, found.policy, state.decision.policy)
+
+
+def layers_compute_dtype(model: keras.Model) -> str:
+    """What `model`'s layers compute in, as its optimizer and explanations need it: ``"float16"`` where any
+    layer computes in float16 (its gradients need loss scaling), else ``"bfloat16"`` where any does, else
+    the model's own compute dtype. The layers', not the model's: Keras gives a model loaded under another
+    session's policy, and its inputs, that policy, while its layers keep the ones saved with them."""
+    dtypes = {entry.layer.compute_dtype for entry in walk(model)}
+    return next((dtype for dtype in ("float16", "bfloat16") if dtype in dtypes), model.dtype_policy.compute_dtype)
 
 
 def saved_policy(model: keras.Model) -> Optional[str]:
@@ -391,11 +400,12 @@ def _compile_with_tfmp(compile: Callable, model: keras.Model, args: tuple, kwarg
     loss = args[0] if args else kwargs.get("loss")
     force_compiled(model, keep=state.keep_float32, exclude=state.exclude_float32, loss=loss)
     wrap_options = None
+    compute_dtype = layers_compute_dtype(model)
     # Under float32 the optimizer stays the user's unless debug or options ask.
-    if model.dtype_policy.compute_dtype in LOW_PRECISION or state.debug or state.loss_scale_options:
+    if compute_dtype in LOW_PRECISION or state.debug or state.loss_scale_options:
         wrap_options = {"guard": "gradients", **state.loss_scale_options} if state.debug else state.loss_scale_options
     if optimizer is not None and wrap_options is not None:
-        optimizer = wrap_optimizer(optimizer, model.dtype_policy.compute_dtype, **wrap_options)
+        optimizer = wrap_optimizer(optimizer, compute_dtype, **wrap_options)
     result = compile(model, optimizer, *args, **kwargs)
     trainer.mark_compiled_by_tfmp(model)
     turn_off_xla_if_replicated(model) or turn_off_xla_for_bilinear(model)
@@ -403,7 +413,7 @@ def _compile_with_tfmp(compile: Callable, model: keras.Model, args: tuple, kwarg
         options = {} if state.debug is True else state.debug
         check_numerics(model, **options)
     found = _fix_and_attach(model, state, "compile")
-    custom_optimizers.adopt(model, model.dtype_policy.compute_dtype, wrap_options)  # a custom compile's own
+    custom_optimizers.adopt(model, compute_dtype, wrap_options)  # a custom compile's own
     if state.verbose:
         compile_line.say(model, found)
     return result

@@ -216,7 +216,7 @@ def test_the_float16_cpu_warning_names_the_path_taken_where_the_trap_is_and_no_t
         with pytest.warns(tfmp.PerformanceWarning) as caught:
             resolve_policy("mixed_float16")
     message = str(caught[0].message)
-    assert "tfmp fits it without the fused float16 MatMul" in message.splitlines()[0]
+    assert "tfmp trains it without Grappler's slow fused float16 MatMul" in message.splitlines()[0]
     assert message.endswith("troubleshooting.md#no-speed-up")  # the guide says the rest (step_scope, convolutions)
     assert " ms" not in message and "0.0012x" not in message
     for facts in (ZEN4, XEON_NO_BF16):  # no trap on those CPUs

@@ -265,8 +265,18 @@ def test_a_hand_made_decision_with_a_string_that_is_no_policy_tfmp_applies_is_re
 def test_the_float16_warning_on_a_cpu_names_the_kernels_the_cpu_has(facts, kernels):
     slow = _policy.slower_than_float32("mixed_float16", facts)
     if kernels == "oneDNN":
-        assert slow.startswith("TensorFlow's oneDNN takes float16 on this CPU, yet a float16 training step "
-                               "stays slower than float32")
+        assert slow.startswith("oneDNN's float16 CPU kernels train slower than float32 (CPU 'Intel Xeon")
         assert "no fast float16 CPU kernels" not in slow
     else:
         assert slow.startswith("TensorFlow has no fast float16 CPU kernels for training (CPU 'AMD EPYC (Zen 4)'")
+
+
+@pytest.mark.parametrize("probe", [None, tfmp.SpeedProbe(float32_ms=2.0, bfloat16_ms=1.0, float16_ms=40.0)])
+def test_the_policy_line_of_a_slow_explicit_policy_names_the_device_once(probe):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tfmp.PerformanceWarning)
+        decision = resolve_policy("mixed_float16", device_facts=ZEN4, speed_probe=probe)
+    line = str(decision)
+    assert line.count("AMD EPYC (Zen 4)") == 1, line
+    assert line.startswith("tfmp policy: mixed_float16 on CPU 'AMD EPYC (Zen 4)' (avx512_bf16). Requested "
+                           "explicitly; it is slower than float32 here: ")

@@ -137,4 +137,4 @@ def warning_clause(compute_dtype: str, facts: DeviceFacts) -> Optional[str]:
     trap, or None: the path tfmp takes (the guide's section "No speed-up" says the rest)."""
     if remapper_trap(compute_dtype, facts) is None:
         return None
-    return "tfmp fits it without the fused float16 MatMul"
+    return "tfmp trains it without Grappler's slow fused float16 MatMul"

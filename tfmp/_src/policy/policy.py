@@ -220,10 +220,10 @@ def _gpu_decision(cc, cc_string: str, device: str) -> PolicyDecision:
 
 #: Why a float16 training step is slower than float32 on a CPU whose TensorFlow has no oneDNN float16 kernels.
 FLOAT16_CPU = "TensorFlow has no fast float16 CPU kernels for training"
-#: ... and on one whose oneDNN takes float16 (`DeviceFacts.onednn_float16`: AVX512_FP16, AMX-FP16).
-FLOAT16_CPU_ONEDNN = ("TensorFlow's oneDNN takes float16 on this CPU, yet a float16 training step stays slower "
-                      "than float32 (an MLP under tfmp 0.68x float32's speed on a Xeon with AVX512_FP16: "
-                      "benchmarks/README.md, \"float16 on a CPU\")")
+#: ... and on one whose oneDNN takes float16 (`DeviceFacts.onednn_float16`: AVX512_FP16, AMX-FP16): an MLP
+#: under tfmp trained at 0.68x float32's speed on a Xeon with AVX512_FP16 (benchmarks/README.md,
+#: "float16 on a CPU").
+FLOAT16_CPU_ONEDNN = "oneDNN's float16 CPU kernels train slower than float32"
 
 
 def slower_than_float32(
@@ -341,7 +341,8 @@ def resolve_policy(
         warn(f"Policy {name!r} is slower than float32 here{'; ' + path if path else ''}.",
              f"{cause[0].upper()}{cause[1:].rstrip('.')}.", fix,
              PerformanceWarning, section="no-speed-up")  # names the caller of enable() or policy_scope()
-        reason = f"Requested explicitly; it is slower than float32 here: {slow}."
+        named = slow.replace(f" ({describe_device(facts)})", "")  # the policy line names the device once
+        reason = f"Requested explicitly; it is slower than float32 here: {named}."
     else:
         reason = "Requested explicitly."
     return PolicyDecision(name, reason, auto.device, auto.tf32)

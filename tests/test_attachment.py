@@ -424,8 +424,10 @@ def test_a_float16_file_compiled_again_under_another_policy_keeps_loss_scaling(t
         loaded.compile(keras.optimizers.Adam(1e-3), "mse")
     assert loaded.dtype_policy.name == session  # Keras's, the premise
     assert isinstance(loaded.optimizer, tfmp.LossScaleOptimizer) and loaded.optimizer.loss_scaling
-    assert tfmp.attachment(loaded).policy == "mixed_float16"
-    assert capsys.readouterr().out.startswith("tfmp: model 'clf' compiled under mixed_float16;")
+    found = tfmp.attachment(loaded)
+    assert found.policy == "mixed_float16" and list(found.forced_float32.values()) == ["output"]
+    assert capsys.readouterr().out.startswith("tfmp: model 'clf' compiled under mixed_float16; 1 layer forced")
+    assert "policy_mismatch" not in tfmp.audit(loaded).kinds  # the float32 output is tfmp's, not a mismatch
     loaded.fit(np.ones((8, 4), "float32"), np.zeros((8, 3), "float32"), verbose=0)
     assert loaded.optimizer.loss_scale > 1.0
 

@@ -7,6 +7,7 @@ test checks the result against a value written down here.
 """
 
 import string
+import warnings
 
 import keras
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 import tensorflow as tf
 from hypothesis import given
 from hypothesis import strategies as st
+from _machines import ZEN4
 
 import tfmp
 from _bad_input import (
@@ -623,3 +625,13 @@ def test_this_module_covers_its_half_of_the_public_names():
     }
     assert covered_names([sys.modules[__name__]]) == half
     assert half <= set(tfmp.__all__)
+
+
+def test_a_bad_loss_scale_option_raises_before_the_policy_warns():
+    """mixed_float16 on a CPU warns that it is slow; an option typo must not be preceded by that warning."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match="init_scale"):
+            tfmp.enable("mixed_float16", loss_scale_options={"init_scale": 8}, device_facts=ZEN4)
+    assert [w for w in caught if issubclass(w.category, tfmp.PerformanceWarning)] == []
+    assert not enable_module.is_enabled()

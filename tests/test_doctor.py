@@ -321,3 +321,8 @@ def test_a_cpu_whose_onednn_takes_float16_says_so_beside_its_float16_verdict():
     report = tfmp.doctor(ZEN4, file=None)
     assert report.data["devices"][0]["onednn_float16"] is False
     assert "      float16: no   bfloat16: yes" in str(report).splitlines()
+
+
+def test_the_device_list_says_what_its_yes_and_no_answer():
+    lines = str(tfmp.doctor(ZEN4, file=None)).splitlines()
+    assert "devices (injected; float16/bfloat16: does that mixed policy train faster than float32):" in lines

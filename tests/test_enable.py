@@ -11,6 +11,7 @@ from _collect import collect_everything
 import tfmp
 from tfmp import DeviceFacts, GpuFacts
 from tfmp._src.errors import guide
+from tfmp._src.policy import enable
 
 V100 = DeviceFacts(gpus=(GpuFacts("Tesla V100", (7, 0)),))
 A100 = DeviceFacts(gpus=(GpuFacts("NVIDIA A100", (8, 0)),))
@@ -87,6 +88,20 @@ def test_enable_with_another_policy_warns_naming_both_and_the_explicit_way():
         with tfmp.policy_scope("mixed_float16", device_facts=V100):
             assert keras.config.dtype_policy().name == "mixed_float16"
     assert keras.config.dtype_policy().name == "mixed_bfloat16"
+
+
+def test_enable_inside_a_policy_scope_names_the_scope_it_replaces_until_the_scope_ends():
+    keras.config.set_dtype_policy("float32")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with tfmp.policy_scope("mixed_float16", device_facts=V100):
+            tfmp.enable("mixed_bfloat16", device_facts=A100)
+            assert keras.config.dtype_policy().name == "mixed_bfloat16"
+    assert keras.config.dtype_policy().name == "float32" and not enable.is_enabled()
+    [said] = [str(w.message) for w in record if w.category is UserWarning]
+    assert said.startswith("tfmp.enable('mixed_bfloat16') replaces the policy 'mixed_float16' of the enclosing "
+                           "tfmp.policy_scope() until it ends.\n")
+    assert "earlier tfmp.enable()" not in said
 
 
 def test_policy_scope_refuses_an_unknown_option_like_enable():

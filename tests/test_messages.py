@@ -180,10 +180,11 @@ def test_each_warning_and_error_opening_is_three_short_lines_and_the_guide(tmp_p
     said += [(c, t, ()) for c, t in _warned(user_settings.warn_unused_scaling_options, {"initial_scale": 8.0},
                                              "mixed_bfloat16", "bfloat16")]
     # Policy and build order, a loaded model, unmatched targets, 16-bit variables, bilinear resizes under XLA.
-    state = types.SimpleNamespace(decision=types.SimpleNamespace(policy="mixed_bfloat16"),
-                                  previous_policy=keras.DTypePolicy("float32"))
-    said += [(c, t, ()) for c, t in _warned(enable_module._warn_replaced, state,
-                                             types.SimpleNamespace(policy="float32"))]
+    for scoped in (False, True):
+        state = types.SimpleNamespace(decision=types.SimpleNamespace(policy="mixed_bfloat16"),
+                                      previous_policy=keras.DTypePolicy("float32"), scoped=scoped)
+        said += [(c, t, ()) for c, t in _warned(enable_module._warn_replaced, state,
+                                                 types.SimpleNamespace(policy="float32"))]
     said += [(c, t, ()) for c, t in _warned(enable_module._warn_if_built_before_enable, _tiny(), "mixed_bfloat16")]
     said += [(c, t, ()) for c, t in _warned(enable_module._warn_loaded_under_another_policy, net,
                                              "mixed_float16", "mixed_bfloat16")]
@@ -209,7 +210,7 @@ def test_each_warning_and_error_opening_is_three_short_lines_and_the_guide(tmp_p
     writer = event_file.EventFile("full")
     said += [(c, t, ()) for c, t in _warned(writer._fail, 3, OSError(errno.ENOSPC, "No space left on device"))]
     writer.close()
-    assert len(said) == 19, [t for _, t, _ in said]
+    assert len(said) == 20, [t for _, t, _ in said]
     # Errors: the stuck run's and the skips' causes, a dtype mismatch at build and at compile.
     for status in (32, 4, 1, 16, 0):
         for scaling in (True, False):

@@ -13,11 +13,13 @@ import zipfile
 import keras
 import numpy as np
 import pytest
+from _machines import A100, ZEN4
 
 import _subproc
 import tfmp
 from tfmp._src.keras_hooks import versions
 from tfmp._src.loss_scale import saved_form
+from tfmp._src.policy.hardware import injected_facts
 
 DATA = pathlib.Path(__file__).parent / "data"
 #: Settings that differ from every default, so that each one is seen to come back.
@@ -251,3 +253,17 @@ def test_reading_the_keras_form_leaves_the_config_it_reads_unchanged():
     assert saved_form.from_keras_form(config) == first
     assert first["initial_scale"] == 8.0 and first["guard"] == "gradients"
     assert saved_form.SETTINGS_KEY not in first["inner_optimizer"]
+
+
+@pytest.mark.parametrize("facts, slow", [(ZEN4, True), (A100, False)], ids=["cpu", "gpu"])
+def test_a_float16_model_loaded_where_float16_is_slow_says_so(tmp_path, facts, slow):
+    model, _ = _trained("mixed_float16")
+    path = tmp_path / "float16.keras"
+    model.save(path)
+    tfmp.disable()
+    with injected_facts(facts), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tfmp.enable("mixed_bfloat16")
+        keras.models.load_model(path)
+    [said] = [str(w.message) for w in caught if "was saved under 'mixed_float16'" in str(w.message)]
+    assert ("'mixed_float16' is slower than float32 on this machine" in said) is slow

@@ -202,7 +202,7 @@ class DoctorReport:
                     if b["cuda_build"] else "no CUDA")
             lines.append(f"  build:     {cuda}; ROCm {_YES[b['rocm_build']]}; "
                          f"TensorRT {_YES[b['tensorrt_build']]}")
-        lines.append(f"devices ({d['facts']}):")
+        lines.append(f"devices ({d['facts']}; float16/bfloat16: does that mixed policy train faster than float32):")
         for dev in d["devices"]:
             word = {**_YES, None: "unknown" if dev["type"] == "GPU" else "n/a"}
             float16 = word[dev["float16"]] + (" (oneDNN takes it, slower than float32)"

@@ -91,10 +91,16 @@ def output_producers(model: keras.Model) -> Tuple[List[keras.layers.Layer], List
 
 
 def _saved_float32(layer: keras.layers.Layer, parent) -> bool:
-    """True when a loaded ``layer`` has float32 under a 16-bit or forced parent, as forcing left it."""
+    """True when a loaded ``layer`` has float32 under a 16-bit or forced parent, as forcing left it.
+
+    A model counts as 16-bit when any of its layers is: Keras gives a model loaded under a float32
+    session that policy, while its layers keep the ones saved with them.
+    """
     if layer in _FORCED or layer.dtype_policy.name != "float32":
         return False
-    return getattr(parent, "compute_dtype", None) in LOW_PRECISION or parent in _FORCED
+    if getattr(parent, "compute_dtype", None) in LOW_PRECISION or parent in _FORCED:
+        return True
+    return isinstance(parent, keras.Model) and any(e.layer.compute_dtype in LOW_PRECISION for e in walk(parent))
 
 
 def _set_float32(layer: keras.layers.Layer, reason: str, parent=None, adopt: bool = False) -> bool:

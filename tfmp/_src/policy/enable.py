@@ -33,7 +33,7 @@ from tfmp._src.float32.xla_bilinear import turn_off_xla_for_bilinear
 from tfmp._src.float32.force import force_compiled, force_loaded
 from tfmp._src.float32.master_weights import warn_16bit_trainable
 from tfmp._src.float32.token_ids import exact_id_embeddings, keep_exact_ids
-from tfmp._src.policy.hardware import DeviceFacts
+from tfmp._src.policy.hardware import DeviceFacts, detect_device_facts
 from tfmp._src.layer_tree import walk
 from tfmp._src.loss_scale import loops
 from tfmp._src.loss_scale import custom_optimizers
@@ -42,7 +42,7 @@ from tfmp._src.loss_scale.optimizer import LossScaleOptimizer, wrap_optimizer
 from tfmp._src.numerics.check import check_numerics
 from tfmp._src.policy import session
 from tfmp._src.policy.enable_options import check_debug, checked_loss_scale_options
-from tfmp._src.policy.policy import PerformanceWarning, PolicyDecision, resolve_policy
+from tfmp._src.policy.policy import PerformanceWarning, PolicyDecision, resolve_policy, slower_than_float32
 from tfmp._src.policy.session import Session
 from tfmp._src.policy.speedups import checked_speedups, off
 from tfmp._src.float32.registry import targets_from
@@ -222,6 +222,7 @@ def _start(say_replaced: bool, policy: Union[str, keras.DTypePolicy], keep_float
     exclude_float32 = targets_from("exclude_float32", exclude_float32)
     check_debug(debug)
     wanted_speedups = checked_speedups(speedups)
+    checked_loss_scale_options(loss_scale_options)  # before the policy's warnings
     decision = resolve_policy(policy, allow_pure_16bit=allow_pure_16bit, device_facts=device_facts)
     loss_scale_options = checked_loss_scale_options(loss_scale_options, decision.compute_dtype)
     state = session.current()
@@ -233,7 +234,7 @@ def _start(say_replaced: bool, policy: Union[str, keras.DTypePolicy], keep_float
     if tf32 is not None and previous_tf32 is None:
         previous_tf32 = tf.config.experimental.tensor_float_32_execution_enabled()
     _set_current(Session(decision, previous, previous_tf32, keep_float32, exclude_float32, loss_scale_options,
-                         debug, wanted_speedups, verbose))
+                         debug, wanted_speedups, verbose, scoped=not say_replaced))
     if tf32 is not None:
         tf.config.experimental.enable_tensor_float_32_execution(tf32)
     keras.config.set_dtype_policy(decision.policy)
@@ -243,6 +244,12 @@ def _start(say_replaced: bool, policy: Union[str, keras.DTypePolicy], keep_float
 def _warn_replaced(state: Session, decision: PolicyDecision) -> None:
     """Warns that a second `enable()` replaces this thread's policy by another."""
     old, new = state.decision.policy, decision.policy
+    if state.scoped:
+        warn(f"tfmp.enable({new!r}) replaces the policy {old!r} of the enclosing tfmp.policy_scope() until it ends.",
+             f"Models compiled before keep {old!r}; the scope's end puts back what was in force before it.",
+             f"Fix: nest `with tfmp.policy_scope({new!r}):` instead, or call tfmp.enable() outside the scope.",
+             UserWarning, section="policy-and-build-order")
+        return
     warn(f"tfmp.enable({new!r}) replaces the policy {old!r} of the earlier tfmp.enable() in this thread.",
          f"Models compiled before keep {old!r}; tfmp.disable() still restores {state.previous_policy.name!r}.",
          f"Fix: call tfmp.disable() first, or for a block use `with tfmp.policy_scope({new!r}):`.",
@@ -382,9 +389,13 @@ def saved_policy(model: keras.Model) -> Optional[str]:
 
 
 def _warn_loaded_under_another_policy(model: keras.Model, saved: str, policy: str) -> None:
-    """Says once that a loaded model trains under the policy it was saved with, not the session's."""
+    """Says once that a loaded model trains under the policy it was saved with, not the session's (and
+    when that policy is slower than float32 on this machine, as `tfmp.enable` would say of it)."""
+    cause = "Its layers keep the policies saved with them (tfmp.attachment(model).policy says so)."
+    if slower_than_float32(saved, detect_device_facts()):
+        cause = f"Its layers keep the policies saved with them, and {saved!r} is slower than float32 on this machine."
     warn(f"Model {model.name!r} was saved under {saved!r} and trains so, not under this session's {policy!r}.",
-         "Its layers keep the policies saved with them (tfmp.attachment(model).policy says so).",
+         cause,
          f"Fix: build it anew after tfmp.enable({policy!r}) and copy the weights (set_weights).",
          UserWarning, section="policy-and-build-order")
 

@@ -23,7 +23,7 @@ class Session:
 
     `previous_policy` is the `keras.DTypePolicy` in force before the first `enable()`;
     `previous_tf32` TensorFlow's process-wide TF32 setting before `enable(tf32=...)`
-    changed it, None when left alone.
+    changed it, None when left alone; `scoped` True for a `tfmp.policy_scope`'s session.
     """
 
     decision: PolicyDecision
@@ -35,6 +35,7 @@ class Session:
     debug: Union[bool, dict] = False
     speedups: Optional[Dict[str, bool]] = None
     verbose: bool = True
+    scoped: bool = False
 
 
 # thread ident -> (the thread, its session). Python reuses the ident of a thread

@@ -432,6 +432,18 @@ def test_a_float16_file_compiled_again_under_another_policy_keeps_loss_scaling(t
     assert loaded.optimizer.loss_scale > 1.0
 
 
+def test_one_float16_layer_among_bfloat16_ones_gets_loss_scaling_and_the_float16_decisions():
+    """A float16 layer's gradients need loss scaling and its matmul stays out of the fused float16 trap,
+    however many bfloat16 layers surround it."""
+    with injected_facts(SAPPHIRE_RAPIDS), tfmp.policy_scope("mixed_bfloat16"):
+        inputs = keras.Input((4,))
+        x = keras.layers.Dense(8)(keras.layers.Dense(8)(keras.layers.Dense(8)(inputs)))
+        model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Dense(8, dtype="mixed_float16")(x)))
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+    assert model.optimizer.loss_scaling
+    assert tfmp.attachment(model).remapper.startswith("off")
+
+
 @keras.saving.register_keras_serializable(package="tfmp_tests")
 class TransformerBlock(keras.layers.Layer):
     """The keras.io miniature GPT's block: sublayers made in __init__ without a dtype."""

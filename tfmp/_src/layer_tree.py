@@ -54,3 +54,15 @@ def own_weights(layer: Any) -> list:
 def is_wiring(layer: Any) -> bool:
     """Bool. Input layers and Functional/Sequential containers compute nothing themselves."""
     return isinstance(layer, (keras.layers.InputLayer, keras.Sequential)) or is_functional(layer)
+
+
+def layers_compute_dtype(model: Any, entries: Optional[List[LayerEntry]] = None) -> str:
+    """What `model`'s layers compute in: ``"float16"`` where any layer computes in float16 (its gradients
+    need loss scaling, its kernels tfmp's float16 paths), else ``"bfloat16"`` where any does, else the
+    model's own compute dtype.
+
+    The layers', not the model's: Keras gives a model loaded under another session's policy, and its
+    inputs, that policy, while its layers keep the ones saved with them. `entries`: `walk(model)`, if made.
+    """
+    dtypes = {entry.layer.compute_dtype for entry in (walk(model) if entries is None else entries)}
+    return next((dtype for dtype in ("float16", "bfloat16") if dtype in dtypes), model.dtype_policy.compute_dtype)

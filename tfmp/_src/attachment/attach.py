@@ -7,7 +7,6 @@ are recorded in one `Attachment` carried by the model and every layer in it. Aft
 
 from __future__ import annotations
 
-import collections
 import contextlib
 from typing import Any, ContextManager, Dict, FrozenSet, Iterator, List, Optional
 
@@ -15,14 +14,13 @@ import keras
 
 from tfmp._src.attachment import hooks, record
 from tfmp._src.attachment.record import Attachment
-from tfmp._src.constants import LOW_PRECISION
 from tfmp._src.errors import invalid_argument
 from tfmp._src.float32 import (activity_regularizers, bias_gradient, conv, cross_entropy, dropout_draw,
                                fused_batchnorm, gelu)
 from tfmp._src.float32.force import forced_reason
 from tfmp._src.keras_hooks import multi_worker, surfaces, train_function
 from tfmp._src.keras_hooks import step_scope as model_scopes
-from tfmp._src.layer_tree import walk
+from tfmp._src.layer_tree import layers_compute_dtype, walk
 from tfmp._src.loss_scale import custom_optimizers, loops
 from tfmp._src.numerics.check import check_numerics
 from tfmp._src.policy import float16_fusion
@@ -63,7 +61,7 @@ def attach(model: keras.Model, policy: str, *, attached_by: str, exact_ids: int,
         loops.serve(model)  # the stuck check, batch record and saved form on the model itself
     speeds = speedup_rules.decided(speedups)
     entries = walk(model)
-    compute_dtype = _compute_dtype(model, entries)
+    compute_dtype = layers_compute_dtype(model, entries)
     remapper = _remapper_decision(model, compute_dtype, allowed=speeds["remapper"] == speedup_rules.ON)
 
     def inside(feature: str, decision: Any) -> str:  # the switch, else the feature's own rule
@@ -91,18 +89,6 @@ def attach(model: keras.Model, policy: str, *, attached_by: str, exact_ids: int,
         for e in entries if isinstance(e.layer, keras.layers.BatchNormalization)
     }
     return found
-
-
-def _compute_dtype(model: Any, entries: list) -> str:
-    """The 16-bit compute dtype most of `model`'s layers compute in, else the model's own.
-
-    The layers', not the model's: a file saved under one mixed policy and loaded under another
-    session's keeps its layers' policies, while Keras gives the model and its inputs the session's.
-    """
-    found = collections.Counter(e.layer.compute_dtype for e in entries
-                                if e.layer.compute_dtype in LOW_PRECISION
-                                and not isinstance(e.layer, keras.layers.InputLayer))
-    return found.most_common(1)[0][0] if found else model.dtype_policy.compute_dtype
 
 
 def _remapper_decision(model: Any, compute_dtype: str, *, allowed: bool) -> str:

@@ -34,7 +34,7 @@ from tfmp._src.float32.force import force_compiled, force_loaded
 from tfmp._src.float32.master_weights import warn_16bit_trainable
 from tfmp._src.float32.token_ids import exact_id_embeddings, keep_exact_ids
 from tfmp._src.policy.hardware import DeviceFacts, detect_device_facts
-from tfmp._src.layer_tree import walk
+from tfmp._src.layer_tree import layers_compute_dtype, walk
 from tfmp._src.loss_scale import loops
 from tfmp._src.loss_scale import custom_optimizers
 from tfmp._src.loss_scale import user_settings
@@ -371,15 +371,6 @@ def _attach_loaded(model: keras.Model, loss: Any = None, optimizer: Any = None) 
         found = _fix_and_attach(model, state, "load", optimizer)
         if found.policy != state.decision.policy:
             _warn_loaded_under_another_policy(model, found.policy, state.decision.policy)
-
-
-def layers_compute_dtype(model: keras.Model) -> str:
-    """What `model`'s layers compute in, as its optimizer and explanations need it: ``"float16"`` where any
-    layer computes in float16 (its gradients need loss scaling), else ``"bfloat16"`` where any does, else
-    the model's own compute dtype. The layers', not the model's: Keras gives a model loaded under another
-    session's policy, and its inputs, that policy, while its layers keep the ones saved with them."""
-    dtypes = {entry.layer.compute_dtype for entry in walk(model)}
-    return next((dtype for dtype in ("float16", "bfloat16") if dtype in dtypes), model.dtype_policy.compute_dtype)
 
 
 def saved_policy(model: keras.Model) -> Optional[str]:

@@ -38,7 +38,7 @@ from tfmp._src.layer_tree import layers_compute_dtype, walk
 from tfmp._src.loss_scale import loops
 from tfmp._src.loss_scale import custom_optimizers
 from tfmp._src.loss_scale import user_settings
-from tfmp._src.loss_scale.optimizer import LossScaleOptimizer, wrap_optimizer
+from tfmp._src.loss_scale.optimizer import LossScaleOptimizer, check_wrap_options, wrap_optimizer
 from tfmp._src.numerics.check import check_numerics
 from tfmp._src.policy import session
 from tfmp._src.policy.enable_options import check_debug, checked_loss_scale_options
@@ -222,9 +222,9 @@ def _start(say_replaced: bool, policy: Union[str, keras.DTypePolicy], keep_float
     exclude_float32 = targets_from("exclude_float32", exclude_float32)
     check_debug(debug)
     wanted_speedups = checked_speedups(speedups)
-    checked_loss_scale_options(loss_scale_options)  # before the policy's warnings
+    loss_scale_options = checked_loss_scale_options(loss_scale_options)  # before the policy's warnings
     decision = resolve_policy(policy, allow_pure_16bit=allow_pure_16bit, device_facts=device_facts)
-    loss_scale_options = checked_loss_scale_options(loss_scale_options, decision.compute_dtype)
+    check_wrap_options(decision.compute_dtype, **loss_scale_options)
     state = session.current()
     if say_replaced and state is not None and state.decision.policy != decision.policy:
         _warn_replaced(state, decision)

@@ -11,13 +11,13 @@ from tfmp._src.loss_scale.optimizer import WRAP_OPTIONS, check_wrap_options
 from tfmp._src.numerics.check import check_numerics, check_options
 
 
-def checked_loss_scale_options(options: Optional[dict], compute_dtype: Optional[str] = None) -> dict:
+def checked_loss_scale_options(options: Optional[dict]) -> dict:
     """Validates `loss_scale_options` as `tfmp.LossScaleOptimizer` would, making none.
 
     Checked as for float16 (every bound, with loss scaling on; a ``guard`` valid
-    only without it left out) and, given one, for the policy's `compute_dtype`
-    (`enable()` checks before it resolves the policy, so that a bad option raises
-    before the policy's warnings, then again for its dtype). No op runs:
+    only without it left out), before `enable()` resolves the policy, so that a
+    bad option raises before the policy's warnings; `enable()` then checks them
+    for the policy's compute dtype (``check_wrap_options``). No op runs:
     `enable()` may come before a multi-worker strategy configures TensorFlow.
 
     Raises:
@@ -37,8 +37,6 @@ def checked_loss_scale_options(options: Optional[dict], compute_dtype: Optional[
     probe = {key: value for key, value in options.items()
              if not (key == "guard" and value in LOSS_GUARDS)}
     check_wrap_options("float16", **probe)
-    if compute_dtype is not None:
-        check_wrap_options(compute_dtype, **options)
     return dict(options)
 
 
